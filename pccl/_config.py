@@ -1,0 +1,58 @@
+"""Frozen configuration objects: every timeout and limit in one place, with safe defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MASTER_PORT = 48148
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class MasterConfig:
+    """Master tunables.
+
+    Attributes:
+        heartbeat_interval: seconds between heartbeats the master sends to each peer.
+        heartbeat_timeout: a peer silent for longer than this is evicted as if its socket broke.
+        hello_timeout: a connection that does not complete its hello in time is closed.
+        max_frame_size: largest control frame accepted (checked before allocating).
+        send_queue_size: bound of each peer's outgoing message queue.
+        secret: optional shared secret; when set, peers must present it to register.
+    """
+
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 3.0
+    hello_timeout: float = 5.0
+    max_frame_size: int = 16 * 1024 * 1024
+    send_queue_size: int = 1024
+    secret: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    """Peer (communicator) tunables.
+
+    Attributes:
+        heartbeat_interval: seconds between heartbeats sent to the master.
+        heartbeat_timeout: the master is considered lost after this long without any message.
+        connect_timeout: limit for opening one TCP connection (master or P2P).
+        p2p_connection_timeout: limit for establishing all P2P connections of a topology update.
+        p2p_listen_host: address the P2P listener binds.
+        p2p_listen_port: 0 lets the OS choose.
+        max_frame_size: largest control frame accepted.
+        data_chunk_bytes: size of the sub-blocks a large chunk is pipelined in.
+        recv_stash_limit: bytes of not-yet-claimed data a P2P reader may buffer.
+        secret: optional shared secret presented to the master and to other peers.
+    """
+
+    heartbeat_interval: float = 0.5
+    heartbeat_timeout: float = 3.0
+    connect_timeout: float = 5.0
+    p2p_connection_timeout: float = 10.0
+    p2p_listen_host: str = "0.0.0.0"
+    p2p_listen_port: int = 0
+    max_frame_size: int = 16 * 1024 * 1024
+    data_chunk_bytes: int = 1 << 20
+    recv_stash_limit: int = 1 << 30
+    secret: str | None = None

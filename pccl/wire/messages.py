@@ -1,0 +1,435 @@
+"""Control-plane messages: one frozen, keyword-only dataclass per type, one registry.
+
+Encoding: ``msgpack([type_tag, [field values in declaration order]])``. Decoding validates the
+tag, the field count and every field's type against the dataclass annotations, so a malformed
+message becomes a :class:`RemoteProtocolError` instead of a crash deep inside a handler.
+Tensor bytes never travel in these messages (see :mod:`pccl.wire.data`).
+
+Peer tables are lists of ``[peer_id, host, p2p_port, peer_group]`` in ring order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar, get_args, get_origin
+
+import msgpack
+
+from .._errors import LocalProtocolError, RemoteProtocolError
+
+PeerRow = list[Any]  # [peer_id: int, host: str, p2p_port: int, peer_group: int]
+
+
+class Message:
+    """Base of every control message."""
+
+    TAG: ClassVar[int] = -1
+
+
+_REGISTRY: dict[int, type[Message]] = {}
+_FIELDS: dict[type[Message], tuple[tuple[str, Any], ...]] = {}
+
+M = TypeVar("M", bound=type[Message])
+
+
+def _register(tag: int) -> typing.Callable[[M], M]:
+    def deco(cls: M) -> M:
+        if tag in _REGISTRY:
+            raise RuntimeError(f"duplicate message tag {tag}")
+        cls.TAG = tag
+        _REGISTRY[tag] = cls
+        return cls
+
+    return deco
+
+
+def _fields(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
+    f = _FIELDS.get(cls)
+    if f is None:
+        hints = typing.get_type_hints(cls)
+        f = tuple((fld.name, hints[fld.name]) for fld in dataclasses.fields(cls))  # type: ignore[arg-type]
+        _FIELDS[cls] = f
+    return f
+
+
+def _check(value: Any, tp: Any) -> bool:
+    if tp is Any:
+        return True
+    origin = get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        return any(_check(value, a) for a in get_args(tp))
+    if tp is type(None):
+        return value is None
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if tp is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is str:
+        return isinstance(value, str)
+    if tp is bytes:
+        return isinstance(value, bytes)
+    if origin is list:
+        if not isinstance(value, list):
+            return False
+        (arg,) = get_args(tp) or (Any,)
+        return all(_check(v, arg) for v in value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            return False
+        ka, va = get_args(tp) or (Any, Any)
+        return all(_check(k, ka) and _check(v, va) for k, v in value.items())
+    raise TypeError(f"unsupported field type {tp!r}")  # pragma: no cover - programming error
+
+
+def encode(msg: Message) -> bytes:
+    """Serialize a message (without the frame length prefix)."""
+    cls = type(msg)
+    if _REGISTRY.get(cls.TAG) is not cls:
+        raise LocalProtocolError(f"{cls.__name__} is not a registered message")
+    values = [getattr(msg, name) for name, _ in _fields(cls)]
+    return msgpack.packb([cls.TAG, values], use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def decode(payload: bytes) -> Message:
+    """Parse and validate one message.
+
+    Raises:
+        RemoteProtocolError: malformed msgpack, unknown tag, wrong field count or types.
+    """
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise RemoteProtocolError(f"malformed message: {exc}") from exc
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and isinstance(obj[1], list)):
+        raise RemoteProtocolError("malformed message envelope")
+    tag, values = obj
+    cls = _REGISTRY.get(tag)
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {tag}")
+    fields = _fields(cls)
+    if len(values) != len(fields):
+        raise RemoteProtocolError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
+    kwargs: dict[str, Any] = {}
+    for (name, tp), value in zip(fields, values, strict=True):
+        if not _check(value, tp):
+            raise RemoteProtocolError(f"{cls.__name__}.{name}: bad value {value!r:.80}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def message_types() -> dict[int, type[Message]]:
+    """A copy of the registry (tag -> class)."""
+    return dict(_REGISTRY)
+
+
+# ============================================================================================
+# Connection set-up (every connection, master and P2P)
+
+
+@_register(1)
+@dataclass(frozen=True, kw_only=True)
+class Hello(Message):
+    """First message on every connection.
+
+    ``purpose`` is "master" (peer -> master) or "p2p" (peer -> peer). For P2P, ``peer_id`` names
+    the connecting peer, ``channel`` says what the connection is for ("ring", "state", "bench")
+    and ``index`` is its slot in the pool.
+    """
+
+    protocol_version: int
+    purpose: str
+    secret: str = ""
+    peer_id: int = -1
+    channel: str = ""
+    index: int = 0
+
+
+@_register(2)
+@dataclass(frozen=True, kw_only=True)
+class HelloOk(Message):
+    """Positive answer to Hello."""
+
+    protocol_version: int
+    peer_id: int = -1
+
+
+@_register(3)
+@dataclass(frozen=True, kw_only=True)
+class Refused(Message):
+    """Last message before the sender closes the connection (version mismatch, kick, ...)."""
+
+    reason: str
+    code: int = 0
+
+
+@_register(4)
+@dataclass(frozen=True, kw_only=True)
+class Heartbeat(Message):
+    """Liveness signal, both directions."""
+
+
+# ============================================================================================
+# Membership (peer -> master)
+
+
+@_register(10)
+@dataclass(frozen=True, kw_only=True)
+class Register(Message):
+    """A peer asks to join; it listens for P2P connections on ``p2p_port``."""
+
+    p2p_port: int
+    peer_group: int = 0
+
+
+@_register(11)
+@dataclass(frozen=True, kw_only=True)
+class UpdateTopologyVote(Message):
+    """Vote to admit pending peers (the ``update_topology`` call)."""
+
+
+@_register(12)
+@dataclass(frozen=True, kw_only=True)
+class PeersPendingVote(Message):
+    """Collective query: are peers waiting to be accepted?"""
+
+
+@_register(13)
+@dataclass(frozen=True, kw_only=True)
+class P2PConnectionsDone(Message):
+    """The peer finished opening connections to its ring neighbours for ``epoch``."""
+
+    epoch: int
+    success: bool
+    failed_peers: list[int] = dataclasses.field(default_factory=list)
+    reason: str = ""
+
+
+@_register(14)
+@dataclass(frozen=True, kw_only=True)
+class OptimizeTopologyVote(Message):
+    """Vote to re-solve the ring from measured bandwidths (no newcomers admitted)."""
+
+
+@_register(15)
+@dataclass(frozen=True, kw_only=True)
+class BandwidthReport(Message):
+    """Measured throughput: ``results`` rows are ``[to_peer_id, bytes_per_second]`` (0: unreachable)."""
+
+    epoch: int
+    results: list[list[Any]]
+
+
+# Membership (master -> peer)
+
+
+@_register(20)
+@dataclass(frozen=True, kw_only=True)
+class Registered(Message):
+    """Registration received; the peer waits to be accepted."""
+
+    peer_id: int
+
+
+@_register(21)
+@dataclass(frozen=True, kw_only=True)
+class Accepted(Message):
+    """The peer is accepted; ``peers`` is the ring-ordered table of accepted peers."""
+
+    peers: list[list[Any]]
+    epoch: int
+
+
+@_register(22)
+@dataclass(frozen=True, kw_only=True)
+class PeersPendingResult(Message):
+    """Answer to the PeersPendingVote collective query."""
+
+    pending: bool
+
+
+@_register(23)
+@dataclass(frozen=True, kw_only=True)
+class EstablishP2P(Message):
+    """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone."""
+
+    epoch: int
+    peers: list[list[Any]]
+
+
+@_register(24)
+@dataclass(frozen=True, kw_only=True)
+class TopologyResult(Message):
+    """Final answer to update_topology / optimize_topology; ``peers`` is the new ring-ordered table."""
+
+    success: bool
+    epoch: int
+    peers: list[list[Any]]
+    reason: str = ""
+    code: int = 0
+
+
+@_register(25)
+@dataclass(frozen=True, kw_only=True)
+class MeasureBandwidth(Message):
+    """Measure throughput to each peer in ``targets`` (rows ``[peer_id, host, port]``) and report."""
+
+    epoch: int
+    targets: list[list[Any]]
+    duration: float
+
+
+# ============================================================================================
+# Collectives
+
+
+@_register(30)
+@dataclass(frozen=True, kw_only=True)
+class CollectiveInitiate(Message):
+    """Vote to start collective ``tag`` in the sender's group.
+
+    ``descriptor`` (kind, dtype, count, op, root, quantization...) must be identical on every
+    participant; the master refuses the operation for everyone if they differ.
+    """
+
+    tag: int
+    descriptor: list[Any]
+
+
+@_register(31)
+@dataclass(frozen=True, kw_only=True)
+class CollectiveDone(Message):
+    """The sender finished its part of ``tag`` (or failed it)."""
+
+    tag: int
+    success: bool
+    reason: str = ""
+
+
+@_register(32)
+@dataclass(frozen=True, kw_only=True)
+class CollectiveCommence(Message):
+    """Every participant voted: run ``tag`` over the ring ``peers`` (ring order, this group only)."""
+
+    tag: int
+    op_seq: int
+    peers: list[list[Any]]
+
+
+@_register(33)
+@dataclass(frozen=True, kw_only=True)
+class CollectiveComplete(Message):
+    """Every participant finished ``tag`` successfully: commit the result."""
+
+    tag: int
+    op_seq: int
+
+
+@_register(34)
+@dataclass(frozen=True, kw_only=True)
+class CollectiveAbort(Message):
+    """``tag`` failed somewhere (or was refused): restore buffers and raise ``code``."""
+
+    tag: int
+    op_seq: int
+    reason: str
+    code: int
+
+
+# ============================================================================================
+# Shared state
+
+
+@_register(40)
+@dataclass(frozen=True, kw_only=True)
+class SharedStateSync(Message):
+    """Vote to sync shared state.
+
+    ``entries`` rows: ``[key, dtype, shape (list[int]), nbytes, hash (int), allow_content_inequality]``.
+    """
+
+    revision: int
+    strategy: int
+    entries: list[list[Any]]
+
+
+@_register(41)
+@dataclass(frozen=True, kw_only=True)
+class SharedStatePlan(Message):
+    """The election result for the receiving peer.
+
+    ``fetch`` rows: ``[key, expected_hash, holder_ids (list[int])]`` - keys to download, in order of
+    preference of holders. ``peers`` is the group's table (for holder addresses).
+    """
+
+    sync_seq: int
+    revision: int
+    fetch: list[list[Any]]
+    peers: list[list[Any]]
+
+
+@_register(42)
+@dataclass(frozen=True, kw_only=True)
+class SharedStateDone(Message):
+    """The sender finished applying its plan for ``sync_seq``."""
+
+    sync_seq: int
+    success: bool
+    rx_bytes: int = 0
+    reason: str = ""
+
+
+@_register(43)
+@dataclass(frozen=True, kw_only=True)
+class SharedStateResult(Message):
+    """Final answer to sync_shared_state."""
+
+    sync_seq: int
+    success: bool
+    revision: int
+    reason: str = ""
+    code: int = 0
+
+
+# ============================================================================================
+# Peer <-> peer (after Hello on a P2P connection)
+
+
+@_register(60)
+@dataclass(frozen=True, kw_only=True)
+class StateRequest(Message):
+    """Ask a holder for tensors of shared state (``keys``); it answers StateTensor + raw bytes each."""
+
+    sync_seq: int
+    keys: list[str]
+
+
+@_register(61)
+@dataclass(frozen=True, kw_only=True)
+class StateTensor(Message):
+    """Header for ``nbytes`` raw bytes of tensor ``key`` that follow on the stream."""
+
+    key: str
+    nbytes: int
+    hash: int
+
+
+@_register(62)
+@dataclass(frozen=True, kw_only=True)
+class BenchRequest(Message):
+    """Bandwidth probe: ``nbytes`` raw bytes follow; the receiver answers BenchResult."""
+
+    nbytes: int
+
+
+@_register(63)
+@dataclass(frozen=True, kw_only=True)
+class BenchResult(Message):
+    """Receiver-side timing of a bandwidth probe."""
+
+    nbytes: int
+    seconds: float
