@@ -1,0 +1,322 @@
+"""The master's trio server: accept loop, one reader task and one serialized writer per peer,
+heartbeats both ways, and the heartbeat monitor. All decisions live in :class:`MasterState`; this
+module only does I/O and executes the effects it returns.
+
+A bad peer (malformed frame, illegal message, wrong version or secret, a full send queue) is
+kicked with a reason; it never takes the server down.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
+from .._errors import InvalidArgumentError, RemoteProtocolError, Result
+from ..transport import Address, StreamBroken, TcpTransport, Transport
+from ..wire import messages as m
+from ..wire.stream import MessageStream
+from .state import Effect, Event, Kick, MasterState, Send
+
+log = logging.getLogger("pccl.master")
+
+_CLOSE = object()  # sentinel in a peer's send queue: flush, then close
+
+
+@dataclass
+class _Conn:
+    peer_id: int
+    ms: MessageStream
+    send: trio.MemorySendChannel[Any]
+    recv: trio.MemoryReceiveChannel[Any]
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    closing: bool = False
+    flushed: trio.Event = field(default_factory=trio.Event)
+
+
+def parse_address(address: str, *, default_port: int = DEFAULT_MASTER_PORT) -> tuple[str, int]:
+    """Split ``"HOST:PORT"`` (IPv6 as ``[::1]:PORT``); a missing port means ``default_port``.
+
+    Raises:
+        InvalidArgumentError: malformed address or port out of range.
+    """
+    address = address.strip()
+    if not address:
+        raise InvalidArgumentError("empty address")
+    host, port_s = address, ""
+    if address.startswith("["):
+        end = address.find("]")
+        if end < 0:
+            raise InvalidArgumentError(f"malformed address {address!r}")
+        host = address[1:end]
+        rest = address[end + 1 :]
+        port_s = rest[1:] if rest.startswith(":") else ""
+    elif address.count(":") == 1:
+        host, port_s = address.split(":")
+    try:
+        port = int(port_s) if port_s else default_port
+    except ValueError as exc:
+        raise InvalidArgumentError(f"malformed port in {address!r}") from exc
+    if not 0 <= port < 65536:
+        raise InvalidArgumentError(f"port {port} out of range")
+    return host or "0.0.0.0", port
+
+
+class MasterServer:
+    """Runs one master. Use :func:`serve_master` or :func:`open_master` rather than this directly."""
+
+    def __init__(self, *, config: MasterConfig | None = None, transport: Transport | None = None) -> None:
+        self.config = config or MasterConfig()
+        self.transport: Transport = transport or TcpTransport()
+        self.state = MasterState()
+        self._conns: dict[int, _Conn] = {}
+        self.address: Address | None = None
+        self.kicked_total = 0
+
+    def statistics(self) -> dict[str, Any]:
+        """Master summary: the state's statistics plus connection counts."""
+        s = self.state.statistics()
+        s["connections"] = len(self._conns)
+        s["kicked_total"] = self.kicked_total
+        return s
+
+    def __repr__(self) -> str:
+        return f"<MasterServer {self.address} {self.state!r}>"
+
+    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until cancelled."""
+        listener = await self.transport.listen(host, port)
+        self.address = listener.address
+        log.info("master listening on %s:%d", *self.address)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._monitor)
+                task_status.started(listener.address)
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except StreamBroken:
+                        log.error("listener failed; master stops accepting")
+                        raise
+                    nursery.start_soon(self._connection, stream)
+        finally:
+            with trio.CancelScope(shield=True):
+                await listener.aclose()
+
+    # ------------------------------------------------------------------------------------------
+
+    async def _connection(self, stream: Any) -> None:
+        ms = MessageStream(stream, max_frame_size=self.config.max_frame_size)
+        host = stream.peer_address[0]
+        try:
+            with trio.fail_after(self.config.hello_timeout):
+                hello = await ms.receive()
+            refusal = self._check_hello(hello)
+            if refusal is not None:
+                log.warning("refused connection from %s: %s", host, refusal)
+                with trio.move_on_after(1.0):
+                    await ms.send(m.Refused(reason=refusal, code=int(Result.INVALID_USAGE)))
+                await ms.aclose()
+                return
+        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
+            log.warning("connection from %s dropped during hello: %s", host, exc)
+            await ms.aclose()
+            return
+        now = trio.current_time()
+        pid = self.state.new_connection(host, now)
+        send, recv = trio.open_memory_channel[Any](self.config.send_queue_size)
+        conn = _Conn(peer_id=pid, ms=ms, send=send, recv=recv)
+        self._conns[pid] = conn
+        try:
+            await ms.send(m.HelloOk(protocol_version=PROTOCOL_VERSION, peer_id=pid))
+            with conn.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer, conn)
+                    nursery.start_soon(self._heartbeats, conn)
+                    await self._reader(conn)
+                    if conn.closing:
+                        # Give the writer a moment to deliver the goodbye (Refused) before closing.
+                        with trio.move_on_after(1.0):
+                            await conn.flushed.wait()
+                    nursery.cancel_scope.cancel()
+        except StreamBroken:
+            pass
+        finally:
+            self._conns.pop(pid, None)
+            with trio.CancelScope(shield=True):
+                await ms.aclose()
+            self._execute(self.state.peer_lost(pid, "left (connection closed)"))
+
+    def _check_hello(self, hello: m.Message) -> str | None:
+        if not isinstance(hello, m.Hello):
+            return f"expected Hello, got {type(hello).__name__}"
+        if hello.protocol_version != PROTOCOL_VERSION:
+            return (
+                f"protocol version mismatch: peer speaks version {hello.protocol_version}, "
+                f"master speaks version {PROTOCOL_VERSION}"
+            )
+        if hello.purpose != "master":
+            return f"wrong purpose {hello.purpose!r} for the master"
+        if self.config.secret is not None and not hmac.compare_digest(
+            hello.secret.encode(), self.config.secret.encode()
+        ):
+            return "bad or missing shared secret"
+        return None
+
+    async def _reader(self, conn: _Conn) -> None:
+        while True:
+            try:
+                msg = await conn.ms.receive()
+            except RemoteProtocolError as exc:
+                self._execute(self.state.kick(conn.peer_id, f"protocol error: {exc.message}"))
+                return
+            except StreamBroken:
+                return
+            self._execute(self.state.handle(conn.peer_id, msg, trio.current_time()))
+            if conn.closing:
+                return
+
+    async def _writer(self, conn: _Conn) -> None:
+        async for item in conn.recv:
+            if item is _CLOSE:
+                conn.flushed.set()
+                conn.scope.cancel()
+                return
+            await conn.ms.send(item)
+
+    async def _heartbeats(self, conn: _Conn) -> None:
+        while True:
+            await trio.sleep(self.config.heartbeat_interval)
+            self._enqueue(conn, m.Heartbeat())
+
+    async def _monitor(self) -> None:
+        """Evict peers that stayed silent past the heartbeat timeout."""
+        period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            for pid in self.state.expired(now, self.config.heartbeat_timeout):
+                conn = self._conns.get(pid)
+                self._execute(
+                    self.state.peer_lost(pid, f"evicted: silent for more than {self.config.heartbeat_timeout:g}s")
+                )
+                if conn is not None:
+                    # A hung peer will not read a goodbye: close at once.
+                    conn.closing = True
+                    conn.scope.cancel()
+
+    # ------------------------------------------------------------------------------------------
+
+    def _enqueue(self, conn: _Conn, item: Any) -> None:
+        if conn.closing:
+            return
+        try:
+            conn.send.send_nowait(item)
+        except trio.WouldBlock:
+            # The peer does not read fast enough (or hangs): it cannot keep up with the protocol.
+            conn.closing = True
+            conn.scope.cancel()
+            self._execute(self.state.peer_lost(conn.peer_id, "evicted: its send queue overflowed"))
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            pass
+
+    def _execute(self, effects: list[Effect]) -> None:
+        for eff in effects:
+            if isinstance(eff, Send):
+                conn = self._conns.get(eff.peer_id)
+                if conn is not None:
+                    self._enqueue(conn, eff.message)
+            elif isinstance(eff, Kick):
+                self.kicked_total += 1
+                conn = self._conns.get(eff.peer_id)
+                if conn is not None:
+                    self._enqueue(conn, m.Refused(reason=eff.reason, code=eff.code))
+                    self._enqueue(conn, _CLOSE)
+                    conn.closing = True
+            elif isinstance(eff, Event):
+                log.info("%s", eff.text)
+
+
+async def serve_master(
+    host: str = "0.0.0.0",
+    port: int = DEFAULT_MASTER_PORT,
+    *,
+    config: MasterConfig | None = None,
+    transport: Transport | None = None,
+    task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a master until cancelled.
+
+    Args:
+        host: address to bind ("0.0.0.0" for all interfaces).
+        port: port to bind (0: the system picks one; ``task_status.started`` reports it).
+        config: timeouts and limits.
+        transport: the transport seam (default: TCP).
+
+    Raises:
+        pccl.transport.ConnectFailed: the address cannot be bound.
+    """
+    server = MasterServer(config=config, transport=transport)
+    await server.serve(host, port, task_status=task_status)
+
+
+class MasterHandle:
+    """A running master inside :func:`open_master`."""
+
+    def __init__(self, server: MasterServer, address: Address) -> None:
+        self._server = server
+        self.address = address
+
+    @property
+    def state(self) -> MasterState:
+        """The pure state machine (read-only use, for tests and introspection)."""
+        return self._server.state
+
+    def statistics(self) -> dict[str, Any]:
+        """See :meth:`MasterServer.statistics`."""
+        return self._server.statistics()
+
+    @property
+    def connect_address(self) -> str:
+        """``"HOST:PORT"`` that peers on this machine can connect to."""
+        host = self.address[0]
+        if host in ("0.0.0.0", "", "::"):
+            host = "127.0.0.1"
+        return f"{host}:{self.address[1]}"
+
+    def __repr__(self) -> str:
+        return f"<MasterHandle {self.connect_address} {self._server.state!r}>"
+
+
+@asynccontextmanager
+async def open_master(
+    address: str = "127.0.0.1:0",
+    *,
+    config: MasterConfig | None = None,
+    transport: Transport | None = None,
+) -> AsyncIterator[MasterHandle]:
+    """Run a master for the duration of the block.
+
+    Args:
+        address: ``"HOST:PORT"`` to bind; port 0 lets the system choose (see ``master.address``).
+
+    Yields:
+        A :class:`MasterHandle` with ``address``, ``connect_address`` and ``statistics()``.
+    """
+    host, port = parse_address(address)
+    server = MasterServer(config=config, transport=transport)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(server.serve, host, port)
+        try:
+            yield MasterHandle(server, bound)
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+__all__ = ["MasterHandle", "MasterServer", "open_master", "parse_address", "serve_master"]

@@ -1,0 +1,782 @@
+"""The master's pure state machine: membership, votes, collectives, shared state, topology.
+
+No trio, no sockets, no clocks: the trio server feeds it events and executes the returned
+effects. ``handle(peer_id, message, now)`` and ``peer_lost(peer_id, reason)`` are the only ways
+in; both return a list of effects (:class:`Send`, :class:`Kick`, :class:`Event`).
+
+Vote rules (PROTOCOL.md sections 2-6):
+
+* A vote completes when every *accepted* peer it concerns has voted. Registered (not yet
+  accepted) peers never block a vote. When a peer is lost (broken connection, eviction by
+  heartbeat, kick) it is removed from every pending vote and every vote is re-checked, so the
+  survivors proceed.
+* An illegal message (wrong phase, duplicate vote, message from an unregistered peer) gets only
+  the sender kicked, with a reason; nothing else changes.
+* A collective or shared-state round that has started fails for every participant when any
+  participant fails or is lost: all-or-nothing, so survivors retry together.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import Result
+from .._types import SharedStateSyncStrategy
+from ..wire import messages as m
+from . import election as _election
+
+
+# --------------------------------------------------------------------------------------------
+# Effects
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send ``message`` to ``peer_id``."""
+
+    peer_id: int
+    message: m.Message
+
+
+@dataclass(frozen=True)
+class Kick:
+    """Send ``Refused(reason)`` to ``peer_id`` and close its connection (state already forgot it)."""
+
+    peer_id: int
+    reason: str
+    code: int = int(Result.INVALID_USAGE)
+
+
+@dataclass(frozen=True)
+class Event:
+    """A membership change worth one log line."""
+
+    text: str
+
+
+Effect = Send | Kick | Event
+
+
+class Phase(enum.Enum):
+    """Lifecycle of a peer as the master sees it."""
+
+    CONNECTED = "connected"  # hello done, not registered yet
+    REGISTERED = "registered"  # waiting to be accepted
+    ACCEPTED = "accepted"
+
+
+@dataclass
+class PeerRecord:
+    """What the master knows about one peer."""
+
+    peer_id: int
+    host: str
+    phase: Phase = Phase.CONNECTED
+    p2p_port: int = 0
+    group: int = 0
+    last_seen: float = 0.0
+
+    def row(self) -> list[Any]:
+        return [self.peer_id, self.host, self.p2p_port, self.group]
+
+
+@dataclass
+class _TopologyRound:
+    """An update_topology or optimize_topology round."""
+
+    kind: str  # "update" | "optimize"
+    votes: set[int] = field(default_factory=set)
+    # after the vote: P2P establishment
+    epoch: int = -1
+    members: list[int] = field(default_factory=list)  # ring order of the proposed set
+    newcomers: set[int] = field(default_factory=set)
+    confirmed: set[int] = field(default_factory=set)
+    failed: bool = False
+    failure_reason: str = ""
+    # optimize only: bandwidth measurement rounds still to run
+    measure_rounds: list[list[tuple[int, int]]] = field(default_factory=list)
+    measuring: set[int] = field(default_factory=set)
+    establishing: bool = False
+
+
+@dataclass
+class _CollectiveOp:
+    group: int
+    tag: int
+    votes: dict[int, list[Any]] = field(default_factory=dict)
+    running: bool = False
+    op_seq: int = -1
+    participants: list[int] = field(default_factory=list)
+    done: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _SyncRound:
+    group: int
+    votes: dict[int, _election.SyncVote] = field(default_factory=dict)
+    running: bool = False
+    seq: int = -1
+    revision: int = 0
+    participants: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+class MasterState:
+    """Pure master state machine.
+
+    Args:
+        bandwidth_probe_seconds: duration of each link's bandwidth probe during optimize_topology.
+        bandwidth_stale_after: measurements older than this (seconds of ``now``) are re-measured.
+        solver: ``solve(bw_matrix) -> ring order (indices)``; defaults to the ATSP solver.
+    """
+
+    def __init__(
+        self,
+        *,
+        bandwidth_probe_seconds: float = 0.05,
+        bandwidth_stale_after: float = 3600.0,
+        solver: Callable[[list[list[float | None]]], list[int]] | None = None,
+    ) -> None:
+        self.peers: dict[int, PeerRecord] = {}
+        self.ring: list[int] = []  # accepted peers, ring order
+        self._next_peer_id = 1
+        self._loopback: bool | None = None
+        self.epoch = 0
+        self._topology: _TopologyRound | None = None
+        self._pending_votes: set[int] = set()
+        self._ops: dict[tuple[int, int], _CollectiveOp] = {}
+        self._op_seq = 0
+        self._syncs: dict[int, _SyncRound] = {}
+        self._sync_seq = 0
+        self.last_revision: dict[int, int] = {}
+        self.bandwidth: dict[tuple[int, int], tuple[float, float]] = {}  # (a, b) -> (bytes/s, when)
+        self.bandwidth_probe_seconds = bandwidth_probe_seconds
+        self.bandwidth_stale_after = bandwidth_stale_after
+        self._solver = solver
+        self._now = 0.0
+
+    # ---------------------------------------------------------------------------------------
+    # queries
+
+    def accepted(self, group: int | None = None) -> list[int]:
+        """Accepted peers in ring order (optionally of one group)."""
+        if group is None:
+            return list(self.ring)
+        return [p for p in self.ring if self.peers[p].group == group]
+
+    def registered(self) -> list[int]:
+        """Peers waiting to be accepted, in arrival order."""
+        return [p.peer_id for p in self.peers.values() if p.phase is Phase.REGISTERED]
+
+    def table(self, ids: list[int]) -> list[list[Any]]:
+        """Peer-table rows for ``ids`` (in that order)."""
+        return [self.peers[p].row() for p in ids]
+
+    def statistics(self) -> dict[str, Any]:
+        """A summary of the master state (tests assert on it)."""
+        groups: dict[int, int] = {}
+        for p in self.ring:
+            groups[self.peers[p].group] = groups.get(self.peers[p].group, 0) + 1
+        return {
+            "accepted": len(self.ring),
+            "registered": len(self.registered()),
+            "connected": len(self.peers),
+            "groups": dict(sorted(groups.items())),
+            "epoch": self.epoch,
+            "topology_round": self._topology.kind if self._topology else None,
+            "collectives_running": sum(1 for o in self._ops.values() if o.running),
+            "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
+            "syncs_in_progress": len(self._syncs),
+            "revisions": dict(self.last_revision),
+        }
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<MasterState accepted={s['accepted']} registered={s['registered']} "
+            f"epoch={s['epoch']} running_ops={s['collectives_running']}>"
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # connection lifecycle
+
+    def new_connection(self, host: str, now: float) -> int:
+        """A connection finished its hello; returns the peer id assigned to it."""
+        pid = self._next_peer_id
+        self._next_peer_id += 1
+        self.peers[pid] = PeerRecord(peer_id=pid, host=host, last_seen=now)
+        return pid
+
+    def expired(self, now: float, timeout: float) -> list[int]:
+        """Peers silent for longer than ``timeout``."""
+        return [p.peer_id for p in self.peers.values() if now - p.last_seen > timeout]
+
+    def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
+        """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""
+        rec = self.peers.get(peer_id)
+        if rec is None:
+            return []
+        effects: list[Effect] = [Event(f"peer {peer_id} ({rec.host}) {reason}")]
+        effects += self._remove(peer_id)
+        return effects
+
+    def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]:
+        """Remove a peer on purpose."""
+        if peer_id not in self.peers:
+            return []
+        effects: list[Effect] = [Kick(peer_id, reason, int(code)), Event(f"peer {peer_id} kicked: {reason}")]
+        effects += self._remove(peer_id)
+        return effects
+
+    def _remove(self, peer_id: int) -> list[Effect]:
+        rec = self.peers.pop(peer_id)
+        was_accepted = rec.phase is Phase.ACCEPTED
+        if peer_id in self.ring:
+            self.ring.remove(peer_id)
+        self._pending_votes.discard(peer_id)
+        self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
+        effects: list[Effect] = []
+        # Re-check every vote with the peer gone.
+        effects += self._topology_peer_lost(peer_id)
+        effects += self._check_pending_vote()
+        for key in list(self._ops):
+            effects += self._op_peer_lost(key, peer_id)
+        for group in list(self._syncs):
+            effects += self._sync_peer_lost(group, peer_id)
+        if was_accepted and not self.ring:
+            effects += self._accept_first_if_alone()
+        return effects
+
+    # ---------------------------------------------------------------------------------------
+    # dispatch
+
+    def handle(self, peer_id: int, msg: m.Message, now: float) -> list[Effect]:
+        """Process one message from ``peer_id``. Illegal messages kick the sender only."""
+        self._now = now
+        rec = self.peers.get(peer_id)
+        if rec is None:
+            return []
+        rec.last_seen = now
+        handler = self._HANDLERS.get(type(msg))
+        if handler is None:
+            return self.kick(peer_id, f"message {type(msg).__name__} is not allowed from a peer")
+        if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Heartbeat)):
+            return self.kick(peer_id, f"{type(msg).__name__} before Register")
+        return handler(self, rec, msg)
+
+    def _on_heartbeat(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return []
+
+    # ---------------------------------------------------------------------------------------
+    # membership
+
+    def _on_register(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.Register)
+        if rec.phase is not Phase.CONNECTED:
+            return self.kick(rec.peer_id, "duplicate Register")
+        if not 0 < msg.p2p_port < 65536:
+            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+        loop = _is_loopback(rec.host)
+        if self._loopback is None:
+            self._loopback = loop
+        elif loop != self._loopback:
+            kinds = ("loopback", "non-loopback")
+            this, run = (kinds[0], kinds[1]) if loop else (kinds[1], kinds[0])
+            return self.kick(
+                rec.peer_id,
+                f"this peer connects via {this} ({rec.host}) but the run's peers connect via {run}; "
+                "their addresses would be unreachable for each other - connect to the master the same way",
+            )
+        rec.phase = Phase.REGISTERED
+        rec.p2p_port = msg.p2p_port
+        rec.group = msg.peer_group
+        effects: list[Effect] = [
+            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id)),
+            Event(f"peer {rec.peer_id} joined from {rec.host}:{msg.p2p_port} (group {msg.peer_group})"),
+        ]
+        if not self.ring and self._topology is None:
+            effects += self._accept_first_if_alone()
+        return effects
+
+    def _accept_first_if_alone(self) -> list[Effect]:
+        """With no accepted peer, the earliest registered one is accepted at once (world size 1)."""
+        if self.ring or self._topology is not None:
+            return []
+        waiting = self.registered()
+        if not waiting:
+            return []
+        pid = waiting[0]
+        self.peers[pid].phase = Phase.ACCEPTED
+        self.ring = [pid]
+        self.epoch += 1
+        return [
+            Send(pid, m.Accepted(peers=self.table(self.ring), epoch=self.epoch)),
+            Event(f"peer {pid} accepted (world size 1)"),
+        ]
+
+    def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None:
+        if rec.phase is not Phase.ACCEPTED:
+            return self.kick(rec.peer_id, f"{what} from a peer that is not accepted")
+        return None
+
+    def _on_peers_pending(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        bad = self._require_accepted(rec, "PeersPendingVote")
+        if bad is not None:
+            return bad
+        if rec.peer_id in self._pending_votes:
+            return self.kick(rec.peer_id, "duplicate PeersPendingVote")
+        self._pending_votes.add(rec.peer_id)
+        return self._check_pending_vote()
+
+    def _check_pending_vote(self) -> list[Effect]:
+        if not self._pending_votes or not set(self.ring) <= self._pending_votes:
+            return []
+        pending = bool(self.registered())
+        voters = [p for p in self.ring if p in self._pending_votes]
+        self._pending_votes.clear()
+        return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
+
+    def _on_update_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self._topology_vote(rec, "update")
+
+    def _on_optimize_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self._topology_vote(rec, "optimize")
+
+    def _topology_vote(self, rec: PeerRecord, kind: str) -> list[Effect]:
+        bad = self._require_accepted(rec, f"{kind} topology vote")
+        if bad is not None:
+            return bad
+        rnd = self._topology
+        if rnd is None:
+            rnd = self._topology = _TopologyRound(kind=kind)
+        elif rnd.kind != kind:
+            return self.kick(rec.peer_id, f"{kind}_topology while the others run {rnd.kind}_topology")
+        if rec.peer_id in rnd.votes or rnd.epoch >= 0 or rnd.measure_rounds or rnd.measuring:
+            return self.kick(rec.peer_id, f"duplicate {kind} topology vote")
+        rnd.votes.add(rec.peer_id)
+        return self._check_topology_vote()
+
+    def _check_topology_vote(self) -> list[Effect]:
+        rnd = self._topology
+        if rnd is None or rnd.epoch >= 0 or rnd.measuring or rnd.measure_rounds:
+            return []
+        if not rnd.votes or not set(self.ring) <= rnd.votes:
+            return []
+        if rnd.kind == "update":
+            newcomers = self.registered()
+            return self._start_establish(rnd, self.ring + newcomers, set(newcomers))
+        # optimize: measure what is missing, then solve
+        rnd.measure_rounds = self._plan_measurements()
+        return self._next_measure_round(rnd)
+
+    def _start_establish(self, rnd: _TopologyRound, members: list[int], newcomers: set[int]) -> list[Effect]:
+        self.epoch += 1
+        rnd.epoch = self.epoch
+        rnd.members = list(members)
+        rnd.newcomers = set(newcomers)
+        rnd.establishing = True
+        table = self.table(rnd.members)
+        return [Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)) for p in rnd.members]
+
+    def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.P2PConnectionsDone)
+        rnd = self._topology
+        if rnd is None or not rnd.establishing or msg.epoch != rnd.epoch or rec.peer_id not in rnd.members:
+            # A late answer for a round that already ended (e.g. failed because a peer died): ignore.
+            return []
+        if rec.peer_id in rnd.confirmed:
+            return self.kick(rec.peer_id, "duplicate P2PConnectionsDone")
+        rnd.confirmed.add(rec.peer_id)
+        if not msg.success:
+            rnd.failed = True
+            rnd.failure_reason = (
+                f"peer {rec.peer_id} could not connect to {msg.failed_peers}: {msg.reason}".rstrip(": ")
+            )
+        return self._check_establish()
+
+    def _check_establish(self) -> list[Effect]:
+        rnd = self._topology
+        if rnd is None or not rnd.establishing:
+            return []
+        if not set(rnd.members) <= rnd.confirmed:
+            return []
+        self._topology = None
+        old = [p for p in rnd.members if p not in rnd.newcomers]
+        effects: list[Effect] = []
+        code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
+        if rnd.failed:
+            table = self.table(self.ring)
+            for p in old:
+                effects.append(
+                    Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
+                                             reason=rnd.failure_reason, code=int(code)))
+                )
+            effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
+            return effects
+        self.ring = list(rnd.members)
+        table = self.table(self.ring)
+        for p in rnd.newcomers:
+            self.peers[p].phase = Phase.ACCEPTED
+            effects.append(Send(p, m.Accepted(peers=table, epoch=rnd.epoch)))
+            effects.append(Event(f"peer {p} accepted (world size {len(self.ring)})"))
+        for p in old:
+            effects.append(Send(p, m.TopologyResult(success=True, epoch=rnd.epoch, peers=table)))
+        if rnd.kind == "optimize":
+            effects.append(Event(f"ring optimized: {self.ring}"))
+        return effects
+
+    def _topology_peer_lost(self, peer_id: int) -> list[Effect]:
+        rnd = self._topology
+        if rnd is None:
+            return []
+        rnd.votes.discard(peer_id)
+        if rnd.establishing:
+            if peer_id in rnd.members:
+                rnd.members.remove(peer_id)
+                rnd.newcomers.discard(peer_id)
+                rnd.confirmed.discard(peer_id)
+                # Its neighbours were told to connect to it: the proposed ring is broken.
+                rnd.failed = True
+                rnd.failure_reason = f"peer {peer_id} was lost during the topology update"
+            effects = self._check_establish()
+            if self._topology is rnd and not any(p in self.ring for p in rnd.members):
+                self._topology = None
+            return effects
+        if rnd.measuring or rnd.measure_rounds:
+            rnd.measuring.discard(peer_id)
+            rnd.measure_rounds = [[e for e in r if peer_id not in e] for r in rnd.measure_rounds]
+            if not rnd.measuring:
+                return self._next_measure_round(rnd)
+            return []
+        if not rnd.votes:
+            self._topology = None
+            return []
+        return self._check_topology_vote()
+
+    # ---------------------------------------------------------------------------------------
+    # topology optimization
+
+    def _plan_measurements(self) -> list[list[tuple[int, int]]]:
+        """Missing or stale directed links, scheduled so no peer sends or receives twice per round."""
+        ring = self.ring
+        n = len(ring)
+        rounds: list[list[tuple[int, int]]] = []
+        for shift in range(1, n):
+            rnd = []
+            for i, a in enumerate(ring):
+                b = ring[(i + shift) % n]
+                got = self.bandwidth.get((a, b))
+                if got is None or self._now - got[1] > self.bandwidth_stale_after:
+                    rnd.append((a, b))
+            if rnd:
+                rounds.append(rnd)
+        return rounds
+
+    def _next_measure_round(self, rnd: _TopologyRound) -> list[Effect]:
+        while rnd.measure_rounds:
+            edges = rnd.measure_rounds.pop(0)
+            by_src: dict[int, list[list[Any]]] = {}
+            for a, b in edges:
+                if a in self.peers and b in self.peers:
+                    pb = self.peers[b]
+                    by_src.setdefault(a, []).append([b, pb.host, pb.p2p_port])
+            if not by_src:
+                continue
+            rnd.measuring = set(by_src)
+            return [
+                Send(a, m.MeasureBandwidth(epoch=self.epoch, targets=t, duration=self.bandwidth_probe_seconds))
+                for a, t in by_src.items()
+            ]
+        rnd.measuring = set()
+        return self._solve_and_establish(rnd)
+
+    def _on_bandwidth_report(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.BandwidthReport)
+        rnd = self._topology
+        if rnd is None or rec.peer_id not in rnd.measuring:
+            return []
+        for row in msg.results:
+            if len(row) == 2 and isinstance(row[0], int) and isinstance(row[1], (int, float)):
+                self.bandwidth[(rec.peer_id, row[0])] = (float(row[1]), self._now)
+        rnd.measuring.discard(rec.peer_id)
+        if rnd.measuring:
+            return []
+        return self._next_measure_round(rnd)
+
+    def _solve_and_establish(self, rnd: _TopologyRound) -> list[Effect]:
+        ring = list(self.ring)
+        n = len(ring)
+        effects: list[Effect] = []
+        if n >= 3:
+            bw: list[list[float | None]] = [
+                [None if i == j else (self.bandwidth.get((a, b), (0.0, 0.0))[0] or None) for j, b in enumerate(ring)]
+                for i, a in enumerate(ring)
+            ]
+            try:
+                order = self._solve(bw)
+            except Exception as exc:
+                isolated = list(getattr(exc, "isolated", []) or [])
+                if isolated:
+                    for idx in isolated:
+                        pid = ring[idx]
+                        effects += self.kick(pid, "no other peer can reach this peer (bandwidth tests failed)",
+                                             Result.TOPOLOGY_OPTIMIZATION_FAILED)
+                    if self._topology is rnd:
+                        effects += self._start_establish(rnd, list(self.ring), set())
+                    return effects
+                order = list(range(n))
+                effects.append(Event(f"topology solver failed ({exc}); keeping the current ring"))
+            ring = [ring[i] for i in order]
+        return effects + self._start_establish(rnd, ring, set())
+
+    def _solve(self, bw: list[list[float | None]]) -> list[int]:
+        if self._solver is not None:
+            return self._solver(bw)
+        from . import topology
+
+        return list(topology.solve_ring(bw).order)
+
+    # ---------------------------------------------------------------------------------------
+    # collectives
+
+    def _on_collective_initiate(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.CollectiveInitiate)
+        bad = self._require_accepted(rec, "CollectiveInitiate")
+        if bad is not None:
+            return bad
+        key = (rec.group, msg.tag)
+        op = self._ops.get(key)
+        if op is None:
+            op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag)
+        if rec.peer_id in op.votes or rec.peer_id in op.participants:
+            # The running op is unaffected; only this call is refused.
+            return [
+                Send(rec.peer_id, m.CollectiveAbort(tag=msg.tag, op_seq=-1, code=int(Result.INVALID_USAGE),
+                                                    reason=f"tag {msg.tag} is already running in this group"))
+            ]
+        if op.running:
+            return [
+                Send(rec.peer_id, m.CollectiveAbort(tag=msg.tag, op_seq=-1, code=int(Result.INVALID_USAGE),
+                                                    reason=f"tag {msg.tag} is already running without this peer"))
+            ]
+        op.votes[rec.peer_id] = msg.descriptor
+        return self._check_op_vote(key)
+
+    def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]:
+        op = self._ops.get(key)
+        if op is None or op.running:
+            return []
+        members = self.accepted(op.group)
+        if not op.votes or not set(members) <= set(op.votes):
+            return []
+        voters = [p for p in members if p in op.votes]
+        descriptors = {repr(op.votes[p]) for p in voters}
+        del self._ops[key]
+        if len(descriptors) > 1:
+            detail = "; ".join(f"peer {p}: {op.votes[p]}" for p in voters)
+            return [
+                Send(p, m.CollectiveAbort(tag=op.tag, op_seq=-1, code=int(Result.INVALID_ARGUMENT),
+                                          reason=f"peers disagree on the operation: {detail}"))
+                for p in voters
+            ]
+        if len(voters) < 2:
+            return [
+                Send(p, m.CollectiveAbort(tag=op.tag, op_seq=-1, code=int(Result.TOO_FEW_PEERS),
+                                          reason="a collective needs at least 2 peers in the group"))
+                for p in voters
+            ]
+        self._op_seq += 1
+        op.running = True
+        op.op_seq = self._op_seq
+        op.participants = voters
+        self._ops[key] = op
+        table = self.table(voters)
+        return [Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters]
+
+    def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.CollectiveDone)
+        key = (rec.group, msg.tag)
+        op = self._ops.get(key)
+        if op is not None and not op.running and rec.peer_id in op.votes and not msg.success:
+            # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
+            return self._abort_op(key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST)
+        if op is None or not op.running or rec.peer_id not in op.participants:
+            # Late report for an op already aborted (the abort raced with it): harmless.
+            return []
+        if rec.peer_id in op.done:
+            return self.kick(rec.peer_id, f"duplicate CollectiveDone for tag {msg.tag}")
+        if not msg.success:
+            return self._abort_op(key, f"peer {rec.peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST)
+        op.done.add(rec.peer_id)
+        if set(op.participants) <= op.done:
+            del self._ops[key]
+            return [Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq)) for p in op.participants]
+        return []
+
+    def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:
+        op = self._ops.pop(key)
+        targets = op.participants if op.running else list(op.votes)
+        return [
+            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.op_seq, reason=reason, code=int(code)))
+            for p in targets
+            if p in self.peers
+        ]
+
+    def _op_peer_lost(self, key: tuple[int, int], peer_id: int) -> list[Effect]:
+        op = self._ops.get(key)
+        if op is None:
+            return []
+        if op.running:
+            if peer_id in op.participants:
+                op.participants.remove(peer_id)
+                return self._abort_op(key, f"peer {peer_id} was lost during the operation",
+                                      Result.RANK_CONNECTION_LOST)
+            return []
+        op.votes.pop(peer_id, None)
+        if not op.votes:
+            del self._ops[key]
+            return []
+        return self._check_op_vote(key)
+
+    # ---------------------------------------------------------------------------------------
+    # shared state
+
+    def _on_shared_state_sync(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStateSync)
+        bad = self._require_accepted(rec, "SharedStateSync")
+        if bad is not None:
+            return bad
+        try:
+            vote = _vote_from_message(msg)
+        except (ValueError, TypeError) as exc:
+            return [Send(rec.peer_id, m.SharedStateResult(sync_seq=-1, success=False, revision=msg.revision,
+                                                          reason=f"malformed shared state: {exc}",
+                                                          code=int(Result.INVALID_ARGUMENT)))]
+        rnd = self._syncs.get(rec.group)
+        if rnd is None:
+            rnd = self._syncs[rec.group] = _SyncRound(group=rec.group)
+        if rec.peer_id in rnd.votes or rnd.running:
+            return self.kick(rec.peer_id, "SharedStateSync while this peer's previous sync is still running")
+        rnd.votes[rec.peer_id] = vote
+        return self._check_sync_vote(rec.group)
+
+    def _check_sync_vote(self, group: int) -> list[Effect]:
+        rnd = self._syncs.get(group)
+        if rnd is None or rnd.running:
+            return []
+        members = self.accepted(group)
+        if not rnd.votes or not set(members) <= set(rnd.votes):
+            return []
+        votes = {p: rnd.votes[p] for p in members if p in rnd.votes}
+        result = _election.elect(votes, last_revision=self.last_revision.get(group))
+        effects: list[Effect] = []
+        self._sync_seq += 1
+        rnd.seq = self._sync_seq
+        rnd.revision = result.revision
+        for p, refusal in sorted(result.refused.items()):
+            effects.append(Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=False, revision=votes[p].revision,
+                                                       reason=refusal.reason, code=int(refusal.code))))
+            effects.append(Event(f"peer {p} refused by shared-state sync: {refusal.reason}"))
+        rnd.participants = set(result.plans)
+        if not rnd.participants:
+            del self._syncs[group]
+            return effects
+        rnd.running = True
+        table = self.table(members)
+        for p in members:
+            plan = result.plans.get(p)
+            if plan is None:
+                continue
+            rows = [[f.key, f.expected_hash, list(f.holders)] for f in plan]
+            effects.append(Send(p, m.SharedStatePlan(sync_seq=rnd.seq, revision=rnd.revision, fetch=rows,
+                                                     peers=table)))
+        return effects
+
+    def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStateDone)
+        rnd = self._syncs.get(rec.group)
+        if rnd is None or not rnd.running or msg.sync_seq != rnd.seq or rec.peer_id not in rnd.participants:
+            return []
+        if rec.peer_id in rnd.done:
+            return self.kick(rec.peer_id, "duplicate SharedStateDone")
+        if not msg.success:
+            return self._fail_sync(rec.group, f"peer {rec.peer_id}: {msg.reason}", Result.SHARED_STATE_SYNC_FAILED)
+        rnd.done.add(rec.peer_id)
+        return self._check_sync_done(rec.group)
+
+    def _check_sync_done(self, group: int) -> list[Effect]:
+        rnd = self._syncs.get(group)
+        if rnd is None or not rnd.running or not rnd.participants <= rnd.done:
+            return []
+        del self._syncs[group]
+        self.last_revision[group] = rnd.revision
+        return [
+            Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision))
+            for p in sorted(rnd.participants)
+        ]
+
+    def _fail_sync(self, group: int, reason: str, code: Result) -> list[Effect]:
+        rnd = self._syncs.pop(group)
+        return [
+            Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=False, revision=rnd.revision,
+                                        reason=reason, code=int(code)))
+            for p in sorted(rnd.participants)
+            if p in self.peers
+        ]
+
+    def _sync_peer_lost(self, group: int, peer_id: int) -> list[Effect]:
+        rnd = self._syncs.get(group)
+        if rnd is None:
+            return []
+        if rnd.running:
+            if peer_id in rnd.participants:
+                rnd.participants.discard(peer_id)
+                return self._fail_sync(group, f"peer {peer_id} was lost during the sync",
+                                       Result.RANK_CONNECTION_LOST)
+            return []
+        rnd.votes.pop(peer_id, None)
+        if not rnd.votes:
+            del self._syncs[group]
+            return []
+        return self._check_sync_vote(group)
+
+    _HANDLERS: dict[type[m.Message], Callable[[MasterState, PeerRecord, m.Message], list[Effect]]] = {
+        m.Heartbeat: _on_heartbeat,
+        m.Register: _on_register,
+        m.PeersPendingVote: _on_peers_pending,
+        m.UpdateTopologyVote: _on_update_topology,
+        m.OptimizeTopologyVote: _on_optimize_topology,
+        m.P2PConnectionsDone: _on_p2p_done,
+        m.BandwidthReport: _on_bandwidth_report,
+        m.CollectiveInitiate: _on_collective_initiate,
+        m.CollectiveDone: _on_collective_done,
+        m.SharedStateSync: _on_shared_state_sync,
+        m.SharedStateDone: _on_shared_state_done,
+    }
+
+
+def _vote_from_message(msg: m.SharedStateSync) -> _election.SyncVote:
+    entries = []
+    for row in msg.entries:
+        if not isinstance(row, list) or len(row) != 6:
+            raise ValueError("each entry must be [key, dtype, shape, nbytes, hash, allow_content_inequality]")
+        key, dtype, shape, nbytes, h, allow = row
+        if not (isinstance(key, str) and isinstance(dtype, int) and isinstance(shape, list)
+                and all(isinstance(s, int) for s in shape) and isinstance(nbytes, int)
+                and isinstance(h, int) and isinstance(allow, bool)):
+            raise ValueError(f"bad entry for {key!r}")
+        entries.append(_election.TensorEntry(key=key, dtype=dtype, shape=tuple(shape), nbytes=nbytes, hash=h,
+                                             allow_content_inequality=allow))
+    strategy = SharedStateSyncStrategy(msg.strategy)
+    vote = _election.SyncVote(revision=msg.revision, strategy=strategy, entries=tuple(entries))
+    refusal = _election.validate_vote(vote)
+    if refusal is not None:
+        raise ValueError(refusal.reason)
+    return vote

@@ -1,0 +1,944 @@
+"""The peer: the native async communicator.
+
+One nursery holds the master reader, the heartbeat sender, the master watchdog, the P2P listener
+and the P2P pool. Every call that needs the master registers a waiter; the reader task fills it.
+If the master is lost (broken connection or missed heartbeats) every pending and later call
+fails with MASTER_CONNECTION_FAILED instead of hanging.
+
+Each collective runs in its own ``trio.CancelScope`` registered under its tag: the master's
+abort (or the loss of the master) cancels it, and the caller's output buffer is untouched because
+results are committed only after the master confirms that every participant succeeded.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+import trio
+
+from .._config import PROTOCOL_VERSION, PeerConfig
+from .._errors import (
+    InvalidArgumentError,
+    InvalidUsageError,
+    KickedError,
+    MasterConnectionError,
+    PCCLError,
+    PendingAsyncOpsError,
+    RankConnectionLostError,
+    RemoteProtocolError,
+    Result,
+    TooFewPeersError,
+    TopologyOptimizationFailedError,
+    UpdateTopologyFailedError,
+)
+from .._types import (
+    Attribute,
+    QuantizationAlgorithm,
+    QuantizationOptions,
+    ReduceInfo,
+    ReduceOp,
+    SharedStateSyncInfo,
+    SharedStateSyncStrategy,
+)
+from ..master.server import parse_address
+from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
+from ..wire import messages as m
+from ..wire.stream import MessageStream
+
+log = logging.getLogger("pccl.peer")
+
+T = TypeVar("T")
+
+_ERRORS_BY_CODE: dict[int, type[PCCLError]] = {
+    int(Result.RANK_CONNECTION_LOST): RankConnectionLostError,
+    int(Result.TOO_FEW_PEERS): TooFewPeersError,
+    int(Result.INVALID_USAGE): InvalidUsageError,
+    int(Result.INVALID_ARGUMENT): InvalidArgumentError,
+    int(Result.UPDATE_TOPOLOGY_FAILED): UpdateTopologyFailedError,
+    int(Result.TOPOLOGY_OPTIMIZATION_FAILED): TopologyOptimizationFailedError,
+}
+
+
+def error_from_code(code: int, reason: str) -> PCCLError:
+    """Build the PCCLError subclass matching a result code sent by the master."""
+    from .._errors import NoSharedStateAvailableError, SharedStateSyncError
+
+    extra: dict[int, type[PCCLError]] = {
+        int(Result.SHARED_STATE_SYNC_FAILED): SharedStateSyncError,
+        int(Result.NO_SHARED_STATE_AVAILABLE): NoSharedStateAvailableError,
+    }
+    cls = _ERRORS_BY_CODE.get(code) or extra.get(code) or PCCLError
+    try:
+        result = Result(code)
+    except ValueError:
+        result = Result.INTERNAL_ERROR
+    return cls(reason, result)
+
+
+class _Waiter(Generic[T]):
+    """A one-shot slot a call waits on; the reader task fills it or fails it."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._value: T | None = None
+        self._error: PCCLError | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def set(self, value: T) -> None:
+        if not self._event.is_set():
+            self._value = value
+            self._event.set()
+
+    def fail(self, error: PCCLError) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    async def wait(self) -> T:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error
+        assert self._value is not None
+        return self._value
+
+
+@dataclass
+class _OpState:
+    """A collective in flight, registered under its tag."""
+
+    tag: int
+    commence: _Waiter[m.CollectiveCommence]
+    complete: _Waiter[m.CollectiveComplete]
+    scope: trio.CancelScope | None = None
+    op_seq: int = -1
+    abort_error: PCCLError | None = None
+    concluded: bool = False
+
+
+def _ring_neighbours(rows: Sequence[Sequence[Any]], me: int) -> tuple[list[Any] | None, list[Any] | None]:
+    """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone."""
+    ids = [r[0] for r in rows]
+    if me not in ids or len(ids) < 2:
+        return None, None
+    i = ids.index(me)
+    return list(rows[(i + 1) % len(rows)]), list(rows[(i - 1) % len(rows)])
+
+
+class Communicator:
+    """A peer of a pccl run (native async API). Create it with :func:`open_communicator`."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        peer_group: int = 0,
+        p2p_connection_pool_size: int = 1,
+        config: PeerConfig | None = None,
+        transport: Transport | None = None,
+    ) -> None:
+        if p2p_connection_pool_size < 0:
+            raise InvalidArgumentError("p2p_connection_pool_size must be >= 0")
+        self.config = config or PeerConfig()
+        self.master_host, self.master_port = parse_address(address)
+        self.peer_group = int(peer_group)
+        self.pool_size = max(1, int(p2p_connection_pool_size))
+        self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
+        self.peer_id = -1
+        self.p2p_address: tuple[str, int] | None = None
+        self._table: list[list[Any]] = []  # accepted peers, ring order: [id, host, port, group]
+        self._epoch = 0
+        self._ms: MessageStream | None = None
+        self._master_error: PCCLError | None = None
+        self._accepted: _Waiter[m.Accepted] = _Waiter()
+        self._topology_waiter: _Waiter[m.TopologyResult] | None = None
+        self._pending_waiters: collections.deque[_Waiter[m.PeersPendingResult]] = collections.deque()
+        self._ops: dict[int, _OpState] = {}
+        self._sync_waiter: _Waiter[m.Message] | None = None
+        self._sync_ctx: Any = None  # shared_state.SyncContext while a sync runs (holders serve from it)
+        self._nursery: trio.Nursery | None = None
+        self._last_master_msg = 0.0
+        self._closed = False
+        self._work_cache: dict[tuple[str, int], np.ndarray] = {}
+        self._stats = collections.Counter[str]()
+        from .pool import P2PPool
+
+        self._pool_cls = P2PPool
+        self.pool: Any = None
+
+    # ------------------------------------------------------------------------------------------
+    # public queries
+
+    def get_attribute(self, attribute: Attribute) -> int:
+        """Read an attribute (world sizes, groups).
+
+        Values change only at the calls that can change them: connect, update_topology,
+        optimize_topology, collectives and shared-state syncs.
+
+        Raises:
+            InvalidArgumentError: unknown attribute.
+        """
+        groups = collections.Counter(int(r[3]) for r in self._table)
+        if attribute == Attribute.GLOBAL_WORLD_SIZE:
+            return len(self._table)
+        if attribute == Attribute.PEER_GROUP_WORLD_SIZE:
+            return groups.get(self.peer_group, 0)
+        if attribute == Attribute.NUM_DISTINCT_PEER_GROUPS:
+            return len(groups)
+        if attribute == Attribute.LARGEST_PEER_GROUP_WORLD_SIZE:
+            return max(groups.values(), default=0)
+        raise InvalidArgumentError(f"unknown attribute {attribute!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Accepted peers in the run (GLOBAL_WORLD_SIZE)."""
+        return len(self._table)
+
+    @property
+    def group_ring(self) -> list[int]:
+        """Peer ids of this peer's group in ring order, as last told by the master."""
+        return [int(r[0]) for r in self._table if int(r[3]) == self.peer_group]
+
+    @property
+    def rank(self) -> int:
+        """This peer's position in its group's ring (-1 if not accepted)."""
+        ring = self.group_ring
+        return ring.index(self.peer_id) if self.peer_id in ring else -1
+
+    def statistics(self) -> dict[str, Any]:
+        """A summary of this peer's state (tests assert on it)."""
+        return {
+            "peer_id": self.peer_id,
+            "world_size": len(self._table),
+            "group_world_size": self.get_attribute(Attribute.PEER_GROUP_WORLD_SIZE),
+            "epoch": self._epoch,
+            "ops_in_flight": len(self._ops),
+            "master_ok": self._master_error is None,
+            "pool": self.pool.statistics() if self.pool is not None else None,
+            **dict(self._stats),
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<Communicator peer={self.peer_id} group={self.peer_group} world={len(self._table)} "
+            f"master={'ok' if self._master_error is None else 'lost'}>"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # lifecycle
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        try:
+            stream = await self.transport.connect(self.master_host, self.master_port)
+        except ConnectFailed as exc:
+            raise MasterConnectionError(str(exc)) from exc
+        ms = MessageStream(stream, max_frame_size=self.config.max_frame_size)
+        try:
+            with trio.fail_after(self.config.connect_timeout):
+                await ms.send(m.Hello(protocol_version=PROTOCOL_VERSION, purpose="master",
+                                      secret=self.config.secret or ""))
+                reply = await ms.receive()
+        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
+            await ms.aclose()
+            raise MasterConnectionError(f"hello with master {self.master_host}:{self.master_port} failed: {exc}") from exc
+        if isinstance(reply, m.Refused):
+            await ms.aclose()
+            raise MasterConnectionError(f"master refused the connection: {reply.reason}")
+        if not isinstance(reply, m.HelloOk):
+            await ms.aclose()
+            raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
+        self._ms = ms
+        self.peer_id = reply.peer_id
+        self.pool = self._pool_cls(transport=self.transport, my_peer_id=self.peer_id, pool_size=self.pool_size,
+                                   config=self.config, secret=self.config.secret or "")
+        from .p2p import serve_p2p
+
+        handlers: dict[str, Callable[[MessageStream, m.Hello], Awaitable[None]]] = {
+            "ring": self.pool.handle_incoming,
+            "state": self._serve_state,
+            "bench": self._serve_bench,
+        }
+        try:
+            self.p2p_address = await nursery.start(
+                _guard(serve_p2p, "P2P listener"), self.transport, self.config.p2p_listen_host,
+                self.config.p2p_listen_port, handlers,
+            )
+        except ConnectFailed as exc:
+            await ms.aclose()
+            raise MasterConnectionError(f"cannot open the P2P listener: {exc}") from exc
+        assert self.p2p_address is not None
+        self._last_master_msg = trio.current_time()
+        nursery.start_soon(self._reader)
+        nursery.start_soon(self._heartbeat)
+        nursery.start_soon(self._watchdog)
+        await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
+        accepted = await self._accepted.wait()
+        self._set_table(accepted.peers, accepted.epoch)
+        log.info("peer %d accepted (world size %d)", self.peer_id, len(self._table))
+
+    async def aclose(self) -> None:
+        """Leave the run. The others see it exactly like a failure, minus the wait."""
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(InvalidUsageError("the communicator is closed", Result.INVALID_USAGE), closing=True)
+        with trio.CancelScope(shield=True):
+            if self.pool is not None:
+                with trio.move_on_after(1.0):
+                    await self.pool.aclose()
+            if self._ms is not None:
+                await self._ms.aclose()
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------------------------------
+    # master link
+
+    async def _send(self, msg: m.Message) -> None:
+        self._check_master()
+        assert self._ms is not None
+        try:
+            await self._ms.send(msg)
+        except StreamBroken as exc:
+            err = MasterConnectionError(f"lost the master while sending: {exc}")
+            self._fail_all(err)
+            raise err from exc
+
+    def _send_soon(self, msg: m.Message) -> None:
+        """Send from a context that must not wait (cleanup paths)."""
+        if self._nursery is not None and self._master_error is None and not self._closed:
+            async def go() -> None:
+                try:
+                    await self._send(msg)
+                except PCCLError:
+                    pass
+
+            self._nursery.start_soon(go)
+
+    def _check_master(self) -> None:
+        if self._master_error is not None:
+            raise self._master_error
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise InvalidUsageError("the communicator is closed")
+        self._check_master()
+
+    def _fail_all(self, error: PCCLError, *, closing: bool = False) -> None:
+        """The master is gone (or we close): fail every pending and future call."""
+        if self._master_error is None:
+            self._master_error = error
+            if not closing:
+                log.error("peer %d: %s", self.peer_id, error)
+        self._accepted.fail(error)
+        if self._topology_waiter is not None:
+            self._topology_waiter.fail(error)
+        while self._pending_waiters:
+            self._pending_waiters.popleft().fail(error)
+        for st in self._ops.values():
+            st.abort_error = error
+            st.commence.fail(error)
+            st.complete.fail(error)
+            if st.scope is not None:
+                st.scope.cancel()
+        if self._sync_waiter is not None:
+            self._sync_waiter.fail(error)
+        if self._sync_ctx is not None:
+            self._sync_ctx.abort(error)
+
+    async def _reader(self) -> None:
+        assert self._ms is not None
+        try:
+            while True:
+                msg = await self._ms.receive()
+                self._last_master_msg = trio.current_time()
+                handler = self._DISPATCH.get(type(msg))
+                if handler is None:
+                    raise RemoteProtocolError(f"unexpected message from master: {type(msg).__name__}")
+                handler(self, msg)
+        except StreamBroken as exc:
+            self._fail_all(MasterConnectionError(f"lost the connection to the master: {exc}"))
+        except RemoteProtocolError as exc:
+            self._fail_all(MasterConnectionError(f"master protocol error: {exc.message}"))
+            await self._ms.aclose()
+        except KickedError as exc:
+            self._fail_all(exc)
+            await self._ms.aclose()
+
+    async def _heartbeat(self) -> None:
+        while self._master_error is None:
+            await trio.sleep(self.config.heartbeat_interval)
+            try:
+                await self._send(m.Heartbeat())
+            except PCCLError:
+                return
+
+    async def _watchdog(self) -> None:
+        period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
+        while self._master_error is None:
+            await trio.sleep(period)
+            silent = trio.current_time() - self._last_master_msg
+            if silent > self.config.heartbeat_timeout:
+                self._fail_all(MasterConnectionError(
+                    f"master silent for {silent:.1f}s (heartbeat timeout {self.config.heartbeat_timeout:g}s)"))
+                if self._ms is not None:
+                    await self._ms.aclose()
+                return
+
+    # --- dispatch ---------------------------------------------------------------------------
+
+    def _on_heartbeat(self, msg: m.Message) -> None:
+        pass
+
+    def _on_refused(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.Refused)
+        raise KickedError(f"removed by the master: {msg.reason}")
+
+    def _on_registered(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.Registered)
+        log.debug("peer %d registered, waiting to be accepted", msg.peer_id)
+
+    def _on_accepted(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.Accepted)
+        self._accepted.set(msg)
+
+    def _on_pending_result(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.PeersPendingResult)
+        if self._pending_waiters:
+            self._pending_waiters.popleft().set(msg)
+
+    def _on_establish(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.EstablishP2P)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._establish, msg)
+
+    async def _establish(self, msg: m.EstablishP2P) -> None:
+        group_rows = [r for r in msg.peers if int(r[3]) == self.peer_group]
+        nxt, _ = _ring_neighbours(group_rows, self.peer_id)
+        ok, failed, reason = True, [], ""
+        if nxt is not None:
+            try:
+                with trio.fail_after(self.config.p2p_connection_timeout):
+                    await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+            except (PCCLError, trio.TooSlowError) as exc:
+                ok, failed, reason = False, [int(nxt[0])], str(exc)
+        try:
+            await self._send(m.P2PConnectionsDone(epoch=msg.epoch, success=ok, failed_peers=failed, reason=reason))
+        except PCCLError:
+            pass
+
+    def _on_topology_result(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.TopologyResult)
+        self._set_table(msg.peers, msg.epoch)
+        if self._topology_waiter is not None:
+            self._topology_waiter.set(msg)
+
+    def _on_commence(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.CollectiveCommence)
+        st = self._ops.get(msg.tag)
+        if st is not None:
+            st.op_seq = msg.op_seq
+            st.commence.set(msg)
+
+    def _on_complete(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.CollectiveComplete)
+        st = self._ops.get(msg.tag)
+        if st is not None and st.op_seq == msg.op_seq:
+            st.complete.set(msg)
+
+    def _on_abort(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.CollectiveAbort)
+        st = self._ops.get(msg.tag)
+        if st is None or (msg.op_seq != -1 and st.op_seq not in (-1, msg.op_seq)):
+            return
+        err = error_from_code(msg.code, msg.reason)
+        st.abort_error = err
+        st.commence.fail(err)
+        st.complete.fail(err)
+        if st.scope is not None:
+            st.scope.cancel()
+
+    def _on_sync_message(self, msg: m.Message) -> None:
+        if self._sync_waiter is not None:
+            self._sync_waiter.set(msg)
+
+    def _on_measure(self, msg: m.Message) -> None:
+        assert isinstance(msg, m.MeasureBandwidth)
+        assert self._nursery is not None
+        self._nursery.start_soon(self._measure, msg)
+
+    _DISPATCH: dict[type[m.Message], Callable[[Communicator, m.Message], None]] = {
+        m.Heartbeat: _on_heartbeat,
+        m.Refused: _on_refused,
+        m.Registered: _on_registered,
+        m.Accepted: _on_accepted,
+        m.PeersPendingResult: _on_pending_result,
+        m.EstablishP2P: _on_establish,
+        m.TopologyResult: _on_topology_result,
+        m.CollectiveCommence: _on_commence,
+        m.CollectiveComplete: _on_complete,
+        m.CollectiveAbort: _on_abort,
+        m.SharedStatePlan: _on_sync_message,
+        m.SharedStateResult: _on_sync_message,
+        m.MeasureBandwidth: _on_measure,
+    }
+
+    def _set_table(self, rows: list[list[Any]], epoch: int) -> None:
+        self._table = [list(r) for r in rows]
+        self._epoch = epoch
+
+    def _reconcile_group(self, group_rows: list[list[Any]]) -> None:
+        """A collective/sync told us who is alive in our group: drop the others from our table."""
+        alive = {int(r[0]) for r in group_rows}
+        self._table = [r for r in self._table if int(r[3]) != self.peer_group or int(r[0]) in alive]
+
+    # ------------------------------------------------------------------------------------------
+    # membership calls
+
+    async def update_topology(self) -> None:
+        """Vote to admit pending peers; returns once every accepted peer voted and connected.
+
+        Raises:
+            PendingAsyncOpsError: collectives of this peer are still in flight.
+            UpdateTopologyFailedError: P2P setup failed somewhere; retry.
+            MasterConnectionError: the master is lost.
+        """
+        await self._topology_call(m.UpdateTopologyVote(), "update_topology")
+
+    async def optimize_topology(self) -> None:
+        """Vote to measure missing link bandwidths and re-solve the ring (no newcomers admitted).
+
+        Raises:
+            PendingAsyncOpsError, TopologyOptimizationFailedError, MasterConnectionError.
+        """
+        await self._topology_call(m.OptimizeTopologyVote(), "optimize_topology")
+
+    async def _topology_call(self, vote: m.Message, name: str) -> None:
+        self._check_usable()
+        if self._ops:
+            raise PendingAsyncOpsError(f"{name} while {len(self._ops)} collective(s) are in flight")
+        if self._topology_waiter is not None or self._sync_waiter is not None:
+            raise InvalidUsageError(f"{name} while another membership call is running")
+        waiter: _Waiter[m.TopologyResult] = _Waiter()
+        self._topology_waiter = waiter
+        try:
+            await self._send(vote)
+            result = await waiter.wait()
+        finally:
+            self._topology_waiter = None
+        if not result.success:
+            raise error_from_code(result.code, result.reason or f"{name} failed")
+
+    async def are_peers_pending(self) -> bool:
+        """Collective query (all accepted peers call it): are peers waiting to be accepted?
+
+        May be called while collectives are in flight.
+        """
+        self._check_usable()
+        waiter: _Waiter[m.PeersPendingResult] = _Waiter()
+        self._pending_waiters.append(waiter)
+        try:
+            await self._send(m.PeersPendingVote())
+            return (await waiter.wait()).pending
+        finally:
+            if waiter in self._pending_waiters:
+                self._pending_waiters.remove(waiter)
+
+    # ------------------------------------------------------------------------------------------
+    # collectives
+
+    async def all_reduce(
+        self,
+        send: Any,
+        recv: Any = None,
+        *,
+        op: ReduceOp = ReduceOp.SUM,
+        tag: int = 0,
+        quantization: QuantizationOptions | None = None,
+    ) -> ReduceInfo:
+        """Ring all-reduce of ``send`` into ``recv`` (``recv`` None or ``send`` itself: in place).
+
+        Args:
+            send: contiguous numpy array or torch tensor.
+            recv: output of the same dtype and element count (may be ``send``).
+            op: SUM, AVG, PROD, MIN or MAX (accumulated in the tensor's dtype).
+            tag: operations with different tags may run concurrently.
+            quantization: optional wire compression (floats only).
+
+        Returns:
+            ReduceInfo(local_world_size, tx_bytes, rx_bytes).
+
+        Raises:
+            TooFewPeersError: fewer than 2 peers in the group.
+            InvalidUsageError: ``tag`` is already running.
+            RankConnectionLostError: a participant failed; ``recv`` holds its previous bits.
+            MasterConnectionError: the master is lost.
+        """
+        return await self._collective("all_reduce", send, recv, op=op, tag=tag, quantization=quantization)
+
+    async def reduce_scatter(self, send: Any, recv: Any = None, *, op: ReduceOp = ReduceOp.SUM,
+                             tag: int = 0) -> tuple[ReduceInfo, slice]:
+        """Reduce ``send`` across the group; this peer receives its own chunk.
+
+        Returns:
+            (info, chunk): ``recv[chunk]`` holds this peer's reduced chunk (the rest of ``recv`` is
+            unchanged). Chunk r has ``count // n`` elements plus one if ``r < count % n``.
+        """
+        info = await self._collective("reduce_scatter", send, recv, op=op, tag=tag)
+        return info, self._last_chunk
+
+    async def all_gather(self, send: Any, recv: Any, *, tag: int = 0) -> ReduceInfo:
+        """Gather every peer's ``send`` into ``recv`` in ring (rank) order.
+
+        ``recv`` must hold ``group_world_size * len(send)`` elements; if the group changed since the
+        last call the operation fails with INVALID_ARGUMENT and ``recv`` is untouched.
+        """
+        return await self._collective("all_gather", send, recv, op=ReduceOp.SUM, tag=tag)
+
+    async def broadcast(self, tensor: Any, *, root: int = 0, tag: int = 0) -> ReduceInfo:
+        """Overwrite ``tensor`` on every peer with the root's contents.
+
+        Args:
+            root: rank of the root in this group's ring (see :attr:`rank`).
+        """
+        return await self._collective("broadcast", tensor, tensor, op=ReduceOp.SUM, tag=tag, root=root)
+
+    _last_chunk: slice = slice(0, 0)
+
+    async def _collective(
+        self,
+        kind: str,
+        send: Any,
+        recv: Any,
+        *,
+        op: ReduceOp,
+        tag: int,
+        root: int = 0,
+        quantization: QuantizationOptions | None = None,
+    ) -> ReduceInfo:
+        from ..kernels import backend
+
+        self._check_usable()
+        if not isinstance(tag, int) or tag < 0 or tag >= 2**63:
+            raise InvalidArgumentError(f"tag must be a non-negative 64-bit integer, got {tag!r}")
+        op = ReduceOp(op)
+        if recv is None:
+            recv = send
+        sdesc = backend.describe(send)
+        rdesc = backend.describe(recv)
+        if sdesc.dtype != rdesc.dtype:
+            raise InvalidArgumentError(f"send is {sdesc.dtype.name} but recv is {rdesc.dtype.name}")
+        group = self.group_ring
+        n = len(group)
+        if kind == "all_gather":
+            if rdesc.count != n * sdesc.count:
+                raise InvalidArgumentError(
+                    f"all_gather: recv has {rdesc.count} elements, expected {n} x {sdesc.count}")
+        elif rdesc.count != sdesc.count:
+            raise InvalidArgumentError(f"send has {sdesc.count} elements but recv has {rdesc.count}")
+        if tag in self._ops:
+            raise InvalidUsageError(f"tag {tag} is already running on this peer")
+        if n < 2:
+            raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.peer_group}, world has {n}")
+        q = quantization or QuantizationOptions()
+        if q.algorithm != QuantizationAlgorithm.NONE and (kind != "all_reduce" or not sdesc.dtype.is_floating):
+            raise InvalidArgumentError("quantization applies to floating-point all_reduce only")
+        root_id = -1
+        if kind == "broadcast":
+            if not 0 <= root < n:
+                raise InvalidArgumentError(f"root rank {root} out of range for group size {n}")
+            root_id = group[root]
+        descriptor = [kind, int(sdesc.dtype), sdesc.count, int(op), root_id, int(q.algorithm),
+                      int(q.quantized_datatype)]
+        st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
+        self._ops[tag] = st
+        work: np.ndarray | None = None
+        try:
+            await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
+            commence = await st.commence.wait()
+            rows = commence.peers
+            ring = [int(r[0]) for r in rows]
+            self._reconcile_group(rows)
+            if kind == "all_gather" and len(ring) * sdesc.count != rdesc.count:
+                await self._report_failure(st, "group size changed")
+                raise InvalidArgumentError(f"all_gather: the group has {len(ring)} peers now; recv must "
+                                           f"hold {len(ring)} x {sdesc.count} elements")
+            if kind == "broadcast" and root_id not in ring:
+                await self._report_failure(st, "root lost")
+                raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
+            send_np = backend.as_numpy(send)
+            work = self._take_work(send_np.dtype, rdesc.count)
+            ok, reason, tx, rx = False, "", 0, 0
+            with trio.CancelScope() as scope:
+                st.scope = scope
+                try:
+                    nxt, _ = _ring_neighbours(rows, self.peer_id)
+                    assert nxt is not None
+                    await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+                    tx, rx = await self._run_dataplane(kind, st, ring, send_np, work, op, root, q)
+                    ok = True
+                except PCCLError as exc:
+                    reason = str(exc)
+            st.scope = None
+            if st.abort_error is not None:
+                raise st.abort_error
+            if not ok:
+                await self._report_failure(st, reason)
+                raise RankConnectionLostError(reason)
+            await self._send(m.CollectiveDone(tag=tag, success=True))
+            await st.complete.wait()
+            st.concluded = True
+            # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
+            # cannot land half-way.
+            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id))
+            self._give_back_work(work)
+            work = None
+            self._stats[f"{kind}_ok"] += 1
+            return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
+        except PCCLError:
+            self._stats[f"{kind}_failed"] += 1
+            raise
+        finally:
+            if not st.concluded and st.abort_error is None and self._master_error is None:
+                # Cancelled by the caller while voting or running: withdraw, so the master aborts the
+                # op for the other participants instead of leaving them waiting for us.
+                self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
+            self._ops.pop(tag, None)
+
+    async def _report_failure(self, st: _OpState, reason: str) -> None:
+        st.concluded = True
+        try:
+            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason))
+        except PCCLError:
+            pass
+
+    async def _run_dataplane(self, kind: str, st: _OpState, ring: list[int], send_np: np.ndarray,
+                             work: np.ndarray, op: ReduceOp, root: int,
+                             q: QuantizationOptions) -> tuple[int, int]:
+        from ..collectives.ring import run_collective
+
+        ring_op = ReduceOp.SUM if op == ReduceOp.AVG else op
+        kwargs: dict[str, Any] = {}
+        if q.algorithm != QuantizationAlgorithm.NONE:
+            kwargs["quantization"] = q
+        return await run_collective(self.pool, kind=kind, ring=ring, my_id=self.peer_id, tag=st.tag,
+                                    op_seq=st.op_seq, send=send_np, out=work, op=ring_op, root=root, **kwargs)
+
+    def _commit(self, kind: str, op: ReduceOp, work: np.ndarray, recv: Any, n: int, rank: int) -> None:
+        from ..collectives.schedule import chunk_bounds
+        from ..kernels import backend, reduce
+
+        out = backend.as_numpy(recv)
+        if kind == "reduce_scatter":
+            lo, hi = chunk_bounds(work.size, n)[rank]
+            if op == ReduceOp.AVG:
+                reduce.finalize_avg(work[lo:hi], n)
+            out[lo:hi] = work[lo:hi]
+            self._last_chunk = slice(lo, hi)
+            return
+        if kind == "all_reduce" and op == ReduceOp.AVG:
+            reduce.finalize_avg(work, n)
+        np.copyto(out, work)
+
+    def _take_work(self, dtype: np.dtype[Any], count: int) -> np.ndarray:
+        key = (dtype.str, count)
+        buf = self._work_cache.pop(key, None)
+        if buf is None:
+            buf = np.empty(count, dtype=dtype)
+        return buf
+
+    def _give_back_work(self, buf: np.ndarray) -> None:
+        # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
+        if len(self._work_cache) < 8:
+            self._work_cache[(buf.dtype.str, buf.size)] = buf
+
+    async def all_reduce_multiple_with_retry(
+        self,
+        ops: Sequence[tuple[Any, Any, ReduceOp] | dict[str, Any]],
+        *,
+        max_in_flight: int = 4,
+        base_tag: int = 0,
+    ) -> ReduceInfo:
+        """Run several all-reduces concurrently, retrying failed ones until all succeed.
+
+        Args:
+            ops: items ``(send, recv, op)`` or dicts with keys send, recv, op, tag, quantization.
+            max_in_flight: cap on operations running at once.
+            base_tag: tags used are ``base_tag + index`` unless a dict names its own ``tag``.
+
+        Returns:
+            Summed ReduceInfo (world size of the last successful op).
+
+        Raises:
+            TooFewPeersError: the world dropped below 2 before all succeeded.
+        """
+        if max_in_flight < 1:
+            raise InvalidArgumentError("max_in_flight must be >= 1")
+        items: list[dict[str, Any]] = []
+        for i, o in enumerate(ops):
+            if isinstance(o, dict):
+                d = dict(o)
+            else:
+                d = {"send": o[0], "recv": o[1], "op": o[2]}
+            d.setdefault("tag", base_tag + i)
+            items.append(d)
+        tx = rx = 0
+        world = 0
+        remaining = list(range(len(items)))
+        while remaining:
+            failures: list[int] = []
+            fatal: list[PCCLError] = []
+            limiter = trio.CapacityLimiter(max_in_flight)
+            results: dict[int, ReduceInfo] = {}
+
+            async def one(i: int) -> None:
+                d = items[i]
+                async with limiter:
+                    try:
+                        results[i] = await self.all_reduce(d["send"], d.get("recv"), op=d.get("op", ReduceOp.SUM),
+                                                           tag=d["tag"], quantization=d.get("quantization"))
+                    except RankConnectionLostError:
+                        failures.append(i)
+                    except PCCLError as exc:
+                        fatal.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                for i in remaining:
+                    nursery.start_soon(one, i)
+            if fatal:
+                raise fatal[0]
+            for info in results.values():
+                tx += info.tx_bytes
+                rx += info.rx_bytes
+                world = info.local_world_size
+            remaining = sorted(failures)
+            if remaining and len(self.group_ring) < 2:
+                raise TooFewPeersError("the world dropped below 2 peers before all operations succeeded")
+        return ReduceInfo(local_world_size=world or len(self.group_ring), tx_bytes=tx, rx_bytes=rx)
+
+    # ------------------------------------------------------------------------------------------
+    # shared state
+
+    async def sync_shared_state(
+        self,
+        state: Any,
+        strategy: SharedStateSyncStrategy = SharedStateSyncStrategy.ENFORCE_POPULAR,
+        *,
+        progress: Callable[[int, int], None] | None = None,
+    ) -> SharedStateSyncInfo:
+        """Synchronize ``state`` with the group (a group vote); see PROTOCOL.md section 5.
+
+        Tensors are updated in place; ``state.revision`` is set to the group's revision.
+
+        Args:
+            state: the :class:`pccl.SharedState`.
+            strategy: ENFORCE_POPULAR, RECEIVE_ONLY or SEND_ONLY.
+            progress: optional ``callback(bytes_done, bytes_total)`` for long transfers.
+
+        Raises:
+            SharedStateSyncError / NoSharedStateAvailableError: refused or failed; tensors unchanged.
+            RankConnectionLostError: a participant was lost mid-sync; retry.
+        """
+        from . import shared_state
+
+        self._check_usable()
+        if self._sync_waiter is not None or self._topology_waiter is not None:
+            raise InvalidUsageError("sync_shared_state while another membership call is running")
+        return await shared_state.run_sync(self, state, SharedStateSyncStrategy(strategy), progress)
+
+    async def _serve_state(self, ms: MessageStream, hello: m.Hello) -> None:
+        from . import shared_state
+
+        await shared_state.serve_state_requests(self, ms, hello)
+
+    # ------------------------------------------------------------------------------------------
+    # bandwidth
+
+    async def _serve_bench(self, ms: MessageStream, hello: m.Hello) -> None:
+        from . import bandwidth
+
+        await bandwidth.serve_probe(ms)
+
+    async def _measure(self, msg: m.MeasureBandwidth) -> None:
+        from . import bandwidth
+
+        results = await bandwidth.measure_targets(self, msg.targets, msg.duration)
+        try:
+            await self._send(m.BandwidthReport(epoch=msg.epoch, results=results))
+        except PCCLError:
+            pass
+
+
+def _guard(fn: Callable[..., Awaitable[None]], what: str) -> Callable[..., Awaitable[None]]:
+    """Wrap a background task so a bug in it is logged instead of tearing down the nursery silently."""
+
+    async def wrapped(*args: Any, **kwargs: Any) -> None:
+        try:
+            await fn(*args, **kwargs)
+        except (trio.Cancelled, KeyboardInterrupt):
+            raise
+        except Exception:
+            log.exception("%s crashed", what)
+            raise
+
+    return wrapped
+
+
+@asynccontextmanager
+async def open_communicator(
+    address: str,
+    *,
+    peer_group: int = 0,
+    p2p_connection_pool_size: int = 1,
+    config: PeerConfig | None = None,
+    transport: Transport | None = None,
+) -> AsyncIterator[Communicator]:
+    """Connect to the master and yield a :class:`Communicator` once this peer is accepted.
+
+    The first peer is accepted at once; later peers wait until the accepted peers call
+    ``update_topology()``.
+
+    Args:
+        address: master ``"HOST:PORT"``.
+        peer_group: collectives and shared-state syncs run within a group.
+        p2p_connection_pool_size: TCP connections per ring neighbour.
+        config: timeouts and limits (:class:`pccl.PeerConfig`).
+        transport: the transport seam (default TCP; pccl.testing provides a virtual network).
+
+    Raises:
+        MasterConnectionError: the master cannot be reached, refuses us, or is lost while waiting.
+    """
+    comm = Communicator(address, peer_group=peer_group, p2p_connection_pool_size=p2p_connection_pool_size,
+                        config=config, transport=transport)
+    # Errors are re-raised outside the nursery so callers see one exception, never an ExceptionGroup.
+    start_error: BaseException | None = None
+    body_error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        try:
+            await comm._start(nursery)
+        except BaseException as exc:
+            start_error = exc
+            await comm.aclose()
+        if start_error is None:
+            try:
+                yield comm
+            except BaseException as exc:
+                body_error = exc
+            finally:
+                await comm.aclose()
+    if start_error is not None:
+        raise start_error
+    if body_error is not None:
+        raise body_error
+
+
+__all__ = ["Communicator", "error_from_code", "open_communicator"]

@@ -1,0 +1,332 @@
+"""Shared state on the peer: declaring tensors, the sync call, serving and fetching tensors.
+
+A sync is a group vote (see :mod:`pccl.master.election` for the rules). The master sends each
+peer a plan: the keys it must fetch and which peers hold the elected bytes. Fetched bytes are
+staged, re-hashed and applied only after the master confirms that every participant succeeded,
+so a failed sync leaves every tensor exactly as it was (**atomic apply**). The price is staging
+memory equal to the bytes fetched (a newcomer briefly holds its state twice).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import trio
+
+from .._errors import InvalidArgumentError, PCCLError, RemoteProtocolError, SharedStateSyncError
+from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
+from ..kernels import backend, hashing
+from ..transport import StreamBroken
+from ..wire import messages as m
+from ..wire.stream import MessageStream
+
+if TYPE_CHECKING:
+    from .communicator import Communicator
+
+log = logging.getLogger("pccl.shared_state")
+
+ProgressCallback = Callable[[int, int], None]
+"""``callback(bytes_done, bytes_total)`` called as a fetch progresses."""
+
+_HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
+_PROGRESS_LOG_BYTES = 64 * 1024 * 1024
+
+
+class TensorInfo:
+    """One named tensor of a shared state.
+
+    Args:
+        name: unique key within the state.
+        tensor: contiguous numpy array, torch tensor (CPU or CUDA) or cupy array; updated in place.
+        allow_content_inequality: not compared between up-to-date peers (newcomers and outdated
+            peers still receive it).
+    """
+
+    def __init__(self, name: str, tensor: Any, *, allow_content_inequality: bool = False) -> None:
+        if not isinstance(name, str) or not name:
+            raise InvalidArgumentError("a TensorInfo needs a non-empty string name")
+        backend.describe(tensor)  # validates type, dtype and contiguity now, not at sync time
+        self.name = name
+        self.tensor = tensor
+        self.allow_content_inequality = bool(allow_content_inequality)
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray, name: str, *, allow_content_inequality: bool = False) -> TensorInfo:
+        """Wrap a contiguous numpy array."""
+        return cls(name, array, allow_content_inequality=allow_content_inequality)
+
+    @classmethod
+    def from_torch(cls, tensor: Any, name: str, *, allow_content_inequality: bool = False) -> TensorInfo:
+        """Wrap a contiguous torch tensor (CPU or CUDA)."""
+        return cls(name, tensor, allow_content_inequality=allow_content_inequality)
+
+    def __repr__(self) -> str:
+        d = backend.describe(self.tensor)
+        return f"<TensorInfo {self.name!r} {d.dtype.name}{list(d.shape)}>"
+
+
+class SharedState:
+    """A list of named tensors plus a revision that goes up by one per sync.
+
+    Args:
+        tensor_infos: the tensors; names must be unique.
+        revision: the starting revision.
+    """
+
+    def __init__(self, tensor_infos: list[TensorInfo], revision: int = 0) -> None:
+        names = [t.name for t in tensor_infos]
+        if len(set(names)) != len(names):
+            raise InvalidArgumentError(f"duplicate tensor names in shared state: {names}")
+        self.tensor_infos = list(tensor_infos)
+        self.revision = int(revision)
+
+    def __repr__(self) -> str:
+        return f"<SharedState revision={self.revision} tensors={len(self.tensor_infos)}>"
+
+
+@dataclass
+class SyncContext:
+    """A sync in progress on this peer: what it serves to others and what it received."""
+
+    state: SharedState
+    hashes: dict[str, int]
+    seq: int = -1
+    plan_ready: trio.Event = field(default_factory=trio.Event)
+    tx: int = 0
+    error: PCCLError | None = None
+
+    def abort(self, error: PCCLError) -> None:
+        self.error = error
+        self.plan_ready.set()
+
+
+def _host_bytes(t: Any) -> memoryview:
+    """Bytes of a tensor for sending (a zero-copy view on CPU, a host copy for GPU tensors)."""
+    if backend.is_cuda(t):
+        mod = type(t).__module__
+        if mod.startswith("torch"):
+            host = t.detach().contiguous().view(-1).cpu()
+            return backend.byte_view(host)
+        import cupy  # type: ignore[import-not-found]
+
+        return memoryview(np.ascontiguousarray(cupy.asnumpy(t)).reshape(-1).view(np.uint8))
+    return backend.byte_view(t)
+
+
+def _apply(t: Any, data: np.ndarray) -> None:
+    """Overwrite tensor ``t`` with raw bytes ``data`` (uint8), in place."""
+    if backend.is_cuda(t):
+        mod = type(t).__module__
+        if mod.startswith("torch"):
+            import torch
+
+            src = torch.from_numpy(data).view(t.dtype).view(t.shape)
+            t.copy_(src)
+            return
+        import cupy
+
+        t.view(cupy.uint8).reshape(-1)[:] = cupy.asarray(data)
+        return
+    view = backend.byte_view(t)
+    np.frombuffer(view, dtype=np.uint8)[:] = data
+
+
+def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int]]:
+    rows: list[list[Any]] = []
+    hashes: dict[str, int] = {}
+    for info in state.tensor_infos:
+        d = backend.describe(info.tensor)
+        h = hashing.content_hash(info.tensor)
+        hashes[info.name] = h
+        rows.append([info.name, int(d.dtype), list(d.shape), d.nbytes, h, info.allow_content_inequality])
+    return rows, hashes
+
+
+async def run_sync(
+    comm: Communicator,
+    state: SharedState,
+    strategy: SharedStateSyncStrategy,
+    progress: ProgressCallback | None = None,
+) -> SharedStateSyncInfo:
+    """The body of :meth:`Communicator.sync_shared_state`."""
+    from .communicator import _Waiter, error_from_code
+
+    if not isinstance(state, SharedState):
+        raise InvalidArgumentError("sync_shared_state needs a pccl.SharedState")
+    total = sum(backend.describe(i.tensor).nbytes for i in state.tensor_infos)
+    on_gpu = any(backend.is_cuda(i.tensor) for i in state.tensor_infos)
+    if total >= _HASH_IN_THREAD_BYTES and not on_gpu:
+        # Hash off the trio thread so heartbeats keep flowing while large states are hashed.
+        rows, hashes = await trio.to_thread.run_sync(_entries, state)
+    else:
+        rows, hashes = _entries(state)
+    ctx = SyncContext(state=state, hashes=hashes)
+    waiter: _Waiter[m.Message] = _Waiter()
+    comm._sync_ctx = ctx
+    comm._sync_waiter = waiter
+    try:
+        await comm._send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=rows))
+        first = await waiter.wait()
+        if isinstance(first, m.SharedStateResult):
+            # Refused before any transfer (revision skip, key mismatch, no state available...).
+            raise error_from_code(first.code, first.reason)
+        assert isinstance(first, m.SharedStatePlan)
+        ctx.seq = first.sync_seq
+        ctx.plan_ready.set()
+        comm._reconcile_group(first.peers)
+        final: _Waiter[m.Message] = _Waiter()
+        comm._sync_waiter = final
+        staged: dict[str, np.ndarray] = {}
+        ok, reason, rx = True, "", 0
+        if first.fetch:
+            try:
+                staged, rx = await _fetch_all(comm, first, progress)
+            except PCCLError as exc:
+                ok, reason = False, str(exc)
+        await comm._send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
+        result = await final.wait()
+        assert isinstance(result, m.SharedStateResult)
+        if not result.success:
+            raise error_from_code(result.code, result.reason)
+        # Atomic apply: only now, after every participant succeeded, do tensors change.
+        by_name = {i.name: i for i in state.tensor_infos}
+        for key, data in staged.items():
+            _apply(by_name[key].tensor, data)
+        state.revision = result.revision
+        return SharedStateSyncInfo(tx_bytes=ctx.tx, rx_bytes=rx)
+    finally:
+        comm._sync_ctx = None
+        comm._sync_waiter = None
+
+
+async def _fetch_all(
+    comm: Communicator, plan: m.SharedStatePlan, progress: ProgressCallback | None
+) -> tuple[dict[str, np.ndarray], int]:
+    """Fetch every planned key, spreading over holders; a failed holder's keys go to the next one."""
+    addresses = {int(r[0]): (str(r[1]), int(r[2])) for r in plan.peers}
+    items = {str(row[0]): (int(row[1]), [int(h) for h in row[2]]) for row in plan.fetch}
+    by_name = {i.name: i for i in comm._sync_ctx.state.tensor_infos} if comm._sync_ctx else {}
+    sizes = {k: backend.describe(by_name[k].tensor).nbytes for k in items if k in by_name}
+    missing = [k for k in items if k not in by_name]
+    if missing:
+        raise SharedStateSyncError(f"plan names unknown keys {missing}")
+    total = sum(sizes.values())
+    staged: dict[str, np.ndarray] = {}
+    tried: dict[str, int] = dict.fromkeys(items, 0)
+    counter = {"done": 0, "logged": 0}
+    started = trio.current_time()
+
+    def on_bytes(n: int) -> None:
+        counter["done"] += n
+        if progress is not None:
+            progress(counter["done"], total)
+        if counter["done"] - counter["logged"] >= _PROGRESS_LOG_BYTES:
+            counter["logged"] = counter["done"]
+            el = max(trio.current_time() - started, 1e-9)
+            log.info("shared state: %d / %d bytes (%.1f MB/s)", counter["done"], total, counter["done"] / el / 1e6)
+
+    pending = list(items)
+    while pending:
+        by_holder: dict[int, list[str]] = {}
+        for key in pending:
+            holders = items[key][1]
+            if tried[key] >= len(holders):
+                raise SharedStateSyncError(f"no holder could deliver tensor {key!r} (tried {holders})")
+            by_holder.setdefault(holders[tried[key]], []).append(key)
+        failed: list[str] = []
+
+        async def from_holder(holder: int, keys: list[str]) -> None:
+            try:
+                await _fetch_from(comm, plan.sync_seq, holder, addresses.get(holder), keys, items, sizes,
+                                  staged, on_bytes)
+            except (PCCLError, StreamBroken, trio.TooSlowError) as exc:
+                log.warning("fetching %d tensor(s) from peer %d failed: %s", len(keys), holder, exc)
+                for k in keys:
+                    if k not in staged:
+                        failed.append(k)
+
+        async with trio.open_nursery() as nursery:
+            for holder, keys in by_holder.items():
+                nursery.start_soon(from_holder, holder, keys)
+        for k in failed:
+            tried[k] += 1
+        pending = failed
+    return staged, sum(sizes.values())
+
+
+async def _fetch_from(
+    comm: Communicator,
+    seq: int,
+    holder: int,
+    address: tuple[str, int] | None,
+    keys: list[str],
+    items: dict[str, tuple[int, list[int]]],
+    sizes: dict[str, int],
+    staged: dict[str, np.ndarray],
+    on_bytes: Callable[[int], None],
+) -> None:
+    from .p2p import open_p2p
+
+    if address is None:
+        raise SharedStateSyncError(f"holder {holder} is not in the group table")
+    ms = await open_p2p(comm.transport, address[0], address[1], my_peer_id=comm.peer_id, channel="state",
+                        config=comm.config, secret=comm.config.secret or "")
+    try:
+        await ms.send(m.StateRequest(sync_seq=seq, keys=keys))
+        for key in keys:
+            hdr = await ms.receive()
+            if isinstance(hdr, m.Refused):
+                raise SharedStateSyncError(f"peer {holder} refused the transfer: {hdr.reason}")
+            if not isinstance(hdr, m.StateTensor) or hdr.key != key or hdr.nbytes != sizes[key]:
+                raise RemoteProtocolError(f"peer {holder} sent an unexpected tensor header {hdr!r:.120}")
+            buf = np.empty(hdr.nbytes, dtype=np.uint8)
+            view = memoryview(buf)
+            step = 4 * 1024 * 1024
+            for off in range(0, hdr.nbytes, step):
+                part = view[off : off + step]
+                await ms.receive_raw_into(part)
+                on_bytes(len(part))
+            got = hashing.content_hash(buf)
+            expected = items[key][0]
+            if got != expected:
+                raise SharedStateSyncError(
+                    f"tensor {key!r} from peer {holder} hashes to {got:#x}, expected {expected:#x}")
+            staged[key] = buf
+    finally:
+        await ms.aclose()
+
+
+async def serve_state_requests(comm: Communicator, ms: MessageStream, hello: m.Hello) -> None:
+    """The "state" P2P channel: send requested tensors of the sync in progress."""
+    while True:
+        try:
+            req = await ms.receive()
+        except StreamBroken:
+            return
+        if not isinstance(req, m.StateRequest):
+            await ms.send(m.Refused(reason=f"expected StateRequest, got {type(req).__name__}"))
+            return
+        ctx = comm._sync_ctx
+        if ctx is not None and ctx.seq == -1:
+            # The requester may have received its plan before we processed ours.
+            with trio.move_on_after(comm.config.connect_timeout):
+                await ctx.plan_ready.wait()
+        if ctx is None or ctx.seq != req.sync_seq or ctx.error is not None:
+            await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))
+            return
+        by_name = {i.name: i for i in ctx.state.tensor_infos}
+        for key in req.keys:
+            info = by_name.get(key)
+            if info is None:
+                await ms.send(m.Refused(reason=f"unknown key {key!r}"))
+                return
+            data = _host_bytes(info.tensor)
+            await ms.send_with_raw(m.StateTensor(key=key, nbytes=len(data), hash=ctx.hashes[key]), data)
+            ctx.tx += len(data)
+
+
+__all__ = ["ProgressCallback", "SharedState", "SyncContext", "TensorInfo", "run_sync", "serve_state_requests"]

@@ -1,0 +1,335 @@
+"""The master state machine driven message by message (no trio, no sockets)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pccl import Result
+from pccl.master.state import Event, Kick, MasterState, Send
+from pccl.wire import messages as m
+
+
+def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
+    return [(e.peer_id, e.message) for e in effects if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
+
+
+def kicks(effects: list[Any]) -> list[Kick]:
+    return [e for e in effects if isinstance(e, Kick)]
+
+
+class Harness:
+    """Wires a MasterState to scripted peers."""
+
+    def __init__(self) -> None:
+        self.st = MasterState()
+        self.now = 0.0
+
+    def join(self, group: int = 0, host: str = "127.0.0.1") -> tuple[int, list[Any]]:
+        pid = self.st.new_connection(host, self.now)
+        eff = self.st.handle(pid, m.Register(p2p_port=40000 + pid, peer_group=group), self.now)
+        return pid, eff
+
+    def h(self, pid: int, msg: m.Message) -> list[Any]:
+        return self.st.handle(pid, msg, self.now)
+
+    def update(self, voters: list[int]) -> list[Any]:
+        """All voters vote, then everyone told to establish confirms."""
+        eff: list[Any] = []
+        for p in voters:
+            eff += self.h(p, m.UpdateTopologyVote())
+        est = sends(eff, m.EstablishP2P)
+        out: list[Any] = list(eff)
+        for pid, msg in est:
+            out += self.h(pid, m.P2PConnectionsDone(epoch=msg.epoch, success=True))
+        return out
+
+
+def test_first_peer_accepted_alone() -> None:
+    hs = Harness()
+    pid, eff = hs.join()
+    acc = sends(eff, m.Accepted)
+    assert acc and acc[0][0] == pid
+    assert acc[0][1].peers == [[pid, "127.0.0.1", 40000 + pid, 0]]
+    assert hs.st.statistics()["accepted"] == 1
+
+
+def test_second_peer_waits_for_unanimous_update_topology() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, eff = hs.join()
+    assert not sends(eff, m.Accepted)
+    assert hs.st.registered() == [b]
+    eff = hs.h(a, m.UpdateTopologyVote())
+    est = sends(eff, m.EstablishP2P)
+    assert {p for p, _ in est} == {a, b}
+    # b confirms first, a later; nobody is accepted until all confirmed
+    epoch = est[0][1].epoch
+    assert not sends(hs.h(b, m.P2PConnectionsDone(epoch=epoch, success=True)))
+    eff = hs.h(a, m.P2PConnectionsDone(epoch=epoch, success=True))
+    assert [p for p, _ in sends(eff, m.Accepted)] == [b]
+    res = sends(eff, m.TopologyResult)
+    assert [p for p, _ in res] == [a] and res[0][1].success and len(res[0][1].peers) == 2
+
+
+def test_p2p_failure_fails_update_for_everyone_and_newcomer_stays_registered() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    c, _ = hs.join()
+    hs.update([a])  # b, c accepted
+    d, _ = hs.join()
+    eff: list[Any] = []
+    for p in (a, b, c):
+        eff += hs.h(p, m.UpdateTopologyVote())
+    epoch = sends(eff, m.EstablishP2P)[0][1].epoch
+    out: list[Any] = []
+    for p in (a, b, c, d):
+        out += hs.h(p, m.P2PConnectionsDone(epoch=epoch, success=p != c, failed_peers=[d] if p == c else []))
+    res = sends(out, m.TopologyResult)
+    assert {p for p, _ in res} == {a, b, c}
+    assert all(not r.success and r.code == Result.UPDATE_TOPOLOGY_FAILED for _, r in res)
+    assert not sends(out, m.Accepted)
+    assert hs.st.registered() == [d]
+    assert hs.st.accepted() == [a, b, c]
+
+
+def test_peers_pending_is_collective() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    hs.update([a])
+    assert not sends(hs.h(a, m.PeersPendingVote()))
+    eff = hs.h(b, m.PeersPendingVote())
+    assert sorted((p, r.pending) for p, r in sends(eff, m.PeersPendingResult)) == [(a, False), (b, False)]
+    hs.join()
+    hs.h(a, m.PeersPendingVote())
+    eff = hs.h(b, m.PeersPendingVote())
+    assert all(r.pending for _, r in sends(eff, m.PeersPendingResult))
+
+
+def test_lost_peer_rechecks_votes() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    c, _ = hs.join()
+    hs.update([a])
+    hs.h(a, m.PeersPendingVote())
+    hs.h(b, m.PeersPendingVote())
+    eff = hs.st.peer_lost(c, "left")
+    assert {p for p, _ in sends(eff, m.PeersPendingResult)} == {a, b}
+    assert any(isinstance(e, Event) for e in eff)
+
+
+def test_illegal_message_kicks_only_sender() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    # b is registered, not accepted: a collective vote from it is illegal
+    eff = hs.h(b, m.CollectiveInitiate(tag=1, descriptor=[]))
+    assert [k.peer_id for k in kicks(eff)] == [b]
+    assert hs.st.accepted() == [a] and b not in hs.st.peers
+    # a message the master never accepts from peers
+    eff = hs.h(a, m.Accepted(peers=[], epoch=0))
+    assert [k.peer_id for k in kicks(eff)] == [a]
+
+
+def test_message_before_register_kicks() -> None:
+    hs = Harness()
+    pid = hs.st.new_connection("127.0.0.1", 0)
+    eff = hs.h(pid, m.UpdateTopologyVote())
+    assert kicks(eff) and "before Register" in kicks(eff)[0].reason
+
+
+def test_loopback_mixing_refused() -> None:
+    hs = Harness()
+    hs.join(host="127.0.0.1")
+    pid = hs.st.new_connection("10.1.2.3", 0)
+    eff = hs.h(pid, m.Register(p2p_port=5000, peer_group=0))
+    k = kicks(eff)
+    assert k and "loopback" in k[0].reason
+
+
+def test_heartbeat_expiry() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    hs.now = 10.0
+    b, _ = hs.join()
+    assert hs.st.expired(12.0, timeout=3.0) == [a]
+    hs.h(a, m.Heartbeat())
+    assert hs.st.expired(12.0, timeout=3.0) == []
+    hs.now = 14.0
+    hs.h(b, m.Heartbeat())
+    assert hs.st.expired(14.5, timeout=3.0) == []
+    assert hs.st.expired(16.0, timeout=3.0) == [a]
+
+
+def test_groups_and_attributes_table() -> None:
+    hs = Harness()
+    a, _ = hs.join(group=0)
+    b, _ = hs.join(group=1)
+    c, _ = hs.join(group=1)
+    hs.update([a])
+    assert hs.st.statistics()["groups"] == {0: 1, 1: 2}
+    assert hs.st.accepted(1) == [b, c]
+
+
+def _running_op(hs: Harness, peers: list[int], tag: int = 7) -> int:
+    eff: list[Any] = []
+    for p in peers:
+        eff += hs.h(p, m.CollectiveInitiate(tag=tag, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    com = sends(eff, m.CollectiveCommence)
+    assert {p for p, _ in com} == set(peers)
+    return int(com[0][1].op_seq)
+
+
+def test_collective_vote_commence_complete() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    hs.update([a])
+    seq = _running_op(hs, [a, b])
+    assert not sends(hs.h(a, m.CollectiveDone(tag=7, success=True)))
+    eff = hs.h(b, m.CollectiveDone(tag=7, success=True))
+    assert {(p, c.op_seq) for p, c in sends(eff, m.CollectiveComplete)} == {(a, seq), (b, seq)}
+
+
+def test_collective_duplicate_tag_refused_running_unaffected() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    hs.update([a])
+    _running_op(hs, [a, b])
+    eff = hs.h(a, m.CollectiveInitiate(tag=7, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    (p, ab), = sends(eff, m.CollectiveAbort)
+    assert p == a and ab.code == Result.INVALID_USAGE and ab.op_seq == -1
+    hs.h(a, m.CollectiveDone(tag=7, success=True))
+    assert sends(hs.h(b, m.CollectiveDone(tag=7, success=True)), m.CollectiveComplete)
+
+
+def test_collective_peer_lost_aborts_survivors() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    c, _ = hs.join()
+    hs.update([a])
+    _running_op(hs, [a, b, c])
+    hs.h(a, m.CollectiveDone(tag=7, success=True))
+    eff = hs.st.peer_lost(c, "left")
+    ab = sends(eff, m.CollectiveAbort)
+    assert {p for p, _ in ab} == {a, b} and all(x.code == Result.RANK_CONNECTION_LOST for _, x in ab)
+    # the retry runs with the smaller group
+    _running_op(hs, [a, b])
+
+
+def test_collective_voting_peer_lost_commences_without_it() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    c, _ = hs.join()
+    hs.update([a])
+    for p in (a, b):
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["x"]))
+    eff = hs.st.peer_lost(c, "evicted")
+    com = sends(eff, m.CollectiveCommence)
+    assert {p for p, _ in com} == {a, b} and len(com[0][1].peers) == 2
+
+
+def test_collective_descriptor_mismatch_refused() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    hs.update([a])
+    hs.h(a, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4]))
+    eff = hs.h(b, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 5]))
+    ab = sends(eff, m.CollectiveAbort)
+    assert {p for p, _ in ab} == {a, b} and all(x.code == Result.INVALID_ARGUMENT for _, x in ab)
+
+
+def test_collective_withdrawn_vote_aborts_voters() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    c, _ = hs.join()
+    hs.update([a])
+    hs.h(a, m.CollectiveInitiate(tag=1, descriptor=["x"]))
+    hs.h(b, m.CollectiveInitiate(tag=1, descriptor=["x"]))
+    eff = hs.h(b, m.CollectiveDone(tag=1, success=False, reason="cancelled"))
+    assert {p for p, _ in sends(eff, m.CollectiveAbort)} == {a, b}
+    assert hs.st.statistics()["collectives_voting"] == 0
+
+
+def test_failed_done_aborts_everyone() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    hs.update([a])
+    _running_op(hs, [a, b])
+    eff = hs.h(b, m.CollectiveDone(tag=7, success=False, reason="connection reset"))
+    assert {p for p, _ in sends(eff, m.CollectiveAbort)} == {a, b}
+
+
+def test_accept_first_when_all_accepted_left() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    eff = hs.st.peer_lost(a, "left")
+    assert [p for p, _ in sends(eff, m.Accepted)] == [b]
+
+
+def test_topology_update_peer_lost_during_establish_fails_round() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    c, _ = hs.join()
+    hs.update([a])
+    d, _ = hs.join()
+    eff: list[Any] = []
+    for p in (a, b, c):
+        eff += hs.h(p, m.UpdateTopologyVote())
+    epoch = sends(eff, m.EstablishP2P)[0][1].epoch
+    hs.h(a, m.P2PConnectionsDone(epoch=epoch, success=True))
+    hs.st.peer_lost(d, "left")
+    out = hs.h(b, m.P2PConnectionsDone(epoch=epoch, success=True))
+    out += hs.h(c, m.P2PConnectionsDone(epoch=epoch, success=True))
+    res = sends(out, m.TopologyResult)
+    assert {p for p, _ in res} == {a, b, c} and not res[0][1].success
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_optimize_topology_measures_then_establishes(n: int) -> None:
+    st = MasterState(solver=lambda bw: list(range(len(bw)))[::-1])
+    hs = Harness()
+    hs.st = st
+    ids = [hs.join()[0] for _ in range(n)]
+    hs.update([ids[0]])
+    eff: list[Any] = []
+    for p in ids:
+        eff += hs.h(p, m.OptimizeTopologyVote())
+    rounds = 0
+    while True:
+        meas = sends(eff, m.MeasureBandwidth)
+        if not meas:
+            break
+        rounds += 1
+        srcs = [p for p, _ in meas]
+        assert len(srcs) == len(set(srcs))
+        eff = []
+        for p, msg in meas:
+            eff += hs.h(p, m.BandwidthReport(epoch=msg.epoch, results=[[t[0], 1e9] for t in msg.targets]))
+    assert rounds == n - 1
+    est = sends(eff, m.EstablishP2P)
+    assert {p for p, _ in est} == set(ids)
+    out: list[Any] = []
+    for p, msg in est:
+        out += hs.h(p, m.P2PConnectionsDone(epoch=msg.epoch, success=True))
+    res = sends(out, m.TopologyResult)
+    assert len(res) == n and all(r.success for _, r in res)
+    if n >= 3:
+        assert hs.st.accepted() == ids[::-1]
+    # measurements are cached: a second optimize measures nothing
+    eff = []
+    for p in ids:
+        eff += hs.h(p, m.OptimizeTopologyVote())
+    assert not sends(eff, m.MeasureBandwidth) and sends(eff, m.EstablishP2P)
