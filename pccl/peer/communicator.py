@@ -13,6 +13,7 @@ results are committed only after the master confirms that every participant succ
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -267,12 +268,13 @@ class Communicator:
             "state": self._serve_state,
             "bench": self._serve_bench,
         }
+        serve = functools.partial(serve_p2p, config=self.config, secret=self.config.secret or "")
         try:
             self.p2p_address = await nursery.start(
-                _guard(serve_p2p, "P2P listener"), self.transport, self.config.p2p_listen_host,
+                _guard(serve, "P2P listener"), self.transport, self.config.p2p_listen_host,
                 self.config.p2p_listen_port, handlers,
             )
-        except ConnectFailed as exc:
+        except (ConnectFailed, PCCLError) as exc:
             await ms.aclose()
             raise MasterConnectionError(f"cannot open the P2P listener: {exc}") from exc
         assert self.p2p_address is not None

@@ -119,53 +119,35 @@ async def test_two_groups_attributes() -> None:
             done.set()
 
 
-async def _three(master_addr: str, n: trio.Nursery, stop: trio.Event) -> list[Communicator]:
-    comms: list[Communicator] = []
-
-    async def peer(ready: trio.Event, leave: trio.Event) -> None:
-        async with open_communicator(master_addr, config=FAST_PEER) as c:
-            comms.append(c)
-            ready.set()
-            await leave.wait()
-
-    r = trio.Event()
-    n.start_soon(peer, r, stop)
-    await r.wait()
-    rs = [trio.Event(), trio.Event()]
-    for x in rs:
-        n.start_soon(peer, x, stop)
-    return comms
-
-
 async def test_closed_peer_drops_out_at_next_update() -> None:
     async with open_master(config=FAST_MASTER) as master:
         async with trio.open_nursery() as n:
             stop = trio.Event()
             leave_c = trio.Event()
-            comms: list[Communicator] = []
+            comms: dict[str, Communicator] = {}
 
-            async def peer(ready: trio.Event, leave: trio.Event) -> None:
+            async def peer(name: str, ready: trio.Event, leave: trio.Event) -> None:
                 async with open_communicator(master.connect_address, config=FAST_PEER) as c:
-                    comms.append(c)
+                    comms[name] = c
                     ready.set()
                     await leave.wait()
 
             r = trio.Event()
-            n.start_soon(peer, r, stop)
+            n.start_soon(peer, "a", r, stop)
             await r.wait()
             r2, r3 = trio.Event(), trio.Event()
-            n.start_soon(peer, r2, stop)
-            n.start_soon(peer, r3, leave_c)
+            n.start_soon(peer, "b", r2, stop)
+            n.start_soon(peer, "c", r3, leave_c)
             while master.statistics()["registered"] < 2:
                 await trio.sleep(0.005)
-            await comms[0].update_topology()
+            await comms["a"].update_topology()
             await r2.wait()
             await r3.wait()
-            leaver = next(c for c in comms if c.peer_id == max(x.peer_id for x in comms))
+            assert comms["a"].world_size == 3
             leave_c.set()
             while master.statistics()["accepted"] > 2:
                 await trio.sleep(0.005)
-            rest = [c for c in comms if c is not leaver]
+            rest = [comms["a"], comms["b"]]
             await _update_all(rest)
             assert [c.get_attribute(Attribute.GLOBAL_WORLD_SIZE) for c in rest] == [2, 2]
             stop.set()
