@@ -1,0 +1,415 @@
+"""Tensor adaptation: numpy arrays, torch CPU/CUDA tensors and cupy arrays seen through one lens.
+
+Every collective works on a flat run of elements of one :class:`~pccl.DataType`. This module turns the
+caller's object into that view without copying:
+
+* :func:`describe` says what the object is (dtype, element count, bytes, device, shape) and rejects what we
+  cannot send (non-contiguous, unsupported dtype, unsupported type) with :class:`~pccl.InvalidArgumentError`.
+* :func:`as_numpy` gives a flat numpy view of a CPU tensor (shares memory).
+* :func:`byte_view` gives a flat ``uint8`` memoryview of a CPU tensor's bytes, for ``recv_into`` / ``send``.
+
+torch and cupy are never imported here. An object can only be a torch tensor if the caller already imported
+torch (the same holds for cupy), so the type checks look the module up in :data:`sys.modules`; a numpy input
+therefore never triggers ``import cupy`` (which costs seconds and may initialise a CUDA context).
+
+bfloat16: numpy has no native bfloat16. When ``ml_dtypes`` is importable its ``bfloat16`` is used; otherwise
+bfloat16 data is exposed as ``uint16`` bit patterns and the kernels must be told the real dtype
+(``dtype=DataType.BFLOAT16``), which they then emulate in float32 with round-to-nearest-even.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .._errors import InvalidArgumentError
+from .._types import DataType, DeviceType
+
+__all__ = [
+    "TensorDesc",
+    "bfloat16_numpy_dtype",
+    "byte_view",
+    "describe",
+    "dtype_to_numpy",
+    "dtype_to_torch",
+    "host_bytes",
+    "is_cuda",
+    "numpy_to_dtype",
+    "torch_to_dtype",
+]
+
+
+@dataclass(frozen=True)
+class TensorDesc:
+    """What a tensor is, as far as the wire is concerned.
+
+    Attributes:
+        dtype: element type.
+        count: number of elements.
+        nbytes: ``count * dtype.itemsize``.
+        device: CPU or CUDA.
+        shape: the tensor's shape (informational; collectives work on the flat view).
+    """
+
+    dtype: DataType
+    count: int
+    nbytes: int
+    device: DeviceType
+    shape: tuple[int, ...]
+
+
+# ----------------------------------------------------------------------------------------------------
+# dtype tables
+
+_ML_DTYPES_CHECKED = False
+_BF16_NP: np.dtype[Any] | None = None
+
+
+def bfloat16_numpy_dtype() -> np.dtype[Any] | None:
+    """The numpy dtype used for bfloat16, or ``None`` when ``ml_dtypes`` is not installed.
+
+    Returns:
+        ``np.dtype(ml_dtypes.bfloat16)`` or ``None``.
+    """
+    global _ML_DTYPES_CHECKED, _BF16_NP
+    if not _ML_DTYPES_CHECKED:
+        try:
+            import ml_dtypes
+        except ImportError:  # pragma: no cover - ml_dtypes is installed in the test environment
+            _BF16_NP = None
+        else:
+            _BF16_NP = np.dtype(ml_dtypes.bfloat16)
+        _ML_DTYPES_CHECKED = True
+    return _BF16_NP
+
+
+_NUMPY_OF: dict[DataType, np.dtype[Any]] = {
+    DataType.UINT8: np.dtype(np.uint8),
+    DataType.INT8: np.dtype(np.int8),
+    DataType.UINT16: np.dtype(np.uint16),
+    DataType.INT16: np.dtype(np.int16),
+    DataType.UINT32: np.dtype(np.uint32),
+    DataType.INT32: np.dtype(np.int32),
+    DataType.UINT64: np.dtype(np.uint64),
+    DataType.INT64: np.dtype(np.int64),
+    DataType.FLOAT16: np.dtype(np.float16),
+    DataType.FLOAT32: np.dtype(np.float32),
+    DataType.FLOAT64: np.dtype(np.float64),
+}
+_DTYPE_OF_NUMPY: dict[np.dtype[Any], DataType] = {v: k for k, v in _NUMPY_OF.items()}
+
+
+def dtype_to_numpy(dtype: DataType) -> np.dtype[Any]:
+    """The numpy dtype holding elements of ``dtype``.
+
+    Args:
+        dtype: a pccl data type.
+
+    Returns:
+        The native-byte-order numpy dtype. For ``BFLOAT16`` this is ``ml_dtypes.bfloat16`` when available,
+        otherwise ``uint16`` (raw bit patterns; pass ``dtype=DataType.BFLOAT16`` to the kernels).
+
+    Raises:
+        InvalidArgumentError: ``dtype`` is not a DataType.
+    """
+    try:
+        dt = DataType(dtype)
+    except ValueError:
+        raise InvalidArgumentError(f"unknown DataType {dtype!r}") from None
+    if dt is DataType.BFLOAT16:
+        bf = bfloat16_numpy_dtype()
+        return bf if bf is not None else np.dtype(np.uint16)
+    return _NUMPY_OF[dt]
+
+
+def numpy_to_dtype(np_dtype: Any) -> DataType:
+    """The pccl data type of a numpy dtype.
+
+    Args:
+        np_dtype: anything ``np.dtype()`` accepts.
+
+    Returns:
+        The matching DataType (``ml_dtypes.bfloat16`` maps to ``BFLOAT16``; ``uint16`` to ``UINT16``).
+
+    Raises:
+        InvalidArgumentError: unsupported dtype (bool, complex, strings, ...) or non-native byte order,
+            which would put the wrong bytes on the wire.
+    """
+    try:
+        dt = np.dtype(np_dtype)
+    except TypeError:
+        raise InvalidArgumentError(f"not a numpy dtype: {np_dtype!r}") from None
+    bf = bfloat16_numpy_dtype()
+    if bf is not None and dt == bf:
+        return DataType.BFLOAT16
+    if not dt.isnative:
+        raise InvalidArgumentError(
+            f"non-native byte order dtype {dt.str!r} is not supported; use .astype(native)"
+        )
+    try:
+        return _DTYPE_OF_NUMPY[dt]
+    except KeyError:
+        raise InvalidArgumentError(f"unsupported numpy dtype {dt!s}") from None
+
+
+def _torch() -> ModuleType | None:
+    # Only an already-imported torch can have produced the object we are looking at.
+    return sys.modules.get("torch")
+
+
+def _cupy() -> ModuleType | None:
+    return sys.modules.get("cupy")
+
+
+def _torch_table(torch: ModuleType) -> dict[Any, DataType]:
+    table = {
+        torch.uint8: DataType.UINT8,
+        torch.int8: DataType.INT8,
+        torch.int16: DataType.INT16,
+        torch.int32: DataType.INT32,
+        torch.int64: DataType.INT64,
+        torch.float16: DataType.FLOAT16,
+        torch.bfloat16: DataType.BFLOAT16,
+        torch.float32: DataType.FLOAT32,
+        torch.float64: DataType.FLOAT64,
+    }
+    # torch >= 2.3 has (partially supported) unsigned types beyond uint8.
+    for name, dt in (("uint16", DataType.UINT16), ("uint32", DataType.UINT32), ("uint64", DataType.UINT64)):
+        tdt = getattr(torch, name, None)
+        if tdt is not None:
+            table[tdt] = dt
+    return table
+
+
+def torch_to_dtype(torch_dtype: Any) -> DataType:
+    """The pccl data type of a ``torch.dtype``.
+
+    Args:
+        torch_dtype: a ``torch.dtype`` (torch must already be imported by the caller).
+
+    Returns:
+        The matching DataType.
+
+    Raises:
+        InvalidArgumentError: torch is not imported or the dtype is unsupported (bool, complex, float8, ...).
+    """
+    torch = _torch()
+    if torch is None:
+        raise InvalidArgumentError(f"not a torch dtype: {torch_dtype!r}")
+    try:
+        return _torch_table(torch)[torch_dtype]
+    except (KeyError, TypeError):
+        raise InvalidArgumentError(f"unsupported torch dtype {torch_dtype!r}") from None
+
+
+def dtype_to_torch(dtype: DataType) -> Any:
+    """The ``torch.dtype`` for a pccl data type (imports torch).
+
+    Args:
+        dtype: a pccl data type.
+
+    Returns:
+        The torch dtype.
+
+    Raises:
+        InvalidArgumentError: torch is not installed, or this torch has no such dtype (old torch, uint16+).
+    """
+    try:
+        import torch
+    except ImportError:
+        raise InvalidArgumentError("torch is not installed") from None
+    for tdt, dt in _torch_table(torch).items():
+        if dt == dtype:
+            return tdt
+    raise InvalidArgumentError(f"this torch ({torch.__version__}) has no dtype for {DataType(dtype).name}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# classification
+
+
+def _is_torch_tensor(t: object) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(t, torch.Tensor)
+
+
+def _is_cupy_array(t: object) -> bool:
+    cupy = _cupy()
+    return cupy is not None and isinstance(t, cupy.ndarray)
+
+
+def _check_torch_layout(t: Any) -> None:
+    torch = _torch()
+    assert torch is not None
+    if t.layout != torch.strided:
+        raise InvalidArgumentError(f"unsupported torch layout {t.layout} (only dense strided tensors)")
+    if t.device.type not in ("cpu", "cuda"):
+        raise InvalidArgumentError(f"unsupported torch device {t.device} (only cpu and cuda)")
+    if not t.is_contiguous():
+        raise InvalidArgumentError(
+            f"torch tensor of shape {tuple(t.shape)} with strides {tuple(t.stride())} is not contiguous; "
+            "call .contiguous() and pass the result (collectives write into the caller's memory)"
+        )
+
+
+def describe(t: object) -> TensorDesc:
+    """Describe a tensor the collectives can work on.
+
+    Args:
+        t: a numpy array, a torch CPU or CUDA tensor, or a cupy array. It must be C-contiguous (collectives
+            write results into the caller's memory, so a hidden copy would silently lose them).
+
+    Returns:
+        Its :class:`TensorDesc`.
+
+    Raises:
+        InvalidArgumentError: unsupported type, unsupported dtype, non-native byte order, or not contiguous.
+    """
+    if isinstance(t, np.ndarray):
+        dtype = numpy_to_dtype(t.dtype)
+        if not t.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"numpy array of shape {t.shape} with strides {t.strides} is not C-contiguous; "
+                "pass np.ascontiguousarray(x) and use the result"
+            )
+        return TensorDesc(dtype, int(t.size), int(t.size) * dtype.itemsize, DeviceType.CPU, tuple(t.shape))
+    if _is_torch_tensor(t):
+        tt: Any = t
+        dtype = torch_to_dtype(tt.dtype)
+        _check_torch_layout(tt)
+        device = DeviceType.CUDA if tt.device.type == "cuda" else DeviceType.CPU
+        n = int(tt.numel())
+        return TensorDesc(dtype, n, n * dtype.itemsize, device, tuple(int(s) for s in tt.shape))
+    if _is_cupy_array(t):
+        a: Any = t
+        dtype = numpy_to_dtype(a.dtype)
+        if not a.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"cupy array of shape {a.shape} with strides {a.strides} is not C-contiguous"
+            )
+        n = int(a.size)
+        return TensorDesc(dtype, n, n * dtype.itemsize, DeviceType.CUDA, tuple(int(s) for s in a.shape))
+    raise InvalidArgumentError(
+        f"unsupported tensor type {type(t).__module__}.{type(t).__qualname__}; "
+        "expected a numpy array, a torch tensor or a cupy array"
+    )
+
+
+def is_cuda(t: object) -> bool:
+    """True when ``t`` lives in GPU memory (a torch CUDA tensor or a cupy array).
+
+    Args:
+        t: any object.
+
+    Returns:
+        Whether it is a GPU tensor. Unknown types are simply not CUDA.
+    """
+    if _is_torch_tensor(t):
+        return bool(t.is_cuda)  # type: ignore[attr-defined]
+    return _is_cupy_array(t)
+
+
+# ----------------------------------------------------------------------------------------------------
+# zero-copy host views
+
+
+def _torch_cpu_numpy(t: Any, dtype: DataType) -> np.ndarray[Any, Any]:
+    """Flat numpy view of a contiguous torch CPU tensor, typed like ``dtype``."""
+    torch = _torch()
+    assert torch is not None
+    flat = t.detach().reshape(-1)  # a view for contiguous tensors; detach keeps autograd out of the way
+    if dtype is DataType.BFLOAT16:
+        # torch cannot export bfloat16 to numpy; reinterpret the same 2-byte cells instead.
+        bits: np.ndarray[Any, Any] = flat.view(torch.int16).numpy()
+        return bits.view(dtype_to_numpy(DataType.BFLOAT16))
+    arr: np.ndarray[Any, Any] = flat.numpy()
+    return arr
+
+
+def as_numpy(t: object) -> np.ndarray[Any, Any]:
+    """A flat 1-D numpy view sharing memory with a CPU tensor (zero copy).
+
+    Args:
+        t: a contiguous numpy array or torch CPU tensor of a supported dtype.
+
+    Returns:
+        A 1-D array over the same memory. bfloat16 comes back as ``ml_dtypes.bfloat16`` when available,
+        else as ``uint16`` bit patterns (then pass ``dtype=DataType.BFLOAT16`` to the kernels).
+
+    Raises:
+        InvalidArgumentError: GPU tensor, unsupported type or dtype, or not contiguous.
+    """
+    desc = describe(t)
+    if desc.device is not DeviceType.CPU:
+        raise InvalidArgumentError("as_numpy needs a CPU tensor; this one lives on the GPU")
+    if isinstance(t, np.ndarray):
+        return t.reshape(-1)
+    return _torch_cpu_numpy(t, desc.dtype)
+
+
+def host_bytes(t: object) -> np.ndarray[Any, Any]:
+    """A flat ``uint8`` numpy view over the bytes of a CPU object (zero copy, possibly read-only).
+
+    Wider than :func:`as_numpy`: any C-contiguous numpy array (any dtype, e.g. bool), any contiguous torch CPU
+    tensor, and bytes-like objects (``bytes``, ``bytearray``, ``memoryview``) are accepted. Used for hashing.
+
+    Args:
+        t: the object.
+
+    Returns:
+        A 1-D ``uint8`` array over the object's bytes.
+
+    Raises:
+        InvalidArgumentError: GPU tensor, non-contiguous, or unsupported type.
+    """
+    if isinstance(t, np.ndarray):
+        if not t.flags.c_contiguous:
+            raise InvalidArgumentError(
+                f"numpy array of shape {t.shape} with strides {t.strides} is not C-contiguous"
+            )
+        return t.reshape(-1).view(np.uint8)
+    if isinstance(t, (bytes, bytearray, memoryview)):
+        mv = memoryview(t)
+        if not mv.c_contiguous:
+            raise InvalidArgumentError("memoryview is not C-contiguous")
+        return np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
+    if _is_torch_tensor(t):
+        torch = _torch()
+        assert torch is not None
+        tt: Any = t
+        _check_torch_layout(tt)
+        if tt.is_cuda:
+            raise InvalidArgumentError("host_bytes needs a CPU tensor; this one lives on the GPU")
+        flat = tt.detach().reshape(-1)
+        u8: np.ndarray[Any, Any] = flat.view(torch.uint8).numpy()
+        return u8
+    if _is_cupy_array(t):
+        raise InvalidArgumentError("host_bytes needs a CPU tensor; this cupy array lives on the GPU")
+    raise InvalidArgumentError(f"unsupported type {type(t).__module__}.{type(t).__qualname__}")
+
+
+def byte_view(t: object, *, writable: bool = True) -> memoryview:
+    """A flat ``uint8`` memoryview of a CPU tensor's storage (zero copy), for ``recv_into`` and ``send``.
+
+    Args:
+        t: a contiguous numpy array or torch CPU tensor of a supported dtype.
+        writable: require a writable view (the default: receiving writes into it). Pass False for a view that
+            is only sent.
+
+    Returns:
+        A 1-D memoryview with format ``"B"`` and ``nbytes == describe(t).nbytes``.
+
+    Raises:
+        InvalidArgumentError: GPU tensor, unsupported type or dtype, not contiguous, or read-only while
+            ``writable`` is True.
+    """
+    arr = as_numpy(t)
+    if writable and not arr.flags.writeable:
+        raise InvalidArgumentError(
+            "tensor memory is read-only; a writable tensor is needed to receive into it"
+        )
+    return memoryview(arr.view(np.uint8))  # type: ignore[arg-type]
