@@ -30,9 +30,21 @@ from ._types import (
     SharedStateSyncStrategy,
 )
 
+from .master.server import MasterHandle, open_master, serve_master
+from .peer.communicator import Communicator as AsyncCommunicator
+from .peer.communicator import open_communicator
+from .peer.shared_state import SharedState, TensorInfo
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncCommunicator",
+    "MasterHandle",
+    "SharedState",
+    "TensorInfo",
+    "open_communicator",
+    "open_master",
+    "serve_master",
     "DEFAULT_MASTER_PORT",
     "PROTOCOL_VERSION",
     "Attribute",

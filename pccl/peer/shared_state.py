@@ -95,6 +95,7 @@ class SyncContext:
     state: SharedState
     hashes: dict[str, int]
     seq: int = -1
+    plan: m.SharedStatePlan | None = None
     plan_ready: trio.Event = field(default_factory=trio.Event)
     tx: int = 0
     error: PCCLError | None = None
@@ -176,6 +177,7 @@ async def run_sync(
             raise error_from_code(first.code, first.reason)
         assert isinstance(first, m.SharedStatePlan)
         ctx.seq = first.sync_seq
+        ctx.plan = first
         ctx.plan_ready.set()
         comm._reconcile_group(first.peers)
         final: _Waiter[m.Message] = _Waiter()

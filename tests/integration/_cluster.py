@@ -1,0 +1,79 @@
+"""A tiny in-process loopback cluster for integration tests (the full harness is pccl.testing)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from pccl import MasterConfig, PeerConfig
+from pccl.master.server import MasterHandle, open_master
+from pccl.peer.communicator import Communicator, open_communicator
+
+FAST_MASTER = MasterConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0)
+FAST_PEER = PeerConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, p2p_listen_host="127.0.0.1")
+
+
+class LoopbackCluster:
+    """A master and peers in one trio run; each peer lives in its own cancel scope (kill = cancel)."""
+
+    def __init__(self, master: MasterHandle, nursery: trio.Nursery, pool_size: int) -> None:
+        self.master = master
+        self.nursery = nursery
+        self.pool_size = pool_size
+        self.comms: list[Communicator] = []
+        self._scopes: dict[int, trio.CancelScope] = {}
+
+    async def add_peer(self, group: int = 0) -> Communicator:
+        """Start a peer; if others exist, they all call update_topology to admit it."""
+        ready: list[Communicator] = []
+        got = trio.Event()
+        scope = trio.CancelScope()
+
+        async def run() -> None:
+            with scope:
+                async with open_communicator(self.master.connect_address, peer_group=group,
+                                             p2p_connection_pool_size=self.pool_size, config=FAST_PEER) as c:
+                    ready.append(c)
+                    got.set()
+                    await trio.sleep_forever()
+
+        self.nursery.start_soon(run)
+        alive = list(self.comms)
+        if alive:
+            while self.master.statistics()["registered"] < 1:
+                await trio.sleep(0.002)
+            async with trio.open_nursery() as n:
+                for c in alive:
+                    n.start_soon(c.update_topology)
+        await got.wait()
+        c = ready[0]
+        self.comms.append(c)
+        self._scopes[c.peer_id] = scope
+        return c
+
+    def kill(self, comm: Communicator) -> None:
+        """Abruptly end a peer (its connections close as if the process died)."""
+        self._scopes[comm.peer_id].cancel()
+        self.comms.remove(comm)
+
+    async def update_all(self) -> None:
+        async with trio.open_nursery() as n:
+            for c in self.comms:
+                n.start_soon(c.update_topology)
+
+
+@asynccontextmanager
+async def loopback_cluster(n_peers: int, *, groups: list[int] | None = None,
+                           pool_size: int = 1) -> AsyncIterator[LoopbackCluster]:
+    async with open_master(config=FAST_MASTER) as master:
+        async with trio.open_nursery() as nursery:
+            cl = LoopbackCluster(master, nursery, pool_size)
+            for i in range(n_peers):
+                await cl.add_peer(groups[i] if groups else 0)
+            await cl.update_all()  # everyone has the same table
+            try:
+                yield cl
+            finally:
+                nursery.cancel_scope.cancel()

@@ -1,0 +1,166 @@
+"""Collectives through the full stack (master consensus + P2P ring) on loopback TCP."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trio
+
+import pccl
+from pccl import ReduceOp
+from pccl.peer.communicator import Communicator
+
+from ._cluster import loopback_cluster
+
+
+async def _all(comms: list[Communicator], fn) -> list:  # type: ignore[no-untyped-def]
+    out: list = [None] * len(comms)
+
+    async def one(i: int) -> None:
+        out[i] = await fn(i, comms[i])
+
+    async with trio.open_nursery() as n:
+        for i in range(len(comms)):
+            n.start_soon(one, i)
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_all_reduce_sum_and_avg_numpy(n: int) -> None:
+    async with loopback_cluster(n) as cl:
+        rng = np.random.default_rng(n)
+        data = [rng.standard_normal(1001).astype(np.float32) for _ in range(n)]
+        outs = [np.zeros(1001, np.float32) for _ in range(n)]
+
+        async def run(i: int, c: Communicator) -> pccl.ReduceInfo:
+            return await c.all_reduce(data[i], outs[i], op=ReduceOp.SUM, tag=1)
+
+        infos = await _all(cl.comms, run)
+        assert all(inf.local_world_size == n for inf in infos)
+        assert all(o.tobytes() == outs[0].tobytes() for o in outs)
+        np.testing.assert_allclose(outs[0], np.sum(data, axis=0), rtol=1e-5, atol=1e-5)
+        assert all(inf.tx_bytes > 0 and inf.rx_bytes > 0 for inf in infos)
+
+        ints = [np.arange(10, dtype=np.int32) * (i + 1) for i in range(n)]
+
+        async def avg(i: int, c: Communicator) -> None:
+            await c.all_reduce(ints[i], op=ReduceOp.AVG, tag=2)  # in place
+
+        await _all(cl.comms, avg)
+        expect = (np.arange(10, dtype=np.int64) * sum(range(1, n + 1))) // n
+        for x in ints:
+            np.testing.assert_array_equal(x, expect.astype(np.int32))
+
+
+async def test_all_reduce_torch_tensors_and_small_counts() -> None:
+    async with loopback_cluster(3) as cl:
+        ts = [torch.full((2,), float(i + 1)) for i in range(3)]
+
+        async def run(i: int, c: Communicator) -> None:
+            await c.all_reduce(ts[i], op=ReduceOp.MAX)
+
+        await _all(cl.comms, run)
+        assert all(torch.equal(t, torch.full((2,), 3.0)) for t in ts)
+
+
+async def test_concurrent_tags_and_duplicate_refused() -> None:
+    async with loopback_cluster(2) as cl:
+        a = [np.full(50_000, i + 1, np.float64) for i in range(2)]
+        b = [np.full(70_001, 10 * (i + 1), np.float64) for i in range(2)]
+
+        async def run(i: int, c: Communicator) -> None:
+            async with trio.open_nursery() as n:
+                n.start_soon(lambda: c.all_reduce(a[i], tag=1))
+                n.start_soon(lambda: c.all_reduce(b[i], tag=2))
+
+        await _all(cl.comms, run)
+        assert all((x == 3).all() for x in a) and all((x == 30).all() for x in b)
+
+        # a duplicate running tag is refused; the running one is unaffected
+        c0, c1 = cl.comms
+        x0, x1 = np.ones(1000, np.float32), np.ones(1000, np.float32)
+        async with trio.open_nursery() as n:
+            n.start_soon(lambda: c0.all_reduce(x0, tag=5))
+            await trio.sleep(0.01)
+            with pytest.raises(pccl.InvalidUsageError):
+                await c0.all_reduce(np.ones(3, np.float32), tag=5)
+            n.start_soon(lambda: c1.all_reduce(x1, tag=5))
+        assert (x0 == 2).all() and (x1 == 2).all()
+
+
+async def test_too_few_peers() -> None:
+    async with loopback_cluster(1) as cl:
+        with pytest.raises(pccl.TooFewPeersError) as ei:
+            await cl.comms[0].all_reduce(np.ones(4, np.float32))
+        assert ei.value.result == pccl.Result.TOO_FEW_PEERS
+
+
+async def test_broadcast_all_gather_reduce_scatter() -> None:
+    async with loopback_cluster(3) as cl:
+        comms = cl.comms
+        bufs = [np.full(10, i, np.int64) for i in range(3)]
+
+        async def bc(i: int, c: Communicator) -> None:
+            await c.broadcast(bufs[i], root=1)
+
+        await _all(comms, bc)
+        root_val = comms[0].group_ring.index(comms[0].group_ring[1])
+        vals = {int(b[0]) for b in bufs}
+        assert len(vals) == 1 and all((b == b[0]).all() for b in bufs)
+        assert root_val == 1
+
+        outs = [np.zeros(3 * 4, np.float32) for _ in range(3)]
+
+        async def ag(i: int, c: Communicator) -> None:
+            await c.all_gather(np.full(4, float(c.peer_id), np.float32), outs[i])
+
+        await _all(comms, ag)
+        ring = comms[0].group_ring
+        expect = np.concatenate([np.full(4, float(p), np.float32) for p in ring])
+        assert all((o == expect).all() for o in outs)
+
+        rs_out = [np.zeros(10, np.float32) for _ in range(3)]
+
+        async def rs(i: int, c: Communicator) -> slice:
+            _, chunk = await c.reduce_scatter(np.arange(10, dtype=np.float32), rs_out[i])
+            return chunk
+
+        chunks = await _all(comms, rs)
+        covered = np.zeros(10, bool)
+        for o, ch in zip(rs_out, chunks, strict=True):
+            np.testing.assert_array_equal(o[ch], 3 * np.arange(10, dtype=np.float32)[ch])
+            covered[ch] = True
+        assert covered.all()
+
+
+async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
+    async with loopback_cluster(3) as cl:
+        victim = cl.comms[2]
+        survivors = cl.comms[:2]
+        count = 4_000_000
+        bufs = [np.full(count, float(i + 1), np.float32) for i in range(2)]
+        before = [b.copy() for b in bufs]
+        errors: list[BaseException] = []
+
+        async def survivor(i: int, c: Communicator) -> None:
+            try:
+                await c.all_reduce(bufs[i], tag=9)
+            except pccl.PCCLError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as n:
+            for i, c in enumerate(survivors):
+                n.start_soon(survivor, i, c)
+            n.start_soon(lambda: victim.all_reduce(np.ones(count, np.float32), tag=9))
+            # kill the victim once the master said "commence": the op cannot complete without it
+            while 9 not in victim._ops or victim._ops[9].op_seq == -1:
+                await trio.sleep(0.0005)
+            cl.kill(victim)
+        assert len(errors) == 2, errors
+        assert all(isinstance(e, pccl.RankConnectionLostError) for e in errors)
+        for b, b0 in zip(bufs, before, strict=True):
+            assert b.tobytes() == b0.tobytes()
+        # retry with the smaller group
+        await _all(survivors, lambda i, c: c.all_reduce(bufs[i], tag=9))
+        assert all((b == 3.0).all() for b in bufs)
