@@ -29,7 +29,6 @@ from ._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
-
 from .master.server import MasterHandle, open_master, serve_master
 from .peer.communicator import Communicator as AsyncCommunicator
 from .peer.communicator import open_communicator
@@ -38,15 +37,9 @@ from .peer.shared_state import SharedState, TensorInfo
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncCommunicator",
-    "MasterHandle",
-    "SharedState",
-    "TensorInfo",
-    "open_communicator",
-    "open_master",
-    "serve_master",
     "DEFAULT_MASTER_PORT",
     "PROTOCOL_VERSION",
+    "AsyncCommunicator",
     "Attribute",
     "DataType",
     "DeviceType",
@@ -56,6 +49,7 @@ __all__ = [
     "KickedError",
     "MasterConfig",
     "MasterConnectionError",
+    "MasterHandle",
     "PCCLError",
     "PeerConfig",
     "PendingAsyncOpsError",
@@ -66,9 +60,14 @@ __all__ = [
     "ReduceInfo",
     "ReduceOp",
     "Result",
+    "SharedState",
     "SharedStateSyncError",
     "SharedStateSyncInfo",
     "SharedStateSyncStrategy",
+    "TensorInfo",
     "TooFewPeersError",
     "UpdateTopologyFailedError",
+    "open_communicator",
+    "open_master",
+    "serve_master",
 ]

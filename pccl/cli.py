@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -15,10 +16,16 @@ from ._config import DEFAULT_MASTER_PORT, MasterConfig
 def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Run a pccl master node.")
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=DEFAULT_MASTER_PORT, help=f"port (default {DEFAULT_MASTER_PORT})")
+    p.add_argument(
+        "--port", type=int, default=DEFAULT_MASTER_PORT, help=f"port (default {DEFAULT_MASTER_PORT})"
+    )
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument("--heartbeat-timeout", type=float, default=MasterConfig().heartbeat_timeout,
-                   help="seconds of silence before a peer is evicted")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=MasterConfig().heartbeat_timeout,
+        help="seconds of silence before a peer is evicted",
+    )
     p.add_argument("--secret", default=None, help="shared secret peers must present (optional)")
     return p
 
@@ -29,12 +36,13 @@ async def _run_master(args: argparse.Namespace) -> None:
     config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, secret=args.secret)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_master, args.host, args.port, config=config)
+            await nursery.start(functools.partial(serve_master, config=config), args.host, args.port)
 
             async def stop_on_signal() -> None:
                 async for signum in signals:
-                    logging.getLogger("pccl.master").info("received %s, shutting down",
-                                                          signal.Signals(signum).name)
+                    logging.getLogger("pccl.master").info(
+                        "received %s, shutting down", signal.Signals(signum).name
+                    )
                     nursery.cancel_scope.cancel()
                     return
 
@@ -42,8 +50,11 @@ async def _run_master(args: argparse.Namespace) -> None:
 
 
 def _setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level), format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=getattr(logging, level),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
 
 
 def master_main(argv: list[str] | None = None) -> int:
@@ -64,9 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     """``pccl``/``python -m pccl``: subcommands ``master`` and ``demo``."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: pccl {master,demo} [options]\n\n"
-              "  master   run a master node (same as pccl-master)\n"
-              "  demo     local demo: a master and peers training together, one killed, one joining")
+        print(
+            "usage: pccl {master,demo} [options]\n\n"
+            "  master   run a master node (same as pccl-master)\n"
+            "  demo     local demo: a master and peers training together, one killed, one joining"
+        )
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "master":
@@ -74,6 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "demo":
         from .demo import main as demo_main
 
-        return demo_main(rest)
+        return int(demo_main(rest))
     print(f"pccl: unknown command {cmd!r}", file=sys.stderr)
     return 2

@@ -89,7 +89,9 @@ class MasterServer:
     def __repr__(self) -> str:
         return f"<MasterServer {self.address} {self.state!r}>"
 
-    async def serve(self, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
+    async def serve(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         """Listen and serve until cancelled."""
         listener = await self.transport.listen(host, port)
         self.address = listener.address
@@ -204,7 +206,9 @@ class MasterServer:
             for pid in self.state.expired(now, self.config.heartbeat_timeout):
                 conn = self._conns.get(pid)
                 self._execute(
-                    self.state.peer_lost(pid, f"evicted: silent for more than {self.config.heartbeat_timeout:g}s")
+                    self.state.peer_lost(
+                        pid, f"evicted: silent for more than {self.config.heartbeat_timeout:g}s"
+                    )
                 )
                 if conn is not None:
                     # A hung peer will not read a goodbye: close at once.

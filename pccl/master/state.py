@@ -28,7 +28,6 @@ from .._types import SharedStateSyncStrategy
 from ..wire import messages as m
 from . import election as _election
 
-
 # --------------------------------------------------------------------------------------------
 # Effects
 
@@ -415,8 +414,16 @@ class MasterState:
             table = self.table(self.ring)
             for p in old:
                 effects.append(
-                    Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
-                                             reason=rnd.failure_reason, code=int(code)))
+                    Send(
+                        p,
+                        m.TopologyResult(
+                            success=False,
+                            epoch=self.epoch,
+                            peers=table,
+                            reason=rnd.failure_reason,
+                            code=int(code),
+                        ),
+                    )
                 )
             effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
             return effects
@@ -491,7 +498,9 @@ class MasterState:
                 continue
             rnd.measuring = set(by_src)
             return [
-                Send(a, m.MeasureBandwidth(epoch=self.epoch, targets=t, duration=self.bandwidth_probe_seconds))
+                Send(
+                    a, m.MeasureBandwidth(epoch=self.epoch, targets=t, duration=self.bandwidth_probe_seconds)
+                )
                 for a, t in by_src.items()
             ]
         rnd.measuring = set()
@@ -516,7 +525,10 @@ class MasterState:
         effects: list[Effect] = []
         if n >= 3:
             bw: list[list[float | None]] = [
-                [None if i == j else (self.bandwidth.get((a, b), (0.0, 0.0))[0] or None) for j, b in enumerate(ring)]
+                [
+                    None if i == j else (self.bandwidth.get((a, b), (0.0, 0.0))[0] or None)
+                    for j, b in enumerate(ring)
+                ]
                 for i, a in enumerate(ring)
             ]
             try:
@@ -526,8 +538,11 @@ class MasterState:
                 if isolated:
                     for idx in isolated:
                         pid = ring[idx]
-                        effects += self.kick(pid, "no other peer can reach this peer (bandwidth tests failed)",
-                                             Result.TOPOLOGY_OPTIMIZATION_FAILED)
+                        effects += self.kick(
+                            pid,
+                            "no other peer can reach this peer (bandwidth tests failed)",
+                            Result.TOPOLOGY_OPTIMIZATION_FAILED,
+                        )
                     if self._topology is rnd:
                         effects += self._start_establish(rnd, list(self.ring), set())
                     return effects
@@ -558,13 +573,27 @@ class MasterState:
         if rec.peer_id in op.votes or rec.peer_id in op.participants:
             # The running op is unaffected; only this call is refused.
             return [
-                Send(rec.peer_id, m.CollectiveAbort(tag=msg.tag, op_seq=-1, code=int(Result.INVALID_USAGE),
-                                                    reason=f"tag {msg.tag} is already running in this group"))
+                Send(
+                    rec.peer_id,
+                    m.CollectiveAbort(
+                        tag=msg.tag,
+                        op_seq=-1,
+                        code=int(Result.INVALID_USAGE),
+                        reason=f"tag {msg.tag} is already running in this group",
+                    ),
+                )
             ]
         if op.running:
             return [
-                Send(rec.peer_id, m.CollectiveAbort(tag=msg.tag, op_seq=-1, code=int(Result.INVALID_USAGE),
-                                                    reason=f"tag {msg.tag} is already running without this peer"))
+                Send(
+                    rec.peer_id,
+                    m.CollectiveAbort(
+                        tag=msg.tag,
+                        op_seq=-1,
+                        code=int(Result.INVALID_USAGE),
+                        reason=f"tag {msg.tag} is already running without this peer",
+                    ),
+                )
             ]
         op.votes[rec.peer_id] = msg.descriptor
         return self._check_op_vote(key)
@@ -582,14 +611,28 @@ class MasterState:
         if len(descriptors) > 1:
             detail = "; ".join(f"peer {p}: {op.votes[p]}" for p in voters)
             return [
-                Send(p, m.CollectiveAbort(tag=op.tag, op_seq=-1, code=int(Result.INVALID_ARGUMENT),
-                                          reason=f"peers disagree on the operation: {detail}"))
+                Send(
+                    p,
+                    m.CollectiveAbort(
+                        tag=op.tag,
+                        op_seq=-1,
+                        code=int(Result.INVALID_ARGUMENT),
+                        reason=f"peers disagree on the operation: {detail}",
+                    ),
+                )
                 for p in voters
             ]
         if len(voters) < 2:
             return [
-                Send(p, m.CollectiveAbort(tag=op.tag, op_seq=-1, code=int(Result.TOO_FEW_PEERS),
-                                          reason="a collective needs at least 2 peers in the group"))
+                Send(
+                    p,
+                    m.CollectiveAbort(
+                        tag=op.tag,
+                        op_seq=-1,
+                        code=int(Result.TOO_FEW_PEERS),
+                        reason="a collective needs at least 2 peers in the group",
+                    ),
+                )
                 for p in voters
             ]
         self._op_seq += 1
@@ -606,14 +649,18 @@ class MasterState:
         op = self._ops.get(key)
         if op is not None and not op.running and rec.peer_id in op.votes and not msg.success:
             # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
-            return self._abort_op(key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST)
+            return self._abort_op(
+                key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
+            )
         if op is None or not op.running or rec.peer_id not in op.participants:
             # Late report for an op already aborted (the abort raced with it): harmless.
             return []
         if rec.peer_id in op.done:
             return self.kick(rec.peer_id, f"duplicate CollectiveDone for tag {msg.tag}")
         if not msg.success:
-            return self._abort_op(key, f"peer {rec.peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST)
+            return self._abort_op(
+                key, f"peer {rec.peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST
+            )
         op.done.add(rec.peer_id)
         if set(op.participants) <= op.done:
             del self._ops[key]
@@ -636,8 +683,9 @@ class MasterState:
         if op.running:
             if peer_id in op.participants:
                 op.participants.remove(peer_id)
-                return self._abort_op(key, f"peer {peer_id} was lost during the operation",
-                                      Result.RANK_CONNECTION_LOST)
+                return self._abort_op(
+                    key, f"peer {peer_id} was lost during the operation", Result.RANK_CONNECTION_LOST
+                )
             return []
         op.votes.pop(peer_id, None)
         if not op.votes:
@@ -656,9 +704,18 @@ class MasterState:
         try:
             vote = _vote_from_message(msg)
         except (ValueError, TypeError) as exc:
-            return [Send(rec.peer_id, m.SharedStateResult(sync_seq=-1, success=False, revision=msg.revision,
-                                                          reason=f"malformed shared state: {exc}",
-                                                          code=int(Result.INVALID_ARGUMENT)))]
+            return [
+                Send(
+                    rec.peer_id,
+                    m.SharedStateResult(
+                        sync_seq=-1,
+                        success=False,
+                        revision=msg.revision,
+                        reason=f"malformed shared state: {exc}",
+                        code=int(Result.INVALID_ARGUMENT),
+                    ),
+                )
+            ]
         rnd = self._syncs.get(rec.group)
         if rnd is None:
             rnd = self._syncs[rec.group] = _SyncRound(group=rec.group)
@@ -681,8 +738,18 @@ class MasterState:
         rnd.seq = self._sync_seq
         rnd.revision = result.revision
         for p, refusal in sorted(result.refused.items()):
-            effects.append(Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=False, revision=votes[p].revision,
-                                                       reason=refusal.reason, code=int(refusal.code))))
+            effects.append(
+                Send(
+                    p,
+                    m.SharedStateResult(
+                        sync_seq=rnd.seq,
+                        success=False,
+                        revision=votes[p].revision,
+                        reason=refusal.reason,
+                        code=int(refusal.code),
+                    ),
+                )
+            )
             effects.append(Event(f"peer {p} refused by shared-state sync: {refusal.reason}"))
         rnd.participants = set(result.plans)
         if not rnd.participants:
@@ -695,8 +762,9 @@ class MasterState:
             if plan is None:
                 continue
             rows = [[f.key, f.expected_hash, list(f.holders)] for f in plan]
-            effects.append(Send(p, m.SharedStatePlan(sync_seq=rnd.seq, revision=rnd.revision, fetch=rows,
-                                                     peers=table)))
+            effects.append(
+                Send(p, m.SharedStatePlan(sync_seq=rnd.seq, revision=rnd.revision, fetch=rows, peers=table))
+            )
         return effects
 
     def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
@@ -707,7 +775,9 @@ class MasterState:
         if rec.peer_id in rnd.done:
             return self.kick(rec.peer_id, "duplicate SharedStateDone")
         if not msg.success:
-            return self._fail_sync(rec.group, f"peer {rec.peer_id}: {msg.reason}", Result.SHARED_STATE_SYNC_FAILED)
+            return self._fail_sync(
+                rec.group, f"peer {rec.peer_id}: {msg.reason}", Result.SHARED_STATE_SYNC_FAILED
+            )
         rnd.done.add(rec.peer_id)
         return self._check_sync_done(rec.group)
 
@@ -725,8 +795,12 @@ class MasterState:
     def _fail_sync(self, group: int, reason: str, code: Result) -> list[Effect]:
         rnd = self._syncs.pop(group)
         return [
-            Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=False, revision=rnd.revision,
-                                        reason=reason, code=int(code)))
+            Send(
+                p,
+                m.SharedStateResult(
+                    sync_seq=rnd.seq, success=False, revision=rnd.revision, reason=reason, code=int(code)
+                ),
+            )
             for p in sorted(rnd.participants)
             if p in self.peers
         ]
@@ -738,8 +812,9 @@ class MasterState:
         if rnd.running:
             if peer_id in rnd.participants:
                 rnd.participants.discard(peer_id)
-                return self._fail_sync(group, f"peer {peer_id} was lost during the sync",
-                                       Result.RANK_CONNECTION_LOST)
+                return self._fail_sync(
+                    group, f"peer {peer_id} was lost during the sync", Result.RANK_CONNECTION_LOST
+                )
             return []
         rnd.votes.pop(peer_id, None)
         if not rnd.votes:
@@ -768,12 +843,26 @@ def _vote_from_message(msg: m.SharedStateSync) -> _election.SyncVote:
         if not isinstance(row, list) or len(row) != 6:
             raise ValueError("each entry must be [key, dtype, shape, nbytes, hash, allow_content_inequality]")
         key, dtype, shape, nbytes, h, allow = row
-        if not (isinstance(key, str) and isinstance(dtype, int) and isinstance(shape, list)
-                and all(isinstance(s, int) for s in shape) and isinstance(nbytes, int)
-                and isinstance(h, int) and isinstance(allow, bool)):
+        if not (
+            isinstance(key, str)
+            and isinstance(dtype, int)
+            and isinstance(shape, list)
+            and all(isinstance(s, int) for s in shape)
+            and isinstance(nbytes, int)
+            and isinstance(h, int)
+            and isinstance(allow, bool)
+        ):
             raise ValueError(f"bad entry for {key!r}")
-        entries.append(_election.TensorEntry(key=key, dtype=dtype, shape=tuple(shape), nbytes=nbytes, hash=h,
-                                             allow_content_inequality=allow))
+        entries.append(
+            _election.TensorEntry(
+                key=key,
+                dtype=dtype,
+                shape=tuple(shape),
+                nbytes=nbytes,
+                hash=h,
+                allow_content_inequality=allow,
+            )
+        )
     strategy = SharedStateSyncStrategy(msg.strategy)
     vote = _election.SyncVote(revision=msg.revision, strategy=strategy, entries=tuple(entries))
     refusal = _election.validate_vote(vote)

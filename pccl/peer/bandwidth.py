@@ -33,7 +33,7 @@ _PAYLOAD = np.zeros(_MAX, dtype=np.uint8)
 async def serve_probe(ms: MessageStream) -> None:
     """The "bench" channel: receive each probe and answer with the time it took to arrive."""
     sink = np.empty(4 * 1024 * 1024, dtype=np.uint8)
-    view = memoryview(sink)
+    view = sink.data
     while True:
         try:
             req = await ms.receive()
@@ -57,7 +57,7 @@ async def probe(ms: MessageStream, duration: float) -> float:
     best = 0.0
     while True:
         t0 = trio.current_time()
-        await ms.send_with_raw(m.BenchRequest(nbytes=nbytes), memoryview(_PAYLOAD)[:nbytes])
+        await ms.send_with_raw(m.BenchRequest(nbytes=nbytes), _PAYLOAD.data[:nbytes])
         reply = await ms.receive()
         elapsed = trio.current_time() - t0
         if not isinstance(reply, m.BenchResult):
@@ -80,8 +80,15 @@ async def measure_targets(comm: Communicator, targets: list[list[Any]], duration
         rate = 0.0
         try:
             with trio.fail_after(max(comm.config.connect_timeout, duration * 20)):
-                ms = await open_p2p(comm.transport, host, port, my_peer_id=comm.peer_id, channel="bench",
-                                    config=comm.config, secret=comm.config.secret or "")
+                ms = await open_p2p(
+                    comm.transport,
+                    host,
+                    port,
+                    my_peer_id=comm.peer_id,
+                    channel="bench",
+                    config=comm.config,
+                    secret=comm.config.secret or "",
+                )
                 try:
                     rate = await probe(ms, duration)
                 finally:

@@ -245,12 +245,17 @@ class Communicator:
         ms = MessageStream(stream, max_frame_size=self.config.max_frame_size)
         try:
             with trio.fail_after(self.config.connect_timeout):
-                await ms.send(m.Hello(protocol_version=PROTOCOL_VERSION, purpose="master",
-                                      secret=self.config.secret or ""))
+                await ms.send(
+                    m.Hello(
+                        protocol_version=PROTOCOL_VERSION, purpose="master", secret=self.config.secret or ""
+                    )
+                )
                 reply = await ms.receive()
         except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
             await ms.aclose()
-            raise MasterConnectionError(f"hello with master {self.master_host}:{self.master_port} failed: {exc}") from exc
+            raise MasterConnectionError(
+                f"hello with master {self.master_host}:{self.master_port} failed: {exc}"
+            ) from exc
         if isinstance(reply, m.Refused):
             await ms.aclose()
             raise MasterConnectionError(f"master refused the connection: {reply.reason}")
@@ -259,8 +264,13 @@ class Communicator:
             raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
         self._ms = ms
         self.peer_id = reply.peer_id
-        self.pool = self._pool_cls(transport=self.transport, my_peer_id=self.peer_id, pool_size=self.pool_size,
-                                   config=self.config, secret=self.config.secret or "")
+        self.pool = self._pool_cls(
+            transport=self.transport,
+            my_peer_id=self.peer_id,
+            pool_size=self.pool_size,
+            config=self.config,
+            secret=self.config.secret or "",
+        )
         from .p2p import serve_p2p
 
         handlers: dict[str, Callable[[MessageStream, m.Hello], Awaitable[None]]] = {
@@ -271,8 +281,11 @@ class Communicator:
         serve = functools.partial(serve_p2p, config=self.config, secret=self.config.secret or "")
         try:
             self.p2p_address = await nursery.start(
-                _guard(serve, "P2P listener"), self.transport, self.config.p2p_listen_host,
-                self.config.p2p_listen_port, handlers,
+                _guard(serve, "P2P listener"),
+                self.transport,
+                self.config.p2p_listen_host,
+                self.config.p2p_listen_port,
+                handlers,
             )
         except (ConnectFailed, PCCLError) as exc:
             await ms.aclose()
@@ -318,6 +331,7 @@ class Communicator:
     def _send_soon(self, msg: m.Message) -> None:
         """Send from a context that must not wait (cleanup paths)."""
         if self._nursery is not None and self._master_error is None and not self._closed:
+
             async def go() -> None:
                 try:
                     await self._send(msg)
@@ -390,8 +404,9 @@ class Communicator:
             await trio.sleep(period)
             silent = trio.current_time() - self._last_master_msg
             if silent > self.config.heartbeat_timeout:
-                self._fail_all(MasterConnectionError(
-                    f"master silent for {silent:.1f}s (heartbeat timeout {self.config.heartbeat_timeout:g}s)"))
+                limit = self.config.heartbeat_timeout
+                msg = f"master silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
+                self._fail_all(MasterConnectionError(msg))
                 if self._ms is not None:
                     await self._ms.aclose()
                 return
@@ -434,7 +449,9 @@ class Communicator:
             except (PCCLError, trio.TooSlowError) as exc:
                 ok, failed, reason = False, [int(nxt[0])], str(exc)
         try:
-            await self._send(m.P2PConnectionsDone(epoch=msg.epoch, success=ok, failed_peers=failed, reason=reason))
+            await self._send(
+                m.P2PConnectionsDone(epoch=msg.epoch, success=ok, failed_peers=failed, reason=reason)
+            )
         except PCCLError:
             pass
 
@@ -587,8 +604,9 @@ class Communicator:
         """
         return await self._collective("all_reduce", send, recv, op=op, tag=tag, quantization=quantization)
 
-    async def reduce_scatter(self, send: Any, recv: Any = None, *, op: ReduceOp = ReduceOp.SUM,
-                             tag: int = 0) -> tuple[ReduceInfo, slice]:
+    async def reduce_scatter(
+        self, send: Any, recv: Any = None, *, op: ReduceOp = ReduceOp.SUM, tag: int = 0
+    ) -> tuple[ReduceInfo, slice]:
         """Reduce ``send`` across the group; this peer receives its own chunk.
 
         Returns:
@@ -644,7 +662,8 @@ class Communicator:
         if kind == "all_gather":
             if rdesc.count != n * sdesc.count:
                 raise InvalidArgumentError(
-                    f"all_gather: recv has {rdesc.count} elements, expected {n} x {sdesc.count}")
+                    f"all_gather: recv has {rdesc.count} elements, expected {n} x {sdesc.count}"
+                )
         elif rdesc.count != sdesc.count:
             raise InvalidArgumentError(f"send has {sdesc.count} elements but recv has {rdesc.count}")
         if tag in self._ops:
@@ -652,15 +671,24 @@ class Communicator:
         if n < 2:
             raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.peer_group}, world has {n}")
         q = quantization or QuantizationOptions()
-        if q.algorithm != QuantizationAlgorithm.NONE and (kind != "all_reduce" or not sdesc.dtype.is_floating):
+        if q.algorithm != QuantizationAlgorithm.NONE and (
+            kind != "all_reduce" or not sdesc.dtype.is_floating
+        ):
             raise InvalidArgumentError("quantization applies to floating-point all_reduce only")
         root_id = -1
         if kind == "broadcast":
             if not 0 <= root < n:
                 raise InvalidArgumentError(f"root rank {root} out of range for group size {n}")
             root_id = group[root]
-        descriptor = [kind, int(sdesc.dtype), sdesc.count, int(op), root_id, int(q.algorithm),
-                      int(q.quantized_datatype)]
+        descriptor = [
+            kind,
+            int(sdesc.dtype),
+            sdesc.count,
+            int(op),
+            root_id,
+            int(q.algorithm),
+            int(q.quantized_datatype),
+        ]
         st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
         self._ops[tag] = st
         work: np.ndarray | None = None
@@ -672,8 +700,10 @@ class Communicator:
             self._reconcile_group(rows)
             if kind == "all_gather" and len(ring) * sdesc.count != rdesc.count:
                 await self._report_failure(st, "group size changed")
-                raise InvalidArgumentError(f"all_gather: the group has {len(ring)} peers now; recv must "
-                                           f"hold {len(ring)} x {sdesc.count} elements")
+                raise InvalidArgumentError(
+                    f"all_gather: the group has {len(ring)} peers now; recv must "
+                    f"hold {len(ring)} x {sdesc.count} elements"
+                )
             if kind == "broadcast" and root_id not in ring:
                 await self._report_failure(st, "root lost")
                 raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
@@ -723,17 +753,36 @@ class Communicator:
         except PCCLError:
             pass
 
-    async def _run_dataplane(self, kind: str, st: _OpState, ring: list[int], send_np: np.ndarray,
-                             work: np.ndarray, op: ReduceOp, root: int,
-                             q: QuantizationOptions) -> tuple[int, int]:
+    async def _run_dataplane(
+        self,
+        kind: str,
+        st: _OpState,
+        ring: list[int],
+        send_np: np.ndarray,
+        work: np.ndarray,
+        op: ReduceOp,
+        root: int,
+        q: QuantizationOptions,
+    ) -> tuple[int, int]:
         from ..collectives.ring import run_collective
 
         ring_op = ReduceOp.SUM if op == ReduceOp.AVG else op
         kwargs: dict[str, Any] = {}
         if q.algorithm != QuantizationAlgorithm.NONE:
             kwargs["quantization"] = q
-        return await run_collective(self.pool, kind=kind, ring=ring, my_id=self.peer_id, tag=st.tag,
-                                    op_seq=st.op_seq, send=send_np, out=work, op=ring_op, root=root, **kwargs)
+        return await run_collective(
+            self.pool,
+            kind=kind,
+            ring=ring,
+            my_id=self.peer_id,
+            tag=st.tag,
+            op_seq=st.op_seq,
+            send=send_np,
+            out=work,
+            op=ring_op,
+            root=root,
+            **kwargs,
+        )
 
     def _commit(self, kind: str, op: ReduceOp, work: np.ndarray, recv: Any, n: int, rank: int) -> None:
         from ..collectives.schedule import chunk_bounds
@@ -806,8 +855,13 @@ class Communicator:
                 d = items[i]
                 async with limiter:
                     try:
-                        results[i] = await self.all_reduce(d["send"], d.get("recv"), op=d.get("op", ReduceOp.SUM),
-                                                           tag=d["tag"], quantization=d.get("quantization"))
+                        results[i] = await self.all_reduce(
+                            d["send"],
+                            d.get("recv"),
+                            op=d.get("op", ReduceOp.SUM),
+                            tag=d["tag"],
+                            quantization=d.get("quantization"),
+                        )
                     except RankConnectionLostError:
                         failures.append(i)
                     except PCCLError as exc:
@@ -919,8 +973,13 @@ async def open_communicator(
     Raises:
         MasterConnectionError: the master cannot be reached, refuses us, or is lost while waiting.
     """
-    comm = Communicator(address, peer_group=peer_group, p2p_connection_pool_size=p2p_connection_pool_size,
-                        config=config, transport=transport)
+    comm = Communicator(
+        address,
+        peer_group=peer_group,
+        p2p_connection_pool_size=p2p_connection_pool_size,
+        config=config,
+        transport=transport,
+    )
     # Errors are re-raised outside the nursery so callers see one exception, never an ExceptionGroup.
     start_error: BaseException | None = None
     body_error: BaseException | None = None

@@ -55,7 +55,9 @@ class TensorInfo:
         self.allow_content_inequality = bool(allow_content_inequality)
 
     @classmethod
-    def from_numpy(cls, array: np.ndarray, name: str, *, allow_content_inequality: bool = False) -> TensorInfo:
+    def from_numpy(
+        cls, array: np.ndarray, name: str, *, allow_content_inequality: bool = False
+    ) -> TensorInfo:
         """Wrap a contiguous numpy array."""
         return cls(name, array, allow_content_inequality=allow_content_inequality)
 
@@ -114,7 +116,7 @@ def _host_bytes(t: Any) -> memoryview:
             return backend.byte_view(host)
         import cupy  # type: ignore[import-not-found]
 
-        return memoryview(np.ascontiguousarray(cupy.asnumpy(t)).reshape(-1).view(np.uint8))
+        return np.ascontiguousarray(cupy.asnumpy(t)).reshape(-1).view(np.uint8).data
     return backend.byte_view(t)
 
 
@@ -229,7 +231,9 @@ async def _fetch_all(
         if counter["done"] - counter["logged"] >= _PROGRESS_LOG_BYTES:
             counter["logged"] = counter["done"]
             el = max(trio.current_time() - started, 1e-9)
-            log.info("shared state: %d / %d bytes (%.1f MB/s)", counter["done"], total, counter["done"] / el / 1e6)
+            log.info(
+                "shared state: %d / %d bytes (%.1f MB/s)", counter["done"], total, counter["done"] / el / 1e6
+            )
 
     pending = list(items)
     while pending:
@@ -243,8 +247,9 @@ async def _fetch_all(
 
         async def from_holder(holder: int, keys: list[str]) -> None:
             try:
-                await _fetch_from(comm, plan.sync_seq, holder, addresses.get(holder), keys, items, sizes,
-                                  staged, on_bytes)
+                await _fetch_from(
+                    comm, plan.sync_seq, holder, addresses.get(holder), keys, items, sizes, staged, on_bytes
+                )
             except (PCCLError, StreamBroken, trio.TooSlowError) as exc:
                 log.warning("fetching %d tensor(s) from peer %d failed: %s", len(keys), holder, exc)
                 for k in keys:
@@ -275,8 +280,15 @@ async def _fetch_from(
 
     if address is None:
         raise SharedStateSyncError(f"holder {holder} is not in the group table")
-    ms = await open_p2p(comm.transport, address[0], address[1], my_peer_id=comm.peer_id, channel="state",
-                        config=comm.config, secret=comm.config.secret or "")
+    ms = await open_p2p(
+        comm.transport,
+        address[0],
+        address[1],
+        my_peer_id=comm.peer_id,
+        channel="state",
+        config=comm.config,
+        secret=comm.config.secret or "",
+    )
     try:
         await ms.send(m.StateRequest(sync_seq=seq, keys=keys))
         for key in keys:
@@ -286,7 +298,7 @@ async def _fetch_from(
             if not isinstance(hdr, m.StateTensor) or hdr.key != key or hdr.nbytes != sizes[key]:
                 raise RemoteProtocolError(f"peer {holder} sent an unexpected tensor header {hdr!r:.120}")
             buf = np.empty(hdr.nbytes, dtype=np.uint8)
-            view = memoryview(buf)
+            view = buf.data
             step = 4 * 1024 * 1024
             for off in range(0, hdr.nbytes, step):
                 part = view[off : off + step]
@@ -296,7 +308,8 @@ async def _fetch_from(
             expected = items[key][0]
             if got != expected:
                 raise SharedStateSyncError(
-                    f"tensor {key!r} from peer {holder} hashes to {got:#x}, expected {expected:#x}")
+                    f"tensor {key!r} from peer {holder} hashes to {got:#x}, expected {expected:#x}"
+                )
             staged[key] = buf
     finally:
         await ms.aclose()

@@ -33,8 +33,12 @@ class LoopbackCluster:
 
         async def run() -> None:
             with scope:
-                async with open_communicator(self.master.connect_address, peer_group=group,
-                                             p2p_connection_pool_size=self.pool_size, config=FAST_PEER) as c:
+                async with open_communicator(
+                    self.master.connect_address,
+                    peer_group=group,
+                    p2p_connection_pool_size=self.pool_size,
+                    config=FAST_PEER,
+                ) as c:
                     ready.append(c)
                     got.set()
                     await trio.sleep_forever()
@@ -65,8 +69,9 @@ class LoopbackCluster:
 
 
 @asynccontextmanager
-async def loopback_cluster(n_peers: int, *, groups: list[int] | None = None,
-                           pool_size: int = 1) -> AsyncIterator[LoopbackCluster]:
+async def loopback_cluster(
+    n_peers: int, *, groups: list[int] | None = None, pool_size: int = 1
+) -> AsyncIterator[LoopbackCluster]:
     async with open_master(config=FAST_MASTER) as master:
         async with trio.open_nursery() as nursery:
             cl = LoopbackCluster(master, nursery, pool_size)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -14,8 +16,8 @@ from pccl.peer.communicator import Communicator
 from ._cluster import loopback_cluster
 
 
-async def _all(comms: list[Communicator], fn) -> list:  # type: ignore[no-untyped-def]
-    out: list = [None] * len(comms)
+async def _all(comms: list[Communicator], fn: Any) -> list[Any]:
+    out: list[Any] = [None] * len(comms)
 
     async def one(i: int) -> None:
         out[i] = await fn(i, comms[i])

@@ -158,7 +158,7 @@ async def test_silent_peer_evicted_by_heartbeat(autojump_clock: trio.testing.Moc
     cfg = MasterConfig(heartbeat_interval=0.5, heartbeat_timeout=3.0)
     async with open_master(config=cfg) as master:
         async with open_communicator(master.connect_address, config=FAST_PEER) as a:
-            host, port = master.address
+            _, port = master.address
             stream = await TcpTransport().connect("127.0.0.1", port)
             ms = MessageStream(stream, max_frame_size=1 << 20)
             await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))

@@ -16,13 +16,16 @@ from pccl.peer.shared_state import SharedState, TensorInfo
 from ._cluster import loopback_cluster
 
 
-async def _sync_all(comms: list[Communicator], states: list[SharedState],
-                    strategies: list[S] | None = None) -> list[Any]:
+async def _sync_all(
+    comms: list[Communicator], states: list[SharedState], strategies: list[S] | None = None
+) -> list[Any]:
     out: list[Any] = [None] * len(comms)
 
     async def one(i: int) -> None:
         try:
-            out[i] = await comms[i].sync_shared_state(states[i], strategies[i] if strategies else S.ENFORCE_POPULAR)
+            out[i] = await comms[i].sync_shared_state(
+                states[i], strategies[i] if strategies else S.ENFORCE_POPULAR
+            )
         except pccl.PCCLError as exc:
             out[i] = exc
 
@@ -33,7 +36,9 @@ async def _sync_all(comms: list[Communicator], states: list[SharedState],
 
 
 def _state(value: int, revision: int = 1, n: int = 1024, keys: tuple[str, ...] = ("w",)) -> SharedState:
-    return SharedState([TensorInfo.from_numpy(np.full(n, value, np.uint8), k) for k in keys], revision=revision)
+    return SharedState(
+        [TensorInfo.from_numpy(np.full(n, value, np.uint8), k) for k in keys], revision=revision
+    )
 
 
 async def test_two_peers_one_direction_and_identical_moves_nothing() -> None:
@@ -121,7 +126,9 @@ async def test_key_mismatch_refused_every_time_others_proceed() -> None:
                 s.revision = rev
             res = await _sync_all(cl.comms, states)
             assert isinstance(res[2], pccl.SharedStateSyncError)
-            assert isinstance(res[0], pccl.SharedStateSyncInfo) and isinstance(res[1], pccl.SharedStateSyncInfo)
+            assert isinstance(res[0], pccl.SharedStateSyncInfo) and isinstance(
+                res[1], pccl.SharedStateSyncInfo
+            )
 
 
 async def test_strategies() -> None:
@@ -134,8 +141,9 @@ async def test_strategies() -> None:
         # RECEIVE_ONLY everywhere: nobody can provide
         states = [_state(1, revision=2) for _ in range(3)]
         res = await _sync_all(cl.comms, states, [S.RECEIVE_ONLY] * 3)
-        assert all(isinstance(r, pccl.PCCLError) and r.result == pccl.Result.NO_SHARED_STATE_AVAILABLE
-                   for r in res), res
+        assert all(
+            isinstance(r, pccl.PCCLError) and r.result == pccl.Result.NO_SHARED_STATE_AVAILABLE for r in res
+        ), res
         # SEND_ONLY beats a popular majority; RECEIVE_ONLY receives (the failed round did not advance)
         states = [_state(9, revision=2), _state(4, revision=2), _state(4, revision=2)]
         res = await _sync_all(cl.comms, states, [S.SEND_ONLY, S.ENFORCE_POPULAR, S.RECEIVE_ONLY])
@@ -187,6 +195,7 @@ async def test_holder_killed_mid_transfer_keeps_old_bits_and_retry_succeeds() ->
 async def test_late_joiner_receives_once_then_zero_bytes(steps: int) -> None:
     """Deterministic training: same reduced gradients + in-place updates keep states identical."""
     async with loopback_cluster(2) as cl:
+
         def mk() -> tuple[SharedState, np.ndarray]:
             w = np.zeros(64, np.float32)
             return SharedState([TensorInfo.from_numpy(w, "w")]), w

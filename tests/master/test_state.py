@@ -12,7 +12,11 @@ from pccl.wire import messages as m
 
 
 def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
+    return [
+        (e.peer_id, e.message)
+        for e in effects
+        if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))
+    ]
 
 
 def kicks(effects: list[Any]) -> list[Kick]:
@@ -201,7 +205,7 @@ def test_collective_duplicate_tag_refused_running_unaffected() -> None:
     hs.update([a])
     _running_op(hs, [a, b])
     eff = hs.h(a, m.CollectiveInitiate(tag=7, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
-    (p, ab), = sends(eff, m.CollectiveAbort)
+    ((p, ab),) = sends(eff, m.CollectiveAbort)
     assert p == a and ab.code == Result.INVALID_USAGE and ab.op_seq == -1
     hs.h(a, m.CollectiveDone(tag=7, success=True))
     assert sends(hs.h(b, m.CollectiveDone(tag=7, success=True)), m.CollectiveComplete)
@@ -250,7 +254,7 @@ def test_collective_withdrawn_vote_aborts_voters() -> None:
     hs = Harness()
     a, _ = hs.join()
     b, _ = hs.join()
-    c, _ = hs.join()
+    hs.join()
     hs.update([a])
     hs.h(a, m.CollectiveInitiate(tag=1, descriptor=["x"]))
     hs.h(b, m.CollectiveInitiate(tag=1, descriptor=["x"]))
