@@ -159,6 +159,7 @@ class MasterState:
         self.bandwidth_probe_seconds = bandwidth_probe_seconds
         self.bandwidth_stale_after = bandwidth_stale_after
         self._solver = solver
+        self.solver_time_budget = 0.2
         self._now = 0.0
 
     # ---------------------------------------------------------------------------------------
@@ -556,7 +557,9 @@ class MasterState:
             return self._solver(bw)
         from . import topology
 
-        return list(topology.solve_ring(bw).order)
+        # A short budget: this runs inside the master's event loop. Exact (Held-Karp) up to 12 peers
+        # takes ~10 ms; beyond that the heuristic stops at the budget.
+        return list(topology.solve_ring(bw, time_budget=self.solver_time_budget).order)
 
     # ---------------------------------------------------------------------------------------
     # collectives
