@@ -1,0 +1,143 @@
+"""Join latency: from the ``open_communicator(...)`` call to *accepted*, with N peers already in the run.
+
+The N existing peers are separate OS processes running the membership step of the training-loop recipe in a
+loop: ``if await comm.are_peers_pending(): await comm.update_topology()`` (``--step-ms`` adds a pause per
+iteration, standing in for a training step; 0 means a tight loop). The master is a separate process too.
+
+Two measurements per N:
+
+* ``call -> accepted``: the joiner runs in-process (in this driver, over loopback TCP). The clock starts
+  right before ``open_communicator(...)`` and stops when the block is entered (the peer is accepted and has
+  the ring table). It then leaves again, so every join sees the same N.
+* ``process start -> accepted``: a fresh joiner process per sample (interpreter start + imports + join),
+  the figure comparable to the established library's 170-220 ms.
+
+usage: python benchmarks/join.py [--peers 1,4,8,16] [--joins 15] [--proc-joins 3] [--step-ms 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c
+
+# ----------------------------------------------------------------------------------------------
+# children
+
+
+async def _existing_peer(cfg: dict[str, Any]) -> None:
+    from pccl.peer.communicator import open_communicator
+
+    async with open_communicator(cfg["master"], config=c.peer_config()) as comm:
+        c.emit("accepted", peer=comm.peer_id, world=comm.world_size)
+        last = comm.world_size
+        while True:
+            await c.admit_pending(comm)
+            if comm.world_size != last:
+                last = comm.world_size
+                c.emit("world", peer=comm.peer_id, world=last)
+            if cfg["step_ms"] > 0:
+                await trio.sleep(cfg["step_ms"] / 1000)
+
+
+async def _joiner_process(cfg: dict[str, Any]) -> None:
+    from pccl.peer.communicator import open_communicator
+
+    t0 = time.monotonic()
+    async with open_communicator(cfg["master"], config=c.peer_config()) as comm:
+        c.emit("accepted", peer=comm.peer_id, world=comm.world_size, t_call=t0)
+
+
+def child_main(cfg: dict[str, Any]) -> int:
+    c.child_setup()
+    fn = {"existing": _existing_peer, "joiner": _joiner_process}[cfg["role"]]
+    trio.run(fn, cfg)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+
+
+async def _join_once(address: str) -> tuple[float, int]:
+    from pccl.peer.communicator import open_communicator
+
+    t0 = time.perf_counter()
+    async with open_communicator(address, config=c.peer_config()) as comm:
+        dt = time.perf_counter() - t0
+        world = comm.world_size
+    return dt, world
+
+
+async def run(args: argparse.Namespace) -> list[list[Any]]:
+    counts = sorted({int(x) for x in args.peers.split(",")})
+    script = Path(__file__).resolve()
+    rows: list[list[Any]] = []
+    async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
+        master = await cluster.start_master()
+        existing = 0
+        for n in counts:
+            while existing < n:
+                await cluster.spawn(f"existing{existing}", c.script_argv(script, {
+                    "role": "existing", "master": master.address, "step_ms": args.step_ms}))
+                existing += 1
+                await cluster.wait_for(lambda ch, m: m.get("event") == "accepted", 60, "an existing peer")
+            await trio.sleep(0.3)  # let the ring settle before timing
+            times: list[float] = []
+            for j in range(args.joins + 1):
+                dt, world = await _join_once(master.address)
+                if world != n + 1:
+                    raise RuntimeError(f"joiner saw world size {world}, expected {n + 1}")
+                if j > 0:  # the first join warms up this process's code paths
+                    times.append(dt)
+                await trio.sleep(0.1)  # let the master process the leave before the next join
+            proc_times: list[float] = []
+            for j in range(args.proc_joins):
+                t_spawn = time.monotonic()
+                await cluster.spawn(f"joiner{n}_{j}", c.script_argv(script, {
+                    "role": "joiner", "master": master.address}))
+                _, msg = await cluster.wait_for(
+                    lambda ch, m, name=f"joiner{n}_{j}": ch.name == name and m.get("event") == "accepted",
+                    60, "a joiner process")
+                proc_times.append(msg["t"] - t_spawn)
+                await trio.sleep(0.1)
+            rows.append([n, c.median_ms(times), min(times) * 1e3, max(times) * 1e3, len(times),
+                         c.median_ms(proc_times) if proc_times else float("nan")])
+            print(f"  N={n}: call->accepted median {c.median_ms(times):.2f} ms "
+                  f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
+                  f"process start->accepted {c.median_ms(proc_times) if proc_times else float('nan'):.0f} ms",
+                  flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        return child_main(json.loads(argv[1]))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--peers", default="1,4,8,16", help="existing peer counts (comma separated)")
+    p.add_argument("--joins", type=int, default=15, help="in-process joins per count (median)")
+    p.add_argument("--proc-joins", type=int, default=3, help="joiner processes per count (0 to skip)")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="pause per iteration of the existing peers' loop (0: tight loop)")
+    p.add_argument("--keep-logs", action="store_true")
+    args = p.parse_args(argv)
+    print(f"join latency; {c.machine_line()}; existing peers: OS processes (loop step {args.step_ms:g} ms); "
+          "joiner: in-process trio task", flush=True)
+    rows = trio.run(run, args)
+    print()
+    print(c.format_table(["existing peers", "call->accepted median ms", "min ms", "max ms", "joins",
+                          "process start->accepted median ms"], rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The main job's demo (``python -m pccl demo --quick``) runs end to end and its invariants hold."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_demo_quick_passes() -> None:
+    # A subprocess, exactly like scripts/demo.sh runs it: master in the demo process, peer processes,
+    # a SIGKILL mid-run and a newcomer catching up through shared state. The demo itself bounds its run
+    # (--quick: 30 s); the outer timeout only guards against a hang in process teardown.
+    proc = subprocess.run([sys.executable, "-m", "pccl", "demo", "--quick"], capture_output=True, text=True,
+                          timeout=40)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "demo PASSED" in out, out
+    assert "[FAIL]" not in out, out
+    assert "SIGKILL peer" in out, out
+    assert "received the whole state once" in out, out
+
+
+def test_demo_rejects_bad_arguments() -> None:
+    from pccl.demo import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--peers", "1"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--steps", "10", "--kill-at", "9"])
