@@ -1,0 +1,242 @@
+"""Peer-to-peer connection set-up: the P2P listener and the outgoing handshake.
+
+Every P2P connection starts with ``Hello(purpose="p2p", peer_id, channel, index, secret)`` from
+the connecting side; the listener answers ``HelloOk`` or ``Refused`` (then closes). After the
+handshake the connection belongs to the handler registered for its channel ("ring" for the
+collective data plane, "state" for shared-state transfers, "bench" for bandwidth probes).
+
+A client must not send anything after its Hello until it has read HelloOk: the listener parses
+the Hello through a :class:`MessageStream`, and handlers may switch to raw reads on the
+underlying stream right after it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+
+import trio
+
+from .._config import PROTOCOL_VERSION, PeerConfig
+from .._errors import PCCLError, RankConnectionFailedError, RemoteProtocolError, Result
+from ..transport import Address, Listener, StreamBroken, Transport
+from ..wire.messages import Hello, HelloOk, Refused
+from ..wire.stream import MessageStream
+
+log = logging.getLogger("pccl.p2p")
+
+P2PHandler = Callable[[MessageStream, Hello], Awaitable[None]]
+
+
+async def serve_p2p(
+    transport: Transport,
+    host: str,
+    port: int,
+    handlers: Mapping[str, P2PHandler],
+    *,
+    config: PeerConfig,
+    secret: str = "",
+    task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Listen for P2P connections and hand each one, after its hello, to its channel's handler.
+
+    Runs until cancelled (or until the listener is closed). Each connection runs in its own task
+    and every error on it is contained: a bad connection never takes the listener down.
+
+    Args:
+        transport: where to listen.
+        host: address to bind.
+        port: port to bind; 0 lets the system choose.
+        handlers: channel name -> ``async handler(ms, hello)``; the stream is closed when the
+            handler returns or fails.
+        config: timeouts (``connect_timeout`` bounds the wait for the Hello) and frame limits.
+        secret: when non-empty, a Hello must carry exactly this secret.
+        task_status: receives the bound ``(host, port)`` once listening.
+
+    Raises:
+        PCCLError: (SYSTEM_ERROR) the address cannot be bound.
+    """
+    try:
+        listener = await transport.listen(host, port)
+    except StreamBroken as exc:
+        raise PCCLError(
+            f"cannot listen for P2P connections on {host}:{port}: {exc}", Result.SYSTEM_ERROR
+        ) from exc
+    try:
+        async with trio.open_nursery() as nursery:
+            task_status.started(listener.address)
+            await _accept_loop(listener, nursery, handlers, config, secret)
+    finally:
+        with trio.CancelScope(shield=True):
+            await listener.aclose()
+
+
+async def _accept_loop(
+    listener: Listener,
+    nursery: trio.Nursery,
+    handlers: Mapping[str, P2PHandler],
+    config: PeerConfig,
+    secret: str,
+) -> None:
+    while True:
+        try:
+            stream = await listener.accept()
+        except StreamBroken:
+            log.debug("P2P listener %s closed", listener.address)
+            return
+        ms = MessageStream(stream, max_frame_size=config.max_frame_size)
+        nursery.start_soon(_serve_connection, ms, handlers, config, secret)
+
+
+async def _refuse(ms: MessageStream, reason: str, code: Result, timeout: float) -> None:
+    log.warning("refused P2P connection from %s: %s", _peer_of(ms), reason)
+    with trio.move_on_after(timeout):
+        try:
+            await ms.send(Refused(reason=reason, code=int(code)))
+        except (StreamBroken, PCCLError):
+            pass
+
+
+def _peer_of(ms: MessageStream) -> str:
+    try:
+        host, port = ms.stream.peer_address
+    except Exception:  # an exotic stream: the log line must not fail
+        return "?"
+    return f"{host}:{port}"
+
+
+async def _serve_connection(
+    ms: MessageStream, handlers: Mapping[str, P2PHandler], config: PeerConfig, secret: str
+) -> None:
+    try:
+        hello = None
+        with trio.move_on_after(config.connect_timeout):
+            try:
+                msg = await ms.receive()
+            except (StreamBroken, RemoteProtocolError) as exc:
+                log.warning("refused P2P connection from %s: bad hello (%s)", _peer_of(ms), exc)
+                return
+            if not isinstance(msg, Hello):
+                await _refuse(ms, f"expected Hello, got {type(msg).__name__}", Result.REMOTE_ERROR,
+                              config.connect_timeout)
+                return
+            hello = msg
+        if hello is None:
+            log.warning("refused P2P connection from %s: no hello within %.1fs", _peer_of(ms),
+                        config.connect_timeout)
+            return
+        reason = _check_hello(hello, handlers, secret)
+        if reason is not None:
+            await _refuse(ms, reason, Result.REMOTE_ERROR if "version" in reason else Result.INVALID_USAGE,
+                          config.connect_timeout)
+            return
+        with trio.move_on_after(config.connect_timeout) as scope:
+            try:
+                await ms.send(HelloOk(protocol_version=PROTOCOL_VERSION))
+            except StreamBroken:
+                return
+        if scope.cancelled_caught:
+            return
+        await handlers[hello.channel](ms, hello)
+    except Exception as exc:
+        # Contain everything: one connection's failure must never kill the listener.
+        log.warning("P2P connection from %s ended with an error: %r", _peer_of(ms), exc)
+    finally:
+        with trio.CancelScope(shield=True):
+            try:
+                await ms.aclose()
+            except Exception:  # closing a broken stream may fail; nothing left to do
+                pass
+
+
+def _check_hello(hello: Hello, handlers: Mapping[str, P2PHandler], secret: str) -> str | None:
+    """Return why ``hello`` is refused, or None to accept it."""
+    if hello.protocol_version != PROTOCOL_VERSION:
+        return (
+            f"protocol version mismatch: the connecting peer speaks version {hello.protocol_version}, "
+            f"this peer speaks version {PROTOCOL_VERSION}"
+        )
+    if hello.purpose != "p2p":
+        return f"this is a P2P listener; connection purpose {hello.purpose!r} is not served here"
+    if secret or hello.secret:
+        if not hmac.compare_digest(hello.secret.encode("utf-8"), secret.encode("utf-8")):
+            return "bad secret"
+    if hello.channel not in handlers:
+        return f"unknown P2P channel {hello.channel!r}"
+    return None
+
+
+async def open_p2p(
+    transport: Transport,
+    host: str,
+    port: int,
+    *,
+    my_peer_id: int,
+    channel: str,
+    index: int = 0,
+    config: PeerConfig,
+    secret: str = "",
+) -> MessageStream:
+    """Open a P2P connection and complete its handshake.
+
+    Args:
+        transport: how to connect.
+        host: the other peer's P2P listener address.
+        port: its port.
+        my_peer_id: this peer's id, presented in the Hello.
+        channel: which handler the other side should run ("ring", "state", "bench").
+        index: slot of this connection in the caller's pool.
+        config: ``connect_timeout`` bounds the connect and, separately, the wait for HelloOk.
+        secret: the shared secret, if the group uses one.
+
+    Returns:
+        The stream, ready for the channel's traffic.
+
+    Raises:
+        RankConnectionFailedError: the connection could not be opened, timed out, broke, or was
+            refused (the message carries the other side's reason).
+    """
+    where = f"{host}:{port}"
+    try:
+        with trio.fail_after(config.connect_timeout):
+            stream = await transport.connect(host, port)
+    except trio.TooSlowError as exc:
+        raise RankConnectionFailedError(f"P2P connect to {where} timed out") from exc
+    except StreamBroken as exc:
+        raise RankConnectionFailedError(f"P2P connect to {where} failed: {exc}") from exc
+    ms = MessageStream(stream, max_frame_size=config.max_frame_size)
+    ok = False
+    try:
+        hello = Hello(
+            protocol_version=PROTOCOL_VERSION,
+            purpose="p2p",
+            secret=secret,
+            peer_id=my_peer_id,
+            channel=channel,
+            index=index,
+        )
+        with trio.fail_after(config.connect_timeout):
+            await ms.send(hello)
+            reply = await ms.receive()
+        if isinstance(reply, Refused):
+            raise RankConnectionFailedError(f"P2P connection to {where} refused: {reply.reason}")
+        if not isinstance(reply, HelloOk):
+            raise RankConnectionFailedError(
+                f"P2P connection to {where}: expected HelloOk, got {type(reply).__name__}"
+            )
+        ok = True
+        return ms
+    except trio.TooSlowError as exc:
+        raise RankConnectionFailedError(f"P2P handshake with {where} timed out") from exc
+    except StreamBroken as exc:
+        raise RankConnectionFailedError(f"P2P handshake with {where} failed: {exc}") from exc
+    except RemoteProtocolError as exc:
+        raise RankConnectionFailedError(f"P2P handshake with {where}: {exc}") from exc
+    finally:
+        if not ok:
+            with trio.CancelScope(shield=True):
+                try:
+                    await ms.aclose()
+                except Exception:  # already broken; the error above is what matters
+                    pass

@@ -1,0 +1,785 @@
+"""The P2P connection pool of the collective data plane ("ring" channel).
+
+Each peer keeps ``pool_size`` TCP connections to its ring successor (opened by this peer, used
+only to send) and accepts ``pool_size`` from its predecessor (used only to receive). Every
+data frame carries ``(tag, op_seq, seq)`` (see :mod:`pccl.wire.data`), so the connection a
+frame travels on does not matter: concurrent operations share connections without blocking each
+other (sends are serialized per connection, one whole frame at a time), and a large operation
+stripes its blocks over every connection.
+
+Receiving: one reader task per incoming connection (:meth:`P2PPool.handle_incoming`, the "ring"
+handler of :func:`~pccl.peer.p2p.serve_p2p`) reads a header, finds the receive registered for
+``(from_peer, tag, op_seq, seq)`` with :meth:`P2PPool.expect`, and ``recv_into``s the payload
+straight into the registered destination (zero copy). A frame that arrives before its receive is
+registered (the sender got the master's go-ahead first) is stashed in a pool-owned buffer,
+bounded by ``PeerConfig.recv_stash_limit``, and copied over on registration. Frames of
+operations known to be finished or aborted (:meth:`P2PPool.forget_op`) are read and dropped.
+
+Safety of the destination: once :meth:`P2PPool.forget_op` (or :meth:`P2PPool.disconnect`)
+returns, no reader writes into a destination of that operation again. On TCP the reader checks
+the receive's state before every ``recv_into`` syscall (trio is single-threaded, so nothing can
+write between the check and the syscall); on other transports it receives through a pool-owned
+bounce buffer and copies only while the receive is live.
+
+Fast path: on :class:`~pccl.transport.TcpStream` the pool drives a private ``dup`` of the socket
+with non-blocking ``sendmsg``/``recv_into`` and waits with ``trio.lowlevel.wait_readable`` /
+``wait_writable`` only when the kernel says EAGAIN. This skips two scheduler round trips per
+syscall that trio's socket methods spend on checkpoints, which is most of the per-frame cost for
+small operations.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import OrderedDict
+from typing import Any
+
+import trio
+
+from .._config import PeerConfig
+from .._errors import (
+    InvalidUsageError,
+    LocalProtocolError,
+    PCCLError,
+    RankConnectionFailedError,
+    RankConnectionLostError,
+    RemoteProtocolError,
+)
+from ..transport import Stream, StreamBroken, Transport
+from ..wire.data import (
+    DATA_HEADER_SIZE,
+    MAX_DATA_FRAME_LENGTH,
+    pack_data_header_into,
+    unpack_data_header_fields,
+)
+from ..wire.messages import Hello
+from ..wire.stream import MessageStream
+from .p2p import open_p2p
+
+log = logging.getLogger("pccl.p2p")
+
+RING_CHANNEL = "ring"
+
+_BOUNCE_BYTES = 256 * 1024  # generic-transport receive bounce buffer (per connection)
+_DISCARD_BYTES = 1 << 20  # scratch that frames of dead operations are read into and dropped
+_DEAD_OPS_KEEP = 8192  # how many finished op_seqs we remember to drop their stragglers
+_MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_MSG_PEEK_DONTWAIT = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+
+# SO_SNDBUF/SO_RCVBUF for ring connections (None: leave the kernel's autotuning alone).
+DEFAULT_SOCKET_BUFFER: int | None = 4 << 20
+
+# Largest SO_RCVLOWAT used while a frame's payload is outstanding.
+DEFAULT_RCVLOWAT = 256 * 1024
+
+SlotKey = tuple[int, int, int, int]  # (from_peer, tag, op_seq, seq)
+
+
+class _Broken(Exception):
+    """Internal: this connection is unusable (closed locally, EOF, reset)."""
+
+
+def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | None:
+    """A private non-blocking ``dup`` of the stream's TCP socket, or None for other transports.
+
+    A dup (rather than the trio socket's own fd) means a closed connection can never leave us
+    holding a stale fd number that the OS hands to a different socket.
+    """
+    tsock: Any = getattr(stream, "socket", None)
+    if not isinstance(tsock, trio.socket.SocketType):
+        # TcpStream keeps its trio socket private; see the report: a public accessor is requested.
+        tsock = getattr(stream, "_sock", None)
+    if not isinstance(tsock, trio.socket.SocketType):
+        return None
+    try:
+        fd = tsock.fileno()
+        if fd < 0:
+            return None
+        sock = socket.fromfd(fd, tsock.family, tsock.type, tsock.proto)
+        sock.setblocking(False)
+    except OSError:
+        return None
+    if buffer_bytes:
+        # Only the direction this connection is used in matters; the kernel caps (and doubles) it.
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+            except OSError:
+                pass
+    return sock
+
+
+class _Conn:
+    """One P2P connection of the pool (send-only if outgoing, receive-only if incoming)."""
+
+    __slots__ = ("bounce", "closed", "hdr", "hdr_view", "index", "lock", "lowat", "outgoing", "peer_id",
+                 "rx_bytes", "send_waits", "sock", "stream", "tx_bytes")
+
+    def __init__(
+        self, stream: Stream, peer_id: int, index: int, *, outgoing: bool, buffer_bytes: int | None = None
+    ) -> None:
+        self.stream = stream
+        self.peer_id = peer_id
+        self.index = index
+        self.outgoing = outgoing
+        self.sock = _fast_socket(stream, buffer_bytes)
+        self.closed = False
+        self.lock = trio.StrictFIFOLock()
+        self.hdr = bytearray(DATA_HEADER_SIZE)
+        self.hdr_view = memoryview(self.hdr)
+        self.bounce: memoryview | None = None
+        self.lowat = 1  # current SO_RCVLOWAT (incoming TCP connections)
+        self.send_waits = 0
+        self.tx_bytes = 0
+        self.rx_bytes = 0
+
+    def alive(self) -> bool:
+        """False once closed or (TCP) once the other side has closed or reset it."""
+        if self.closed:
+            return False
+        sock = self.sock
+        if sock is None or not self.outgoing:
+            return True
+        try:
+            sock.recv(1, _MSG_PEEK_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        # EOF, or bytes on a connection the other side must never write to: either way unusable.
+        return False
+
+    async def aclose(self) -> None:
+        """Close (idempotent, never raises, safe under cancellation)."""
+        if self.closed:
+            return
+        self.closed = True
+        sock = self.sock
+        if sock is not None:
+            # wake any task parked in wait_readable/wait_writable on our dup first
+            trio.lowlevel.notify_closing(sock)
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            sock.close()
+        with trio.CancelScope(shield=True):
+            try:
+                await self.stream.aclose()
+            except Exception:  # closing an already broken stream: nothing left to do
+                pass
+
+    async def send_frame(self, tag: int, op_seq: int, seq: int, data: memoryview) -> None:
+        """Send header + payload as one uninterrupted frame.
+
+        A frame cut short (error or cancellation after its first byte) leaves the byte stream
+        unparseable, so the connection is closed.
+
+        Raises:
+            _Broken: the connection is (now) unusable.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        lock = self.lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        total = DATA_HEADER_SIZE + len(data)
+        sent = 0
+        try:
+            if self.closed:
+                raise _Broken("connection closed")
+            pack_data_header_into(self.hdr, tag, op_seq, seq, len(data))
+            sock = self.sock
+            if sock is not None:
+                hv = self.hdr_view
+                while sent < total:
+                    try:
+                        if sent < DATA_HEADER_SIZE:
+                            k = sock.sendmsg([hv[sent:], data], (), _MSG_NOSIGNAL)
+                        else:
+                            k = sock.send(data[sent - DATA_HEADER_SIZE :], _MSG_NOSIGNAL)
+                    except BlockingIOError:
+                        self.send_waits += 1
+                        await trio.lowlevel.wait_writable(sock)
+                        if self.closed:
+                            raise _Broken("connection closed") from None
+                        continue
+                    sent += k
+            else:
+                sent = 1  # from here on, any failure may have left a partial frame behind
+                await self.stream.send_all(self.hdr_view)
+                await self.stream.send_all(data)
+                sent = total
+            self.tx_bytes += len(data)
+        except (OSError, StreamBroken, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            await self.aclose()
+            raise _Broken(str(exc) or type(exc).__name__) from exc
+        except BaseException:
+            if 0 < sent < total:
+                await self.aclose()
+            raise
+        finally:
+            lock.release()
+
+
+class ReceiveSlot:
+    """A registered receive: one frame from one peer, landing in ``dest``.
+
+    Created by :meth:`P2PPool.expect`; ``await slot.wait()`` returns once ``dest`` is full.
+    """
+
+    __slots__ = ("_error", "_event", "cancelled", "dest", "done", "filling", "key", "nbytes")
+
+    def __init__(self, key: SlotKey, dest: memoryview) -> None:
+        self.key = key
+        self.dest = dest
+        self.nbytes = len(dest)
+        self.done = False
+        self.filling = False
+        self.cancelled = False
+        self._error: tuple[type[PCCLError], str] | None = None
+        self._event: trio.Event | None = None
+
+    def _complete(self) -> None:
+        self.done = True
+        if self._event is not None:
+            self._event.set()
+
+    def _fail(self, cls: type[PCCLError], message: str) -> None:
+        if self.done:
+            return
+        self.cancelled = True  # a reader mid-frame must stop writing into dest
+        self._error = (cls, message)
+        self._complete()
+
+    async def wait(self) -> None:
+        """Wait until the frame has fully arrived in ``dest``.
+
+        Raises:
+            RankConnectionLostError: the connection from that peer broke, the peer was
+                disconnected, the operation was forgotten, or the pool closed.
+            RemoteProtocolError: the peer sent a frame of the wrong length for this receive.
+        """
+        if not self.done:
+            if self._event is None:
+                self._event = trio.Event()
+            await self._event.wait()
+        else:
+            await trio.lowlevel.checkpoint_if_cancelled()
+        if self._error is not None:
+            cls, message = self._error
+            raise cls(message)
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "done" if self.done else "filling" if self.filling else "pending"
+        return f"<ReceiveSlot from={self.key[0]} tag={self.key[1]} op={self.key[2]} seq={self.key[3]} " \
+               f"{self.nbytes}B {state}>"
+
+
+class P2PPool:
+    """Ring data connections to neighbours, with per-frame routing of received data.
+
+    Args:
+        transport: how to open connections.
+        my_peer_id: this peer's id (presented in every Hello).
+        pool_size: connections per neighbour and direction (>= 1).
+        config: timeouts and limits (``connect_timeout``, ``recv_stash_limit``, ``max_frame_size``).
+        secret: shared secret presented to the other peers' listeners.
+        socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for TCP ring connections; None keeps the
+            kernel's autotuning.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        my_peer_id: int,
+        pool_size: int,
+        config: PeerConfig,
+        secret: str = "",
+        socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER,
+    ) -> None:
+        if pool_size < 1:
+            raise ValueError("pool_size must be >= 1")
+        self.transport = transport
+        self.my_peer_id = my_peer_id
+        self.pool_size = pool_size
+        self.config = config
+        self.secret = secret
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self._closed = False
+        self._out: dict[int, list[_Conn | None]] = {}
+        self._addr: dict[int, tuple[str, int]] = {}
+        self._connect_locks: dict[int, trio.Lock] = {}
+        self._in: dict[tuple[int, int], _Conn] = {}
+        self._slots: dict[SlotKey, ReceiveSlot] = {}
+        self._stash: dict[SlotKey, bytearray] = {}
+        self._stashing: set[SlotKey] = set()
+        self._stash_bytes = 0
+        self._stash_limit = config.recv_stash_limit
+        self._dead_ops: OrderedDict[int, None] = OrderedDict()
+        self._discard = memoryview(bytearray(_DISCARD_BYTES))
+        # counters for statistics()
+        self._tx_bytes = 0
+        self._rx_bytes = 0
+        self._frames_sent = 0
+        self._frames_received = 0
+        self._frames_stashed = 0
+        self._bytes_discarded = 0
+        self._connections_lost = 0
+        self._recv_waits = 0
+        self._lowat_cap = DEFAULT_RCVLOWAT
+
+    # ------------------------------------------------------------------------------------------
+    # connections
+
+    async def connect(self, peer_id: int, host: str, port: int) -> None:
+        """Make sure all ``pool_size`` outgoing connections to ``peer_id`` are open.
+
+        Idempotent: open, healthy connections are kept; closed or broken ones are replaced; all
+        missing ones are opened concurrently. If the address changed, the old ones are closed.
+
+        Raises:
+            RankConnectionFailedError: some connection could not be opened (those that did
+                open are kept; calling again opens the rest).
+        """
+        if self._closed:
+            raise RankConnectionFailedError("the P2P pool is closed")
+        lock = self._connect_locks.setdefault(peer_id, trio.Lock())
+        async with lock:
+            conns = self._out.get(peer_id)
+            if conns is not None and self._addr.get(peer_id) != (host, port):
+                self._out.pop(peer_id, None)
+                for c in conns:
+                    if c is not None:
+                        await c.aclose()
+                conns = None
+            if conns is None:
+                conns = [None] * self.pool_size
+                self._out[peer_id] = conns
+                self._addr[peer_id] = (host, port)
+            for i, c in enumerate(conns):
+                if c is not None and not c.alive():
+                    conns[i] = None
+                    await c.aclose()
+            missing = [i for i, c in enumerate(conns) if c is None]
+            if not missing:
+                await trio.lowlevel.checkpoint()
+                return
+            errors: list[str] = []
+            async with trio.open_nursery() as nursery:
+                for i in missing:
+                    nursery.start_soon(self._open_one, peer_id, host, port, i, conns, errors)
+            if errors:
+                raise RankConnectionFailedError(
+                    f"{len(errors)} of {len(missing)} connections to peer {peer_id} failed: {errors[0]}"
+                )
+
+    async def _open_one(
+        self, peer_id: int, host: str, port: int, index: int, conns: list[_Conn | None], errors: list[str]
+    ) -> None:
+        try:
+            ms = await open_p2p(
+                self.transport,
+                host,
+                port,
+                my_peer_id=self.my_peer_id,
+                channel=RING_CHANNEL,
+                index=index,
+                config=self.config,
+                secret=self.secret,
+            )
+        except RankConnectionFailedError as exc:
+            errors.append(exc.message)
+            return
+        conn = _Conn(ms.stream, peer_id, index, outgoing=True, buffer_bytes=self.socket_buffer_bytes)
+        if self._closed or self._out.get(peer_id) is not conns:
+            # disconnect() or aclose() ran while we were connecting: this connection is unwanted
+            await conn.aclose()
+            errors.append("disconnected while connecting")
+            return
+        conns[index] = conn
+
+    def is_connected(self, peer_id: int) -> bool:
+        """True if all ``pool_size`` outgoing connections to ``peer_id`` are open and healthy."""
+        conns = self._out.get(peer_id)
+        return conns is not None and all(c is not None and c.alive() for c in conns)
+
+    async def disconnect(self, peer_id: int) -> None:
+        """Close every connection with ``peer_id``, both directions.
+
+        Used after a failed operation, when the state of those streams is unknown. Pending
+        receives from that peer fail with RankConnectionLostError; its stashed frames are dropped;
+        the next :meth:`connect` rebuilds the outgoing side (the peer rebuilds the other).
+        """
+        conns: list[_Conn] = [c for c in self._out.pop(peer_id, []) if c is not None]
+        for in_key in [k for k in self._in if k[0] == peer_id]:
+            conns.append(self._in.pop(in_key))
+        self._fail_peer(peer_id, f"connections to peer {peer_id} were closed")
+        for key in [k for k in self._stash if k[0] == peer_id]:
+            self._stash_bytes -= len(self._stash.pop(key))
+        with trio.CancelScope(shield=True):
+            for c in conns:
+                await c.aclose()
+
+    async def aclose(self) -> None:
+        """Close every connection; pending receives fail; the pool cannot be used again."""
+        self._closed = True
+        conns: list[_Conn] = [c for cs in self._out.values() for c in cs if c is not None]
+        conns.extend(self._in.values())
+        self._out.clear()
+        self._in.clear()
+        for slot in list(self._slots.values()):
+            slot._fail(RankConnectionLostError, "the P2P pool was closed")
+        self._slots.clear()
+        self._stash.clear()
+        self._stash_bytes = 0
+        with trio.CancelScope(shield=True):
+            for c in conns:
+                await c.aclose()
+
+    # ------------------------------------------------------------------------------------------
+    # sending
+
+    async def send(
+        self, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview, *, conn_index: int
+    ) -> None:
+        """Send one data frame to ``peer_id`` on outgoing connection ``conn_index % pool_size``.
+
+        Frames on one connection never interleave (a per-connection FIFO lock); concurrent sends
+        on different connections proceed in parallel.
+
+        Args:
+            peer_id: destination (must be connected).
+            tag: operation tag.
+            op_seq: operation sequence number.
+            seq: frame number within the operation.
+            data: the payload, a contiguous byte memoryview (format "B").
+            conn_index: preferred connection.
+
+        Raises:
+            RankConnectionLostError: no open connection, or it broke while sending (it is then
+                closed).
+        """
+        conns = self._out.get(peer_id)
+        conn = conns[conn_index % len(conns)] if conns else None
+        if conn is None or conn.closed:
+            await trio.lowlevel.checkpoint()
+            raise RankConnectionLostError(f"no open connection to peer {peer_id}")
+        try:
+            await conn.send_frame(tag, op_seq, seq, data)
+        except _Broken as exc:
+            self._connections_lost += 1
+            raise RankConnectionLostError(f"connection to peer {peer_id} lost while sending: {exc}") from None
+        self._tx_bytes += len(data)
+        self._frames_sent += 1
+
+    # ------------------------------------------------------------------------------------------
+    # receiving
+
+    def expect(self, peer_id: int, tag: int, op_seq: int, seq: int, dest: memoryview) -> ReceiveSlot:
+        """Register a receive of frame ``(tag, op_seq, seq)`` from ``peer_id`` into ``dest``.
+
+        If the frame was already stashed, it is copied into ``dest`` now and the slot is done.
+
+        Args:
+            peer_id: the sender.
+            tag: operation tag.
+            op_seq: operation sequence number.
+            seq: frame number.
+            dest: writable contiguous byte memoryview; the frame must have exactly this length.
+
+        Returns:
+            The slot; ``await slot.wait()``.
+
+        Raises:
+            InvalidUsageError: the operation was already forgotten, or the pool is closed.
+            LocalProtocolError: this receive is already registered.
+        """
+        if self._closed:
+            raise InvalidUsageError("the P2P pool is closed")
+        if op_seq in self._dead_ops:
+            raise InvalidUsageError(f"operation {op_seq} is already finished on this peer")
+        key = (peer_id, tag, op_seq, seq)
+        if key in self._slots:
+            raise LocalProtocolError(f"receive {key} registered twice")
+        if dest.format != "B" or dest.ndim != 1:
+            dest = dest.cast("B")
+        slot = ReceiveSlot(key, dest)
+        buf = self._stash.pop(key, None)
+        if buf is not None:
+            self._stash_bytes -= len(buf)
+            self._deliver_stash(slot, buf)
+            return slot
+        self._slots[key] = slot
+        return slot
+
+    def _deliver_stash(self, slot: ReceiveSlot, buf: bytearray) -> None:
+        if len(buf) != slot.nbytes:
+            slot._fail(RemoteProtocolError,
+                       f"peer {slot.key[0]} sent {len(buf)} bytes for a {slot.nbytes}-byte receive")
+            return
+        slot.dest[:] = buf
+        self._rx_bytes += len(buf)
+        self._frames_received += 1
+        slot._complete()
+
+    def forget_op(self, op_seq: int) -> None:
+        """Drop every receive and stash of operation ``op_seq`` and discard its later frames.
+
+        Pending receives fail; readers stop writing into their destinations before this returns.
+        Call it whenever an operation ends (successfully or not), and for operations aborted
+        before they ran here, so their stragglers do not pile up in the stash.
+        """
+        self._dead_ops[op_seq] = None
+        self._dead_ops.move_to_end(op_seq)
+        while len(self._dead_ops) > _DEAD_OPS_KEEP:
+            self._dead_ops.popitem(last=False)
+        for key in [k for k in self._slots if k[2] == op_seq]:
+            self._slots.pop(key)._fail(RankConnectionLostError, f"operation {op_seq} was aborted")
+        for key in [k for k in self._stash if k[2] == op_seq]:
+            self._stash_bytes -= len(self._stash.pop(key))
+
+    def _fail_peer(self, peer_id: int, reason: str) -> None:
+        for key in [k for k in self._slots if k[0] == peer_id]:
+            self._slots.pop(key)._fail(RankConnectionLostError, reason)
+
+    async def handle_incoming(self, ms: MessageStream, hello: Hello) -> None:
+        """The "ring" channel handler for :func:`~pccl.peer.p2p.serve_p2p`: this connection's reader.
+
+        Runs until the connection closes or breaks; then, if it was still this pool's current
+        connection for its (peer, index), fails the pending receives from that peer with
+        RankConnectionLostError. A protocol violation (bad header, wrong length, stash over the
+        limit) closes the connection the same way.
+        """
+        if self._closed:
+            return
+        conn = _Conn(ms.stream, hello.peer_id, hello.index, outgoing=False,
+                     buffer_bytes=self.socket_buffer_bytes)
+        key = (hello.peer_id, hello.index)
+        old = self._in.get(key)
+        self._in[key] = conn
+        if old is not None:
+            # The peer reopened this slot, so it gave the old connection up.
+            await old.aclose()
+        reason = "closed"
+        try:
+            # The first header may already be buffered in the message stream behind the Hello.
+            await ms.receive_raw_into(conn.hdr_view)
+            while True:
+                blocked = await self._read_frame(conn)
+                if not blocked:
+                    # Fairness: a fast sender must not keep this reader from yielding for long.
+                    await trio.lowlevel.checkpoint()
+                await self._read_header(conn)
+        except (_Broken, StreamBroken, trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
+            reason = f"connection from peer {conn.peer_id} lost: {exc or type(exc).__name__}"
+        except RemoteProtocolError as exc:
+            reason = f"peer {conn.peer_id} broke the data protocol: {exc.message}"
+            log.warning("closing ring connection from peer %d: %s", conn.peer_id, exc.message)
+        finally:
+            was_closed = conn.closed
+            await conn.aclose()
+            if self._in.get(key) is conn:
+                del self._in[key]
+                if not was_closed:
+                    self._connections_lost += 1
+                self._fail_peer(conn.peer_id, reason)
+
+    async def _read_header(self, conn: _Conn) -> None:
+        sock = conn.sock
+        if sock is None:
+            view = conn.hdr_view
+            got = 0
+            while got < DATA_HEADER_SIZE:
+                k = await conn.stream.receive_into(view[got:])
+                if k == 0:
+                    raise _Broken("connection closed by the other side")
+                got += k
+            return
+        hv = conn.hdr_view
+        got = 0
+        while got < DATA_HEADER_SIZE:
+            if conn.closed:
+                raise _Broken("connection closed")
+            try:
+                k = sock.recv_into(hv[got:] if got else hv)
+            except BlockingIOError:
+                self._set_lowat(conn, DATA_HEADER_SIZE - got)
+                self._recv_waits += 1
+                await trio.lowlevel.wait_readable(sock)
+                continue
+            if k == 0:
+                raise _Broken("connection closed by the other side")
+            got += k
+
+    def _set_lowat(self, conn: _Conn, want: int) -> None:
+        """Set SO_RCVLOWAT so that epoll reports the socket readable only with ``want`` bytes queued.
+
+        Never above what is certain to arrive (the rest of the current header or frame), so it
+        cannot stall; the kernel also wakes us when the receive window fills or the peer closes.
+        """
+        if want != conn.lowat and conn.sock is not None:
+            try:
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, want))
+                conn.lowat = want
+            except OSError:  # not supported: plain wake-ups still work
+                self._lowat_cap = 1
+
+    async def _read_frame(self, conn: _Conn) -> bool:
+        """Read the payload of the frame whose header is in ``conn.hdr``; True if it had to wait."""
+        tag, op_seq, seq, length = unpack_data_header_fields(conn.hdr)
+        if length > MAX_DATA_FRAME_LENGTH:
+            raise RemoteProtocolError(f"data frame length {length} exceeds the limit")
+        peer = conn.peer_id
+        key = (peer, tag, op_seq, seq)
+        slot = self._slots.get(key)
+        if slot is not None:
+            if slot.filling:
+                raise RemoteProtocolError(f"frame {key} received twice")
+            if length != slot.nbytes:
+                slot._fail(RemoteProtocolError,
+                           f"peer {peer} sent {length} bytes for a {slot.nbytes}-byte receive")
+                del self._slots[key]
+                raise RemoteProtocolError(f"frame {key}: {length} bytes, expected {slot.nbytes}")
+            slot.filling = True
+            blocked = await self._fill(conn, slot.dest, slot)
+            if not slot.cancelled:
+                del self._slots[key]
+                self._rx_bytes += length
+                self._frames_received += 1
+                slot._complete()
+            return blocked
+        if op_seq in self._dead_ops:
+            self._bytes_discarded += length
+            return await self._drop(conn, length)
+        if key in self._stash or key in self._stashing:
+            raise RemoteProtocolError(f"frame {key} received twice")
+        if self._stash_bytes + length > self._stash_limit:
+            raise RemoteProtocolError(
+                f"{length}-byte frame {key} arrived before its receive and the stash is full "
+                f"({self._stash_bytes} of {self._stash_limit} bytes)"
+            )
+        buf = bytearray(length)
+        self._stash_bytes += length
+        self._stashing.add(key)
+        try:
+            blocked = await self._fill(conn, memoryview(buf), None)
+        except BaseException:
+            self._stash_bytes -= length
+            raise
+        finally:
+            self._stashing.discard(key)
+        self._frames_stashed += 1
+        slot = self._slots.pop(key, None)
+        if slot is not None:
+            # registered while we were stashing
+            self._stash_bytes -= length
+            self._deliver_stash(slot, buf)
+        elif op_seq in self._dead_ops:
+            self._stash_bytes -= length
+        else:
+            self._stash[key] = buf
+        return blocked
+
+    async def _fill(self, conn: _Conn, view: memoryview, slot: ReceiveSlot | None) -> bool:
+        """Receive exactly ``len(view)`` bytes into ``view``; stop writing once ``slot`` is cancelled."""
+        n = len(view)
+        got = 0
+        blocked = False
+        sock = conn.sock
+        if sock is not None:
+            while got < n:
+                if slot is not None and slot.cancelled:
+                    await self._drop(conn, n - got)
+                    return True
+                if conn.closed:
+                    raise _Broken("connection closed")
+                try:
+                    k = sock.recv_into(view[got:] if got else view)
+                except BlockingIOError:
+                    blocked = True
+                    # Wake up only once a worthwhile amount has arrived (or the frame's rest):
+                    # fewer, larger recv_into calls and far fewer trips through the scheduler.
+                    self._set_lowat(conn, min(n - got, self._lowat_cap))
+                    self._recv_waits += 1
+                    await trio.lowlevel.wait_readable(sock)
+                    continue
+                if k == 0:
+                    raise _Broken("connection closed by the other side")
+                got += k
+            return blocked
+        # Generic transport: receive_into may write after waking, so never hand it a destination
+        # that could be cancelled meanwhile; go through a pool-owned bounce buffer.
+        bounce = conn.bounce
+        if bounce is None:
+            bounce = conn.bounce = memoryview(bytearray(_BOUNCE_BYTES))
+        while got < n:
+            if slot is None:
+                k = await conn.stream.receive_into(view[got:])
+            else:
+                k = await conn.stream.receive_into(bounce[: min(n - got, _BOUNCE_BYTES)])
+                if k and not slot.cancelled:
+                    view[got : got + k] = bounce[:k]
+            if k == 0:
+                raise _Broken("connection closed by the other side")
+            got += k
+        return True
+
+    async def _drop(self, conn: _Conn, n: int) -> bool:
+        got = 0
+        discard = self._discard
+        sock = conn.sock
+        while got < n:
+            want = min(n - got, _DISCARD_BYTES)
+            if sock is not None:
+                if conn.closed:
+                    raise _Broken("connection closed")
+                try:
+                    k = sock.recv_into(discard, want)
+                except BlockingIOError:
+                    self._set_lowat(conn, min(want, self._lowat_cap))
+                    await trio.lowlevel.wait_readable(sock)
+                    continue
+            else:
+                k = await conn.stream.receive_into(discard[:want])
+            if k == 0:
+                raise _Broken("connection closed by the other side")
+            got += k
+        return True
+
+    # ------------------------------------------------------------------------------------------
+    # introspection
+
+    def statistics(self) -> dict[str, Any]:
+        """A snapshot of the pool's state and counters."""
+        return {
+            "pool_size": self.pool_size,
+            "closed": self._closed,
+            "outgoing": {
+                p: sum(1 for c in cs if c is not None and not c.closed) for p, cs in self._out.items()
+            },
+            "incoming": {p: sum(1 for (q, _i) in self._in if q == p) for p in {q for (q, _i) in self._in}},
+            "pending_receives": len(self._slots),
+            "stashed_frames": len(self._stash),
+            "stashed_bytes": self._stash_bytes,
+            "tx_bytes": self._tx_bytes,
+            "rx_bytes": self._rx_bytes,
+            "frames_sent": self._frames_sent,
+            "frames_received": self._frames_received,
+            "frames_stashed_total": self._frames_stashed,
+            "bytes_discarded": self._bytes_discarded,
+            "connections_lost": self._connections_lost,
+            "recv_waits": self._recv_waits,
+            "send_waits": sum(c.send_waits for cs in self._out.values() for c in cs if c is not None),
+        }
+
+    def __repr__(self) -> str:
+        s = self.statistics()
+        return (
+            f"<P2PPool peer={self.my_peer_id} size={self.pool_size} out={s['outgoing']} in={s['incoming']} "
+            f"pending={s['pending_receives']} stashed={s['stashed_frames']}"
+            f"{' closed' if self._closed else ''}>"
+        )

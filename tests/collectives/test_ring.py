@@ -1,0 +1,324 @@
+"""Ring collectives between in-process pools over real loopback TCP, no master."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+import trio
+from _ring_harness import PlainTransport, open_ring, run_ranks, wait_until
+
+from pccl import InvalidArgumentError, RankConnectionLostError, ReduceOp, TooFewPeersError
+from pccl.collectives import ring as ring_mod
+from pccl.collectives.ring import owned_range, run_collective
+from pccl.collectives.schedule import chunk_range
+
+DTYPES: list[Any] = [
+    np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
+    np.float16, ml_dtypes.bfloat16, np.float32, np.float64,
+]
+OPS = [ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX]
+_UFUNC = {
+    ReduceOp.SUM: np.add, ReduceOp.PROD: np.multiply, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum
+}
+_seq = itertools.count(1)
+
+
+def make_input(rng: np.random.Generator, dtype: Any, op: ReduceOp, count: int) -> np.ndarray:
+    """Inputs whose reduction is exact in any order, so the reference is bit-exact too."""
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        return rng.integers(info.min, info.max, size=count, endpoint=True, dtype=dt)  # wraps exactly
+    if op == ReduceOp.SUM:
+        return rng.integers(-8, 9, size=count).astype(dt)
+    if op == ReduceOp.PROD:
+        return rng.choice(np.array([-2, -1, -0.5, 0.5, 1, 2]), size=count).astype(dt)
+    return rng.standard_normal(count).astype(dt)
+
+
+def reference(sends: list[np.ndarray], op: ReduceOp) -> np.ndarray:
+    acc = sends[0].copy()
+    for s in sends[1:]:
+        _UFUNC[op](acc, s, out=acc)
+    return acc
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+async def check_reduce(ring: Any, kind: str, dtype: Any, op: ReduceOp, count: int, block_bytes: int,
+                       rng: np.random.Generator) -> None:
+    n = len(ring.ids)
+    sends = [make_input(rng, dtype, op, count) for _ in range(n)]
+    originals = [s.copy() for s in sends]
+    outs = [np.zeros(count, dtype) for _ in range(n)]
+    res = await run_ranks(ring, kind=kind, sends=sends, outs=outs, tag=3, op_seq=next(_seq), op=op,
+                          block_bytes=block_bytes)
+    ref = reference(sends, op)
+    itemsize = np.dtype(dtype).itemsize
+    for r in range(n):
+        assert same_bits(sends[r], originals[r]), "send must never be modified"
+        if kind == "all_reduce":
+            assert same_bits(outs[r], ref), (r, dtype, op, count)
+            assert same_bits(outs[r], outs[0])
+            size = [e - a for a, e in (chunk_range(count, n, c) for c in range(n))]
+            # sends every chunk but r (reduce-scatter), then every chunk but r+1 (all-gather)
+            tx = (2 * count - size[r] - size[(r + 1) % n]) * itemsize
+            rx = (2 * count - size[(r - 1) % n] - size[r]) * itemsize
+            assert res[r] == (tx, rx)
+        else:
+            a, e = chunk_range(count, n, r)
+            assert owned_range(kind, n, r, count) == (a, e)
+            assert same_bits(outs[r][a:e], ref[a:e]), (r, dtype, op, count)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_every_kind_op_and_dtype_is_exact_and_bit_identical(n: int) -> None:
+    rng = np.random.default_rng(n)
+    count = 37  # not a multiple of any n: uneven chunks
+    async with open_ring(n) as ring:
+        for dtype in DTYPES:
+            for op in OPS:
+                for kind in ("all_reduce", "reduce_scatter"):
+                    await check_reduce(ring, kind, dtype, op, count, 1 << 20, rng)
+            # all-gather: ring order
+            sends = [make_input(rng, dtype, ReduceOp.MAX, 5) for _ in range(n)]
+            outs = [np.zeros(5 * n, dtype) for _ in range(n)]
+            res = await run_ranks(ring, kind="all_gather", sends=sends, outs=outs, tag=4, op_seq=next(_seq))
+            expected = np.concatenate(sends)
+            assert all(same_bits(o, expected) for o in outs)
+            assert res[0] == ((n - 1) * 5 * np.dtype(dtype).itemsize,) * 2
+            # broadcast from every root
+            for root in range(n):
+                sends = [make_input(rng, dtype, ReduceOp.MAX, 11) for _ in range(n)]
+                outs = [np.zeros(11, dtype) for _ in range(n)]
+                await run_ranks(ring, kind="broadcast", sends=sends, outs=outs, tag=5, op_seq=next(_seq),
+                                root=root)
+                assert all(same_bits(o, sends[root]) for o in outs), (dtype, root)
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+async def test_small_and_empty_counts(n: int) -> None:
+    rng = np.random.default_rng(7)
+    async with open_ring(n) as ring:
+        for count in [0, 1, n - 1, n, n + 1]:
+            for kind in ("all_reduce", "reduce_scatter"):
+                await check_reduce(ring, kind, np.float32, ReduceOp.SUM, count, 1 << 20, rng)
+                await check_reduce(ring, kind, np.int64, ReduceOp.PROD, count, 1 << 20, rng)
+            sends = [np.arange(count, dtype=np.int16) + 100 * r for r in range(n)]
+            outs = [np.zeros(count * n, np.int16) for _ in range(n)]
+            await run_ranks(ring, kind="all_gather", sends=sends, outs=outs, tag=1, op_seq=next(_seq))
+            assert all(same_bits(o, np.concatenate(sends)) for o in outs)
+            outs = [np.zeros(count, np.int16) for _ in range(n)]
+            res = await run_ranks(ring, kind="broadcast", sends=sends, outs=outs, tag=1, op_seq=next(_seq),
+                                  root=n - 1)
+            assert all(same_bits(o, sends[n - 1]) for o in outs)
+        # count 0 moves nothing
+        z = [np.zeros(0, np.float32) for _ in range(n)]
+        res = await run_ranks(ring, kind="all_reduce", sends=z, outs=[np.zeros(0, np.float32)] * n, tag=1,
+                              op_seq=next(_seq))
+        assert res == [(0, 0)] * n
+
+
+async def test_multi_block_pipeline_with_striping_over_several_connections() -> None:
+    rng = np.random.default_rng(11)
+    async with open_ring(3, pool_size=3) as ring:
+        # > INLINE_SEND_LIMIT, so sender tasks stripe blocks over all 3 connections per neighbour
+        count = 120_001
+        cases = [(np.float64, ReduceOp.SUM), (np.int32, ReduceOp.PROD), (ml_dtypes.bfloat16, ReduceOp.MAX)]
+        for dtype, op in cases:
+            await check_reduce(ring, "all_reduce", dtype, op, count, 16 * 1024, rng)
+        await check_reduce(ring, "reduce_scatter", np.float32, ReduceOp.MIN, count, 10_000, rng)
+        sends = [make_input(rng, np.uint8, ReduceOp.SUM, 300_001) for _ in range(3)]
+        outs = [np.zeros(300_001, np.uint8) for _ in range(3)]
+        await run_ranks(ring, kind="broadcast", sends=sends, outs=outs, tag=9, op_seq=next(_seq), root=1,
+                        block_bytes=4096)
+        assert all(same_bits(o, sends[1]) for o in outs)
+        sends = [make_input(rng, np.int64, ReduceOp.SUM, 50_000) for _ in range(3)]
+        outs = [np.zeros(150_000, np.int64) for _ in range(3)]
+        await run_ranks(ring, kind="all_gather", sends=sends, outs=outs, tag=9, op_seq=next(_seq),
+                        block_bytes=8192)
+        assert all(same_bits(o, np.concatenate(sends)) for o in outs)
+        for pool in ring.pools:
+            stats = pool.statistics()
+            assert stats["outgoing"] and all(v == 3 for v in stats["outgoing"].values())
+            assert stats["pending_receives"] == 0 and stats["stashed_frames"] == 0
+
+
+async def test_tiny_blocks_inline_path() -> None:
+    rng = np.random.default_rng(5)
+    async with open_ring(4) as ring:
+        # one element per block
+        await check_reduce(ring, "all_reduce", np.float16, ReduceOp.SUM, 1001, 2, rng)
+        await check_reduce(ring, "reduce_scatter", np.uint16, ReduceOp.MAX, 1001, 64, rng)
+
+
+async def test_large_float32_all_reduce() -> None:
+    rng = np.random.default_rng(3)
+    async with open_ring(3) as ring:
+        await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, 3_000_000, 1 << 20, rng)
+
+
+async def test_generic_stream_path() -> None:
+    """Non-TCP streams (no socket to drive directly) take the bounce-buffer path."""
+    rng = np.random.default_rng(2)
+    async with open_ring(3, transport_factory=PlainTransport, pool_size=2) as ring:
+        await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, 200_003, 64 * 1024, rng)
+        await check_reduce(ring, "all_reduce", np.int8, ReduceOp.MIN, 7, 1 << 20, rng)
+
+
+@pytest.mark.parametrize("pool_size", [1, 2])
+async def test_concurrent_tags_are_independent_and_exact(pool_size: int) -> None:
+    rng = np.random.default_rng(pool_size)
+    n = 3
+    async with open_ring(n, pool_size=pool_size) as ring:
+        jobs = []
+        for tag, (count, dtype, op) in enumerate([(150_000, np.float32, ReduceOp.SUM),
+                                                   (90_001, np.int64, ReduceOp.PROD),
+                                                   (17, np.uint8, ReduceOp.MAX)]):
+            sends = [make_input(rng, dtype, op, count) for _ in range(n)]
+            outs = [np.zeros(count, dtype) for _ in range(n)]
+            jobs.append((tag, sends, outs, op, next(_seq)))
+        async with trio.open_nursery() as nursery:
+            for tag, sends, outs, op, seq in jobs:
+                nursery.start_soon(lambda t=tag, s=sends, o=outs, p=op, q=seq: run_ranks(
+                    ring, kind="all_reduce", sends=s, outs=o, tag=t, op_seq=q, op=p, block_bytes=32 * 1024))
+        for _tag, sends, outs, op, _ in jobs:
+            ref = reference(sends, op)
+            assert all(same_bits(o, ref) for o in outs)
+
+
+async def test_frames_arriving_before_the_receive_is_registered_are_stashed() -> None:
+    rng = np.random.default_rng(9)
+    n = 2
+    async with open_ring(n) as ring:
+        sends = [make_input(rng, np.float32, ReduceOp.SUM, 1000) for _ in range(n)]
+        outs = [np.zeros(1000, np.float32) for _ in range(n)]
+        seq = next(_seq)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lambda: run_ranks(ring, kind="all_reduce", sends=sends, outs=outs, tag=2,
+                                                 op_seq=seq, ranks=[0]))
+            await wait_until(lambda: ring.pools[1].statistics()["stashed_frames"] == 1)
+            await run_ranks(ring, kind="all_reduce", sends=sends, outs=outs, tag=2, op_seq=seq, ranks=[1])
+        assert all(same_bits(o, sends[0] + sends[1]) for o in outs)
+        assert ring.pools[1].statistics()["stashed_bytes"] == 0
+
+
+async def test_bad_arguments_are_rejected_before_anything_is_sent() -> None:
+    async with open_ring(2) as ring:
+        pool, ids = ring.pools[0], ring.ids
+        x = np.zeros(10, np.float32)
+        kw: dict[str, Any] = dict(kind="all_reduce", ring=ids, my_id=ids[0], tag=1, op_seq=1, send=x,
+                                  out=np.zeros(10, np.float32), op=ReduceOp.SUM)
+        with pytest.raises(TooFewPeersError):
+            await run_collective(pool, **{**kw, "ring": [ids[0]]})
+        bad: list[dict[str, Any]] = [
+            {"kind": "scatter"},
+            {"my_id": 999},
+            {"ring": [ids[0], ids[0]]},
+            {"out": np.zeros(9, np.float32)},
+            {"out": np.zeros(10, np.float64)},
+            {"out": x},
+            {"out": np.zeros((2, 5), np.float32)},
+            {"op": ReduceOp.AVG},
+            {"tag": -1},
+            {"kind": "broadcast", "root": 2},
+            {"block_bytes": 0},
+        ]
+        for change in bad:
+            with pytest.raises(InvalidArgumentError):
+                await run_collective(pool, **{**kw, **change})
+        assert pool.statistics()["frames_sent"] == 0
+
+
+async def test_lost_peer_fails_the_others_cleanly_and_out_is_not_written_afterwards() -> None:
+    rng = np.random.default_rng(4)
+    n, count = 3, 400_000
+    async with open_ring(n) as ring:
+        sends = [make_input(rng, np.float32, ReduceOp.SUM, count) for _ in range(n)]
+        outs = [np.zeros(count, np.float32) for _ in range(n)]
+        errors: dict[int, BaseException] = {}
+        snapshots: dict[int, bytes] = {}
+        seq = next(_seq)
+
+        async def participant(i: int) -> None:
+            try:
+                await run_collective(ring.pools[i], kind="all_reduce", ring=ring.ids,
+                                     my_id=ring.ids[i], tag=1, op_seq=seq, send=sends[i],
+                                     out=outs[i], op=ReduceOp.SUM, block_bytes=16 * 1024)
+            except BaseException as exc:
+                errors[i] = exc
+                snapshots[i] = outs[i].tobytes()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(participant, 0)
+            nursery.start_soon(participant, 1)
+            # peer 2 never joins; once the others are under way, it dies
+            await wait_until(lambda: ring.pools[0].statistics()["frames_received"] > 0
+                             or ring.pools[2].statistics()["frames_stashed_total"] > 2)
+            await ring.pools[2].aclose()
+        assert set(errors) == {0, 1}
+        for i in (0, 1):
+            assert type(errors[i]) is RankConnectionLostError, repr(errors[i])
+        # let every reader notice the closed connections, then make sure nothing wrote into out
+        await wait_until(lambda: all(not p.statistics()["incoming"] for p in ring.pools[:2]))
+        for i in (0, 1):
+            assert outs[i].tobytes() == snapshots[i]
+            assert ring.pools[i].statistics()["pending_receives"] == 0
+
+
+async def test_cancelled_participant_stops_writing_and_the_others_fail() -> None:
+    rng = np.random.default_rng(8)
+    n, count = 2, 2_000_000
+    async with open_ring(n) as ring:
+        sends = [make_input(rng, np.float32, ReduceOp.SUM, count) for _ in range(n)]
+        outs = [np.zeros(count, np.float32) for _ in range(n)]
+        seq = next(_seq)
+        other_error: list[BaseException] = []
+        snapshot: list[bytes] = []
+
+        async def survivor() -> None:
+            try:
+                await run_collective(ring.pools[1], kind="all_reduce", ring=ring.ids,
+                                     my_id=ring.ids[1], tag=1, op_seq=seq, send=sends[1],
+                                     out=outs[1], op=ReduceOp.SUM, block_bytes=64 * 1024)
+            except RankConnectionLostError as exc:
+                other_error.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(survivor)
+            with trio.CancelScope() as scope:
+                async def cancel_midway() -> None:
+                    await wait_until(lambda: ring.pools[0].statistics()["frames_received"] >= 3)
+                    scope.cancel()
+                nursery.start_soon(cancel_midway)
+                await run_collective(ring.pools[0], kind="all_reduce", ring=ring.ids,
+                                     my_id=ring.ids[0], tag=1, op_seq=seq, send=sends[0],
+                                     out=outs[0], op=ReduceOp.SUM, block_bytes=64 * 1024)
+            assert scope.cancelled_caught
+            snapshot.append(outs[0].tobytes())
+        assert len(other_error) == 1
+        await wait_until(lambda: not ring.pools[0].statistics()["incoming"])
+        assert outs[0].tobytes() == snapshot[0]
+        assert not ring.pools[0].is_connected(ring.ids[1])
+        # the pools recover: reconnect and run again
+        await ring.connect_ring()
+        await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, 1000, 1 << 20, rng)
+
+
+async def test_missing_connection_is_reported_as_lost() -> None:
+    async with open_ring(2, connect=False) as ring:
+        x = np.ones(10, np.float32)
+        with pytest.raises(RankConnectionLostError):
+            await run_collective(ring.pools[0], kind="all_reduce", ring=ring.ids, my_id=ring.ids[0], tag=1,
+                                 op_seq=next(_seq), send=x, out=np.zeros(10, np.float32))
+
+
+def test_inline_limit_is_what_the_tests_assume() -> None:
+    # the striping test above relies on crossing this threshold
+    assert ring_mod.INLINE_SEND_LIMIT < 120_001 * 8
