@@ -165,6 +165,16 @@ def _cupy() -> ModuleType | None:
     return sys.modules.get("cupy")
 
 
+# float16/bfloat16 kernels run through torch's vectorised CPU loops when torch is already imported (numpy
+# converts float16 element by element). Both paths round identically; tests switch this off to check that.
+_HALF_VIA_TORCH = True
+
+
+def half_torch() -> ModuleType | None:
+    """torch, if already imported and allowed for float16/bfloat16 CPU kernels; else None (use numpy)."""
+    return _torch() if _HALF_VIA_TORCH else None
+
+
 def _torch_table(torch: ModuleType) -> dict[Any, DataType]:
     table = {
         torch.uint8: DataType.UINT8,

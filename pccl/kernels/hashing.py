@@ -22,7 +22,7 @@
     changes collide with probability about 2**-64 for unstructured data. It is not a cryptographic hash: it
     detects divergence, it does not resist an adversary.
 
-    Throughput: 8 vectorised passes per word over 1 MiB chunks that stay in L2, split across CPU cores for
+    Throughput: 8 vectorised passes per word over 512 KiB chunks that stay in L2, split across CPU cores for
     large inputs (numpy releases the GIL); see ``benchmarks/hash_bench.py``.
 
 ``simplehash32`` (32 bits)
@@ -57,7 +57,7 @@ _F2 = 0xC4CEB9FE1A85EC53
 _LEN_SEED = 0x243F6A8885A308D3
 
 _B = 4096  # words per block: part of the definition, never change it
-_CHUNK_ROWS = 32  # blocks per CPU chunk (1 MiB of words): an implementation detail, free to tune
+_CHUNK_ROWS = 16  # blocks per CPU chunk (512 KiB of words): an implementation detail, free to tune
 _GPU_CHUNK_ROWS = 8192  # blocks per GPU chunk (256 MiB of words)
 _THREAD_MIN_BYTES = 8 << 20
 

@@ -22,7 +22,10 @@ ZERO_POINT_SCALE
 
 Non-finite input (any NaN or infinity in the chunk) cannot be scaled; the chunk is then sent as "poisoned"
 (parameters NaN, all ``q`` 0) and dequantizes to all-NaN, so the NaN reaches every peer the way it would
-without quantization, instead of turning into plausible-looking garbage.
+without quantization, instead of turning into plausible-looking garbage. ZERO_POINT_SCALE carries its scale
+as a float32, so float64 chunks whose mean or ``12 std / Q`` exceed float32's range are sent poisoned too
+(MIN_MAX covers the whole float64 range). Dequantized values are clamped to the output dtype's finite range
+(ZERO_POINT_SCALE's representable range can reach beyond it).
 
 Metadata (sent before the quantized bytes), little-endian, fixed size per algorithm:
 
@@ -58,7 +61,7 @@ import numpy as np
 from .._errors import InvalidArgumentError
 from .._types import DataType, QuantizationAlgorithm, ReduceOp
 from . import _bf16
-from .backend import bfloat16_numpy_dtype, dtype_to_numpy, numpy_to_dtype
+from .backend import bfloat16_numpy_dtype, dtype_to_numpy, half_torch, numpy_to_dtype
 from .reduce import reduce_into
 
 __all__ = [
@@ -227,7 +230,7 @@ def _float_dtype(arr: np.ndarray[Any, Any], hint: DataType | None) -> DataType:
 
 def _torch_half(block: np.ndarray[Any, Any], dt: DataType) -> Any:
     """A torch view of a float16/bfloat16 block when torch is already imported, else None."""
-    torch = sys.modules.get("torch")
+    torch = half_torch()
     if torch is None:
         return None
     if dt == DataType.BFLOAT16:
@@ -322,10 +325,12 @@ def quantize(
         if out.dtype != qnp or out.size != n or not out.flags.writeable:
             raise InvalidArgumentError(f"out must be a writable {qnp} array of {n} elements")
         q = out.reshape(-1)
-    if alg is QuantizationAlgorithm.MIN_MAX:
-        meta = _quantize_min_max(flat, dt, qdt, q)
-    else:
-        meta = _quantize_zps(flat, dt, qdt, q)
+    # Overflow/invalid warnings would only restate the non-finite handling documented above.
+    with np.errstate(all="ignore"):
+        if alg is QuantizationAlgorithm.MIN_MAX:
+            meta = _quantize_min_max(flat, dt, qdt, q)
+        else:
+            meta = _quantize_zps(flat, dt, qdt, q)
     return q, meta.pack()
 
 
@@ -350,10 +355,13 @@ def _quantize_min_max(
     if n == 0:
         return QuantMeta(QuantizationAlgorithm.MIN_MAX, qdt, dt, 0, min_value=0.0, max_value=0.0)
     lo, hi = _min_max(flat, dt)
-    d = hi - lo  # exact for float16/bfloat16/float32 inputs (float64 arithmetic); may overflow for float64
-    if not (math.isfinite(d) and math.isfinite(lo)):
+    if not (math.isfinite(lo) and math.isfinite(hi)):
         q[...] = 0
         return QuantMeta(QuantizationAlgorithm.MIN_MAX, qdt, dt, n, min_value=math.nan, max_value=math.nan)
+    # hi - lo is exact for float16/bfloat16/float32 inputs (float64 arithmetic). float64 data may span more
+    # than the largest float64: then work on halved values, x/2 - min/2, which cannot overflow.
+    halve = not math.isfinite(hi - lo)
+    d = hi * 0.5 - lo * 0.5 if halve else hi - lo
     qmax = _QMAX[qdt]
     inv_step = qmax / d if d > 0.0 else math.inf
     if not math.isfinite(inv_step):
@@ -365,7 +373,7 @@ def _quantize_min_max(
     # range.
     wide = dt == DataType.FLOAT64 or d > _F32_MAX / 2 or inv_step > _F32_MAX / 2 or d / qmax < _F32_TINY
     wt = np.float64 if wide else np.float32
-    mn = wt(lo)
+    mn = wt(lo * 0.5 if halve else lo)
     scale = wt(inv_step)
     half = wt(0.5)
     tmp = np.empty(min(_BLOCK, n), dtype=wt)
@@ -375,7 +383,11 @@ def _quantize_min_max(
         xb = flat[start:stop]
         if conv is not None:
             xb = _load_f32(xb, dt, conv[: stop - start])
-        np.subtract(xb, mn, out=t, casting="unsafe")  # >= 0: x >= min and rounding is monotone
+        if halve:
+            np.multiply(xb, half, out=t)
+            np.subtract(t, mn, out=t)
+        else:
+            np.subtract(xb, mn, out=t, casting="unsafe")  # >= 0: x >= min and rounding is monotone
         np.multiply(t, scale, out=t)
         np.add(t, half, out=t)
         # t in [0.5, Q + 0.5 + tiny): truncation is floor(v + 0.5), i.e. round half up, and stays <= Q.
@@ -424,7 +436,8 @@ def _quantize_zps(
     if n == 0:
         return QuantMeta(alg, qdt, dt, 0, zero_point=(qmax + 1) >> 1, scale=1.0)
     mean, std = _mean_std(flat, dt)
-    if not (math.isfinite(mean) and math.isfinite(std)):
+    if not (math.isfinite(mean) and math.isfinite(std)) or max(abs(mean), 12.0 * std / qmax) > _F32_MAX:
+        # Non-finite input, or float64 data beyond float32 range: the scale is a float32 on the wire.
         q[...] = 0
         return QuantMeta(alg, qdt, dt, n, zero_point=0, scale=math.nan)
     scale = float(np.float32(12.0 * std / qmax)) if std > 0 else 0.0
@@ -468,10 +481,44 @@ def _quantize_zps(
 # dequantize
 
 
-def _dequant_params(m: QuantMeta, out_dt: DataType) -> tuple[type[np.floating[Any]], Any, Any, bool]:
-    """(work type, multiplier, offset, subtract_first) so that x' = q * mul + off  or  (q - off) * mul."""
+_OUT_MAX = {
+    DataType.FLOAT16: 65504.0,
+    DataType.BFLOAT16: float(np.array([0x7F7F0000], dtype=np.uint32).view(np.float32)[0]),  # bits 0x7F7F
+    DataType.FLOAT32: _F32_MAX,
+    DataType.FLOAT64: float(np.finfo(np.float64).max),
+}
+
+
+@dataclass(frozen=True)
+class _Deq:
+    """How to dequantize: ``x' = (q * mul + off) * post`` (MIN_MAX) or ``x' = (q - off) * mul`` (ZPS).
+
+    ``work`` is the arithmetic dtype. ``post`` is 2.0 when min-max parameters are halved so that ``q * step``
+    cannot overflow float64 near its largest value, else None. ``limit`` is the output dtype's largest
+    finite value when the representable range reaches beyond it (results are clamped to it rather than
+    rounded to infinity), else None.
+    """
+
+    work: type[np.floating[Any]]
+    mul: Any
+    off: Any
+    subtract_first: bool
+    post: Any
+    limit: Any
+
+
+def _dequant_params(m: QuantMeta, out_dt: DataType) -> _Deq:
+    fmax = _OUT_MAX[out_dt]
     if m.algorithm is QuantizationAlgorithm.MIN_MAX:
-        d = m.max_value - m.min_value
+        lo, hi = m.min_value, m.max_value
+    else:
+        lo, hi = -m.zero_point * m.scale, (m.qmax - m.zero_point) * m.scale
+    # Slightly conservative: rounding inside the work dtype may overshoot the exact range by a few ulps.
+    limit = fmax if max(abs(lo), abs(hi)) * (1 + 2**-20) >= fmax else None
+    if m.algorithm is QuantizationAlgorithm.MIN_MAX:
+        # Halved parameters when q * step could overflow float64 (or max - min already does).
+        halve = max(abs(m.min_value), abs(m.max_value)) > _OUT_MAX[DataType.FLOAT64] / 4
+        d = m.max_value * 0.5 - m.min_value * 0.5 if halve else m.max_value - m.min_value
         step = d / m.qmax
         wide = (
             out_dt == DataType.FLOAT64
@@ -480,33 +527,39 @@ def _dequant_params(m: QuantMeta, out_dt: DataType) -> tuple[type[np.floating[An
             or (0.0 < step < _F32_TINY)
         )
         wt: type[np.floating[Any]] = np.float64 if wide else np.float32
-        return wt, wt(step), wt(m.min_value), False
+        lo = m.min_value * 0.5 if halve else m.min_value
+        return _Deq(
+            wt, wt(step), wt(lo), False, wt(2.0) if halve else None, None if limit is None else wt(limit)
+        )
     wide = (
         out_dt == DataType.FLOAT64
         or abs(m.zero_point) + m.qmax > _F32_EXACT_INT
         or m.scale > _F32_MAX / (2 * m.qmax)
     )
     wt = np.float64 if wide else np.float32
-    return wt, wt(m.scale), wt(m.zero_point), True
+    return _Deq(wt, wt(m.scale), wt(m.zero_point), True, None, None if limit is None else wt(limit))
 
 
 def _dequant_block(
     qb: np.ndarray[Any, Any],
-    params: tuple[type[np.floating[Any]], Any, Any, bool],
+    p: _Deq,
     ob: np.ndarray[Any, Any],
     out_dt: DataType,
     tmp: np.ndarray[Any, Any] | None,
 ) -> None:
-    wt, mul, off, sub_first = params
-    direct = np.dtype(wt) == ob.dtype
+    direct = np.dtype(p.work) == ob.dtype
     t = ob if direct else tmp
     assert t is not None
-    if sub_first:
-        np.subtract(qb, off, out=t, casting="unsafe")  # exact: small integers
-        np.multiply(t, mul, out=t)
+    if p.subtract_first:
+        np.subtract(qb, p.off, out=t, casting="unsafe")  # exact: small integers
+        np.multiply(t, p.mul, out=t)
     else:
-        np.multiply(qb, mul, out=t, casting="unsafe")
-        np.add(t, off, out=t)
+        np.multiply(qb, p.mul, out=t, casting="unsafe")
+        np.add(t, p.off, out=t)
+        if p.post is not None:
+            np.multiply(t, p.post, out=t)
+    if p.limit is not None:
+        np.clip(t, -p.limit, p.limit, out=t)
     if not direct:
         if out_dt in (DataType.FLOAT16, DataType.BFLOAT16):
             _store_f32(t, ob, out_dt)
@@ -552,7 +605,8 @@ def dequantize(
     if out is None:
         res = np.empty(m.count, dtype=onp)
     else:
-        if out.dtype != onp or out.size != m.count or not out.flags.writeable:
+        bits_ok = out_dt == DataType.BFLOAT16 and out.dtype == np.uint16  # bfloat16 held as bit patterns
+        if (out.dtype != onp and not bits_ok) or out.size != m.count or not out.flags.writeable:
             raise InvalidArgumentError(f"out must be a writable {onp} array of {m.count} elements")
         if not out.flags.c_contiguous:
             raise InvalidArgumentError("out must be contiguous")
@@ -561,12 +615,23 @@ def dequantize(
         _nan_fill(res, out_dt)
         return res
     params = _dequant_params(m, out_dt)
-    tmp = None if np.dtype(params[0]) == res.dtype else np.empty(min(_BLOCK, m.count), dtype=params[0])
-    for start, stop in _blocks(m.count):
+    tmp = None if np.dtype(params.work) == res.dtype else np.empty(min(_BLOCK, m.count), dtype=params.work)
+    with np.errstate(all="ignore"):
+        _dequant_all(qf, params, res, out_dt, tmp)
+    return res
+
+
+def _dequant_all(
+    qf: np.ndarray[Any, Any],
+    params: _Deq,
+    res: np.ndarray[Any, Any],
+    out_dt: DataType,
+    tmp: np.ndarray[Any, Any] | None,
+) -> None:
+    for start, stop in _blocks(qf.size):
         _dequant_block(
             qf[start:stop], params, res[start:stop], out_dt, None if tmp is None else tmp[: stop - start]
         )
-    return res
 
 
 def dequantize_reduce_into(
@@ -606,11 +671,12 @@ def dequantize_reduce_into(
             reduce_into(a[start:stop], scratch[: stop - start], op, dtype=acc_dt)
         return
     params = _dequant_params(m, acc_dt)
-    tmp = None if np.dtype(params[0]) == acc.dtype else np.empty(min(_BLOCK, m.count), dtype=params[0])
-    for start, stop in _blocks(m.count):
-        nb = stop - start
-        _dequant_block(qf[start:stop], params, scratch[:nb], acc_dt, None if tmp is None else tmp[:nb])
-        reduce_into(a[start:stop], scratch[:nb], op, dtype=acc_dt)
+    tmp = None if np.dtype(params.work) == acc.dtype else np.empty(min(_BLOCK, m.count), dtype=params.work)
+    with np.errstate(all="ignore"):
+        for start, stop in _blocks(m.count):
+            nb = stop - start
+            _dequant_block(qf[start:stop], params, scratch[:nb], acc_dt, None if tmp is None else tmp[:nb])
+            reduce_into(a[start:stop], scratch[:nb], op, dtype=acc_dt)
 
 
 def dequantize_add_into(
@@ -643,7 +709,8 @@ def max_abs_error(meta: bytes | bytearray | memoryview, x_min: float, x_max: flo
 
     The bound is the quantization step term plus a float-rounding allowance:
 
-    * MIN_MAX: ``d / (2 Q) + 8 eps_w max(d, M) + eps_out M + tiny_out`` with ``d = max - min`` from ``meta``;
+    * MIN_MAX: ``d / (2 Q) + 8 eps_w max(d, M) + eps_out M + tiny_out`` with ``d = max - min`` from ``meta``
+      (plus how far ``[x_min, x_max]`` sticks out of ``[min, max]``, for callers passing a wider range);
     * ZERO_POINT_SCALE: ``max(scale / 2, clip) + 8 eps_w M + eps_out M + tiny_out``, where ``clip`` is how far
       ``[x_min, x_max]`` sticks out of the representable range ``[(0 - zp) scale, (Q - zp) scale]``;
 
@@ -668,16 +735,16 @@ def max_abs_error(meta: bytes | bytearray | memoryview, x_min: float, x_max: flo
     if m.poisoned or not (math.isfinite(x_min) and math.isfinite(x_max)):
         return math.inf
     eps_out, tiny = _EPS[m.dtype], _TINY[m.dtype]
+    # float64 data is computed in float64; narrower data in float32 (or, in edge cases, float64: smaller eps).
+    eps_w = _EPS[DataType.FLOAT64 if m.dtype == DataType.FLOAT64 else DataType.FLOAT32]
     if m.algorithm is QuantizationAlgorithm.MIN_MAX:
-        d = m.max_value - m.min_value
+        half_d = m.max_value * 0.5 - m.min_value * 0.5  # d / 2 without overflow
         big = max(abs(m.min_value), abs(m.max_value), abs(x_min), abs(x_max))
-        wide = m.dtype == DataType.FLOAT64 or d > _F32_MAX / 2
-        eps_w = _EPS[DataType.FLOAT64 if wide else DataType.FLOAT32]
         outside = max(0.0, x_max - m.max_value, m.min_value - x_min)
-        return d / (2 * m.qmax) + outside + 8 * eps_w * max(d, big) + eps_out * big + tiny
+        slack = max(16 * eps_w * half_d, 8 * eps_w * big) + eps_out * big + tiny
+        return half_d / m.qmax + outside + slack
     lo = (0 - m.zero_point) * m.scale
     hi = (m.qmax - m.zero_point) * m.scale
     big = max(abs(lo), abs(hi), abs(x_min), abs(x_max))
     clip = max(0.0, lo - x_min, x_max - hi)
-    eps_w = _EPS[DataType.FLOAT64 if m.dtype == DataType.FLOAT64 else DataType.FLOAT32]
     return max(m.scale / 2, clip) + 8 * eps_w * big + eps_out * big + tiny

@@ -31,7 +31,7 @@ import numpy as np
 from .._errors import InvalidArgumentError
 from .._types import DataType, ReduceOp
 from . import _bf16
-from .backend import bfloat16_numpy_dtype, numpy_to_dtype
+from .backend import bfloat16_numpy_dtype, half_torch, numpy_to_dtype
 
 __all__ = ["finalize_avg", "finalize_avg_gpu", "reduce_into", "reduce_into_gpu"]
 
@@ -103,8 +103,10 @@ def reduce_into(
         _reduce_bf16_bits(acc, other, ufunc)
         return
     # Integer ufuncs on arrays wrap silently modulo 2**bits; float16/bfloat16 loops compute each pair in
-    # float32 and round back, so no temporaries are made and no wider accumulator sneaks in.
-    ufunc(acc, other, out=acc)
+    # float32 and round back, so no temporaries are made and no wider accumulator sneaks in. Overflow to inf
+    # and NaN results are the dtype's normal behaviour, not something to warn about.
+    with np.errstate(over="ignore", invalid="ignore"):
+        ufunc(acc, other, out=acc)
 
 
 def _torch_half_views(*arrays: np.ndarray[Any, Any], dt: DataType) -> list[Any] | None:
@@ -114,7 +116,7 @@ def _torch_half_views(*arrays: np.ndarray[Any, Any], dt: DataType) -> list[Any] 
     ~1.2 GB/s; torch's vectorised CPU kernels are 5-30x faster and round identically (each pair is computed
     in float32 and rounded to nearest even). torch is only used if the application already imported it.
     """
-    torch = sys.modules.get("torch")
+    torch = half_torch()
     if torch is None or not all(a.flags.c_contiguous for a in arrays):
         return None
     views = []
@@ -157,7 +159,8 @@ def _reduce_bf16_bits(acc: np.ndarray[Any, Any], other: np.ndarray[Any, Any], uf
         xa, xb = fa[:n], fb[:n]
         _bf16.bf16_bits_to_f32(a[start:stop], out=xa)
         _bf16.bf16_bits_to_f32(b[start:stop], out=xb)
-        ufunc(xa, xb, out=xa)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ufunc(xa, xb, out=xa)
         _bf16.f32_to_bf16_bits(xa, out=a[start:stop])
 
 
@@ -223,7 +226,8 @@ def finalize_avg(arr: np.ndarray[Any, Any], world_size: int, *, dtype: DataType 
         # Divide by the exact world size: for 16-bit floats the divisor is a float32 (a large n may not be
         # representable in float16/bfloat16) and each quotient is rounded once to the dtype, like torch does.
         divisor = np.float64(world_size) if dt == DataType.FLOAT64 else np.float32(world_size)
-        np.divide(arr, divisor, out=arr, casting="unsafe")
+        with np.errstate(over="ignore", invalid="ignore"):
+            np.divide(arr, divisor, out=arr, casting="unsafe")
         return
     _trunc_div_inplace(np, arr, world_size)
 
