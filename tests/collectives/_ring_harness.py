@@ -105,14 +105,17 @@ async def open_ring(
     *,
     pool_size: int = 1,
     transport_factory: Callable[[], Transport] = TcpTransport,
+    transports: list[Transport] | None = None,
     config: PeerConfig = CONFIG,
     connect: bool = True,
 ) -> AsyncIterator[Ring]:
     ids = [10 + 7 * i for i in range(n)]  # ids unrelated to ring positions on purpose
+    if transports is None:
+        transports = [transport_factory() for _ in range(n)]
     async with trio.open_nursery() as nursery:
         pools = [
-            P2PPool(transport=transport_factory(), my_peer_id=pid, pool_size=pool_size, config=config)
-            for pid in ids
+            P2PPool(transport=transports[i], my_peer_id=pid, pool_size=pool_size, config=config)
+            for i, pid in enumerate(ids)
         ]
         addresses: list[Address] = []
         for pool in pools:

@@ -322,3 +322,84 @@ async def test_missing_connection_is_reported_as_lost() -> None:
 def test_inline_limit_is_what_the_tests_assume() -> None:
     # the striping test above relies on crossing this threshold
     assert ring_mod.INLINE_SEND_LIMIT < 120_001 * 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Over the in-memory virtual network (generic stream path, virtual time, fault injection)
+
+
+def _vnet_ring(n: int, **net_kw: Any) -> tuple[Any, list[Any]]:
+    from pccl.testing.network import VirtualNetwork
+
+    net = VirtualNetwork(loopback=True, **net_kw)
+    return net, [net.host(f"peer{i}") for i in range(n)]
+
+
+async def test_virtual_network_with_latency_and_bandwidth(autojump_clock: trio.abc.Clock) -> None:
+    rng = np.random.default_rng(12)
+    _net, hosts = _vnet_ring(3, latency=0.02, bandwidth=50e6)
+    async with open_ring(3, transports=hosts, pool_size=2) as ring:
+        t0 = trio.current_time()
+        await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, 300_000, 64 * 1024, rng)
+        elapsed = trio.current_time() - t0
+        # 4 steps of 400 KB over 50 MB/s links with 20 ms latency: bounded, virtual time
+        assert 0.04 < elapsed < 1.0
+        await check_reduce(ring, "reduce_scatter", np.int16, ReduceOp.MIN, 1001, 1 << 20, rng)
+
+
+async def test_virtual_host_crash_mid_op_fails_survivors(autojump_clock: trio.abc.Clock) -> None:
+    rng = np.random.default_rng(13)
+    n, count = 3, 1_000_000
+    net, hosts = _vnet_ring(n, latency=0.001, bandwidth=100e6)
+    async with open_ring(n, transports=hosts) as ring:
+        sends = [make_input(rng, np.float32, ReduceOp.SUM, count) for _ in range(n)]
+        outs = [np.zeros(count, np.float32) for _ in range(n)]
+        errors: dict[int, BaseException] = {}
+        seq = next(_seq)
+
+        async def participant(i: int) -> None:
+            try:
+                await run_collective(ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i],
+                                     tag=1, op_seq=seq, send=sends[i], out=outs[i], block_bytes=64 * 1024)
+            except BaseException as exc:
+                errors[i] = exc
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(participant, i)
+            await wait_until(lambda: ring.pools[2].statistics()["frames_received"] >= 4)
+            t_crash = trio.current_time()
+            net.crash(hosts[2])
+        assert trio.current_time() - t_crash < 1.0  # survivors fail promptly, no timeout involved
+        assert type(errors[0]) is RankConnectionLostError
+        assert type(errors[1]) is RankConnectionLostError
+
+
+async def test_connection_reset_in_the_middle_of_a_frame(autojump_clock: trio.abc.Clock) -> None:
+    from pccl.testing.network import reset_after
+
+    rng = np.random.default_rng(14)
+    n, count = 2, 500_000
+    net, hosts = _vnet_ring(n, latency=0.001)
+    async with open_ring(n, transports=hosts) as ring:
+        port = ring.addresses[1][1]
+        # the ring connection from peer0 to peer1's listener dies 100 KB + 3 bytes into its stream
+        net.add_hook(reset_after(100_003, port=port, src=hosts[0].name))
+        sends = [make_input(rng, np.float32, ReduceOp.SUM, count) for _ in range(n)]
+        outs = [np.zeros(count, np.float32) for _ in range(n)]
+        errors: list[BaseException] = []
+
+        async def participant(i: int) -> None:
+            try:
+                await run_collective(ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i],
+                                     tag=1, op_seq=77, send=sends[i], out=outs[i], block_bytes=256 * 1024)
+            except BaseException as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(participant, i)
+        assert len(errors) == 2 and all(type(e) is RankConnectionLostError for e in errors), errors
+        # both sides dropped the broken connections; a reconnect brings the ring back
+        await ring.connect_ring()
+        await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, 10_000, 1 << 20, rng)

@@ -1,0 +1,347 @@
+"""The ring connection pool: data-frame headers, routing, stashing, dropping, failures, safety of
+destinations after an operation is forgotten."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import trio
+
+from pccl import (
+    InvalidUsageError,
+    PeerConfig,
+    RankConnectionFailedError,
+    RankConnectionLostError,
+)
+from pccl._errors import LocalProtocolError, RemoteProtocolError
+from pccl.peer.p2p import open_p2p, serve_p2p
+from pccl.peer.pool import P2PPool
+from pccl.transport import Address, Stream, TcpTransport, Transport
+from pccl.wire.data import (
+    DATA_HEADER_SIZE,
+    MAX_DATA_FRAME_LENGTH,
+    pack_data_header,
+    pack_data_header_into,
+    unpack_data_header,
+    unpack_data_header_fields,
+)
+
+CONFIG = PeerConfig(connect_timeout=5.0)
+
+# ---------------------------------------------------------------------------------------------
+# data-frame header (pccl/wire/data.py)
+
+
+def test_header_round_trip_and_layout() -> None:
+    raw = pack_data_header(2**64 - 1, 2**32 - 1, 7, 123456)
+    assert len(raw) == DATA_HEADER_SIZE == 32
+    h = unpack_data_header(raw)
+    assert (h.tag, h.op_seq, h.seq, h.length, h.flags) == (2**64 - 1, 2**32 - 1, 7, 123456, 0)
+    assert unpack_data_header_fields(raw) == (2**64 - 1, 2**32 - 1, 7, 123456)
+    assert raw[:4] == b"PCD1"
+    buf = bytearray(32)
+    pack_data_header_into(buf, 1, 2, 3, 4)
+    assert bytes(buf) == pack_data_header(1, 2, 3, 4)
+
+
+def test_header_validation() -> None:
+    good = pack_data_header(1, 2, 3, 100)
+    with pytest.raises(RemoteProtocolError, match="magic"):
+        unpack_data_header(b"XXXX" + good[4:])
+    with pytest.raises(RemoteProtocolError, match="flags"):
+        unpack_data_header(good[:4] + b"\x01\x00\x00\x00" + good[8:])
+    with pytest.raises(RemoteProtocolError, match="limit"):
+        unpack_data_header(good, max_length=99)
+    with pytest.raises(RemoteProtocolError):
+        unpack_data_header(good[:31])
+    with pytest.raises(RemoteProtocolError):
+        unpack_data_header_fields(b"XXXX" + good[4:])
+    for bad in [(-1, 0, 0, 0), (0, 2**32, 0, 0), (0, 0, 2**32, 0), (0, 0, 0, MAX_DATA_FRAME_LENGTH + 1)]:
+        with pytest.raises(LocalProtocolError):
+            pack_data_header(*bad)
+        with pytest.raises(LocalProtocolError):
+            pack_data_header_into(bytearray(32), *bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# pools over loopback TCP
+
+
+class HiddenSocketStream:
+    """Hides the TCP socket so the pool uses its generic stream path."""
+
+    def __init__(self, inner: Stream) -> None:
+        self._inner = inner
+        self.peer_address = inner.peer_address
+        self.local_address = inner.local_address
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        return await self._inner.receive_some(max_bytes)
+
+    async def receive_into(self, buf: memoryview) -> int:
+        return await self._inner.receive_into(buf)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class GenericTransport:
+    def __init__(self) -> None:
+        self._tcp = TcpTransport()
+
+    async def connect(self, host: str, port: int) -> Stream:
+        return HiddenSocketStream(await self._tcp.connect(host, port))
+
+    async def listen(self, host: str, port: int) -> Any:
+        inner = await self._tcp.listen(host, port)
+
+        class L:
+            address = inner.address
+
+            async def accept(self) -> Stream:
+                return HiddenSocketStream(await inner.accept())
+
+            async def aclose(self) -> None:
+                await inner.aclose()
+
+        return L()
+
+
+TRANSPORTS: list[Callable[[], Transport]] = [TcpTransport, GenericTransport]
+
+
+@asynccontextmanager
+async def pools(
+    ids: list[int], *, pool_size: int = 1, transport: Callable[[], Transport] = TcpTransport,
+    config: PeerConfig = CONFIG,
+) -> AsyncIterator[tuple[list[P2PPool], list[Address]]]:
+    async with trio.open_nursery() as nursery:
+        ps = [P2PPool(transport=transport(), my_peer_id=i, pool_size=pool_size, config=config) for i in ids]
+        addrs: list[Address] = []
+        for p in ps:
+            serve = functools.partial(serve_p2p, config=config)
+            addrs.append(await nursery.start(serve, p.transport, "127.0.0.1", 0, {"ring": p.handle_incoming}))
+        try:
+            yield ps, addrs
+        finally:
+            for p in ps:
+                await p.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    """Poll pool state until a condition holds (a condition, not a delay)."""
+    with trio.fail_after(10):
+        while not predicate():
+            await trio.sleep(0.0005)
+
+
+def incoming(pool: P2PPool, peer: int) -> int:
+    return int(pool.statistics()["incoming"].get(peer, 0))
+
+
+async def connected_pair(a: P2PPool, b: P2PPool, b_addr: Address) -> None:
+    await a.connect(b.my_peer_id, *b_addr)
+    await wait_until(lambda: incoming(b, a.my_peer_id) == a.pool_size)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_send_expect_and_stash(transport: Callable[[], Transport]) -> None:
+    async with pools([1, 2], pool_size=2, transport=transport) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        # registered first: lands straight in dest
+        dest = bytearray(100_000)
+        slot = b.expect(1, 5, 9, 0, memoryview(dest))
+        payload = bytes(range(256)) * 390 + b"x" * 160
+        await a.send(2, 5, 9, 0, memoryview(payload), conn_index=1)
+        await slot.wait()
+        assert dest == payload
+        # sent first: stashed, then copied on registration
+        await a.send(2, 5, 9, 1, memoryview(b"abc"), conn_index=0)
+        await wait_until(lambda: b.statistics()["stashed_frames"] == 1)
+        dest2 = bytearray(3)
+        slot2 = b.expect(1, 5, 9, 1, memoryview(dest2))
+        assert slot2.done and dest2 == b"abc"
+        await slot2.wait()
+        # zero-length frames work too
+        slot3 = b.expect(1, 5, 9, 2, memoryview(bytearray(0)))
+        await a.send(2, 5, 9, 2, memoryview(b""), conn_index=0)
+        await slot3.wait()
+        s = b.statistics()
+        assert s["stashed_bytes"] == 0 and s["pending_receives"] == 0 and s["frames_received"] == 3
+        assert a.statistics()["tx_bytes"] == len(payload) + 3
+        assert "P2PPool peer=2" in repr(b) and "ReceiveSlot" in repr(slot)
+
+
+async def test_connect_is_idempotent_and_disconnect_rebuilds() -> None:
+    async with pools([1, 2], pool_size=3) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        assert a.is_connected(2)
+        await a.connect(2, *b_addr)
+        assert a.statistics()["outgoing"] == {2: 3}
+        assert incoming(b, 1) == 3  # no extra connections were opened
+        pending = b.expect(1, 0, 1, 0, memoryview(bytearray(8)))
+        await a.disconnect(2)
+        assert not a.is_connected(2)
+        with pytest.raises(RankConnectionLostError):
+            await a.send(2, 0, 1, 0, memoryview(b"12345678"), conn_index=0)
+        await wait_until(lambda: incoming(b, 1) == 0)
+        with pytest.raises(RankConnectionLostError):  # its connections from 1 broke
+            await pending.wait()
+        await connected_pair(a, b, b_addr)
+        slot = b.expect(1, 0, 2, 0, memoryview(bytearray(8)))
+        await a.send(2, 0, 2, 0, memoryview(b"12345678"), conn_index=2)
+        await slot.wait()
+
+
+async def test_connect_failure_and_remote_close_detection() -> None:
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        listener = await TcpTransport().listen("127.0.0.1", 0)
+        dead_port = listener.address[1]
+        await listener.aclose()
+        with pytest.raises(RankConnectionFailedError):
+            await a.connect(9, "127.0.0.1", dead_port)
+        assert not a.is_connected(9)
+        await connected_pair(a, b, b_addr)
+        await b.aclose()  # the other side goes away: its end of every connection closes
+        await wait_until(lambda: not a.is_connected(2))
+
+
+async def test_frames_of_forgotten_ops_are_dropped_and_the_stream_stays_in_sync() -> None:
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        b.forget_op(7)
+        await a.send(2, 1, 7, 0, memoryview(b"z" * 3_000_000), conn_index=0)
+        dest = bytearray(4)
+        slot = b.expect(1, 1, 8, 0, memoryview(dest))
+        await a.send(2, 1, 8, 0, memoryview(b"next"), conn_index=0)
+        await slot.wait()
+        assert dest == b"next"
+        assert b.statistics()["bytes_discarded"] == 3_000_000
+        with pytest.raises(InvalidUsageError):
+            b.expect(1, 1, 7, 1, memoryview(bytearray(1)))
+        b.expect(1, 1, 8, 1, memoryview(bytearray(1)))
+        with pytest.raises(LocalProtocolError):
+            b.expect(1, 1, 8, 1, memoryview(bytearray(1)))
+
+
+async def test_forget_op_drops_pending_receives_and_stashes() -> None:
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        await a.send(2, 1, 3, 0, memoryview(b"early"), conn_index=0)
+        await wait_until(lambda: b.statistics()["stashed_frames"] == 1)
+        slot = b.expect(1, 1, 3, 1, memoryview(bytearray(5)))
+        b.forget_op(3)
+        assert b.statistics()["stashed_frames"] == 0 and b.statistics()["pending_receives"] == 0
+        with pytest.raises(RankConnectionLostError, match="aborted"):
+            await slot.wait()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_no_write_into_dest_after_forget_op_even_mid_frame(transport: Callable[[], Transport]) -> None:
+    """A reader in the middle of a frame must stop writing into a forgotten destination."""
+    async with pools([2], transport=transport) as ((b,), (b_addr,)):
+        ms = await open_p2p(transport(), *b_addr, my_peer_id=1, channel="ring", config=CONFIG)
+        await wait_until(lambda: incoming(b, 1) == 1)
+        size = 4 << 20
+        dest = bytearray(size)
+        slot = b.expect(1, 1, 5, 0, memoryview(dest))
+        await ms.stream.send_all(pack_data_header(1, 5, 0, size) + b"\x01" * (1 << 20))
+        await wait_until(lambda: dest[(1 << 20) - 1] == 1)  # the first MiB has landed in dest
+        b.forget_op(5)
+        snapshot = bytes(dest)
+        after = bytearray(3)
+        slot2 = b.expect(1, 1, 6, 0, memoryview(after))
+        await ms.stream.send_all(b"\x02" * (size - (1 << 20)) + pack_data_header(1, 6, 0, 3) + b"abc")
+        await slot2.wait()
+        assert after == b"abc"  # the stream stayed in sync through the dropped remainder
+        assert bytes(dest) == snapshot  # and nothing was written into the forgotten destination
+        with pytest.raises(RankConnectionLostError):
+            await slot.wait()
+        await ms.aclose()
+
+
+@pytest.mark.parametrize(
+    ("frame", "reason"),
+    [
+        (b"NOPE" + pack_data_header(1, 1, 0, 8)[4:] + b"12345678", "magic"),
+        (pack_data_header(1, 1, 0, 5) + b"short", "expected"),  # the registered receive wants 8 bytes
+    ],
+)
+async def test_protocol_violations_close_the_connection(frame: bytes, reason: str,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    async with pools([2]) as ((b,), (b_addr,)):
+        ms = await open_p2p(TcpTransport(), *b_addr, my_peer_id=1, channel="ring", config=CONFIG)
+        await wait_until(lambda: incoming(b, 1) == 1)
+        slot = b.expect(1, 1, 1, 0, memoryview(bytearray(8)))
+        with caplog.at_level(logging.WARNING, logger="pccl.p2p"):
+            await ms.stream.send_all(frame)
+            with pytest.raises((RankConnectionLostError, RemoteProtocolError)):
+                await slot.wait()
+            await wait_until(lambda: incoming(b, 1) == 0)
+        assert any(reason in r.getMessage() for r in caplog.records)
+        assert await ms.stream.receive_some() == b""
+        await ms.aclose()
+
+
+async def test_stash_limit_closes_the_connection() -> None:
+    async with pools([1, 2], config=PeerConfig(recv_stash_limit=1000)) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        pending = b.expect(1, 0, 1, 5, memoryview(bytearray(1)))
+        await a.send(2, 0, 1, 0, memoryview(bytes(600)), conn_index=0)
+        await wait_until(lambda: b.statistics()["stashed_frames"] == 1)
+        await a.send(2, 0, 1, 1, memoryview(bytes(600)), conn_index=0)  # over the limit
+        with pytest.raises(RankConnectionLostError, match="stash is full"):
+            await pending.wait()
+        await wait_until(lambda: not a.is_connected(2))
+
+
+async def test_reconnected_slot_supersedes_the_old_connection_quietly() -> None:
+    async with pools([2]) as ((b,), (b_addr,)):
+        first = await open_p2p(TcpTransport(), *b_addr, my_peer_id=1, channel="ring", config=CONFIG)
+        await wait_until(lambda: incoming(b, 1) == 1)
+        slot = b.expect(1, 1, 1, 0, memoryview(bytearray(2)))
+        second = await open_p2p(TcpTransport(), *b_addr, my_peer_id=1, channel="ring", config=CONFIG)
+        assert await first.stream.receive_some() == b""  # the old one was closed
+        assert not slot.done  # ... without failing receives that the new one will carry
+        await second.stream.send_all(pack_data_header(1, 1, 0, 2) + b"ok")
+        await slot.wait()
+        await first.aclose()
+        await second.aclose()
+
+
+async def test_concurrent_frames_on_one_connection_do_not_interleave() -> None:
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        n = 6
+        dests = [bytearray(2_000_000) for _ in range(n)]
+        slots = [b.expect(1, 0, 1, i, memoryview(dests[i])) for i in range(n)]
+        async with trio.open_nursery() as nursery:
+            for i in range(n):
+                nursery.start_soon(functools.partial(a.send, 2, 0, 1, i, memoryview(bytes([i]) * 2_000_000),
+                                                     conn_index=0))
+        for i in range(n):
+            await slots[i].wait()
+            assert dests[i] == bytes([i]) * 2_000_000
+
+
+async def test_aclose_fails_pending_and_refuses_new_work() -> None:
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        slot = b.expect(1, 0, 1, 0, memoryview(bytearray(1)))
+        await b.aclose()
+        with pytest.raises(RankConnectionLostError, match="closed"):
+            await slot.wait()
+        with pytest.raises(InvalidUsageError):
+            b.expect(1, 0, 1, 1, memoryview(bytearray(1)))
+        with pytest.raises(RankConnectionFailedError):
+            await b.connect(1, "127.0.0.1", 1)
+        assert b.statistics()["closed"] and "closed" in repr(b)
