@@ -174,7 +174,9 @@ def _finish(sends: list[SendFrame], recvs: list[RecvFrame], local_copy: tuple[in
             initial.append(i)
         else:
             unlocks[f.after].append(i)
-    return Plan(tuple(sends), tuple(recvs), local_copy, owned, tuple(initial), tuple(tuple(u) for u in unlocks))
+    return Plan(
+        tuple(sends), tuple(recvs), local_copy, owned, tuple(initial), tuple(tuple(u) for u in unlocks)
+    )
 
 
 def output_count(kind: str, n: int, count: int) -> int:
