@@ -141,6 +141,8 @@ def _tail_sum(xp: Any, u8: Any, full_words: int) -> Any | None:
 _key_tile_np: np.ndarray[Any, Any] | None = None
 _tls = threading.local()
 _pool: ThreadPoolExecutor | None = None
+_pool_pid = 0
+_pool_size = 0
 _pool_lock = threading.Lock()
 
 
@@ -170,10 +172,15 @@ def _np_block_range(words: np.ndarray[Any, Any], sums: np.ndarray[Any, Any], b0:
 
 
 def _get_pool(workers: int) -> ThreadPoolExecutor:
-    global _pool
+    global _pool, _pool_pid, _pool_size
     with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
+        # A forked child inherits the executor object but not its threads: it would wait forever. Hence the
+        # pid check.
+        if _pool is None or _pool_pid != os.getpid() or _pool_size < workers:
+            if _pool is not None and _pool_pid == os.getpid():
+                _pool.shutdown(wait=False)
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pccl-hash")
+            _pool_pid, _pool_size = os.getpid(), workers
         return _pool
 
 
@@ -208,9 +215,17 @@ def _hash_numpy(u8: np.ndarray[Any, Any], threads: int | None) -> int:
 # GPU (cupy)
 
 
-def _hash_cupy(cupy: Any, u8: Any) -> int:
+def _hash_device(xp: Any, u8: Any, address: int) -> int:
+    """The device variant: whole runs of blocks per kernel call. ``xp`` is cupy (tests also run it on numpy).
+
+    Args:
+        xp: the array module.
+        u8: flat uint8 array of the bytes.
+        address: its data pointer (uint64 views of device memory must be 8-byte aligned).
+    """
+    cupy = xp
     n = int(u8.size)
-    if n and u8.data.ptr % 8:
+    if n and address % 8:
         u8 = u8.copy()  # fresh allocations are aligned; uint64 loads must be
     full = n // (8 * _B)
     parts = []
@@ -236,7 +251,9 @@ def _cuda_hash(t: Any) -> int:
     if cupy_mod is not None and isinstance(t, cupy_mod.ndarray):
         if not t.flags.c_contiguous:
             raise InvalidArgumentError("cupy array is not C-contiguous")
-        return _hash_cupy(cupy_mod, t.reshape(-1).view(cupy_mod.uint8))
+        u8 = t.reshape(-1).view(cupy_mod.uint8)
+        with t.device:
+            return _hash_device(cupy_mod, u8, u8.data.ptr)
     # A torch CUDA tensor: hash on the device through cupy (zero-copy via __cuda_array_interface__) when cupy
     # is installed; otherwise copy the bytes to the host. Same value either way.
     backend.describe(t)  # contiguity / layout checks
@@ -246,7 +263,8 @@ def _cuda_hash(t: Any) -> int:
     except ImportError:
         return _hash_numpy(flat_u8.cpu().numpy(), None)
     with cupy.cuda.Device(flat_u8.device.index):
-        return _hash_cupy(cupy, cupy.asarray(flat_u8))
+        u8 = cupy.asarray(flat_u8)
+        return _hash_device(cupy, u8, u8.data.ptr)
 
 
 # ----------------------------------------------------------------------------------------------------

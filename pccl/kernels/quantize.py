@@ -95,8 +95,9 @@ _TINY = {
 }
 _F32_MAX = float(np.finfo(np.float32).max)
 _F32_TINY = float(np.finfo(np.float32).tiny)  # smallest normal float32
-# Elements per block: float32 temporaries of 256 KiB stay in L2 while each pass runs over them.
-_BLOCK = 1 << 16
+# Elements per block: float32 temporaries of 128 KiB stay in L2 while each pass runs over them, and torch
+# conversions of this size stay single-threaded (see pccl.kernels.reduce._TORCH_CPU_BLOCK).
+_BLOCK = 1 << 15
 # Integer offsets up to this size are exact, with room to spare, in float32 arithmetic.
 _F32_EXACT_INT = 1 << 18
 # Largest |mean| / scale (in steps) a zero point may encode; beyond it the chunk is treated as constant.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from typing import Any
 
 import ml_dtypes
@@ -225,3 +226,33 @@ def test_simplehash32_empty_and_sensitivity() -> None:
     h = simplehash32(bytes(data))
     data[500] ^= 1
     assert simplehash32(bytes(data)) != h
+
+
+def test_thread_pool_survives_fork(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hashing, "_THREAD_MIN_BYTES", 0)
+    data = np.frombuffer(_rand_bytes(4096 * 8 * 40, 12), dtype=np.uint8)
+    expected = content_hash(data, threads=2)  # the parent now holds a started pool
+
+    def child() -> None:
+        # Inherits the executor object but none of its threads; must not wait for them forever.
+        raise SystemExit(0 if content_hash(data, threads=2) == expected else 3)
+
+    proc = multiprocessing.get_context("fork").Process(target=child)
+    proc.start()
+    proc.join(60)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        pytest.fail("content_hash hung in a forked child")
+    assert proc.exitcode == 0
+
+
+@pytest.mark.parametrize("n", [0, 3, 8, 4096 * 8, 5 * 4096 * 8 + 11])
+@pytest.mark.parametrize("rows", [1, 2, 8192])
+def test_device_code_path_on_numpy(n: int, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GPU variant is written over an array module; run it with numpy to check it computes the same value
+    # (the cupy-backed run is in test_kernel_gpu.py and needs a device).
+    monkeypatch.setattr(hashing, "_GPU_CHUNK_ROWS", rows)
+    raw = np.frombuffer(_rand_bytes(n + 1, n), dtype=np.uint8)
+    for u8 in (raw[:n], raw[1:]):  # aligned and unaligned starts
+        assert hashing._hash_device(np, u8, u8.ctypes.data) == content_hash(u8)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import ml_dtypes
@@ -267,3 +268,13 @@ def test_gpu_variants_reject_cpu_objects() -> None:
         reduce_into_gpu(np.zeros(2), np.zeros(2), ReduceOp.SUM)
     with pytest.raises(InvalidArgumentError):
         finalize_avg_gpu(np.zeros(2), 2)
+
+
+@pytest.mark.parametrize("np_dt", [np.float16, ml_dtypes.bfloat16])
+def test_read_only_operand_on_the_torch_path(np_dt: Any, half_path: str) -> None:
+    acc = np.ones(8, dtype=np_dt)
+    other = np.frombuffer(np.full(8, 2.0, dtype=np_dt).tobytes(), dtype=np_dt)  # read-only memory
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        reduce_into(acc, other, ReduceOp.SUM)
+    assert acc.astype(np.float32).tolist() == [3.0] * 8
