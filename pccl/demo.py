@@ -346,7 +346,10 @@ def peer_main(argv: list[str] | None = None) -> int:
     try:
         trio.run(run_peer, opts)
     except Exception as exc:
-        emit("error", message=f"{type(exc).__name__}: {exc}")
+        leaf: BaseException = exc
+        while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:  # our own nursery wraps errors
+            leaf = leaf.exceptions[0]
+        emit("error", message=f"{type(leaf).__name__}: {leaf}")
         raise
     return 0
 

@@ -1,0 +1,182 @@
+"""All-reduce latency, ours and torch.distributed Gloo side by side, in one run.
+
+Both sides use real OS processes on loopback, float32 SUM, in place, with the same sizes, world sizes,
+warm-up and iteration counts.
+
+* ours: a master process (``python -m pccl master``) and N peer processes using ``open_communicator`` +
+  ``all_reduce``. Like the Gloo script, each timed call is preceded by a barrier (a 1-element all-reduce on
+  another tag) and the figure is the median over the iterations on rank 0 (the first peer of the ring).
+* Gloo: ``gloo_bench.py`` (``--gloo-bench``, default ``../shared/bench/gloo_bench.py`` from the repository
+  root) run with ``--json``; it times ``dist.all_reduce`` after ``dist.barrier()`` on rank 0.
+
+For each world size the two sides run back to back, so the ratio compares numbers taken moments apart.
+
+usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c
+
+# ----------------------------------------------------------------------------------------------
+# child: one of our peers
+
+
+async def _peer(cfg: dict[str, Any]) -> None:
+    from pccl import ReduceOp
+    from pccl.peer.communicator import open_communicator
+
+    async with open_communicator(cfg["master"], config=c.peer_config(),
+                                 p2p_connection_pool_size=cfg["pool_size"]) as comm:
+        while comm.world_size < cfg["world"]:
+            await c.admit_pending(comm)
+            await trio.sleep(0.005)
+        c.emit("ready", peer=comm.peer_id, rank=comm.rank, world=comm.world_size)
+        barrier = np.zeros(1, np.float32)
+        medians: dict[str, float] = {}
+        samples: dict[str, list[float]] = {}
+        rng = np.random.default_rng(comm.rank)
+        for nbytes in cfg["sizes"]:
+            x = rng.random(nbytes // 4, dtype=np.float32)
+            times: list[float] = []
+            for i in range(cfg["warmup"] + cfg["iters"]):
+                await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+                t = time.perf_counter()
+                info = await comm.all_reduce(x, op=ReduceOp.SUM, tag=0)
+                dt = time.perf_counter() - t
+                if info.local_world_size != cfg["world"]:
+                    raise RuntimeError(f"world changed to {info.local_world_size}")
+                if i >= cfg["warmup"]:
+                    times.append(dt)
+            medians[str(nbytes)] = statistics.median(times)
+            samples[str(nbytes)] = times
+        c.emit("result", peer=comm.peer_id, rank=comm.rank, median_s=medians, samples_s=samples)
+        # Leave together: a peer that closes early would look like a failure to a peer still timing.
+        await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+
+
+def child_main(cfg: dict[str, Any]) -> int:
+    c.child_setup()
+    try:
+        trio.run(_peer, cfg)
+    except Exception as exc:
+        c.emit("error", message=f"{type(exc).__name__}: {exc}")
+        raise
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+
+
+async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
+    script = Path(__file__).resolve()
+    async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
+        master = await cluster.start_master()
+        cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
+               "warmup": args.warmup, "pool_size": args.pool_size}
+        for i in range(world):
+            await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
+        results: dict[int, dict[str, Any]] = {}
+        reported: set[str] = set()
+        budget = 60 + world * sum(sizes) * (args.iters + args.warmup) / 5e7
+        while len(results) < world:
+            ch, msg = await cluster.wait_for(lambda ch, m: m.get("event") in ("result", "exit"), budget,
+                                             f"results of {world} peers")
+            if msg["event"] == "exit" and ch.name not in reported:
+                raise RuntimeError(f"{ch.name} exited early:\n{ch.log_tail()}")
+            if msg["event"] == "result":
+                results[int(msg["rank"])] = msg
+                reported.add(ch.name)
+    rank0 = results[0]["median_s"]
+    return {n: float(rank0[str(n)]) for n in sizes}
+
+
+async def run_gloo(world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, float] | None:
+    bench = Path(args.gloo_bench)
+    if not bench.is_absolute():
+        bench = (c.REPO_ROOT / bench).resolve()
+    if not bench.exists():
+        print(f"  (gloo bench not found at {bench}; skipping the Gloo side)", flush=True)
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "gloo.json"
+        argv = [sys.executable, str(bench), "--world", str(world), "--sizes", ",".join(map(str, sizes)),
+                "--iters", str(args.iters), "--json", str(out)]
+        with trio.fail_after(600):
+            proc = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False,
+                                          env=c.child_env())
+        if proc.returncode != 0 or not out.exists():
+            print(f"  gloo bench failed ({proc.returncode}):\n{proc.stderr.decode(errors='replace')[-2000:]}")
+            return None
+        data = json.loads(out.read_text())
+    return {n: float(data["median_s"][str(n)]) for n in sizes}
+
+
+def parse_size(s: str) -> int:
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
+async def run(args: argparse.Namespace) -> list[list[Any]]:
+    sizes = [parse_size(x) for x in args.sizes.split(",")]
+    worlds = [int(x) for x in args.worlds.split(",")]
+    rows: list[list[Any]] = []
+    for world in worlds:
+        print(f"  world {world}: ours...", flush=True)
+        ours = await run_ours(world, sizes, args)
+        gloo = None
+        if not args.no_gloo:
+            print(f"  world {world}: gloo...", flush=True)
+            gloo = await run_gloo(world, sizes, args)
+        for n in sizes:
+            o = ours[n] * 1e3
+            g = gloo[n] * 1e3 if gloo else float("nan")
+            rows.append([c.human_bytes(n), world, o, g, o / g if gloo else float("nan"),
+                         n / ours[n] / 1e9])
+            print(f"    {c.human_bytes(n):>6}  ours {o:8.2f} ms   gloo {g:8.2f} ms", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        return child_main(json.loads(argv[1]))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--worlds", default="2,3,4")
+    p.add_argument("--sizes", default="64K,1M,16M,64M", help="bytes of float32 data (K/M suffixes)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--pool-size", type=int, default=1, help="p2p_connection_pool_size of our peers")
+    p.add_argument("--gloo-bench", default="../shared/bench/gloo_bench.py",
+                   help="path to gloo_bench.py (relative paths are from the repository root)")
+    p.add_argument("--no-gloo", action="store_true", help="only our side")
+    p.add_argument("--keep-logs", action="store_true")
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    print(f"all-reduce float32 SUM, in place; {c.machine_line()}; {args.iters} iterations after "
+          f"{args.warmup} warm-up, median on rank 0", flush=True)
+    rows = trio.run(run, args)
+    print()
+    print(c.format_table(["size", "world", "ours median ms", "gloo median ms", "ours/gloo",
+                          "ours algbw GB/s"], rows))
+    print(f"\n({time.monotonic() - t0:.0f}s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Churn soak: peers join, crash and hang at random while the others keep training.
+
+Modeled on the established system's stress test. A master and peers run as OS processes on loopback. Every
+0.5-2 s the driver either spawns a peer (p = 0.6) or faults a random accepted peer (p = 0.4): SIGKILL or
+SIGSTOP (``--stop-fraction`` of the faults; a stopped peer is evicted by the master's heartbeat timeout and
+SIGKILLed a little later to clean up). At most ``--max-peers`` processes, and a fault only when more than
+``--min-peers`` accepted, running peers would remain.
+
+The peers are the demo's training peers (``pccl.demo.peer_main``): every step syncs the shared state (MLP
+parameters + Adam moments), all-reduces the gradients (AVG, retried after a lost peer), applies the same
+update and admits pending peers. A newcomer catches up through the shared state.
+
+At the end (``--duration`` seconds) the driver tells the peers to stop; the stop flag rides in the all-reduce
+so every peer stops after the same step and syncs once more. Printed: the churn events, completed steps, the
+longest gap without a completed all-reduce, the catch-up transfers, and whether every survivor ended with the
+same state hash. All children are SIGKILLed at the end, on errors and on Ctrl-C.
+
+Exit code 0 if the survivors' hashes agree, no peer failed with an error, and the longest gap stayed below
+``--max-gap``.
+
+usage: python benchmarks/churn_soak.py [--duration 600] [--seed 0] [--max-peers 10] [--min-peers 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as c
+
+PEER_CODE = "import sys; from pccl.demo import peer_main; sys.exit(peer_main())"
+
+
+@dataclass
+class Stats:
+    t0: float
+    spawned: int = 0
+    killed: int = 0
+    stopped: int = 0
+    max_rev: int = 0
+    first_completion: float | None = None
+    last_completion: float | None = None
+    longest_gap: float = 0.0
+    longest_gap_at: float = 0.0
+    catchups: int = 0
+    catchup_bytes: int = 0
+    retries: int = 0
+    errors: list[tuple[str, str]] = field(default_factory=list)
+    crashes: list[tuple[str, int]] = field(default_factory=list)
+
+    def at(self, t: float | None = None) -> str:
+        return f"[{(time.monotonic() if t is None else t) - self.t0:7.1f}s]"
+
+    def completion(self, t: float, rev: int) -> None:
+        if rev <= self.max_rev:
+            return
+        self.max_rev = rev
+        if self.last_completion is not None and t - self.last_completion > self.longest_gap:
+            self.longest_gap = t - self.last_completion
+            self.longest_gap_at = self.last_completion
+        if self.first_completion is None:
+            self.first_completion = t
+        self.last_completion = t
+
+
+async def consume(cluster: c.Cluster, st: Stats, verbose: bool) -> None:
+    while True:
+        ch, msg = await cluster.next_event()
+        ev = msg.get("event")
+        if ev == "accepted":
+            ch.info["peer"] = int(msg["peer"])
+            ch.info["accepted"] = True
+            if verbose:
+                print(f"{st.at()} {ch.name} accepted as peer {msg['peer']} (world {msg['world']}, "
+                      f"{float(msg['join_s']) * 1e3:.0f} ms after its call)", flush=True)
+        elif ev in ("step", "progress"):
+            st.completion(float(msg["t"]), int(msg["step"]))
+            st.retries += int(msg.get("retries", 0))
+        elif ev == "sync":
+            if int(msg["rx"]) > 0:
+                st.catchups += 1
+                st.catchup_bytes += int(msg["rx"])
+                if verbose:
+                    print(f"{st.at()} peer {msg['peer']} caught up: {int(msg['rx']) / 1024:.0f} KB of shared "
+                          f"state at revision {msg['revision']}", flush=True)
+        elif ev == "done":
+            ch.info["done"] = msg
+        elif ev == "error":
+            st.errors.append((ch.name, str(msg.get("message"))))
+            print(f"{st.at()} !! {ch.name} failed: {msg.get('message')}", flush=True)
+        elif ev == "exit":
+            code = int(msg.get("code", 0))
+            if ch.state == "exited" and code != 0:
+                st.crashes.append((ch.name, code))
+                print(f"{st.at()} !! {ch.name} exited with code {code}\n{ch.log_tail(8)}", flush=True)
+
+
+async def run(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    st = Stats(t0=time.monotonic())
+    peer_args = ["--steps", str(10**12), "--step-delay", str(args.step_delay), "--hidden", str(args.hidden),
+                 "--seed", str(args.seed)]
+    n_spawned = 0
+    async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
+        master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
+        print(f"{st.at()} master at {master.address} (heartbeat timeout {args.heartbeat_timeout:g}s)",
+              flush=True)
+
+        async def spawn() -> c.Child:
+            nonlocal n_spawned
+            name = f"p{n_spawned}"
+            n_spawned += 1
+            st.spawned += 1
+            return await cluster.spawn(name, [sys.executable, "-c", PEER_CODE, "--master", master.address,
+                                              *peer_args])
+
+        stopped: list[tuple[float, c.Child]] = []
+        master_seen = 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(consume, cluster, st, args.verbose)
+            for _ in range(2):
+                await spawn()
+            print(f"{st.at()} spawned 2 initial peers", flush=True)
+            t_end = time.monotonic() + args.duration
+            next_status = time.monotonic() + args.status_every
+            while time.monotonic() < t_end:
+                await trio.sleep(rng.uniform(0.5, 2.0))
+                now = time.monotonic()
+                for t_stop, ch in list(stopped):
+                    if now - t_stop > args.heartbeat_timeout + 2.0:
+                        ch.kill()
+                        stopped.remove((t_stop, ch))
+                present = [ch for ch in cluster.children if ch.state in ("running", "stopped")]
+                working = [ch for ch in cluster.children if ch.state == "running" and ch.info.get("accepted")]
+                if rng.random() < 0.6:
+                    if len(present) < args.max_peers:
+                        ch = await spawn()
+                        print(f"{st.at()} spawn {ch.name} ({len(present) + 1} processes)", flush=True)
+                elif len(working) > args.min_peers:
+                    victim = rng.choice(working)
+                    if rng.random() < args.stop_fraction:
+                        victim.stop()
+                        stopped.append((time.monotonic(), victim))
+                        st.stopped += 1
+                        what = "SIGSTOP"
+                    else:
+                        victim.kill()
+                        st.killed += 1
+                        what = "SIGKILL"
+                    print(f"{st.at()} {what} {victim.name} (peer {victim.info.get('peer')}; "
+                          f"{len(working) - 1} working peers left)", flush=True)
+                for _, line in master.events[master_seen:]:
+                    if " evicted" in line or " kicked" in line:
+                        print(f"{st.at()} master: {line.split(' INFO ', 1)[-1]}", flush=True)
+                master_seen = len(master.events)
+                if now >= next_status:
+                    next_status = now + args.status_every
+                    working = [ch for ch in cluster.live() if ch.info.get("accepted")]
+                    print(f"{st.at()} status: revision {st.max_rev}, {len(working)} working peers, "
+                          f"longest gap {st.longest_gap:.2f}s, {st.catchups} catch-ups", flush=True)
+            # Stop: every running peer gets the flag; it rides the next all-reduce, so all stop together.
+            for _, ch in stopped:
+                ch.kill()
+            t_churn_end = time.monotonic()
+            if st.last_completion is not None and t_churn_end - st.last_completion > st.longest_gap:
+                st.longest_gap = t_churn_end - st.last_completion
+                st.longest_gap_at = st.last_completion
+            print(f"{st.at()} churn over; telling the peers to stop", flush=True)
+            for ch in cluster.live():
+                await ch.send({"cmd": "stop"})
+            with trio.move_on_after(args.stop_timeout):
+                while True:
+                    waiting = [ch for ch in cluster.live()
+                               if ch.info.get("accepted") and "done" not in ch.info]
+                    if not waiting:
+                        break
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+        survivors = [ch for ch in cluster.children if "done" in ch.info]
+        unfinished = [ch for ch in cluster.live() if ch.info.get("accepted") and "done" not in ch.info]
+        lines = master.membership_lines()
+    # -- summary
+    hashes = {str(ch.info["done"]["hash"]) for ch in survivors}
+    revisions = {int(ch.info["done"]["revision"]) for ch in survivors}
+    elapsed = (st.last_completion or st.t0) - (st.first_completion or st.t0)
+    kinds = (" joined ", " accepted ", " left ", " evicted", " kicked")
+    counts = {k: sum(1 for ln in lines if k in ln) for k in kinds}
+    print()
+    rows = [
+        ["duration s", f"{args.duration:g}"],
+        ["seed", args.seed],
+        ["peers spawned / SIGKILLed / SIGSTOPped", f"{st.spawned} / {st.killed} / {st.stopped}"],
+        ["master log: joined / accepted / left / evicted / kicked",
+         " / ".join(str(counts[k]) for k in kinds)],
+        ["completed steps (all-reduces)", st.max_rev],
+        ["steps per second", f"{st.max_rev / elapsed:.1f}" if elapsed > 0 else "-"],
+        ["all-reduce retries after a lost peer", st.retries],
+        ["longest gap without a completed all-reduce s",
+         f"{st.longest_gap:.2f} (from t={st.longest_gap_at - st.t0:.1f}s)"],
+        ["catch-ups through shared state", f"{st.catchups} ({st.catchup_bytes / 2**20:.1f} MB)"],
+        ["survivors", len(survivors)],
+        ["survivor revisions", ",".join(map(str, sorted(revisions))) or "-"],
+        ["identical state hash on all survivors", "yes" if len(hashes) == 1 and len(survivors) >= 2
+         else "NO"],
+        ["accepted peers that did not finish", len(unfinished)],
+        ["peer errors / crashes", f"{len(st.errors)} / {len(st.crashes)}"],
+    ]
+    print(c.format_table(["churn soak", "result"], rows))
+    ok = len(hashes) == 1 and len(survivors) >= 2 and len(revisions) == 1 and not st.errors \
+        and not st.crashes and st.longest_gap < args.max_gap
+    print(f"\nsoak {'PASSED' if ok else 'FAILED'}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of churn")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-peers", type=int, default=10)
+    p.add_argument("--min-peers", type=int, default=2)
+    p.add_argument("--stop-fraction", type=float, default=0.5, help="share of faults that are SIGSTOP")
+    p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="master's heartbeat timeout")
+    p.add_argument("--step-delay", type=float, default=0.02, help="simulated compute per step (s)")
+    p.add_argument("--hidden", type=int, default=128, help="MLP width of the training peers")
+    p.add_argument("--max-gap", type=float, default=60.0,
+                   help="fail if no all-reduce completes for this long (s)")
+    p.add_argument("--stop-timeout", type=float, default=60.0)
+    p.add_argument("--status-every", type=float, default=30.0)
+    p.add_argument("--verbose", action="store_true", help="also print joins and catch-ups")
+    p.add_argument("--keep-logs", action="store_true")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    print(f"churn soak; {c.machine_line()}; {args.duration:g}s, seed {args.seed}", flush=True)
+    try:
+        return trio.run(run, args)
+    except KeyboardInterrupt:
+        print("interrupted; all children killed", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
