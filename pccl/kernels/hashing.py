@@ -11,7 +11,7 @@
        holds the ``n % 8`` tail bytes, zero-padded.
     2. Blocks of ``B = 4096`` words. Inside a block, word ``j`` is keyed and mixed:
        ``u = mix(w ^ key_j)`` with ``key_j = fmix64((j + 1) * 0x9E3779B97F4A7C15)`` and
-       ``mix(x) = x * C1; x ^= x >> 32; x * C2; x ^= x >> 29`` (C1, C2 odd). ``mix`` is a bijection, so
+       ``mix(x): x *= C1; x ^= x >> 32; x *= C2; x ^= x >> 29`` (C1, C2 odd). ``mix`` is a bijection, so
        changing any bit of any word changes ``u``; the key makes the value position dependent.
     3. ``s_b = sum(u) mod 2**64`` for block ``b``; then ``t_b = fmix64(s_b ^ fmix64((b + 1) * C3))`` so that
        blocks are position dependent too; ``H = sum(t_b) mod 2**64``.

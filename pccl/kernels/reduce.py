@@ -191,12 +191,10 @@ def _trunc_div_inplace(xp: Any, arr: Any, n: int) -> None:
         xp.floor_divide(arr, d, out=arr)  # floor == trunc for non-negative values
         return
     # floor division rounds down; trunc differs exactly where the value is negative and not a multiple of n.
-    fix = xp.remainder(arr, d)  # in [0, n) for n > 0
-    xp.not_equal(fix, 0, out=fix, casting="unsafe")
-    neg = xp.less(arr, 0)
-    xp.multiply(fix, neg, out=fix, casting="unsafe")
+    # (Plain operators only, so the same code runs on cupy arrays.)
+    fix = (xp.remainder(arr, d) != 0) & (arr < 0)
     xp.floor_divide(arr, d, out=arr)
-    xp.add(arr, fix, out=arr)
+    arr += fix.astype(arr.dtype)
 
 
 def finalize_avg(arr: np.ndarray[Any, Any], world_size: int, *, dtype: DataType | None = None) -> None:
@@ -348,7 +346,9 @@ def finalize_avg_gpu(arr: Any, world_size: int) -> None:
         import cupy
 
         if arr.dtype.kind == "f":
-            cupy.divide(arr, world_size, out=arr)
+            # Same rounding as the CPU path: a float32 (float64) divisor, one rounding to the dtype.
+            divisor = np.float64(world_size) if arr.dtype == np.float64 else np.float32(world_size)
+            cupy.divide(arr, divisor, out=arr)
         else:
             _trunc_div_inplace(cupy, arr, world_size)
         return
