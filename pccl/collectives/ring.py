@@ -33,9 +33,11 @@ import trio
 from .._errors import (
     InvalidArgumentError,
     PCCLError,
+    RemoteProtocolError,
     TooFewPeersError,
 )
-from .._types import ReduceOp
+from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
+from ..kernels.quantize import dequantize, metadata_size, quantize
 from ..peer.pool import P2PPool, ReceiveSlot
 from ._reduce import reduce_into
 from .schedule import (
@@ -49,6 +51,10 @@ from .schedule import (
     predecessor,
     successor,
 )
+
+# Default pipelining block: big enough that per-frame overhead is negligible, small enough that a
+# block received into ``out`` is still in cache when it is reduced and forwarded.
+DEFAULT_BLOCK_BYTES = 1 << 20
 
 # Operations sending at most this many bytes in total run inline (no sender tasks): their sends
 # fit in the socket buffers, so they practically never block.
@@ -106,6 +112,20 @@ def _validate(
         raise InvalidArgumentError("block_bytes must be >= 1")
 
 
+_QUANTIZABLE = ("float16", "bfloat16", "float32", "float64")
+
+
+def _validate_quantization(kind: str, send: np.ndarray, q: QuantizationOptions) -> None:
+    if kind not in _REDUCING_KINDS:
+        raise InvalidArgumentError(f"quantization applies to all_reduce and reduce_scatter, not {kind}")
+    if send.dtype.name not in _QUANTIZABLE:
+        raise InvalidArgumentError(f"quantization needs a floating dtype, not {send.dtype}")
+    if q.quantized_datatype not in (DataType.UINT8, DataType.UINT16):
+        raise InvalidArgumentError(f"quantized dtype must be UINT8 or UINT16, not {q.quantized_datatype!r}")
+    if q.algorithm not in (QuantizationAlgorithm.MIN_MAX, QuantizationAlgorithm.ZERO_POINT_SCALE):
+        raise InvalidArgumentError(f"unknown quantization algorithm {q.algorithm!r}")
+
+
 async def run_collective(
     pool: P2PPool,
     *,
@@ -118,13 +138,14 @@ async def run_collective(
     out: np.ndarray,
     op: ReduceOp = ReduceOp.SUM,
     root: int = 0,
-    block_bytes: int = 1 << 20,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    quantization: QuantizationOptions | None = None,
 ) -> tuple[int, int]:
     """Run one ring collective with this peer's ring neighbours.
 
     Every participant must call it with the same ``kind``, ``ring``, ``tag``, ``op_seq``, dtype,
-    element count, ``op``, ``root`` and ``block_bytes``; the pool must already be connected to
-    this peer's successor (its predecessor connects to us).
+    element count, ``op``, ``root``, ``block_bytes`` and ``quantization``; the pool must already be
+    connected to this peer's successor (its predecessor connects to us).
 
     Args:
         pool: the ring connection pool.
@@ -143,9 +164,14 @@ async def run_collective(
         op: SUM, PROD, MIN or MAX (reducing kinds only).
         root: broadcast only: ring index of the source.
         block_bytes: pipelining granularity; must be equal on every participant.
+        quantization: reducing kinds on float dtypes only: send min-max or zero-point-scale
+            quantized blocks (8 or 16 bit). Senders quantize their partial sums; in the all-gather
+            half the chunk owner quantizes once and keeps the dequantized values itself, and
+            forwarders pass the quantized bytes on unchanged, so every peer ends bit-identical.
 
     Returns:
-        ``(tx_bytes, rx_bytes)``: payload bytes this peer sent and received.
+        ``(tx_bytes, rx_bytes)``: payload bytes this peer sent and received (quantized sizes,
+        metadata included, when quantizing).
 
     Raises:
         TooFewPeersError: fewer than 2 peers in the ring.
@@ -154,6 +180,10 @@ async def run_collective(
         RemoteProtocolError: a neighbour sent a frame that does not fit the plan.
     """
     _validate(kind, ring, my_id, tag, op_seq, send, out, op, root, block_bytes)
+    quantized = quantization is not None and quantization.algorithm != QuantizationAlgorithm.NONE
+    if quantized:
+        assert quantization is not None
+        _validate_quantization(kind, send, quantization)
     n = len(ring)
     rank = list(ring).index(my_id)
     itemsize = send.dtype.itemsize
@@ -163,25 +193,25 @@ async def run_collective(
         raise InvalidArgumentError("too many frames for one operation: raise block_bytes")
     nxt = successor(ring, rank)
     prv = predecessor(ring, rank)
-    tx = sum(f.end - f.start for f in plan.sends) * itemsize
-    rx = sum(f.end - f.start for f in plan.recvs) * itemsize
+    if quantized:
+        assert quantization is not None
+        ex: _Exec = _QuantExec(plan, n, send, out, op, quantization)
+    else:
+        ex = _Exec(plan, n, send, out, op)
     ok = False
     try:
-        out_b = _byte_view(out)
-        slots = [
-            pool.expect(prv, tag, op_seq, f.seq, out_b[f.start * itemsize : f.end * itemsize])
-            for f in plan.recvs
-        ]
+        recvs = plan.recvs
+        slots = [pool.expect(prv, tag, op_seq, f.seq, ex.recv_dest(i)) for i, f in enumerate(recvs)]
         if plan.local_copy is not None:
             s0, s1, o0 = plan.local_copy
             out[o0 : o0 + (s1 - s0)] = send[s0:s1]
         if plan.sends or plan.recvs:
-            runner = _run_inline if tx <= INLINE_SEND_LIMIT else _run_pipelined
-            await runner(pool, plan, slots, nxt, tag, op_seq, send, out, op, itemsize)
+            runner = _run_inline if ex.tx <= INLINE_SEND_LIMIT else _run_pipelined
+            await runner(pool, ex, slots, nxt, tag, op_seq)
         else:
             await trio.lowlevel.checkpoint()
         ok = True
-        return tx, rx
+        return ex.tx, ex.rx
     finally:
         # Always: late or duplicate frames of this op must be dropped, never stashed. On failure
         # this also stops every reader from writing into ``out`` before we return.
@@ -199,35 +229,130 @@ def owned_range(kind: str, n: int, rank: int, count: int) -> tuple[int, int]:
     return plan_ring(kind, n, rank, count, max(1, count)).owned
 
 
+class _Exec:
+    """What each frame of a plan reads, where each lands, and what happens when one arrives."""
+
+    def __init__(self, plan: Plan, n: int, send: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        self.plan = plan
+        self.n = n
+        self.send = send
+        self.out = out
+        self.op = op
+        self.itemsize = isz = send.dtype.itemsize
+        self.send_b = _byte_view(send)
+        self.out_b = _byte_view(out)
+        self.tx = sum(f.end - f.start for f in plan.sends) * isz
+        self.rx = sum(f.end - f.start for f in plan.recvs) * isz
+
+    def recv_dest(self, i: int) -> memoryview:
+        """Where receive ``i`` lands: straight in ``out``."""
+        f = self.plan.recvs[i]
+        return self.out_b[f.start * self.itemsize : f.end * self.itemsize]
+
+    def payload(self, j: int) -> memoryview:
+        """The bytes of send ``j`` (called once, when it is about to go)."""
+        f = self.plan.sends[j]
+        src = self.send_b if f.source == SRC_SEND else self.out_b
+        return src[f.start * self.itemsize : f.end * self.itemsize]
+
+    def received(self, i: int) -> None:
+        """Receive ``i`` has fully arrived: reduce it in place with this rank's contribution."""
+        f = self.plan.recvs[i]
+        if f.reduce:
+            reduce_into(self.out[f.start : f.end], self.send[f.start : f.end], self.op)
+
+
+class _QuantExec(_Exec):
+    """Quantized execution: frames carry ``metadata + quantized values`` for each block.
+
+    Receives land in a scratch buffer and are dequantized into ``out`` (then reduced with this
+    rank's input in the reduce-scatter half). All-gather forwards resend the received bytes as
+    they are; the owner of a chunk quantizes it once and replaces its own copy with the
+    dequantized values, so every peer ends with the same bits.
+    """
+
+    def __init__(
+        self, plan: Plan, n: int, send: np.ndarray, out: np.ndarray, op: ReduceOp, q: QuantizationOptions
+    ) -> None:
+        super().__init__(plan, n, send, out, op)
+        self.qdtype = q.quantized_datatype
+        self.algorithm = q.algorithm
+        self.qnp = np.dtype(np.uint8 if q.quantized_datatype == DataType.UINT8 else np.uint16)
+        self.meta_size = metadata_size(q.algorithm)
+        qsize = self.qnp.itemsize
+
+        def frame_len(start: int, end: int) -> int:
+            return self.meta_size + (end - start) * qsize
+
+        self.recv_offsets: list[int] = []
+        total = 0
+        for rf in plan.recvs:
+            self.recv_offsets.append(total)
+            total += frame_len(rf.start, rf.end)
+        self.rscratch = memoryview(bytearray(total))
+        self.rx = total
+        # forwards (all-gather steps after the owner's) resend received bytes; the rest need a buffer
+        self.send_offsets: list[int] = []
+        stotal = 0
+        self.tx = 0
+        for f in plan.sends:
+            self.send_offsets.append(stotal)
+            ln = frame_len(f.start, f.end)
+            self.tx += ln
+            if not self._is_forward(f):
+                stotal += ln
+        self.sscratch = memoryview(bytearray(stotal))
+
+    def _is_forward(self, f: SendFrame) -> bool:
+        return f.step >= self.n
+
+    def recv_dest(self, i: int) -> memoryview:
+        f = self.plan.recvs[i]
+        off = self.recv_offsets[i]
+        return self.rscratch[off : off + self.meta_size + (f.end - f.start) * self.qnp.itemsize]
+
+    def payload(self, j: int) -> memoryview:
+        f = self.plan.sends[j]
+        if self._is_forward(f):
+            return self.recv_dest(f.after)
+        ln = self.meta_size + (f.end - f.start) * self.qnp.itemsize
+        off = self.send_offsets[j]
+        buf = self.sscratch[off : off + ln]
+        src = self.send if f.source == SRC_SEND else self.out
+        qv = np.frombuffer(buf, dtype=self.qnp, offset=self.meta_size)
+        _q, meta = quantize(src[f.start : f.end], self.qdtype, self.algorithm, out=qv)
+        buf[: self.meta_size] = meta
+        if f.step == self.n - 1:
+            # the owner's chunk, leaving for the all-gather: keep exactly what the others will get
+            dequantize(qv, meta, out=self.out[f.start : f.end])
+        return buf
+
+    def received(self, i: int) -> None:
+        f = self.plan.recvs[i]
+        buf = self.recv_dest(i)
+        qv = np.frombuffer(buf, dtype=self.qnp, offset=self.meta_size)
+        try:
+            dequantize(qv, buf[: self.meta_size], out=self.out[f.start : f.end])
+        except InvalidArgumentError as exc:
+            raise RemoteProtocolError(f"bad quantized frame from the predecessor: {exc.message}") from exc
+        if f.reduce:
+            reduce_into(self.out[f.start : f.end], self.send[f.start : f.end], self.op)
+
+
 async def _run_inline(
-    pool: P2PPool,
-    plan: Plan,
-    slots: list[ReceiveSlot],
-    nxt: int,
-    tag: int,
-    op_seq: int,
-    send: np.ndarray,
-    out: np.ndarray,
-    op: ReduceOp,
-    itemsize: int,
+    pool: P2PPool, ex: _Exec, slots: list[ReceiveSlot], nxt: int, tag: int, op_seq: int
 ) -> None:
-    send_b = _byte_view(send)
-    out_b = _byte_view(out)
-    sends = plan.sends
-    for i in plan.initial:
-        f = sends[i]
-        src = send_b if f.source == SRC_SEND else out_b
-        await pool.send(nxt, tag, op_seq, f.seq, src[f.start * itemsize : f.end * itemsize],
-                        conn_index=tag + f.lane)
-    unlocks = plan.unlocks
-    for i, rf in enumerate(plan.recvs):
+    sends = ex.plan.sends
+    for j in ex.plan.initial:
+        f = sends[j]
+        await pool.send(nxt, tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+    unlocks = ex.plan.unlocks
+    for i in range(len(slots)):
         await slots[i].wait()
-        if rf.reduce:
-            reduce_into(out[rf.start : rf.end], send[rf.start : rf.end], op)
+        ex.received(i)
         for j in unlocks[i]:
             f = sends[j]
-            await pool.send(nxt, tag, op_seq, f.seq, out_b[f.start * itemsize : f.end * itemsize],
-                            conn_index=tag + f.lane)
+            await pool.send(nxt, tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
 
 
 class _ReadyFrames:
@@ -259,19 +384,9 @@ class _ReadyFrames:
 
 
 async def _run_pipelined(
-    pool: P2PPool,
-    plan: Plan,
-    slots: list[ReceiveSlot],
-    nxt: int,
-    tag: int,
-    op_seq: int,
-    send: np.ndarray,
-    out: np.ndarray,
-    op: ReduceOp,
-    itemsize: int,
+    pool: P2PPool, ex: _Exec, slots: list[ReceiveSlot], nxt: int, tag: int, op_seq: int
 ) -> None:
-    send_b = _byte_view(send)
-    out_b = _byte_view(out)
+    plan = ex.plan
     sends = plan.sends
     psize = pool.pool_size
     conn_of = [(tag + f.lane) % psize for f in sends]
@@ -284,10 +399,7 @@ async def _run_pipelined(
                 j = await queue.pop()
                 if j is None:
                     return
-                f = sends[j]
-                src = send_b if f.source == SRC_SEND else out_b
-                await pool.send(nxt, tag, op_seq, f.seq, src[f.start * itemsize : f.end * itemsize],
-                                conn_index=conn)
+                await pool.send(nxt, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
         except PCCLError as exc:
             # Record and stop the whole operation; raising here would surface as an ExceptionGroup.
             errors.append(exc)
@@ -300,10 +412,9 @@ async def _run_pipelined(
             for j in plan.initial:
                 queues[conn_of[j]].push(sends[j], j)
             unlocks = plan.unlocks
-            for i, rf in enumerate(plan.recvs):
+            for i in range(len(slots)):
                 await slots[i].wait()
-                if rf.reduce:
-                    reduce_into(out[rf.start : rf.end], send[rf.start : rf.end], op)
+                ex.received(i)
                 for j in unlocks[i]:
                     queues[conn_of[j]].push(sends[j], j)
         except PCCLError as exc:

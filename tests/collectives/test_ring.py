@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
@@ -403,3 +404,105 @@ async def test_connection_reset_in_the_middle_of_a_frame(autojump_clock: trio.ab
         # both sides dropped the broken connections; a reconnect brings the ring back
         await ring.connect_ring()
         await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, 10_000, 1 << 20, rng)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized all-reduce / reduce-scatter
+
+
+@pytest.mark.parametrize("n", [2, 3])
+async def test_quantized_all_reduce_is_bit_identical_and_close(n: int) -> None:
+    from pccl import DataType, QuantizationAlgorithm, QuantizationOptions
+
+    rng = np.random.default_rng(21 + n)
+    async with open_ring(n) as ring:
+        for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+            for alg in (QuantizationAlgorithm.MIN_MAX, QuantizationAlgorithm.ZERO_POINT_SCALE):
+                for qdt, qmax in ((DataType.UINT8, 255), (DataType.UINT16, 65535)):
+                    count = 3001
+                    sends = [rng.standard_normal(count).astype(dtype) for _ in range(n)]
+                    outs = [np.zeros(count, dtype) for _ in range(n)]
+                    q = QuantizationOptions(quantized_datatype=qdt, algorithm=alg)
+                    results: list[Any] = [None] * n
+
+                    async def one(i: int, sends: Any = sends, outs: Any = outs, q: Any = q,
+                                  results: Any = results, seq: int = next(_seq)) -> None:
+                        results[i] = await run_collective(
+                            ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i], tag=1,
+                            op_seq=seq, send=sends[i], out=outs[i], block_bytes=2048, quantization=q)
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(n):
+                            nursery.start_soon(one, i)
+                    assert all(same_bits(o, outs[0]) for o in outs), (dtype, alg, qdt)
+                    ref = sum(s.astype(np.float64) for s in sends)
+                    err = np.abs(outs[0].astype(np.float64) - ref).max()
+                    spread = 12 * n  # generous: every hop re-quantizes a partial sum
+                    assert err <= spread * (ref.max() - ref.min()) / qmax + 0.05 * (dtype != np.float64), err
+                    if qdt == DataType.UINT8:
+                        assert err > 0  # the payload really was quantized
+                    itemsize, qsize = np.dtype(dtype).itemsize, 1 if qdt == DataType.UINT8 else 2
+                    plain_tx = (2 * count - 2 * (count // n)) * itemsize  # upper bound without quantization
+                    if qsize < itemsize:
+                        assert results[0][0] < plain_tx * (qsize + 0.5) / itemsize
+
+
+async def test_quantized_pipelined_and_reduce_scatter() -> None:
+    from pccl import DataType, QuantizationAlgorithm, QuantizationOptions
+
+    rng = np.random.default_rng(31)
+    n, count = 3, 900_001
+    q = QuantizationOptions(quantized_datatype=DataType.UINT16, algorithm=QuantizationAlgorithm.MIN_MAX)
+    async with open_ring(n, pool_size=2) as ring:
+        for kind in ("all_reduce", "reduce_scatter"):
+            sends = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+            outs = [np.zeros(count, np.float32) for _ in range(n)]
+            seq = next(_seq)
+            res: list[Any] = [None] * n
+
+            async def one(i: int, kind: str = kind, sends: Any = sends, outs: Any = outs, seq: int = seq,
+                          res: Any = res) -> None:
+                res[i] = await run_collective(ring.pools[i], kind=kind, ring=ring.ids, my_id=ring.ids[i],
+                                              tag=2, op_seq=seq, send=sends[i], out=outs[i],
+                                              block_bytes=256 * 1024, quantization=q)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            ref = sum(s.astype(np.float64) for s in sends)
+            for r in range(n):
+                a, e = (0, count) if kind == "all_reduce" else chunk_range(count, n, r)
+                assert np.abs(outs[r][a:e] - ref[a:e]).max() < 1e-3
+            if kind == "all_reduce":
+                assert all(same_bits(o, outs[0]) for o in outs)
+                assert res[0][0] < (2 * count * 4) * 2 // 3  # ~half of the float32 bytes
+
+
+async def test_quantization_argument_checks() -> None:
+    from pccl import DataType, QuantizationAlgorithm, QuantizationOptions
+
+    q = QuantizationOptions(quantized_datatype=DataType.UINT8, algorithm=QuantizationAlgorithm.MIN_MAX)
+    async with open_ring(2) as ring:
+        base: dict[str, Any] = dict(ring=ring.ids, my_id=ring.ids[0], tag=1, op_seq=next(_seq),
+                                    quantization=q)
+        with pytest.raises(InvalidArgumentError, match="floating"):
+            await run_collective(ring.pools[0], kind="all_reduce", send=np.zeros(4, np.int32),
+                                 out=np.zeros(4, np.int32), **base)
+        with pytest.raises(InvalidArgumentError, match="applies to"):
+            await run_collective(ring.pools[0], kind="all_gather", send=np.zeros(4, np.float32),
+                                 out=np.zeros(8, np.float32), **base)
+        bad = QuantizationOptions(quantized_datatype=DataType.INT8, algorithm=QuantizationAlgorithm.MIN_MAX)
+        with pytest.raises(InvalidArgumentError, match="UINT8 or UINT16"):
+            await run_collective(ring.pools[0], kind="all_reduce", send=np.zeros(4, np.float32),
+                                 out=np.zeros(4, np.float32), **{**base, "quantization": bad})
+        # NONE means plain
+        none = QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
+        sends = [np.full(4, 1.5, np.float32), np.full(4, 2.0, np.float32)]
+        outs = [np.zeros(4, np.float32) for _ in range(2)]
+        seq = next(_seq)
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(functools.partial(
+                    run_collective, ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i], tag=1,
+                    op_seq=seq, send=sends[i], out=outs[i], quantization=none))
+        assert all(same_bits(o, np.full(4, 3.5, np.float32)) for o in outs)
