@@ -15,10 +15,11 @@ ZERO_POINT_SCALE
     mean and sample standard deviation (float64); ``scale = float32(12 * std / Q)``,
     ``zp = (Q >> 1) - round(mean / scale)`` (half away from zero), ``q = clamp(round(x / scale) + zp, 0, Q)``
     (half up) and ``x' = (q - zp) * scale``. Values farther than about ``6 std`` from the mean are clipped.
-    When ``std == 0`` (all values equal, or a single element) ``zp = (Q + 1) >> 1`` and ``scale`` is
-    ``|mean|`` (``1.0`` when the mean is 0), so a constant chunk is reproduced exactly (to float32 precision
-    of the mean). **Deviation:** the established system always uses ``scale = 1.0`` there, which rounds a
-    constant chunk to the nearest integer (0.3 becomes 0).
+    When ``std == 0`` (all values equal, or a single element; also when the spread is below ``2**-40`` of
+    the mean, beneath float precision) ``zp = (Q + 1) >> 1`` and ``scale`` is ``|mean|`` (``1.0`` when the
+    mean is 0), so a constant chunk is reproduced exactly (to float32 precision of the mean).
+    **Deviation:** the established system always uses ``scale = 1.0`` there, which rounds a constant chunk
+    to the nearest integer (0.3 becomes 0).
 
 Non-finite input (any NaN or infinity in the chunk) cannot be scaled; the chunk is then sent as "poisoned"
 (parameters NaN, all ``q`` 0) and dequantizes to all-NaN, so the NaN reaches every peer the way it would
@@ -44,7 +45,12 @@ offset       type    field
 so ``metadata_size(MIN_MAX) == 28`` and ``metadata_size(ZERO_POINT_SCALE) == 24``.
 
 Determinism: :func:`dequantize` is a pure function of ``(q, meta, out dtype)``; every peer that dequantizes
-the same bytes gets the same bits, which is what keeps the all-gather phase bit-identical.
+the same bytes gets the same bits, which is what keeps the all-gather phase bit-identical. (These kernels
+run on the CPU; GPU tensors are quantized from their host staging buffers.)
+
+bfloat16 held as ``uint16`` bit patterns (no ``ml_dtypes``): pass ``dtype=DataType.BFLOAT16`` to
+:func:`quantize` and :func:`dequantize_reduce_into`, and ``out_dtype=DataType.BFLOAT16`` (or a metadata blob
+that records BFLOAT16) to :func:`dequantize` with a ``uint16`` ``out``.
 """
 
 from __future__ import annotations
