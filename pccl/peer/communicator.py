@@ -40,6 +40,7 @@ from .._errors import (
 )
 from .._types import (
     Attribute,
+    DataType,
     QuantizationAlgorithm,
     QuantizationOptions,
     ReduceInfo,
@@ -731,7 +732,7 @@ class Communicator:
             st.concluded = True
             # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
             # cannot land half-way.
-            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id))
+            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype)
             self._give_back_work(work)
             work = None
             self._stats[f"{kind}_ok"] += 1
@@ -784,7 +785,9 @@ class Communicator:
             **kwargs,
         )
 
-    def _commit(self, kind: str, op: ReduceOp, work: np.ndarray, recv: Any, n: int, rank: int) -> None:
+    def _commit(
+        self, kind: str, op: ReduceOp, work: np.ndarray, recv: Any, n: int, rank: int, dtype: DataType
+    ) -> None:
         from ..collectives.schedule import chunk_bounds
         from ..kernels import backend, reduce
 
@@ -792,12 +795,12 @@ class Communicator:
         if kind == "reduce_scatter":
             lo, hi = chunk_bounds(work.size, n)[rank]
             if op == ReduceOp.AVG:
-                reduce.finalize_avg(work[lo:hi], n)
+                reduce.finalize_avg(work[lo:hi], n, dtype=dtype)
             out[lo:hi] = work[lo:hi]
             self._last_chunk = slice(lo, hi)
             return
         if kind == "all_reduce" and op == ReduceOp.AVG:
-            reduce.finalize_avg(work, n)
+            reduce.finalize_avg(work, n, dtype=dtype)
         np.copyto(out, work)
 
     def _take_work(self, dtype: np.dtype[Any], count: int) -> np.ndarray:

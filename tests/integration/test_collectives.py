@@ -154,7 +154,12 @@ async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
         async with trio.open_nursery() as n:
             for i, c in enumerate(survivors):
                 n.start_soon(survivor, i, c)
-            n.start_soon(lambda: victim.all_reduce(np.ones(count, np.float32), tag=9))
+            async def victim_call() -> None:
+                # the victim's own call ends with an error when it is killed (closed communicator)
+                with pytest.raises(pccl.PCCLError):
+                    await victim.all_reduce(np.ones(count, np.float32), tag=9)
+
+            n.start_soon(victim_call)
             # kill the victim once the master said "commence": the op cannot complete without it
             while 9 not in victim._ops or victim._ops[9].op_seq == -1:
                 await trio.sleep(0.0005)
