@@ -7,19 +7,18 @@ Driver side (the benchmark script, inside ``trio.run``):
 * :meth:`Cluster.start_master` runs ``python -m pccl master --port 0`` and reads the bound port from its log;
   the master's membership log lines are kept with their arrival time (``MasterProcess.events``).
 * :meth:`Cluster.spawn` runs a child; a child reports to the driver with one JSON object per stdout line
-  (:func:`emit`) and receives commands as JSON lines on stdin (:meth:`Child.send`, :func:`read_commands`).
+  (:func:`emit`) and may receive commands as JSON lines on stdin (:meth:`Child.send`).
 
 Timestamps are ``time.monotonic()``: CLOCK_MONOTONIC is system-wide on Linux, so times taken in different
 processes on the same machine can be subtracted.
 
 Child side: :func:`child_setup` (die with the driver, ignore Ctrl-C, log warnings to stderr),
-:func:`emit`, :func:`read_commands`, :func:`admit_pending` (the training-loop membership step).
+:func:`emit`, :func:`admit_pending` (the training-loop membership step).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import math
@@ -30,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,13 +52,20 @@ _LISTEN_RE = re.compile(r"master listening on ([0-9.]+):(\d+)")
 def child_setup(log_level: int = logging.WARNING) -> None:
     """Call first in every child process.
 
-    The child dies with the driver (Linux ``PR_SET_PDEATHSIG``), so a crashed or killed benchmark leaves no
-    orphans; Ctrl-C in the terminal goes to the whole process group, and the driver, not the children,
-    decides how to stop, so children ignore SIGINT.
+    The child leaves as soon as its stdin (a pipe from the driver) reaches end of file: that happens when
+    the driver dies, so a crashed or killed benchmark leaves no orphans. (``PR_SET_PDEATHSIG`` does not
+    fit: trio starts processes from worker threads, and the signal fires when that *thread* exits.)
+    Ctrl-C in the terminal goes to the whole process group; the driver, not the children, decides how to
+    stop, so children ignore SIGINT.
     """
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+    def watch_stdin() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while sys.stdin.buffer.read(65536):
+                pass
+        os._exit(3)
+
+    threading.Thread(target=watch_stdin, name="watch-driver", daemon=True).start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
@@ -70,22 +77,6 @@ def emit(event: str, **fields: Any) -> None:
     fields.setdefault("t", time.monotonic())
     sys.stdout.write(json.dumps(fields) + "\n")
     sys.stdout.flush()
-
-
-async def read_commands(on_command: Callable[[dict[str, Any]], None]) -> None:
-    """Feed every JSON line arriving on stdin to ``on_command`` until stdin closes."""
-    stream = trio.lowlevel.FdStream(os.dup(0))
-    buf = b""
-    async with stream:
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                return
-            buf += data
-            while b"\n" in buf:
-                line, buf = buf.split(b"\n", 1)
-                if line.strip():
-                    on_command(json.loads(line))
 
 
 async def admit_pending(comm: Any) -> bool:

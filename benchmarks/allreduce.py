@@ -97,7 +97,7 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
             ch, msg = await cluster.wait_for(lambda ch, m: m.get("event") in ("result", "exit"), budget,
                                              f"results of {world} peers")
             if msg["event"] == "exit" and ch.name not in reported:
-                raise RuntimeError(f"{ch.name} exited early:\n{ch.log_tail()}")
+                raise RuntimeError(f"{ch.name} exited early (code {msg.get('code')}):\n{ch.log_tail()}")
             if msg["event"] == "result":
                 results[int(msg["rank"])] = msg
                 reported.add(ch.name)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -191,14 +190,18 @@ class _Commands:
 
 
 async def _read_commands(cmds: _Commands) -> None:
-    """Commands from the parent, one JSON object per stdin line: {"cmd": "join"} or {"cmd": "stop"}."""
+    """Commands from the parent, one JSON object per stdin line: {"cmd": "join"} or {"cmd": "stop"}.
+
+    End of stdin means the parent is gone (its end of the pipe closed when it died): leave at once, so an
+    interrupted or crashed parent leaves no orphan peers behind.
+    """
     stream = trio.lowlevel.FdStream(os.dup(0))
     buf = b""
     async with stream:
         while True:
             data = await stream.receive_some(4096)
             if not data:
-                return
+                os._exit(3)
             buf += data
             while b"\n" in buf:
                 line, buf = buf.split(b"\n", 1)
@@ -317,12 +320,6 @@ async def run_peer(opts: PeerOptions) -> None:
         nursery.cancel_scope.cancel()
 
 
-def _die_with_parent() -> None:
-    # Linux: SIGKILL this process when the parent dies, so an interrupted demo leaves no orphans.
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-
-
 def peer_main(argv: list[str] | None = None) -> int:
     """Entry point of a training peer process (used by the demo and by benchmarks/churn_soak.py)."""
     p = argparse.ArgumentParser(prog="pccl-demo-peer")
@@ -336,7 +333,6 @@ def peer_main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-every", type=int, default=1)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
