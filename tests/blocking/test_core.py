@@ -1,0 +1,106 @@
+"""The core thread behind the blocking API: misuse from inside it, restart, and interpreter exit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from pccl.blocking import (
+    Attribute,
+    Communicator,
+    DataType,
+    MasterNode,
+    PCCLError,
+    Result,
+    _core,
+    datatype_from_numpy,
+    datatype_from_torch,
+    datatype_to_numpy,
+    datatype_to_torch,
+)
+
+
+def test_blocking_call_from_the_core_thread_raises_instead_of_deadlocking(master: MasterNode) -> None:
+    comm = Communicator(master.address)
+    comm.connect()
+    with pytest.raises(PCCLError) as info:
+        # what a progress callback or a finalizer running in the core would do
+        _core.call_sync(lambda: comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE))
+    assert info.value.result == Result.INVALID_USAGE
+    assert "core thread" in str(info.value)
+    assert comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) == 1
+    comm.close()
+
+
+def test_core_thread_restarts_after_stop() -> None:
+    master = MasterNode("127.0.0.1:0")
+    master.run()
+    master.interrupt()
+    _core.stop()
+    assert not any(t.name == "pccl-core" for t in threading.enumerate())
+    master.run()  # a fresh core thread starts on demand
+    comm = Communicator(master.address)
+    comm.connect()
+    assert comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) == 1
+    comm.close()
+    master.interrupt()
+
+
+_EXIT_SCRIPT = textwrap.dedent("""
+    import threading, numpy as np
+    from pccl.blocking import Communicator, MasterNode, PCCLError, ReduceOp
+
+    master = MasterNode("127.0.0.1:0")
+    master.run()
+    a = Communicator(master.address)
+    a.connect()
+    b = Communicator(master.address)
+    t = threading.Thread(target=b.connect)
+    t.start()
+    while not a.are_peers_pending():
+        pass
+    a.update_topology()
+    t.join()
+    x = np.ones(1000, dtype=np.float32)
+    handle = a.all_reduce_async(x, x, op=ReduceOp.SUM)  # b never joins: still running at exit
+    waiting = Communicator(master.address)
+
+    def connect_and_block():
+        try:
+            waiting.connect()  # blocks: nobody admits it; the exit hook closes it
+        except PCCLError:
+            pass
+
+    threading.Thread(target=connect_and_block, daemon=True).start()
+    print("ready", flush=True)
+    # no close(), no interrupt(): the atexit hook must clean up without hanging
+""")
+
+
+def test_interpreter_exit_with_everything_still_open_does_not_hang() -> None:
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ready"
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_datatype_conversions() -> None:
+    assert datatype_from_torch(torch.float32) == DataType.FLOAT32
+    assert datatype_from_torch(torch.bfloat16) == DataType.BFLOAT16
+    assert datatype_to_torch(DataType.INT64) == torch.int64
+    assert datatype_from_numpy(np.float64) == DataType.FLOAT64
+    assert datatype_from_numpy(np.dtype(np.uint8)) == DataType.UINT8
+    assert datatype_to_numpy(DataType.FLOAT16) == np.dtype(np.float16)
+    for dt in DataType:
+        if dt != DataType.BFLOAT16:
+            assert datatype_from_numpy(datatype_to_numpy(dt)) == dt
+        assert datatype_from_torch(datatype_to_torch(dt)) == dt
+    with pytest.raises(PCCLError) as info:
+        datatype_from_numpy(np.complex64)
+    assert info.value.result == Result.INVALID_ARGUMENT
