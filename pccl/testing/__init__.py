@@ -1,10 +1,20 @@
-"""Test harness for pccl: an in-memory virtual network driven by trio's clock (more to come).
+"""Test harness for pccl: an in-memory virtual network driven by trio's clock, and an in-process
+cluster harness with fault injection (see docs/testing.md).
 
 Import what you need from here; each submodule keeps its own ``__all__``.
 """
 
 from __future__ import annotations
 
+from .cluster import (
+    DEFAULT_MASTER_CONFIG,
+    DEFAULT_PEER_CONFIG,
+    MASTER,
+    PeerStatus,
+    TestCluster,
+    UnsupportedFault,
+    open_test_cluster,
+)
 from .network import (
     Close,
     Delay,
@@ -28,22 +38,29 @@ from .network import (
 )
 
 __all__ = [
+    "DEFAULT_MASTER_CONFIG",
+    "DEFAULT_PEER_CONFIG",
+    "MASTER",
     "Close",
     "Delay",
     "Hook",
     "HookAction",
     "LinkConfig",
     "NetworkStatistics",
+    "PeerStatus",
     "Reset",
     "Stall",
     "StreamStatistics",
+    "TestCluster",
     "TrafficEvent",
+    "UnsupportedFault",
     "VirtualHost",
     "VirtualListener",
     "VirtualNetwork",
     "VirtualStream",
     "close_after",
     "delay_after",
+    "open_test_cluster",
     "reset_after",
     "stall_after",
     "trickle",

@@ -5,15 +5,35 @@ Fixtures (async ones need pytest-trio, e.g. ``trio_mode = true``):
 * ``pccl_master``: a master on 127.0.0.1 with an OS-chosen port, yielding its
   :class:`~pccl.master.server.MasterHandle` (``.connect_address`` for ``open_communicator``).
 * ``pccl_fast_configs``: ``(MasterConfig, PeerConfig)`` with short heartbeats, for failure tests.
+* ``pccl_network``: a fresh :class:`~pccl.testing.VirtualNetwork` (1 ms links, infinite bandwidth).
+* ``pccl_cluster``: a factory, ``cluster = await pccl_cluster(n_peers, **options)``, returning a
+  running :class:`~pccl.testing.TestCluster` on ``pccl_network`` (pass ``network=None`` for
+  loopback TCP); options are those of :func:`~pccl.testing.open_test_cluster`. Every cluster is
+  torn down after the test; an error escaping a task started with ``cluster.start_soon`` fails
+  the test.
+
+Virtual time: request pytest-trio's ``autojump_clock`` fixture in the test and the whole test,
+fixtures included, runs on ``trio.testing.MockClock(autojump_threshold=0)``: heartbeat timeouts
+and link latencies then cost no real time. Do not combine it with ``network=None`` (the kernel's
+sockets do not follow a mock clock).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
+import trio
 
 from .._config import MasterConfig, PeerConfig
+from .cluster import TestCluster, open_test_cluster
+from .network import VirtualNetwork
+
+ClusterFactory = Callable[..., Awaitable[TestCluster]]
+"""``await factory(n_peers, *, network=..., config=..., master_config=..., groups=..., pool_size=...)``."""
+
+_DEFAULT: Any = object()
 
 
 @pytest.fixture
@@ -32,3 +52,37 @@ async def pccl_master(pccl_fast_configs: tuple[MasterConfig, PeerConfig]) -> Asy
 
     async with open_master("127.0.0.1:0", config=pccl_fast_configs[0]) as master:
         yield master
+
+
+@pytest.fixture
+def pccl_network() -> VirtualNetwork:
+    """A fresh virtual network: 1 ms one-way latency, infinite bandwidth, 4 MiB windows."""
+    return VirtualNetwork(latency=0.001)
+
+
+@pytest.fixture
+async def pccl_cluster(pccl_network: VirtualNetwork) -> AsyncIterator[ClusterFactory]:
+    """Factory of running test clusters, torn down after the test.
+
+    ``cluster = await pccl_cluster(4)`` starts a master and 4 accepted peers on ``pccl_network``;
+    ``await pccl_cluster(2, network=None)`` uses loopback TCP; any other keyword goes to
+    :func:`~pccl.testing.open_test_cluster`.
+    """
+    async with trio.open_nursery() as nursery:
+
+        async def serve(
+            n_peers: int, options: dict[str, Any], *, task_status: trio.TaskStatus[TestCluster]
+        ) -> None:
+            async with open_test_cluster(n_peers, **options) as cluster:
+                task_status.started(cluster)
+                await trio.sleep_forever()
+
+        async def factory(
+            n_peers: int = 2, *, network: VirtualNetwork | None = _DEFAULT, **options: Any
+        ) -> TestCluster:
+            options["network"] = pccl_network if network is _DEFAULT else network
+            cluster: TestCluster = await nursery.start(serve, n_peers, options)
+            return cluster
+
+        yield factory
+        nursery.cancel_scope.cancel()
