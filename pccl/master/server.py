@@ -8,6 +8,7 @@ kicked with a reason; it never takes the server down.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -78,6 +79,8 @@ class MasterServer:
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
+        self.improve_budget = 2.0
+        self._nursery: trio.Nursery | None = None
 
     def statistics(self) -> dict[str, Any]:
         """Master summary: the state's statistics plus connection counts."""
@@ -98,6 +101,7 @@ class MasterServer:
         log.info("master listening on %s:%d", *self.address)
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 nursery.start_soon(self._monitor)
                 task_status.started(listener.address)
                 while True:
@@ -245,6 +249,23 @@ class MasterServer:
                     conn.closing = True
             elif isinstance(eff, Event):
                 log.info("%s", eff.text)
+        job = self.state.take_improvement_job()
+        if job is not None and self._nursery is not None:
+            self._nursery.start_soon(self._improve_ring, job)
+
+    async def _improve_ring(self, job: tuple[list[int], list[list[float | None]]]) -> None:
+        """Run the ATSP local search in a worker thread; the state adopts it at the next change."""
+        from .topology import improve_ring
+
+        ids, bw = job
+        try:
+            sol = await trio.to_thread.run_sync(
+                functools.partial(improve_ring, list(range(len(ids))), bw, time_budget=self.improve_budget)
+            )
+        except Exception as exc:  # a solver bug must not take the master down
+            log.warning("background ring improvement failed: %s", exc)
+            return
+        self._execute(self.state.offer_ring([ids[i] for i in sol.order]))
 
 
 async def serve_master(

@@ -160,6 +160,11 @@ class MasterState:
         self.bandwidth_stale_after = bandwidth_stale_after
         self._solver = solver
         self.solver_time_budget = 0.2
+        self.exact_limit = 12
+        # Background ring improvement (large worlds): a job for the server to run off the event loop,
+        # and its result, adopted at the next topology change if the membership still matches.
+        self._improvement_job: tuple[list[int], list[list[float | None]]] | None = None
+        self.improved_ring: list[int] | None = None
         self._now = 0.0
 
     # ---------------------------------------------------------------------------------------
@@ -371,7 +376,12 @@ class MasterState:
             return []
         if rnd.kind == "update":
             newcomers = self.registered()
-            return self._start_establish(rnd, self.ring + newcomers, set(newcomers))
+            effects: list[Effect] = []
+            if self.improved_ring is not None and sorted(self.improved_ring) == sorted(self.ring):
+                effects.append(Event(f"adopting background-improved ring {self.improved_ring}"))
+                self.ring = list(self.improved_ring)
+            self.improved_ring = None
+            return effects + self._start_establish(rnd, self.ring + newcomers, set(newcomers))
         # optimize: measure what is missing, then solve
         rnd.measure_rounds = self._plan_measurements()
         return self._next_measure_round(rnd)
@@ -550,7 +560,22 @@ class MasterState:
                 order = list(range(n))
                 effects.append(Event(f"topology solver failed ({exc}); keeping the current ring"))
             ring = [ring[i] for i in order]
+            if n > self.exact_limit:
+                # The heuristic stopped at its budget: keep improving in the background.
+                self._improvement_job = (list(ring), [[bw[i][j] for j in order] for i in order])
         return effects + self._start_establish(rnd, ring, set())
+
+    def take_improvement_job(self) -> tuple[list[int], list[list[float | None]]] | None:
+        """A ``(ring ids, bandwidth matrix in that order)`` to improve off the event loop, once."""
+        job, self._improvement_job = self._improvement_job, None
+        return job
+
+    def offer_ring(self, ring: list[int]) -> list[Effect]:
+        """A background improvement finished: adopt it at the next topology change if still valid."""
+        if sorted(ring) != sorted(self.ring) or ring == self.ring:
+            return []
+        self.improved_ring = list(ring)
+        return [Event(f"background ring improvement ready: {ring}")]
 
     def _solve(self, bw: list[list[float | None]]) -> list[int]:
         if self._solver is not None:

@@ -336,3 +336,32 @@ def test_optimize_topology_measures_then_establishes(n: int) -> None:
     for p in ids:
         eff += hs.h(p, m.OptimizeTopologyVote())
     assert not sends(eff, m.MeasureBandwidth) and sends(eff, m.EstablishP2P)
+
+
+def test_background_improvement_adopted_at_next_update() -> None:
+    st = MasterState(solver=lambda bw: list(range(len(bw))))
+    st.exact_limit = 2  # force the "heuristic" path for 3 peers
+    hs = Harness()
+    hs.st = st
+    ids = [hs.join()[0] for _ in range(3)]
+    hs.update([ids[0]])
+    eff: list[Any] = []
+    for p in ids:
+        eff += hs.h(p, m.OptimizeTopologyVote())
+    while sends(eff, m.MeasureBandwidth):
+        nxt: list[Any] = []
+        for p, msg in sends(eff, m.MeasureBandwidth):
+            nxt += hs.h(p, m.BandwidthReport(epoch=msg.epoch, results=[[t[0], 1e9] for t in msg.targets]))
+        eff = nxt
+    for p, msg in sends(eff, m.EstablishP2P):
+        hs.h(p, m.P2PConnectionsDone(epoch=msg.epoch, success=True))
+    job = st.take_improvement_job()
+    assert job is not None and job[0] == ids and st.take_improvement_job() is None
+    improved = [ids[0], ids[2], ids[1]]
+    assert any(isinstance(e, Event) for e in st.offer_ring(improved))
+    assert st.accepted() == ids  # not adopted mid-run
+    eff = hs.update(ids)
+    assert st.accepted() == improved
+    assert sends(eff, m.EstablishP2P)[0][1].peers == st.table(improved)
+    # a stale improvement (membership changed) is dropped
+    assert st.offer_ring([ids[0], ids[1]]) == []
