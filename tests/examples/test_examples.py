@@ -1,0 +1,33 @@
+"""Each example runs in its short form, as a user would start it: one command, master included."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+# (script, arguments, a line the script prints only when all its own checks passed)
+CASES = [
+    ("hello_world.py", [], "hello world: OK"),
+    ("digits_ddp.py", ["--short"], "digits data-parallel training: OK"),
+    ("diloco.py", ["--short", "--mode", "both"], "[async] DiLoCo: OK"),
+]
+
+
+@pytest.mark.parametrize(("script", "args", "ok_line"), CASES, ids=[c[0] for c in CASES])
+def test_example_runs(script: str, args: list[str], ok_line: str) -> None:
+    if script != "hello_world.py":
+        pytest.importorskip("torch")
+        pytest.importorskip("sklearn", reason="the training examples use scikit-learn's digits data")
+    # The timeout only turns a hang into a failure; the examples give up on their own well before it.
+    proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,
+                          timeout=180, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, f"{script} exited with {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert ok_line in proc.stdout.splitlines(), proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr
