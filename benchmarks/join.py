@@ -10,7 +10,9 @@ Two measurements per N:
   right before ``open_communicator(...)`` and stops when the block is entered (the peer is accepted and has
   the ring table). It then leaves again, so every join sees the same N.
 * ``process start -> accepted``: a fresh joiner process per sample (interpreter start + imports + join),
-  the figure comparable to the established library's 170-220 ms.
+  the figure comparable to the established library's 170-220 ms; ``python + import pccl`` is the part of
+  it spent before ``open_communicator`` can even be called (a process that only imports the library,
+  timed under the same load).
 
 usage: python benchmarks/join.py [--peers 1,4,8,16] [--joins 15] [--proc-joins 3] [--step-ms 0]
 """
@@ -109,8 +111,16 @@ async def run(args: argparse.Namespace) -> list[list[Any]]:
                     60, "a joiner process")
                 proc_times.append(msg["t"] - t_spawn)
                 await trio.sleep(0.1)
+            imports: list[float] = []
+            for _ in range(args.proc_joins):
+                # What a process spends before it can call open_communicator at all, under the same load.
+                t = time.monotonic()
+                await trio.run_process([sys.executable, "-c", "import pccl.peer.communicator"],
+                                       env=c.child_env())
+                imports.append(time.monotonic() - t)
             rows.append([n, c.median_ms(times), min(times) * 1e3, max(times) * 1e3, len(times),
-                         c.median_ms(proc_times) if proc_times else float("nan")])
+                         c.median_ms(proc_times) if proc_times else float("nan"),
+                         c.median_ms(imports) if imports else float("nan")])
             print(f"  N={n}: call->accepted median {c.median_ms(times):.2f} ms "
                   f"(min {min(times) * 1e3:.2f}, max {max(times) * 1e3:.2f}); "
                   f"process start->accepted {c.median_ms(proc_times) if proc_times else float('nan'):.0f} ms",
@@ -135,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = trio.run(run, args)
     print()
     print(c.format_table(["existing peers", "call->accepted median ms", "min ms", "max ms", "joins",
-                          "process start->accepted median ms"], rows))
+                          "process start->accepted median ms", "python + import pccl ms"], rows))
     return 0
 
 

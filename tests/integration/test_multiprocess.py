@@ -120,8 +120,9 @@ class Procs:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = await trio.lowlevel.open_process(
             argv, stdin=subprocess.DEVNULL,
+            # Peers: stderr joins stdout, so a failure message shows the peer's traceback too.
             stdout=subprocess.PIPE if read == "stdout" else subprocess.DEVNULL,
-            stderr=subprocess.PIPE if read == "stderr" else subprocess.DEVNULL, env=env)
+            stderr=subprocess.PIPE if read == "stderr" else subprocess.STDOUT, env=env)
         p = Proc(proc, name)
         self.all.append(p)
         self.nursery.start_soon(p.pump, proc.stdout if read == "stdout" else proc.stderr)
