@@ -24,12 +24,15 @@ import sys
 import time
 from typing import Any
 
+from pccl.collectives.ring import DEFAULT_BLOCK_BYTES
+from pccl.peer.pool import DEFAULT_SOCKET_BUFFER
+
 DEFAULT_SIZES = [65536, 1048576, 16777216, 67108864]
 SUITE = [(2, DEFAULT_SIZES), (3, [16777216]), (4, [16777216])]
 
 
 def _worker(rank: int, world: int, sizes: list[int], iters: int, pool_size: int, block_bytes: int,
-            addr_q: Any, table_q: Any, result_q: Any) -> None:
+            socket_buffer: int | None, addr_q: Any, table_q: Any, result_q: Any) -> None:
     import numpy as np
     import trio
 
@@ -42,7 +45,8 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int, pool_size: int,
     async def main() -> None:
         config = PeerConfig()
         transport = TcpTransport()
-        pool = P2PPool(transport=transport, my_peer_id=rank, pool_size=pool_size, config=config)
+        pool = P2PPool(transport=transport, my_peer_id=rank, pool_size=pool_size, config=config,
+                       socket_buffer_bytes=socket_buffer)
         async with trio.open_nursery() as nursery:
             serve = functools.partial(serve_p2p, config=config)
             addr = await nursery.start(serve, transport, "127.0.0.1", 0, {"ring": pool.handle_incoming})
@@ -82,14 +86,15 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int, pool_size: int,
     trio.run(main)
 
 
-def run_world(world: int, sizes: list[int], iters: int, pool_size: int, block_bytes: int) -> dict[int, float]:
+def run_world(world: int, sizes: list[int], iters: int, pool_size: int, block_bytes: int,
+              socket_buffer: int | None = DEFAULT_SOCKET_BUFFER) -> dict[int, float]:
     """Run one world size in fresh processes; median seconds per size."""
     ctx = mp.get_context("spawn")
     addr_q, result_q = ctx.Queue(), ctx.Queue()
     table_qs = [ctx.Queue() for _ in range(world)]
     procs = [
-        ctx.Process(target=_worker, args=(r, world, sizes, iters, pool_size, block_bytes, addr_q, table_qs[r],
-                                          result_q))
+        ctx.Process(target=_worker, args=(r, world, sizes, iters, pool_size, block_bytes, socket_buffer,
+                                          addr_q, table_qs[r], result_q))
         for r in range(world)
     ]
     for p in procs:
@@ -128,23 +133,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)))
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--pool-size", type=int, default=1)
-    p.add_argument("--block-bytes", type=int, default=1 << 20)
+    p.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES)
+    p.add_argument("--socket-buffer", type=int, default=DEFAULT_SOCKET_BUFFER or 0,
+                   help="SO_SNDBUF/SO_RCVBUF of ring connections; 0 keeps the kernel's autotuning")
     p.add_argument("--gloo", help="path of gloo_bench.py to run side by side")
     p.add_argument("--json")
     a = p.parse_args(argv)
     plan = SUITE if a.suite else [(a.world, [int(s) for s in a.sizes.split(",")])]
     rows: list[dict[str, Any]] = []
     for world, sizes in plan:
-        ours = run_world(world, sizes, a.iters, a.pool_size, a.block_bytes)
+        ours = run_world(world, sizes, a.iters, a.pool_size, a.block_bytes, a.socket_buffer or None)
         gloo = run_gloo(a.gloo, world, sizes, a.iters) if a.gloo else {}
         for nbytes in sizes:
             rows.append({"world": world, "bytes": nbytes, "pccl_s": ours[nbytes], "gloo_s": gloo.get(nbytes)})
     print(f"{'world':>5} {'bytes':>10} {'pccl ms':>9} {'GB/s':>6} {'gloo ms':>9} {'gloo/pccl':>9}"
-          f"   (pool_size={a.pool_size}, block_bytes={a.block_bytes})")
+          f"   (pool_size={a.pool_size}, block_bytes={a.block_bytes}, socket_buffer={a.socket_buffer})")
     for r in rows:
         g = r["gloo_s"]
         gl = f"{g * 1e3:9.3f} {g / r['pccl_s']:9.2f}" if g else f"{'-':>9} {'-':>9}"
-        print(f"{r['world']:>5} {r['bytes']:>10} {r['pccl_s'] * 1e3:9.3f} {r['bytes'] / r['pccl_s'] / 1e9:6.2f} {gl}")
+        gbps = r["bytes"] / r["pccl_s"] / 1e9
+        print(f"{r['world']:>5} {r['bytes']:>10} {r['pccl_s'] * 1e3:9.3f} {gbps:6.2f} {gl}")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -345,3 +345,15 @@ async def test_aclose_fails_pending_and_refuses_new_work() -> None:
         with pytest.raises(RankConnectionFailedError):
             await b.connect(1, "127.0.0.1", 1)
         assert b.statistics()["closed"] and "closed" in repr(b)
+
+
+async def test_tcp_ring_sockets_are_tuned_for_bulk_frames() -> None:
+    """trio's TCP_NOTSENT_LOWAT (16 KiB) would cap every send at a few segments; the pool lifts it."""
+    import socket
+
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        (conn,) = a._out[2]
+        assert conn is not None and conn.sock is not None
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) >= 1 << 30
+        assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
