@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import numpy as np
 import pytest
@@ -104,3 +106,28 @@ def test_datatype_conversions() -> None:
     with pytest.raises(PCCLError) as info:
         datatype_from_numpy(np.complex64)
     assert info.value.result == Result.INVALID_ARGUMENT
+
+
+def _forked_child(queue: Any) -> None:
+    # The parent's core thread does not exist in a forked child: pccl must start a fresh one.
+    master = MasterNode("127.0.0.1:0")
+    master.run()
+    comm = Communicator(master.address)
+    comm.connect()
+    queue.put(comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE))
+    comm.close()
+    master.interrupt()
+
+
+def test_forked_child_gets_its_own_core_thread(master: MasterNode) -> None:
+    parent_comm = Communicator(master.address)
+    parent_comm.connect()  # the parent's core thread is busy serving
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_forked_child, args=(queue,))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) == 1
+    assert parent_comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) == 1  # the parent is unaffected
+    parent_comm.close()
