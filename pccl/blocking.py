@@ -833,6 +833,12 @@ class Communicator:
                         raise InvalidUsageError("the communicator was closed while connecting") from exc
                     backoff = min(backoff * 2, _CONNECT_BACKOFF_MAX)
                     continue
+                except BaseException:
+                    # KeyboardInterrupt in this thread (or any other error): the attempt may still be
+                    # running in the core; make sure it does not stay connected behind our back.
+                    session.closing = True
+                    _core.run_soon(session.cancel)
+                    raise
                 finally:
                     with self._lock:
                         self._pending_session = None
