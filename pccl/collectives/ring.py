@@ -242,8 +242,8 @@ class _Exec:
         self.itemsize = isz = send.dtype.itemsize
         self.send_b = _byte_view(send)
         self.out_b = _byte_view(out)
-        self.tx = sum(f.end - f.start for f in plan.sends) * isz
-        self.rx = sum(f.end - f.start for f in plan.recvs) * isz
+        self.tx = plan.send_elems * isz
+        self.rx = plan.recv_elems * isz
 
     def recv_dest(self, i: int) -> memoryview:
         """Where receive ``i`` lands: straight in ``out``."""

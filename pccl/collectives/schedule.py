@@ -155,6 +155,8 @@ class Plan:
             whole output for the other kinds).
         initial: indices into ``sends`` of the frames that can go at once, in order.
         unlocks: for each receive, the indices of the sends it releases.
+        send_elems: elements sent in total.
+        recv_elems: elements received in total.
     """
 
     sends: tuple[SendFrame, ...]
@@ -163,6 +165,8 @@ class Plan:
     owned: tuple[int, int]
     initial: tuple[int, ...] = ()
     unlocks: tuple[tuple[int, ...], ...] = ()
+    send_elems: int = 0
+    recv_elems: int = 0
 
 
 def _finish(sends: list[SendFrame], recvs: list[RecvFrame], local_copy: tuple[int, int, int] | None,
@@ -175,7 +179,14 @@ def _finish(sends: list[SendFrame], recvs: list[RecvFrame], local_copy: tuple[in
         else:
             unlocks[f.after].append(i)
     return Plan(
-        tuple(sends), tuple(recvs), local_copy, owned, tuple(initial), tuple(tuple(u) for u in unlocks)
+        tuple(sends),
+        tuple(recvs),
+        local_copy,
+        owned,
+        tuple(initial),
+        tuple(tuple(u) for u in unlocks),
+        sum(f.end - f.start for f in sends),
+        sum(f.end - f.start for f in recvs),
     )
 
 

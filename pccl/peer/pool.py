@@ -64,6 +64,7 @@ RING_CHANNEL = "ring"
 _BOUNCE_BYTES = 256 * 1024  # generic-transport receive bounce buffer (per connection)
 _DISCARD_BYTES = 1 << 20  # scratch that frames of dead operations are read into and dropped
 _DEAD_OPS_KEEP = 8192  # how many finished op_seqs we remember to drop their stragglers
+_YIELD_EVERY_BYTES = 4 << 20  # a reader that never had to wait yields after this many bytes
 _MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _MSG_PEEK_DONTWAIT = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 
@@ -246,7 +247,7 @@ class ReceiveSlot:
     Created by :meth:`P2PPool.expect`; ``await slot.wait()`` returns once ``dest`` is full.
     """
 
-    __slots__ = ("_error", "_event", "cancelled", "dest", "done", "filling", "key", "nbytes")
+    __slots__ = ("_error", "_task", "cancelled", "dest", "done", "filling", "key", "nbytes")
 
     def __init__(self, key: SlotKey, dest: memoryview) -> None:
         self.key = key
@@ -256,12 +257,14 @@ class ReceiveSlot:
         self.filling = False
         self.cancelled = False
         self._error: tuple[type[PCCLError], str] | None = None
-        self._event: trio.Event | None = None
+        self._task: trio.lowlevel.Task | None = None
 
     def _complete(self) -> None:
         self.done = True
-        if self._event is not None:
-            self._event.set()
+        task = self._task
+        if task is not None:
+            self._task = None
+            trio.lowlevel.reschedule(task)
 
     def _fail(self, cls: type[PCCLError], message: str) -> None:
         if self.done:
@@ -270,8 +273,14 @@ class ReceiveSlot:
         self._error = (cls, message)
         self._complete()
 
+    def _abort(self, raise_cancel: object) -> trio.lowlevel.Abort:
+        self._task = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
     async def wait(self) -> None:
         """Wait until the frame has fully arrived in ``dest``.
+
+        Only one task may wait on a slot.
 
         Raises:
             RankConnectionLostError: the connection from that peer broke, the peer was
@@ -279,9 +288,11 @@ class ReceiveSlot:
             RemoteProtocolError: the peer sent a frame of the wrong length for this receive.
         """
         if not self.done:
-            if self._event is None:
-                self._event = trio.Event()
-            await self._event.wait()
+            if self._task is not None:
+                raise trio.BusyResourceError("another task is already waiting for this receive")
+            # Parked directly on the task (no Event/ParkingLot): this is on every frame's path.
+            self._task = trio.lowlevel.current_task()
+            await trio.lowlevel.wait_task_rescheduled(self._abort)
         else:
             await trio.lowlevel.checkpoint_if_cancelled()
         if self._error is not None:
@@ -553,10 +564,12 @@ class P2PPool:
         self._dead_ops.move_to_end(op_seq)
         while len(self._dead_ops) > _DEAD_OPS_KEEP:
             self._dead_ops.popitem(last=False)
-        for key in [k for k in self._slots if k[2] == op_seq]:
-            self._slots.pop(key)._fail(RankConnectionLostError, f"operation {op_seq} was aborted")
-        for key in [k for k in self._stash if k[2] == op_seq]:
-            self._stash_bytes -= len(self._stash.pop(key))
+        if self._slots:
+            for key in [k for k in self._slots if k[2] == op_seq]:
+                self._slots.pop(key)._fail(RankConnectionLostError, f"operation {op_seq} was aborted")
+        if self._stash:
+            for key in [k for k in self._stash if k[2] == op_seq]:
+                self._stash_bytes -= len(self._stash.pop(key))
 
     def _fail_peer(self, peer_id: int, reason: str) -> None:
         for key in [k for k in self._slots if k[0] == peer_id]:
@@ -584,11 +597,17 @@ class P2PPool:
         try:
             # The first header may already be buffered in the message stream behind the Hello.
             await ms.receive_raw_into(conn.hdr_view)
+            unyielded = 0
             while True:
-                blocked = await self._read_frame(conn)
-                if not blocked:
-                    # Fairness: a fast sender must not keep this reader from yielding for long.
-                    await trio.lowlevel.checkpoint()
+                if await self._read_frame(conn):
+                    unyielded = 0
+                else:
+                    # Fairness: a sender that keeps the socket full must not keep this reader from
+                    # yielding for long; but a yield per small frame would cost a scheduler pass.
+                    unyielded += DATA_HEADER_SIZE + unpack_data_header_fields(conn.hdr)[3]
+                    if unyielded >= _YIELD_EVERY_BYTES:
+                        unyielded = 0
+                        await trio.lowlevel.checkpoint()
                 await self._read_header(conn)
         except (_Broken, StreamBroken, trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
             reason = f"connection from peer {conn.peer_id} lost: {exc or type(exc).__name__}"
