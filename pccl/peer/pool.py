@@ -23,9 +23,15 @@ bounce buffer and copies only while the receive is live.
 
 Fast path: on :class:`~pccl.transport.TcpStream` the pool drives a private ``dup`` of the socket
 with non-blocking ``sendmsg``/``recv_into`` and waits with ``trio.lowlevel.wait_readable`` /
-``wait_writable`` only when the kernel says EAGAIN. This skips two scheduler round trips per
-syscall that trio's socket methods spend on checkpoints, which is most of the per-frame cost for
-small operations.
+``wait_writable`` only when the kernel says EAGAIN (or a short read/write says the same). This
+skips the two scheduler round trips per syscall that trio's socket methods spend on checkpoints.
+Two socket options matter as much as the code (measured on loopback, 64 MB all-reduce):
+
+* ``TCP_NOTSENT_LOWAT``: ``trio.open_tcp_stream`` sets it to 16 KiB for interactive latency,
+  which caps each ``send`` at a few segments; with it lifted a 64 MB operation needs ~10 send
+  wake-ups instead of ~300.
+* ``SO_RCVLOWAT``: while a frame's payload is outstanding the reader asks to be woken only once
+  ``min(rest of frame, 1 MiB)`` has arrived, so it copies in large pieces with few wake-ups.
 """
 
 from __future__ import annotations
