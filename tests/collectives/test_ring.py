@@ -506,3 +506,43 @@ async def test_quantization_argument_checks() -> None:
                     run_collective, ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i], tag=1,
                     op_seq=seq, send=sends[i], out=outs[i], quantization=none))
         assert all(same_bits(o, np.full(4, 3.5, np.float32)) for o in outs)
+
+
+@pytest.mark.parametrize("after_frames", [0, 1, 4, 9])
+async def test_cancel_at_any_point_then_recover(after_frames: int) -> None:
+    rng = np.random.default_rng(after_frames)
+    n, count = 3, 60_000
+    async with open_ring(n) as ring:
+        sends = [make_input(rng, np.float32, ReduceOp.SUM, count) for _ in range(n)]
+        outs = [np.zeros(count, np.float32) for _ in range(n)]
+        seq = next(_seq)
+        outcome: dict[int, str] = {}
+        snapshots: dict[int, bytes] = {}
+        base = ring.pools[1].statistics()["frames_received"]
+
+        async def participant(i: int, scope: trio.CancelScope | None = None) -> None:
+            try:
+                with scope or trio.CancelScope():
+                    await run_collective(ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i],
+                                         tag=4, op_seq=seq, send=sends[i], out=outs[i], block_bytes=4096)
+                    outcome[i] = "ok"
+                if i not in outcome:
+                    outcome[i] = "cancelled"
+            except RankConnectionLostError:
+                outcome[i] = "lost"
+            snapshots[i] = outs[i].tobytes()
+
+        victim_scope = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(participant, 0)
+            nursery.start_soon(participant, 2)
+            nursery.start_soon(participant, 1, victim_scope)
+            await wait_until(lambda: ring.pools[1].statistics()["frames_received"] - base >= after_frames)
+            victim_scope.cancel()
+        # 80 frames per peer: the victim is always cancelled mid-way, and both others fail
+        assert outcome == {0: "lost", 1: "cancelled", 2: "lost"}
+        await wait_until(lambda: all(not p.statistics()["pending_receives"] for p in ring.pools))
+        for i in range(n):
+            assert outs[i].tobytes() == snapshots[i]  # nothing written after the call returned
+        await ring.connect_ring()
+        await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, count, 4096, rng)
