@@ -74,6 +74,8 @@ async def consume(cluster: c.Cluster, st: Stats, verbose: bool) -> None:
     while True:
         ch, msg = await cluster.next_event()
         ev = msg.get("event")
+        if ev != "exit":
+            ch.info["last"] = msg
         if ev == "accepted":
             ch.info["peer"] = int(msg["peer"])
             ch.info["accepted"] = True
@@ -215,6 +217,10 @@ async def run(args: argparse.Namespace) -> int:
     print(c.format_table(["churn soak", "result"], rows))
     ok = len(hashes) == 1 and len(survivors) >= 2 and len(revisions) == 1 and not st.errors \
         and not st.crashes and st.longest_gap < args.max_gap
+    for ch in unfinished:
+        last = dict(ch.info.get("last", {}))
+        age = time.monotonic() - float(last.pop("t", st.t0))
+        print(f"  unfinished: {ch.name} (peer {ch.info.get('peer')}), last report {age:.1f}s ago: {last}")
     print(f"\nsoak {'PASSED' if ok else 'FAILED'}")
     return 0 if ok else 1
 

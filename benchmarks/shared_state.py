@@ -9,6 +9,8 @@
    the vote, the fetch, re-hashing what it received, the atomic apply) and the wire phase alone (bytes
    between the first and the last progress callback over the time between them; the library re-hashes each
    tensor as it completes, so that time is inside this phase too).
+3. Baseline: the same bytes between two processes over plain trio sockets (``send`` / ``recv_into`` in 4 MB
+   slices), measured in the same run: what the machine allows at that moment.
 
 Target: transfer >= 1 GB/s.
 
@@ -87,9 +89,46 @@ async def _newcomer(cfg: dict[str, Any]) -> None:
         c.emit("done")
 
 
+async def _raw_recv(cfg: dict[str, Any]) -> None:
+    """Baseline: plain trio sockets, recv_into a preallocated buffer (what the machine allows right now)."""
+    import socket
+
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    await sock.bind((c.PEER_HOST, 0))
+    sock.listen(1)
+    c.emit("listening", port=sock.getsockname()[1])
+    conn, _ = await sock.accept()
+    buf = np.empty(cfg["state_bytes"], np.uint8)
+    view = memoryview(buf)
+    step = 4 << 20
+    for r in range(cfg["rounds"]):
+        got = await conn.recv_into(view, step)
+        t0 = time.perf_counter()
+        while got < len(view):
+            got += await conn.recv_into(view[got:], min(step, len(view) - got))
+        dt = time.perf_counter() - t0
+        c.emit("raw", round=r, bps=(len(view) - step) / dt if dt > 0 else 0.0)
+        await conn.send(b"k")
+
+
+async def _raw_send(cfg: dict[str, Any]) -> None:
+    import socket
+
+    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    await sock.connect((c.PEER_HOST, cfg["port"]))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    data = memoryview(np.ones(cfg["state_bytes"], np.uint8))
+    step = 4 << 20
+    for _ in range(cfg["rounds"]):
+        sent = 0
+        while sent < len(data):
+            sent += await sock.send(data[sent:sent + step])
+        await sock.recv(1)
+
+
 def child_main(cfg: dict[str, Any]) -> int:
     c.child_setup()
-    fn = {"holder": _holder, "newcomer": _newcomer}[cfg["role"]]
+    fn = {"holder": _holder, "newcomer": _newcomer, "raw_recv": _raw_recv, "raw_send": _raw_send}[cfg["role"]]
     try:
         trio.run(fn, cfg)
     except Exception as exc:
@@ -146,10 +185,25 @@ async def bench_transfer(args: argparse.Namespace) -> list[list[Any]]:
         if msg["rx"] != cfg["state_bytes"] or not msg["content_ok"]:
             raise RuntimeError(f"round {msg['round']} received {msg['rx']} bytes, "
                                f"content_ok={msg['content_ok']}")
+    raw: list[float] = []
+    if not args.skip_raw:
+        async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
+            base = {"state_bytes": cfg["state_bytes"], "rounds": args.rounds}
+            await cluster.spawn("raw_recv", c.script_argv(script, {**base, "role": "raw_recv"}))
+            _, msg = await cluster.wait_for(lambda ch, m: m.get("event") == "listening", 60,
+                                            "the raw receiver")
+            await cluster.spawn("raw_send", c.script_argv(script, {**base, "role": "raw_send",
+                                                                    "port": msg["port"]}))
+            while len(raw) < args.rounds:
+                _, msg = await cluster.wait_for(lambda ch, m: m.get("event") == "raw", 120, "a raw round")
+                raw.append(float(msg["bps"]))
+        print(f"  raw trio socket baseline: {statistics.median(raw) / 1e9:.2f} GB/s (median of {len(raw)})",
+              flush=True)
     sync_s = statistics.median(float(m["sync_s"]) for m in rounds)
     wire = statistics.median(float(m["wire_bps"]) for m in rounds)
     rows.append([f"{args.state_mb} MB", args.tensors, args.holders, sync_s * 1e3,
-                 cfg["state_bytes"] / sync_s / 1e9, wire / 1e9])
+                 cfg["state_bytes"] / sync_s / 1e9, wire / 1e9,
+                 statistics.median(raw) / 1e9 if raw else float("nan")])
     return rows
 
 
@@ -165,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hash-sizes", default="1,16,256", help="MB, comma separated")
     p.add_argument("--hash-repeats", type=int, default=5)
     p.add_argument("--skip-hash", action="store_true")
+    p.add_argument("--skip-raw", action="store_true", help="skip the plain-socket baseline")
     p.add_argument("--keep-logs", action="store_true")
     args = p.parse_args(argv)
     print(f"shared state; {c.machine_line()}", flush=True)
@@ -176,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = trio.run(bench_transfer, args)
     print()
     print(c.format_table(["state", "tensors", "holders", "newcomer sync median ms", "whole sync GB/s",
-                          "wire phase GB/s"], rows))
+                          "wire phase GB/s", "raw socket GB/s"], rows))
     return 0
 
 
