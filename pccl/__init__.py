@@ -8,6 +8,7 @@ from ._errors import (
     InvalidUsageError,
     KickedError,
     MasterConnectionError,
+    NoSharedStateAvailableError,
     PCCLError,
     PendingAsyncOpsError,
     RankConnectionFailedError,
@@ -15,6 +16,7 @@ from ._errors import (
     Result,
     SharedStateSyncError,
     TooFewPeersError,
+    TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
 )
 from ._types import (
@@ -29,6 +31,14 @@ from ._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
+from .blocking import (
+    AsyncReduceHandle,
+    Communicator,
+    MasterNode,
+    ReduceDescriptor,
+    ReduceOpDescriptor,
+    ReduceOperandDescriptor,
+)
 from .master.server import MasterHandle, open_master, serve_master
 from .peer.communicator import Communicator as AsyncCommunicator
 from .peer.communicator import open_communicator
@@ -40,7 +50,9 @@ __all__ = [
     "DEFAULT_MASTER_PORT",
     "PROTOCOL_VERSION",
     "AsyncCommunicator",
+    "AsyncReduceHandle",
     "Attribute",
+    "Communicator",
     "DataType",
     "DeviceType",
     "DistributionHint",
@@ -50,6 +62,8 @@ __all__ = [
     "MasterConfig",
     "MasterConnectionError",
     "MasterHandle",
+    "MasterNode",
+    "NoSharedStateAvailableError",
     "PCCLError",
     "PeerConfig",
     "PendingAsyncOpsError",
@@ -57,8 +71,11 @@ __all__ = [
     "QuantizationOptions",
     "RankConnectionFailedError",
     "RankConnectionLostError",
+    "ReduceDescriptor",
     "ReduceInfo",
     "ReduceOp",
+    "ReduceOpDescriptor",
+    "ReduceOperandDescriptor",
     "Result",
     "SharedState",
     "SharedStateSyncError",
@@ -66,6 +83,7 @@ __all__ = [
     "SharedStateSyncStrategy",
     "TensorInfo",
     "TooFewPeersError",
+    "TopologyOptimizationFailedError",
     "UpdateTopologyFailedError",
     "open_communicator",
     "open_master",

@@ -23,8 +23,9 @@ class Attribute(enum.IntEnum):
     PEER_GROUP_WORLD_SIZE = 1
     NUM_DISTINCT_PEER_GROUPS = 2
     LARGEST_PEER_GROUP_WORLD_SIZE = 3
-    # alias used by the established Python bindings
+    # aliases used by the established Python bindings
     LOCAL_WORLD_SIZE = 1
+    CURRENT_WORLD_SIZE = 0
 
 
 class DataType(enum.IntEnum):
@@ -42,6 +43,9 @@ class DataType(enum.IntEnum):
     BFLOAT16 = 9
     FLOAT32 = 10
     FLOAT64 = 11
+    # aliases used by the established bindings
+    FLOAT = 10
+    DOUBLE = 11
 
     @property
     def itemsize(self) -> int:
@@ -101,17 +105,17 @@ class DeviceType(enum.IntEnum):
     CUDA = 1
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True)
 class QuantizationOptions:
-    """Quantization requested for one all-reduce.
+    """Quantization requested for one all-reduce (positional, like the established bindings).
 
     Args:
         quantized_datatype: the integer type sent on the wire (UINT8 or UINT16).
-        algorithm: MIN_MAX or ZERO_POINT_SCALE (NONE disables quantization).
+        algorithm: MIN_MAX (default) or ZERO_POINT_SCALE; NONE disables quantization.
     """
 
     quantized_datatype: DataType = DataType.UINT8
-    algorithm: QuantizationAlgorithm = QuantizationAlgorithm.NONE
+    algorithm: QuantizationAlgorithm = QuantizationAlgorithm.MIN_MAX
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -189,12 +189,16 @@ class MasterServer:
                 return
 
     async def _writer(self, conn: _Conn) -> None:
-        async for item in conn.recv:
-            if item is _CLOSE:
-                conn.flushed.set()
-                conn.scope.cancel()
-                return
-            await conn.ms.send(item)
+        try:
+            async for item in conn.recv:
+                if item is _CLOSE:
+                    conn.flushed.set()
+                    conn.scope.cancel()
+                    return
+                await conn.ms.send(item)
+        except StreamBroken:
+            # The peer reset the connection: end this connection only (the reader sees it too).
+            conn.scope.cancel()
 
     async def _heartbeats(self, conn: _Conn) -> None:
         while True:

@@ -113,6 +113,33 @@ class _Waiter(Generic[T]):
         return self._value
 
 
+class _Mailbox:
+    """An ordered inbox for one multi-message exchange (a shared-state sync gets a plan, then a result;
+    both can arrive back to back before the caller looks)."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[m.Message] = collections.deque()
+        self._error: PCCLError | None = None
+        self._wakeup = trio.Event()
+
+    def put(self, msg: m.Message) -> None:
+        self._items.append(msg)
+        self._wakeup.set()
+
+    def fail(self, error: PCCLError) -> None:
+        if self._error is None:
+            self._error = error
+        self._wakeup.set()
+
+    async def get(self) -> m.Message:
+        while not self._items:
+            if self._error is not None:
+                raise self._error
+            await self._wakeup.wait()
+            self._wakeup = trio.Event()
+        return self._items.popleft()
+
+
 @dataclass
 class _OpState:
     """A collective in flight, registered under its tag."""
@@ -164,7 +191,7 @@ class Communicator:
         self._topology_waiter: _Waiter[m.TopologyResult] | None = None
         self._pending_waiters: collections.deque[_Waiter[m.PeersPendingResult]] = collections.deque()
         self._ops: dict[int, _OpState] = {}
-        self._sync_waiter: _Waiter[m.Message] | None = None
+        self._sync_waiter: _Mailbox | None = None
         self._sync_ctx: Any = None  # shared_state.SyncContext while a sync runs (holders serve from it)
         self._nursery: trio.Nursery | None = None
         self._last_master_msg = 0.0
@@ -478,7 +505,10 @@ class Communicator:
     def _on_abort(self, msg: m.Message) -> None:
         assert isinstance(msg, m.CollectiveAbort)
         st = self._ops.get(msg.tag)
-        if st is None or (msg.op_seq != -1 and st.op_seq not in (-1, msg.op_seq)):
+        # An abort names the op it ends: -1 for an op that never commenced (refused or withdrawn),
+        # else the commenced op's sequence number. Anything else is a late abort of an earlier op with
+        # the same tag (e.g. its retry already voted) and must not touch the current one.
+        if st is None or msg.op_seq != st.op_seq:
             return
         err = error_from_code(msg.code, msg.reason)
         st.abort_error = err
@@ -489,7 +519,7 @@ class Communicator:
 
     def _on_sync_message(self, msg: m.Message) -> None:
         if self._sync_waiter is not None:
-            self._sync_waiter.set(msg)
+            self._sync_waiter.put(msg)
 
     def _on_measure(self, msg: m.Message) -> None:
         assert isinstance(msg, m.MeasureBandwidth)
@@ -671,7 +701,7 @@ class Communicator:
             raise InvalidUsageError(f"tag {tag} is already running on this peer")
         if n < 2:
             raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.peer_group}, world has {n}")
-        q = quantization or QuantizationOptions()
+        q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
         if q.algorithm != QuantizationAlgorithm.NONE and (
             kind != "all_reduce" or not sdesc.dtype.is_floating
         ):
@@ -856,22 +886,26 @@ class Communicator:
 
             async def one(i: int) -> None:
                 d = items[i]
-                async with limiter:
-                    try:
-                        results[i] = await self.all_reduce(
-                            d["send"],
-                            d.get("recv"),
-                            op=d.get("op", ReduceOp.SUM),
-                            tag=d["tag"],
-                            quantization=d.get("quantization"),
-                        )
-                    except RankConnectionLostError:
-                        failures.append(i)
-                    except PCCLError as exc:
-                        fatal.append(exc)
+                try:
+                    results[i] = await self.all_reduce(
+                        d["send"],
+                        d.get("recv"),
+                        op=d.get("op", ReduceOp.SUM),
+                        tag=d["tag"],
+                        quantization=d.get("quantization"),
+                    )
+                except RankConnectionLostError:
+                    failures.append(i)
+                except PCCLError as exc:
+                    fatal.append(exc)
+                finally:
+                    limiter.release_on_behalf_of(i)
 
             async with trio.open_nursery() as nursery:
+                # Launch strictly in index order: every peer then has the same window of tags in
+                # flight (random task start order could give peers disjoint windows: a deadlock).
                 for i in remaining:
+                    await limiter.acquire_on_behalf_of(i)
                     nursery.start_soon(one, i)
             if fatal:
                 raise fatal[0]

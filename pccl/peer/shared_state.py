@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from .._errors import InvalidArgumentError, PCCLError, RemoteProtocolError, SharedStateSyncError
+from .._errors import InvalidArgumentError, PCCLError, RemoteProtocolError, Result, SharedStateSyncError
 from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
 from ..kernels import backend, hashing
 from ..transport import StreamBroken
@@ -156,7 +156,7 @@ async def run_sync(
     progress: ProgressCallback | None = None,
 ) -> SharedStateSyncInfo:
     """The body of :meth:`Communicator.sync_shared_state`."""
-    from .communicator import _Waiter, error_from_code
+    from .communicator import _Mailbox, error_from_code
 
     if not isinstance(state, SharedState):
         raise InvalidArgumentError("sync_shared_state needs a pccl.SharedState")
@@ -168,12 +168,12 @@ async def run_sync(
     else:
         rows, hashes = _entries(state)
     ctx = SyncContext(state=state, hashes=hashes)
-    waiter: _Waiter[m.Message] = _Waiter()
+    inbox = _Mailbox()
     comm._sync_ctx = ctx
-    comm._sync_waiter = waiter
+    comm._sync_waiter = inbox
     try:
         await comm._send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=rows))
-        first = await waiter.wait()
+        first = await inbox.get()
         if isinstance(first, m.SharedStateResult):
             # Refused before any transfer (revision skip, key mismatch, no state available...).
             raise error_from_code(first.code, first.reason)
@@ -182,8 +182,6 @@ async def run_sync(
         ctx.plan = first
         ctx.plan_ready.set()
         comm._reconcile_group(first.peers)
-        final: _Waiter[m.Message] = _Waiter()
-        comm._sync_waiter = final
         staged: dict[str, np.ndarray] = {}
         ok, reason, rx = True, "", 0
         if first.fetch:
@@ -192,8 +190,9 @@ async def run_sync(
             except PCCLError as exc:
                 ok, reason = False, str(exc)
         await comm._send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
-        result = await final.wait()
-        assert isinstance(result, m.SharedStateResult)
+        result = await inbox.get()
+        if not isinstance(result, m.SharedStateResult) or result.sync_seq != ctx.seq:
+            raise error_from_code(int(Result.INTERNAL_ERROR), f"unexpected message in sync: {result!r:.80}")
         if not result.success:
             raise error_from_code(result.code, result.reason)
         # Atomic apply: only now, after every participant succeeded, do tensors change.

@@ -260,11 +260,6 @@ def test_all_reduce_multiple_with_retry_torch(pair: list[Communicator]) -> None:
         assert infos[r].tx_bytes >= sum(sizes) * 4 // 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "async layer bug: Communicator.all_reduce_multiple_with_retry (pccl/peer/communicator.py) starts every "
-    "operation at once behind a CapacityLimiter, so with max_in_flight < len(ops) peers pick different "
-    "subsets of tags (trio schedules new tasks in no fixed order) and each waits for the others' votes "
-    "forever"))
 def test_all_reduce_multiple_with_retry_window_smaller_than_ops(pair: list[Communicator]) -> None:
     for _ in range(10):
         tensors = [[torch.full((8,), float(r)) for _ in range(6)] for r in range(2)]

@@ -379,12 +379,6 @@ async def test_transient_partition_between_peers_only_delays_the_ring(
     assert all(cluster.is_member(i) for i in range(N))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: Communicator._on_abort applies a CollectiveAbort of an older op to a retry "
-    "with the same tag that has not been commenced yet (op_seq -1 accepts any op_seq); the retry fails "
-    "with the old reason and leaves its vote at the master, so the next attempt gets INVALID_USAGE",
-)
 async def test_immediate_retry_is_not_aborted_by_the_old_ops_abort(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
     """Peers that see a failure locally and retry at once must not be hit by the master's late abort.
@@ -430,12 +424,6 @@ async def test_immediate_retry_is_not_aborted_by_the_old_ops_abort(
     assert all((b == 6).all() for b in bufs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a SharedStateResult(fail) arriving right behind its SharedStatePlan is dropped "
-    "(Communicator._on_sync_message hands it to run_sync's already-filled first waiter), so the "
-    "survivors wait in sync_shared_state forever",
-)
 async def test_two_evictions_in_one_tick_during_a_sync_fail_it(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
