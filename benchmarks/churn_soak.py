@@ -174,7 +174,13 @@ async def run(args: argparse.Namespace) -> int:
             if st.last_completion is not None and t_churn_end - st.last_completion > st.longest_gap:
                 st.longest_gap = t_churn_end - st.last_completion
                 st.longest_gap_at = st.last_completion
-            print(f"{st.at()} churn over; telling the peers to stop", flush=True)
+            # Peers still waiting to be admitted would only be accepted after the group has stopped and
+            # left (the master then starts a new run with them): they are not part of this run's ending.
+            late = [ch for ch in cluster.live() if not ch.info.get("accepted")]
+            for ch in late:
+                ch.kill()
+            print(f"{st.at()} churn over; {len(late)} not-yet-admitted peer(s) killed; telling the peers "
+                  "to stop", flush=True)
             for ch in cluster.live():
                 await ch.send({"cmd": "stop"})
             with trio.move_on_after(args.stop_timeout):
