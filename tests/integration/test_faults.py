@@ -126,16 +126,6 @@ async def run_ops(
     return dict(zip(indexes, results, strict=True))
 
 
-async def settle() -> None:
-    """Let the master's CollectiveAbort for the failed op reach every peer before retrying.
-
-    Works around a communicator bug (see test_immediate_retry_is_not_aborted_by_the_old_ops_abort):
-    an abort for the old op that arrives after the retry (same tag) registered is applied to the
-    retry. Ten link latencies of virtual time; no real time passes.
-    """
-    await trio.sleep(0.01)
-
-
 def p2p_port(cluster: TestCluster, index: int) -> int:
     address = cluster.peer(index).p2p_address
     assert address is not None
@@ -187,7 +177,6 @@ async def test_peer_crash_at_every_ring_step(
     # A crash is seen at once (the RST and the master's abort travel a few 1 ms links), not by heartbeat.
     assert failed_at - t0 < 0.1
 
-    await settle()
     infos = await run_ops(cluster, bufs, survivors)
     want = expected_sum([cluster.peer(i).peer_id for i in survivors])
     for i in survivors:
@@ -224,7 +213,6 @@ async def test_peer_crash_after_its_last_frame(
     else:
         want = expected_sum([cluster.peer(i).peer_id for i in range(N)])
         assert all(bufs.recv[i].tobytes() == want.tobytes() for i in survivors)
-    await settle()
     infos = await run_ops(cluster, bufs, survivors)
     assert all(isinstance(infos[i], pccl.ReduceInfo) for i in survivors), infos
 

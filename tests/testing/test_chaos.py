@@ -401,9 +401,9 @@ async def test_chaos_training(seed: int, autojump_clock: trio.testing.MockClock,
     replica_out, replica_log = tmp_path / "trace.json", tmp_path / "replica.log"
     replica = start_replica(seed, replica_out, replica_log)
     try:
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), time.process_time()
         chaos = await run_chaos(seed)
-        wall = time.monotonic() - started
+        wall, cpu = time.monotonic() - started, time.process_time() - cpu_started
         summary: dict[str, Any] = {
             "steps": chaos.revision,
             "events": dict(chaos.events),
@@ -414,6 +414,7 @@ async def test_chaos_training(seed: int, autojump_clock: trio.testing.MockClock,
             "evicted_or_lost": len(chaos.lost),
             "virtual_s": round(trio.current_time() - chaos.t0, 3),
             "wall_s": round(wall, 1),
+            "cpu_s": round(cpu, 1),
         }
         print(summary)
         assert chaos.min_revision >= STEPS, summary
