@@ -161,8 +161,11 @@ async def run_ranks(
     return results
 
 
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll a condition on the pools' state (used for 'frames have been stashed', never as a delay)."""
+async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.0005) -> None:
+    """Poll a condition on the pools' state (used for 'frames have been stashed', never as a delay).
+
+    ``interval=0`` checks on every scheduling pass, to act right after the event.
+    """
     with trio.fail_after(timeout):
         while not predicate():
-            await trio.sleep(0.0005)
+            await trio.sleep(interval)
