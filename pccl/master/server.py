@@ -206,22 +206,25 @@ class MasterServer:
             self._enqueue(conn, m.Heartbeat())
 
     async def _monitor(self) -> None:
-        """Evict peers that stayed silent past the heartbeat timeout."""
-        period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
+        """Evict peers that stayed silent past the heartbeat timeout.
+
+        Sleeps until the earliest deadline (not a fixed tick), so a hung peer is evicted within a
+        millisecond of its timeout: the survivors' recovery time is the timeout, not timeout + tick.
+        """
+        timeout = self.config.heartbeat_timeout
         while True:
-            await trio.sleep(period)
             now = trio.current_time()
-            for pid in self.state.expired(now, self.config.heartbeat_timeout):
+            for pid in self.state.expired(now, timeout):
                 conn = self._conns.get(pid)
-                self._execute(
-                    self.state.peer_lost(
-                        pid, f"evicted: silent for more than {self.config.heartbeat_timeout:g}s"
-                    )
-                )
+                self._execute(self.state.peer_lost(pid, f"evicted: silent for more than {timeout:g}s"))
                 if conn is not None:
                     # A hung peer will not read a goodbye: close at once.
                     conn.closing = True
                     conn.scope.cancel()
+            seen = [p.last_seen for p in self.state.peers.values()]
+            deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
+            # Wake just after the deadline; re-check at least every interval (new peers, clock skew).
+            await trio.sleep_until(min(deadline + 0.001, now + self.config.heartbeat_interval))
 
     # ------------------------------------------------------------------------------------------
 

@@ -17,7 +17,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import trio
 
-from .._errors import InvalidArgumentError, PCCLError, RemoteProtocolError, Result, SharedStateSyncError
+from .._errors import (
+    InvalidArgumentError,
+    InvalidUsageError,
+    MasterConnectionError,
+    PCCLError,
+    RemoteProtocolError,
+    Result,
+    SharedStateSyncError,
+)
 from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
 from ..kernels import backend, hashing
 from ..transport import StreamBroken
@@ -184,13 +192,39 @@ async def run_sync(
         comm._reconcile_group(first.peers)
         staged: dict[str, np.ndarray] = {}
         ok, reason, rx = True, "", 0
+        early: list[m.Message] = []
         if first.fetch:
-            try:
-                staged, rx = await _fetch_all(comm, first, progress)
-            except PCCLError as exc:
-                ok, reason = False, str(exc)
-        await comm._send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
-        result = await inbox.get()
+            fetched: list[tuple[dict[str, np.ndarray], int]] = []
+            errors: list[PCCLError] = []
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    # The master fails the sync without waiting for us when another participant is
+                    # lost: stop fetching at once instead of trying holders that moved on.
+                    try:
+                        early.append(await inbox.get())
+                    except PCCLError as exc:
+                        errors.append(exc)
+                    nursery.cancel_scope.cancel()
+
+                async def fetch() -> None:
+                    try:
+                        fetched.append(await _fetch_all(comm, first, progress))
+                    except PCCLError as exc:
+                        errors.append(exc)
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                nursery.start_soon(fetch)
+            if fetched:
+                staged, rx = fetched[0]
+            elif errors and not early:
+                ok, reason = False, str(errors[0])
+            if errors and isinstance(errors[0], (MasterConnectionError, InvalidUsageError)):
+                raise errors[0]
+        if not early:
+            await comm._send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
+        result = early[0] if early else await inbox.get()
         if not isinstance(result, m.SharedStateResult) or result.sync_seq != ctx.seq:
             raise error_from_code(int(Result.INTERNAL_ERROR), f"unexpected message in sync: {result!r:.80}")
         if not result.success:
@@ -275,10 +309,24 @@ async def _fetch_from(
     staged: dict[str, np.ndarray],
     on_bytes: Callable[[int], None],
 ) -> None:
+    """Receive ``keys`` from one holder into staging buffers, re-hashing each one."""
     from .p2p import open_p2p
 
     if address is None:
         raise SharedStateSyncError(f"holder {holder} is not in the group table")
+
+    def check(key: str, buf: np.ndarray) -> None:
+        got = hashing.content_hash(buf)
+        expected = items[key][0]
+        if got != expected:
+            raise SharedStateSyncError(
+                f"tensor {key!r} from peer {holder} hashes to {got:#x}, expected {expected:#x}"
+            )
+        staged[key] = buf
+
+    async def verify(key: str, buf: np.ndarray) -> None:
+        await trio.to_thread.run_sync(check, key, buf)
+
     ms = await open_p2p(
         comm.transport,
         address[0],
@@ -289,27 +337,35 @@ async def _fetch_from(
         secret=comm.config.secret or "",
     )
     try:
-        await ms.send(m.StateRequest(sync_seq=seq, keys=keys))
-        for key in keys:
-            hdr = await ms.receive()
-            if isinstance(hdr, m.Refused):
-                raise SharedStateSyncError(f"peer {holder} refused the transfer: {hdr.reason}")
-            if not isinstance(hdr, m.StateTensor) or hdr.key != key or hdr.nbytes != sizes[key]:
-                raise RemoteProtocolError(f"peer {holder} sent an unexpected tensor header {hdr!r:.120}")
-            buf = np.empty(hdr.nbytes, dtype=np.uint8)
-            view = buf.data
-            step = 4 * 1024 * 1024
-            for off in range(0, hdr.nbytes, step):
-                part = view[off : off + step]
-                await ms.receive_raw_into(part)
-                on_bytes(len(part))
-            got = hashing.content_hash(buf)
-            expected = items[key][0]
-            if got != expected:
-                raise SharedStateSyncError(
-                    f"tensor {key!r} from peer {holder} hashes to {got:#x}, expected {expected:#x}"
-                )
-            staged[key] = buf
+        async with trio.open_nursery() as nursery:
+            await ms.send(m.StateRequest(sync_seq=seq, keys=keys))
+            for key in keys:
+                hdr = await ms.receive()
+                if isinstance(hdr, m.Refused):
+                    raise SharedStateSyncError(f"peer {holder} refused the transfer: {hdr.reason}")
+                if not isinstance(hdr, m.StateTensor) or hdr.key != key or hdr.nbytes != sizes[key]:
+                    raise RemoteProtocolError(f"peer {holder} sent an unexpected tensor header {hdr!r:.120}")
+                buf = np.empty(hdr.nbytes, dtype=np.uint8)
+                view = buf.data
+                step = 4 * 1024 * 1024
+                for off in range(0, hdr.nbytes, step):
+                    part = view[off : off + step]
+                    await ms.receive_raw_into(part)
+                    on_bytes(len(part))
+                if hdr.nbytes >= _HASH_IN_THREAD_BYTES:
+                    # Verify in a worker thread while the next tensor arrives.
+                    nursery.start_soon(verify, key, buf)
+                else:
+                    check(key, buf)
+    except BaseExceptionGroup as group:
+        # Surface one domain error (a failed verification, a broken stream), not the group.
+        matched, _ = group.split((PCCLError, StreamBroken, trio.TooSlowError))
+        leaf: BaseException | None = matched
+        while isinstance(leaf, BaseExceptionGroup):
+            leaf = leaf.exceptions[0]
+        if leaf is not None:
+            raise leaf from None
+        raise
     finally:
         await ms.aclose()
 
