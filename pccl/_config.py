@@ -43,6 +43,9 @@ class PeerConfig:
         max_frame_size: largest control frame accepted.
         data_chunk_bytes: size of the sub-blocks a large chunk is pipelined in.
         recv_stash_limit: bytes of not-yet-claimed data a P2P reader may buffer.
+        p2p_stall_timeout: a collective whose ring moves no data for this long fails with
+            RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
+            master; progress is counted per frame, so keep it well above one frame's transfer time).
         secret: optional shared secret presented to the master and to other peers.
     """
 
@@ -55,4 +58,5 @@ class PeerConfig:
     max_frame_size: int = 16 * 1024 * 1024
     data_chunk_bytes: int = 1 << 20
     recv_stash_limit: int = 1 << 30
+    p2p_stall_timeout: float = 30.0
     secret: str | None = None

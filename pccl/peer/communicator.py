@@ -747,7 +747,7 @@ class Communicator:
                     nxt, _ = _ring_neighbours(rows, self.peer_id)
                     assert nxt is not None
                     await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
-                    tx, rx = await self._run_dataplane(kind, st, ring, send_np, work, op, root, q)
+                    tx, rx = await self._run_guarded(kind, st, ring, send_np, work, op, root, q)
                     ok = True
                 except PCCLError as exc:
                     reason = str(exc)
@@ -783,6 +783,64 @@ class Communicator:
             await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason))
         except PCCLError:
             pass
+
+    async def _run_guarded(
+        self,
+        kind: str,
+        st: _OpState,
+        ring: list[int],
+        send_np: np.ndarray,
+        work: np.ndarray,
+        op: ReduceOp,
+        root: int,
+        q: QuantizationOptions,
+    ) -> tuple[int, int]:
+        """Run the data plane with a stall watchdog.
+
+        Heartbeats catch dead and hung peers, but two peers that are both fine with the master and
+        cannot reach each other (a partitioned P2P link) would wait forever. When this peer's pool
+        moves no bytes at all for ``p2p_stall_timeout`` seconds the operation fails with
+        RANK_CONNECTION_LOST, and the master aborts it for everyone.
+        """
+        limit = self.config.p2p_stall_timeout
+        result: list[tuple[int, int]] = []
+        errors: list[PCCLError] = []
+        stalled: list[float] = []
+
+        def progress() -> tuple[int, int]:
+            return (self.pool._tx_bytes, self.pool._rx_bytes)
+
+        async with trio.open_nursery() as nursery:
+
+            async def watchdog() -> None:
+                last, since = progress(), trio.current_time()
+                while True:
+                    await trio.sleep(limit / 8)
+                    now, cur = trio.current_time(), progress()
+                    if cur != last:
+                        last, since = cur, now
+                    elif now - since >= limit:
+                        stalled.append(now - since)
+                        nursery.cancel_scope.cancel()
+                        return
+
+            async def body() -> None:
+                try:
+                    result.append(await self._run_dataplane(kind, st, ring, send_np, work, op, root, q))
+                except PCCLError as exc:  # re-raised below, outside the nursery (no ExceptionGroup)
+                    errors.append(exc)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(watchdog)
+            nursery.start_soon(body)
+        if errors:
+            raise errors[0]
+        if stalled:
+            raise RankConnectionLostError(
+                f"no data moved on the ring for {stalled[0]:.1f}s (p2p_stall_timeout): a ring link is "
+                f"partitioned or a neighbour stopped sending"
+            )
+        return result[0]
 
     async def _run_dataplane(
         self,

@@ -1,0 +1,35 @@
+"""A partitioned P2P link between peers that still reach the master fails the op instead of hanging."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import trio
+import trio.testing
+
+import pccl
+from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+
+
+async def test_partitioned_ring_link_fails_within_stall_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=5.0)
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=cfg) as cl:
+        cl.partition(0, 1)  # peers 0 and 1 cannot talk; both still reach the master
+        bufs = [np.full(1 << 16, i + 1, np.float32) for i in range(3)]
+        before = [b.copy() for b in bufs]
+        t0 = trio.current_time()
+        results = await cl.run_all(lambda i, c: c.all_reduce(bufs[i], tag=1))
+        took = trio.current_time() - t0
+        assert all(isinstance(r, pccl.RankConnectionLostError) for r in results), results
+        assert any("p2p_stall_timeout" in str(r) for r in results)
+        assert 5.0 <= took <= 7.0, took
+        assert all(b.tobytes() == b0.tobytes() for b, b0 in zip(bufs, before, strict=True))
+        # nobody was evicted: the master still sees three peers
+        assert cl.master.statistics()["accepted"] == 3
+        cl.heal()
+        results = await cl.run_all(lambda i, c: c.all_reduce(bufs[i], tag=1))
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        assert all((b == 6).all() for b in bufs)
