@@ -56,8 +56,10 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int, opts: dict[str,
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        import datetime
+
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{opts['gloo_port']}", rank=rank,
-                                world_size=world)
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
 
     async def main() -> None:
         config = PeerConfig()
@@ -126,6 +128,14 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int, opts: dict[str,
         dist.destroy_process_group()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def run_world(world: int, sizes: list[int], iters: int, *, pool_size: int = 1,
               block_bytes: int = DEFAULT_BLOCK_BYTES, socket_buffer: int | None = DEFAULT_SOCKET_BUFFER,
               gloo_inline: bool = False) -> dict[int, dict[str, float]]:
@@ -134,7 +144,7 @@ def run_world(world: int, sizes: list[int], iters: int, *, pool_size: int = 1,
     addr_q, result_q = ctx.Queue(), ctx.Queue()
     table_qs = [ctx.Queue() for _ in range(world)]
     opts = {"pool_size": pool_size, "block_bytes": block_bytes, "socket_buffer": socket_buffer,
-            "gloo_port": 20000 + (os.getpid() * 7 + world) % 20000 if gloo_inline else 0}
+            "gloo_port": _free_port() if gloo_inline else 0}
     procs = [
         ctx.Process(target=_worker, args=(r, world, sizes, iters, opts, addr_q, table_qs[r], result_q))
         for r in range(world)
