@@ -41,7 +41,6 @@ class PeerConfig:
         p2p_listen_host: address the P2P listener binds.
         p2p_listen_port: 0 lets the OS choose.
         max_frame_size: largest control frame accepted.
-        data_chunk_bytes: size of the sub-blocks a large chunk is pipelined in.
         recv_stash_limit: bytes of not-yet-claimed data a P2P reader may buffer.
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
@@ -56,7 +55,6 @@ class PeerConfig:
     p2p_listen_host: str = "0.0.0.0"
     p2p_listen_port: int = 0
     max_frame_size: int = 16 * 1024 * 1024
-    data_chunk_bytes: int = 1 << 20
     recv_stash_limit: int = 1 << 30
     p2p_stall_timeout: float = 30.0
     secret: str | None = None

@@ -143,6 +143,11 @@ class TcpStream:
     def local_address(self) -> Address:
         return self._local
 
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        """The underlying trio socket (for socket options such as SO_RCVLOWAT)."""
+        return self._sock
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         total = len(view)

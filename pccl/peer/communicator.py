@@ -730,12 +730,14 @@ class Communicator:
             ring = [int(r[0]) for r in rows]
             self._reconcile_group(rows)
             if kind == "all_gather" and len(ring) * sdesc.count != rdesc.count:
+                self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
                 await self._report_failure(st, "group size changed")
                 raise InvalidArgumentError(
                     f"all_gather: the group has {len(ring)} peers now; recv must "
                     f"hold {len(ring)} x {sdesc.count} elements"
                 )
             if kind == "broadcast" and root_id not in ring:
+                self.pool.forget_op(st.op_seq)
                 await self._report_failure(st, "root lost")
                 raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
             send_np = backend.as_numpy(send)
@@ -746,7 +748,11 @@ class Communicator:
                 try:
                     nxt, _ = _ring_neighbours(rows, self.peer_id)
                     assert nxt is not None
-                    await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+                    try:
+                        await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+                    except BaseException:
+                        self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
+                        raise
                     tx, rx = await self._run_guarded(kind, st, ring, send_np, work, op, root, q)
                     ok = True
                 except PCCLError as exc:
