@@ -753,7 +753,9 @@ class Communicator:
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
-                    tx, rx = await self._run_guarded(kind, st, ring, send_np, work, op, root, q)
+                    tx, rx = await self._run_guarded(
+                        functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q)
+                    )
                     ok = True
                 except PCCLError as exc:
                     reason = str(exc)
@@ -790,18 +792,8 @@ class Communicator:
         except PCCLError:
             pass
 
-    async def _run_guarded(
-        self,
-        kind: str,
-        st: _OpState,
-        ring: list[int],
-        send_np: np.ndarray,
-        work: np.ndarray,
-        op: ReduceOp,
-        root: int,
-        q: QuantizationOptions,
-    ) -> tuple[int, int]:
-        """Run the data plane with a stall watchdog.
+    async def _run_guarded(self, run: Callable[[], Awaitable[tuple[int, int]]]) -> tuple[int, int]:
+        """Run the data plane (``run()``) with a stall watchdog.
 
         Heartbeats catch dead and hung peers, but two peers that are both fine with the master and
         cannot reach each other (a partitioned P2P link) would wait forever. When this peer's pool
@@ -832,7 +824,7 @@ class Communicator:
 
             async def body() -> None:
                 try:
-                    result.append(await self._run_dataplane(kind, st, ring, send_np, work, op, root, q))
+                    result.append(await run())
                 except PCCLError as exc:  # re-raised below, outside the nursery (no ExceptionGroup)
                     errors.append(exc)
                 nursery.cancel_scope.cancel()
