@@ -415,7 +415,9 @@ class MasterState:
         rnd = self._topology
         if rnd is None or not rnd.establishing:
             return []
-        if not set(rnd.members) <= rnd.confirmed:
+        # A failed round ends at once: members still busy connecting (possibly to a peer that just
+        # died or hangs, which can take a connect timeout) must not hold everyone else back.
+        if not rnd.failed and not set(rnd.members) <= rnd.confirmed:
             return []
         self._topology = None
         old = [p for p in rnd.members if p not in rnd.newcomers]
