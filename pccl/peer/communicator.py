@@ -41,6 +41,7 @@ from .._errors import (
 from .._types import (
     Attribute,
     DataType,
+    DeviceType,
     QuantizationAlgorithm,
     QuantizationOptions,
     ReduceInfo,
@@ -688,6 +689,9 @@ class Communicator:
         rdesc = backend.describe(recv)
         if sdesc.dtype != rdesc.dtype:
             raise InvalidArgumentError(f"send is {sdesc.dtype.name} but recv is {rdesc.dtype.name}")
+        if sdesc.device != DeviceType.CPU or rdesc.device != DeviceType.CPU:
+            # Checked before voting so that the other peers are not dragged into a failed op.
+            raise InvalidArgumentError("collectives take CPU tensors for now; copy GPU tensors to the host")
         group = self.group_ring
         n = len(group)
         if kind == "all_gather":

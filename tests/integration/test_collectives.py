@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -154,6 +155,7 @@ async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
         async with trio.open_nursery() as n:
             for i, c in enumerate(survivors):
                 n.start_soon(survivor, i, c)
+
             async def victim_call() -> None:
                 # the victim's own call ends with an error when it is killed (closed communicator)
                 with pytest.raises(pccl.PCCLError):
@@ -171,3 +173,25 @@ async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
         # retry with the smaller group
         await _all(survivors, lambda i, c: c.all_reduce(bufs[i], tag=9))
         assert all((b == 3.0).all() for b in bufs)
+
+
+async def test_gpu_like_tensor_refused_before_voting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor the backend reports as CUDA is refused locally; the other peer's op is not disturbed."""
+    from pccl._types import DeviceType
+    from pccl.kernels import backend
+
+    real = backend.describe
+    fake_gpu = np.ones(4, np.float32)
+
+    def describe(t: Any) -> Any:
+        d = real(t)
+        return dataclasses.replace(d, device=DeviceType.CUDA) if t is fake_gpu else d
+
+    monkeypatch.setattr(backend, "describe", describe)
+    async with loopback_cluster(2) as cl:
+        with pytest.raises(pccl.InvalidArgumentError, match="CPU tensors"):
+            await cl.comms[0].all_reduce(fake_gpu)
+        assert cl.master.statistics()["collectives_voting"] == 0
+        xs = [np.ones(4, np.float32) for _ in range(2)]
+        await _all(cl.comms, lambda i, c: c.all_reduce(xs[i]))
+        assert all((x == 2).all() for x in xs)
