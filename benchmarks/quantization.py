@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import time
@@ -115,16 +116,99 @@ def loopback(mb: int, iters: int) -> dict[str, float]:
     return {k: max(r[k] for r in results) for k in results[0]}
 
 
+def _child_peer(master: str, mb: int, iters: int) -> None:
+    """A peer process inside a network namespace; prints its medians as one JSON line."""
+    import json
+
+    import trio
+
+    import pccl
+
+    async def main() -> None:
+        async with pccl.open_communicator(master, config=pccl.PeerConfig(p2p_listen_host="0.0.0.0")) as comm:
+            while comm.world_size < 2:
+                if await comm.are_peers_pending():
+                    await comm.update_topology()
+                else:
+                    await trio.sleep(0.01)
+            await comm.update_topology()
+            x = np.random.default_rng(comm.peer_id).random(mb * 1024 * 1024 // 4, dtype=np.float32)
+            res = {}
+            for name, q in (("plain", None), ("uint8", Q8)):
+                times = []
+                for _ in range(iters + 1):
+                    await comm.all_reduce(np.ones(1, np.float32))
+                    t0 = time.perf_counter()
+                    await comm.all_reduce(x, quantization=q)
+                    times.append(time.perf_counter() - t0)
+                res[name] = statistics.median(times[1:])
+            print(json.dumps(res), flush=True)
+
+    trio.run(main)
+
+
+def netns(mb: int, iters: int, gbit: float) -> dict[str, float]:
+    """Two peer processes in two network namespaces joined by a veth pair shaped to ``gbit`` (tc tbf).
+
+    Needs root and iproute2 (``ip netns``, ``tc``); the namespaces are the benchmark's own and are
+    removed afterwards. Each peer computes on its own core, as on separate machines.
+    """
+    import json
+    import subprocess
+
+    ns, addr = ("pccl_qa", "pccl_qb"), ("10.200.0.1", "10.200.0.2")
+
+    def sh(*cmd: str) -> None:
+        subprocess.run(cmd, check=True, capture_output=True)
+
+    for n in ns:
+        subprocess.run(["ip", "netns", "del", n], capture_output=True)
+    try:
+        for n in ns:
+            sh("ip", "netns", "add", n)
+        sh("ip", "link", "add", "pccl_va", "type", "veth", "peer", "name", "pccl_vb")
+        for n, dev, a in zip(ns, ("pccl_va", "pccl_vb"), addr, strict=True):
+            sh("ip", "link", "set", dev, "netns", n)
+            sh("ip", "netns", "exec", n, "ip", "addr", "add", f"{a}/24", "dev", dev)
+            sh("ip", "netns", "exec", n, "ip", "link", "set", dev, "up")
+            sh("ip", "netns", "exec", n, "ip", "link", "set", "lo", "up")
+            sh("ip", "netns", "exec", n, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+               f"{int(gbit * 1000)}mbit", "burst", "256kb", "latency", "50ms")
+        port = 47000 + os.getpid() % 1000
+        master = subprocess.Popen(["ip", "netns", "exec", ns[0], sys.executable, "-m", "pccl", "master",
+                                   "--host", addr[0], "--port", str(port), "--log-level", "WARNING"])
+        time.sleep(1.0)  # master start-up (the peers' connect would otherwise be refused)
+        me = os.path.abspath(__file__)
+        peers = [subprocess.Popen(["ip", "netns", "exec", n, sys.executable, me, "--child-peer", f"{addr[0]}:{port}",
+                                   "--mb", str(mb), "--iters", str(iters)], stdout=subprocess.PIPE, text=True)
+                 for n in ns]
+        outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in peers]
+        master.terminate()
+        master.wait(timeout=10)
+        return {k: max(o[k] for o in outs) for k in outs[0]}
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--gbit", type=float, default=1.0)
+    ap.add_argument("--netns", action="store_true",
+                    help="also run two peer processes in network namespaces over a tc-shaped veth (root)")
+    ap.add_argument("--child-peer", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.child_peer:
+        _child_peer(a.child_peer, a.mb, a.iters)
+        return 0
     rows = [
         (f"virtual {a.gbit:g} Gbit/s", virtual(a.mb, a.iters, a.gbit)),
         ("loopback TCP", loopback(a.mb, a.iters)),
     ]
+    if a.netns:
+        rows.append((f"veth+tc {a.gbit:g} Gbit/s", netns(a.mb, a.iters, a.gbit)))
     print(f"{a.mb} MB float32 all-reduce, 2 peers, medians")
     print(f"{'link':>22} {'plain ms':>10} {'uint8 ms':>10} {'speed-up':>9}")
     for name, r in rows:
