@@ -179,9 +179,10 @@ def netns(mb: int, iters: int, gbit: float) -> dict[str, float]:
                                    "--host", addr[0], "--port", str(port), "--log-level", "WARNING"])
         time.sleep(1.0)  # master start-up (the peers' connect would otherwise be refused)
         me = os.path.abspath(__file__)
+        prefix = ["ip", "netns", "exec"]
         argv = [me, "--child-peer", f"{addr[0]}:{port}", "--mb", str(mb), "--iters", str(iters)]
         peers = [
-            subprocess.Popen(["ip", "netns", "exec", n, sys.executable, *argv], stdout=subprocess.PIPE, text=True)
+            subprocess.Popen([*prefix, n, sys.executable, *argv], stdout=subprocess.PIPE, text=True)
             for n in ns
         ]
         outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in peers]
