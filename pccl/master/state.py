@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import Result
-from .._types import SharedStateSyncStrategy
 from ..wire import messages as m
 from . import election as _election
 
@@ -731,9 +730,8 @@ class MasterState:
         bad = self._require_accepted(rec, "SharedStateSync")
         if bad is not None:
             return bad
-        try:
-            vote = _vote_from_message(msg)
-        except (ValueError, TypeError) as exc:
+        vote = _election.vote_from_wire(revision=msg.revision, strategy=msg.strategy, entries=msg.entries)
+        if isinstance(vote, _election.Refusal):
             return [
                 Send(
                     rec.peer_id,
@@ -741,8 +739,8 @@ class MasterState:
                         sync_seq=-1,
                         success=False,
                         revision=msg.revision,
-                        reason=f"malformed shared state: {exc}",
-                        code=int(Result.INVALID_ARGUMENT),
+                        reason=f"malformed shared state: {vote.reason}",
+                        code=int(vote.code),
                     ),
                 )
             ]
@@ -791,7 +789,7 @@ class MasterState:
             plan = result.plans.get(p)
             if plan is None:
                 continue
-            rows = [[f.key, f.expected_hash, list(f.holders)] for f in plan]
+            rows = _election.fetch_rows(plan)
             effects.append(
                 Send(p, m.SharedStatePlan(sync_seq=rnd.seq, revision=rnd.revision, fetch=rows, peers=table))
             )
@@ -865,37 +863,3 @@ class MasterState:
         m.SharedStateSync: _on_shared_state_sync,
         m.SharedStateDone: _on_shared_state_done,
     }
-
-
-def _vote_from_message(msg: m.SharedStateSync) -> _election.SyncVote:
-    entries = []
-    for row in msg.entries:
-        if not isinstance(row, list) or len(row) != 6:
-            raise ValueError("each entry must be [key, dtype, shape, nbytes, hash, allow_content_inequality]")
-        key, dtype, shape, nbytes, h, allow = row
-        if not (
-            isinstance(key, str)
-            and isinstance(dtype, int)
-            and isinstance(shape, list)
-            and all(isinstance(s, int) for s in shape)
-            and isinstance(nbytes, int)
-            and isinstance(h, int)
-            and isinstance(allow, bool)
-        ):
-            raise ValueError(f"bad entry for {key!r}")
-        entries.append(
-            _election.TensorEntry(
-                key=key,
-                dtype=dtype,
-                shape=tuple(shape),
-                nbytes=nbytes,
-                hash=h,
-                allow_content_inequality=allow,
-            )
-        )
-    strategy = SharedStateSyncStrategy(msg.strategy)
-    vote = _election.SyncVote(revision=msg.revision, strategy=strategy, entries=tuple(entries))
-    refusal = _election.validate_vote(vote)
-    if refusal is not None:
-        raise ValueError(refusal.reason)
-    return vote

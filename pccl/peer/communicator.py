@@ -810,7 +810,8 @@ class Communicator:
         stalled: list[float] = []
 
         def progress() -> tuple[int, int]:
-            return (self.pool._tx_bytes, self.pool._rx_bytes)
+            stats = self.pool.statistics()
+            return (stats["tx_bytes"], stats["rx_bytes"])
 
         async with trio.open_nursery() as nursery:
 

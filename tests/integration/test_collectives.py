@@ -85,7 +85,8 @@ async def test_concurrent_tags_and_duplicate_refused() -> None:
         x0, x1 = np.ones(1000, np.float32), np.ones(1000, np.float32)
         async with trio.open_nursery() as n:
             n.start_soon(lambda: c0.all_reduce(x0, tag=5))
-            await trio.sleep(0.01)
+            while 5 not in c0._ops:  # c0's call has registered its tag (it now waits for c1's vote)
+                await trio.sleep(0)
             with pytest.raises(pccl.InvalidUsageError):
                 await c0.all_reduce(np.ones(3, np.float32), tag=5)
             n.start_soon(lambda: c1.all_reduce(x1, tag=5))

@@ -415,12 +415,17 @@ async def test_immediate_retry_is_not_aborted_by_the_old_ops_abort(
 async def test_two_evictions_in_one_tick_during_a_sync_fail_it(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
-    """C never votes, D voted; both are evicted in the same heartbeat-monitor tick. Losing C completes
-    the vote (D included), losing D fails the sync at once: the survivors must see RANK_CONNECTION_LOST.
+    """C never votes, D voted; both hang and are evicted. Losing C completes the vote (D included),
+    losing D fails the sync: the survivors must see RANK_CONNECTION_LOST, not wait forever.
+
+    The master now evicts at each peer's exact heartbeat deadline, so the two evictions may land in
+    separate passes; the back-to-back case (plan and failure in one batch of effects) is pinned by
+    ``tests/master/test_state.py::test_sync_two_losses_in_one_batch`` and the peer side by
+    ``tests/peer/test_mailbox.py``.
     """
     cluster = await pccl_cluster(N)
     states = [pccl.SharedState([pccl.TensorInfo.from_numpy(np.zeros(8, np.int64), "w")]) for _ in range(N)]
-    await trio.sleep(0.3)  # puts both evictions in one monitor tick (found by scanning; deterministic)
+    await trio.sleep(0.3)  # virtual time: hang C and D at a fixed phase of their heartbeats
     results: dict[int, object] = {}
 
     async def sync(i: int) -> None:

@@ -368,3 +368,33 @@ def test_background_improvement_adopted_at_next_update() -> None:
     assert sends(eff, m.EstablishP2P)[0][1].peers == st.table(improved)
     # a stale improvement (membership changed) is dropped
     assert st.offer_ring([ids[0], ids[1]]) == []
+
+
+def test_sync_two_losses_in_one_batch() -> None:
+    """C never votes, D voted; both are lost in one monitor pass: the survivors get the plan and the
+    failure back to back (the peer's mailbox must keep both)."""
+    hs = Harness()
+    a, _ = hs.join()
+    ids = [a] + [hs.join()[0] for _ in range(3)]
+    hs.update([a])
+    _, b, c, d = ids
+    entry = [["w", 7, [8], 64, 123, False]]
+    for p in (a, b, d):
+        assert not sends(hs.h(p, m.SharedStateSync(revision=1, strategy=0, entries=entry)))
+    eff = hs.st.peer_lost(c, "evicted") + hs.st.peer_lost(d, "evicted")
+    for p in (a, b):
+        msgs = [msg for q, msg in sends(eff) if q == p]
+        assert [type(x) for x in msgs] == [m.SharedStatePlan, m.SharedStateResult], msgs
+        assert not msgs[1].success and msgs[1].code == Result.RANK_CONNECTION_LOST
+    assert hs.st.statistics()["syncs_in_progress"] == 0 and hs.st.statistics()["revisions"] == {}
+
+
+def test_malformed_sync_vote_refused_with_reason() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    eff = hs.h(a, m.SharedStateSync(revision=1, strategy=9, entries=[]))
+    (_, res), = sends(eff, m.SharedStateResult)
+    assert not res.success and res.code == Result.INVALID_ARGUMENT and "strategy" in res.reason
+    eff = hs.h(a, m.SharedStateSync(revision=1, strategy=0, entries=[["w", 7, [8], 64, 1]]))
+    (_, res), = sends(eff, m.SharedStateResult)
+    assert not res.success and "6-field" in res.reason
