@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 
+_EVICTED_RE = re.compile(r"peer (\d+) \([^)]*\) evicted")
 PEER_CODE = "import sys; from pccl.demo import peer_main; sys.exit(peer_main())"
 
 
@@ -52,6 +54,8 @@ class Stats:
     catchups: int = 0
     catchup_bytes: int = 0
     retries: int = 0
+    evictions: int = 0
+    false_evictions: int = 0
     errors: list[tuple[str, str]] = field(default_factory=list)
     crashes: list[tuple[str, int]] = field(default_factory=list)
 
@@ -108,11 +112,14 @@ async def run(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     st = Stats(t0=time.monotonic())
     peer_args = ["--steps", str(10**12), "--step-delay", str(args.step_delay), "--hidden", str(args.hidden),
-                 "--seed", str(args.seed)]
+                 "--seed", str(args.seed), "--heartbeat-interval", str(args.peer_heartbeat_interval)]
+    extra = ["--straggler-timeout", str(args.straggler_timeout)] if args.straggler_timeout > 0 else []
     n_spawned = 0
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
-        master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
-        print(f"{st.at()} master at {master.address} (heartbeat timeout {args.heartbeat_timeout:g}s)",
+        master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra)
+        straggler = f"{args.straggler_timeout:g}s" if args.straggler_timeout > 0 else "off"
+        print(f"{st.at()} master at {master.address} (heartbeat timeout {args.heartbeat_timeout:g}s, "
+              f"straggler timeout {straggler}, peers heartbeat every {args.peer_heartbeat_interval:g}s)",
               flush=True)
 
         async def spawn() -> c.Child:
@@ -161,6 +168,14 @@ async def run(args: argparse.Namespace) -> int:
                 for _, line in master.events[master_seen:]:
                     if " evicted" in line or " kicked" in line:
                         print(f"{st.at()} master: {line.split(' INFO ', 1)[-1]}", flush=True)
+                        mt = _EVICTED_RE.search(line)
+                        if mt:
+                            st.evictions += 1
+                            who = [ch for ch in cluster.children if ch.info.get("peer") == int(mt.group(1))]
+                            if who and who[0].state == "running":
+                                # evicted although the driver never stopped it: a false suspicion
+                                st.false_evictions += 1
+                                print(f"{st.at()} !! {who[0].name} evicted while running", flush=True)
                 master_seen = len(master.events)
                 if now >= next_status:
                     next_status = now + args.status_every
@@ -204,6 +219,8 @@ async def run(args: argparse.Namespace) -> int:
     rows = [
         ["duration s", f"{args.duration:g}"],
         ["seed", args.seed],
+        ["heartbeat timeout / straggler timeout / peer heartbeat interval s",
+         f"{args.heartbeat_timeout:g} / {straggler} / {args.peer_heartbeat_interval:g}"],
         ["peers spawned / SIGKILLed / SIGSTOPped", f"{st.spawned} / {st.killed} / {st.stopped}"],
         ["master log: joined / accepted / left / evicted / kicked",
          " / ".join(str(counts[k]) for k in kinds)],
@@ -212,6 +229,8 @@ async def run(args: argparse.Namespace) -> int:
         ["all-reduce retries after a lost peer", st.retries],
         ["longest gap without a completed all-reduce s",
          f"{st.longest_gap:.2f} (from t={st.longest_gap_at - st.t0:.1f}s)"],
+        ["evictions (of them: peers that were running, not stopped)",
+         f"{st.evictions} ({st.false_evictions})"],
         ["catch-ups through shared state", f"{st.catchups} ({st.catchup_bytes / 2**20:.1f} MB)"],
         ["survivors", len(survivors)],
         ["survivor revisions", ",".join(map(str, sorted(revisions))) or "-"],
@@ -239,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-peers", type=int, default=2)
     p.add_argument("--stop-fraction", type=float, default=0.5, help="share of faults that are SIGSTOP")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="master's heartbeat timeout")
+    p.add_argument("--straggler-timeout", type=float, default=1.0,
+                   help="master's straggler timeout (0: off, only the heartbeat timeout applies)")
+    p.add_argument("--peer-heartbeat-interval", type=float, default=0.25,
+                   help="peers' heartbeat interval (s)")
     p.add_argument("--step-delay", type=float, default=0.02, help="simulated compute per step (s)")
     p.add_argument("--hidden", type=int, default=128, help="MLP width of the training peers")
     p.add_argument("--max-gap", type=float, default=60.0,

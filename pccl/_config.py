@@ -19,6 +19,17 @@ class MasterConfig:
         max_frame_size: largest control frame accepted (checked before allocating).
         send_queue_size: bound of each peer's outgoing message queue.
         secret: optional shared secret; when set, peers must present it to register.
+        straggler_timeout: optional faster eviction of hung peers that hold up the others. A peer
+            that the rest of its group is waiting for (it has not voted in a vote the others have
+            joined, or has not finished a running collective, sync or topology round) and that has
+            been silent for longer than this is evicted without waiting for ``heartbeat_timeout``.
+            The limit adapts per peer: it is at least twice the longest gap recently seen between
+            that peer's messages (so a peer on a jittery link is not evicted for its usual
+            silences) and never more than ``heartbeat_timeout``. ``None`` (default) disables it.
+            Useful on LANs where peers heartbeat regularly; several hangs close together then cost
+            about one straggler timeout each instead of one heartbeat timeout each. Peers whose
+            event loop is blocked for longer than this (synchronous compute inside a trio task)
+            are evicted when the others wait for them: keep it well above such pauses.
     """
 
     heartbeat_interval: float = 0.5
@@ -27,6 +38,19 @@ class MasterConfig:
     max_frame_size: int = 16 * 1024 * 1024
     send_queue_size: int = 1024
     secret: str | None = None
+    straggler_timeout: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"need 0 < heartbeat_interval ({self.heartbeat_interval}) < heartbeat_timeout "
+                f"({self.heartbeat_timeout})"
+            )
+        if self.straggler_timeout is not None and not 0 < self.straggler_timeout <= self.heartbeat_timeout:
+            raise ValueError(
+                f"straggler_timeout ({self.straggler_timeout}) must be > 0 and at most heartbeat_timeout "
+                f"({self.heartbeat_timeout})"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

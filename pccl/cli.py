@@ -26,6 +26,13 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
         default=MasterConfig().heartbeat_timeout,
         help="seconds of silence before a peer is evicted",
     )
+    p.add_argument(
+        "--straggler-timeout",
+        type=float,
+        default=None,
+        help="evict a peer the others wait on once it has been silent this long (default: off; "
+        "only the heartbeat timeout applies)",
+    )
     p.add_argument("--secret", default=None, help="shared secret peers must present (optional)")
     return p
 
@@ -33,7 +40,9 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
 async def _run_master(args: argparse.Namespace) -> None:
     from .master.server import serve_master
 
-    config = MasterConfig(heartbeat_timeout=args.heartbeat_timeout, secret=args.secret)
+    config = MasterConfig(
+        heartbeat_timeout=args.heartbeat_timeout, straggler_timeout=args.straggler_timeout, secret=args.secret
+    )
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(serve_master, config=config), args.host, args.port)

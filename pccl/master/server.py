@@ -206,25 +206,44 @@ class MasterServer:
             self._enqueue(conn, m.Heartbeat())
 
     async def _monitor(self) -> None:
-        """Evict peers that stayed silent past the heartbeat timeout.
+        """Evict peers that stayed silent past the heartbeat timeout (and, when
+        ``straggler_timeout`` is set, hung peers that the others are waiting for).
 
         Sleeps until the earliest deadline (not a fixed tick), so a hung peer is evicted within a
         millisecond of its timeout: the survivors' recovery time is the timeout, not timeout + tick.
+        Who is waited on changes with every message, so with a straggler timeout the monitor also
+        re-checks at least every quarter of it.
         """
         timeout = self.config.heartbeat_timeout
+        straggler = self.config.straggler_timeout
         while True:
             now = trio.current_time()
-            for pid in self.state.expired(now, timeout):
+            silent_msg = f"evicted: silent for more than {timeout:g}s"
+            lost = [(pid, silent_msg) for pid in self.state.expired(now, timeout)]
+            if straggler is not None:
+                lost += [
+                    (pid, f"evicted: silent for {silent:.2f}s while its group waited on it "
+                          f"(straggler timeout {straggler:g}s)")
+                    for pid, silent in self.state.stragglers(now, straggler, timeout)
+                    if pid not in {p for p, _ in lost}
+                ]
+            for pid, reason in lost:
                 conn = self._conns.get(pid)
-                self._execute(self.state.peer_lost(pid, f"evicted: silent for more than {timeout:g}s"))
+                self._execute(self.state.peer_lost(pid, reason))
                 if conn is not None:
                     # A hung peer will not read a goodbye: close at once.
                     conn.closing = True
                     conn.scope.cancel()
             seen = [p.last_seen for p in self.state.peers.values()]
             deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
+            wake = now + self.config.heartbeat_interval
+            if straggler is not None:
+                wake = min(wake, now + straggler / 4)
+                sd = self.state.straggler_deadline(straggler, timeout)
+                if sd is not None:
+                    deadline = min(deadline, sd)
             # Wake just after the deadline; re-check at least every interval (new peers, clock skew).
-            await trio.sleep_until(min(deadline + 0.001, now + self.config.heartbeat_interval))
+            await trio.sleep_until(min(deadline + 0.001, wake))
 
     # ------------------------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ Vote rules (PROTOCOL.md sections 2-6):
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,9 +77,18 @@ class PeerRecord:
     p2p_port: int = 0
     group: int = 0
     last_seen: float = 0.0
+    # Recent gaps between consecutive messages (heartbeats included): how irregular this peer's
+    # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
 
     def row(self) -> list[Any]:
         return [self.peer_id, self.host, self.p2p_port, self.group]
+
+    def straggler_limit(self, minimum: float, cap: float) -> float:
+        """Silence tolerated while others wait on this peer: ``minimum``, or twice the longest
+        recent gap between its messages if that is longer, never more than ``cap``."""
+        longest = max(self.gaps, default=0.0)
+        return min(cap, max(minimum, 2.0 * longest))
 
 
 @dataclass
@@ -222,6 +232,55 @@ class MasterState:
         """Peers silent for longer than ``timeout``."""
         return [p.peer_id for p in self.peers.values() if now - p.last_seen > timeout]
 
+    def waited_on(self) -> set[int]:
+        """Peers that others are waiting for right now.
+
+        A peer is waited on when it has not yet voted in a vote that others of its group have
+        joined (collective, shared-state sync, topology, pending-peers), or when it has not yet
+        reported the end of a running collective, sync or topology round it takes part in.
+        """
+        out: set[int] = set()
+        ring = set(self.ring)
+        if self._pending_votes:
+            out |= ring - self._pending_votes
+        rnd = self._topology
+        if rnd is not None:
+            if rnd.establishing:
+                out |= set(rnd.members) - rnd.confirmed
+            elif rnd.measuring:
+                out |= rnd.measuring
+            elif not rnd.measure_rounds and rnd.votes:
+                out |= ring - rnd.votes
+        for op in self._ops.values():
+            if op.running:
+                out |= set(op.participants) - op.done
+            elif op.votes:
+                out |= set(self.accepted(op.group)) - set(op.votes)
+        for sync in self._syncs.values():
+            if sync.running:
+                out |= sync.participants - sync.done
+            elif sync.votes:
+                out |= set(self.accepted(sync.group)) - set(sync.votes)
+        return out & set(self.peers)
+
+    def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
+        """Peers others are waiting for that have been silent past their straggler limit
+        (:meth:`PeerRecord.straggler_limit`), with how long each has been silent."""
+        out = []
+        for pid in sorted(self.waited_on()):
+            rec = self.peers[pid]
+            silent = now - rec.last_seen
+            if silent > rec.straggler_limit(minimum, cap):
+                out.append((pid, silent))
+        return out
+
+    def straggler_deadline(self, minimum: float, cap: float) -> float | None:
+        """When the earliest waited-on peer would become a straggler if it stays silent."""
+        times = [
+            self.peers[p].last_seen + self.peers[p].straggler_limit(minimum, cap) for p in self.waited_on()
+        ]
+        return min(times, default=None)
+
     def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
         """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""
         rec = self.peers.get(peer_id)
@@ -267,6 +326,7 @@ class MasterState:
         rec = self.peers.get(peer_id)
         if rec is None:
             return []
+        rec.gaps.append(max(0.0, now - rec.last_seen))
         rec.last_seen = now
         handler = self._HANDLERS.get(type(msg))
         if handler is None:

@@ -398,3 +398,101 @@ def test_malformed_sync_vote_refused_with_reason() -> None:
     eff = hs.h(a, m.SharedStateSync(revision=1, strategy=0, entries=[["w", 7, [8], 64, 1]]))
     (_, res), = sends(eff, m.SharedStateResult)
     assert not res.success and "6-field" in res.reason
+
+
+# --------------------------------------------------------------------------------------------
+# straggler rule: who the others are waiting for, and when a silent one is evicted
+
+
+def _three(hs: Harness) -> list[int]:
+    a, _ = hs.join()
+    ids = [a] + [hs.join()[0] for _ in range(2)]
+    hs.update([a])
+    assert hs.st.accepted() == ids
+    return ids
+
+
+def test_waited_on_follows_every_kind_of_vote_and_round() -> None:
+    hs = Harness()
+    a, b, c = _three(hs)
+    assert hs.st.waited_on() == set()  # idle: nobody waits for anybody
+    # collective vote: a and b voted, c is the one they wait for
+    for p in (a, b):
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    assert hs.st.waited_on() == {c}
+    hs.h(c, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    # running: everyone until it reports done
+    assert hs.st.waited_on() == {a, b, c}
+    hs.h(a, m.CollectiveDone(tag=1, success=True))
+    hs.h(c, m.CollectiveDone(tag=1, success=True))
+    assert hs.st.waited_on() == {b}
+    hs.h(b, m.CollectiveDone(tag=1, success=True))
+    assert hs.st.waited_on() == set()
+    # shared-state sync vote, then the running round
+    entry = [["w", 7, [8], 64, 123, False]]
+    hs.h(b, m.SharedStateSync(revision=1, strategy=0, entries=entry))
+    assert hs.st.waited_on() == {a, c}
+    hs.h(a, m.SharedStateSync(revision=1, strategy=0, entries=entry))
+    hs.h(c, m.SharedStateSync(revision=1, strategy=0, entries=entry))
+    running = hs.st.waited_on()
+    assert running <= {a, b, c} and running  # the plan's participants until they report done
+    for p in sorted(running):
+        hs.h(p, m.SharedStateDone(sync_seq=hs.st._sync_seq, success=True))
+    assert hs.st.waited_on() == set()
+    # topology vote, then P2P establishment
+    hs.h(a, m.UpdateTopologyVote())
+    assert hs.st.waited_on() == {b, c}
+    hs.h(b, m.UpdateTopologyVote())
+    eff = hs.h(c, m.UpdateTopologyVote())
+    epoch = sends(eff, m.EstablishP2P)[0][1].epoch
+    assert hs.st.waited_on() == {a, b, c}
+    hs.h(a, m.P2PConnectionsDone(epoch=epoch, success=True))
+    assert hs.st.waited_on() == {b, c}
+    hs.h(b, m.P2PConnectionsDone(epoch=epoch, success=True))
+    hs.h(c, m.P2PConnectionsDone(epoch=epoch, success=True))
+    # pending-peers vote
+    hs.h(c, m.PeersPendingVote())
+    assert hs.st.waited_on() == {a, b}
+
+
+def test_straggler_only_when_waited_on_and_silent_past_its_limit() -> None:
+    hs = Harness()
+    a, b, c = _three(hs)
+    for t in (0.25, 0.5, 0.75, 1.0):  # regular heartbeats every 0.25 s from everyone
+        hs.now = t
+        for p in (a, b, c):
+            hs.h(p, m.Heartbeat())
+    # c goes silent at t=1.0; nobody waits for it yet: never a straggler, only heartbeat expiry
+    assert hs.st.stragglers(2.5, minimum=0.5, cap=3.0) == []
+    hs.now = 2.5
+    for p in (a, b):
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    # now a and b wait for c, silent for 1.5 s > max(0.5, 2 x 0.25)
+    assert hs.st.stragglers(2.5, minimum=0.5, cap=3.0) == [(c, 1.5)]
+    assert hs.st.straggler_deadline(minimum=0.5, cap=3.0) == pytest.approx(1.5)
+    # a and b themselves are not waited on (they voted)
+    assert a not in hs.st.waited_on() and b not in hs.st.waited_on()
+
+
+def test_straggler_limit_adapts_to_a_peers_usual_gaps_and_is_capped() -> None:
+    hs = Harness()
+    a, b, c = _three(hs)
+    # c's messages routinely come 0.9 s apart (a slow, jittery link); a and b every 0.2 s
+    t = 0.0
+    while t < 9.0:
+        t = round(t + 0.1, 3)
+        hs.now = t
+        if round(t * 10) % 2 == 0:
+            hs.h(a, m.Heartbeat())
+            hs.h(b, m.Heartbeat())
+        if round(t * 10) % 9 == 0:
+            hs.h(c, m.Heartbeat())
+    assert hs.st.peers[c].straggler_limit(0.5, 3.0) == pytest.approx(1.8)
+    assert hs.st.peers[a].straggler_limit(0.5, 3.0) == pytest.approx(0.5)
+    assert hs.st.peers[c].straggler_limit(0.5, 1.0) == 1.0  # never beyond the cap
+    last_c = hs.st.peers[c].last_seen
+    for p in (a, b):
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    # 1.2 s of silence is usual for c: not a straggler; 1.9 s is not
+    assert hs.st.stragglers(last_c + 1.2, minimum=0.5, cap=3.0) == []
+    assert [p for p, _ in hs.st.stragglers(last_c + 1.9, minimum=0.5, cap=3.0)] == [c]
