@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """64 MB float32 all-reduce with and without uint8 quantization: on a 1 Gbit/s virtual link and on loopback.
 
-usage: python benchmarks/quantization.py [--mb 64] [--iters 5] [--gbit 1.0]
+usage: python benchmarks/quantization.py [--mb 64] [--iters 5] [--gbit 1.0] [--netns]
+       [--modes virtual,loopback,netns]
 
 * virtual: two peers in one process on pccl.testing.VirtualNetwork with every link limited to
   ``--gbit`` Gbit/s, real clock (so quantization's CPU cost counts too);
@@ -201,17 +202,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gbit", type=float, default=1.0)
     ap.add_argument("--netns", action="store_true",
                     help="also run two peer processes in network namespaces over a tc-shaped veth (root)")
+    ap.add_argument("--modes", default="virtual,loopback",
+                    help="comma-separated subset of virtual,loopback,netns (default: virtual,loopback; "
+                         "--netns adds netns)")
     ap.add_argument("--child-peer", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child_peer:
         _child_peer(a.child_peer, a.mb, a.iters)
         return 0
-    rows = [
-        (f"virtual {a.gbit:g} Gbit/s", virtual(a.mb, a.iters, a.gbit)),
-        ("loopback TCP", loopback(a.mb, a.iters)),
-    ]
-    if a.netns:
-        rows.append((f"veth+tc {a.gbit:g} Gbit/s", netns(a.mb, a.iters, a.gbit)))
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if a.netns and "netns" not in modes:
+        modes.append("netns")
+    unknown = set(modes) - {"virtual", "loopback", "netns"}
+    if unknown:
+        ap.error(f"unknown mode(s): {', '.join(sorted(unknown))}")
+    rows = []
+    for mode in modes:
+        if mode == "virtual":
+            rows.append((f"virtual {a.gbit:g} Gbit/s", virtual(a.mb, a.iters, a.gbit)))
+        elif mode == "loopback":
+            rows.append(("loopback TCP", loopback(a.mb, a.iters)))
+        else:
+            rows.append((f"veth+tc {a.gbit:g} Gbit/s", netns(a.mb, a.iters, a.gbit)))
     print(f"{a.mb} MB float32 all-reduce, 2 peers, medians")
     print(f"{'link':>22} {'plain ms':>10} {'uint8 ms':>10} {'speed-up':>9}")
     for name, r in rows:

@@ -558,3 +558,88 @@ async def test_cancel_at_any_point_then_recover(after_frames: int, path: str) ->
             assert outs[i].tobytes() == snapshots[i]  # nothing written after the call returned
         await ring.connect_ring()
         await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, count, 4096, rng)
+
+
+async def test_ready_frames_earlier_steps_first() -> None:
+    from pccl.collectives.schedule import SRC_OUT, SendFrame
+
+    frames = [SendFrame(seq=s, source=SRC_OUT, start=0, end=1, after=-1, lane=0, step=st)
+              for s, st in ((0, 0), (1, 0), (2, 1), (3, 1), (4, 2))]
+    q = ring_mod._ReadyFrames()
+    for j in (4, 2, 1, 3, 0):
+        q.push(frames[j], j)
+    q.close()
+    order = [await q.pop() for _ in range(6)]
+    # earlier ring steps first (the reduce-scatter is never overtaken), then seq order; None once drained
+    assert order == [0, 1, 2, 3, 4, None]
+
+
+def test_scratch_reuse_is_bounded() -> None:
+    ring_mod._scratch_free.clear()
+    a = ring_mod._take_scratch(1000)
+    ring_mod._give_back_scratch(a)
+    assert ring_mod._take_scratch(1000) is a  # same size: reused
+    assert ring_mod._take_scratch(1000) is not a  # handed out once only
+    bufs = [ring_mod._take_scratch(100 + i) for i in range(ring_mod._SCRATCH_KEEP + 2)]
+    for b in bufs:
+        ring_mod._give_back_scratch(b)
+    assert sum(len(v) for v in ring_mod._scratch_free.values()) == ring_mod._SCRATCH_KEEP
+    assert 100 not in ring_mod._scratch_free and 101 not in ring_mod._scratch_free  # oldest dropped
+    ring_mod._scratch_free.clear()
+
+
+async def test_quantized_ops_reuse_scratch_and_stay_identical(path: str) -> None:
+    from pccl import DataType, QuantizationAlgorithm, QuantizationOptions
+
+    rng = np.random.default_rng(5)
+    n, count = 2, 200_000
+    q = QuantizationOptions(quantized_datatype=DataType.UINT8, algorithm=QuantizationAlgorithm.MIN_MAX)
+    ring_mod._scratch_free.clear()
+    async with open_ring(n) as ring:
+        sends = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
+        results = []
+        for _ in range(2):
+            outs = [np.full(count, np.nan, np.float32) for _ in range(n)]
+            seq = next(_seq)
+
+            async def one(i: int, outs: Any = outs, seq: int = seq) -> None:
+                await run_collective(ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i],
+                                     tag=3, op_seq=seq, send=sends[i], out=outs[i],
+                                     block_bytes=64 * 1024, quantization=q)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            assert same_bits(outs[0], outs[1])
+            results.append(outs[0])
+            # both ranks' scratch buffers were handed back (same size: a 2-rank all-reduce is symmetric)
+            assert sum(len(v) for v in ring_mod._scratch_free.values()) == n
+        # the second op ran in the first one's (dirty) scratch and produced the same bits
+        assert same_bits(results[0], results[1])
+    ring_mod._scratch_free.clear()
+
+
+async def test_quantized_blocks_are_a_fraction_of_block_bytes(path: str) -> None:
+    from pccl import DataType, QuantizationAlgorithm, QuantizationOptions
+
+    n, count, block_bytes = 2, 64 * 1024, 64 * 1024  # float32: 4 plain blocks per chunk
+    q = QuantizationOptions(quantized_datatype=DataType.UINT8, algorithm=QuantizationAlgorithm.MIN_MAX)
+    sends = [np.ones(count, np.float32) for _ in range(n)]
+    async with open_ring(n) as ring:
+        for quant, split in ((None, 1), (q, ring_mod.QUANTIZED_BLOCK_DIVISOR)):
+            outs = [np.zeros(count, np.float32) for _ in range(n)]
+            before = ring.pools[0].statistics()["frames_sent"]
+            seq = next(_seq)
+
+            async def one(i: int, outs: Any = outs, seq: int = seq, quant: Any = quant) -> None:
+                await run_collective(ring.pools[i], kind="all_reduce", ring=ring.ids, my_id=ring.ids[i],
+                                     tag=4, op_seq=seq, send=sends[i], out=outs[i],
+                                     block_bytes=block_bytes, quantization=quant)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(n):
+                    nursery.start_soon(one, i)
+            assert (outs[0] == 2).all() and (outs[1] == 2).all()
+            # 2 steps (reduce-scatter, all-gather) of one chunk each; quantized blocks are 1/split as long
+            per_step = (count // n) * 4 // block_bytes * split
+            assert ring.pools[0].statistics()["frames_sent"] - before == 2 * per_step
