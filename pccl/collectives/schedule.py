@@ -110,9 +110,9 @@ class SendFrame:
             before this frame may be sent; -1 if it can be sent at once.
         lane: which of the pool's connections to prefer, before adding the tag (blocks of one
             step take consecutive lanes so large operations stripe over every connection).
-        step: the ring step (0-based) the frame belongs to; when several frames are ready, later
-            steps go first, so data that was just received and reduced is forwarded while it is
-            still in cache and the ring pipeline stays short.
+        step: the ring step (0-based) the frame belongs to; when several frames are ready on one
+            connection, earlier steps go first (then ``seq`` order), so the all-gather never
+            overtakes the reduce-scatter and leaves the link idle at the end of the operation.
     """
 
     seq: int
