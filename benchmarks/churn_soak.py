@@ -69,6 +69,9 @@ class Stats:
         if self.last_completion is not None and t - self.last_completion > self.longest_gap:
             self.longest_gap = t - self.last_completion
             self.longest_gap_at = self.last_completion
+            if self.longest_gap > 3.0:
+                print(f"{self.at(t)} !! no all-reduce completed for {self.longest_gap:.2f}s (since "
+                      f"{self.at(self.last_completion).strip()}; revision {rev})", flush=True)
         if self.first_completion is None:
             self.first_completion = t
         self.last_completion = t
@@ -132,6 +135,7 @@ async def run(args: argparse.Namespace) -> int:
 
         stopped: list[tuple[float, c.Child]] = []
         master_seen = 0
+        stall_reported: float | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(consume, cluster, st, args.verbose)
             for _ in range(2):
@@ -166,6 +170,8 @@ async def run(args: argparse.Namespace) -> int:
                     print(f"{st.at()} {what} {victim.name} (peer {victim.info.get('peer')}; "
                           f"{len(working) - 1} working peers left)", flush=True)
                 for _, line in master.events[master_seen:]:
+                    if "still waiting" in line:
+                        print(f"{st.at()} master: {line.split(' WARNING ', 1)[-1]}", flush=True)
                     if " evicted" in line or " kicked" in line:
                         print(f"{st.at()} master: {line.split(' INFO ', 1)[-1]}", flush=True)
                         mt = _EVICTED_RE.search(line)
@@ -177,6 +183,17 @@ async def run(args: argparse.Namespace) -> int:
                                 st.false_evictions += 1
                                 print(f"{st.at()} !! {who[0].name} evicted while running", flush=True)
                 master_seen = len(master.events)
+                if st.last_completion is not None and now - st.last_completion > 5.0:
+                    if stall_reported != st.last_completion:
+                        stall_reported = st.last_completion
+                        print(f"{st.at()} !! stalled for {now - st.last_completion:.1f}s; each peer's last "
+                              "report:", flush=True)
+                        for ch in cluster.children:
+                            if ch.state == "running" and ch.info.get("accepted"):
+                                last = dict(ch.info.get("last", {}))
+                                age = now - float(last.pop("t", now))
+                                print(f"      {ch.name} (peer {ch.info.get('peer')}): {age:.1f}s ago {last}",
+                                      flush=True)
                 if now >= next_status:
                     next_status = now + args.status_every
                     working = [ch for ch in cluster.live() if ch.info.get("accepted")]

@@ -4,7 +4,8 @@ A master and 3 peers, all OS processes on loopback. The peers loop 1 MB float32 
 can. The driver then faults one peer:
 
 * SIGKILL: its sockets close; the survivors' current all-reduce fails with RankConnectionLostError;
-* SIGSTOP: its sockets stay open and silent; only the master's heartbeat timeout (default 3.0 s) evicts it.
+* SIGSTOP: its sockets stay open and silent; only the master's heartbeat timeout (default 3.0 s) evicts it,
+  or, with ``--straggler-timeout S``, the master's straggler rule (silent for S while the others wait on it).
 
 Survivors follow the recipe: on RankConnectionLostError they call ``update_topology()`` and retry
 (``--retry direct`` retries without it). Each trial uses a fresh master and peers; the stopped peer is
@@ -91,7 +92,8 @@ async def trial(kind: str, args: argparse.Namespace) -> dict[str, float]:
     script = Path(__file__).resolve()
     world = 3
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
-        master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
+        extra = ["--straggler-timeout", str(args.straggler_timeout)] if args.straggler_timeout > 0 else []
+        master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra)
         cfg = {"master": master.address, "world": world, "size": args.size, "retry": args.retry}
         peers = [await cluster.spawn(f"peer{i}", c.script_argv(script, cfg)) for i in range(world)]
         ids: dict[str, int] = {}
@@ -166,11 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=1 << 20, help="all-reduce bytes (float32)")
     p.add_argument("--retry", choices=["update_topology", "direct"], default="update_topology")
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="master's heartbeat timeout")
+    p.add_argument("--straggler-timeout", type=float, default=0.0,
+                   help="master's straggler timeout (default 0: off)")
     p.add_argument("--steady", type=float, default=1.0, help="seconds of fault-free looping before the fault")
     p.add_argument("--keep-logs", action="store_true")
     args = p.parse_args(argv)
+    straggler = f"{args.straggler_timeout:g}s" if args.straggler_timeout > 0 else "off"
     print(f"recovery; {c.machine_line()}; 3 peers looping {c.human_bytes(args.size)} all-reduces; "
-          f"retry after {args.retry}; master heartbeat timeout {args.heartbeat_timeout:g}s", flush=True)
+          f"retry after {args.retry}; master heartbeat timeout {args.heartbeat_timeout:g}s, "
+          f"straggler timeout {straggler}", flush=True)
     rows = trio.run(run, args)
     print()
     print(c.format_table(["fault", "trials", "1st failure median ms", "recover median ms", "recover max ms",

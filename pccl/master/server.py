@@ -28,6 +28,9 @@ from .state import Effect, Event, Kick, MasterState, Send
 log = logging.getLogger("pccl.master")
 
 _CLOSE = object()  # sentinel in a peer's send queue: flush, then close
+# A vote or round that waits on the same peers this long gets a warning in the log (and again every
+# STALL_LOG_AFTER seconds while it lasts), naming whom it waits for.
+STALL_LOG_AFTER = 5.0
 
 
 @dataclass
@@ -216,8 +219,11 @@ class MasterServer:
         """
         timeout = self.config.heartbeat_timeout
         straggler = self.config.straggler_timeout
+        stall_since: dict[str, float] = {}
+        stall_logged: dict[str, float] = {}
         while True:
             now = trio.current_time()
+            self._log_stalls(now, stall_since, stall_logged)
             silent_msg = f"evicted: silent for more than {timeout:g}s"
             lost = [(pid, silent_msg) for pid in self.state.expired(now, timeout)]
             if straggler is not None:
@@ -244,6 +250,19 @@ class MasterServer:
                     deadline = min(deadline, sd)
             # Wake just after the deadline; re-check at least every interval (new peers, clock skew).
             await trio.sleep_until(min(deadline + 0.001, wake))
+
+    def _log_stalls(self, now: float, since: dict[str, float], logged: dict[str, float]) -> None:
+        """Log a warning for every vote or round that has waited on the same peers for
+        ``STALL_LOG_AFTER`` seconds (and again every ``STALL_LOG_AFTER`` while it lasts)."""
+        lines = self.state.pending_summary()
+        for gone in set(since) - set(lines):
+            since.pop(gone)
+            logged.pop(gone, None)
+        for line in lines:
+            t0 = since.setdefault(line, now)
+            if now - t0 >= STALL_LOG_AFTER and now - logged.get(line, t0) >= STALL_LOG_AFTER:
+                logged[line] = now
+                log.warning("still waiting after %.0fs: %s", now - t0, line)
 
     # ------------------------------------------------------------------------------------------
 

@@ -263,6 +263,46 @@ class MasterState:
                 out |= set(self.accepted(sync.group)) - set(sync.votes)
         return out & set(self.peers)
 
+    def pending_summary(self) -> list[str]:
+        """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
+        lines: list[str] = []
+        ring = set(self.ring)
+        if self._pending_votes:
+            lines.append(f"peers-pending vote waits for {sorted(ring - self._pending_votes)}")
+        rnd = self._topology
+        if rnd is not None:
+            if rnd.establishing:
+                lines.append(
+                    f"{rnd.kind}_topology epoch {rnd.epoch}: P2P setup waits for "
+                    f"{sorted(set(rnd.members) - rnd.confirmed)} (newcomers {sorted(rnd.newcomers)})"
+                )
+            elif rnd.measuring or rnd.measure_rounds:
+                lines.append(f"{rnd.kind}_topology: bandwidth measurement waits for {sorted(rnd.measuring)}")
+            else:
+                lines.append(f"{rnd.kind}_topology vote waits for {sorted(ring - rnd.votes)}")
+        for (group, tag), op in sorted(self._ops.items()):
+            if op.running:
+                lines.append(
+                    f"collective tag {tag} (group {group}, op {op.op_seq}) waits for "
+                    f"{sorted(set(op.participants) - op.done)} to finish"
+                )
+            else:
+                lines.append(
+                    f"collective tag {tag} (group {group}) vote waits for "
+                    f"{sorted(set(self.accepted(group)) - set(op.votes))}; voted {sorted(op.votes)}"
+                )
+        for group, sync in sorted(self._syncs.items()):
+            if sync.running:
+                lines.append(
+                    f"shared-state sync (group {group}) waits for {sorted(sync.participants - sync.done)}"
+                )
+            else:
+                lines.append(
+                    f"shared-state sync vote (group {group}) waits for "
+                    f"{sorted(set(self.accepted(group)) - set(sync.votes))}; voted {sorted(sync.votes)}"
+                )
+        return lines
+
     def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
         """Peers others are waiting for that have been silent past their straggler limit
         (:meth:`PeerRecord.straggler_limit`), with how long each has been silent."""

@@ -118,3 +118,32 @@ def test_straggler_timeout_is_validated() -> None:
         MasterConfig(straggler_timeout=0.0)
     with pytest.raises(ValueError, match="heartbeat_interval"):
         MasterConfig(heartbeat_interval=3.0, heartbeat_timeout=3.0)
+
+
+async def test_live_slow_voter_is_not_evicted_and_the_wait_is_logged(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that is alive (heartbeating) but late to a vote is waited for, not evicted; after
+    STALL_LOG_AFTER seconds the master logs whom the vote waits for."""
+    from pccl.master.server import STALL_LOG_AFTER
+
+    net = VirtualNetwork(latency=0.0005)
+    async with open_test_cluster(3, network=net, config=PEER_CFG, master_config=master_cfg(STRAGGLER)) as cl:
+        late = cl.peer(2).peer_id
+        xs = [np.full(10, float(i + 1), np.float32) for i in range(3)]
+        done: list[int] = []
+
+        async def call(i: int) -> None:
+            await cl.peer(i).all_reduce(xs[i], tag=3)
+            done.append(i)
+
+        with caplog.at_level("WARNING", logger="pccl.master"):
+            async with trio.open_nursery() as n:
+                n.start_soon(call, 0)
+                n.start_soon(call, 1)
+                await trio.sleep(STALL_LOG_AFTER + 1.0)  # virtual: far beyond the straggler timeout
+                assert done == [] and cl.is_member(2)
+                n.start_soon(call, 2)
+        assert sorted(done) == [0, 1, 2] and all((x == 6).all() for x in xs)
+        waits = [r.getMessage() for r in caplog.records if "still waiting" in r.getMessage()]
+        assert any(f"vote waits for [{late}]" in w for w in waits), waits

@@ -496,3 +496,19 @@ def test_straggler_limit_adapts_to_a_peers_usual_gaps_and_is_capped() -> None:
     # 1.2 s of silence is usual for c: not a straggler; 1.9 s is not
     assert hs.st.stragglers(last_c + 1.2, minimum=0.5, cap=3.0) == []
     assert [p for p, _ in hs.st.stragglers(last_c + 1.9, minimum=0.5, cap=3.0)] == [c]
+
+
+def test_pending_summary_names_whom_each_vote_waits_for() -> None:
+    hs = Harness()
+    a, b, c = _three(hs)
+    assert hs.st.pending_summary() == []
+    hs.h(a, m.CollectiveInitiate(tag=4, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    hs.h(b, m.PeersPendingVote())
+    lines = hs.st.pending_summary()
+    assert f"peers-pending vote waits for {[a, c]}" in lines
+    assert f"collective tag 4 (group 0) vote waits for {[b, c]}; voted {[a]}" in lines
+    hs.h(b, m.CollectiveInitiate(tag=4, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    hs.h(c, m.CollectiveInitiate(tag=4, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    hs.h(c, m.CollectiveDone(tag=4, success=True))
+    running = [ln for ln in hs.st.pending_summary() if ln.startswith("collective")]
+    assert len(running) == 1 and running[0].endswith(f"waits for {[a, b]} to finish")
