@@ -101,6 +101,12 @@ async def consume(cluster: c.Cluster, st: Stats, verbose: bool) -> None:
                           f"state at revision {msg['revision']}", flush=True)
         elif ev == "done":
             ch.info["done"] = msg
+        elif ev == "where":
+            stats = msg.get("stats") or {}
+            keys = ("op_tags", "topology_call_waiting", "sync_call_waiting", "pending_queries_waiting",
+                    "world_size", "epoch", "master_ok")
+            where = f"{ch.name} (peer {msg.get('peer')}) in {msg.get('phase')} for {msg.get('for_s')}s"
+            print(f"{st.at()}   {where}: " + ", ".join(f"{k}={stats.get(k)}" for k in keys), flush=True)
         elif ev == "error":
             st.errors.append((ch.name, str(msg.get("message"))))
             print(f"{st.at()} !! {ch.name} failed: {msg.get('message')}", flush=True)
@@ -194,6 +200,7 @@ async def run(args: argparse.Namespace) -> int:
                                 age = now - float(last.pop("t", now))
                                 print(f"      {ch.name} (peer {ch.info.get('peer')}): {age:.1f}s ago {last}",
                                       flush=True)
+                                await ch.send({"cmd": "where"})  # answered with a "where" event
                 if now >= next_status:
                     next_status = now + args.status_every
                     working = [ch for ch in cluster.live() if ch.info.get("accepted")]

@@ -188,6 +188,14 @@ def emit(event: str, **fields: Any) -> None:
 class _Commands:
     join: trio.Event = field(default_factory=trio.Event)
     stop: bool = False
+    # where the training loop is (answered to {"cmd": "where"}: diagnosing stalls in the soak)
+    phase: str = "starting"
+    phase_since: float = field(default_factory=time.monotonic)
+    comm: Any = None
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        self.phase_since = time.monotonic()
 
 
 async def _read_commands(cmds: _Commands) -> None:
@@ -213,6 +221,11 @@ async def _read_commands(cmds: _Commands) -> None:
                     cmds.join.set()
                 elif cmd == "stop":
                     cmds.stop = True
+                elif cmd == "where":
+                    comm = cmds.comm
+                    emit("where", phase=cmds.phase, for_s=round(time.monotonic() - cmds.phase_since, 3),
+                         peer=getattr(comm, "peer_id", None),
+                         stats=comm.statistics() if comm is not None else None)
 
 
 async def _admit_pending(comm: Any) -> bool:
@@ -261,6 +274,7 @@ async def run_peer(opts: PeerOptions) -> None:
             await cmds.join.wait()
         t_call = time.monotonic()
         async with open_communicator(opts.master, config=config) as comm:
+            cmds.comm = comm
             emit("accepted", peer=comm.peer_id, world=comm.world_size, join_s=time.monotonic() - t_call,
                  state_bytes=model.state_bytes)
             while comm.world_size < opts.min_world:
@@ -270,6 +284,7 @@ async def run_peer(opts: PeerOptions) -> None:
             stopping = False
             while True:
                 # 1. shared state: identical content moves nothing; a newcomer or outdated peer fetches.
+                cmds.enter("sync_shared_state")
                 while True:
                     try:
                         sync = await comm.sync_shared_state(state)
@@ -293,6 +308,7 @@ async def run_peer(opts: PeerOptions) -> None:
                 # 3. all-reduce AVG; on a lost peer the buffer is unchanged: retry with the survivors.
                 retries = 0
                 info = None
+                cmds.enter("all_reduce")
                 while True:
                     try:
                         info = await comm.all_reduce(vec, op=ReduceOp.AVG)
@@ -315,6 +331,7 @@ async def run_peer(opts: PeerOptions) -> None:
                     emit("progress", peer=comm.peer_id, step=state.revision, world=info.local_world_size)
                 # 5. membership (not once the group decided to stop: nobody new should be admitted).
                 if not stopping:
+                    cmds.enter("admit")
                     await _admit_pending(comm)
                     if opts.step_delay > 0:
                         await trio.sleep(opts.step_delay)
