@@ -154,16 +154,6 @@ class _OpState:
     concluded: bool = False
 
 
-def _same_memory(a: np.ndarray, b: np.ndarray) -> bool:
-    """True when ``a`` and ``b`` are the same elements (in-place call), not merely overlapping."""
-    return (
-        a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.strides == b.strides
-    )
-
-
 def _ring_neighbours(rows: Sequence[Sequence[Any]], me: int) -> tuple[list[Any] | None, list[Any] | None]:
     """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone."""
     ids = [r[0] for r in rows]
@@ -691,7 +681,7 @@ class Communicator:
         root: int = 0,
         quantization: QuantizationOptions | None = None,
     ) -> ReduceInfo:
-        from ..kernels import backend, reduce
+        from ..kernels import backend
 
         self._check_usable()
         if not isinstance(tag, int) or tag < 0 or tag >= 2**63:
@@ -741,22 +731,8 @@ class Communicator:
         st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
         self._ops[tag] = st
         work: np.ndarray | None = None
-        # all_reduce writes the caller's recv directly and keeps a backup of its bits for a failed
-        # or cancelled op (restored before the call returns); other kinds fill a scratch buffer that
-        # is committed after the master's confirm. Same all-or-nothing guarantee, but the backup copy
-        # runs while the vote's round trip is in flight instead of after the confirm.
-        send_np = backend.as_numpy(send)
-        recv_np = backend.as_numpy(recv)
-        direct = kind == "all_reduce" and (
-            _same_memory(send_np, recv_np) or not np.may_share_memory(send_np, recv_np)
-        )
-        backup: np.ndarray | None = None
-        dirty = False  # recv_np may hold ring output that is not committed
         try:
             await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
-            if direct:
-                backup = self._take_work(recv_np.dtype, rdesc.count)
-                np.copyto(backup, recv_np)
             commence = await st.commence.wait()
             rows = commence.peers
             ring = [int(r[0]) for r in rows]
@@ -772,12 +748,8 @@ class Communicator:
                 self.pool.forget_op(st.op_seq)
                 await self._report_failure(st, "root lost")
                 raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
-            if direct:
-                assert backup is not None
-                # in place: the ring reads the backup (its input must not change under it)
-                ring_send, work = (backup if _same_memory(send_np, recv_np) else send_np), recv_np
-            else:
-                ring_send, work = send_np, self._take_work(send_np.dtype, rdesc.count)
+            send_np = backend.as_numpy(send)
+            work = self._take_work(send_np.dtype, rdesc.count)
             ok, reason, tx, rx = False, "", 0, 0
             with trio.CancelScope() as scope:
                 st.scope = scope
@@ -789,9 +761,8 @@ class Communicator:
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
-                    dirty = direct
                     tx, rx = await self._run_guarded(
-                        functools.partial(self._run_dataplane, kind, st, ring, ring_send, work, op, root, q)
+                        functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q)
                     )
                     ok = True
                 except PCCLError as exc:
@@ -805,18 +776,10 @@ class Communicator:
             await self._send(m.CollectiveDone(tag=tag, success=True))
             await st.complete.wait()
             st.concluded = True
-            # Commit. Synchronous: a cancellation cannot land half-way.
-            if direct:
-                dirty = False
-                if op == ReduceOp.AVG:
-                    reduce.finalize_avg(recv_np, len(ring), dtype=sdesc.dtype)
-                assert backup is not None
-                self._give_back_work(backup)
-                backup = None
-            else:
-                # the only place the caller's buffer is written
-                self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype)
-                self._give_back_work(work)
+            # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
+            # cannot land half-way.
+            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype)
+            self._give_back_work(work)
             work = None
             self._stats[f"{kind}_ok"] += 1
             return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
@@ -824,10 +787,6 @@ class Communicator:
             self._stats[f"{kind}_failed"] += 1
             raise
         finally:
-            if dirty:
-                # failed, aborted or cancelled after the ring touched recv: put the caller's bits back
-                assert backup is not None
-                np.copyto(recv_np, backup)
             if not st.concluded and st.abort_error is None and self._master_error is None:
                 # Cancelled by the caller while voting or running: withdraw, so the master aborts the
                 # op for the other participants instead of leaving them waiting for us.
