@@ -122,6 +122,8 @@ async def run(args: argparse.Namespace) -> int:
     st = Stats(t0=time.monotonic())
     peer_args = ["--steps", str(10**12), "--step-delay", str(args.step_delay), "--hidden", str(args.hidden),
                  "--seed", str(args.seed), "--heartbeat-interval", str(args.peer_heartbeat_interval)]
+    if args.peer_stall_timeout is not None:
+        peer_args += ["--p2p-stall-timeout", str(args.peer_stall_timeout)]
     extra = ["--straggler-timeout", str(args.straggler_timeout)] if args.straggler_timeout > 0 else []
     n_spawned = 0
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
@@ -286,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="master's straggler timeout (0: off, only the heartbeat timeout applies)")
     p.add_argument("--peer-heartbeat-interval", type=float, default=0.25,
                    help="peers' heartbeat interval (s)")
+    p.add_argument("--peer-stall-timeout", type=float, default=None,
+                   help="peers' p2p_stall_timeout (default: the library's)")
     p.add_argument("--step-delay", type=float, default=0.02, help="simulated compute per step (s)")
     p.add_argument("--hidden", type=int, default=128, help="MLP width of the training peers")
     p.add_argument("--max-gap", type=float, default=60.0,

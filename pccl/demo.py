@@ -174,6 +174,7 @@ class PeerOptions:
     report_every: int = 1
     heartbeat_timeout: float | None = None
     heartbeat_interval: float | None = None
+    p2p_stall_timeout: float | None = None
 
 
 def emit(event: str, **fields: Any) -> None:
@@ -266,6 +267,8 @@ async def run_peer(opts: PeerOptions) -> None:
         kw["heartbeat_timeout"] = opts.heartbeat_timeout
     if opts.heartbeat_interval is not None:
         kw["heartbeat_interval"] = opts.heartbeat_interval
+    if opts.p2p_stall_timeout is not None:
+        kw["p2p_stall_timeout"] = opts.p2p_stall_timeout
     config = PeerConfig(**kw)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_read_commands, cmds)
@@ -353,13 +356,15 @@ def peer_main(argv: list[str] | None = None) -> int:
     p.add_argument("--report-every", type=int, default=1)
     p.add_argument("--heartbeat-timeout", type=float, default=None)
     p.add_argument("--heartbeat-interval", type=float, default=None)
+    p.add_argument("--p2p-stall-timeout", type=float, default=None)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s")
     opts = PeerOptions(master=a.master, steps=a.steps, min_world=a.min_world, step_delay=a.step_delay,
                        standby=a.standby, seed=a.seed, hidden=a.hidden, report_every=a.report_every,
-                       heartbeat_timeout=a.heartbeat_timeout, heartbeat_interval=a.heartbeat_interval)
+                       heartbeat_timeout=a.heartbeat_timeout, heartbeat_interval=a.heartbeat_interval,
+                       p2p_stall_timeout=a.p2p_stall_timeout)
     try:
         trio.run(run_peer, opts)
     except Exception as exc:

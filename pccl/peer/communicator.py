@@ -843,6 +843,10 @@ class Communicator:
         if errors:
             raise errors[0]
         if stalled:
+            log.warning(
+                "peer %d: no data moved on the ring for %.1fs (p2p_stall_timeout): failing the operation",
+                self.peer_id, stalled[0],
+            )
             raise RankConnectionLostError(
                 f"no data moved on the ring for {stalled[0]:.1f}s (p2p_stall_timeout): a ring link is "
                 f"partitioned or a neighbour stopped sending"
