@@ -152,7 +152,7 @@ async def run(args: argparse.Namespace) -> int:
             t_end = time.monotonic() + args.duration
             next_status = time.monotonic() + args.status_every
             while time.monotonic() < t_end:
-                await trio.sleep(rng.uniform(0.5, 2.0))
+                await trio.sleep(rng.uniform(args.event_min, args.event_max))
                 now = time.monotonic()
                 for t_stop, ch in list(stopped):
                     if now - t_stop > args.heartbeat_timeout + 2.0:
@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="peers' heartbeat interval (s)")
     p.add_argument("--peer-stall-timeout", type=float, default=None,
                    help="peers' p2p_stall_timeout (default: the library's)")
+    p.add_argument("--event-min", type=float, default=0.5, help="shortest pause between churn events (s)")
+    p.add_argument("--event-max", type=float, default=2.0, help="longest pause between churn events (s)")
     p.add_argument("--step-delay", type=float, default=0.02, help="simulated compute per step (s)")
     p.add_argument("--hidden", type=int, default=128, help="MLP width of the training peers")
     p.add_argument("--max-gap", type=float, default=60.0,
