@@ -15,6 +15,7 @@ import trio.testing
 
 import pccl
 from pccl.testing import VirtualNetwork, open_test_cluster
+from pccl.wire import messages as m
 
 COUNT = 1 << 20  # 4 MB of float32: ~0.1 s per ring step at 10 MB/s
 
@@ -110,3 +111,41 @@ async def test_peer_killed_mid_ring_restores_survivor_in_place_buffers(
         for i in (0, 1):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
             assert sends[i].tobytes() == before[i], f"peer {i}: buffer not restored"
+
+
+async def test_abort_right_behind_commence_does_not_start_the_ring(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Commence and abort of the same op processed back to back, before the calling task runs again
+    (a peer died just after the master commenced): the call must fail at once with the abort's
+    error, not enter a ring the others have already left (that hung until a neighbour died)."""
+    net = VirtualNetwork(latency=0.0005)
+    async with open_test_cluster(3, network=net) as cl:
+        comm = cl.peer(0)
+        x = np.arange(8, dtype=np.float32)
+        before = x.tobytes()
+        result: list[object] = []
+
+        async def call() -> None:
+            try:
+                result.append(await comm.all_reduce(x, tag=11))
+            except pccl.PCCLError as exc:
+                result.append(exc)
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as n:
+                n.start_soon(call)
+                while 11 not in comm.statistics()["op_tags"]:
+                    await trio.sleep(0.001)
+                await trio.sleep(0.01)  # the vote is with the master; peers 1 and 2 never vote
+                rows = [r for r in comm._table if int(r[3]) == comm.peer_group]
+                # What the reader task does for two messages that arrive together: no checkpoint between.
+                comm._on_commence(m.CollectiveCommence(tag=11, op_seq=777, peers=rows))
+                comm._on_abort(
+                    m.CollectiveAbort(tag=11, op_seq=777, code=int(pccl.Result.RANK_CONNECTION_LOST),
+                                      reason="peer 3 was lost during the operation")
+                )
+        assert len(result) == 1 and isinstance(result[0], pccl.RankConnectionLostError), result
+        assert "peer 3 was lost" in str(result[0])
+        assert x.tobytes() == before
+        assert comm.statistics()["pool"]["tx_bytes"] == 0  # no ring frame left this peer
