@@ -71,6 +71,30 @@ def _master(q: Any, stop: Any) -> None:
     trio.run(main)
 
 
+async def _time_plain_and_uint8(comm: Any, mb: int, iters: int) -> dict[str, float]:
+    """Once two peers are accepted: median seconds of a ``mb`` MB float32 all-reduce, plain and uint8
+    (``iters`` timed calls after one warm-up, each after a 1-element all-reduce that aligns the peers)."""
+    import trio
+
+    while comm.world_size < 2:
+        if await comm.are_peers_pending():
+            await comm.update_topology()
+        else:
+            await trio.sleep(0.01)
+    await comm.update_topology()
+    x = np.random.default_rng(comm.peer_id).random(mb * 1024 * 1024 // 4, dtype=np.float32)
+    res = {}
+    for name, q in (("plain", None), ("uint8", Q8)):
+        times = []
+        for _ in range(iters + 1):
+            await comm.all_reduce(np.ones(1, np.float32))  # align the peers
+            t0 = time.perf_counter()
+            await comm.all_reduce(x, quantization=q)
+            times.append(time.perf_counter() - t0)
+        res[name] = statistics.median(times[1:])
+    return res
+
+
 def _peer(port: int, mb: int, iters: int, out: Any) -> None:
     import trio
 
@@ -79,23 +103,7 @@ def _peer(port: int, mb: int, iters: int, out: Any) -> None:
     async def main() -> None:
         cfg = pccl.PeerConfig(p2p_listen_host="127.0.0.1")
         async with pccl.open_communicator(f"127.0.0.1:{port}", config=cfg) as comm:
-            while comm.world_size < 2:
-                if await comm.are_peers_pending():
-                    await comm.update_topology()
-                else:
-                    await trio.sleep(0.01)
-            await comm.update_topology()
-            x = np.random.default_rng(comm.peer_id).random(mb * 1024 * 1024 // 4, dtype=np.float32)
-            res = {}
-            for name, q in (("plain", None), ("uint8", Q8)):
-                times = []
-                for _ in range(iters + 1):
-                    await comm.all_reduce(np.ones(1, np.float32))  # align the peers
-                    t0 = time.perf_counter()
-                    await comm.all_reduce(x, quantization=q)
-                    times.append(time.perf_counter() - t0)
-                res[name] = statistics.median(times[1:])
-            out.put(res)
+            out.put(await _time_plain_and_uint8(comm, mb, iters))
 
     trio.run(main)
 
@@ -127,23 +135,7 @@ def _child_peer(master: str, mb: int, iters: int) -> None:
 
     async def main() -> None:
         async with pccl.open_communicator(master, config=pccl.PeerConfig(p2p_listen_host="0.0.0.0")) as comm:
-            while comm.world_size < 2:
-                if await comm.are_peers_pending():
-                    await comm.update_topology()
-                else:
-                    await trio.sleep(0.01)
-            await comm.update_topology()
-            x = np.random.default_rng(comm.peer_id).random(mb * 1024 * 1024 // 4, dtype=np.float32)
-            res = {}
-            for name, q in (("plain", None), ("uint8", Q8)):
-                times = []
-                for _ in range(iters + 1):
-                    await comm.all_reduce(np.ones(1, np.float32))
-                    t0 = time.perf_counter()
-                    await comm.all_reduce(x, quantization=q)
-                    times.append(time.perf_counter() - t0)
-                res[name] = statistics.median(times[1:])
-            print(json.dumps(res), flush=True)
+            print(json.dumps(await _time_plain_and_uint8(comm, mb, iters)), flush=True)
 
     trio.run(main)
 

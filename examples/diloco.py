@@ -42,21 +42,10 @@ import time
 from typing import Any
 
 import numpy as np
+from _support import load_digits_split  # examples/_support.py
 
 MIN_PEERS = 2
 JOIN_STEP = 2  # peers wait for the late joiners at this outer step (they may arrive earlier)
-
-
-def load_digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Digits as float32 in [0, 1] and int64 labels, split 80/20 with a fixed permutation."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    y = digits.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(x))
-    cut = int(0.8 * len(x))
-    return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
 
 
 class Background:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
-import queue
 import sys
 import time
 from typing import Any
 
 import numpy as np
+from _support import collect  # examples/_support.py
 
 
 def peer_main(address: str, index: int, n_peers: int, count: int, results: Any) -> None:
@@ -68,25 +68,6 @@ def peer_main(address: str, index: int, n_peers: int, count: int, results: Any) 
         assert second.tx_bytes == 0 and second.rx_bytes == 0, second
 
         results.put((index, float(data[0]), info.tx_bytes, info.rx_bytes, first.tx_bytes, first.rx_bytes))
-
-
-def collect(procs: list[Any], results: Any, expected: int, timeout: float) -> list[tuple[Any, ...]]:
-    """Gather ``expected`` reports; stop early if a peer process fails or the time is up."""
-    deadline = time.monotonic() + timeout
-    reports: list[tuple[Any, ...]] = []
-    while len(reports) < expected and time.monotonic() < deadline:
-        try:
-            reports.append(results.get(timeout=0.2))
-        except queue.Empty:
-            if any(p.exitcode not in (None, 0) for p in procs):
-                print("a peer failed; stopping", file=sys.stderr)
-                break
-    else:
-        if len(reports) < expected:
-            print(f"timed out after {timeout:g}s", file=sys.stderr)
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    return reports
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -225,15 +225,12 @@ class MasterServer:
             now = trio.current_time()
             self._log_stalls(now, stall_since, stall_logged)
             silent_msg = f"evicted: silent for more than {timeout:g}s"
-            lost = [(pid, silent_msg) for pid in self.state.expired(now, timeout)]
+            lost = dict.fromkeys(self.state.expired(now, timeout), silent_msg)
             if straggler is not None:
-                lost += [
-                    (pid, f"evicted: silent for {silent:.2f}s while its group waited on it "
-                          f"(straggler timeout {straggler:g}s)")
-                    for pid, silent in self.state.stragglers(now, straggler, timeout)
-                    if pid not in {p for p, _ in lost}
-                ]
-            for pid, reason in lost:
+                for pid, silent in self.state.stragglers(now, straggler, timeout):
+                    lost.setdefault(pid, f"evicted: silent for {silent:.2f}s while its group waited on it "
+                                         f"(straggler timeout {straggler:g}s)")
+            for pid, reason in lost.items():
                 conn = self._conns.get(pid)
                 self._execute(self.state.peer_lost(pid, reason))
                 if conn is not None:

@@ -232,6 +232,37 @@ class MasterState:
         """Peers silent for longer than ``timeout``."""
         return [p.peer_id for p in self.peers.values() if now - p.last_seen > timeout]
 
+    def _waits(self) -> list[tuple[str, set[int], str]]:
+        """Every vote or round in progress as ``(what, peers it waits for, detail)``: the one place
+        that knows who holds up what (:meth:`waited_on` and :meth:`pending_summary` read it)."""
+        waits: list[tuple[str, set[int], str]] = []
+        ring = set(self.ring)
+        if self._pending_votes:
+            waits.append(("peers-pending vote", ring - self._pending_votes, ""))
+        rnd = self._topology
+        if rnd is not None:
+            if rnd.establishing:
+                waits.append((f"{rnd.kind}_topology epoch {rnd.epoch}: P2P setup",
+                              set(rnd.members) - rnd.confirmed, f" (newcomers {sorted(rnd.newcomers)})"))
+            elif rnd.measuring or rnd.measure_rounds:
+                waits.append((f"{rnd.kind}_topology: bandwidth measurement", set(rnd.measuring), ""))
+            elif rnd.votes:
+                waits.append((f"{rnd.kind}_topology vote", ring - rnd.votes, ""))
+        for (group, tag), op in sorted(self._ops.items()):
+            if op.running:
+                waits.append((f"collective tag {tag} (group {group}, op {op.op_seq})",
+                              set(op.participants) - op.done, " to finish"))
+            elif op.votes:
+                waits.append((f"collective tag {tag} (group {group}) vote",
+                              set(self.accepted(group)) - set(op.votes), f"; voted {sorted(op.votes)}"))
+        for group, sync in sorted(self._syncs.items()):
+            if sync.running:
+                waits.append((f"shared-state sync (group {group})", sync.participants - sync.done, ""))
+            elif sync.votes:
+                waits.append((f"shared-state sync vote (group {group})",
+                              set(self.accepted(group)) - set(sync.votes), f"; voted {sorted(sync.votes)}"))
+        return waits
+
     def waited_on(self) -> set[int]:
         """Peers that others are waiting for right now.
 
@@ -240,68 +271,13 @@ class MasterState:
         reported the end of a running collective, sync or topology round it takes part in.
         """
         out: set[int] = set()
-        ring = set(self.ring)
-        if self._pending_votes:
-            out |= ring - self._pending_votes
-        rnd = self._topology
-        if rnd is not None:
-            if rnd.establishing:
-                out |= set(rnd.members) - rnd.confirmed
-            elif rnd.measuring:
-                out |= rnd.measuring
-            elif not rnd.measure_rounds and rnd.votes:
-                out |= ring - rnd.votes
-        for op in self._ops.values():
-            if op.running:
-                out |= set(op.participants) - op.done
-            elif op.votes:
-                out |= set(self.accepted(op.group)) - set(op.votes)
-        for sync in self._syncs.values():
-            if sync.running:
-                out |= sync.participants - sync.done
-            elif sync.votes:
-                out |= set(self.accepted(sync.group)) - set(sync.votes)
+        for _, waiting, _ in self._waits():
+            out |= waiting
         return out & set(self.peers)
 
     def pending_summary(self) -> list[str]:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
-        lines: list[str] = []
-        ring = set(self.ring)
-        if self._pending_votes:
-            lines.append(f"peers-pending vote waits for {sorted(ring - self._pending_votes)}")
-        rnd = self._topology
-        if rnd is not None:
-            if rnd.establishing:
-                lines.append(
-                    f"{rnd.kind}_topology epoch {rnd.epoch}: P2P setup waits for "
-                    f"{sorted(set(rnd.members) - rnd.confirmed)} (newcomers {sorted(rnd.newcomers)})"
-                )
-            elif rnd.measuring or rnd.measure_rounds:
-                lines.append(f"{rnd.kind}_topology: bandwidth measurement waits for {sorted(rnd.measuring)}")
-            else:
-                lines.append(f"{rnd.kind}_topology vote waits for {sorted(ring - rnd.votes)}")
-        for (group, tag), op in sorted(self._ops.items()):
-            if op.running:
-                lines.append(
-                    f"collective tag {tag} (group {group}, op {op.op_seq}) waits for "
-                    f"{sorted(set(op.participants) - op.done)} to finish"
-                )
-            else:
-                lines.append(
-                    f"collective tag {tag} (group {group}) vote waits for "
-                    f"{sorted(set(self.accepted(group)) - set(op.votes))}; voted {sorted(op.votes)}"
-                )
-        for group, sync in sorted(self._syncs.items()):
-            if sync.running:
-                lines.append(
-                    f"shared-state sync (group {group}) waits for {sorted(sync.participants - sync.done)}"
-                )
-            else:
-                lines.append(
-                    f"shared-state sync vote (group {group}) waits for "
-                    f"{sorted(set(self.accepted(group)) - set(sync.votes))}; voted {sorted(sync.votes)}"
-                )
-        return lines
+        return [f"{what} waits for {sorted(waiting)}{detail}" for what, waiting, detail in self._waits()]
 
     def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
         """Peers others are waiting for that have been silent past their straggler limit

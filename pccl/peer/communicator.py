@@ -734,11 +734,6 @@ class Communicator:
         try:
             await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
             commence = await st.commence.wait()
-            if st.abort_error is not None:
-                # The abort came right behind the commence, before this task ran again: the
-                # others have already left this op, so it must not start its ring.
-                self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
-                raise st.abort_error
             rows = commence.peers
             ring = [int(r[0]) for r in rows]
             self._reconcile_group(rows)
@@ -759,7 +754,10 @@ class Communicator:
             with trio.CancelScope() as scope:
                 st.scope = scope
                 if st.abort_error is not None:
-                    scope.cancel()  # aborted while this task was between awaits
+                    # The abort arrived right behind the commence, before this task ran again, so
+                    # _on_abort found no scope to cancel: cancel now, before the ring starts (the
+                    # failure path below forgets the op's stashed frames and raises the abort).
+                    scope.cancel()
                 try:
                     nxt, _ = _ring_neighbours(rows, self.peer_id)
                     assert nxt is not None

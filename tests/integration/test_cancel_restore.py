@@ -135,9 +135,10 @@ async def test_abort_right_behind_commence_does_not_start_the_ring(
         with trio.fail_after(5):
             async with trio.open_nursery() as n:
                 n.start_soon(call)
-                while 11 not in comm.statistics()["op_tags"]:
+                # wait until the master holds this peer's vote (peers 1 and 2 never vote)
+                voting = "collective tag 11 (group 0) vote waits"
+                while not any(ln.startswith(voting) for ln in cl.master.state.pending_summary()):
                     await trio.sleep(0.001)
-                await trio.sleep(0.01)  # the vote is with the master; peers 1 and 2 never vote
                 rows = [r for r in comm._table if int(r[3]) == comm.peer_group]
                 # What the reader task does for two messages that arrive together: no checkpoint between.
                 comm._on_commence(m.CollectiveCommence(tag=11, op_seq=777, peers=rows))

@@ -1,0 +1,43 @@
+"""Helpers shared by the example scripts (not part of the library): the digits data split and the
+parent's loop that gathers the peer processes' reports."""
+
+from __future__ import annotations
+
+import queue
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def load_digits_split(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Digits as float32 in [0, 1] and int64 labels, split 80/20 with a fixed permutation."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    y = digits.target.astype(np.int64)
+    order = np.random.default_rng(seed).permutation(len(x))
+    cut = int(0.8 * len(x))
+    train, test = order[:cut], order[cut:]
+    return x[train], y[train], x[test], y[test]
+
+
+def collect(procs: list[Any], results: Any, expected: int, timeout: float) -> list[tuple[Any, ...]]:
+    """Gather ``expected`` reports; stop early if a peer process fails or the time is up."""
+    deadline = time.monotonic() + timeout
+    reports: list[tuple[Any, ...]] = []
+    while len(reports) < expected and time.monotonic() < deadline:
+        try:
+            reports.append(results.get(timeout=0.2))
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                print("a peer failed; stopping", file=sys.stderr)
+                break
+    else:
+        if len(reports) < expected:
+            print(f"timed out after {timeout:g}s", file=sys.stderr)
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    return reports
