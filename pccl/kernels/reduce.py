@@ -355,7 +355,16 @@ def finalize_avg_gpu(arr: Any, world_size: int) -> None:
     import torch
 
     if arr.dtype.is_floating_point:
-        arr.div_(world_size)
+        # Not ``arr.div_(world_size)``: with a host scalar divisor torch's CUDA kernel multiplies by the
+        # reciprocal, which is off by one ulp for some values (float32/float64; measured on an H200).
+        # A device tensor divisor takes the true-division path, one correctly rounded quotient, as on the
+        # CPU. 16-bit floats divide in float32 by a float32 divisor (like the CPU path) and round once more.
+        if arr.dtype in (torch.float32, torch.float64):
+            arr.div_(torch.tensor(world_size, dtype=arr.dtype, device=arr.device))
+        else:
+            wide = arr.to(torch.float32)
+            wide.div_(torch.tensor(world_size, dtype=torch.float32, device=arr.device))
+            arr.copy_(wide)
         return
     name = str(arr.dtype).removeprefix("torch.")
     if name in _TORCH_UNSIGNED_SIGNED:

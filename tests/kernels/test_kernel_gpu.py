@@ -138,12 +138,13 @@ def test_torch_cuda_reduce_matches_cpu(tdt: Any, op: ReduceOp) -> None:
 
 @cuda_torch
 @pytest.mark.parametrize("tdt", TORCH_ALL)
-def test_torch_cuda_finalize_avg_matches_cpu(tdt: Any) -> None:
+@pytest.mark.parametrize("world", [2, 3, 7, 257, 1000])
+def test_torch_cuda_finalize_avg_matches_cpu(tdt: Any, world: int) -> None:
     a = _torch_values(tdt, 5000, 3)
     expected = backend.as_numpy(a.clone())
-    finalize_avg(expected, 3)
+    finalize_avg(expected, world)
     dev = a.cuda()
-    finalize_avg_gpu(dev, 3)
+    finalize_avg_gpu(dev, world)
     assert np.array_equal(backend.as_numpy(dev.cpu()).view(np.uint8), expected.view(np.uint8))
 
 
