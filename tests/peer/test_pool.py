@@ -181,6 +181,42 @@ async def test_send_expect_and_stash(transport: Callable[[], Transport]) -> None
         assert "P2PPool peer=2" in repr(b) and "ReceiveSlot" in repr(slot)
 
 
+async def test_reader_lets_a_runnable_op_register_before_stashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A frame whose operation task is already runnable (it got the master's go-ahead) but has not
+    registered its receives yet lands straight in the destination instead of being stashed: the
+    reader yields a few scheduler passes first (a stashed frame costs a fresh buffer and a second
+    copy, and filling the stash kept the operation's task from running)."""
+    import pccl.peer.pool as pool_module
+
+    header_seen = trio.Event()
+    real_unpack = pool_module.unpack_data_header_fields
+
+    def unpack(buf: Any) -> Any:
+        fields = real_unpack(buf)
+        if fields[2] == 1:  # seq 1: the frame under test
+            header_seen.set()
+        return fields
+
+    monkeypatch.setattr(pool_module, "unpack_data_header_fields", unpack)
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        dest = bytearray(3 << 20)
+        payload = bytes(range(256)) * (3 << 12)
+
+        async def operation() -> None:
+            await header_seen.wait()  # "the go-ahead arrived": runnable while the reader holds the header
+            for _ in range(3):  # a few steps to its receives, as in the communicator
+                await trio.lowlevel.checkpoint()
+            await b.expect(1, 5, 9, 1, memoryview(dest)).wait()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(operation)
+            await a.send(2, 5, 9, 1, memoryview(payload), conn_index=0)
+        assert dest == payload
+        s = b.statistics()
+        assert s["frames_stashed_total"] == 0 and s["frames_received"] == 1
+
+
 async def test_connect_is_idempotent_and_disconnect_rebuilds() -> None:
     async with pools([1, 2], pool_size=3) as ((a, b), (_, b_addr)):
         await connected_pair(a, b, b_addr)
