@@ -11,7 +11,13 @@ warm-up and iteration counts.
 
 For each world size the two sides run back to back, so the ratio compares numbers taken moments apart.
 
-usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20]
+``--device cuda`` (a machine with a GPU): both sides all-reduce torch CUDA tensors. Ours stages them
+through host memory (the wire is TCP); Gloo runs in this script's own worker (``gloo_bench.py`` is CPU
+only), written like ``gloo_bench.py`` (barrier, then ``dist.all_reduce``) plus a
+``torch.cuda.synchronize()`` inside the timed region, since Gloo's CUDA all-reduce returns before its
+copy back to the device has finished. Our call returns with the result in device memory.
+
+usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
 """
 
 from __future__ import annotations
@@ -49,13 +55,21 @@ async def _peer(cfg: dict[str, Any]) -> None:
         medians: dict[str, float] = {}
         samples: dict[str, list[float]] = {}
         rng = np.random.default_rng(comm.rank)
+        cuda = cfg.get("device", "cpu") == "cuda"
+        if cuda:
+            import torch
         for nbytes in cfg["sizes"]:
-            x = rng.random(nbytes // 4, dtype=np.float32)
+            x: Any = rng.random(nbytes // 4, dtype=np.float32)
+            if cuda:
+                x = torch.from_numpy(x).cuda()
+                torch.cuda.synchronize()
             times: list[float] = []
             for i in range(cfg["warmup"] + cfg["iters"]):
                 await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
                 t = time.perf_counter()
                 info = await comm.all_reduce(x, op=ReduceOp.SUM, tag=0)
+                if cuda:
+                    torch.cuda.synchronize()  # nothing should be pending: the call copies synchronously
                 dt = time.perf_counter() - t
                 if info.local_world_size != cfg["world"]:
                     raise RuntimeError(f"world changed to {info.local_world_size}")
@@ -87,7 +101,7 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         master = await cluster.start_master()
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
-               "warmup": args.warmup, "pool_size": args.pool_size}
+               "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         results: dict[int, dict[str, Any]] = {}
@@ -105,7 +119,53 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
     return {n: float(rank0[str(n)]) for n in sizes}
 
 
+def _gloo_cuda_worker(rank: int, world: int, sizes: list[int], iters: int, port: int, q: Any) -> None:
+    """``gloo_bench.py``'s worker with CUDA tensors (and a synchronize inside the timed region)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    out = {}
+    for nbytes in sizes:
+        x = torch.rand(nbytes // 4, device="cuda")
+        times = []
+        for _ in range(iters + 3):
+            dist.barrier()
+            t = time.perf_counter()
+            dist.all_reduce(x)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        out[nbytes] = statistics.median(times[3:])
+    if rank == 0:
+        q.put(out)
+    dist.destroy_process_group()
+
+
+def _run_gloo_cuda(world: int, sizes: list[int], iters: int) -> dict[int, float]:
+    import os
+
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    q = ctx.Queue()
+    port = 20000 + os.getpid() % 20000
+    procs = [ctx.Process(target=_gloo_cuda_worker, args=(r, world, sizes, iters, port, q))
+             for r in range(world)]
+    for pr in procs:
+        pr.start()
+    res: dict[int, float] = q.get(timeout=600)
+    for pr in procs:
+        pr.join()
+    return res
+
+
 async def run_gloo(world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, float] | None:
+    if args.device == "cuda":
+        return await trio.to_thread.run_sync(_run_gloo_cuda, world, sizes, args.iters)
     bench = Path(args.gloo_bench)
     if not bench.is_absolute():
         bench = (c.REPO_ROOT / bench).resolve()
@@ -165,11 +225,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gloo-bench", default="../shared/bench/gloo_bench.py",
                    help="path to gloo_bench.py (relative paths are from the repository root)")
     p.add_argument("--no-gloo", action="store_true", help="only our side")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: all-reduce torch CUDA tensors on both sides (needs a GPU)")
     p.add_argument("--keep-logs", action="store_true")
     args = p.parse_args(argv)
     t0 = time.monotonic()
-    print(f"all-reduce float32 SUM, in place; {c.machine_line()}; {args.iters} iterations after "
-          f"{args.warmup} warm-up, median on rank 0", flush=True)
+    print(f"all-reduce float32 SUM, in place, {args.device} tensors; {c.machine_line()}; "
+          f"{args.iters} iterations after {args.warmup} warm-up, median on rank 0", flush=True)
     rows = trio.run(run, args)
     print()
     print(c.format_table(["size", "world", "ours median ms", "gloo median ms", "ours/gloo",
