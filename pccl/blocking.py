@@ -166,8 +166,8 @@ class ReduceDescriptor:
 class ReduceOpDescriptor:
     """A reduce together with its buffers, for :meth:`Communicator.all_reduce_multiple_with_retry`.
 
-    Build it with :meth:`from_torch` or :meth:`from_numpy`; the descriptor keeps references to the buffers
-    (not raw pointers), so they stay alive as long as the descriptor does.
+    Build it with :meth:`from_torch`, :meth:`from_numpy` or :meth:`from_cupy`; the descriptor keeps
+    references to the buffers (not raw pointers), so they stay alive as long as the descriptor does.
     """
 
     def __init__(self, send: Any, recv: Any, reduce_descriptor: ReduceDescriptor) -> None:
@@ -202,6 +202,20 @@ class ReduceOpDescriptor:
         _check_pair(send, recv, reduce_descriptor.count)
         return ReduceOpDescriptor(send, recv, reduce_descriptor)
 
+    @staticmethod
+    def from_cupy(send: Any, recv: Any, reduce_descriptor: ReduceDescriptor) -> ReduceOpDescriptor:
+        """Describe a reduce over two C-contiguous cupy arrays on one GPU (``send`` may be ``recv``).
+
+        Raises:
+            InvalidArgumentError: not cupy arrays, not contiguous, dtype/device/size mismatch.
+        """
+        if not (_is_cupy(send) and _is_cupy(recv)):
+            raise InvalidArgumentError("ReduceOpDescriptor.from_cupy needs two cupy arrays")
+        if send.device != recv.device:
+            raise InvalidArgumentError(f"send is on {send.device} but recv is on {recv.device}")
+        _check_pair(send, recv, reduce_descriptor.count)
+        return ReduceOpDescriptor(send, recv, reduce_descriptor)
+
     def __repr__(self) -> str:
         d = self.reduce_descriptor
         return f"<ReduceOpDescriptor count={d.count} op={ReduceOp(d.op).name} tag={d.tag}>"
@@ -210,6 +224,11 @@ class ReduceOpDescriptor:
 def _is_torch(t: object) -> bool:
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(t, torch.Tensor)
+
+
+def _is_cupy(t: object) -> bool:
+    cupy = sys.modules.get("cupy")  # never imported here: only an imported cupy can have made ``t``
+    return cupy is not None and isinstance(t, cupy.ndarray)
 
 
 def _check_pair(send: Any, recv: Any, count: int | None) -> DataType:
@@ -251,11 +270,12 @@ def _prepare(send: Any, recv: Any, *, op: Any, tag: Any, count: int | None,
         recv = send
     both_np = isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)
     both_torch = _is_torch(send) and _is_torch(recv)
-    if not (both_np or both_torch):
+    both_cupy = _is_cupy(send) and _is_cupy(recv)
+    if not (both_np or both_torch or both_cupy):
         raise InvalidArgumentError(
             f"unsupported input types {type(send).__name__}, {type(recv).__name__}: send and recv must "
-            "both be torch.Tensor or both be numpy.ndarray")
-    if both_torch and send.device != recv.device:
+            "both be torch.Tensor, both be numpy.ndarray or both be cupy.ndarray")
+    if (both_torch or both_cupy) and send.device != recv.device:
         raise InvalidArgumentError(f"send is on {send.device} but recv is on {recv.device}")
     dtype = _check_pair(send, recv, count)
     try:
@@ -279,6 +299,11 @@ def _prepare(send: Any, recv: Any, *, op: Any, tag: Any, count: int | None,
         raise InvalidArgumentError(f"bad operand or quantization descriptor: {exc}") from None
     if count is not None:
         send, recv = _flat_prefix(send, count), _flat_prefix(recv, count)
+    # The async core copies GPU tensors to the host in its own thread, on that thread's current stream: make
+    # the work this (the caller's) thread queued on its current stream to produce ``send`` finish first.
+    from .kernels import backend
+
+    backend.sync_current_stream(send)
     return _Operand(send=send, recv=recv, op=op, tag=tag, quantization=q)
 
 
@@ -1032,6 +1057,10 @@ class Communicator:
         except ValueError:
             raise InvalidArgumentError(f"unknown shared-state sync strategy {strategy!r}") from None
         self._check_no_ops("sync_shared_state")
+        from .kernels import backend
+
+        for tensor_info in shared_state.tensor_infos:  # GPU tensors: see _prepare (per-thread streams)
+            backend.sync_current_stream(tensor_info.tensor)
         info: SharedStateSyncInfo = _core.call(comm.sync_shared_state, shared_state, strategy)
         return info
 
@@ -1040,9 +1069,12 @@ class Communicator:
     def all_reduce(self, send: Any, recv: Any, *, op: ReduceOp, tag: int = 0,
                    operand_descriptor: ReduceOperandDescriptor | None = None,
                    quantization_options: QuantizationOptions | None = None) -> ReduceInfo:
-        """All-reduce ``send`` into ``recv`` (both numpy arrays or both torch tensors; may be the same).
+        """All-reduce ``send`` into ``recv`` (both numpy arrays, both torch tensors on one device, or both
+        cupy arrays on one GPU; may be the same).
 
-        Blocks until done. On failure ``recv`` holds exactly what it held before the call.
+        Blocks until done. GPU tensors are staged through host memory: the caller's current CUDA stream is
+        synchronized first (the work that produced ``send`` is done), ``send`` is copied to the host, and the
+        result is in ``recv`` when the call returns. On failure ``recv`` holds exactly what it held before.
 
         Returns:
             ReduceInfo(local_world_size, tx_bytes, rx_bytes).
@@ -1066,7 +1098,8 @@ class Communicator:
         """Launch an all-reduce and return at once; :meth:`AsyncReduceHandle.wait` gives the outcome.
 
         Do not touch ``send``/``recv`` until the handle is waited for. Launching a ``tag`` that is already
-        running on this communicator raises at once.
+        running on this communicator raises at once. GPU tensors work as in :meth:`all_reduce` (the caller's
+        current CUDA stream is synchronized at launch).
 
         Raises:
             InvalidUsageError: not connected, or ``tag`` already running.

@@ -7,6 +7,10 @@ caller's object into that view without copying:
   cannot send (non-contiguous, unsupported dtype, unsupported type) with :class:`~pccl.InvalidArgumentError`.
 * :func:`as_numpy` gives a flat numpy view of a CPU tensor (shares memory).
 * :func:`byte_view` gives a flat ``uint8`` memoryview of a CPU tensor's bytes, for ``recv_into`` / ``send``.
+* :func:`device_index`, :func:`copy_to_host` and :func:`copy_from_host` stage a GPU tensor through host memory
+  (the collectives' wire is TCP, so GPU data passes through the host anyway). The copies are synchronous and
+  run on the caller's current stream of the tensor's device, so they are ordered after the work already
+  queued there and complete when they return.
 
 torch and cupy are never imported here. An object can only be a torch tensor if the caller already imported
 torch (the same holds for cupy), so the type checks look the module up in :data:`sys.modules`; a numpy input
@@ -33,12 +37,16 @@ __all__ = [
     "TensorDesc",
     "bfloat16_numpy_dtype",
     "byte_view",
+    "copy_from_host",
+    "copy_to_host",
     "describe",
+    "device_index",
     "dtype_to_numpy",
     "dtype_to_torch",
     "host_bytes",
     "is_cuda",
     "numpy_to_dtype",
+    "sync_current_stream",
     "torch_to_dtype",
 ]
 
@@ -423,3 +431,142 @@ def byte_view(t: object, *, writable: bool = True) -> memoryview:
             "tensor memory is read-only; a writable tensor is needed to receive into it"
         )
     return memoryview(arr.view(np.uint8))  # type: ignore[arg-type]
+
+
+# ----------------------------------------------------------------------------------------------------
+# host staging of GPU tensors
+
+
+def device_index(t: object) -> int:
+    """The CUDA device index of a GPU tensor, or -1 for a CPU tensor.
+
+    Args:
+        t: a tensor :func:`describe` accepts.
+
+    Returns:
+        ``tensor.device.index`` (torch) or ``array.device.id`` (cupy); -1 for numpy arrays and CPU tensors.
+    """
+    if _is_torch_tensor(t):
+        tt: Any = t
+        return int(tt.device.index or 0) if tt.is_cuda else -1
+    if _is_cupy_array(t):
+        a: Any = t
+        return int(a.device.id)
+    return -1
+
+
+def sync_current_stream(t: object) -> None:
+    """Wait until the calling thread's current stream on ``t``'s device is idle (nothing for CPU tensors).
+
+    CUDA's current stream is per thread: work that this thread queued to produce ``t`` is not ordered with
+    copies another thread makes. Call this in the producing thread before handing ``t`` to another one.
+
+    Args:
+        t: a tensor :func:`describe` accepts.
+    """
+    if _is_torch_tensor(t):
+        torch = _torch()
+        assert torch is not None
+        tt: Any = t
+        if tt.is_cuda:
+            torch.cuda.current_stream(tt.device).synchronize()
+    elif _is_cupy_array(t):
+        cupy = _cupy()
+        assert cupy is not None
+        a: Any = t
+        with a.device:
+            cupy.cuda.get_current_stream().synchronize()
+
+
+def _gpu_bytes(t: object) -> Any:
+    """A flat ``uint8`` view (same library, same device memory) of a contiguous GPU tensor."""
+    if _is_torch_tensor(t):
+        torch = _torch()
+        assert torch is not None
+        tt: Any = t
+        return tt.detach().reshape(-1).view(torch.uint8)
+    if _is_cupy_array(t):
+        cupy = _cupy()
+        assert cupy is not None
+        a: Any = t
+        return a.reshape(-1).view(cupy.uint8)
+    raise InvalidArgumentError(f"not a GPU tensor: {type(t).__module__}.{type(t).__qualname__}")
+
+
+def copy_to_host(t: object, out: np.ndarray[Any, Any]) -> None:
+    """Copy all bytes of a GPU tensor into a host array; returns once the copy is complete.
+
+    The copy runs on the current stream of the tensor's device (torch's ``copy_``; cupy's current stream,
+    then synchronized), so kernels the caller queued on that stream to produce ``t`` are finished first.
+
+    Args:
+        t: a contiguous torch CUDA tensor or cupy array.
+        out: a C-contiguous, writable host array of exactly ``describe(t).nbytes`` bytes (any dtype).
+
+    Raises:
+        InvalidArgumentError: ``t`` is not a GPU tensor, or ``out`` has the wrong size.
+    """
+    desc = describe(t)
+    dst = out.reshape(-1).view(np.uint8)
+    if desc.device is not DeviceType.CUDA:
+        raise InvalidArgumentError("copy_to_host needs a GPU tensor")
+    if dst.size != desc.nbytes:
+        raise InvalidArgumentError(f"host buffer has {dst.size} bytes, the tensor {desc.nbytes}")
+    if desc.nbytes == 0:
+        return
+    src = _gpu_bytes(t)
+    if _is_torch_tensor(t):
+        torch = _torch()
+        assert torch is not None
+        # A blocking copy into pageable memory: torch synchronizes the stream before returning.
+        torch.from_numpy(dst).copy_(src)
+        return
+    cupy = _cupy()
+    assert cupy is not None
+    with src.device:
+        stream = cupy.cuda.get_current_stream()
+        src.get(stream=stream, out=dst)
+        stream.synchronize()
+
+
+def copy_from_host(t: object, src: np.ndarray[Any, Any], lo: int = 0, hi: int | None = None) -> None:
+    """Overwrite elements ``[lo, hi)`` of a GPU tensor's flat view with ``src[lo:hi]``; returns when done.
+
+    The copy runs on the current stream of the tensor's device (ordered after the caller's queued work there)
+    and is complete when this returns, so the caller may use ``t`` on any stream afterwards.
+
+    Args:
+        t: a contiguous torch CUDA tensor or cupy array.
+        src: a C-contiguous host array with as many elements as ``t``, of the same item size.
+        lo: first element to write.
+        hi: end of the written range (default: all elements).
+
+    Raises:
+        InvalidArgumentError: ``t`` is not a GPU tensor, or ``src`` does not match it.
+    """
+    desc = describe(t)
+    if desc.device is not DeviceType.CUDA:
+        raise InvalidArgumentError("copy_from_host needs a GPU tensor")
+    hi = desc.count if hi is None else hi
+    if src.size != desc.count or src.itemsize != desc.dtype.itemsize or not 0 <= lo <= hi <= desc.count:
+        raise InvalidArgumentError(
+            f"host array of {src.size} x {src.itemsize} bytes, range [{lo}, {hi}) does not match a tensor "
+            f"of {desc.count} x {desc.dtype.itemsize} bytes"
+        )
+    size = desc.dtype.itemsize
+    if hi == lo:
+        return
+    part = src.reshape(-1).view(np.uint8)[lo * size : hi * size]
+    dst = _gpu_bytes(t)[lo * size : hi * size]
+    if _is_torch_tensor(t):
+        torch = _torch()
+        assert torch is not None
+        # non_blocking=False: torch synchronizes the stream before returning.
+        dst.copy_(torch.from_numpy(part))
+        return
+    cupy = _cupy()
+    assert cupy is not None
+    with dst.device:
+        stream = cupy.cuda.get_current_stream()
+        dst.set(part, stream=stream)
+        stream.synchronize()

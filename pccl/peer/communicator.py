@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 import trio
@@ -53,6 +53,9 @@ from ..master.server import parse_address
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
+
+if TYPE_CHECKING:
+    from ..kernels.backend import TensorDesc
 
 log = logging.getLogger("pccl.peer")
 
@@ -154,6 +157,29 @@ class _OpState:
     concluded: bool = False
 
 
+def _check_same_device(sdesc: TensorDesc, s_index: int, rdesc: TensorDesc, r_index: int) -> None:
+    """Refuse a send/recv pair on different devices (one on the CPU and one on a GPU, or two GPUs).
+
+    Args:
+        sdesc: ``describe(send)``.
+        s_index: ``send``'s CUDA device index (-1 on the CPU).
+        rdesc: ``describe(recv)``.
+        r_index: ``recv``'s CUDA device index (-1 on the CPU).
+
+    Raises:
+        InvalidArgumentError: the two live on different devices.
+    """
+
+    def name(d: TensorDesc, i: int) -> str:
+        return "the CPU" if d.device is DeviceType.CPU else f"CUDA device {i}"
+
+    if sdesc.device != rdesc.device or s_index != r_index:
+        raise InvalidArgumentError(
+            f"send is on {name(sdesc, s_index)} but recv is on {name(rdesc, r_index)}; "
+            "send and recv must live on the same device"
+        )
+
+
 def _ring_neighbours(rows: Sequence[Sequence[Any]], me: int) -> tuple[list[Any] | None, list[Any] | None]:
     """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone."""
     ids = [r[0] for r in rows]
@@ -198,6 +224,8 @@ class Communicator:
         self._last_master_msg = 0.0
         self._closed = False
         self._work_cache: dict[tuple[str, int], np.ndarray] = {}
+        # Host copies of GPU ``send`` tensors (host staging), reused like the work buffers.
+        self._stage_cache: dict[tuple[str, int], np.ndarray] = {}
         self._stats = collections.Counter[str]()
         from .pool import P2PPool
 
@@ -622,9 +650,14 @@ class Communicator:
     ) -> ReduceInfo:
         """Ring all-reduce of ``send`` into ``recv`` (``recv`` None or ``send`` itself: in place).
 
+        GPU tensors are staged through host memory: ``send`` is copied to the host (on the current CUDA
+        stream, after the work queued there) before the vote, and the result is copied into ``recv`` at
+        the commit; the copy is complete when the call returns. This applies to every collective.
+
         Args:
-            send: contiguous numpy array or torch tensor.
-            recv: output of the same dtype and element count (may be ``send``).
+            send: contiguous numpy array, torch tensor (CPU or CUDA) or cupy array.
+            recv: output of the same dtype and element count (may be ``send``), on the same device as
+                ``send`` (other peers may use other devices).
             op: SUM, AVG, PROD, MIN or MAX (accumulated in the tensor's dtype).
             tag: operations with different tags may run concurrently.
             quantization: optional wire compression (floats only).
@@ -634,6 +667,8 @@ class Communicator:
 
         Raises:
             TooFewPeersError: fewer than 2 peers in the group.
+            InvalidArgumentError: bad buffers (type, dtype, size, contiguity, ``send`` and ``recv`` on
+                different devices), raised before voting.
             InvalidUsageError: ``tag`` is already running.
             RankConnectionLostError: a participant failed; ``recv`` holds its previous bits.
             MasterConnectionError: the master is lost.
@@ -693,9 +728,10 @@ class Communicator:
         rdesc = backend.describe(recv)
         if sdesc.dtype != rdesc.dtype:
             raise InvalidArgumentError(f"send is {sdesc.dtype.name} but recv is {rdesc.dtype.name}")
-        if sdesc.device != DeviceType.CPU or rdesc.device != DeviceType.CPU:
+        on_gpu = sdesc.device is DeviceType.CUDA or rdesc.device is DeviceType.CUDA
+        if on_gpu:
             # Checked before voting so that the other peers are not dragged into a failed op.
-            raise InvalidArgumentError("collectives take CPU tensors for now; copy GPU tensors to the host")
+            _check_same_device(sdesc, backend.device_index(send), rdesc, backend.device_index(recv))
         group = self.group_ring
         n = len(group)
         if kind == "all_gather":
@@ -728,6 +764,12 @@ class Communicator:
             int(q.algorithm),
             int(q.quantized_datatype),
         ]
+        stage: np.ndarray | None = None
+        if on_gpu:
+            # Host staging: the ring runs on a host copy of ``send``, taken now (before voting, so a CUDA
+            # error here drags no other peer in). The copy is complete when copy_to_host returns.
+            stage = self._take_work(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, self._stage_cache)
+            backend.copy_to_host(send, stage)
         st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
         self._ops[tag] = st
         work: np.ndarray | None = None
@@ -748,7 +790,7 @@ class Communicator:
                 self.pool.forget_op(st.op_seq)
                 await self._report_failure(st, "root lost")
                 raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
-            send_np = backend.as_numpy(send)
+            send_np = stage if stage is not None else backend.as_numpy(send)
             work = self._take_work(send_np.dtype, rdesc.count)
             ok, reason, tx, rx = False, "", 0, 0
             with trio.CancelScope() as scope:
@@ -783,9 +825,11 @@ class Communicator:
             st.concluded = True
             # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
             # cannot land half-way.
-            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype)
+            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype, on_gpu)
             self._give_back_work(work)
             work = None
+            if stage is not None:
+                self._give_back_work(stage, self._stage_cache)
             self._stats[f"{kind}_ok"] += 1
             return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
         except PCCLError:
@@ -890,34 +934,57 @@ class Communicator:
         )
 
     def _commit(
-        self, kind: str, op: ReduceOp, work: np.ndarray, recv: Any, n: int, rank: int, dtype: DataType
+        self,
+        kind: str,
+        op: ReduceOp,
+        work: np.ndarray,
+        recv: Any,
+        n: int,
+        rank: int,
+        dtype: DataType,
+        on_gpu: bool = False,
     ) -> None:
+        """Write the result (host ``work``) into the caller's ``recv``; AVG is finalized here, on host.
+
+        A GPU ``recv`` gets a synchronous host-to-device copy of the written range (complete on return).
+        """
         from ..collectives.schedule import chunk_bounds
         from ..kernels import backend, reduce
 
-        out = backend.as_numpy(recv)
         if kind == "reduce_scatter":
             lo, hi = chunk_bounds(work.size, n)[rank]
             if op == ReduceOp.AVG:
                 reduce.finalize_avg(work[lo:hi], n, dtype=dtype)
-            out[lo:hi] = work[lo:hi]
+            if on_gpu:
+                backend.copy_from_host(recv, work, lo, hi)
+            else:
+                backend.as_numpy(recv)[lo:hi] = work[lo:hi]
             self._last_chunk = slice(lo, hi)
             return
         if kind == "all_reduce" and op == ReduceOp.AVG:
             reduce.finalize_avg(work, n, dtype=dtype)
-        np.copyto(out, work)
+        if on_gpu:
+            backend.copy_from_host(recv, work)
+        else:
+            np.copyto(backend.as_numpy(recv), work)
 
-    def _take_work(self, dtype: np.dtype[Any], count: int) -> np.ndarray:
-        key = (dtype.str, count)
-        buf = self._work_cache.pop(key, None)
+    def _take_work(
+        self, dtype: np.dtype[Any], count: int, cache: dict[tuple[str, int], np.ndarray] | None = None
+    ) -> np.ndarray:
+        """A host buffer of ``count`` elements from ``cache`` (default: the ring's output buffers)."""
+        cache = self._work_cache if cache is None else cache
+        buf = cache.pop((dtype.str, count), None)
         if buf is None:
             buf = np.empty(count, dtype=dtype)
         return buf
 
-    def _give_back_work(self, buf: np.ndarray) -> None:
+    def _give_back_work(
+        self, buf: np.ndarray, cache: dict[tuple[str, int], np.ndarray] | None = None
+    ) -> None:
         # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
-        if len(self._work_cache) < 8:
-            self._work_cache[(buf.dtype.str, buf.size)] = buf
+        cache = self._work_cache if cache is None else cache
+        if len(cache) < 8:
+            cache[(buf.dtype.str, buf.size)] = buf
 
     async def all_reduce_multiple_with_retry(
         self,

@@ -176,8 +176,9 @@ async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
         assert all((b == 3.0).all() for b in bufs)
 
 
-async def test_gpu_like_tensor_refused_before_voting(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A tensor the backend reports as CUDA is refused locally; the other peer's op is not disturbed."""
+async def test_mixed_devices_refused_before_voting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A send the backend reports as CUDA with a CPU recv is refused locally, before voting; the other
+    peer's op is not disturbed. (The GPU paths themselves run in test_gpu_collectives.py, on a GPU.)"""
     from pccl._types import DeviceType
     from pccl.kernels import backend
 
@@ -190,8 +191,10 @@ async def test_gpu_like_tensor_refused_before_voting(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(backend, "describe", describe)
     async with loopback_cluster(2) as cl:
-        with pytest.raises(pccl.InvalidArgumentError, match="CPU tensors"):
-            await cl.comms[0].all_reduce(fake_gpu)
+        out = np.zeros(4, np.float32)
+        with pytest.raises(pccl.InvalidArgumentError, match="but recv is on the CPU"):
+            await cl.comms[0].all_reduce(fake_gpu, out)
+        assert out.tobytes() == np.zeros(4, np.float32).tobytes()
         assert cl.master.statistics()["collectives_voting"] == 0
         xs = [np.ones(4, np.float32) for _ in range(2)]
         await _all(cl.comms, lambda i, c: c.all_reduce(xs[i]))
