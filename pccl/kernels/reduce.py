@@ -366,16 +366,18 @@ def finalize_avg_gpu(arr: Any, world_size: int) -> None:
             wide.div_(torch.tensor(world_size, dtype=torch.float32, device=arr.device))
             arr.copy_(wide)
         return
-    name = str(arr.dtype).removeprefix("torch.")
-    if name in _TORCH_UNSIGNED_SIGNED:
-        # No unsigned division kernels in torch: uint16/uint32 fit in int64; uint64 goes through the host.
-        if name == "uint64":
-            host = arr.cpu().numpy()
-            _trunc_div_inplace(np, host, world_size)
-            arr.copy_(torch.from_numpy(host))
-        else:
-            wide = arr.to(torch.int64)
-            wide.div_(world_size, rounding_mode="trunc")
-            arr.copy_(wide.to(arr.dtype))
+    if str(arr.dtype) == "torch.uint64":
+        # No unsigned 64-bit division kernel in torch (and no wider type): through the host.
+        host = arr.cpu().numpy()
+        _trunc_div_inplace(np, host, world_size)
+        arr.copy_(torch.from_numpy(host))
         return
-    arr.div_(world_size, rounding_mode="trunc")
+    if arr.dtype == torch.int64:
+        arr.div_(world_size, rounding_mode="trunc")
+        return
+    # Narrower integers divide in int64 (uint16/uint32 have no division kernels at all): torch casts a
+    # host scalar divisor to the tensor's dtype, so a world size beyond it (257 peers and int8) would
+    # divide by a wrapped value (found on an H200).
+    wide = arr.to(torch.int64)
+    wide.div_(world_size, rounding_mode="trunc")
+    arr.copy_(wide.to(arr.dtype))

@@ -118,29 +118,24 @@ class SyncContext:
 def _host_bytes(t: Any) -> memoryview:
     """Bytes of a tensor for sending (a zero-copy view on CPU, a host copy for GPU tensors)."""
     if backend.is_cuda(t):
-        mod = type(t).__module__
-        if mod.startswith("torch"):
-            host = t.detach().contiguous().view(-1).cpu()
-            return backend.byte_view(host)
-        import cupy  # type: ignore[import-not-found]
-
-        return np.ascontiguousarray(cupy.asnumpy(t)).reshape(-1).view(np.uint8).data
+        host = np.empty(backend.describe(t).nbytes, dtype=np.uint8)
+        backend.copy_to_host(t, host)  # complete when it returns
+        return memoryview(host)  # type: ignore[arg-type]  # ndarray implements the buffer protocol
     return backend.byte_view(t)
 
 
+_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
 def _apply(t: Any, data: np.ndarray) -> None:
-    """Overwrite tensor ``t`` with raw bytes ``data`` (uint8), in place."""
+    """Overwrite tensor ``t`` with raw bytes ``data`` (uint8), in place.
+
+    GPU tensors are written on their device's current stream and the copy is complete when this
+    returns, so the caller's later work on any stream (and any thread) sees the new bytes.
+    """
     if backend.is_cuda(t):
-        mod = type(t).__module__
-        if mod.startswith("torch"):
-            import torch
-
-            src = torch.from_numpy(data).view(t.dtype).view(t.shape)
-            t.copy_(src)
-            return
-        import cupy
-
-        t.view(cupy.uint8).reshape(-1)[:] = cupy.asarray(data)
+        size = backend.describe(t).dtype.itemsize
+        backend.copy_from_host(t, data.view(_UINT_OF_SIZE[size]))
         return
     view = backend.byte_view(t)
     np.frombuffer(view, dtype=np.uint8)[:] = data
