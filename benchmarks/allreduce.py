@@ -45,6 +45,14 @@ async def _peer(cfg: dict[str, Any]) -> None:
     from pccl import ReduceOp
     from pccl.peer.communicator import open_communicator
 
+    if cfg.get("device", "cpu") == "cuda":
+        import torch
+
+        # Create the CUDA context before joining: it takes seconds, and a peer whose event loop is
+        # blocked that long misses the master's heartbeats (and the master misses its own).
+        torch.zeros(1, device="cuda")
+        torch.cuda.synchronize()
+
     async with open_communicator(cfg["master"], config=c.peer_config(),
                                  p2p_connection_pool_size=cfg["pool_size"]) as comm:
         while comm.world_size < cfg["world"]:
