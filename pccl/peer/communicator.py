@@ -226,6 +226,8 @@ class Communicator:
         self._work_cache: dict[tuple[str, int], np.ndarray] = {}
         # Host copies of GPU ``send`` tensors (host staging), reused like the work buffers.
         self._stage_cache: dict[tuple[str, int], np.ndarray] = {}
+        # Ring outputs of GPU ops: page-locked where possible, so kept apart from the CPU ops' buffers.
+        self._gpu_work_cache: dict[tuple[str, int], np.ndarray] = {}
         self._stats = collections.Counter[str]()
         from .pool import P2PPool
 
@@ -768,7 +770,7 @@ class Communicator:
         if on_gpu:
             # Host staging: the ring runs on a host copy of ``send``, taken now (before voting, so a CUDA
             # error here drags no other peer in). The copy is complete when copy_to_host returns.
-            stage = self._take_work(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, self._stage_cache)
+            stage = self._take_work(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, self._stage_cache, send)
             backend.copy_to_host(send, stage)
         st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
         self._ops[tag] = st
@@ -791,7 +793,9 @@ class Communicator:
                 await self._report_failure(st, "root lost")
                 raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
             send_np = stage if stage is not None else backend.as_numpy(send)
-            work = self._take_work(send_np.dtype, rdesc.count)
+            # A GPU op's result goes back to the device from a pinned buffer (its own cache).
+            work = (self._take_work(send_np.dtype, rdesc.count, self._gpu_work_cache, recv) if on_gpu
+                    else self._take_work(send_np.dtype, rdesc.count))
             ok, reason, tx, rx = False, "", 0, 0
             with trio.CancelScope() as scope:
                 st.scope = scope
@@ -826,7 +830,7 @@ class Communicator:
             # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
             # cannot land half-way.
             self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype, on_gpu)
-            self._give_back_work(work)
+            self._give_back_work(work, self._gpu_work_cache if on_gpu else None)
             work = None
             if stage is not None:
                 self._give_back_work(stage, self._stage_cache)
@@ -969,11 +973,22 @@ class Communicator:
             np.copyto(backend.as_numpy(recv), work)
 
     def _take_work(
-        self, dtype: np.dtype[Any], count: int, cache: dict[tuple[str, int], np.ndarray] | None = None
+        self,
+        dtype: np.dtype[Any],
+        count: int,
+        cache: dict[tuple[str, int], np.ndarray] | None = None,
+        gpu_tensor: Any = None,
     ) -> np.ndarray:
-        """A host buffer of ``count`` elements from ``cache`` (default: the ring's output buffers)."""
+        """A host buffer of ``count`` elements from ``cache`` (default: the ring's output buffers).
+
+        With ``gpu_tensor`` a new buffer is page-locked when possible (fast copies to and from that GPU).
+        """
+        from ..kernels import backend
+
         cache = self._work_cache if cache is None else cache
         buf = cache.pop((dtype.str, count), None)
+        if buf is None and gpu_tensor is not None:
+            buf = backend.pinned_empty(count, dtype, gpu_tensor)
         if buf is None:
             buf = np.empty(count, dtype=dtype)
         return buf

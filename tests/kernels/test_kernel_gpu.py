@@ -164,3 +164,34 @@ def test_torch_cuda_describe() -> None:
     assert backend.is_cuda(t)
     with pytest.raises(InvalidArgumentError):
         backend.byte_view(t)
+
+
+def test_pinned_empty_is_none_for_host_tensors() -> None:
+    assert backend.pinned_empty(1 << 20, np.dtype(np.float32), np.zeros(4, np.float32)) is None
+    assert backend.pinned_empty(1 << 20, np.dtype(np.float32), torch.zeros(4)) is None
+
+
+@cuda_torch
+def test_torch_pinned_empty_is_page_locked_and_outlives_its_allocation() -> None:
+    import gc
+
+    dev = torch.zeros(4, device="cuda")
+    assert backend.pinned_empty(10, np.dtype(np.float32), dev) is None  # below PINNED_MIN_BYTES
+    arr = backend.pinned_empty(1 << 20, np.dtype(np.float32), dev)
+    assert arr is not None and arr.dtype == np.float32 and arr.shape == (1 << 20,)
+    assert torch.from_numpy(arr).is_pinned()
+    gc.collect()
+    arr[:] = np.arange(arr.size, dtype=np.float32)  # still backed by live memory
+    back = torch.from_numpy(arr).cuda()
+    assert torch.equal(back.cpu(), torch.arange(arr.size, dtype=torch.float32))
+
+
+def test_cupy_pinned_empty_is_page_locked() -> None:
+    cupy = _cupy()
+    dev = cupy.zeros(4, dtype=cupy.float32)
+    arr = backend.pinned_empty(1 << 19, np.dtype(np.float64), dev)
+    assert arr is not None and arr.dtype == np.float64 and arr.size == 1 << 19
+    attrs = cupy.cuda.runtime.pointerGetAttributes(arr.ctypes.data)
+    assert attrs.type == 1  # cudaMemoryTypeHost: page-locked host memory
+    arr[:] = 1.5
+    assert float(cupy.asarray(arr).sum()) == 1.5 * arr.size
