@@ -74,6 +74,7 @@ _YIELD_EVERY_BYTES = 4 << 20  # a reader that never had to wait yields after thi
 # Scheduler passes a reader gives an operation's task to register a receive before it stashes the
 # frame (see _read_frame). A pass with nothing else to run costs a few microseconds.
 _REGISTER_PASSES = 16
+_REGISTER_WAIT_MIN_BYTES = 256 * 1024
 _MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _MSG_PEEK_DONTWAIT = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 
@@ -680,12 +681,13 @@ class P2PPool:
         peer = conn.peer_id
         key = (peer, tag, op_seq, seq)
         slot = self._slots.get(key)
-        if slot is None and op_seq not in self._dead_ops:
+        if slot is None and length >= _REGISTER_WAIT_MIN_BYTES and op_seq not in self._dead_ops:
             # Usually the operation's own task is already runnable (this peer got the master's
             # go-ahead too) and registers its receives within a few scheduler passes. Let it, rather
             # than stash: a stashed frame costs a fresh buffer and a second copy, and while this
             # reader fills the stash it keeps that very task from running (measured: 1-7 ms late
             # ring starts at 3 peers x 16 MB). Bounded: a truly early frame is stashed after that.
+            # Small frames are stashed at once: cheap to stash, and the passes would cost more.
             for _ in range(_REGISTER_PASSES):
                 await trio.lowlevel.checkpoint()
                 slot = self._slots.get(key)
