@@ -6,6 +6,8 @@ Fixtures (async ones need pytest-trio, e.g. ``trio_mode = true``):
   :class:`~pccl.master.server.MasterHandle` (``.connect_address`` for ``open_communicator``).
 * ``pccl_fast_configs``: ``(MasterConfig, PeerConfig)`` with short heartbeats, for failure tests.
 * ``pccl_network``: a fresh :class:`~pccl.testing.VirtualNetwork` (1 ms links, infinite bandwidth).
+* ``pccl_cupy``: the cupy module, or the test is skipped (with the reason) when cupy is missing or
+  sees no CUDA device; :func:`require_cupy` does the same inside a test body.
 * ``pccl_cluster``: a factory, ``cluster = await pccl_cluster(n_peers, **options)``, returning a
   running :class:`~pccl.testing.TestCluster` on ``pccl_network`` (pass ``network=None`` for
   loopback TCP); options are those of :func:`~pccl.testing.open_test_cluster`. Every cluster is
@@ -34,6 +36,23 @@ ClusterFactory = Callable[..., Awaitable[TestCluster]]
 """``await factory(n_peers, *, network=..., config=..., master_config=..., groups=..., pool_size=...)``."""
 
 _DEFAULT: Any = object()
+
+
+def require_cupy() -> Any:
+    """Return the cupy module, or skip the calling test when cupy is missing or has no CUDA device."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("cupy sees no CUDA device")
+    except Exception as exc:  # no driver, no device
+        pytest.skip(f"cupy cannot use a CUDA device: {exc}")
+    return cupy
+
+
+@pytest.fixture
+def pccl_cupy() -> Any:
+    """cupy with a usable CUDA device, or the test is skipped (a fixture reports the skip's reason)."""
+    return require_cupy()
 
 
 @pytest.fixture

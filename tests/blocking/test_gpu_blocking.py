@@ -30,6 +30,7 @@ from pccl.blocking import (
     SharedStateSyncStrategy,
     TensorInfo,
 )
+from pccl.testing.pytest_plugin import require_cupy
 
 from ._helpers import run_threads
 
@@ -38,13 +39,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device 
 
 @pytest.fixture
 def cp() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("cupy sees no CUDA device")
-    except Exception as exc:  # no driver / no device
-        pytest.skip(f"cupy cannot use a CUDA device: {exc}")
-    return cupy
+    return require_cupy()
 
 
 def _bits(x: Any) -> bytes:

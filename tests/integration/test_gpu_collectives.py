@@ -28,20 +28,14 @@ from pccl.kernels import backend
 from pccl.kernels.backend import TensorDesc
 from pccl.peer.communicator import Communicator, _check_same_device
 from pccl.testing import VirtualNetwork, open_test_cluster
+from pccl.testing.pytest_plugin import require_cupy
 
 from ._cluster import loopback_cluster
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
 
 
-def _cupy() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("cupy sees no CUDA device")
-    except Exception as exc:  # no driver / no device
-        pytest.skip(f"cupy cannot use a CUDA device: {exc}")
-    return cupy
+_cupy = require_cupy
 
 
 @pytest.fixture

@@ -20,18 +20,11 @@ import pccl
 from pccl import SharedStateSyncStrategy as S
 from pccl.peer.communicator import Communicator
 from pccl.peer.shared_state import SharedState, TensorInfo
+from pccl.testing.pytest_plugin import require_cupy
 
 from ._cluster import loopback_cluster
 
-
-def _cupy() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("cupy sees no CUDA device")
-    except Exception as exc:  # no driver / no device
-        pytest.skip(f"cupy cannot use a CUDA device: {exc}")
-    return cupy
+_cupy = require_cupy
 
 
 @pytest.fixture(params=["torch", "cupy"])

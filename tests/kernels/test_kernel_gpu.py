@@ -12,6 +12,7 @@ from pccl import DataType, DeviceType, InvalidArgumentError, ReduceOp
 from pccl.kernels import backend
 from pccl.kernels.hashing import content_hash
 from pccl.kernels.reduce import finalize_avg, finalize_avg_gpu, reduce_into, reduce_into_gpu
+from pccl.testing.pytest_plugin import require_cupy
 
 cuda_torch = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
 
@@ -21,14 +22,7 @@ INT_NP = [np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64
 FLOAT_NP = [np.float16, np.float32, np.float64]
 
 
-def _cupy() -> Any:
-    cupy = pytest.importorskip("cupy")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("cupy sees no CUDA device")
-    except Exception as exc:  # no driver / no device
-        pytest.skip(f"cupy cannot use a CUDA device: {exc}")
-    return cupy
+_cupy = require_cupy
 
 
 def _values(dt: Any, n: int, seed: int) -> np.ndarray[Any, Any]:
