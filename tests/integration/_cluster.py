@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import trio
 
@@ -82,3 +83,36 @@ async def loopback_cluster(
                 yield cl
             finally:
                 nursery.cancel_scope.cancel()
+
+
+async def cancel_peer0_mid_ring(
+    cl: Any, call: Callable[[int], Awaitable[None]], results: dict[int, object], min_rx: int
+) -> None:
+    """Run ``call(i)`` for every peer of test cluster ``cl`` at once and cancel peer 0's call (its
+    caller's cancel scope) once peer 0 has received ``min_rx`` bytes of this operation, i.e. in the
+    middle of the ring. ``results[0]`` becomes ``"cancelled"``; the other calls record their own."""
+    rx0 = cl.peer(0).statistics()["pool"]["rx_bytes"]
+    moved: list[bool] = []
+
+    async def cancelled_call() -> None:
+        with trio.CancelScope() as scope:
+
+            async def watch() -> None:
+                while cl.peer(0).statistics()["pool"]["rx_bytes"] - rx0 < min_rx:
+                    await trio.sleep(0.005)
+                moved.append(True)
+                scope.cancel()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(watch)
+                await call(0)
+                n.cancel_scope.cancel()
+        results.setdefault(0, "cancelled")
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            n.start_soon(cancelled_call)
+            for i in range(1, len(cl.peers)):
+                n.start_soon(call, i)
+    assert moved, "the call finished before the ring moved a chunk"
+    assert results[0] == "cancelled"

@@ -17,6 +17,8 @@ import pccl
 from pccl.testing import VirtualNetwork, open_test_cluster
 from pccl.wire import messages as m
 
+from ._cluster import cancel_peer0_mid_ring
+
 COUNT = 1 << 20  # 4 MB of float32: ~0.1 s per ring step at 10 MB/s
 
 
@@ -34,8 +36,6 @@ async def test_cancelled_mid_ring_restores_every_buffer(
         recvs = [s if in_place else np.full(COUNT, -7.0, np.float32) for s in sends]
         before = [r.tobytes() for r in recvs]
         results: dict[int, object] = {}
-        moved: list[bool] = []
-        rx0 = cl.peer(0).statistics()["pool"]["rx_bytes"]
 
         async def call(i: int) -> None:
             try:
@@ -43,29 +43,8 @@ async def test_cancelled_mid_ring_restores_every_buffer(
             except pccl.PCCLError as exc:
                 results[i] = exc
 
-        async def cancelled_call() -> None:
-            with trio.CancelScope() as scope:
-
-                async def watch() -> None:
-                    # cancel in the middle of the ring: once peer 0 has received a first chunk
-                    while cl.peer(0).statistics()["pool"]["rx_bytes"] - rx0 < COUNT:
-                        await trio.sleep(0.005)
-                    moved.append(True)
-                    scope.cancel()
-
-                async with trio.open_nursery() as n:
-                    n.start_soon(watch)
-                    await call(0)
-                    n.cancel_scope.cancel()
-            results.setdefault(0, "cancelled")
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as n:
-                n.start_soon(cancelled_call)
-                n.start_soon(call, 1)
-                n.start_soon(call, 2)
-        assert moved, "the call finished before the ring moved a chunk"
-        assert results[0] == "cancelled"
+        # cancel in the middle of the ring: once peer 0 has received a first chunk
+        await cancel_peer0_mid_ring(cl, call, results, COUNT)
         for i in (1, 2):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
         for i in range(3):
