@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,6 +39,7 @@ from .._errors import (
 )
 from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ..kernels.quantize import dequantize, metadata_size, quantize
+from ..peer.buffers import BufferCache
 from ..peer.pool import P2PPool, ReceiveSlot
 from ._reduce import reduce_into
 from .schedule import (
@@ -80,8 +80,8 @@ QUANTIZED_BLOCK_DIVISOR = 4
 # buffers of successful operations are kept for the next one of the same size.
 _SCRATCH_KEEP = 4
 _SCRATCH_KEEP_BYTES = 1 << 30
-_scratch_free: OrderedDict[int, list[np.ndarray]] = OrderedDict()
-_scratch_lock = threading.Lock()
+_scratch = BufferCache(max_entries=_SCRATCH_KEEP, max_bytes=_SCRATCH_KEEP_BYTES)
+_scratch_lock = threading.Lock()  # communicators in several threads share it
 
 _REDUCING_KINDS = ("all_reduce", "reduce_scatter")
 _U32 = 0xFFFFFFFF
@@ -91,30 +91,13 @@ _U64 = 0xFFFFFFFFFFFFFFFF
 def _take_scratch(nbytes: int) -> np.ndarray:
     """A ``uint8`` array of ``nbytes`` (contents unspecified), reused from an earlier op when possible."""
     with _scratch_lock:
-        free = _scratch_free.get(nbytes)
-        if free:
-            buf = free.pop()
-            if not free:
-                del _scratch_free[nbytes]
-            return buf
-    return np.empty(nbytes, dtype=np.uint8)
+        return _scratch.take(np.dtype(np.uint8), nbytes)
 
 
 def _give_back_scratch(buf: np.ndarray) -> None:
     """Keep ``buf`` for a later op. Only for ops that succeeded: nothing references it any more."""
     with _scratch_lock:
-        if buf.size > _SCRATCH_KEEP_BYTES:
-            return
-        _scratch_free.setdefault(buf.size, []).append(buf)
-        _scratch_free.move_to_end(buf.size)
-        while (
-            sum(len(v) for v in _scratch_free.values()) > _SCRATCH_KEEP
-            or sum(k * len(v) for k, v in _scratch_free.items()) > _SCRATCH_KEEP_BYTES
-        ):
-            oldest = next(iter(_scratch_free))
-            _scratch_free[oldest].pop(0)
-            if not _scratch_free[oldest]:
-                del _scratch_free[oldest]
+        _scratch.give_back(buf)
 
 
 def _byte_view(a: np.ndarray) -> memoryview:

@@ -53,6 +53,7 @@ from ..master.server import parse_address
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
+from .buffers import BufferCache
 
 if TYPE_CHECKING:
     from ..kernels.backend import TensorDesc
@@ -223,11 +224,11 @@ class Communicator:
         self._nursery: trio.Nursery | None = None
         self._last_master_msg = 0.0
         self._closed = False
-        self._work_cache: dict[tuple[str, int], np.ndarray] = {}
+        self._work_cache = BufferCache()
         # Host copies of GPU ``send`` tensors (host staging), reused like the work buffers.
-        self._stage_cache: dict[tuple[str, int], np.ndarray] = {}
+        self._stage_cache = BufferCache()
         # Ring outputs of GPU ops: page-locked where possible, so kept apart from the CPU ops' buffers.
-        self._gpu_work_cache: dict[tuple[str, int], np.ndarray] = {}
+        self._gpu_work_cache = BufferCache()
         self._stats = collections.Counter[str]()
         from .pool import P2PPool
 
@@ -770,7 +771,7 @@ class Communicator:
         if on_gpu:
             # Host staging: the ring runs on a host copy of ``send``, taken now (before voting, so a CUDA
             # error here drags no other peer in). The copy is complete when copy_to_host returns.
-            stage = self._take_work(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, self._stage_cache, send)
+            stage = self._stage_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
             backend.copy_to_host(send, stage)
         st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
         self._ops[tag] = st
@@ -794,8 +795,8 @@ class Communicator:
                 raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
             send_np = stage if stage is not None else backend.as_numpy(send)
             # A GPU op's result goes back to the device from a pinned buffer (its own cache).
-            work = (self._take_work(send_np.dtype, rdesc.count, self._gpu_work_cache, recv) if on_gpu
-                    else self._take_work(send_np.dtype, rdesc.count))
+            work = (self._gpu_work_cache.take(send_np.dtype, rdesc.count, recv) if on_gpu
+                    else self._work_cache.take(send_np.dtype, rdesc.count))
             ok, reason, tx, rx = False, "", 0, 0
             with trio.CancelScope() as scope:
                 st.scope = scope
@@ -830,10 +831,11 @@ class Communicator:
             # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
             # cannot land half-way.
             self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype, on_gpu)
-            self._give_back_work(work, self._gpu_work_cache if on_gpu else None)
+            # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
+            (self._gpu_work_cache if on_gpu else self._work_cache).give_back(work)
             work = None
             if stage is not None:
-                self._give_back_work(stage, self._stage_cache)
+                self._stage_cache.give_back(stage)
             self._stats[f"{kind}_ok"] += 1
             return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
         except PCCLError:
@@ -971,35 +973,6 @@ class Communicator:
             backend.copy_from_host(recv, work)
         else:
             np.copyto(backend.as_numpy(recv), work)
-
-    def _take_work(
-        self,
-        dtype: np.dtype[Any],
-        count: int,
-        cache: dict[tuple[str, int], np.ndarray] | None = None,
-        gpu_tensor: Any = None,
-    ) -> np.ndarray:
-        """A host buffer of ``count`` elements from ``cache`` (default: the ring's output buffers).
-
-        With ``gpu_tensor`` a new buffer is page-locked when possible (fast copies to and from that GPU).
-        """
-        from ..kernels import backend
-
-        cache = self._work_cache if cache is None else cache
-        buf = cache.pop((dtype.str, count), None)
-        if buf is None and gpu_tensor is not None:
-            buf = backend.pinned_empty(count, dtype, gpu_tensor)
-        if buf is None:
-            buf = np.empty(count, dtype=dtype)
-        return buf
-
-    def _give_back_work(
-        self, buf: np.ndarray, cache: dict[tuple[str, int], np.ndarray] | None = None
-    ) -> None:
-        # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
-        cache = self._work_cache if cache is None else cache
-        if len(cache) < 8:
-            cache[(buf.dtype.str, buf.size)] = buf
 
     async def all_reduce_multiple_with_retry(
         self,

@@ -575,7 +575,7 @@ async def test_ready_frames_earlier_steps_first() -> None:
 
 
 def test_scratch_reuse_is_bounded() -> None:
-    ring_mod._scratch_free.clear()
+    ring_mod._scratch.clear()
     a = ring_mod._take_scratch(1000)
     ring_mod._give_back_scratch(a)
     assert ring_mod._take_scratch(1000) is a  # same size: reused
@@ -583,9 +583,11 @@ def test_scratch_reuse_is_bounded() -> None:
     bufs = [ring_mod._take_scratch(100 + i) for i in range(ring_mod._SCRATCH_KEEP + 2)]
     for b in bufs:
         ring_mod._give_back_scratch(b)
-    assert sum(len(v) for v in ring_mod._scratch_free.values()) == ring_mod._SCRATCH_KEEP
-    assert 100 not in ring_mod._scratch_free and 101 not in ring_mod._scratch_free  # oldest dropped
-    ring_mod._scratch_free.clear()
+    assert len(ring_mod._scratch) == ring_mod._SCRATCH_KEEP
+    # the two oldest were dropped
+    assert ring_mod._take_scratch(100) is not bufs[0] and ring_mod._take_scratch(101) is not bufs[1]
+    assert ring_mod._take_scratch(100 + ring_mod._SCRATCH_KEEP + 1) is bufs[-1]  # the newest is kept
+    ring_mod._scratch.clear()
 
 
 async def test_quantized_ops_reuse_scratch_and_stay_identical(path: str) -> None:
@@ -594,7 +596,7 @@ async def test_quantized_ops_reuse_scratch_and_stay_identical(path: str) -> None
     rng = np.random.default_rng(5)
     n, count = 2, 200_000
     q = QuantizationOptions(quantized_datatype=DataType.UINT8, algorithm=QuantizationAlgorithm.MIN_MAX)
-    ring_mod._scratch_free.clear()
+    ring_mod._scratch.clear()
     async with open_ring(n) as ring:
         sends = [rng.standard_normal(count).astype(np.float32) for _ in range(n)]
         results = []
@@ -613,10 +615,10 @@ async def test_quantized_ops_reuse_scratch_and_stay_identical(path: str) -> None
             assert same_bits(outs[0], outs[1])
             results.append(outs[0])
             # both ranks' scratch buffers were handed back (same size: a 2-rank all-reduce is symmetric)
-            assert sum(len(v) for v in ring_mod._scratch_free.values()) == n
+            assert len(ring_mod._scratch) == n
         # the second op ran in the first one's (dirty) scratch and produced the same bits
         assert same_bits(results[0], results[1])
-    ring_mod._scratch_free.clear()
+    ring_mod._scratch.clear()
 
 
 async def test_quantized_blocks_are_a_fraction_of_block_bytes(path: str) -> None:

@@ -116,3 +116,21 @@ async def cancel_peer0_mid_ring(
                 n.start_soon(call, i)
     assert moved, "the call finished before the ring moved a chunk"
     assert results[0] == "cancelled"
+
+
+async def kill_peer2_mid_ring(cl: Any, call: Callable[[int], Awaitable[None]], min_rx: int) -> None:
+    """Run ``call(i)`` for peers 0-2 of test cluster ``cl`` at once and kill peer 2 once peers 0 and 1
+    have each received ``min_rx`` bytes of this operation, i.e. in the middle of the ring."""
+    rx0 = [cl.peer(i).statistics()["pool"]["rx_bytes"] for i in range(2)]
+
+    async def killer() -> None:
+        while any(cl.peer(i).statistics()["pool"]["rx_bytes"] - rx0[i] < min_rx for i in range(2)):
+            await trio.sleep(0.005)
+        cl.kill(2)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            n.start_soon(killer)
+            n.start_soon(call, 0)
+            n.start_soon(call, 1)
+            cl.start_soon(2, call, 2)  # dies with its peer

@@ -17,7 +17,7 @@ import pccl
 from pccl.testing import VirtualNetwork, open_test_cluster
 from pccl.wire import messages as m
 
-from ._cluster import cancel_peer0_mid_ring
+from ._cluster import cancel_peer0_mid_ring, kill_peer2_mid_ring
 
 COUNT = 1 << 20  # 4 MB of float32: ~0.1 s per ring step at 10 MB/s
 
@@ -73,20 +73,8 @@ async def test_peer_killed_mid_ring_restores_survivor_in_place_buffers(
             except pccl.PCCLError as exc:
                 results[i] = exc
 
-        rx0 = [cl.peer(i).statistics()["pool"]["rx_bytes"] for i in range(2)]
-
-        async def killer() -> None:
-            # mid-ring: both survivors have received at least a first chunk
-            while any(cl.peer(i).statistics()["pool"]["rx_bytes"] - rx0[i] < COUNT for i in range(2)):
-                await trio.sleep(0.005)
-            cl.kill(2)
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as n:
-                n.start_soon(killer)
-                n.start_soon(call, 0)
-                n.start_soon(call, 1)
-                cl.start_soon(2, call, 2)  # dies with its peer
+        # mid-ring: both survivors have received at least a first chunk
+        await kill_peer2_mid_ring(cl, call, COUNT)
         for i in (0, 1):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
             assert sends[i].tobytes() == before[i], f"peer {i}: buffer not restored"

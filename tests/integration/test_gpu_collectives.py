@@ -30,7 +30,7 @@ from pccl.peer.communicator import Communicator, _check_same_device
 from pccl.testing import VirtualNetwork, open_test_cluster
 from pccl.testing.pytest_plugin import require_cupy
 
-from ._cluster import cancel_peer0_mid_ring, loopback_cluster
+from ._cluster import cancel_peer0_mid_ring, kill_peer2_mid_ring, loopback_cluster
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
 
@@ -428,20 +428,8 @@ async def test_peer_killed_mid_ring_leaves_survivor_cuda_buffers_untouched(
             except pccl.PCCLError as exc:
                 results[i] = exc
 
-        rx0 = [cl.peer(i).statistics()["pool"]["rx_bytes"] for i in range(2)]
-
-        async def killer() -> None:
-            # mid-ring: both survivors have received at least a first chunk
-            while any(cl.peer(i).statistics()["pool"]["rx_bytes"] - rx0[i] < COUNT for i in range(2)):
-                await trio.sleep(0.005)
-            cl.kill(2)
-
-        with trio.fail_after(30):
-            async with trio.open_nursery() as n:
-                n.start_soon(killer)
-                n.start_soon(call, 0)
-                n.start_soon(call, 1)
-                cl.start_soon(2, call, 2)  # dies with its peer
+        # mid-ring: both survivors have received at least a first chunk
+        await kill_peer2_mid_ring(cl, call, COUNT)
         for i in (0, 1):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
             assert _bits(xs[i]) == before[i], f"peer {i}: CUDA buffer changed"
