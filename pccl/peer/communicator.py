@@ -145,6 +145,15 @@ class _Mailbox:
         return self._items.popleft()
 
 
+@dataclass(eq=False)
+class _StallGuard:
+    """One running data plane, watched by :meth:`Communicator._stall_monitor`."""
+
+    started: float
+    scope: trio.CancelScope
+    stalled: float | None = None  # seconds without progress, once the monitor gave up on it
+
+
 @dataclass
 class _OpState:
     """A collective in flight, registered under its tag."""
@@ -230,6 +239,8 @@ class Communicator:
         # Ring outputs of GPU ops: page-locked where possible, so kept apart from the CPU ops' buffers.
         self._gpu_work_cache = BufferCache()
         self._stats = collections.Counter[str]()
+        self._guards: set[_StallGuard] = set()
+        self._guards_changed = trio.Event()
         from .pool import P2PPool
 
         self._pool_cls = P2PPool
@@ -359,6 +370,7 @@ class Communicator:
         nursery.start_soon(self._reader)
         nursery.start_soon(self._heartbeat)
         nursery.start_soon(self._watchdog)
+        nursery.start_soon(self._stall_monitor)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
         accepted = await self._accepted.wait()
         self._set_table(accepted.peers, accepted.epoch)
@@ -863,50 +875,60 @@ class Communicator:
         moves no bytes at all for ``p2p_stall_timeout`` seconds the operation fails with
         RANK_CONNECTION_LOST, and the master aborts it for everyone.
         """
-        limit = self.config.p2p_stall_timeout
+        guard = _StallGuard(started=trio.current_time(), scope=trio.CancelScope())
+        self._guards.add(guard)
+        self._guards_changed.set()
         result: list[tuple[int, int]] = []
-        errors: list[PCCLError] = []
-        stalled: list[float] = []
+        try:
+            with guard.scope:  # cancelled only by the stall monitor
+                result.append(await run())
+        finally:
+            self._guards.discard(guard)
+        if result:
+            return result[0]
+        stalled = guard.stalled if guard.stalled is not None else self.config.p2p_stall_timeout
+        log.warning(
+            "peer %d: no data moved on the ring for %.1fs (p2p_stall_timeout): failing the operation",
+            self.peer_id, stalled,
+        )
+        raise RankConnectionLostError(
+            f"no data moved on the ring for {stalled:.1f}s (p2p_stall_timeout): a ring link is "
+            f"partitioned or a neighbour stopped sending"
+        )
+
+    async def _stall_monitor(self) -> None:
+        """The watchdog of every running data plane (:meth:`_run_guarded`), one task for all of them.
+
+        While any data plane runs, samples the pool's byte counters every ``p2p_stall_timeout / 8``;
+        a data plane that has seen no progress for ``p2p_stall_timeout`` (counted from its own start
+        or the last progress, whichever is later) is cancelled. Sleeps while none runs, so an idle
+        communicator costs nothing (and a mock clock has nothing to jump to). One long-lived task
+        instead of a nursery and two tasks per operation: measured 0.25 ms of CPU per 64 KB
+        all-reduce (2 peers, 0.9 vs 1.14 ms).
+        """
+        limit = self.config.p2p_stall_timeout
 
         def progress() -> tuple[int, int]:
             stats = self.pool.statistics()
             return (stats["tx_bytes"], stats["rx_bytes"])
 
-        async with trio.open_nursery() as nursery:
-
-            async def watchdog() -> None:
-                last, since = progress(), trio.current_time()
-                while True:
-                    await trio.sleep(limit / 8)
-                    now, cur = trio.current_time(), progress()
-                    if cur != last:
-                        last, since = cur, now
-                    elif now - since >= limit:
-                        stalled.append(now - since)
-                        nursery.cancel_scope.cancel()
-                        return
-
-            async def body() -> None:
-                try:
-                    result.append(await run())
-                except PCCLError as exc:  # re-raised below, outside the nursery (no ExceptionGroup)
-                    errors.append(exc)
-                nursery.cancel_scope.cancel()
-
-            nursery.start_soon(watchdog)
-            nursery.start_soon(body)
-        if errors:
-            raise errors[0]
-        if stalled:
-            log.warning(
-                "peer %d: no data moved on the ring for %.1fs (p2p_stall_timeout): failing the operation",
-                self.peer_id, stalled[0],
-            )
-            raise RankConnectionLostError(
-                f"no data moved on the ring for {stalled[0]:.1f}s (p2p_stall_timeout): a ring link is "
-                f"partitioned or a neighbour stopped sending"
-            )
-        return result[0]
+        while True:
+            if not self._guards:
+                self._guards_changed = trio.Event()
+                await self._guards_changed.wait()
+                continue
+            last, since = progress(), trio.current_time()
+            while self._guards:
+                await trio.sleep(limit / 8)
+                now, cur = trio.current_time(), progress()
+                if cur != last:
+                    last, since = cur, now
+                    continue
+                for guard in list(self._guards):
+                    quiet = now - max(since, guard.started)
+                    if quiet >= limit and guard.stalled is None:
+                        guard.stalled = quiet
+                        guard.scope.cancel()
 
     async def _run_dataplane(
         self,

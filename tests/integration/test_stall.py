@@ -33,3 +33,21 @@ async def test_partitioned_ring_link_fails_within_stall_timeout(
         results = await cl.run_all(lambda i, c: c.all_reduce(bufs[i], tag=1))
         assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
         assert all((b == 6).all() for b in bufs)
+        # the one stall monitor per peer forgets finished data planes, failed or not
+        assert all(not c._guards for c in cl.peers)
+
+
+async def test_stall_clock_starts_with_each_data_plane(autojump_clock: trio.testing.MockClock) -> None:
+    """A data plane that starts long after the pool's last progress gets its full stall timeout."""
+    cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=5.0)
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=cfg) as cl:
+        bufs = [np.full(1 << 10, i + 1, np.float32) for i in range(3)]
+        results = await cl.run_all(lambda i, c: c.all_reduce(bufs[i], tag=1))
+        assert all(isinstance(r, pccl.ReduceInfo) for r in results), results
+        await trio.sleep(60)  # virtual: no data moves for far longer than the stall timeout
+        cl.partition(0, 1)
+        t0 = trio.current_time()
+        results = await cl.run_all(lambda i, c: c.all_reduce(bufs[i], tag=1))
+        took = trio.current_time() - t0
+        assert all(isinstance(r, pccl.RankConnectionLostError) for r in results), results
+        assert 5.0 <= took <= 7.0, took
