@@ -184,8 +184,6 @@ class ReduceOpDescriptor:
         """
         if not (_is_torch(send) and _is_torch(recv)):
             raise InvalidArgumentError("ReduceOpDescriptor.from_torch needs two torch tensors")
-        if send.device != recv.device:
-            raise InvalidArgumentError(f"send is on {send.device} but recv is on {recv.device}")
         _check_pair(send, recv, reduce_descriptor.count)
         return ReduceOpDescriptor(send, recv, reduce_descriptor)
 
@@ -211,8 +209,6 @@ class ReduceOpDescriptor:
         """
         if not (_is_cupy(send) and _is_cupy(recv)):
             raise InvalidArgumentError("ReduceOpDescriptor.from_cupy needs two cupy arrays")
-        if send.device != recv.device:
-            raise InvalidArgumentError(f"send is on {send.device} but recv is on {recv.device}")
         _check_pair(send, recv, reduce_descriptor.count)
         return ReduceOpDescriptor(send, recv, reduce_descriptor)
 
@@ -232,9 +228,10 @@ def _is_cupy(t: object) -> bool:
 
 
 def _check_pair(send: Any, recv: Any, count: int | None) -> DataType:
-    """Validate a send/recv pair; returns their data type."""
+    """Validate a send/recv pair (dtype, size, same device); returns their data type."""
     from .kernels import backend
 
+    backend.check_same_device(backend.device_index(send), backend.device_index(recv))
     sd = backend.describe(send)
     rd = backend.describe(recv)
     if sd.dtype != rd.dtype:
@@ -275,8 +272,6 @@ def _prepare(send: Any, recv: Any, *, op: Any, tag: Any, count: int | None,
         raise InvalidArgumentError(
             f"unsupported input types {type(send).__name__}, {type(recv).__name__}: send and recv must "
             "both be torch.Tensor, both be numpy.ndarray or both be cupy.ndarray")
-    if (both_torch or both_cupy) and send.device != recv.device:
-        raise InvalidArgumentError(f"send is on {send.device} but recv is on {recv.device}")
     dtype = _check_pair(send, recv, count)
     try:
         op = ReduceOp(op)

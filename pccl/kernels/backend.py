@@ -37,6 +37,7 @@ __all__ = [
     "TensorDesc",
     "bfloat16_numpy_dtype",
     "byte_view",
+    "check_same_device",
     "copy_from_host",
     "copy_to_host",
     "describe",
@@ -456,6 +457,27 @@ def device_index(t: object) -> int:
     return -1
 
 
+def check_same_device(send_index: int, recv_index: int) -> None:
+    """Refuse a send/recv pair on different devices (the CPU and a GPU, or two GPUs).
+
+    Args:
+        send_index: :func:`device_index` of ``send`` (-1: the CPU).
+        recv_index: :func:`device_index` of ``recv``.
+
+    Raises:
+        InvalidArgumentError: the two live on different devices.
+    """
+
+    def name(i: int) -> str:
+        return "the CPU" if i < 0 else f"CUDA device {i}"
+
+    if send_index != recv_index:
+        raise InvalidArgumentError(
+            f"send is on {name(send_index)} but recv is on {name(recv_index)}; "
+            "send and recv must live on the same device"
+        )
+
+
 def sync_current_stream(t: object) -> None:
     """Wait until the calling thread's current stream on ``t``'s device is idle (nothing for CPU tensors).
 
@@ -519,7 +541,7 @@ def copy_to_host(t: object, out: np.ndarray[Any, Any]) -> None:
     if _is_torch_tensor(t):
         torch = _torch()
         assert torch is not None
-        # A blocking copy into pageable memory: torch synchronizes the stream before returning.
+        # non_blocking=False: torch synchronizes the stream before returning (pinned memory or not).
         torch.from_numpy(dst).copy_(src)
         return
     cupy = _cupy()
@@ -531,27 +553,29 @@ def copy_to_host(t: object, out: np.ndarray[Any, Any]) -> None:
 
 
 def copy_from_host(t: object, src: np.ndarray[Any, Any], lo: int = 0, hi: int | None = None) -> None:
-    """Overwrite elements ``[lo, hi)`` of a GPU tensor's flat view with ``src[lo:hi]``; returns when done.
+    """Overwrite elements ``[lo, hi)`` of a GPU tensor's flat view with the same bytes of ``src``;
+    returns when done.
 
     The copy runs on the current stream of the tensor's device (ordered after the caller's queued work there)
     and is complete when this returns, so the caller may use ``t`` on any stream afterwards.
 
     Args:
         t: a contiguous torch CUDA tensor or cupy array.
-        src: a C-contiguous host array with as many elements as ``t``, of the same item size.
-        lo: first element to write.
+        src: a C-contiguous host array of exactly ``describe(t).nbytes`` bytes (any dtype: its bytes are
+            copied as they are).
+        lo: first element (of ``t``) to write.
         hi: end of the written range (default: all elements).
 
     Raises:
-        InvalidArgumentError: ``t`` is not a GPU tensor, or ``src`` does not match it.
+        InvalidArgumentError: ``t`` is not a GPU tensor, or ``src`` / the range does not match it.
     """
     desc = describe(t)
     if desc.device is not DeviceType.CUDA:
         raise InvalidArgumentError("copy_from_host needs a GPU tensor")
     hi = desc.count if hi is None else hi
-    if src.size != desc.count or src.itemsize != desc.dtype.itemsize or not 0 <= lo <= hi <= desc.count:
+    if src.nbytes != desc.nbytes or not 0 <= lo <= hi <= desc.count:
         raise InvalidArgumentError(
-            f"host array of {src.size} x {src.itemsize} bytes, range [{lo}, {hi}) does not match a tensor "
+            f"host array of {src.nbytes} bytes, range [{lo}, {hi}) does not match a tensor "
             f"of {desc.count} x {desc.dtype.itemsize} bytes"
         )
     size = desc.dtype.itemsize
@@ -562,7 +586,7 @@ def copy_from_host(t: object, src: np.ndarray[Any, Any], lo: int = 0, hi: int | 
     if _is_torch_tensor(t):
         torch = _torch()
         assert torch is not None
-        # non_blocking=False: torch synchronizes the stream before returning.
+        # non_blocking=False: torch synchronizes the stream before returning (pinned memory or not).
         dst.copy_(torch.from_numpy(part))
         return
     cupy = _cupy()

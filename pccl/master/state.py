@@ -279,23 +279,26 @@ class MasterState:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
         return [f"{what} waits for {sorted(waiting)}{detail}" for what, waiting, detail in self._waits()]
 
+    def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
+        """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
+        plus :meth:`PeerRecord.straggler_limit`)."""
+        return {
+            p: self.peers[p].last_seen + self.peers[p].straggler_limit(minimum, cap)
+            for p in sorted(self.waited_on())
+        }
+
     def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
         """Peers others are waiting for that have been silent past their straggler limit
         (:meth:`PeerRecord.straggler_limit`), with how long each has been silent."""
-        out = []
-        for pid in sorted(self.waited_on()):
-            rec = self.peers[pid]
-            silent = now - rec.last_seen
-            if silent > rec.straggler_limit(minimum, cap):
-                out.append((pid, silent))
-        return out
+        return [
+            (p, now - self.peers[p].last_seen)
+            for p, deadline in self._straggler_deadlines(minimum, cap).items()
+            if now > deadline
+        ]
 
     def straggler_deadline(self, minimum: float, cap: float) -> float | None:
         """When the earliest waited-on peer would become a straggler if it stays silent."""
-        times = [
-            self.peers[p].last_seen + self.peers[p].straggler_limit(minimum, cap) for p in self.waited_on()
-        ]
-        return min(times, default=None)
+        return min(self._straggler_deadlines(minimum, cap).values(), default=None)
 
     def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
         """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels import backend
+
 DEFAULT_MAX_ENTRIES = 8
 DEFAULT_MAX_BYTES = 1 << 30
 
@@ -62,8 +64,6 @@ class BufferCache:
             self._count -= 1
             return buf
         if gpu_tensor is not None:
-            from ..kernels import backend
-
             pinned = backend.pinned_empty(count, np.dtype(dtype), gpu_tensor)
             if pinned is not None:
                 return pinned

@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import trio
@@ -41,7 +41,6 @@ from .._errors import (
 from .._types import (
     Attribute,
     DataType,
-    DeviceType,
     QuantizationAlgorithm,
     QuantizationOptions,
     ReduceInfo,
@@ -54,9 +53,6 @@ from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
 from .buffers import BufferCache
-
-if TYPE_CHECKING:
-    from ..kernels.backend import TensorDesc
 
 log = logging.getLogger("pccl.peer")
 
@@ -167,29 +163,6 @@ class _OpState:
     concluded: bool = False
 
 
-def _check_same_device(sdesc: TensorDesc, s_index: int, rdesc: TensorDesc, r_index: int) -> None:
-    """Refuse a send/recv pair on different devices (one on the CPU and one on a GPU, or two GPUs).
-
-    Args:
-        sdesc: ``describe(send)``.
-        s_index: ``send``'s CUDA device index (-1 on the CPU).
-        rdesc: ``describe(recv)``.
-        r_index: ``recv``'s CUDA device index (-1 on the CPU).
-
-    Raises:
-        InvalidArgumentError: the two live on different devices.
-    """
-
-    def name(d: TensorDesc, i: int) -> str:
-        return "the CPU" if d.device is DeviceType.CPU else f"CUDA device {i}"
-
-    if sdesc.device != rdesc.device or s_index != r_index:
-        raise InvalidArgumentError(
-            f"send is on {name(sdesc, s_index)} but recv is on {name(rdesc, r_index)}; "
-            "send and recv must live on the same device"
-        )
-
-
 def _ring_neighbours(rows: Sequence[Sequence[Any]], me: int) -> tuple[list[Any] | None, list[Any] | None]:
     """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone."""
     ids = [r[0] for r in rows]
@@ -233,11 +206,10 @@ class Communicator:
         self._nursery: trio.Nursery | None = None
         self._last_master_msg = 0.0
         self._closed = False
+        # Ring outputs of CPU ops; GPU ops take their host copy of ``send`` and their ring output from
+        # _gpu_cache (page-locked where possible, so kept apart).
         self._work_cache = BufferCache()
-        # Host copies of GPU ``send`` tensors (host staging), reused like the work buffers.
-        self._stage_cache = BufferCache()
-        # Ring outputs of GPU ops: page-locked where possible, so kept apart from the CPU ops' buffers.
-        self._gpu_work_cache = BufferCache()
+        self._gpu_cache = BufferCache()
         self._stats = collections.Counter[str]()
         self._guards: set[_StallGuard] = set()
         self._guards_changed = trio.Event()
@@ -743,10 +715,10 @@ class Communicator:
         rdesc = backend.describe(recv)
         if sdesc.dtype != rdesc.dtype:
             raise InvalidArgumentError(f"send is {sdesc.dtype.name} but recv is {rdesc.dtype.name}")
-        on_gpu = sdesc.device is DeviceType.CUDA or rdesc.device is DeviceType.CUDA
-        if on_gpu:
-            # Checked before voting so that the other peers are not dragged into a failed op.
-            _check_same_device(sdesc, backend.device_index(send), rdesc, backend.device_index(recv))
+        # Checked before voting so that the other peers are not dragged into a failed op.
+        device = backend.device_index(send)
+        backend.check_same_device(device, backend.device_index(recv))
+        on_gpu = device >= 0
         group = self.group_ring
         n = len(group)
         if kind == "all_gather":
@@ -783,7 +755,7 @@ class Communicator:
         if on_gpu:
             # Host staging: the ring runs on a host copy of ``send``, taken now (before voting, so a CUDA
             # error here drags no other peer in). The copy is complete when copy_to_host returns.
-            stage = self._stage_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
+            stage = self._gpu_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
             backend.copy_to_host(send, stage)
         st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
         self._ops[tag] = st
@@ -806,9 +778,8 @@ class Communicator:
                 await self._report_failure(st, "root lost")
                 raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
             send_np = stage if stage is not None else backend.as_numpy(send)
-            # A GPU op's result goes back to the device from a pinned buffer (its own cache).
-            work = (self._gpu_work_cache.take(send_np.dtype, rdesc.count, recv) if on_gpu
-                    else self._work_cache.take(send_np.dtype, rdesc.count))
+            cache = self._gpu_cache if on_gpu else self._work_cache
+            work = cache.take(send_np.dtype, rdesc.count, recv if on_gpu else None)
             ok, reason, tx, rx = False, "", 0, 0
             with trio.CancelScope() as scope:
                 st.scope = scope
@@ -842,12 +813,12 @@ class Communicator:
             st.concluded = True
             # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
             # cannot land half-way.
-            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype, on_gpu)
+            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype)
             # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
-            (self._gpu_work_cache if on_gpu else self._work_cache).give_back(work)
+            cache.give_back(work)
             work = None
             if stage is not None:
-                self._stage_cache.give_back(stage)
+                cache.give_back(stage)
             self._stats[f"{kind}_ok"] += 1
             return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
         except PCCLError:
@@ -886,7 +857,8 @@ class Communicator:
             self._guards.discard(guard)
         if result:
             return result[0]
-        stalled = guard.stalled if guard.stalled is not None else self.config.p2p_stall_timeout
+        stalled = guard.stalled  # only the stall monitor cancels guard.scope, and it sets this first
+        assert stalled is not None
         log.warning(
             "peer %d: no data moved on the ring for %.1fs (p2p_stall_timeout): failing the operation",
             self.peer_id, stalled,
@@ -962,39 +934,25 @@ class Communicator:
         )
 
     def _commit(
-        self,
-        kind: str,
-        op: ReduceOp,
-        work: np.ndarray,
-        recv: Any,
-        n: int,
-        rank: int,
-        dtype: DataType,
-        on_gpu: bool = False,
+        self, kind: str, op: ReduceOp, work: np.ndarray, recv: Any, n: int, rank: int, dtype: DataType
     ) -> None:
         """Write the result (host ``work``) into the caller's ``recv``; AVG is finalized here, on host.
 
-        A GPU ``recv`` gets a synchronous host-to-device copy of the written range (complete on return).
+        reduce_scatter writes only this rank's chunk. A GPU ``recv`` gets a synchronous host-to-device
+        copy (complete on return).
         """
         from ..collectives.schedule import chunk_bounds
         from ..kernels import backend, reduce
 
-        if kind == "reduce_scatter":
-            lo, hi = chunk_bounds(work.size, n)[rank]
-            if op == ReduceOp.AVG:
-                reduce.finalize_avg(work[lo:hi], n, dtype=dtype)
-            if on_gpu:
-                backend.copy_from_host(recv, work, lo, hi)
-            else:
-                backend.as_numpy(recv)[lo:hi] = work[lo:hi]
-            self._last_chunk = slice(lo, hi)
-            return
-        if kind == "all_reduce" and op == ReduceOp.AVG:
-            reduce.finalize_avg(work, n, dtype=dtype)
-        if on_gpu:
-            backend.copy_from_host(recv, work)
+        lo, hi = chunk_bounds(work.size, n)[rank] if kind == "reduce_scatter" else (0, work.size)
+        if op == ReduceOp.AVG:  # all_reduce and reduce_scatter only: the others run as SUM
+            reduce.finalize_avg(work[lo:hi], n, dtype=dtype)
+        if backend.is_cuda(recv):
+            backend.copy_from_host(recv, work, lo, hi)
         else:
-            np.copyto(backend.as_numpy(recv), work)
+            backend.as_numpy(recv)[lo:hi] = work[lo:hi]
+        if kind == "reduce_scatter":
+            self._last_chunk = slice(lo, hi)
 
     async def all_reduce_multiple_with_retry(
         self,

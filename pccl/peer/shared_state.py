@@ -124,9 +124,6 @@ def _host_bytes(t: Any) -> memoryview:
     return backend.byte_view(t)
 
 
-_UINT_OF_SIZE = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
 def _apply(t: Any, data: np.ndarray) -> None:
     """Overwrite tensor ``t`` with raw bytes ``data`` (uint8), in place.
 
@@ -134,8 +131,7 @@ def _apply(t: Any, data: np.ndarray) -> None:
     returns, so the caller's later work on any stream (and any thread) sees the new bytes.
     """
     if backend.is_cuda(t):
-        size = backend.describe(t).dtype.itemsize
-        backend.copy_from_host(t, data.view(_UINT_OF_SIZE[size]))
+        backend.copy_from_host(t, data)
         return
     view = backend.byte_view(t)
     np.frombuffer(view, dtype=np.uint8)[:] = data

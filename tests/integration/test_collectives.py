@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import numpy as np
@@ -179,17 +178,15 @@ async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
 async def test_mixed_devices_refused_before_voting(monkeypatch: pytest.MonkeyPatch) -> None:
     """A send the backend reports as CUDA with a CPU recv is refused locally, before voting; the other
     peer's op is not disturbed. (The GPU paths themselves run in test_gpu_collectives.py, on a GPU.)"""
-    from pccl._types import DeviceType
     from pccl.kernels import backend
 
-    real = backend.describe
+    real = backend.device_index
     fake_gpu = np.ones(4, np.float32)
 
-    def describe(t: Any) -> Any:
-        d = real(t)
-        return dataclasses.replace(d, device=DeviceType.CUDA) if t is fake_gpu else d
+    def device_index(t: Any) -> int:
+        return 0 if t is fake_gpu else real(t)
 
-    monkeypatch.setattr(backend, "describe", describe)
+    monkeypatch.setattr(backend, "device_index", device_index)
     async with loopback_cluster(2) as cl:
         out = np.zeros(4, np.float32)
         with pytest.raises(pccl.InvalidArgumentError, match="but recv is on the CPU"):

@@ -23,10 +23,9 @@ import trio
 import trio.testing
 
 import pccl
-from pccl import DataType, DeviceType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
+from pccl import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from pccl.kernels import backend
-from pccl.kernels.backend import TensorDesc
-from pccl.peer.communicator import Communicator, _check_same_device
+from pccl.peer.communicator import Communicator
 from pccl.testing import VirtualNetwork, open_test_cluster
 from pccl.testing.pytest_plugin import require_cupy
 
@@ -117,22 +116,17 @@ async def _host_all_reduce(
 # device rule and helper checks (CPU-runnable)
 
 
-def _desc(device: DeviceType, dtype: DataType = DataType.FLOAT32, count: int = 4) -> TensorDesc:
-    return TensorDesc(dtype, count, count * dtype.itemsize, device, (count,))
-
-
-def test_same_device_rule_with_fake_descriptors() -> None:
-    cpu, gpu = _desc(DeviceType.CPU), _desc(DeviceType.CUDA)
-    _check_same_device(cpu, -1, cpu, -1)
-    _check_same_device(gpu, 0, gpu, 0)
-    _check_same_device(gpu, 3, gpu, 3)
-    for s, si, r, ri, words in [
-        (cpu, -1, gpu, 0, "send is on the CPU but recv is on CUDA device 0"),
-        (gpu, 0, cpu, -1, "send is on CUDA device 0 but recv is on the CPU"),
-        (gpu, 0, gpu, 1, "send is on CUDA device 0 but recv is on CUDA device 1"),
+def test_same_device_rule() -> None:
+    backend.check_same_device(-1, -1)
+    backend.check_same_device(0, 0)
+    backend.check_same_device(3, 3)
+    for si, ri, words in [
+        (-1, 0, "send is on the CPU but recv is on CUDA device 0"),
+        (0, -1, "send is on CUDA device 0 but recv is on the CPU"),
+        (0, 1, "send is on CUDA device 0 but recv is on CUDA device 1"),
     ]:
         with pytest.raises(pccl.InvalidArgumentError, match=words) as info:
-            _check_same_device(s, si, r, ri)
+            backend.check_same_device(si, ri)
         assert info.value.result == pccl.Result.INVALID_ARGUMENT
 
 
