@@ -36,6 +36,7 @@ from .network import (
     stall_after,
     trickle,
 )
+from .tensors import tensor_bytes
 
 __all__ = [
     "DEFAULT_MASTER_CONFIG",
@@ -63,5 +64,6 @@ __all__ = [
     "open_test_cluster",
     "reset_after",
     "stall_after",
+    "tensor_bytes",
     "trickle",
 ]

@@ -8,7 +8,6 @@ behind a long GPU sleep on a side stream). Skipped without a CUDA device (torch)
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
@@ -30,6 +29,7 @@ from pccl.blocking import (
     SharedStateSyncStrategy,
     TensorInfo,
 )
+from pccl.testing import tensor_bytes as _bits
 from pccl.testing.pytest_plugin import require_cupy
 
 from ._helpers import run_threads
@@ -40,14 +40,6 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device 
 @pytest.fixture
 def cp() -> Any:
     return require_cupy()
-
-
-def _bits(x: Any) -> bytes:
-    if isinstance(x, np.ndarray):
-        return x.tobytes()
-    if isinstance(x, torch.Tensor):
-        return bytes(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return bytes(sys.modules["cupy"].asnumpy(x).tobytes())
 
 
 def _data(dtype: torch.dtype, count: int, seed: int) -> torch.Tensor:

@@ -8,9 +8,12 @@ from typing import Any
 
 import trio
 
+import pccl
 from pccl import MasterConfig, PeerConfig
+from pccl import SharedStateSyncStrategy as S
 from pccl.master.server import MasterHandle, open_master
 from pccl.peer.communicator import Communicator, open_communicator
+from pccl.peer.shared_state import SharedState
 
 FAST_MASTER = MasterConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0)
 FAST_PEER = PeerConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, p2p_listen_host="127.0.0.1")
@@ -85,12 +88,85 @@ async def loopback_cluster(
                 nursery.cancel_scope.cancel()
 
 
-async def cancel_peer0_mid_ring(
-    cl: Any, call: Callable[[int], Awaitable[None]], results: dict[int, object], min_rx: int
-) -> None:
-    """Run ``call(i)`` for every peer of test cluster ``cl`` at once and cancel peer 0's call (its
+async def gather(comms: list[Communicator], fn: Callable[[int, Communicator], Awaitable[Any]]) -> list[Any]:
+    """Run ``fn(i, comm)`` on every communicator at once; the results in order (errors propagate)."""
+    out: list[Any] = [None] * len(comms)
+
+    async def one(i: int) -> None:
+        out[i] = await fn(i, comms[i])
+
+    async with trio.open_nursery() as n:
+        for i in range(len(comms)):
+            n.start_soon(one, i)
+    return out
+
+
+async def sync_all(
+    comms: list[Communicator], states: list[SharedState], strategies: list[S] | None = None
+) -> list[Any]:
+    """``sync_shared_state`` on every communicator at once; each result, or the PCCLError it raised."""
+
+    async def one(i: int, comm: Communicator) -> Any:
+        try:
+            return await comm.sync_shared_state(states[i], strategies[i] if strategies else S.ENFORCE_POPULAR)
+        except pccl.PCCLError as exc:
+            return exc
+
+    return await gather(comms, one)
+
+
+async def sync_killing_the_holder(cl: LoopbackCluster, states: list[SharedState]) -> Any:
+    """Sync the three peers of ``cl`` (peers 0 and 1 hold the state, peer 2 fetches it) and kill the
+    holder peer 2 fetches from as soon as its first bytes arrived. Returns peer 2's result (the
+    PCCLError it raised, or what it returned)."""
+    a, b, c = cl.comms
+    progressed = trio.Event()
+    results: dict[str, Any] = {}
+
+    def on_progress(done: int, total: int) -> None:
+        if done > 0:
+            progressed.set()
+
+    async def run(name: str, comm: Communicator, st: SharedState, **kw: Any) -> None:
+        try:
+            results[name] = await comm.sync_shared_state(st, **kw)
+        except pccl.PCCLError as exc:
+            results[name] = exc
+
+    async with trio.open_nursery() as n:
+        n.start_soon(lambda: run("b", b, states[1]))
+        n.start_soon(lambda: run("c", c, states[2], progress=on_progress))
+        n.start_soon(lambda: run("a", a, states[0]))
+        await progressed.wait()
+        # kill the holder c is fetching from (its plan names it first)
+        assert c._sync_ctx is not None and c._sync_ctx.plan is not None
+        first_holder = int(c._sync_ctx.plan.fetch[0][2][0])
+        holder = a if a.peer_id == first_holder else b
+        cl.kill(holder)
+    return results["c"]
+
+
+Op = Callable[[int], Awaitable[Any]]  # one peer's call of an operation, by peer index
+
+
+def _recording(op: Op, results: dict[int, object]) -> Callable[[int], Awaitable[None]]:
+    """``op`` whose result (or PCCLError) lands in ``results[i]``."""
+
+    async def call(i: int) -> None:
+        try:
+            results[i] = await op(i)
+        except pccl.PCCLError as exc:
+            results[i] = exc
+
+    return call
+
+
+async def cancel_peer0_mid_ring(cl: Any, op: Op, min_rx: int) -> dict[int, object]:
+    """Run ``op(i)`` for every peer of test cluster ``cl`` at once and cancel peer 0's call (its
     caller's cancel scope) once peer 0 has received ``min_rx`` bytes of this operation, i.e. in the
-    middle of the ring. ``results[0]`` becomes ``"cancelled"``; the other calls record their own."""
+    middle of the ring. Returns each call's result or PCCLError; peer 0's is ``"cancelled"``."""
+    results: dict[int, object] = {}
+    call = _recording(op, results)
     rx0 = cl.peer(0).statistics()["pool"]["rx_bytes"]
     moved: list[bool] = []
 
@@ -116,11 +192,15 @@ async def cancel_peer0_mid_ring(
                 n.start_soon(call, i)
     assert moved, "the call finished before the ring moved a chunk"
     assert results[0] == "cancelled"
+    return results
 
 
-async def kill_peer2_mid_ring(cl: Any, call: Callable[[int], Awaitable[None]], min_rx: int) -> None:
-    """Run ``call(i)`` for peers 0-2 of test cluster ``cl`` at once and kill peer 2 once peers 0 and 1
-    have each received ``min_rx`` bytes of this operation, i.e. in the middle of the ring."""
+async def kill_peer2_mid_ring(cl: Any, op: Op, min_rx: int) -> dict[int, object]:
+    """Run ``op(i)`` for peers 0-2 of test cluster ``cl`` at once and kill peer 2 once peers 0 and 1
+    have each received ``min_rx`` bytes of this operation, i.e. in the middle of the ring. Returns
+    the survivors' results or PCCLErrors."""
+    results: dict[int, object] = {}
+    call = _recording(op, results)
     rx0 = [cl.peer(i).statistics()["pool"]["rx_bytes"] for i in range(2)]
 
     async def killer() -> None:
@@ -134,3 +214,4 @@ async def kill_peer2_mid_ring(cl: Any, call: Callable[[int], Awaitable[None]], m
             n.start_soon(call, 0)
             n.start_soon(call, 1)
             cl.start_soon(2, call, 2)  # dies with its peer
+    return results

@@ -35,16 +35,10 @@ async def test_cancelled_mid_ring_restores_every_buffer(
         sends = _inputs(3)
         recvs = [s if in_place else np.full(COUNT, -7.0, np.float32) for s in sends]
         before = [r.tobytes() for r in recvs]
-        results: dict[int, object] = {}
-
-        async def call(i: int) -> None:
-            try:
-                results[i] = await cl.peer(i).all_reduce(sends[i], None if in_place else recvs[i], tag=5)
-            except pccl.PCCLError as exc:
-                results[i] = exc
-
         # cancel in the middle of the ring: once peer 0 has received a first chunk
-        await cancel_peer0_mid_ring(cl, call, results, COUNT)
+        results = await cancel_peer0_mid_ring(
+            cl, lambda i: cl.peer(i).all_reduce(sends[i], None if in_place else recvs[i], tag=5), COUNT
+        )
         for i in (1, 2):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
         for i in range(3):
@@ -65,16 +59,10 @@ async def test_peer_killed_mid_ring_restores_survivor_in_place_buffers(
     async with open_test_cluster(3, network=net) as cl:
         sends = _inputs(3)
         before = [s.tobytes() for s in sends]
-        results: dict[int, object] = {}
-
-        async def call(i: int) -> None:
-            try:
-                results[i] = await cl.peer(i).all_reduce(sends[i], op=pccl.ReduceOp.AVG, tag=5)
-            except pccl.PCCLError as exc:
-                results[i] = exc
-
         # mid-ring: both survivors have received at least a first chunk
-        await kill_peer2_mid_ring(cl, call, COUNT)
+        results = await kill_peer2_mid_ring(
+            cl, lambda i: cl.peer(i).all_reduce(sends[i], op=pccl.ReduceOp.AVG, tag=5), COUNT
+        )
         for i in (0, 1):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
             assert sends[i].tobytes() == before[i], f"peer {i}: buffer not restored"

@@ -13,19 +13,7 @@ import pccl
 from pccl import ReduceOp
 from pccl.peer.communicator import Communicator
 
-from ._cluster import loopback_cluster
-
-
-async def _all(comms: list[Communicator], fn: Any) -> list[Any]:
-    out: list[Any] = [None] * len(comms)
-
-    async def one(i: int) -> None:
-        out[i] = await fn(i, comms[i])
-
-    async with trio.open_nursery() as n:
-        for i in range(len(comms)):
-            n.start_soon(one, i)
-    return out
+from ._cluster import gather, loopback_cluster
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -38,7 +26,7 @@ async def test_all_reduce_sum_and_avg_numpy(n: int) -> None:
         async def run(i: int, c: Communicator) -> pccl.ReduceInfo:
             return await c.all_reduce(data[i], outs[i], op=ReduceOp.SUM, tag=1)
 
-        infos = await _all(cl.comms, run)
+        infos = await gather(cl.comms, run)
         assert all(inf.local_world_size == n for inf in infos)
         assert all(o.tobytes() == outs[0].tobytes() for o in outs)
         np.testing.assert_allclose(outs[0], np.sum(data, axis=0), rtol=1e-5, atol=1e-5)
@@ -49,7 +37,7 @@ async def test_all_reduce_sum_and_avg_numpy(n: int) -> None:
         async def avg(i: int, c: Communicator) -> None:
             await c.all_reduce(ints[i], op=ReduceOp.AVG, tag=2)  # in place
 
-        await _all(cl.comms, avg)
+        await gather(cl.comms, avg)
         expect = (np.arange(10, dtype=np.int64) * sum(range(1, n + 1))) // n
         for x in ints:
             np.testing.assert_array_equal(x, expect.astype(np.int32))
@@ -62,7 +50,7 @@ async def test_all_reduce_torch_tensors_and_small_counts() -> None:
         async def run(i: int, c: Communicator) -> None:
             await c.all_reduce(ts[i], op=ReduceOp.MAX)
 
-        await _all(cl.comms, run)
+        await gather(cl.comms, run)
         assert all(torch.equal(t, torch.full((2,), 3.0)) for t in ts)
 
 
@@ -76,7 +64,7 @@ async def test_concurrent_tags_and_duplicate_refused() -> None:
                 n.start_soon(lambda: c.all_reduce(a[i], tag=1))
                 n.start_soon(lambda: c.all_reduce(b[i], tag=2))
 
-        await _all(cl.comms, run)
+        await gather(cl.comms, run)
         assert all((x == 3).all() for x in a) and all((x == 30).all() for x in b)
 
         # a duplicate running tag is refused; the running one is unaffected
@@ -107,7 +95,7 @@ async def test_broadcast_all_gather_reduce_scatter() -> None:
         async def bc(i: int, c: Communicator) -> None:
             await c.broadcast(bufs[i], root=1)
 
-        await _all(comms, bc)
+        await gather(comms, bc)
         root_val = comms[0].group_ring.index(comms[0].group_ring[1])
         vals = {int(b[0]) for b in bufs}
         assert len(vals) == 1 and all((b == b[0]).all() for b in bufs)
@@ -118,7 +106,7 @@ async def test_broadcast_all_gather_reduce_scatter() -> None:
         async def ag(i: int, c: Communicator) -> None:
             await c.all_gather(np.full(4, float(c.peer_id), np.float32), outs[i])
 
-        await _all(comms, ag)
+        await gather(comms, ag)
         ring = comms[0].group_ring
         expect = np.concatenate([np.full(4, float(p), np.float32) for p in ring])
         assert all((o == expect).all() for o in outs)
@@ -129,7 +117,7 @@ async def test_broadcast_all_gather_reduce_scatter() -> None:
             _, chunk = await c.reduce_scatter(np.arange(10, dtype=np.float32), rs_out[i])
             return chunk
 
-        chunks = await _all(comms, rs)
+        chunks = await gather(comms, rs)
         covered = np.zeros(10, bool)
         for o, ch in zip(rs_out, chunks, strict=True):
             np.testing.assert_array_equal(o[ch], 3 * np.arange(10, dtype=np.float32)[ch])
@@ -171,7 +159,7 @@ async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
         for b, b0 in zip(bufs, before, strict=True):
             assert b.tobytes() == b0.tobytes()
         # retry with the smaller group
-        await _all(survivors, lambda i, c: c.all_reduce(bufs[i], tag=9))
+        await gather(survivors, lambda i, c: c.all_reduce(bufs[i], tag=9))
         assert all((b == 3.0).all() for b in bufs)
 
 
@@ -194,5 +182,5 @@ async def test_mixed_devices_refused_before_voting(monkeypatch: pytest.MonkeyPat
         assert out.tobytes() == np.zeros(4, np.float32).tobytes()
         assert cl.master.statistics()["collectives_voting"] == 0
         xs = [np.ones(4, np.float32) for _ in range(2)]
-        await _all(cl.comms, lambda i, c: c.all_reduce(xs[i]))
+        await gather(cl.comms, lambda i, c: c.all_reduce(xs[i]))
         assert all((x == 2).all() for x in xs)

@@ -13,7 +13,6 @@ any machine.
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -27,30 +26,15 @@ from pccl import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from pccl.kernels import backend
 from pccl.peer.communicator import Communicator
 from pccl.testing import VirtualNetwork, open_test_cluster
+from pccl.testing import tensor_bytes as _bits
 from pccl.testing.pytest_plugin import require_cupy
 
-from ._cluster import cancel_peer0_mid_ring, kill_peer2_mid_ring, loopback_cluster
+from ._cluster import cancel_peer0_mid_ring, gather, kill_peer2_mid_ring, loopback_cluster
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
 
 
 _cupy = require_cupy
-
-
-@pytest.fixture
-def cp() -> Any:
-    """cupy, or skip the test (a fixture, so that the skip is reported with its reason)."""
-    return _cupy()
-
-
-@pytest.fixture(params=["torch", "cupy"])
-def lib(request: pytest.FixtureRequest) -> str:
-    """Which GPU library a test's tensors come from; skips when it is unusable here."""
-    if request.param == "cupy":
-        _cupy()
-    elif not torch.cuda.is_available():
-        pytest.skip("no CUDA device for torch")
-    return str(request.param)
 
 
 def _cupy_or_none() -> Any:
@@ -63,28 +47,6 @@ def _cupy_or_none() -> Any:
 
 # ----------------------------------------------------------------------------------------------------
 # helpers
-
-
-async def _all(comms: list[Communicator], fn: Callable[[int, Communicator], Awaitable[Any]]) -> list[Any]:
-    out: list[Any] = [None] * len(comms)
-
-    async def one(i: int) -> None:
-        out[i] = await fn(i, comms[i])
-
-    async with trio.open_nursery() as n:
-        for i in range(len(comms)):
-            n.start_soon(one, i)
-    return out
-
-
-def _bits(x: Any) -> bytes:
-    """The raw bytes of a numpy array, torch tensor (any device) or cupy array."""
-    if isinstance(x, np.ndarray):
-        return x.tobytes()
-    if isinstance(x, torch.Tensor):
-        return bytes(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    cupy = sys.modules["cupy"]
-    return bytes(cupy.asnumpy(x).tobytes())
 
 
 def _data(dtype: torch.dtype, count: int, seed: int) -> torch.Tensor:
@@ -107,7 +69,7 @@ async def _host_all_reduce(
 ) -> list[torch.Tensor]:
     """The reference: the same all-reduce on CPU copies of ``data`` (one result per peer)."""
     outs = [torch.empty_like(d) for d in data]
-    await _all(comms, lambda i, c: c.all_reduce(data[i], outs[i], op=op, quantization=q))
+    await gather(comms, lambda i, c: c.all_reduce(data[i], outs[i], op=op, quantization=q))
     assert all(_bits(o) == _bits(outs[0]) for o in outs)
     return outs
 
@@ -197,7 +159,7 @@ async def test_all_reduce_cuda_bit_identical_to_host_run(n: int) -> None:
                     ref = await _host_all_reduce(cl.comms, data, op)
                     sends = [d.cuda().reshape(11, 91) for d in data]  # 2-D: collectives see the flat view
                     recvs = [s if in_place else torch.full_like(s, 7) for s in sends]
-                    infos = await _all(
+                    infos = await gather(
                         cl.comms, lambda i, c: c.all_reduce(sends[i], None if in_place else recvs[i], op=op)
                     )
                     case = (dtype, op, in_place)
@@ -224,14 +186,14 @@ async def test_all_reduce_cuda_large_uses_the_pipelined_path() -> None:
         data = [_data(torch.float32, count, seed=i) for i in range(3)]
         ref = await _host_all_reduce(cl.comms, data, ReduceOp.AVG)
         xs = [d.cuda() for d in data]
-        await _all(cl.comms, lambda i, c: c.all_reduce(xs[i], op=ReduceOp.AVG, tag=3))
+        await gather(cl.comms, lambda i, c: c.all_reduce(xs[i], op=ReduceOp.AVG, tag=3))
         assert all(_bits(x) == _bits(ref[0]) for x in xs)
         # the buffers are reused across ops: a second op on new data is not polluted by the first
         data2 = [_data(torch.float32, count, seed=100 + i) for i in range(3)]
         ref2 = await _host_all_reduce(cl.comms, data2, ReduceOp.SUM)
         for x, d in zip(xs, data2, strict=True):
             x.copy_(d)
-        await _all(cl.comms, lambda i, c: c.all_reduce(xs[i], tag=3))
+        await gather(cl.comms, lambda i, c: c.all_reduce(xs[i], tag=3))
         assert all(_bits(x) == _bits(ref2[0]) for x in xs)
 
 
@@ -247,7 +209,7 @@ async def test_all_reduce_cupy_bit_identical_to_host_run(cp: Any, n: int) -> Non
                     ref = await _host_all_reduce(cl.comms, data, op)
                     sends = [_to_cupy(d) for d in data]
                     recvs = [s if in_place else cupy.full_like(s, 3) for s in sends]
-                    await _all(
+                    await gather(
                         cl.comms, lambda i, c: c.all_reduce(sends[i], None if in_place else recvs[i], op=op)
                     )
                     for i in range(n):
@@ -273,7 +235,7 @@ async def test_cpu_and_gpu_peers_in_one_op(n: int) -> None:
             if n == 3:
                 use_cupy = cupy is not None and dtype == torch.float32
                 xs.append(_to_cupy(data[2]) if use_cupy else data[2].clone())
-            await _all(cl.comms, lambda i, c: c.all_reduce(xs[i]))
+            await gather(cl.comms, lambda i, c: c.all_reduce(xs[i]))
             assert all(_bits(x) == _bits(ref[0]) for x in xs), dtype
 
 
@@ -285,7 +247,7 @@ async def test_torch_send_with_cupy_recv_on_the_same_gpu(cp: Any) -> None:
         ref = await _host_all_reduce(cl.comms, data, ReduceOp.MAX)
         sends = [d.cuda() for d in data]
         recvs = [cupy.zeros(999, cupy.float32) for _ in range(2)]
-        await _all(cl.comms, lambda i, c: c.all_reduce(sends[i], recvs[i], op=ReduceOp.MAX))
+        await gather(cl.comms, lambda i, c: c.all_reduce(sends[i], recvs[i], op=ReduceOp.MAX))
         assert all(_bits(r) == _bits(ref[0]) for r in recvs)
 
 
@@ -308,7 +270,7 @@ async def test_pending_work_on_the_current_stream_is_ordered_before_the_copy() -
                     return await c.all_reduce(xs[0])
             return await c.all_reduce(xs[1])
 
-        await _all(cl.comms, run)
+        await gather(cl.comms, run)
         with torch.cuda.stream(other):
             seen = [x.clone() for x in xs]
         other.synchronize()
@@ -335,10 +297,10 @@ async def test_reduce_scatter_all_gather_broadcast_on_gpu(lib: str, n: int) -> N
         for op in (ReduceOp.SUM, ReduceOp.AVG):
             data = [_data(torch.float32, count, seed=i + 20) for i in range(n)]
             host_out = [torch.full((count,), -5.0) for _ in range(n)]
-            host_chunks = await _all(comms, lambda i, c: c.reduce_scatter(data[i], host_out[i], op=op))
+            host_chunks = await gather(comms, lambda i, c: c.reduce_scatter(data[i], host_out[i], op=op))
             sends = [_make(lib, d) for d in data]
             recvs = [_make(lib, torch.full((count,), -5.0)) for _ in range(n)]
-            got = await _all(comms, lambda i, c: c.reduce_scatter(sends[i], recvs[i], op=op))
+            got = await gather(comms, lambda i, c: c.reduce_scatter(sends[i], recvs[i], op=op))
             for i in range(n):
                 _, chunk = got[i]
                 assert chunk == host_chunks[i][1]
@@ -348,10 +310,10 @@ async def test_reduce_scatter_all_gather_broadcast_on_gpu(lib: str, n: int) -> N
         # all_gather: every peer's send, in ring order
         data = [_data(torch.int64, 17, seed=i + 30) for i in range(n)]
         host_out = [torch.zeros(n * 17, dtype=torch.int64) for _ in range(n)]
-        await _all(comms, lambda i, c: c.all_gather(data[i], host_out[i]))
+        await gather(comms, lambda i, c: c.all_gather(data[i], host_out[i]))
         sends = [_make(lib, d) for d in data]
         recvs = [_make(lib, torch.zeros(n * 17, dtype=torch.int64)) for _ in range(n)]
-        await _all(comms, lambda i, c: c.all_gather(sends[i], recvs[i]))
+        await gather(comms, lambda i, c: c.all_gather(sends[i], recvs[i]))
         ring = comms[0].group_ring
         by_id = {c.peer_id: data[i] for i, c in enumerate(comms)}
         expect = torch.cat([by_id[p] for p in ring])
@@ -361,7 +323,7 @@ async def test_reduce_scatter_all_gather_broadcast_on_gpu(lib: str, n: int) -> N
         # broadcast from ring rank 1: in place on every peer
         data = [_data(torch.float32, count, seed=i + 40) for i in range(n)]
         bufs = [_make(lib, d) for d in data]
-        await _all(comms, lambda i, c: c.broadcast(bufs[i], root=1))
+        await gather(comms, lambda i, c: c.broadcast(bufs[i], root=1))
         root_data = {c.peer_id: data[i] for i, c in enumerate(comms)}[ring[1]]
         assert all(_bits(b) == _bits(root_data) for b in bufs)
 
@@ -384,25 +346,19 @@ async def test_cancelled_mid_ring_leaves_cuda_buffers_untouched(
         sends = [d.cuda() for d in data]
         recvs = [s if in_place else torch.full_like(s, -7.0) for s in sends]
         before = [_bits(r) for r in recvs]
-        results: dict[int, object] = {}
-
-        async def call(i: int) -> None:
-            try:
-                results[i] = await cl.peer(i).all_reduce(sends[i], None if in_place else recvs[i], tag=5)
-            except pccl.PCCLError as exc:
-                results[i] = exc
-
         # cancel in the middle of the ring: once peer 0 has received a first chunk
-        await cancel_peer0_mid_ring(cl, call, results, COUNT)
+        results = await cancel_peer0_mid_ring(
+            cl, lambda i: cl.peer(i).all_reduce(sends[i], None if in_place else recvs[i], tag=5), COUNT
+        )
         for i in (1, 2):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
         for i in range(3):
             assert _bits(recvs[i]) == before[i], f"peer {i}: CUDA buffer changed"
         # the group carries on: a retry equals the host run
         host = [torch.empty_like(d) for d in data]
-        await _all(cl.peers, lambda i, c: c.all_reduce(data[i], host[i], tag=7))
+        await gather(cl.peers, lambda i, c: c.all_reduce(data[i], host[i], tag=7))
         out = [torch.empty_like(s) for s in sends]
-        await _all(cl.peers, lambda i, c: c.all_reduce(sends[i], out[i], tag=8))
+        await gather(cl.peers, lambda i, c: c.all_reduce(sends[i], out[i], tag=8))
         assert all(_bits(o) == _bits(host[0]) for o in out)
 
 
@@ -414,16 +370,10 @@ async def test_peer_killed_mid_ring_leaves_survivor_cuda_buffers_untouched(
     async with open_test_cluster(3, network=net) as cl:
         xs = [_data(torch.float32, COUNT, seed=i).cuda() for i in range(3)]
         before = [_bits(x) for x in xs]
-        results: dict[int, object] = {}
-
-        async def call(i: int) -> None:
-            try:
-                results[i] = await cl.peer(i).all_reduce(xs[i], op=ReduceOp.AVG, tag=5)
-            except pccl.PCCLError as exc:
-                results[i] = exc
-
         # mid-ring: both survivors have received at least a first chunk
-        await kill_peer2_mid_ring(cl, call, COUNT)
+        results = await kill_peer2_mid_ring(
+            cl, lambda i: cl.peer(i).all_reduce(xs[i], op=ReduceOp.AVG, tag=5), COUNT
+        )
         for i in (0, 1):
             assert isinstance(results[i], pccl.RankConnectionLostError), results[i]
             assert _bits(xs[i]) == before[i], f"peer {i}: CUDA buffer changed"
@@ -457,7 +407,7 @@ async def test_mixed_send_recv_devices_refused_before_voting() -> None:
             assert comm.statistics()["ops_in_flight"] == 0
         # nobody was dragged in: the group's next op runs normally
         xs = [torch.ones(4, device="cuda") for _ in range(2)]
-        await _all(cl.comms, lambda i, c: c.all_reduce(xs[i]))
+        await gather(cl.comms, lambda i, c: c.all_reduce(xs[i]))
         assert all(torch.equal(x, torch.full_like(x, 2.0)) for x in xs)
 
 
@@ -475,7 +425,7 @@ async def test_quantized_all_reduce_cuda_float32(algo: QuantizationAlgorithm) ->
         data = [torch.rand(count, generator=g) for _ in range(n)]
         ref = await _host_all_reduce(cl.comms, data, ReduceOp.SUM, q)
         xs = [d.cuda() for d in data]
-        infos = await _all(cl.comms, lambda i, c: c.all_reduce(xs[i], op=ReduceOp.SUM, quantization=q))
+        infos = await gather(cl.comms, lambda i, c: c.all_reduce(xs[i], op=ReduceOp.SUM, quantization=q))
         assert all(_bits(x) == _bits(ref[0]) for x in xs)
         exact = torch.stack([d.double() for d in data]).sum(0)
         err = (xs[0].cpu().double() - exact).abs().max().item()

@@ -12,29 +12,13 @@ import sys
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
-import trio
 
 import pccl
-from pccl import SharedStateSyncStrategy as S
-from pccl.peer.communicator import Communicator
 from pccl.peer.shared_state import SharedState, TensorInfo
-from pccl.testing.pytest_plugin import require_cupy
+from pccl.testing import tensor_bytes as _bits
 
-from ._cluster import loopback_cluster
-
-_cupy = require_cupy
-
-
-@pytest.fixture(params=["torch", "cupy"])
-def lib(request: pytest.FixtureRequest) -> str:
-    """Which GPU library the GPU peers' tensors come from; skips when it is unusable here."""
-    if request.param == "cupy":
-        _cupy()
-    elif not torch.cuda.is_available():
-        pytest.skip("no CUDA device for torch")
-    return str(request.param)
+from ._cluster import loopback_cluster, sync_all, sync_killing_the_holder
 
 
 def _to_gpu(lib: str, t: torch.Tensor) -> Any:
@@ -49,14 +33,6 @@ def _ptr(x: Any) -> int:
     if isinstance(x, np.ndarray):
         return int(x.ctypes.data)
     return int(x.data.ptr)
-
-
-def _bits(x: Any) -> bytes:
-    if isinstance(x, np.ndarray):
-        return x.tobytes()
-    if isinstance(x, torch.Tensor):
-        return bytes(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return bytes(sys.modules["cupy"].asnumpy(x).tobytes())
 
 
 def _tensors(lib: str, seed: int) -> dict[str, torch.Tensor]:
@@ -75,18 +51,6 @@ def _state(tensors: dict[str, Any], revision: int = 1) -> SharedState:
     return SharedState([TensorInfo(k, t) for k, t in tensors.items()], revision=revision)
 
 
-async def _sync_all(comms: list[Communicator], states: list[SharedState]) -> list[Any]:
-    out: list[Any] = [None] * len(comms)
-
-    async def one(i: int) -> None:
-        out[i] = await comms[i].sync_shared_state(states[i], S.ENFORCE_POPULAR)
-
-    async with trio.open_nursery() as n:
-        for i in range(len(comms)):
-            n.start_soon(one, i)
-    return out
-
-
 async def test_cpu_peer_and_gpu_peer_with_equal_content_move_nothing(lib: str) -> None:
     async with loopback_cluster(2) as cl:
         content = _tensors(lib, seed=1)
@@ -94,7 +58,7 @@ async def test_cpu_peer_and_gpu_peer_with_equal_content_move_nothing(lib: str) -
         gpu = {k: _to_gpu(lib, v) for k, v in content.items()}
         cpu["w"] = cpu["w"].numpy()  # the CPU peer mixes numpy and torch tensors
         states = [_state(cpu), _state(gpu)]
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         assert all(i.tx_bytes == 0 and i.rx_bytes == 0 for i in infos), infos
         for k, v in content.items():
             assert _bits(gpu[k]) == _bits(v)
@@ -110,7 +74,7 @@ async def test_gpu_peer_receives_into_its_tensors_in_place(lib: str) -> None:
         ptrs = {k: _ptr(v) for k, v in gpu.items()}
         as_numpy = {k: v.clone().numpy() if v.dtype != torch.bfloat16 else v.clone() for k, v in good.items()}
         states = [_state({k: v.clone() for k, v in good.items()}), _state(as_numpy), _state(gpu)]
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         moved = sum(v.numel() * v.element_size() for k, v in good.items() if k != "step")
         assert infos[2].rx_bytes == moved
         assert infos[0].rx_bytes == infos[1].rx_bytes == 0
@@ -123,7 +87,7 @@ async def test_gpu_peer_receives_into_its_tensors_in_place(lib: str) -> None:
         # next round: everyone equal, nothing moves
         for s in states:
             s.revision += 1
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         assert all(i.tx_bytes == 0 and i.rx_bytes == 0 for i in infos)
 
 
@@ -137,7 +101,7 @@ async def test_cpu_peer_receives_from_gpu_holders(lib: str) -> None:
             _state(cpu),
         ]
         before = {k: _ptr(v) for k, v in cpu.items()}
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         total = sum(v.numel() * v.element_size() for v in good.values())
         assert infos[2].rx_bytes == total
         assert infos[0].tx_bytes + infos[1].tx_bytes == total
@@ -156,34 +120,11 @@ async def test_holder_killed_mid_transfer_leaves_gpu_tensor_untouched(lib: str) 
         sb = SharedState([TensorInfo("w", np.full(size, 1, np.uint8))], revision=1)
         target = _to_gpu(lib, torch.zeros(size, dtype=torch.uint8))
         sc = SharedState([TensorInfo("w", target)], revision=1)
-        progressed = trio.Event()
-        results: dict[str, Any] = {}
-
-        def on_progress(done: int, total: int) -> None:
-            if done > 0:
-                progressed.set()
-
-        async def run(name: str, comm: Communicator, st: SharedState, **kw: Any) -> None:
-            try:
-                results[name] = await comm.sync_shared_state(st, **kw)
-            except pccl.PCCLError as exc:
-                results[name] = exc
-
-        async with trio.open_nursery() as n:
-            n.start_soon(lambda: run("b", b, sb))
-            n.start_soon(lambda: run("c", c, sc, progress=on_progress))
-            n.start_soon(lambda: run("a", a, sa))
-            await progressed.wait()
-            # kill the holder c is fetching from (its plan names it first)
-            assert c._sync_ctx is not None and c._sync_ctx.plan is not None
-            first_holder = int(c._sync_ctx.plan.fetch[0][2][0])
-            holder = a if a.peer_id == first_holder else b
-            cl.kill(holder)
-        assert isinstance(results["c"], pccl.PCCLError)
+        assert isinstance(await sync_killing_the_holder(cl, [sa, sb, sc]), pccl.PCCLError)
         assert _bits(target) == bytes(size)  # atomic: old bits kept
         remaining = [x for x in (a, b, c) if x in cl.comms]
         sts = {id(a): sa, id(b): sb, id(c): sc}
-        res = await _sync_all(remaining, [sts[id(x)] for x in remaining])
+        res = await sync_all(remaining, [sts[id(x)] for x in remaining])
         assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res), res
         assert sc.tensor_infos[0].tensor is target
         assert _bits(target) == b"\x01" * size

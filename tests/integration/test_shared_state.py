@@ -2,37 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import pytest
 import trio
 
 import pccl
 from pccl import SharedStateSyncStrategy as S
-from pccl.peer.communicator import Communicator
 from pccl.peer.shared_state import SharedState, TensorInfo
 
-from ._cluster import loopback_cluster
-
-
-async def _sync_all(
-    comms: list[Communicator], states: list[SharedState], strategies: list[S] | None = None
-) -> list[Any]:
-    out: list[Any] = [None] * len(comms)
-
-    async def one(i: int) -> None:
-        try:
-            out[i] = await comms[i].sync_shared_state(
-                states[i], strategies[i] if strategies else S.ENFORCE_POPULAR
-            )
-        except pccl.PCCLError as exc:
-            out[i] = exc
-
-    async with trio.open_nursery() as n:
-        for i in range(len(comms)):
-            n.start_soon(one, i)
-    return out
+from ._cluster import loopback_cluster, sync_all, sync_killing_the_holder
 
 
 def _state(value: int, revision: int = 1, n: int = 1024, keys: tuple[str, ...] = ("w",)) -> SharedState:
@@ -44,7 +22,7 @@ def _state(value: int, revision: int = 1, n: int = 1024, keys: tuple[str, ...] =
 async def test_two_peers_one_direction_and_identical_moves_nothing() -> None:
     async with loopback_cluster(2) as cl:
         states = [_state(42), _state(0)]
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         txs = sorted(i.tx_bytes for i in infos)
         rxs = sorted(i.rx_bytes for i in infos)
         assert txs == [0, 1024] and rxs == [0, 1024]
@@ -55,7 +33,7 @@ async def test_two_peers_one_direction_and_identical_moves_nothing() -> None:
         assert a.tobytes() == b.tobytes()
         for s in states:
             s.revision += 1
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         assert all(i.tx_bytes == 0 and i.rx_bytes == 0 for i in infos)
 
 
@@ -71,7 +49,7 @@ async def test_only_differing_keys_move() -> None:
             else:
                 untouched[info.name] = info.tensor
         before = {k: t.copy() for k, t in untouched.items()}
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         assert infos[2].rx_bytes == 4 * 256
         assert sum(i.tx_bytes for i in infos) == 4 * 256
         for k, t in untouched.items():
@@ -83,7 +61,7 @@ async def test_only_differing_keys_move() -> None:
 async def test_majority_wins_regardless_of_order() -> None:
     async with loopback_cluster(3) as cl:
         states = [_state(42), _state(43), _state(43)]
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         assert all((s.tensor_infos[0].tensor == 43).all() for s in states)
         assert infos[0].rx_bytes == 1024
 
@@ -91,7 +69,7 @@ async def test_majority_wins_regardless_of_order() -> None:
 async def test_two_groups_do_not_mix() -> None:
     async with loopback_cluster(4, groups=[0, 0, 1, 1]) as cl:
         states = [_state(1), _state(1), _state(2), _state(2)]
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         assert all(i.tx_bytes == 0 and i.rx_bytes == 0 for i in infos)
         assert [int(s.tensor_infos[0].tensor[0]) for s in states] == [1, 1, 2, 2]
 
@@ -99,12 +77,12 @@ async def test_two_groups_do_not_mix() -> None:
 async def test_revision_rules() -> None:
     async with loopback_cluster(2) as cl:
         states = [_state(5, revision=13), _state(5, revision=13)]
-        infos = await _sync_all(cl.comms, states)
+        infos = await sync_all(cl.comms, states)
         assert all(isinstance(i, pccl.SharedStateSyncInfo) for i in infos)
         # skipping a revision is refused; the other proceeds
         states[0].revision = 15
         states[1].revision = 14
-        res = await _sync_all(cl.comms, states)
+        res = await sync_all(cl.comms, states)
         assert isinstance(res[0], pccl.SharedStateSyncError) and "skip" in str(res[0])
         assert isinstance(res[1], pccl.SharedStateSyncInfo)
         # a newcomer at revision 0 adopts the group's revision and content
@@ -112,7 +90,7 @@ async def test_revision_rules() -> None:
         states[0].revision = 15
         states[1].revision = 15
         fresh = _state(0, revision=0)
-        res = await _sync_all(cl.comms, [*states, fresh])
+        res = await sync_all(cl.comms, [*states, fresh])
         assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res), res
         assert fresh.revision == 15 and (fresh.tensor_infos[0].tensor == 5).all()
         assert newcomer.world_size == 3
@@ -124,7 +102,7 @@ async def test_key_mismatch_refused_every_time_others_proceed() -> None:
         for rev in (1, 2):
             for s in states:
                 s.revision = rev
-            res = await _sync_all(cl.comms, states)
+            res = await sync_all(cl.comms, states)
             assert isinstance(res[2], pccl.SharedStateSyncError)
             assert isinstance(res[0], pccl.SharedStateSyncInfo) and isinstance(
                 res[1], pccl.SharedStateSyncInfo
@@ -135,18 +113,18 @@ async def test_strategies() -> None:
     async with loopback_cluster(3) as cl:
         # two SEND_ONLY with different content: conflict refused, the third has nobody to follow
         states = [_state(1), _state(2), _state(3)]
-        res = await _sync_all(cl.comms, states, [S.SEND_ONLY, S.SEND_ONLY, S.ENFORCE_POPULAR])
+        res = await sync_all(cl.comms, states, [S.SEND_ONLY, S.SEND_ONLY, S.ENFORCE_POPULAR])
         assert isinstance(res[0], pccl.PCCLError) and isinstance(res[1], pccl.PCCLError)
         assert isinstance(res[2], pccl.SharedStateSyncInfo)  # the ENFORCE_POPULAR peer elects itself
         # RECEIVE_ONLY everywhere: nobody can provide
         states = [_state(1, revision=2) for _ in range(3)]
-        res = await _sync_all(cl.comms, states, [S.RECEIVE_ONLY] * 3)
+        res = await sync_all(cl.comms, states, [S.RECEIVE_ONLY] * 3)
         assert all(
             isinstance(r, pccl.PCCLError) and r.result == pccl.Result.NO_SHARED_STATE_AVAILABLE for r in res
         ), res
         # SEND_ONLY beats a popular majority; RECEIVE_ONLY receives (the failed round did not advance)
         states = [_state(9, revision=2), _state(4, revision=2), _state(4, revision=2)]
-        res = await _sync_all(cl.comms, states, [S.SEND_ONLY, S.ENFORCE_POPULAR, S.RECEIVE_ONLY])
+        res = await sync_all(cl.comms, states, [S.SEND_ONLY, S.ENFORCE_POPULAR, S.RECEIVE_ONLY])
         assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res), res
         assert all((s.tensor_infos[0].tensor == 9).all() for s in states)
 
@@ -158,35 +136,12 @@ async def test_holder_killed_mid_transfer_keeps_old_bits_and_retry_succeeds() ->
         sa = SharedState([TensorInfo.from_numpy(np.full(size, 1, np.uint8), "w")], revision=1)
         sb = SharedState([TensorInfo.from_numpy(np.full(size, 1, np.uint8), "w")], revision=1)
         sc = SharedState([TensorInfo.from_numpy(np.zeros(size, np.uint8), "w")], revision=1)
-        progressed = trio.Event()
-        results: dict[str, Any] = {}
-
-        def on_progress(done: int, total: int) -> None:
-            if done > 0:
-                progressed.set()
-
-        async def run(name: str, comm: Communicator, st: SharedState, **kw: Any) -> None:
-            try:
-                results[name] = await comm.sync_shared_state(st, **kw)
-            except pccl.PCCLError as exc:
-                results[name] = exc
-
-        async with trio.open_nursery() as n:
-            n.start_soon(lambda: run("b", b, sb))
-            n.start_soon(lambda: run("c", c, sc, progress=on_progress))
-            n.start_soon(lambda: run("a", a, sa))
-            await progressed.wait()
-            # kill the holder c is fetching from (its plan names it first)
-            assert c._sync_ctx is not None and c._sync_ctx.plan is not None
-            first_holder = int(c._sync_ctx.plan.fetch[0][2][0])
-            holder = a if a.peer_id == first_holder else b
-            cl.kill(holder)
-        assert isinstance(results["c"], pccl.PCCLError)
+        assert isinstance(await sync_killing_the_holder(cl, [sa, sb, sc]), pccl.PCCLError)
         assert (sc.tensor_infos[0].tensor == 0).all()  # atomic: old bits kept
         # retry with the survivor(s)
         remaining = [x for x in (a, b, c) if x in cl.comms]
         sts = {id(a): sa, id(b): sb, id(c): sc}
-        res = await _sync_all(remaining, [sts[id(x)] for x in remaining])
+        res = await sync_all(remaining, [sts[id(x)] for x in remaining])
         assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res), res
         assert (sc.tensor_infos[0].tensor == 1).all()
 
@@ -207,7 +162,7 @@ async def test_late_joiner_receives_once_then_zero_bytes(steps: int) -> None:
                 peers.append((c, *mk()))
             for _, st, _ in peers:
                 st.revision = step + 1
-            syncs = await _sync_all([p[0] for p in peers], [p[1] for p in peers])
+            syncs = await sync_all([p[0] for p in peers], [p[1] for p in peers])
             assert all(isinstance(s, pccl.SharedStateSyncInfo) for s in syncs), syncs
             if step == 2:
                 assert syncs[-1].rx_bytes == 64 * 4
