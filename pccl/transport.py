@@ -11,8 +11,10 @@ layers above never see raw ``OSError`` / ``trio.BrokenResourceError``.
 from __future__ import annotations
 
 import errno
+import os as _os
 import socket as _stdsocket
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import trio
 
@@ -21,6 +23,8 @@ Address = tuple[str, int]
 # Largest slice handed to one send()/recv_into() syscall: big enough to amortize the syscall,
 # small enough that trio gets to schedule other tasks between slices.
 _IO_SLICE = 4 * 1024 * 1024
+_MSG_NOSIGNAL = getattr(_stdsocket, "MSG_NOSIGNAL", 0)
+_R = TypeVar("_R")
 
 
 class StreamBroken(Exception):
@@ -56,6 +60,11 @@ class Stream(Protocol):
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
         """Receive 1..max_bytes bytes; ``b""`` means the other side closed cleanly."""
         ...
+
+    # Optional: ``def try_send(self, data) -> int`` sends, without waiting, what the connection
+    # takes at once and returns how many bytes that was (0 when it is busy or full; StreamBroken
+    # when it failed). Both built-in transports have it; a custom transport without it works, it
+    # only forgoes the immediate send (see MessageStream.send_nowait).
 
     async def receive_into(self, buf: memoryview) -> int:
         """Receive up to ``len(buf)`` bytes into ``buf``; 0 means EOF. Raises StreamBroken."""
@@ -134,6 +143,7 @@ class TcpStream:
         self._peer = _addr(sock.getpeername())
         self._local = _addr(sock.getsockname())
         self._closed = False
+        self._raw: _stdsocket.socket | None = None  # created by the first try_send
 
     @property
     def peer_address(self) -> Address:
@@ -161,21 +171,64 @@ class TcpStream:
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
             raise StreamBroken(f"send to {self._peer} failed: {exc}") from exc
 
-    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+    def try_send(self, data: bytes | bytearray | memoryview) -> int:
+        """Send what the socket buffer takes now, without waiting; returns the byte count (0 when
+        it is full). Raises StreamBroken."""
         try:
-            return await self._sock.recv(max_bytes)
+            return self._raw_socket().send(data, _MSG_NOSIGNAL)
+        except BlockingIOError:
+            return 0
+        except OSError as exc:
+            raise StreamBroken(f"send to {self._peer} failed: {exc}") from exc
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        return await self._receive(_stdsocket.socket.recv, max_bytes)
+
+    async def receive_into(self, buf: memoryview) -> int:
+        return await self._receive(
+            _stdsocket.socket.recv_into, buf[:_IO_SLICE] if len(buf) > _IO_SLICE else buf
+        )
+
+    async def _receive(self, fn: Callable[[_stdsocket.socket, Any], _R], arg: Any) -> _R:
+        """``fn(sock, arg)`` once data is there. Like trio's socket methods it is a checkpoint, with
+        one pass less: when it had to wait for data, the wait was its schedule point, so it returns
+        as soon as the data is read instead of yielding again (an idle peer's next message is
+        handled one scheduler pass sooner; a busy stream still yields on every call)."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            raw = self._raw_socket()
+            try:
+                result = fn(raw, arg)
+            except BlockingIOError:
+                pass
+            else:
+                await trio.lowlevel.cancel_shielded_checkpoint()
+                return result
+            while True:
+                await trio.lowlevel.wait_readable(self._sock)
+                try:
+                    return fn(raw, arg)
+                except BlockingIOError:
+                    pass
         except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
             raise StreamBroken(f"receive from {self._peer} failed: {exc}") from exc
 
-    async def receive_into(self, buf: memoryview) -> int:
-        try:
-            return await self._sock.recv_into(buf[:_IO_SLICE] if len(buf) > _IO_SLICE else buf)
-        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
-            raise StreamBroken(f"receive from {self._peer} failed: {exc}") from exc
+    def _raw_socket(self) -> _stdsocket.socket:
+        """A private non-blocking dup of the socket for direct syscalls (trio waits on its own fd,
+        which ``trio.socket`` closes with notify_closing). Raises OSError."""
+        if self._closed:
+            raise OSError(errno.EBADF, "stream closed")
+        raw = self._raw
+        if raw is None:
+            raw = self._raw = _stdsocket.socket(fileno=_os.dup(self._sock.fileno()))
+            raw.setblocking(False)
+        return raw
 
     async def aclose(self) -> None:
         if not self._closed:
             self._closed = True
+            if self._raw is not None:
+                self._raw.close()
             self._sock.close()
         await trio.lowlevel.checkpoint()
 

@@ -1,4 +1,5 @@
-"""The master's trio server: accept loop, one reader task and one serialized writer per peer,
+"""The master's trio server: accept loop, one reader task and one serialized writer per peer
+(a message with nothing queued ahead of it is written at once, without waking the writer),
 heartbeats both ways, and the heartbeat monitor. All decisions live in :class:`MasterState`; this
 module only does I/O and executes the effects it returns.
 
@@ -28,6 +29,7 @@ from .state import Effect, Event, Kick, MasterState, Send
 log = logging.getLogger("pccl.master")
 
 _CLOSE = object()  # sentinel in a peer's send queue: flush, then close
+_FLUSH = object()  # sentinel in a peer's send queue: send the tail a send_nowait left behind
 # A vote or round that waits on the same peers this long gets a warning in the log (and again every
 # STALL_LOG_AFTER seconds while it lasts), naming whom it waits for.
 STALL_LOG_AFTER = 5.0
@@ -42,6 +44,7 @@ class _Conn:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     closing: bool = False
     flushed: trio.Event = field(default_factory=trio.Event)
+    queued: int = 0  # items put on ``send`` and not yet written by the writer
 
 
 def parse_address(address: str, *, default_port: int = DEFAULT_MASTER_PORT) -> tuple[str, int]:
@@ -195,10 +198,15 @@ class MasterServer:
         try:
             async for item in conn.recv:
                 if item is _CLOSE:
+                    await conn.ms.flush()
                     conn.flushed.set()
                     conn.scope.cancel()
                     return
-                await conn.ms.send(item)
+                if item is _FLUSH:
+                    await conn.ms.flush()
+                else:
+                    await conn.ms.send(item)
+                conn.queued -= 1
         except StreamBroken:
             # The peer reset the connection: end this connection only (the reader sees it too).
             conn.scope.cancel()
@@ -266,8 +274,19 @@ class MasterServer:
     def _enqueue(self, conn: _Conn, item: Any) -> None:
         if conn.closing:
             return
+        if conn.queued == 0 and item is not _CLOSE:
+            # Nothing ahead of it: write it now, from here, instead of waking the writer task.
+            try:
+                if conn.ms.send_nowait(item):
+                    if not conn.ms.owes:
+                        return
+                    item = _FLUSH  # the socket took part of the frame: the writer sends the rest
+            except StreamBroken:
+                conn.scope.cancel()  # as the writer does: the reader sees the broken stream too
+                return
         try:
             conn.send.send_nowait(item)
+            conn.queued += 1
         except trio.WouldBlock:
             # The peer does not read fast enough (or hangs): it cannot keep up with the protocol.
             conn.closing = True

@@ -99,10 +99,7 @@ def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | No
     A dup (rather than the trio socket's own fd) means a closed connection can never leave us
     holding a stale fd number that the OS hands to a different socket.
     """
-    tsock: Any = getattr(stream, "socket", None)
-    if not isinstance(tsock, trio.socket.SocketType):
-        # TcpStream keeps its trio socket private; see the report: a public accessor is requested.
-        tsock = getattr(stream, "_sock", None)
+    tsock: Any = getattr(stream, "socket", None)  # TcpStream.socket
     if not isinstance(tsock, trio.socket.SocketType):
         return None
     try:

@@ -462,30 +462,63 @@ class VirtualStream:
                     await self._conn.signal.wait()
                     fresh = True
                     continue
-                self._raise_if_dead()
                 now = trio.current_time()
-                term = self._in.terminal
-                if term is not None and _reached(term.arrival, now):
-                    kind = "reset by peer" if term.kind == _RST else "closed by peer (broken pipe)"
-                    raise StreamBroken(f"send to {self._peer} failed: connection {kind}")
+                self._check_sendable(now)
                 if pos >= total:
                     return
-                pipe = self._out
-                pipe.settle_credits(now)
-                room = self._net.buffer_size - pipe.unacked
-                if room <= 0:
+                n = self._transmit_segment(view, pos, now)
+                if n == 0:
+                    pipe = self._out
+                    term = self._in.terminal
                     deadline = pipe.credits[0][0] if pipe.credits else math.inf
                     if term is not None and term.arrival is not None:
                         deadline = min(deadline, term.arrival)
                     await self._conn.signal.wait(deadline)
                     fresh = True
                     continue
-                n = min(room, self._net.segment_size, total - pos)
-                self._net._transmit(self, bytes(view[pos : pos + n]), now)
                 pos += n
-                self._bytes_sent += n
                 if pos >= total:
                     return
+
+    def try_send(self, data: bytes | bytearray | memoryview) -> int:
+        """Send what the window takes now, without waiting (no schedule point); returns the byte
+        count: 0 when the window is full, another task is sending or the host hangs.
+
+        Raises:
+            StreamBroken: as :meth:`send_all`.
+        """
+        if self._sending or self._host._hung:
+            return 0
+        view = memoryview(data).cast("B")
+        now = trio.current_time()
+        self._check_sendable(now)
+        pos = 0
+        while pos < len(view):
+            n = self._transmit_segment(view, pos, now)
+            if n == 0:
+                break
+            pos += n
+        return pos
+
+    def _check_sendable(self, now: float) -> None:
+        self._raise_if_dead()
+        term = self._in.terminal
+        if term is not None and _reached(term.arrival, now):
+            kind = "reset by peer" if term.kind == _RST else "closed by peer (broken pipe)"
+            raise StreamBroken(f"send to {self._peer} failed: connection {kind}")
+
+    def _transmit_segment(self, view: memoryview, pos: int, now: float) -> int:
+        """Hand the next segment of ``view`` from ``pos`` to the network if the window has room;
+        returns its size (0: no room). Raises StreamBroken (a hook reset or closed the connection)."""
+        pipe = self._out
+        pipe.settle_credits(now)
+        room = self._net.buffer_size - pipe.unacked
+        if room <= 0:
+            return 0
+        n = min(room, self._net.segment_size, len(view) - pos)
+        self._net._transmit(self, bytes(view[pos : pos + n]), now)
+        self._bytes_sent += n
+        return n
 
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
         """Receive 1..max_bytes bytes that have arrived; ``b""`` once the peer's FIN is reached.

@@ -25,19 +25,60 @@ class MessageStream:
         self.max_frame_size = max_frame_size
         self._framer = Framer(max_frame_size=max_frame_size)
         self._send_lock = trio.StrictFIFOLock()
+        self._owed: memoryview | None = None  # see send_nowait
 
     async def send(self, msg: Message) -> None:
         """Send one message. Raises StreamBroken."""
         data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
         async with self._send_lock:
+            await self._pay_owed()
             await self.stream.send_all(data)
 
     async def send_with_raw(self, msg: Message, raw: memoryview | bytes) -> None:
         """Send a message immediately followed by raw bytes, atomically w.r.t. other senders."""
         data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
         async with self._send_lock:
+            await self._pay_owed()
             await self.stream.send_all(data)
             await self.stream.send_all(raw)
+
+    def send_nowait(self, msg: Message) -> bool:
+        """Start sending ``msg`` at once, from synchronous code, when no other send is under way and
+        the transport takes bytes without waiting (its optional ``try_send``).
+
+        Saves the hand-off to a writer task and its scheduler passes on every control message.
+        Returns False, having sent nothing, when that is not possible now: send it with
+        :meth:`send` instead. True means the frame went out, or its beginning did and the rest is
+        :attr:`owes` - to be sent by :meth:`flush` (or the next :meth:`send`) before anything else.
+
+        Raises:
+            StreamBroken: the transport failed.
+        """
+        try_send = getattr(self.stream, "try_send", None)
+        if try_send is None or self._owed is not None or self._send_lock.locked():
+            return False
+        data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
+        n = try_send(data)
+        if n == 0:
+            return False
+        if n < len(data):
+            self._owed = memoryview(data)[n:]
+        return True
+
+    @property
+    def owes(self) -> bool:
+        """True while the tail of a frame started by :meth:`send_nowait` is still unsent."""
+        return self._owed is not None
+
+    async def flush(self) -> None:
+        """Send what :meth:`send_nowait` left unsent. Raises StreamBroken."""
+        async with self._send_lock:
+            await self._pay_owed()
+
+    async def _pay_owed(self) -> None:
+        if self._owed is not None:
+            await self.stream.send_all(self._owed)
+            self._owed = None
 
     async def receive(self) -> Message:
         """Receive the next message.

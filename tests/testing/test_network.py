@@ -699,3 +699,43 @@ def test_invalid_configuration() -> None:
         Delay(-1.0)
     with pytest.raises(ValueError):
         net.host("0.0.0.0")
+
+
+async def test_try_send_takes_what_the_window_allows_without_waiting(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = VirtualNetwork(buffer_size=1000, latency=0.1)
+    c, s = await open_pair(net, "a", "b")
+    t0 = trio.current_time()
+    assert c.try_send(b"x" * 600) == 600
+    assert c.try_send(b"y" * 600) == 400  # the window is full after 1000 unread bytes
+    assert c.try_send(b"z") == 0
+    assert trio.current_time() == t0  # no schedule point, no virtual time
+    assert await recv_exactly(s, 1000) == b"x" * 600 + b"y" * 400
+    # Once the reads are acknowledged (one latency back), the window opens again.
+    await trio.sleep(0.1)
+    assert c.try_send(b"z") == 1
+    assert await recv_exactly(s, 1) == b"z"
+    assert c.statistics().bytes_sent == 1001
+
+
+async def test_try_send_respects_hooks_hangs_and_closes(autojump_clock: trio.testing.MockClock) -> None:
+    net = VirtualNetwork()
+    c, s = await open_pair(net, "a", "b")
+    net.add_hook(reset_after(5, src="a"))
+    with pytest.raises(StreamBroken):
+        c.try_send(b"0123456789")
+    assert await recv_exactly(s, 5) == b"01234"
+    with pytest.raises(StreamBroken):
+        c.try_send(b"more")
+
+    c2, s2 = await open_pair(net, "b", "a")  # the hook only resets data from "a"
+    net.hang("b")
+    assert c2.try_send(b"held") == 0  # a hung host sends nothing (and does not block)
+    net.unhang("b")
+    assert c2.try_send(b"free") == 4
+    assert await recv_exactly(s2, 4) == b"free"
+    await s2.aclose()
+    await trio.sleep(1)  # the FIN reaches c2
+    with pytest.raises(StreamBroken):
+        c2.try_send(b"after close")

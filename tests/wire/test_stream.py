@@ -1,0 +1,299 @@
+"""The immediate-send and one-pass receive paths: ``TcpStream.try_send`` / ``receive_*``,
+``MessageStream.send_nowait`` / ``flush``, and the master writing messages without its writer task.
+
+Real loopback sockets where the OS behaviour is the point; the virtual network (virtual time) for the
+window, ordering and eviction cases.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+import trio.testing
+
+import pccl
+from pccl import MasterConfig
+from pccl._errors import RemoteProtocolError
+from pccl.master.server import open_master
+from pccl.testing import VirtualNetwork, VirtualStream
+from pccl.transport import Stream, StreamBroken, TcpStream, TcpTransport, receive_exactly_into
+from pccl.wire import messages as m
+from pccl.wire.framing import encode_frame
+from pccl.wire.stream import MessageStream
+
+
+async def tcp_pair() -> tuple[TcpStream, TcpStream]:
+    listener = await TcpTransport().listen("127.0.0.1", 0)
+    accepted: list[Stream] = []
+    async with trio.open_nursery() as nursery:
+
+        async def accept() -> None:
+            accepted.append(await listener.accept())
+
+        nursery.start_soon(accept)
+        client = await TcpTransport().connect("127.0.0.1", listener.address[1])
+    await listener.aclose()
+    assert isinstance(client, TcpStream) and isinstance(accepted[0], TcpStream)
+    return client, accepted[0]
+
+
+async def virtual_pair(net: VirtualNetwork) -> tuple[VirtualStream, VirtualStream]:
+    lst = await net.host("b").listen("0.0.0.0", 0)
+    accepted: list[VirtualStream] = []
+    async with trio.open_nursery() as nursery:
+
+        async def accept() -> None:
+            accepted.append(await lst.accept())
+
+        nursery.start_soon(accept)
+        client = await net.host("a").connect(net.host("b").address, lst.address[1])
+    await lst.aclose()
+    return client, accepted[0]
+
+
+async def read_exactly(stream: Stream, n: int) -> bytes:
+    buf = bytearray(n)
+    await receive_exactly_into(stream, memoryview(buf))
+    return bytes(buf)
+
+
+HEARTBEAT_FRAME = 7  # bytes of one framed Heartbeat (checked below); 256 is not a multiple of it
+
+# ----------------------------------------------------------------------------------------------
+# TcpStream
+
+
+async def test_tcp_try_send_sends_at_once_until_the_buffer_is_full() -> None:
+    a, b = await tcp_pair()
+    assert a.try_send(b"hello") == 5
+    assert await read_exactly(b, 5) == b"hello"
+    # Nobody reads: the socket buffers fill and try_send reports a short count, then 0 - never waits.
+    chunk = bytes(1 << 20)
+    total, last = 0, -1
+    for _ in range(256):
+        last = a.try_send(chunk)
+        total += last
+        if last == 0:
+            break
+    assert last == 0 and total > 0
+    got = 0
+    while got < total:
+        got += len(await b.receive_some(1 << 20))
+    assert got == total
+    await a.aclose()
+    with pytest.raises(StreamBroken, match="closed"):
+        a.try_send(b"x")
+    await b.aclose()
+
+
+async def test_tcp_try_send_to_a_reset_peer_raises_stream_broken() -> None:
+    a, b = await tcp_pair()
+    await b.aclose()
+    with trio.fail_after(5):
+        while True:  # the first send may still be accepted; the RST it provokes fails a later one
+            try:
+                a.try_send(b"ping")
+            except StreamBroken:
+                break
+            await trio.sleep(0.01)
+    await a.aclose()
+
+
+async def test_tcp_receive_is_a_checkpoint_and_returns_data_that_arrives_later() -> None:
+    a, b = await tcp_pair()
+    await a.send_all(b"ready")
+    with trio.testing.assert_checkpoints():  # data already there: still a schedule point
+        assert await b.receive_some(5) == b"ready"
+    async with trio.open_nursery() as nursery:
+        got: list[bytes] = []
+
+        async def reader() -> None:
+            got.append(await b.receive_some(100))
+
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got  # waiting in epoll, not spinning
+        await a.send_all(b"later")
+    assert got == [b"later"]
+    buf = bytearray(8)
+    await a.send_all(b"into")
+    assert await b.receive_into(memoryview(buf)) == 4 and buf[:4] == b"into"
+    await a.aclose()
+    assert await b.receive_some(10) == b""  # EOF
+    await b.aclose()
+
+
+async def test_tcp_receive_cancelled_or_closed_underneath() -> None:
+    a, b = await tcp_pair()
+    with trio.move_on_after(0.05) as scope:
+        await b.receive_some(10)
+    assert scope.cancelled_caught
+    await a.send_all(b"still usable")
+    assert await read_exactly(b, 12) == b"still usable"
+    with trio.testing.assert_checkpoints():
+        with trio.CancelScope() as cs:
+            cs.cancel()
+            await b.receive_some(10)  # a cancelled call raises Cancelled, reading nothing
+    await a.send_all(b"!")
+    assert await b.receive_some(10) == b"!"
+
+    async with trio.open_nursery() as nursery:
+        errors: list[BaseException] = []
+
+        async def reader() -> None:
+            try:
+                await b.receive_some(10)
+            except StreamBroken as exc:
+                errors.append(exc)
+
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        await b.aclose()  # from another task: the waiting receive fails, it does not hang
+    assert len(errors) == 1
+    with pytest.raises(StreamBroken):
+        await b.receive_some(10)
+    await a.aclose()
+
+
+# ----------------------------------------------------------------------------------------------
+# MessageStream.send_nowait
+
+
+async def test_send_nowait_sends_whole_frames_and_defers_to_a_running_send(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = VirtualNetwork(buffer_size=1024)
+    a, b = await virtual_pair(net)
+    ms_a, ms_b = MessageStream(a, max_frame_size=1 << 20), MessageStream(b, max_frame_size=1 << 20)
+    assert ms_a.send_nowait(m.Heartbeat()) and not ms_a.owes
+    assert await ms_b.receive() == m.Heartbeat()
+    async with trio.open_nursery() as nursery:
+        # A send() holding the lock (blocked mid-frame on the window): send_nowait must not cut in.
+        big = m.CollectiveAbort(tag=1, op_seq=2, reason="x" * (net.buffer_size * 2), code=1)
+        nursery.start_soon(ms_a.send, big)
+        await trio.testing.wait_all_tasks_blocked()
+        assert ms_a.send_nowait(m.Heartbeat()) is False
+        assert await ms_b.receive() == big
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_send_nowait_partial_frame_is_owed_and_flushed_before_anything_else(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = VirtualNetwork(buffer_size=64)
+    a, b = await virtual_pair(net)
+    ms_a, ms_b = MessageStream(a, max_frame_size=1 << 20), MessageStream(b, max_frame_size=1 << 20)
+    first = m.CollectiveAbort(tag=3, op_seq=4, reason="r" * 200, code=1)  # larger than the window
+    assert ms_a.send_nowait(first) is True
+    assert ms_a.owes
+    assert ms_a.send_nowait(m.Heartbeat()) is False  # nothing may go out before the owed tail
+    second = m.CollectiveAbort(tag=5, op_seq=6, reason="second", code=1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ms_a.send, second)  # pays the debt first
+        assert await ms_b.receive() == first
+        assert await ms_b.receive() == second
+    assert not ms_a.owes
+    # A full window: nothing taken, nothing owed, the caller must use send().
+    for _ in range(2):
+        a.try_send(b"\x00" * 64)
+    assert ms_a.send_nowait(m.Heartbeat()) is False and not ms_a.owes
+    await ms_a.flush()  # nothing owed: a no-op
+    await a.aclose()
+    await b.aclose()
+
+
+class _NoTrySend:
+    """A Stream without the optional try_send (a custom transport)."""
+
+    def __init__(self, inner: Stream) -> None:
+        self._inner = inner
+        self.peer_address = inner.peer_address
+        self.local_address = inner.local_address
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self._inner.send_all(data)
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        return await self._inner.receive_some(max_bytes)
+
+    async def receive_into(self, buf: memoryview) -> int:
+        return await self._inner.receive_into(buf)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def test_send_nowait_without_try_send_falls_back(autojump_clock: trio.testing.MockClock) -> None:
+    net = VirtualNetwork()
+    a, b = await virtual_pair(net)
+    plain = _NoTrySend(a)
+    assert isinstance(plain, Stream)
+    ms_a = MessageStream(plain, max_frame_size=1 << 20)
+    assert ms_a.send_nowait(m.Heartbeat()) is False
+    await ms_a.send(m.Heartbeat())
+    assert await MessageStream(b, max_frame_size=1 << 20).receive() == m.Heartbeat()
+    await a.aclose()
+    await b.aclose()
+
+
+# ----------------------------------------------------------------------------------------------
+# The master's immediate sends
+
+
+# Seven window sizes: every remainder modulo the heartbeat's frame size, so in one of them the window
+# fills part-way through a frame (send_nowait owes the tail and the writer task must send it).
+@pytest.mark.parametrize("window", range(256, 256 + HEARTBEAT_FRAME))
+async def test_master_evicts_a_peer_that_stops_reading_and_keeps_serving(
+    window: int, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A peer that sends heartbeats but never reads: the socket takes the master's first messages
+    at once, then (for some window size) a frame only in part - the writer task owes the rest - then
+    the queue fills and the peer is evicted with the reason; the master stays up for the others."""
+    assert len(encode_frame(m.encode(m.Heartbeat()), max_frame_size=1 << 20)) == HEARTBEAT_FRAME
+    net = VirtualNetwork(buffer_size=window)
+    cfg = MasterConfig(heartbeat_interval=0.1, heartbeat_timeout=5.0, send_queue_size=4)
+    caplog.set_level(logging.INFO, logger="pccl.master")
+    async with open_master("0.0.0.0:0", config=cfg, transport=net.host("m")) as master:
+        port = master.address[1]
+        stream = await net.host("p").connect(net.host("m").address, port)
+        ms = MessageStream(stream, max_frame_size=1 << 20)
+        await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
+        assert isinstance(await ms.receive(), m.HelloOk)
+        await ms.send(m.Register(p2p_port=5555, peer_group=0))
+        with trio.fail_after(60):
+            while master.statistics()["connections"]:
+                try:
+                    await ms.send(m.Heartbeat())  # alive, but never reads again
+                except StreamBroken:
+                    break  # the master closed the connection
+                await trio.sleep(0.1)
+        assert master.statistics()["connections"] == 0
+        assert "send queue overflowed" in caplog.text
+        # What the peer can still read is whole heartbeats, in order, then the end of the stream (after
+        # the head of a frame when the window filled part-way through one): nothing was sent after a
+        # frame's head but its tail.
+        beats = 0
+        with trio.fail_after(5):
+            while True:
+                try:
+                    msg = await ms.receive()
+                except StreamBroken:
+                    break
+                except RemoteProtocolError as exc:
+                    assert "inside a frame" in str(exc)
+                    break
+                if beats == 0 and isinstance(msg, (m.Registered, m.Accepted)):
+                    continue  # the answers to Register come first
+                assert isinstance(msg, m.Heartbeat)
+                beats += 1
+        assert beats >= 200 // HEARTBEAT_FRAME  # the 256-byte window held ~30 of them
+        # The master still serves a newcomer.
+        s2 = await net.host("q").connect(net.host("m").address, port)
+        ms2 = MessageStream(s2, max_frame_size=1 << 20)
+        await ms2.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
+        assert isinstance(await ms2.receive(), m.HelloOk)
+        await ms2.aclose()
+        await ms.aclose()
