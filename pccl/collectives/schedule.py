@@ -133,12 +133,16 @@ class RecvFrame:
         start: first element in the output array.
         end: one past the last element.
         reduce: combine ``out[start:end]`` with this rank's input over the same range afterwards.
+        to_scratch: land in a scratch buffer instead; afterwards ``out[start:end] =
+            op(out[start:end], received)`` (``out`` holds this rank's input there: the plan's
+            ``local_copy``). The exchange plan uses it so both ranks compute ``op(x0, x1)``.
     """
 
     seq: int
     start: int
     end: int
     reduce: bool
+    to_scratch: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +259,30 @@ def plan_ring(kind: str, n: int, rank: int, count: int, block_elems: int, root: 
     return _finish(sends, recvs, local_copy, owned)
 
 
+def plan_exchange(rank: int, count: int, block_elems: int) -> Plan:
+    """All-reduce between two ranks in one step: each sends its whole input to the other and
+    reduces the two inputs itself, instead of the ring's two dependent steps (reduce-scatter, then
+    all-gather) of half the input each. The same bytes cross the wire, but a small operation waits
+    for one arrival instead of two; each rank reduces the whole buffer instead of half, so it is
+    only worth it for small buffers (see ``ring.EXCHANGE_MAX_BYTES``).
+
+    Both ranks compute ``op(x0, x1)`` with rank 0's input as the first operand - rank 1 reduces
+    the received ``x0`` with its own input as usual, rank 0 starts from a copy of its input and
+    reduces the received ``x1`` into it - so the results are bit-identical even where ``op`` is
+    not bitwise commutative (NaN payloads, MIN/MAX of -0.0 and 0.0).
+
+    Raises:
+        ValueError: bad arguments.
+    """
+    if rank not in (0, 1) or count < 0 or block_elems < 1:
+        raise ValueError(f"bad exchange plan: rank={rank} count={count} block_elems={block_elems}")
+    blocks = block_ranges(0, count, block_elems)
+    sends = [SendFrame(i, SRC_SEND, a, e, -1, i) for i, (a, e) in enumerate(blocks)]
+    recvs = [RecvFrame(i, a, e, True, to_scratch=rank == 0) for i, (a, e) in enumerate(blocks)]
+    local_copy = (0, count, 0) if rank == 0 and count else None
+    return _finish(sends, recvs, local_copy, (0, count))
+
+
 def _plan_broadcast(n: int, rank: int, count: int, block_elems: int, root: int) -> Plan:
     if not 0 <= root < n:
         raise ValueError(f"broadcast root {root} out of range for n={n}")
@@ -277,17 +305,29 @@ _PLAN_CACHE_SIZE = 256
 _PLAN_CACHE_MAX_FRAMES = 4096
 
 
-def cached_plan(kind: str, n: int, rank: int, count: int, block_elems: int, root: int = 0) -> Plan:
-    """:func:`plan_ring` behind a small LRU cache (training loops repeat the same shapes).
+def cached_plan(
+    kind: str, n: int, rank: int, count: int, block_elems: int, root: int = 0, *, exchange: bool = False
+) -> Plan:
+    """:func:`plan_ring` (or, with ``exchange``, :func:`plan_exchange`: all_reduce, ``n == 2``)
+    behind a small LRU cache (training loops repeat the same shapes).
 
     Plans with many frames are not cached, so the cache stays small.
+
+    Raises:
+        ValueError: bad arguments.
     """
-    key = (kind, n, rank, count, block_elems, root if kind == "broadcast" else 0)
+    if exchange and (kind != "all_reduce" or n != 2):
+        raise ValueError(f"the exchange plan is for all_reduce between 2 ranks, not {kind} with {n}")
+    name = "exchange" if exchange else kind
+    key = (name, n, rank, count, block_elems, root if kind == "broadcast" else 0)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         _PLAN_CACHE.move_to_end(key)
         return plan
-    plan = plan_ring(kind, n, rank, count, block_elems, root)
+    if exchange:
+        plan = plan_exchange(rank, count, block_elems)
+    else:
+        plan = plan_ring(kind, n, rank, count, block_elems, root)
     if len(plan.sends) + len(plan.recvs) <= _PLAN_CACHE_MAX_FRAMES:
         _PLAN_CACHE[key] = plan
         while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:

@@ -18,6 +18,7 @@ from pccl.collectives.schedule import (
     chunk_range,
     chunk_sizes,
     output_count,
+    plan_exchange,
     plan_ring,
     ring_steps,
 )
@@ -88,7 +89,9 @@ def test_ring_steps_reject_bad_arguments() -> None:
         plan_ring("all_reduce", 3, 0, 10, 0)
 
 
-def simulate(kind: str, n: int, count: int, block_elems: int, root: int = 0) -> list[np.ndarray]:
+def simulate(
+    kind: str, n: int, count: int, block_elems: int, root: int = 0, *, exchange: bool = False
+) -> list[np.ndarray]:
     """Execute every rank's plan frame by frame, delivering sends to the successor by ``seq``.
 
     Data: rank r's input is a (count, n) matrix of zeros with ones in column r, so after a SUM
@@ -96,7 +99,10 @@ def simulate(kind: str, n: int, count: int, block_elems: int, root: int = 0) -> 
     also checks that ranges match between sender and receiver, that a send is released only
     after its dependency, and that every frame is used exactly once.
     """
-    plans = [plan_ring(kind, n, r, count, block_elems, root) for r in range(n)]
+    if exchange:
+        plans = [plan_exchange(r, count, block_elems) for r in range(n)]
+    else:
+        plans = [plan_ring(kind, n, r, count, block_elems, root) for r in range(n)]
     for r in range(n):
         succ = plans[(r + 1) % n]
         assert len(plans[r].sends) == len(succ.recvs), "sender and receiver disagree on frame count"
@@ -135,9 +141,13 @@ def simulate(kind: str, n: int, count: int, block_elems: int, root: int = 0) -> 
             while next_recv[r] < len(p.recvs) and p.recvs[next_recv[r]].seq in inbox[r]:
                 i = next_recv[r]
                 g = p.recvs[i]
-                outs[r][g.start : g.end] = inbox[r].pop(g.seq)
-                if g.reduce:
-                    outs[r][g.start : g.end] += inputs[r][g.start : g.end]
+                if g.to_scratch:  # out holds this rank's input (local_copy): add the received part
+                    assert g.reduce and p.local_copy == (0, count, 0)
+                    outs[r][g.start : g.end] += inbox[r].pop(g.seq)
+                else:
+                    outs[r][g.start : g.end] = inbox[r].pop(g.seq)
+                    if g.reduce:
+                        outs[r][g.start : g.end] += inputs[r][g.start : g.end]
                 released[r].extend(p.unlocks[i])
                 next_recv[r] += 1
                 progress = True
@@ -175,6 +185,35 @@ def test_every_plan_delivers_exactly_once(kind: str, n: int, count: int, block_e
     else:
         for r in range(n):
             assert (outs[r][:, root] == np.arange(count) + 1000 * (root + 1)).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(count=st.integers(0, 40), block_elems=st.integers(1, 9))
+def test_exchange_plan_delivers_every_contribution_once(count: int, block_elems: int) -> None:
+    outs = simulate("all_reduce", 2, count, block_elems, exchange=True)
+    for r in range(2):
+        assert (outs[r] == 1).all()
+
+
+def test_exchange_plan_puts_rank_0_first_on_both_ranks() -> None:
+    p0, p1 = plan_exchange(0, 10, 4), plan_exchange(1, 10, 4)
+    # One step: every frame can go at once, and the whole input crosses in each direction.
+    assert p0.initial == tuple(range(3)) and p1.initial == tuple(range(3))
+    assert [(f.start, f.end) for f in p0.sends] == [(0, 4), (4, 8), (8, 10)]
+    assert p0.send_elems == p0.recv_elems == p1.send_elems == p1.recv_elems == 10
+    # rank 0 starts from its own input and reduces x1 into it: op(x0, x1);
+    # rank 1 receives x0 into out and reduces its own input into it: op(x0, x1) again.
+    assert p0.local_copy == (0, 10, 0) and all(f.to_scratch and f.reduce for f in p0.recvs)
+    assert p1.local_copy is None and all(f.reduce and not f.to_scratch for f in p1.recvs)
+    assert plan_exchange(0, 0, 4).sends == () and plan_exchange(0, 0, 4).local_copy is None
+    assert cached_plan("all_reduce", 2, 0, 10, 4, exchange=True) == p0
+    assert cached_plan("all_reduce", 2, 0, 10, 4) != p0  # the ring plan, cached separately
+    with pytest.raises(ValueError):
+        cached_plan("all_reduce", 3, 0, 10, 4, exchange=True)
+    with pytest.raises(ValueError):
+        cached_plan("reduce_scatter", 2, 0, 10, 4, exchange=True)
+    with pytest.raises(ValueError):
+        plan_exchange(2, 10, 4)
 
 
 def test_blocks_respect_block_size_and_lanes_stripe() -> None:

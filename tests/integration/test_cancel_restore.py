@@ -52,6 +52,47 @@ async def test_cancelled_mid_ring_restores_every_buffer(
         np.testing.assert_allclose(out[0], sends[0] + sends[1] + sends[2], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("in_place", [True, False])
+async def test_two_peer_exchange_cancelled_mid_transfer_restores_both(
+    autojump_clock: trio.testing.MockClock, in_place: bool
+) -> None:
+    """Two peers and 256 KB take the one-step exchange plan (one frame each way, no dependencies):
+    a cancellation half-way through the transfer still leaves both buffers bit-identical."""
+    count = 64 << 10
+    net = VirtualNetwork(latency=0.0005, bandwidth=1e6)  # 0.26 s per direction
+    async with open_test_cluster(2, network=net) as cl:
+        sends = [np.random.default_rng(i).standard_normal(count).astype(np.float32) for i in range(2)]
+        recvs = [s if in_place else np.full(count, -7.0, np.float32) for s in sends]
+        before = [r.tobytes() for r in recvs]
+        results: dict[int, object] = {}
+        cancel0 = trio.CancelScope()
+
+        async def call(i: int) -> None:
+            try:
+                with cancel0 if i == 0 else trio.CancelScope():
+                    results[i] = await cl.peer(i).all_reduce(sends[i], None if in_place else recvs[i], tag=6)
+            except pccl.PCCLError as exc:
+                results[i] = exc
+
+        base = net.statistics().bytes_delivered
+        async with trio.open_nursery() as n:
+            n.start_soon(call, 0)
+            n.start_soon(call, 1)
+            await trio.sleep(0.13)
+            moved = net.statistics().bytes_delivered - base
+            cancel0.cancel()
+        assert 50_000 < moved < 2 * count * 4, moved  # in the middle of the transfer
+        assert 0 not in results  # cancelled
+        assert isinstance(results[1], pccl.RankConnectionLostError), results[1]
+        for i in range(2):
+            assert recvs[i].tobytes() == before[i], f"peer {i}: buffer not restored"
+        out = [np.empty(count, np.float32) for _ in range(2)]
+        async with trio.open_nursery() as n:
+            for i in range(2):
+                n.start_soon(cl.peer(i).all_reduce, sends[i], out[i])
+        assert out[0].tobytes() == out[1].tobytes() == (sends[0] + sends[1]).tobytes()
+
+
 async def test_peer_killed_mid_ring_restores_survivor_in_place_buffers(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
