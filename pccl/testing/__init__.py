@@ -6,6 +6,7 @@ Import what you need from here; each submodule keeps its own ``__all__``.
 
 from __future__ import annotations
 
+from .bare import BareListener, BareStream, BareTransport
 from .cluster import (
     DEFAULT_MASTER_CONFIG,
     DEFAULT_PEER_CONFIG,
@@ -42,6 +43,9 @@ __all__ = [
     "DEFAULT_MASTER_CONFIG",
     "DEFAULT_PEER_CONFIG",
     "MASTER",
+    "BareListener",
+    "BareStream",
+    "BareTransport",
     "Close",
     "Delay",
     "Hook",

@@ -14,64 +14,14 @@ from pccl import PeerConfig, ReduceOp
 from pccl.collectives.ring import run_collective
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.transport import Address, Stream, TcpTransport, Transport
+from pccl.testing import BareTransport
+from pccl.transport import Address, TcpTransport, Transport
 
 CONFIG = PeerConfig(connect_timeout=5.0)
 
 
-class PlainStream:
-    """Wraps a stream and hides its socket, so the pool takes its generic (non-TCP) path."""
-
-    def __init__(self, inner: Stream) -> None:
-        self._inner = inner
-
-    @property
-    def peer_address(self) -> Address:
-        return self._inner.peer_address
-
-    @property
-    def local_address(self) -> Address:
-        return self._inner.local_address
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def receive_some(self, max_bytes: int = 65536) -> bytes:
-        return await self._inner.receive_some(max_bytes)
-
-    async def receive_into(self, buf: memoryview) -> int:
-        return await self._inner.receive_into(buf)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class PlainListener:
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    @property
-    def address(self) -> Address:
-        return self._inner.address  # type: ignore[no-any-return]
-
-    async def accept(self) -> Stream:
-        return PlainStream(await self._inner.accept())
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class PlainTransport:
-    """TcpTransport whose streams hide their sockets (exercises the generic stream path)."""
-
-    def __init__(self) -> None:
-        self._tcp = TcpTransport()
-
-    async def connect(self, host: str, port: int) -> Stream:
-        return PlainStream(await self._tcp.connect(host, port))
-
-    async def listen(self, host: str, port: int) -> Any:
-        return PlainListener(await self._tcp.listen(host, port))
+# TcpTransport whose streams hide their sockets (exercises the pool's generic stream path).
+PlainTransport = BareTransport
 
 
 @dataclass

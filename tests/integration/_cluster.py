@@ -14,6 +14,7 @@ from pccl import SharedStateSyncStrategy as S
 from pccl.master.server import MasterHandle, open_master
 from pccl.peer.communicator import Communicator, open_communicator
 from pccl.peer.shared_state import SharedState
+from pccl.transport import Transport
 
 FAST_MASTER = MasterConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0)
 FAST_PEER = PeerConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, p2p_listen_host="127.0.0.1")
@@ -22,10 +23,13 @@ FAST_PEER = PeerConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, p2p_listen
 class LoopbackCluster:
     """A master and peers in one trio run; each peer lives in its own cancel scope (kill = cancel)."""
 
-    def __init__(self, master: MasterHandle, nursery: trio.Nursery, pool_size: int) -> None:
+    def __init__(
+        self, master: MasterHandle, nursery: trio.Nursery, pool_size: int, transport: Transport | None = None
+    ) -> None:
         self.master = master
         self.nursery = nursery
         self.pool_size = pool_size
+        self.transport = transport
         self.comms: list[Communicator] = []
         self._scopes: dict[int, trio.CancelScope] = {}
 
@@ -42,6 +46,7 @@ class LoopbackCluster:
                     peer_group=group,
                     p2p_connection_pool_size=self.pool_size,
                     config=FAST_PEER,
+                    transport=self.transport,
                 ) as c:
                     ready.append(c)
                     got.set()
@@ -74,11 +79,11 @@ class LoopbackCluster:
 
 @asynccontextmanager
 async def loopback_cluster(
-    n_peers: int, *, groups: list[int] | None = None, pool_size: int = 1
+    n_peers: int, *, groups: list[int] | None = None, pool_size: int = 1, transport: Transport | None = None
 ) -> AsyncIterator[LoopbackCluster]:
-    async with open_master(config=FAST_MASTER) as master:
+    async with open_master(config=FAST_MASTER, transport=transport) as master:
         async with trio.open_nursery() as nursery:
-            cl = LoopbackCluster(master, nursery, pool_size)
+            cl = LoopbackCluster(master, nursery, pool_size, transport)
             for i in range(n_peers):
                 await cl.add_peer(groups[i] if groups else 0)
             await cl.update_all()  # everyone has the same table

@@ -12,6 +12,7 @@ import trio
 import pccl
 from pccl import ReduceOp
 from pccl.peer.communicator import Communicator
+from pccl.testing import BareTransport
 
 from ._cluster import gather, loopback_cluster
 
@@ -41,6 +42,24 @@ async def test_all_reduce_sum_and_avg_numpy(n: int) -> None:
         expect = (np.arange(10, dtype=np.int64) * sum(range(1, n + 1))) // n
         for x in ints:
             np.testing.assert_array_equal(x, expect.astype(np.int32))
+
+
+@pytest.mark.parametrize("n", [2, 3])  # 2: the exchange plan; 3: the ring
+async def test_collectives_over_a_transport_without_extras(n: int) -> None:
+    """Over streams with only the protocol's required methods (no TCP socket, no try_send), the
+    master queues every message for its writer task and the pool takes its generic path; the
+    results are the same."""
+    async with loopback_cluster(n, transport=BareTransport()) as cl:
+        rng = np.random.default_rng(n)
+        data = [rng.standard_normal(5000).astype(np.float32) for _ in range(n)]
+        outs = [np.zeros(5000, np.float32) for _ in range(n)]
+
+        async def run(i: int, c: Communicator) -> None:
+            for tag in range(3):  # a few in a row: votes and completes through the writer tasks
+                await c.all_reduce(data[i], outs[i], op=ReduceOp.MAX, tag=tag)
+
+        await gather(cl.comms, run)
+        assert all(o.tobytes() == np.maximum.reduce(data).tobytes() for o in outs)
 
 
 async def test_all_reduce_torch_tensors_and_small_counts() -> None:

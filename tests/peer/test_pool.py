@@ -21,7 +21,8 @@ from pccl import (
 from pccl._errors import LocalProtocolError, RemoteProtocolError
 from pccl.peer.p2p import open_p2p, serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.transport import Address, Stream, TcpTransport, Transport
+from pccl.testing import BareTransport
+from pccl.transport import Address, TcpTransport, Transport
 from pccl.wire.data import (
     DATA_HEADER_SIZE,
     MAX_DATA_FRAME_LENGTH,
@@ -72,50 +73,8 @@ def test_header_validation() -> None:
 # pools over loopback TCP
 
 
-class HiddenSocketStream:
-    """Hides the TCP socket so the pool uses its generic stream path."""
-
-    def __init__(self, inner: Stream) -> None:
-        self._inner = inner
-        self.peer_address = inner.peer_address
-        self.local_address = inner.local_address
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def receive_some(self, max_bytes: int = 65536) -> bytes:
-        return await self._inner.receive_some(max_bytes)
-
-    async def receive_into(self, buf: memoryview) -> int:
-        return await self._inner.receive_into(buf)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class GenericTransport:
-    def __init__(self) -> None:
-        self._tcp = TcpTransport()
-
-    async def connect(self, host: str, port: int) -> Stream:
-        return HiddenSocketStream(await self._tcp.connect(host, port))
-
-    async def listen(self, host: str, port: int) -> Any:
-        inner = await self._tcp.listen(host, port)
-
-        class L:
-            address = inner.address
-
-            async def accept(self) -> Stream:
-                return HiddenSocketStream(await inner.accept())
-
-            async def aclose(self) -> None:
-                await inner.aclose()
-
-        return L()
-
-
-TRANSPORTS: list[Callable[[], Transport]] = [TcpTransport, GenericTransport]
+# BareTransport hides the TCP socket, so the pool uses its generic stream path.
+TRANSPORTS: list[Callable[[], Transport]] = [TcpTransport, BareTransport]
 
 
 @asynccontextmanager

@@ -17,7 +17,7 @@ import pccl
 from pccl import MasterConfig
 from pccl._errors import RemoteProtocolError
 from pccl.master.server import open_master
-from pccl.testing import VirtualNetwork, VirtualStream
+from pccl.testing import BareStream, VirtualNetwork, VirtualStream
 from pccl.transport import Stream, StreamBroken, TcpStream, TcpTransport, receive_exactly_into
 from pccl.wire import messages as m
 from pccl.wire.framing import encode_frame
@@ -205,31 +205,10 @@ async def test_send_nowait_partial_frame_is_owed_and_flushed_before_anything_els
     await b.aclose()
 
 
-class _NoTrySend:
-    """A Stream without the optional try_send (a custom transport)."""
-
-    def __init__(self, inner: Stream) -> None:
-        self._inner = inner
-        self.peer_address = inner.peer_address
-        self.local_address = inner.local_address
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self._inner.send_all(data)
-
-    async def receive_some(self, max_bytes: int = 65536) -> bytes:
-        return await self._inner.receive_some(max_bytes)
-
-    async def receive_into(self, buf: memoryview) -> int:
-        return await self._inner.receive_into(buf)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
 async def test_send_nowait_without_try_send_falls_back(autojump_clock: trio.testing.MockClock) -> None:
     net = VirtualNetwork()
     a, b = await virtual_pair(net)
-    plain = _NoTrySend(a)
+    plain = BareStream(a)  # a custom transport's stream: no try_send
     assert isinstance(plain, Stream)
     ms_a = MessageStream(plain, max_frame_size=1 << 20)
     assert ms_a.send_nowait(m.Heartbeat()) is False
