@@ -20,7 +20,7 @@ from typing import Any
 import trio
 
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
-from .._errors import InvalidArgumentError, RemoteProtocolError, Result
+from .._errors import InvalidArgumentError, LocalProtocolError, RemoteProtocolError, Result
 from ..transport import Address, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
@@ -205,7 +205,11 @@ class MasterServer:
                 if item is _FLUSH:
                     await conn.ms.flush()
                 else:
-                    await conn.ms.send(item)
+                    try:
+                        await conn.ms.send(item)
+                    except LocalProtocolError as exc:
+                        self._unsendable(conn, item, exc)
+                        return
                 conn.queued -= 1
         except StreamBroken:
             # The peer reset the connection: end this connection only (the reader sees it too).
@@ -284,16 +288,39 @@ class MasterServer:
             except StreamBroken:
                 conn.scope.cancel()  # as the writer does: the reader sees the broken stream too
                 return
+            except LocalProtocolError as exc:
+                self._unsendable(conn, item, exc)
+                return
         try:
             conn.send.send_nowait(item)
             conn.queued += 1
         except trio.WouldBlock:
             # The peer does not read fast enough (or hangs): it cannot keep up with the protocol.
-            conn.closing = True
-            conn.scope.cancel()
-            self._execute(self.state.peer_lost(conn.peer_id, "evicted: its send queue overflowed"))
+            self._drop(conn, "evicted: its send queue overflowed")
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             pass
+
+    def _unsendable(self, conn: _Conn, msg: Any, exc: LocalProtocolError) -> None:
+        """A message for this peer cannot be framed (larger than ``max_frame_size``): the peer
+        cannot follow the protocol without it, so it is evicted; the master carries on."""
+        reason = (
+            f"evicted: the master cannot send it a {type(msg).__name__}: {exc.message} "
+            "(raise MasterConfig.max_frame_size)"
+        )
+        log.error("peer %d %s", conn.peer_id, reason)
+        if conn.queued == 0:
+            # Best effort: a short goodbye that says why usually still fits.
+            try:
+                conn.ms.send_nowait(m.Refused(reason=reason[:200], code=int(exc.result)))
+            except (LocalProtocolError, StreamBroken):
+                pass
+        self._drop(conn, reason)
+
+    def _drop(self, conn: _Conn, reason: str) -> None:
+        """Close ``conn`` at once and tell the state its peer is gone."""
+        conn.closing = True
+        conn.scope.cancel()
+        self._execute(self.state.peer_lost(conn.peer_id, reason))
 
     def _execute(self, effects: list[Effect]) -> None:
         for eff in effects:

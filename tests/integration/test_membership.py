@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
 import trio
 import trio.testing
 
@@ -9,6 +14,7 @@ import pccl
 from pccl import Attribute, MasterConfig, PeerConfig
 from pccl.master.server import open_master
 from pccl.peer.communicator import Communicator, open_communicator
+from pccl.testing import DEFAULT_MASTER_CONFIG, MASTER, VirtualNetwork, open_test_cluster
 from pccl.transport import TcpTransport
 from pccl.wire import messages as m
 from pccl.wire.framing import encode_frame
@@ -283,3 +289,24 @@ async def test_unreachable_master_raises_domain_error() -> None:
             raise AssertionError("must fail")
     except pccl.MasterConnectionError as exc:
         assert exc.result == pccl.Result.MASTER_CONNECTION_FAILED
+
+
+async def test_message_over_max_frame_size_evicts_the_peer_not_the_master(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A master whose max_frame_size is too small for a message it must send (here the 50-byte
+    EstablishP2P) evicts that peer with the reason in its log and keeps serving; it used to crash."""
+    caplog.set_level(logging.ERROR, logger="pccl.master")
+    net = VirtualNetwork()
+    cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, max_frame_size=40)
+    async with open_test_cluster(3, master_config=cfg, network=net) as cl:
+        for i in range(3):
+            with pytest.raises(pccl.PCCLError):
+                await cl.peer(i).all_reduce(np.ones(4, np.float32))
+        assert "exceeds the limit of 40 (raise MasterConfig.max_frame_size)" in caplog.text
+        # Still serving: a newcomer gets its HelloOk.
+        stream = await net.host("probe").connect(cl.host(MASTER).address, cl.master.address[1])
+        ms = MessageStream(stream, max_frame_size=1 << 20)
+        await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
+        assert isinstance(await ms.receive(), m.HelloOk)
+        await ms.aclose()
