@@ -30,7 +30,6 @@ import atexit
 import concurrent.futures
 import logging
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -63,6 +62,7 @@ from ._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
+from .kernels import backend
 from .master.server import MasterServer, parse_address
 from .peer.shared_state import SharedState, TensorInfo
 
@@ -89,8 +89,6 @@ def datatype_from_torch(torch_dtype: Any) -> DataType:
     Raises:
         InvalidArgumentError: unsupported dtype (bool, complex, ...) or torch is not imported.
     """
-    from .kernels import backend
-
     return backend.torch_to_dtype(torch_dtype)
 
 
@@ -100,8 +98,6 @@ def datatype_to_torch(datatype: DataType) -> Any:
     Raises:
         InvalidArgumentError: torch is not installed or has no such dtype.
     """
-    from .kernels import backend
-
     return backend.dtype_to_torch(DataType(datatype))
 
 
@@ -111,8 +107,6 @@ def datatype_from_numpy(np_dtype: Any) -> DataType:
     Raises:
         InvalidArgumentError: unsupported dtype or non-native byte order.
     """
-    from .kernels import backend
-
     return backend.numpy_to_dtype(np_dtype)
 
 
@@ -122,8 +116,6 @@ def datatype_to_numpy(datatype: DataType) -> np.dtype[Any]:
     Raises:
         InvalidArgumentError: unknown data type.
     """
-    from .kernels import backend
-
     return backend.dtype_to_numpy(DataType(datatype))
 
 
@@ -182,10 +174,9 @@ class ReduceOpDescriptor:
         Raises:
             InvalidArgumentError: not torch tensors, not contiguous, dtype/device/size mismatch.
         """
-        if not (_is_torch(send) and _is_torch(recv)):
-            raise InvalidArgumentError("ReduceOpDescriptor.from_torch needs two torch tensors")
-        _check_pair(send, recv, reduce_descriptor.count)
-        return ReduceOpDescriptor(send, recv, reduce_descriptor)
+        return ReduceOpDescriptor._checked(
+            send, recv, reduce_descriptor, backend.is_torch_tensor, "from_torch needs two torch tensors"
+        )
 
     @staticmethod
     def from_numpy(send: np.ndarray[Any, Any], recv: np.ndarray[Any, Any],
@@ -195,10 +186,9 @@ class ReduceOpDescriptor:
         Raises:
             InvalidArgumentError: not numpy arrays, not contiguous, dtype/size mismatch.
         """
-        if not (isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)):
-            raise InvalidArgumentError("ReduceOpDescriptor.from_numpy needs two numpy arrays")
-        _check_pair(send, recv, reduce_descriptor.count)
-        return ReduceOpDescriptor(send, recv, reduce_descriptor)
+        return ReduceOpDescriptor._checked(
+            send, recv, reduce_descriptor, _is_numpy, "from_numpy needs two numpy arrays"
+        )
 
     @staticmethod
     def from_cupy(send: Any, recv: Any, reduce_descriptor: ReduceDescriptor) -> ReduceOpDescriptor:
@@ -207,8 +197,15 @@ class ReduceOpDescriptor:
         Raises:
             InvalidArgumentError: not cupy arrays, not contiguous, dtype/device/size mismatch.
         """
-        if not (_is_cupy(send) and _is_cupy(recv)):
-            raise InvalidArgumentError("ReduceOpDescriptor.from_cupy needs two cupy arrays")
+        return ReduceOpDescriptor._checked(
+            send, recv, reduce_descriptor, backend.is_cupy_array, "from_cupy needs two cupy arrays"
+        )
+
+    @staticmethod
+    def _checked(send: Any, recv: Any, reduce_descriptor: ReduceDescriptor, is_kind: Callable[[object], bool],
+                 refusal: str) -> ReduceOpDescriptor:
+        if not (is_kind(send) and is_kind(recv)):
+            raise InvalidArgumentError(f"ReduceOpDescriptor.{refusal}")
         _check_pair(send, recv, reduce_descriptor.count)
         return ReduceOpDescriptor(send, recv, reduce_descriptor)
 
@@ -217,20 +214,12 @@ class ReduceOpDescriptor:
         return f"<ReduceOpDescriptor count={d.count} op={ReduceOp(d.op).name} tag={d.tag}>"
 
 
-def _is_torch(t: object) -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(t, torch.Tensor)
-
-
-def _is_cupy(t: object) -> bool:
-    cupy = sys.modules.get("cupy")  # never imported here: only an imported cupy can have made ``t``
-    return cupy is not None and isinstance(t, cupy.ndarray)
+def _is_numpy(t: object) -> bool:
+    return isinstance(t, np.ndarray)
 
 
 def _check_pair(send: Any, recv: Any, count: int | None) -> DataType:
     """Validate a send/recv pair (dtype, size, same device); returns their data type."""
-    from .kernels import backend
-
     backend.check_same_device(backend.device_index(send), backend.device_index(recv))
     sd = backend.describe(send)
     rd = backend.describe(recv)
@@ -265,10 +254,8 @@ def _prepare(send: Any, recv: Any, *, op: Any, tag: Any, count: int | None,
     """Check a reduce's arguments like the established bindings do, raising PCCLError instead of asserting."""
     if recv is None:
         recv = send
-    both_np = isinstance(send, np.ndarray) and isinstance(recv, np.ndarray)
-    both_torch = _is_torch(send) and _is_torch(recv)
-    both_cupy = _is_cupy(send) and _is_cupy(recv)
-    if not (both_np or both_torch or both_cupy):
+    if not any(is_kind(send) and is_kind(recv)
+               for is_kind in (_is_numpy, backend.is_torch_tensor, backend.is_cupy_array)):
         raise InvalidArgumentError(
             f"unsupported input types {type(send).__name__}, {type(recv).__name__}: send and recv must "
             "both be torch.Tensor, both be numpy.ndarray or both be cupy.ndarray")
@@ -296,8 +283,6 @@ def _prepare(send: Any, recv: Any, *, op: Any, tag: Any, count: int | None,
         send, recv = _flat_prefix(send, count), _flat_prefix(recv, count)
     # The async core copies GPU tensors to the host in its own thread, on that thread's current stream: make
     # the work this (the caller's) thread queued on its current stream to produce ``send`` finish first.
-    from .kernels import backend
-
     backend.sync_current_stream(send)
     return _Operand(send=send, recv=recv, op=op, tag=tag, quantization=q)
 
@@ -1052,8 +1037,6 @@ class Communicator:
         except ValueError:
             raise InvalidArgumentError(f"unknown shared-state sync strategy {strategy!r}") from None
         self._check_no_ops("sync_shared_state")
-        from .kernels import backend
-
         for tensor_info in shared_state.tensor_infos:  # GPU tensors: see _prepare (per-thread streams)
             backend.sync_current_stream(tensor_info.tensor)
         info: SharedStateSyncInfo = _core.call(comm.sync_shared_state, shared_state, strategy)

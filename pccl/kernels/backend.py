@@ -46,6 +46,8 @@ __all__ = [
     "dtype_to_torch",
     "host_bytes",
     "is_cuda",
+    "is_cupy_array",
+    "is_torch_tensor",
     "numpy_to_dtype",
     "pinned_empty",
     "sync_current_stream",
@@ -252,12 +254,14 @@ def dtype_to_torch(dtype: DataType) -> Any:
 # classification
 
 
-def _is_torch_tensor(t: object) -> bool:
+def is_torch_tensor(t: object) -> bool:
+    """True for a torch tensor (never imports torch: only an imported torch can have made ``t``)."""
     torch = _torch()
     return torch is not None and isinstance(t, torch.Tensor)
 
 
-def _is_cupy_array(t: object) -> bool:
+def is_cupy_array(t: object) -> bool:
+    """True for a cupy array (never imports cupy)."""
     cupy = _cupy()
     return cupy is not None and isinstance(t, cupy.ndarray)
 
@@ -297,14 +301,14 @@ def describe(t: object) -> TensorDesc:
                 "pass np.ascontiguousarray(x) and use the result"
             )
         return TensorDesc(dtype, int(t.size), int(t.size) * dtype.itemsize, DeviceType.CPU, tuple(t.shape))
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         tt: Any = t
         dtype = torch_to_dtype(tt.dtype)
         _check_torch_layout(tt)
         device = DeviceType.CUDA if tt.device.type == "cuda" else DeviceType.CPU
         n = int(tt.numel())
         return TensorDesc(dtype, n, n * dtype.itemsize, device, tuple(int(s) for s in tt.shape))
-    if _is_cupy_array(t):
+    if is_cupy_array(t):
         a: Any = t
         dtype = numpy_to_dtype(a.dtype)
         if not a.flags.c_contiguous:
@@ -328,9 +332,9 @@ def is_cuda(t: object) -> bool:
     Returns:
         Whether it is a GPU tensor. Unknown types are simply not CUDA.
     """
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         return bool(t.is_cuda)  # type: ignore[attr-defined]
-    return _is_cupy_array(t)
+    return is_cupy_array(t)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -397,7 +401,7 @@ def host_bytes(t: object) -> np.ndarray[Any, Any]:
         if not mv.c_contiguous:
             raise InvalidArgumentError("memoryview is not C-contiguous")
         return np.frombuffer(mv.cast("B") if mv.ndim != 1 or mv.format != "B" else mv, dtype=np.uint8)
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         torch = _torch()
         assert torch is not None
         tt: Any = t
@@ -407,7 +411,7 @@ def host_bytes(t: object) -> np.ndarray[Any, Any]:
         flat = tt.detach().reshape(-1)
         u8: np.ndarray[Any, Any] = flat.view(torch.uint8).numpy()
         return u8
-    if _is_cupy_array(t):
+    if is_cupy_array(t):
         raise InvalidArgumentError("host_bytes needs a CPU tensor; this cupy array lives on the GPU")
     raise InvalidArgumentError(f"unsupported type {type(t).__module__}.{type(t).__qualname__}")
 
@@ -448,10 +452,10 @@ def device_index(t: object) -> int:
     Returns:
         ``tensor.device.index`` (torch) or ``array.device.id`` (cupy); -1 for numpy arrays and CPU tensors.
     """
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         tt: Any = t
         return int(tt.device.index or 0) if tt.is_cuda else -1
-    if _is_cupy_array(t):
+    if is_cupy_array(t):
         a: Any = t
         return int(a.device.id)
     return -1
@@ -487,13 +491,13 @@ def sync_current_stream(t: object) -> None:
     Args:
         t: a tensor :func:`describe` accepts.
     """
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         torch = _torch()
         assert torch is not None
         tt: Any = t
         if tt.is_cuda:
             torch.cuda.current_stream(tt.device).synchronize()
-    elif _is_cupy_array(t):
+    elif is_cupy_array(t):
         cupy = _cupy()
         assert cupy is not None
         a: Any = t
@@ -503,12 +507,12 @@ def sync_current_stream(t: object) -> None:
 
 def _gpu_bytes(t: object) -> Any:
     """A flat ``uint8`` view (same library, same device memory) of a contiguous GPU tensor."""
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         torch = _torch()
         assert torch is not None
         tt: Any = t
         return tt.detach().reshape(-1).view(torch.uint8)
-    if _is_cupy_array(t):
+    if is_cupy_array(t):
         cupy = _cupy()
         assert cupy is not None
         a: Any = t
@@ -538,7 +542,7 @@ def copy_to_host(t: object, out: np.ndarray[Any, Any]) -> None:
     if desc.nbytes == 0:
         return
     src = _gpu_bytes(t)
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         torch = _torch()
         assert torch is not None
         # non_blocking=False: torch synchronizes the stream before returning (pinned memory or not).
@@ -583,7 +587,7 @@ def copy_from_host(t: object, src: np.ndarray[Any, Any], lo: int = 0, hi: int | 
         return
     part = src.reshape(-1).view(np.uint8)[lo * size : hi * size]
     dst = _gpu_bytes(t)[lo * size : hi * size]
-    if _is_torch_tensor(t):
+    if is_torch_tensor(t):
         torch = _torch()
         assert torch is not None
         # non_blocking=False: torch synchronizes the stream before returning (pinned memory or not).
@@ -621,7 +625,7 @@ def pinned_empty(count: int, dtype: np.dtype[Any], like: object) -> np.ndarray[A
     if nbytes < PINNED_MIN_BYTES or not is_cuda(like):
         return None
     try:
-        if _is_torch_tensor(like):
+        if is_torch_tensor(like):
             torch = _torch()
             assert torch is not None
             raw: np.ndarray[Any, Any] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()

@@ -849,14 +849,11 @@ class Communicator:
         guard = _StallGuard(started=trio.current_time(), scope=trio.CancelScope())
         self._guards.add(guard)
         self._guards_changed.set()
-        result: list[tuple[int, int]] = []
         try:
             with guard.scope:  # cancelled only by the stall monitor
-                result.append(await run())
+                return await run()
         finally:
             self._guards.discard(guard)
-        if result:
-            return result[0]
         stalled = guard.stalled  # only the stall monitor cancels guard.scope, and it sets this first
         assert stalled is not None
         log.warning(

@@ -6,7 +6,6 @@ Import what you need from here; each submodule keeps its own ``__all__``.
 
 from __future__ import annotations
 
-from .bare import BareListener, BareStream, BareTransport
 from .cluster import (
     DEFAULT_MASTER_CONFIG,
     DEFAULT_PEER_CONFIG,
@@ -37,6 +36,7 @@ from .network import (
     stall_after,
     trickle,
 )
+from .streams import BareListener, BareStream, BareTransport, open_stream_pair
 from .tensors import tensor_bytes
 
 __all__ = [
@@ -65,6 +65,7 @@ __all__ = [
     "VirtualStream",
     "close_after",
     "delay_after",
+    "open_stream_pair",
     "open_test_cluster",
     "reset_after",
     "stall_after",

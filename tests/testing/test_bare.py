@@ -4,24 +4,15 @@ from __future__ import annotations
 
 import trio
 
-from pccl.testing import BareListener, BareStream, BareTransport, VirtualNetwork
+from pccl.testing import BareListener, BareStream, BareTransport, VirtualNetwork, open_stream_pair
 from pccl.transport import Listener, Stream, TcpStream, Transport
 
 
 async def test_bare_tcp_streams_hide_the_socket_and_try_send() -> None:
     transport: Transport = BareTransport()
     assert isinstance(transport, Transport)
-    listener = await transport.listen("127.0.0.1", 0)
-    assert isinstance(listener, BareListener) and isinstance(listener, Listener)
-    accepted: list[Stream] = []
-    async with trio.open_nursery() as nursery:
-
-        async def accept() -> None:
-            accepted.append(await listener.accept())
-
-        nursery.start_soon(accept)
-        client = await transport.connect("127.0.0.1", listener.address[1])
-    server = accepted[0]
+    client, server = await open_stream_pair(transport, transport, connect_host="127.0.0.1",
+                                            listen_host="127.0.0.1")
     for s in (client, server):
         assert isinstance(s, BareStream) and isinstance(s, Stream) and not isinstance(s, TcpStream)
         assert not hasattr(s, "socket") and not hasattr(s, "try_send")
@@ -34,13 +25,13 @@ async def test_bare_tcp_streams_hide_the_socket_and_try_send() -> None:
     await client.aclose()
     assert await server.receive_some(10) == b""
     await server.aclose()
-    await listener.aclose()
 
 
 async def test_bare_wraps_any_transport(autojump_clock: trio.testing.MockClock) -> None:
     net = VirtualNetwork()
     transport = BareTransport(net.host("a"))
     listener = await BareTransport(net.host("b")).listen("0.0.0.0", 9000)
+    assert isinstance(listener, BareListener) and isinstance(listener, Listener)
     async with trio.open_nursery() as nursery:
         got: list[bytes] = []
 

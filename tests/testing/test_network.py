@@ -18,6 +18,7 @@ from pccl.testing import (
     VirtualStream,
     close_after,
     delay_after,
+    open_stream_pair,
     reset_after,
     stall_after,
     trickle,
@@ -42,17 +43,10 @@ async def open_pair(
     net: VirtualNetwork, client: str, server: str, port: int = 0
 ) -> tuple[VirtualStream, VirtualStream]:
     """Connect ``client`` to a fresh listener on ``server``; return (client end, server end)."""
-    lst = await net.host(server).listen("0.0.0.0", port)
-    accepted: list[VirtualStream] = []
-    async with trio.open_nursery() as nursery:
-
-        async def accept() -> None:
-            accepted.append(await lst.accept())
-
-        nursery.start_soon(accept)
-        c = await net.host(client).connect(net.host(server).address, lst.address[1])
-    await lst.aclose()
-    return c, accepted[0]
+    c, s = await open_stream_pair(net.host(client), net.host(server), connect_host=net.host(server).address,
+                                  port=port)
+    assert isinstance(c, VirtualStream) and isinstance(s, VirtualStream)
+    return c, s
 
 
 async def recv_exactly(stream: VirtualStream, n: int) -> bytes:

@@ -8,6 +8,8 @@ window, ordering and eviction cases.
 from __future__ import annotations
 
 import logging
+import socket
+import struct
 
 import pytest
 import trio
@@ -17,7 +19,7 @@ import pccl
 from pccl import MasterConfig
 from pccl._errors import RemoteProtocolError
 from pccl.master.server import open_master
-from pccl.testing import BareStream, VirtualNetwork, VirtualStream
+from pccl.testing import BareStream, VirtualNetwork, VirtualStream, open_stream_pair
 from pccl.transport import Stream, StreamBroken, TcpStream, TcpTransport, receive_exactly_into
 from pccl.wire import messages as m
 from pccl.wire.framing import encode_frame
@@ -25,32 +27,17 @@ from pccl.wire.stream import MessageStream
 
 
 async def tcp_pair() -> tuple[TcpStream, TcpStream]:
-    listener = await TcpTransport().listen("127.0.0.1", 0)
-    accepted: list[Stream] = []
-    async with trio.open_nursery() as nursery:
-
-        async def accept() -> None:
-            accepted.append(await listener.accept())
-
-        nursery.start_soon(accept)
-        client = await TcpTransport().connect("127.0.0.1", listener.address[1])
-    await listener.aclose()
-    assert isinstance(client, TcpStream) and isinstance(accepted[0], TcpStream)
-    return client, accepted[0]
+    tcp = TcpTransport()
+    a, b = await open_stream_pair(tcp, tcp, connect_host="127.0.0.1", listen_host="127.0.0.1")
+    assert isinstance(a, TcpStream) and isinstance(b, TcpStream)
+    return a, b
 
 
-async def virtual_pair(net: VirtualNetwork) -> tuple[VirtualStream, VirtualStream]:
-    lst = await net.host("b").listen("0.0.0.0", 0)
-    accepted: list[VirtualStream] = []
-    async with trio.open_nursery() as nursery:
-
-        async def accept() -> None:
-            accepted.append(await lst.accept())
-
-        nursery.start_soon(accept)
-        client = await net.host("a").connect(net.host("b").address, lst.address[1])
-    await lst.aclose()
-    return client, accepted[0]
+async def message_pair(net: VirtualNetwork) -> tuple[VirtualStream, MessageStream, MessageStream]:
+    """A virtual connection from host a to host b: (a's stream, a's MessageStream, b's MessageStream)."""
+    a, b = await open_stream_pair(net.host("a"), net.host("b"), connect_host=net.host("b").address)
+    assert isinstance(a, VirtualStream)
+    return a, MessageStream(a, max_frame_size=1 << 20), MessageStream(b, max_frame_size=1 << 20)
 
 
 async def read_exactly(stream: Stream, n: int) -> bytes:
@@ -90,14 +77,13 @@ async def test_tcp_try_send_sends_at_once_until_the_buffer_is_full() -> None:
 
 async def test_tcp_try_send_to_a_reset_peer_raises_stream_broken() -> None:
     a, b = await tcp_pair()
+    # SO_LINGER 0: closing b resets the connection at once (no FIN), so a can wait for the reset itself.
+    b.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     await b.aclose()
-    with trio.fail_after(5):
-        while True:  # the first send may still be accepted; the RST it provokes fails a later one
-            try:
-                a.try_send(b"ping")
-            except StreamBroken:
-                break
-            await trio.sleep(0.01)
+    with pytest.raises(StreamBroken):
+        await a.receive_some(10)  # the reset has arrived
+    with pytest.raises(StreamBroken):
+        a.try_send(b"ping")
     await a.aclose()
 
 
@@ -127,9 +113,17 @@ async def test_tcp_receive_is_a_checkpoint_and_returns_data_that_arrives_later()
 
 async def test_tcp_receive_cancelled_or_closed_underneath() -> None:
     a, b = await tcp_pair()
-    with trio.move_on_after(0.05) as scope:
-        await b.receive_some(10)
-    assert scope.cancelled_caught
+    async with trio.open_nursery() as nursery:
+        waiting = trio.CancelScope()
+
+        async def cancelled_reader() -> None:
+            with waiting:
+                await b.receive_some(10)
+            assert waiting.cancelled_caught
+
+        nursery.start_soon(cancelled_reader)
+        await trio.testing.wait_all_tasks_blocked()  # the reader waits for data: cancel that wait
+        waiting.cancel()
     await a.send_all(b"still usable")
     assert await read_exactly(b, 12) == b"still usable"
     with trio.testing.assert_checkpoints():
@@ -165,8 +159,7 @@ async def test_send_nowait_sends_whole_frames_and_defers_to_a_running_send(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     net = VirtualNetwork(buffer_size=1024)
-    a, b = await virtual_pair(net)
-    ms_a, ms_b = MessageStream(a, max_frame_size=1 << 20), MessageStream(b, max_frame_size=1 << 20)
+    _, ms_a, ms_b = await message_pair(net)
     assert ms_a.send_nowait(m.Heartbeat()) and not ms_a.owes
     assert await ms_b.receive() == m.Heartbeat()
     async with trio.open_nursery() as nursery:
@@ -176,16 +169,15 @@ async def test_send_nowait_sends_whole_frames_and_defers_to_a_running_send(
         await trio.testing.wait_all_tasks_blocked()
         assert ms_a.send_nowait(m.Heartbeat()) is False
         assert await ms_b.receive() == big
-    await a.aclose()
-    await b.aclose()
+    await ms_a.aclose()
+    await ms_b.aclose()
 
 
 async def test_send_nowait_partial_frame_is_owed_and_flushed_before_anything_else(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     net = VirtualNetwork(buffer_size=64)
-    a, b = await virtual_pair(net)
-    ms_a, ms_b = MessageStream(a, max_frame_size=1 << 20), MessageStream(b, max_frame_size=1 << 20)
+    a, ms_a, ms_b = await message_pair(net)
     first = m.CollectiveAbort(tag=3, op_seq=4, reason="r" * 200, code=1)  # larger than the window
     assert ms_a.send_nowait(first) is True
     assert ms_a.owes
@@ -201,21 +193,20 @@ async def test_send_nowait_partial_frame_is_owed_and_flushed_before_anything_els
         a.try_send(b"\x00" * 64)
     assert ms_a.send_nowait(m.Heartbeat()) is False and not ms_a.owes
     await ms_a.flush()  # nothing owed: a no-op
-    await a.aclose()
-    await b.aclose()
+    await ms_a.aclose()
+    await ms_b.aclose()
 
 
 async def test_send_nowait_without_try_send_falls_back(autojump_clock: trio.testing.MockClock) -> None:
-    net = VirtualNetwork()
-    a, b = await virtual_pair(net)
+    a, _, ms_b = await message_pair(VirtualNetwork())
     plain = BareStream(a)  # a custom transport's stream: no try_send
     assert isinstance(plain, Stream)
     ms_a = MessageStream(plain, max_frame_size=1 << 20)
     assert ms_a.send_nowait(m.Heartbeat()) is False
     await ms_a.send(m.Heartbeat())
-    assert await MessageStream(b, max_frame_size=1 << 20).receive() == m.Heartbeat()
-    await a.aclose()
-    await b.aclose()
+    assert await ms_b.receive() == m.Heartbeat()
+    await ms_a.aclose()
+    await ms_b.aclose()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""A transport wrapper that exposes only what pccl's transport protocols require.
+"""Stream helpers for tests: a connected pair of streams over any transport, and a transport wrapper
+that exposes only what pccl's transport protocols require.
 
 pccl takes faster paths when a stream offers more than :class:`~pccl.transport.Stream` requires: a
 TCP socket (``TcpStream.socket``) for the data plane's direct sends and receives, ``try_send`` for
@@ -8,9 +9,44 @@ generic path: the one a custom transport without them gets.
 
 from __future__ import annotations
 
+import trio
+
 from ..transport import Address, Listener, Stream, TcpTransport, Transport
 
-__all__ = ["BareListener", "BareStream", "BareTransport"]
+__all__ = ["BareListener", "BareStream", "BareTransport", "open_stream_pair"]
+
+
+async def open_stream_pair(
+    client: Transport,
+    server: Transport,
+    *,
+    connect_host: str,
+    listen_host: str = "0.0.0.0",
+    port: int = 0,
+) -> tuple[Stream, Stream]:
+    """Listen on ``server`` (``listen_host:port``; 0 picks a port), connect ``client`` to
+    ``connect_host`` at that port, and return ``(client end, server end)``; the listener is closed.
+
+    Args:
+        client: the transport that connects (e.g. ``network.host("a")``, a ``TcpTransport``).
+        server: the transport that listens.
+        connect_host: where ``client`` finds ``server`` (its address or host name).
+        listen_host: the address ``server`` listens on.
+        port: the port to listen on.
+    """
+    listener = await server.listen(listen_host, port)
+    accepted: list[Stream] = []
+    try:
+        async with trio.open_nursery() as nursery:
+
+            async def accept() -> None:
+                accepted.append(await listener.accept())
+
+            nursery.start_soon(accept)
+            client_end = await client.connect(connect_host, listener.address[1])
+    finally:
+        await listener.aclose()
+    return client_end, accepted[0]
 
 
 class BareStream:
