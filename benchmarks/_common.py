@@ -396,3 +396,41 @@ def machine_line() -> str:
 
     return (f"{os.cpu_count()} CPU cores, {platform.system()} {platform.release()}, "
             f"Python {platform.python_version()}, loopback TCP")
+
+
+class HostSteal:
+    """Share of CPU time the hypervisor took from this VM while a block ran (Linux ``/proc/stat``).
+
+    On a virtual machine whose host is busy, every figure (ours and the baseline's) can be several
+    times slower than on a quiet host; printing the steal next to each side's numbers tells which runs
+    are comparable. ``percent`` is NaN where ``/proc/stat`` has no steal column (not Linux). Use as
+    ``with HostSteal() as s: ...`` and read ``s.percent`` afterwards.
+    """
+
+    def __init__(self) -> None:
+        self.percent = float("nan")
+        self._start: list[int] | None = None
+
+    @staticmethod
+    def _snapshot() -> list[int] | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if not fields or fields[0] != "cpu" or len(fields) < 9:
+            return None
+        return [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+
+    def __enter__(self) -> HostSteal:
+        self._start = self._snapshot()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        end = self._snapshot()
+        if self._start is None or end is None:
+            return
+        delta = [b - a for a, b in zip(self._start, end, strict=True)]
+        total = sum(delta)
+        if total > 0:
+            self.percent = 100.0 * delta[7] / total

@@ -123,6 +123,13 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
             if msg["event"] == "result":
                 results[int(msg["rank"])] = msg
                 reported.add(ch.name)
+    if args.samples:
+        for n in sizes:
+            for r in sorted(results):
+                xs = sorted(1e3 * v for v in results[r]["samples_s"][str(n)])
+                q = [xs[int(f * (len(xs) - 1))] for f in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)]
+                print(f"    {c.human_bytes(n):>6} world {world} rank {r}: ms min/p10/p25/p50/p75/p90/max "
+                      + " ".join(f"{v:.2f}" for v in q), flush=True)
     rank0 = results[0]["median_s"]
     return {n: float(rank0[str(n)]) for n in sizes}
 
@@ -200,22 +207,29 @@ def parse_size(s: str) -> int:
     return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
 
 
+def _pct(v: float) -> str:
+    return "-" if v != v else f"{v:.0f}"
+
+
 async def run(args: argparse.Namespace) -> list[list[Any]]:
     sizes = [parse_size(x) for x in args.sizes.split(",")]
     worlds = [int(x) for x in args.worlds.split(",")]
     rows: list[list[Any]] = []
     for world in worlds:
         print(f"  world {world}: ours...", flush=True)
-        ours = await run_ours(world, sizes, args)
+        with c.HostSteal() as steal_ours:
+            ours = await run_ours(world, sizes, args)
         gloo = None
+        steal_gloo = c.HostSteal()
         if not args.no_gloo:
             print(f"  world {world}: gloo...", flush=True)
-            gloo = await run_gloo(world, sizes, args)
+            with steal_gloo:
+                gloo = await run_gloo(world, sizes, args)
         for n in sizes:
             o = ours[n] * 1e3
             g = gloo[n] * 1e3 if gloo else float("nan")
             rows.append([c.human_bytes(n), world, o, g, o / g if gloo else float("nan"),
-                         n / ours[n] / 1e9])
+                         n / ours[n] / 1e9, f"{_pct(steal_ours.percent)} / {_pct(steal_gloo.percent)}"])
             print(f"    {c.human_bytes(n):>6}  ours {o:8.2f} ms   gloo {g:8.2f} ms", flush=True)
     return rows
 
@@ -236,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: all-reduce torch CUDA tensors on both sides (needs a GPU)")
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--samples", action="store_true",
+                   help="also print every rank's distribution of our per-call times")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     print(f"all-reduce float32 SUM, in place, {args.device} tensors; {c.machine_line()}; "
@@ -243,7 +259,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = trio.run(run, args)
     print()
     print(c.format_table(["size", "world", "ours median ms", "gloo median ms", "ours/gloo",
-                          "ours algbw GB/s"], rows))
+                          "ours algbw GB/s", "host steal % ours / gloo"], rows))
+    print("\nhost steal: CPU time the hypervisor took from this VM during each side's run (processes "
+          "included); runs with more than a few percent are not comparable with quiet ones.")
     print(f"\n({time.monotonic() - t0:.0f}s)")
     return 0
 
