@@ -31,6 +31,9 @@ import sys
 import time
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import HostSteal
+
 from pccl.collectives.ring import DEFAULT_BLOCK_BYTES
 from pccl.peer.pool import DEFAULT_SOCKET_BUFFER
 
@@ -195,11 +198,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = SUITE if a.suite else [(a.world, [int(s) for s in a.sizes.split(",")])]
     rows: list[dict[str, Any]] = []
     for world, sizes in plan:
-        ours = run_world(world, sizes, a.iters, pool_size=a.pool_size, block_bytes=a.block_bytes,
-                         socket_buffer=a.socket_buffer or None, gloo_inline=a.gloo_inline)
+        with HostSteal() as steal:
+            ours = run_world(world, sizes, a.iters, pool_size=a.pool_size, block_bytes=a.block_bytes,
+                             socket_buffer=a.socket_buffer or None, gloo_inline=a.gloo_inline)
         ref = run_gloo(a.gloo, world, sizes, a.iters) if a.gloo else {}
         for nbytes in sizes:
-            rows.append({"world": world, "bytes": nbytes, **ours[nbytes], "gloo_bench_s": ref.get(nbytes)})
+            rows.append({"world": world, "bytes": nbytes, **ours[nbytes], "gloo_bench_s": ref.get(nbytes),
+                         "steal_pct": steal.percent})
     print(f"pool_size={a.pool_size} block_bytes={a.block_bytes} socket_buffer={a.socket_buffer or 'auto'} "
           f"iters={a.iters}")
     head = f"{'world':>5} {'bytes':>10} {'pccl ms':>9} {'GB/s':>6}"
@@ -207,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         head += f" {'gloo ms':>9} {'gloo/pccl':>9} {'pccl cpu':>9} {'gloo cpu':>9}"
     if a.gloo:
         head += f" {'gloo_bench ms':>13} {'ratio':>6}"
+    head += f" {'steal %':>7}"
     print(head)
     for r in rows:
         gbps = r["bytes"] / r["pccl_s"] / 1e9
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.gloo:
             g = r["gloo_bench_s"]
             line += f" {g * 1e3:13.3f} {g / r['pccl_s']:6.2f}"
+        line += f" {r['steal_pct']:7.0f}"
         print(line)
     if a.json:
         with open(a.json, "w") as f:
