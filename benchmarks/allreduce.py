@@ -62,6 +62,7 @@ async def _peer(cfg: dict[str, Any]) -> None:
         barrier = np.zeros(1, np.float32)
         medians: dict[str, float] = {}
         samples: dict[str, list[float]] = {}
+        cpu_medians: dict[str, float] = {}
         rng = np.random.default_rng(comm.rank)
         cuda = cfg.get("device", "cpu") == "cuda"
         if cuda:
@@ -72,20 +73,26 @@ async def _peer(cfg: dict[str, Any]) -> None:
                 x = torch.from_numpy(x).cuda()
                 torch.cuda.synchronize()
             times: list[float] = []
+            cpus: list[float] = []
             for i in range(cfg["warmup"] + cfg["iters"]):
                 await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+                cpu = time.process_time()
                 t = time.perf_counter()
                 info = await comm.all_reduce(x, op=ReduceOp.SUM, tag=0)
                 if cuda:
                     torch.cuda.synchronize()  # nothing should be pending: the call copies synchronously
                 dt = time.perf_counter() - t
+                dcpu = time.process_time() - cpu
                 if info.local_world_size != cfg["world"]:
                     raise RuntimeError(f"world changed to {info.local_world_size}")
                 if i >= cfg["warmup"]:
                     times.append(dt)
+                    cpus.append(dcpu)
             medians[str(nbytes)] = statistics.median(times)
             samples[str(nbytes)] = times
-        c.emit("result", peer=comm.peer_id, rank=comm.rank, median_s=medians, samples_s=samples)
+            cpu_medians[str(nbytes)] = statistics.median(cpus)
+        c.emit("result", peer=comm.peer_id, rank=comm.rank, median_s=medians, samples_s=samples,
+               cpu_median_s=cpu_medians)
         # Leave together: a peer that closes early would look like a failure to a peer still timing.
         await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
 
@@ -128,8 +135,10 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
             for r in sorted(results):
                 xs = sorted(1e3 * v for v in results[r]["samples_s"][str(n)])
                 q = [xs[int(f * (len(xs) - 1))] for f in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0)]
+                cpu = 1e3 * results[r]["cpu_median_s"][str(n)]
                 print(f"    {c.human_bytes(n):>6} world {world} rank {r}: ms min/p10/p25/p50/p75/p90/max "
-                      + " ".join(f"{v:.2f}" for v in q), flush=True)
+                      + " ".join(f"{v:.2f}" for v in q) + f"; CPU per call (process time) {cpu:.2f} ms",
+                      flush=True)
     rank0 = results[0]["median_s"]
     return {n: float(rank0[str(n)]) for n in sizes}
 
