@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -217,7 +218,7 @@ def parse_size(s: str) -> int:
 
 
 def _pct(v: float) -> str:
-    return "-" if v != v else f"{v:.0f}"
+    return "-" if math.isnan(v) else f"{v:.0f}"
 
 
 async def run(args: argparse.Namespace) -> list[list[Any]]:

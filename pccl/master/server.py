@@ -44,7 +44,10 @@ class _Conn:
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     closing: bool = False
     flushed: trio.Event = field(default_factory=trio.Event)
-    queued: int = 0  # items put on ``send`` and not yet written by the writer
+    # Items put on ``send`` and not yet written by the writer. Counted, not read off the channel:
+    # the writer yields between taking an item and locking the stream for it, and an immediate
+    # send in that gap would overtake it.
+    queued: int = 0
 
 
 def parse_address(address: str, *, default_port: int = DEFAULT_MASTER_PORT) -> tuple[str, int]:

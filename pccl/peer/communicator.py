@@ -29,11 +29,13 @@ from .._errors import (
     InvalidUsageError,
     KickedError,
     MasterConnectionError,
+    NoSharedStateAvailableError,
     PCCLError,
     PendingAsyncOpsError,
     RankConnectionLostError,
     RemoteProtocolError,
     Result,
+    SharedStateSyncError,
     TooFewPeersError,
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
@@ -48,11 +50,16 @@ from .._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
+from ..collectives.ring import run_collective
+from ..collectives.schedule import chunk_bounds
+from ..kernels import backend, reduce
 from ..master.server import parse_address
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
 from .buffers import BufferCache
+from .p2p import serve_p2p
+from .pool import P2PPool
 
 log = logging.getLogger("pccl.peer")
 
@@ -70,8 +77,6 @@ _ERRORS_BY_CODE: dict[int, type[PCCLError]] = {
 
 def error_from_code(code: int, reason: str) -> PCCLError:
     """Build the PCCLError subclass matching a result code sent by the master."""
-    from .._errors import NoSharedStateAvailableError, SharedStateSyncError
-
     extra: dict[int, type[PCCLError]] = {
         int(Result.SHARED_STATE_SYNC_FAILED): SharedStateSyncError,
         int(Result.NO_SHARED_STATE_AVAILABLE): NoSharedStateAvailableError,
@@ -213,9 +218,6 @@ class Communicator:
         self._stats = collections.Counter[str]()
         self._guards: set[_StallGuard] = set()
         self._guards_changed = trio.Event()
-        from .pool import P2PPool
-
-        self._pool_cls = P2PPool
         self.pool: Any = None
 
     # ------------------------------------------------------------------------------------------
@@ -311,15 +313,13 @@ class Communicator:
             raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
         self._ms = ms
         self.peer_id = reply.peer_id
-        self.pool = self._pool_cls(
+        self.pool = P2PPool(
             transport=self.transport,
             my_peer_id=self.peer_id,
             pool_size=self.pool_size,
             config=self.config,
             secret=self.config.secret or "",
         )
-        from .p2p import serve_p2p
-
         handlers: dict[str, Callable[[MessageStream, m.Hello], Awaitable[None]]] = {
             "ring": self.pool.handle_incoming,
             "state": self._serve_state,
@@ -703,8 +703,6 @@ class Communicator:
         root: int = 0,
         quantization: QuantizationOptions | None = None,
     ) -> ReduceInfo:
-        from ..kernels import backend
-
         self._check_usable()
         if not isinstance(tag, int) or tag < 0 or tag >= 2**63:
             raise InvalidArgumentError(f"tag must be a non-negative 64-bit integer, got {tag!r}")
@@ -910,8 +908,6 @@ class Communicator:
         root: int,
         q: QuantizationOptions,
     ) -> tuple[int, int]:
-        from ..collectives.ring import run_collective
-
         ring_op = ReduceOp.SUM if op == ReduceOp.AVG else op
         kwargs: dict[str, Any] = {}
         if q.algorithm != QuantizationAlgorithm.NONE:
@@ -938,9 +934,6 @@ class Communicator:
         reduce_scatter writes only this rank's chunk. A GPU ``recv`` gets a synchronous host-to-device
         copy (complete on return).
         """
-        from ..collectives.schedule import chunk_bounds
-        from ..kernels import backend, reduce
-
         lo, hi = chunk_bounds(work.size, n)[rank] if kind == "reduce_scatter" else (0, work.size)
         if op == ReduceOp.AVG:  # all_reduce and reduce_scatter only: the others run as SUM
             reduce.finalize_avg(work[lo:hi], n, dtype=dtype)

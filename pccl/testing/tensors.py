@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import numpy as np
+
+from ..kernels import backend
 
 __all__ = ["tensor_bytes"]
 
@@ -19,11 +20,11 @@ def tensor_bytes(t: Any) -> bytes:
     """
     if isinstance(t, np.ndarray):
         return t.tobytes()
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(t, torch.Tensor):
-        flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-        return bytes(flat.numpy().tobytes())
-    cupy = sys.modules.get("cupy")
-    if cupy is not None and isinstance(t, cupy.ndarray):
-        return bytes(cupy.asnumpy(t).tobytes())
+    if backend.is_torch_tensor(t):
+        tt: Any = t
+        flat = tt.detach().cpu().contiguous().reshape(-1)
+        return bytes(backend.host_bytes(flat).tobytes())
+    if backend.is_cupy_array(t):
+        a: Any = t
+        return bytes(a.get().tobytes())  # a host copy in C order
     raise TypeError(f"not a numpy array, torch tensor or cupy array: {type(t).__name__}")

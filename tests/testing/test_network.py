@@ -730,6 +730,6 @@ async def test_try_send_respects_hooks_hangs_and_closes(autojump_clock: trio.tes
     assert c2.try_send(b"free") == 4
     assert await recv_exactly(s2, 4) == b"free"
     await s2.aclose()
-    await trio.sleep(1)  # the FIN reaches c2
+    assert await c2.receive_some(10) == b""  # the FIN has reached c2
     with pytest.raises(StreamBroken):
         c2.try_send(b"after close")
