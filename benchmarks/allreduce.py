@@ -64,6 +64,7 @@ async def _peer(cfg: dict[str, Any]) -> None:
         medians: dict[str, float] = {}
         samples: dict[str, list[float]] = {}
         cpu_medians: dict[str, float] = {}
+        phase_medians: dict[str, dict[str, float]] = {}
         rng = np.random.default_rng(comm.rank)
         cuda = cfg.get("device", "cpu") == "cuda"
         if cuda:
@@ -75,6 +76,7 @@ async def _peer(cfg: dict[str, Any]) -> None:
                 torch.cuda.synchronize()
             times: list[float] = []
             cpus: list[float] = []
+            phases: dict[str, list[float]] = {}
             for i in range(cfg["warmup"] + cfg["iters"]):
                 await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
                 cpu = time.process_time()
@@ -89,11 +91,15 @@ async def _peer(cfg: dict[str, Any]) -> None:
                 if i >= cfg["warmup"]:
                     times.append(dt)
                     cpus.append(dcpu)
+                    if cfg["samples"]:
+                        for name, v in comm.statistics()["last_op_phases"].items():
+                            phases.setdefault(name, []).append(v)
             medians[str(nbytes)] = statistics.median(times)
             samples[str(nbytes)] = times
             cpu_medians[str(nbytes)] = statistics.median(cpus)
+            phase_medians[str(nbytes)] = {k: statistics.median(v) for k, v in phases.items()}
         c.emit("result", peer=comm.peer_id, rank=comm.rank, median_s=medians, samples_s=samples,
-               cpu_median_s=cpu_medians)
+               cpu_median_s=cpu_medians, phase_median_s=phase_medians)
         # Leave together: a peer that closes early would look like a failure to a peer still timing.
         await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
 
@@ -117,7 +123,8 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         master = await cluster.start_master()
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
-               "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device}
+               "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device,
+               "samples": args.samples}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         results: dict[int, dict[str, Any]] = {}
@@ -140,6 +147,9 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
                 print(f"    {c.human_bytes(n):>6} world {world} rank {r}: ms min/p10/p25/p50/p75/p90/max "
                       + " ".join(f"{v:.2f}" for v in q) + f"; CPU per call (process time) {cpu:.2f} ms",
                       flush=True)
+                ph = results[r]["phase_median_s"][str(n)]
+                print(f"    {'':>6} phase medians (ms): "
+                      + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in ph.items()), flush=True)
     rank0 = results[0]["median_s"]
     return {n: float(rank0[str(n)]) for n in sizes}
 
@@ -261,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="cuda: all-reduce torch CUDA tensors on both sides (needs a GPU)")
     p.add_argument("--keep-logs", action="store_true")
     p.add_argument("--samples", action="store_true",
-                   help="also print every rank's distribution of our per-call times")
+                   help="also print every rank's distribution of our per-call times, its CPU time per "
+                        "call and the median of each phase (statistics()[\"last_op_phases\"])")
     args = p.parse_args(argv)
     t0 = time.monotonic()
     print(f"all-reduce float32 SUM, in place, {args.device} tensors; {c.machine_line()}; "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -216,6 +217,11 @@ class Communicator:
         self._work_cache = BufferCache()
         self._gpu_cache = BufferCache()
         self._stats = collections.Counter[str]()
+        # Where successful collectives spent their time (wall seconds, summed; and the latest one's):
+        # "vote" (initiate sent -> master's commence), "ring" (the data plane), "confirm" (done sent
+        # -> master's complete) and "commit" (result into the caller's buffer).
+        self._phase_seconds: dict[str, float] = dict.fromkeys(("vote", "ring", "confirm", "commit"), 0.0)
+        self._last_phases: dict[str, float] = {}
         self._guards: set[_StallGuard] = set()
         self._guards_changed = trio.Event()
         self.pool: Any = None
@@ -273,6 +279,8 @@ class Communicator:
             "pending_queries_waiting": len(self._pending_waiters),
             "master_ok": self._master_error is None,
             "pool": self.pool.statistics() if self.pool is not None else None,
+            "phase_seconds": dict(self._phase_seconds),
+            "last_op_phases": dict(self._last_phases),
             **dict(self._stats),
         }
 
@@ -755,12 +763,14 @@ class Communicator:
             # error here drags no other peer in). The copy is complete when copy_to_host returns.
             stage = self._gpu_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
             backend.copy_to_host(send, stage)
+        t_start = time.perf_counter()
         st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
         self._ops[tag] = st
         work: np.ndarray | None = None
         try:
             await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
             commence = await st.commence.wait()
+            t_commence = time.perf_counter()
             rows = commence.peers
             ring = [int(r[0]) for r in rows]
             self._reconcile_group(rows)
@@ -806,8 +816,10 @@ class Communicator:
             if not ok:
                 await self._report_failure(st, reason)
                 raise RankConnectionLostError(reason)
+            t_ring = time.perf_counter()
             await self._send(m.CollectiveDone(tag=tag, success=True))
             await st.complete.wait()
+            t_complete = time.perf_counter()
             st.concluded = True
             # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
             # cannot land half-way.
@@ -818,6 +830,7 @@ class Communicator:
             if stage is not None:
                 cache.give_back(stage)
             self._stats[f"{kind}_ok"] += 1
+            self._record_phases(t_start, t_commence, t_ring, t_complete, time.perf_counter())
             return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
         except PCCLError:
             self._stats[f"{kind}_failed"] += 1
@@ -828,6 +841,12 @@ class Communicator:
                 # op for the other participants instead of leaving them waiting for us.
                 self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
             self._ops.pop(tag, None)
+
+    def _record_phases(self, *t: float) -> None:
+        phases = {name: t[i + 1] - t[i] for i, name in enumerate(("vote", "ring", "confirm", "commit"))}
+        self._last_phases = phases
+        for name, seconds in phases.items():
+            self._phase_seconds[name] += seconds
 
     async def _report_failure(self, st: _OpState, reason: str) -> None:
         st.concluded = True

@@ -44,6 +44,36 @@ async def test_all_reduce_sum_and_avg_numpy(n: int) -> None:
             np.testing.assert_array_equal(x, expect.astype(np.int32))
 
 
+async def test_statistics_report_where_collectives_spent_their_time() -> None:
+    """statistics() splits each successful collective into vote, ring, confirm and commit: the
+    latest one's phases, and running totals over the successful ones."""
+    async with loopback_cluster(3) as cl:
+        for c in cl.comms:
+            s = c.statistics()
+            assert s["last_op_phases"] == {}
+            assert s["phase_seconds"] == {"vote": 0.0, "ring": 0.0, "confirm": 0.0, "commit": 0.0}
+        xs = [np.full(3000, i, np.float32) for i in range(3)]
+
+        async def run(i: int, c: Communicator) -> dict[str, float]:
+            t0 = trio.current_time()
+            await c.all_reduce(xs[i], op=ReduceOp.SUM, tag=1)
+            elapsed = trio.current_time() - t0
+            first = c.statistics()["last_op_phases"]
+            assert set(first) == {"vote", "ring", "confirm", "commit"}
+            assert all(v >= 0 for v in first.values())
+            # the phases are consecutive slices of the call
+            assert sum(first.values()) <= elapsed + 0.05
+            await c.all_reduce(xs[i], op=ReduceOp.SUM, tag=2)
+            s = c.statistics()
+            second = s["last_op_phases"]
+            for name, total in s["phase_seconds"].items():
+                assert total == pytest.approx(first[name] + second[name])
+            return first
+
+        await gather(cl.comms, run)
+        np.testing.assert_array_equal(xs[0], np.full(3000, 9, np.float32))
+
+
 @pytest.mark.parametrize("n", [2, 3])  # 2: the exchange plan; 3: the ring
 async def test_collectives_over_a_transport_without_extras(n: int) -> None:
     """Over streams with only the protocol's required methods (no TCP socket, no try_send), the
