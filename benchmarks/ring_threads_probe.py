@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Probe: what a thread-based Python data plane reaches, next to Gloo, in the same processes.
 
-Not pccl: a bare ring all-reduce (float32 SUM, reduce-scatter then all-gather, 4 MiB blocks) over
-blocking loopback sockets, with a sender thread per process and the main thread receiving with
+Not pccl's data plane: pccl's ring plan (``schedule.plan_ring``: the same frames of at most
+``DEFAULT_BLOCK_BYTES``, dependencies and order; float32 SUM) executed over blocking loopback
+sockets, with a sender thread per process and the main thread receiving with
 ``MSG_WAITALL`` and reducing (``recv_into`` and numpy's add release the GIL). It answers one
 question for docs/benchmarks.md: would moving our trio data plane to blocking calls in threads
 (far fewer Python calls per operation) make it faster? Compare its figure with
@@ -28,22 +29,10 @@ from typing import Any
 
 import numpy as np
 
-BLOCK_BYTES = 4 << 20
+from pccl.collectives.ring import DEFAULT_BLOCK_BYTES as BLOCK_BYTES
+from pccl.collectives.schedule import SRC_SEND, plan_ring
+
 WARMUP = 3
-
-
-def _chunks(count: int, n: int) -> list[tuple[int, int]]:
-    base, extra = divmod(count, n)
-    out, start = [], 0
-    for i in range(n):
-        end = start + base + (1 if i < extra else 0)
-        out.append((start, end))
-        start = end
-    return out
-
-
-def _blocks(lo: int, hi: int, per: int) -> list[tuple[int, int]]:
-    return [(s, min(hi, s + per)) for s in range(lo, hi, per)]
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -64,25 +53,10 @@ def all_reduce(
     rank: int,
     n: int,
 ) -> None:
-    """Ring all-reduce of ``x`` into ``work`` (SUM); ``tmp`` holds one received block."""
-    per = BLOCK_BYTES // x.itemsize
-    chunks = _chunks(x.size, n)
-    recvs: list[tuple[bool, int, int]] = []  # (reduce, lo, hi) in arrival order
-    sends: list[tuple[np.ndarray, int, int, int]] = []  # (source, lo, hi, receive it waits for)
-    last: dict[tuple[int, int], int] = {}
-    for k in range(n - 1):  # reduce-scatter
-        for lo, hi in _blocks(*chunks[(rank - k) % n], per):
-            dep = last.get((lo, hi), -1)
-            sends.append((x if dep < 0 else work, lo, hi, dep))
-        for lo, hi in _blocks(*chunks[(rank - k - 1) % n], per):
-            last[(lo, hi)] = len(recvs)
-            recvs.append((True, lo, hi))
-    for k in range(n - 1):  # all-gather
-        for lo, hi in _blocks(*chunks[(rank + 1 - k) % n], per):
-            sends.append((work, lo, hi, last[(lo, hi)]))
-        for lo, hi in _blocks(*chunks[(rank - k) % n], per):
-            last[(lo, hi)] = len(recvs)
-            recvs.append((False, lo, hi))
+    """Ring all-reduce of ``x`` into ``work`` (SUM) along pccl's own plan (:func:`plan_ring`: the same
+    frames, dependencies and order); ``tmp`` holds one received reduce-scatter block."""
+    plan = plan_ring("all_reduce", n, rank, x.size, BLOCK_BYTES // x.itemsize)
+    sends = [(x if f.source == SRC_SEND else work, f.start, f.end, f.after) for f in plan.sends]
     cond = threading.Condition()
     done = [0]
     errors: list[BaseException] = []
@@ -100,8 +74,9 @@ def all_reduce(
     thread = threading.Thread(target=sender)
     thread.start()
     tview = memoryview(tmp).cast("B")
-    for i, (reduce, lo, hi) in enumerate(recvs):
-        if reduce:
+    for i, f in enumerate(plan.recvs):
+        lo, hi = f.start, f.end
+        if f.reduce:
             _recv_exact(rcv, tview[: (hi - lo) * x.itemsize])
             np.add(x[lo:hi], tmp[: hi - lo], out=work[lo:hi])
         else:

@@ -64,6 +64,9 @@ from .pool import P2PPool
 
 log = logging.getLogger("pccl.peer")
 
+# The phases of a collective that statistics() reports, in call order (see _record_phases).
+_PHASES = ("vote", "ring", "confirm", "commit")
+
 T = TypeVar("T")
 
 _ERRORS_BY_CODE: dict[int, type[PCCLError]] = {
@@ -220,7 +223,7 @@ class Communicator:
         # Where successful collectives spent their time (wall seconds, summed; and the latest one's):
         # "vote" (initiate sent -> master's commence), "ring" (the data plane), "confirm" (done sent
         # -> master's complete) and "commit" (result into the caller's buffer).
-        self._phase_seconds: dict[str, float] = dict.fromkeys(("vote", "ring", "confirm", "commit"), 0.0)
+        self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
         self._guards: set[_StallGuard] = set()
         self._guards_changed = trio.Event()
@@ -843,7 +846,8 @@ class Communicator:
             self._ops.pop(tag, None)
 
     def _record_phases(self, *t: float) -> None:
-        phases = {name: t[i + 1] - t[i] for i, name in enumerate(("vote", "ring", "confirm", "commit"))}
+        """Record a successful collective's phases from the ``len(_PHASES) + 1`` instants between them."""
+        phases = {name: t[i + 1] - t[i] for i, name in enumerate(_PHASES)}
         self._last_phases = phases
         for name, seconds in phases.items():
             self._phase_seconds[name] += seconds

@@ -14,14 +14,10 @@ from pccl import PeerConfig, ReduceOp
 from pccl.collectives.ring import run_collective
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.testing import BareTransport
 from pccl.transport import Address, TcpTransport, Transport
 
 CONFIG = PeerConfig(connect_timeout=5.0)
 
-
-# TcpTransport whose streams hide their sockets (exercises the pool's generic stream path).
-PlainTransport = BareTransport
 
 
 @dataclass

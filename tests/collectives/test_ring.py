@@ -10,12 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 import trio
-from _ring_harness import PlainTransport, open_ring, run_ranks, wait_until
+from _ring_harness import open_ring, run_ranks, wait_until
 
 from pccl import InvalidArgumentError, RankConnectionLostError, ReduceOp, TooFewPeersError
 from pccl.collectives import ring as ring_mod
 from pccl.collectives.ring import owned_range, run_collective
 from pccl.collectives.schedule import chunk_range
+from pccl.testing import BareTransport
 
 DTYPES: list[Any] = [
     np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
@@ -218,7 +219,7 @@ async def test_large_float32_all_reduce() -> None:
 async def test_generic_stream_path() -> None:
     """Non-TCP streams (no socket to drive directly) take the bounce-buffer path."""
     rng = np.random.default_rng(2)
-    async with open_ring(3, transport_factory=PlainTransport, pool_size=2) as ring:
+    async with open_ring(3, transport_factory=BareTransport, pool_size=2) as ring:
         await check_reduce(ring, "all_reduce", np.float32, ReduceOp.SUM, 200_003, 64 * 1024, rng)
         await check_reduce(ring, "all_reduce", np.int8, ReduceOp.MIN, 7, 1 << 20, rng)
 
