@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
+from ._address import parse_address
 from ._config import MasterConfig, PeerConfig
 from ._errors import (
     InvalidArgumentError,
@@ -63,7 +64,7 @@ from ._types import (
     SharedStateSyncStrategy,
 )
 from .kernels import backend
-from .master.server import MasterServer, parse_address
+from .master.server import MasterServer
 from .peer.shared_state import SharedState, TensorInfo
 
 log = logging.getLogger("pccl.blocking")

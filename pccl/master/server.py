@@ -19,8 +19,9 @@ from typing import Any
 
 import trio
 
+from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
-from .._errors import InvalidArgumentError, LocalProtocolError, RemoteProtocolError, Result
+from .._errors import LocalProtocolError, RemoteProtocolError, Result
 from ..transport import Address, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
@@ -48,34 +49,6 @@ class _Conn:
     # the writer yields between taking an item and locking the stream for it, and an immediate
     # send in that gap would overtake it.
     queued: int = 0
-
-
-def parse_address(address: str, *, default_port: int = DEFAULT_MASTER_PORT) -> tuple[str, int]:
-    """Split ``"HOST:PORT"`` (IPv6 as ``[::1]:PORT``); a missing port means ``default_port``.
-
-    Raises:
-        InvalidArgumentError: malformed address or port out of range.
-    """
-    address = address.strip()
-    if not address:
-        raise InvalidArgumentError("empty address")
-    host, port_s = address, ""
-    if address.startswith("["):
-        end = address.find("]")
-        if end < 0:
-            raise InvalidArgumentError(f"malformed address {address!r}")
-        host = address[1:end]
-        rest = address[end + 1 :]
-        port_s = rest[1:] if rest.startswith(":") else ""
-    elif address.count(":") == 1:
-        host, port_s = address.split(":")
-    try:
-        port = int(port_s) if port_s else default_port
-    except ValueError as exc:
-        raise InvalidArgumentError(f"malformed port in {address!r}") from exc
-    if not 0 <= port < 65536:
-        raise InvalidArgumentError(f"port {port} out of range")
-    return host or "0.0.0.0", port
 
 
 class MasterServer:
@@ -435,4 +408,4 @@ async def open_master(
             nursery.cancel_scope.cancel()
 
 
-__all__ = ["MasterHandle", "MasterServer", "open_master", "parse_address", "serve_master"]
+__all__ = ["MasterHandle", "MasterServer", "open_master", "serve_master"]

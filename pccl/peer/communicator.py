@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import trio
 
+from .._address import parse_address
 from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import (
     InvalidArgumentError,
@@ -54,7 +55,6 @@ from .._types import (
 from ..collectives.ring import run_collective
 from ..collectives.schedule import chunk_bounds
 from ..kernels import backend, reduce
-from ..master.server import parse_address
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
