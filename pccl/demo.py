@@ -528,6 +528,7 @@ async def _run_demo(opts: DemoOptions, out: Callable[[str], None]) -> bool:
                 f"one peer SIGKILLed at step {opts.kill_at}")
             view = _View(out)
             victim: _Peer | None = None
+            join_sent = False
             ok = True
             with trio.move_on_after(opts.timeout) as timeout_scope:
                 async for peer, msg in recv:
@@ -555,6 +556,14 @@ async def _run_demo(opts: DemoOptions, out: Callable[[str], None]) -> bool:
                         peer.worlds.append((int(msg["step"]), int(msg["world"])))
                         if ev == "step":
                             view.add(msg)
+                        # The replacement joins only once a survivor has trained a step without the
+                        # victim: told at the moment of the kill, it could be admitted in the very round
+                        # that drops the victim, and the world would never be seen shrinking.
+                        if (victim is not None and not join_sent and peer is not victim
+                                and int(msg["world"]) == opts.peers - 1):
+                            join_sent = True
+                            out(f"  ++ telling the replacement process to join (pid {newcomer.proc.pid})")
+                            await _send_cmd(newcomer, "join")
                         if victim is None and int(msg["step"]) >= opts.kill_at:
                             victim = next(p for p in peers if p.role == "initial" and p.status == "running"
                                           and p is not peer) if opts.peers > 1 else None
@@ -563,8 +572,6 @@ async def _run_demo(opts: DemoOptions, out: Callable[[str], None]) -> bool:
                                 victim.status = "killed"
                                 out(f"  !! SIGKILL peer {victim.peer_id} (pid {victim.proc.pid}) "
                                     f"at step {msg['step']}")
-                                out(f"  ++ telling the replacement process to join (pid {newcomer.proc.pid})")
-                                await _send_cmd(newcomer, "join")
                     elif ev == "done":
                         peer.done = msg
                         peer.status = "done"
