@@ -30,22 +30,22 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer) -> list[torch.Tenso
     if not params:
         return []
     saved = [(p, p.detach().clone(), p.grad) for p in params]
+    # Only the stateless parameters take part: the others get no gradient for the step, so torch skips them.
+    others = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)]
     try:
         with torch.no_grad():
             for p in params:
                 p.grad = torch.zeros_like(p)
-        # Only the stateless parameters take part: the others get no gradient, so torch skips them.
-        others = [(p, p.grad) for g in optimizer.param_groups for p in g["params"] if optimizer.state.get(p)]
         for p, _ in others:
             p.grad = None
         optimizer.step()
-        for p, g in others:
-            p.grad = g
     finally:
         with torch.no_grad():
             for p, data, grad in saved:
                 p.copy_(data)
                 p.grad = grad
+        for p, grad in others:
+            p.grad = grad
     created: list[torch.Tensor] = []
     for p in params:
         for value in optimizer.state.get(p, {}).values():
