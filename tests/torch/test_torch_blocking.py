@@ -3,6 +3,8 @@ the data-sharding helpers; CUDA tensors (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from typing import Any
 
@@ -128,3 +130,10 @@ def test_training_run_cuda_parameters() -> None:
         states = run_threads(peer, 2)
     model = linear_model()
     assert states[0] == states[1] == state_bytes(single_process(model, sgd(model), x, y, batch, steps))
+
+
+def test_pccl_itself_never_imports_torch() -> None:
+    code = ("import sys, pccl, pccl.blocking, pccl.testing, pccl.testing.pytest_plugin; "
+            "assert 'torch' not in sys.modules, 'pccl imported torch'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
