@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pccl.testing import tensor_bytes
+from pccl.testing import MASTER, HookAction, Reset, TestCluster, TrafficEvent, tensor_bytes
 from pccl.torch import SharedModel, Step, global_batch_indices
 
 
@@ -88,3 +88,21 @@ def max_difference(a: SharedModel, b: SharedModel) -> float:
     ta, tb = a.tensors(), b.tensors()
     assert ta.keys() == tb.keys()
     return max(float((ta[k].double() - tb[k].double()).abs().max()) for k in ta)
+
+
+class KillMidReduce:
+    """Traffic hook: once armed, the victim's host crashes as it sends its first ring data (40 bytes of
+    it get out): it dies in the middle of an all-reduce."""
+
+    def __init__(self, cluster: TestCluster, victim: int) -> None:
+        self.cluster, self.victim = cluster, victim
+        self.host, self.master = cluster.host(victim).name, cluster.host(MASTER).name
+        self.armed = False
+        self.fired = False
+
+    def __call__(self, ev: TrafficEvent) -> HookAction | None:
+        if not self.armed or self.fired or ev.src != self.host or ev.dst == self.master:
+            return None
+        self.fired = True
+        self.cluster.kill(self.victim)
+        return Reset(after=min(40, len(ev.data)))

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import trio
 import trio.testing
-from _torchrun_helpers import state_bytes
+from _torchrun_helpers import KillMidReduce, state_bytes
 from torch import nn
 
 import pccl
@@ -39,7 +40,8 @@ def full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, delayed: bool, outer_steps: int,
-                quantization: Any, out: dict[int, Any], seed: int = 0) -> None:
+                quantization: Any, out: dict[int, Any], seed: int = 0,
+                on_step: Callable[[Any], None] | None = None) -> None:
     x, y = problem()
     torch.manual_seed(seed)
     model = nn.Linear(D, 1)
@@ -49,6 +51,8 @@ async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, delayed:
     start = full_loss(diloco.outer_model, x, y)
 
     def backward(step: Any) -> float:
+        if on_step is not None:
+            on_step(step)
         idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
         loss = nn.functional.mse_loss(model(x[idx]), y[idx])
         loss.backward()
@@ -107,3 +111,39 @@ async def test_delayed_diloco_admits_a_newcomer_with_the_pipeline_drained(
     assert new_results[0].sync_rx_bytes > 0
     assert all(r.sync_rx_bytes == 0 for r in new_results[1:])
     assert new_results[-1].index == 10 * INNER - 1 and out[newcomer][2] < 0.05 * out[0][1]
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
+async def test_diloco_survives_a_peer_killed_mid_reduce(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, delayed: bool) -> None:
+    """Peer 2 dies as its pseudo-gradients of round 3 go out: the survivors' all-reduce is retried with
+    the two of them, and they go on to the end with identical outer states and a converged model."""
+    cluster = await pccl_cluster(3)
+    hook = KillMidReduce(cluster, 2)
+    assert cluster.network is not None
+    cluster.network.add_hook(hook)
+    out: dict[int, Any] = {}
+    finished = {i: trio.Event() for i in (0, 1)}
+
+    def arm(step: Any) -> None:
+        if step.index == 4 * INNER - 1:  # the last inner step of round 3: its reduce follows
+            hook.armed = True
+
+    async def peer(i: int) -> None:
+        async with trio.open_nursery() as nursery:  # killing the peer cancels its background reduce too
+            await train(cluster, i, nursery, delayed=delayed, outer_steps=10, quantization=None, out=out,
+                        on_step=arm if i == 2 else None)
+        if i in finished:
+            finished[i].set()
+
+    for i in cluster.alive:
+        cluster.start_soon(i, peer, i)
+    for event in finished.values():
+        await event.wait()
+    assert hook.fired and 2 not in out
+    assert state_bytes(out[0][0].shared) == state_bytes(out[1][0].shared)
+    diloco, start, final, results = out[0]
+    assert diloco.revision == 10 and len(results) == 10 * INNER
+    assert {r.world_size for r in results[:4 * INNER]} == {3}
+    assert {r.world_size for r in results[5 * INNER:]} == {2}
+    assert final < 0.05 * start

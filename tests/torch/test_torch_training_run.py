@@ -9,6 +9,7 @@ import torch
 import trio
 import trio.testing
 from _torchrun_helpers import (
+    KillMidReduce,
     float_data,
     integer_data,
     linear_model,
@@ -21,7 +22,7 @@ from _torchrun_helpers import (
 )
 
 import pccl
-from pccl.testing import MASTER, HookAction, Reset, TestCluster, TrafficEvent
+from pccl.testing import TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.torch import AsyncTrainingRun, SharedModel, StepResult
 
@@ -46,7 +47,7 @@ async def train_peers(cluster: TestCluster, make: Any, steps: int, *, bucket_byt
     return out
 
 
-@pytest.mark.parametrize("bucket_bytes", [64, 8], ids=["one-bucket-per-tensor", "mixed"])
+@pytest.mark.parametrize("bucket_bytes", [64, 8], ids=["one-bucket", "a-bucket-per-tensor"])
 async def test_two_peers_equal_single_process_exactly_in_float64(
         autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, bucket_bytes: int) -> None:
     """Power-of-two shards of integer data with dyadic weights: every rounding is the same, so the
@@ -142,24 +143,6 @@ async def test_newcomer_catches_up_then_matches(
     assert {r.world_size for r in new_results} == {2}
 
 
-class KillMidReduce:
-    """Traffic hook: once armed, the victim's host crashes as it sends its first ring data (40 bytes of
-    it get out): it dies in the middle of an all-reduce."""
-
-    def __init__(self, cluster: TestCluster, victim: int) -> None:
-        self.cluster, self.victim = cluster, victim
-        self.host, self.master = cluster.host(victim).name, cluster.host(MASTER).name
-        self.armed = False
-        self.fired = False
-
-    def __call__(self, ev: TrafficEvent) -> HookAction | None:
-        if not self.armed or self.fired or ev.src != self.host or ev.dst == self.master:
-            return None
-        self.fired = True
-        self.cluster.kill(self.victim)
-        return Reset(after=min(40, len(ev.data)))
-
-
 @pytest.mark.parametrize("n", [3, 2], ids=["3-to-2-peers", "2-to-1-peer"])
 async def test_peer_killed_mid_step_is_retried_and_states_stay_identical(
         autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, n: int) -> None:
@@ -242,7 +225,7 @@ async def test_bfloat16_and_float16_parameters(
         return f
 
     for dtype in (torch.bfloat16, torch.float16):
-        trained = await train_peers(cluster, make(dtype), 30, bucket_bytes=128)
+        trained = await train_peers(cluster, make(dtype), 20, bucket_bytes=128)
         (a, ra), (b, _) = trained[0], trained[1]
         assert state_bytes(a) == state_bytes(b)
         assert all(t.dtype == dtype for k, t in a.tensors().items() if k.startswith("param/"))
