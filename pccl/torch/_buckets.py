@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .._errors import InvalidArgumentError
+
 __all__ = ["DEFAULT_BUCKET_BYTES", "Buckets"]
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024
@@ -27,7 +29,7 @@ class Buckets:
 
     def __init__(self, tensors: Sequence[torch.Tensor], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         if bucket_bytes < 1:
-            raise ValueError("bucket_bytes must be >= 1")
+            raise InvalidArgumentError("bucket_bytes must be >= 1")
         self.tensors = list(tensors)
         groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
         for i, t in enumerate(self.tensors):

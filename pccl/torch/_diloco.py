@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .._errors import InvalidArgumentError
 from .._types import QuantizationOptions, ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
@@ -73,7 +74,7 @@ class DiLoCoCore:
                  just_joined: bool, total_outer_steps: int | None, bucket_bytes: int, max_in_flight: int,
                  min_world_size: int, poll_interval: float) -> None:
         if inner_steps < 1:
-            raise ValueError("inner_steps must be >= 1")
+            raise InvalidArgumentError("inner_steps must be >= 1")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.outer_model = copy.deepcopy(model)

@@ -10,7 +10,7 @@ import torch
 import trio
 
 from .._config import PeerConfig
-from .._errors import PCCLError, Result
+from .._errors import InvalidArgumentError, PCCLError, Result
 from .._types import QuantizationOptions
 from ..peer.communicator import Communicator
 from ._buckets import DEFAULT_BUCKET_BYTES
@@ -118,7 +118,7 @@ class AsyncTrainingRun(_RunInfo):
             the communicator is accepted.
 
     Raises:
-        ValueError: a SharedModel without an optimizer, or bad sizes.
+        InvalidArgumentError: a SharedModel without an optimizer, or bad sizes.
     """
 
     def __init__(self, comm: Communicator, shared: SharedModel, *, total_steps: int | None = None,
@@ -235,7 +235,7 @@ class AsyncDiLoCo(_RunInfo):
         others: as in :class:`AsyncTrainingRun`.
 
     Raises:
-        ValueError: ``delayed`` without a nursery, or bad sizes.
+        InvalidArgumentError: ``delayed`` without a nursery, or bad sizes.
     """
 
     def __init__(self, comm: Communicator, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -245,7 +245,7 @@ class AsyncDiLoCo(_RunInfo):
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
                  poll_interval: float = DEFAULT_POLL_INTERVAL, just_joined: bool | None = None) -> None:
         if delayed and nursery is None:
-            raise ValueError("delayed DiLoCo needs a nursery for the background all-reduce")
+            raise InvalidArgumentError("delayed DiLoCo needs a nursery for the background all-reduce")
         joined = comm.world_size > 1 if just_joined is None else just_joined
         self.core = DiLoCoCore(model, inner_optimizer, outer_optimizer=outer_optimizer,
                                inner_steps=inner_steps, delayed=delayed, quantization=quantization,

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .._errors import PCCLError, RankConnectionLostError
+from .._errors import InvalidUsageError, PCCLError, RankConnectionLostError
 from ..peer.communicator import Communicator, open_communicator
 from ._ops import (
     AllReduce,
@@ -69,7 +69,7 @@ class Executor:
             return await self.all_reduce(op)
         if isinstance(op, StartAllReduce):
             if self.nursery is None:
-                raise ValueError("background all-reduces need a nursery")
+                raise InvalidUsageError("background all-reduces need a nursery")
             handle = _Background()
             self.nursery.start_soon(self._background, op.reduce, handle)
             return handle

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._errors import InvalidArgumentError
 from .._types import ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
@@ -87,9 +88,9 @@ class TrainCore:
                  bucket_bytes: int, max_in_flight: int, min_world_size: int, poll_interval: float,
                  quantization: Any = None) -> None:
         if shared.optimizer is None:
-            raise ValueError("TrainingRun needs a SharedModel with an optimizer")
+            raise InvalidArgumentError("TrainingRun needs a SharedModel with an optimizer")
         if min_world_size < 1 or max_in_flight < 1:
-            raise ValueError("min_world_size and max_in_flight must be >= 1")
+            raise InvalidArgumentError("min_world_size and max_in_flight must be >= 1")
         self.shared = shared
         self.optimizer: torch.optim.Optimizer = shared.optimizer
         self.params = shared.trainable_parameters()

@@ -24,7 +24,7 @@ from _torchrun_helpers import (
 import pccl
 from pccl.testing import TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
-from pccl.torch import AsyncTrainingRun, SharedModel, StepResult
+from pccl.torch import AsyncDiLoCo, AsyncTrainingRun, SharedModel, StepResult
 
 
 async def train_peers(cluster: TestCluster, make: Any, steps: int, *, bucket_bytes: int = 64,
@@ -257,3 +257,19 @@ async def test_shared_model_keys_and_optimizer_state_up_front() -> None:
         assert torch.equal(v, w), k
     with pytest.raises(pccl.InvalidArgumentError):
         SharedModel(torch.nn.Linear(2, 2), torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+
+
+async def test_bad_arguments_raise_invalid_argument(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    cluster = await pccl_cluster(2)
+    model = linear_model()
+    with pytest.raises(pccl.InvalidArgumentError, match="optimizer"):
+        AsyncTrainingRun(cluster.peer(0), SharedModel(model))
+    with pytest.raises(pccl.InvalidArgumentError):
+        AsyncTrainingRun(cluster.peer(0), SharedModel(model, sgd(model)), max_in_flight=0)
+    with pytest.raises(pccl.InvalidArgumentError):
+        AsyncTrainingRun(cluster.peer(0), SharedModel(model, sgd(model)), bucket_bytes=0)
+    with pytest.raises(pccl.InvalidArgumentError, match="nursery"):
+        AsyncDiLoCo(cluster.peer(0), model, sgd(model), delayed=True)
+    with pytest.raises(pccl.InvalidArgumentError):
+        AsyncDiLoCo(cluster.peer(0), model, sgd(model), inner_steps=0)
