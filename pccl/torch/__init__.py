@@ -1,0 +1,35 @@
+"""pccl for torch: train a model fault-tolerantly in a few lines (see docs/torch.md).
+
+Importing this module imports torch; nothing else in pccl does.
+
+* :class:`SharedModel`: a model's parameters and buffers and its optimizer's state as one shared state.
+* :class:`TrainingRun` (blocking) / :class:`AsyncTrainingRun` (trio): data-parallel training that
+  admits newcomers, syncs them, averages gradients in buckets and retries a step when a peer is lost.
+* :class:`DiLoCo` / :class:`AsyncDiLoCo`: inner steps and an outer step on averaged pseudo-gradients,
+  synchronous or one step delayed, optionally quantized.
+* :func:`shard_indices`, :func:`global_batch_indices`: deterministic data sharding by step and rank.
+"""
+
+from __future__ import annotations
+
+from ._buckets import DEFAULT_BUCKET_BYTES
+from ._diloco import default_outer_optimizer
+from ._drivers import AsyncDiLoCo, AsyncTrainingRun, DiLoCo, TrainingRun
+from ._model import SharedModel, create_optimizer_state
+from ._shard import global_batch_indices, shard_indices
+from ._train import Step, StepResult
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "AsyncDiLoCo",
+    "AsyncTrainingRun",
+    "DiLoCo",
+    "SharedModel",
+    "Step",
+    "StepResult",
+    "TrainingRun",
+    "create_optimizer_state",
+    "default_outer_optimizer",
+    "global_batch_indices",
+    "shard_indices",
+]

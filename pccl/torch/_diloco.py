@@ -1,0 +1,230 @@
+"""DiLoCo's outer loop, as generators of communication requests (see ``_ops.py``).
+
+Every peer trains its model (the *inner* model) with its inner optimizer; an outer copy of the
+parameters (the same on every peer: the shared state, with the outer optimizer's state) is updated
+every ``inner_steps`` steps with the average of the pseudo-gradients ``outer - inner``. Synchronous:
+the average is applied at once. Delayed (one step late): the all-reduce of round r runs in the
+background during round r+1's inner steps and is applied at the end of round r+1; shared state is
+synced only while no all-reduce runs, and before a newcomer is admitted the running all-reduce is
+finished and applied, so the newcomer receives outer parameters that include it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+
+from .._errors import InvalidArgumentError
+from .._types import QuantizationOptions, ReduceOp
+from ._buckets import Buckets
+from ._model import SharedModel
+from ._ops import (
+    AllReduce,
+    Members,
+    Op,
+    PeersPending,
+    Sleep,
+    StartAllReduce,
+    Sync,
+    UpdateTopology,
+    WaitAllReduce,
+    is_result,
+)
+from ._train import Backward, Step, StepResult
+
+__all__ = ["DiLoCoCore", "default_outer_optimizer"]
+
+
+def default_outer_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with Nesterov momentum 0.9 and learning rate 0.7 (the DiLoCo paper's outer optimizer)."""
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+@dataclasses.dataclass
+class _Membership:
+    just_joined: bool
+    min_world_size: int
+    poll_interval: float
+    rank: int = 0
+    world_size: int = 1
+
+
+class DiLoCoCore:
+    """Per-peer state of DiLoCo and its generators (driver-independent).
+
+    Args:
+        model: the inner model (trained locally).
+        inner_optimizer: its optimizer (local state, not shared).
+        outer_optimizer: builds the outer optimizer from the outer parameters (a list of
+            ``nn.Parameter``); default :func:`default_outer_optimizer`.
+        inner_steps: inner steps per outer step (H).
+        delayed: one-step-delayed outer updates (the all-reduce overlaps the next inner steps).
+        quantization: wire compression of the pseudo-gradients (e.g. MIN_MAX to UINT8), or None.
+        just_joined, total_outer_steps, bucket_bytes, max_in_flight, min_world_size, poll_interval: as in
+            :class:`~pccl.torch._train.TrainCore` (``total_outer_steps`` counts outer steps).
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 outer_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
+                 inner_steps: int, delayed: bool, quantization: QuantizationOptions | None,
+                 just_joined: bool, total_outer_steps: int | None, bucket_bytes: int, max_in_flight: int,
+                 min_world_size: int, poll_interval: float) -> None:
+        if inner_steps < 1:
+            raise InvalidArgumentError("inner_steps must be >= 1")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.outer_model = copy.deepcopy(model)
+        for p in self.outer_model.parameters():
+            p.requires_grad_(True)
+        outer_params = list(self.outer_model.parameters())
+        self.outer_optimizer = (outer_optimizer or default_outer_optimizer)(outer_params)
+        self.shared = SharedModel(self.outer_model, self.outer_optimizer, buffers=False)
+        self.members = _Membership(just_joined, min_world_size, poll_interval)
+        self.inner_params = [p for p in model.parameters()]
+        self.outer_params = outer_params
+        self.buckets = Buckets(self.inner_params, bucket_bytes)
+        self.inner_steps = inner_steps
+        self.delayed = delayed
+        self.quantization = quantization
+        self.total_outer_steps = total_outer_steps
+        self.max_in_flight = max_in_flight
+        self.running: Any = None  # delayed mode: the background all-reduce of the previous round
+        self.inner_step = 0  # inner steps done in this round
+        self.round_index = 0  # outer rounds before this one (applied or running)
+        self.round_started = False
+        self.syncs = 0
+        self.unreported_rx = 0  # bytes received by syncs since the last StepResult
+
+    # -- pieces ---------------------------------------------------------------------------------------
+
+    def _reduce(self) -> AllReduce:
+        return AllReduce(self.buckets.pairs, ReduceOp.AVG, self.quantization, self.max_in_flight,
+                         retry_lost=True)
+
+    def _apply(self) -> None:
+        """Outer step with the averaged pseudo-gradients in the receive buffers."""
+        for p, g in zip(self.outer_params, self.buckets.recv_views(), strict=True):
+            p.grad = g.clone()
+        self.outer_optimizer.step()
+        self.shared.keep_state_references()
+        self.shared.revision += 1
+
+    def _sync(self) -> Generator[Op, Any, None]:
+        while True:
+            try:
+                info = yield Sync(self.shared.state)
+                break
+            except Exception as exc:
+                if not is_result(exc, "RANK_CONNECTION_LOST"):
+                    raise
+        self.syncs += 1
+        self.unreported_rx += info.rx_bytes
+
+    def _reduce_now(self) -> Generator[Op, Any, None]:
+        try:
+            yield self._reduce()
+        except Exception as exc:
+            if not is_result(exc, "TOO_FEW_PEERS"):
+                raise
+            self.buckets.copy_send_to_recv()  # nobody left: this peer's own pseudo-gradient
+
+    def _wait_running(self) -> Generator[Op, Any, None]:
+        """Wait for the background reduce; its average is then in the receive buffers."""
+        handle, self.running = self.running, None
+        try:
+            yield WaitAllReduce(handle)
+        except Exception as exc:
+            if not is_result(exc, "TOO_FEW_PEERS"):
+                raise
+            self.buckets.copy_send_to_recv()
+
+    def _reset_inner(self) -> None:
+        with torch.no_grad():
+            for p, o in zip(self.inner_params, self.outer_params, strict=True):
+                p.copy_(o)
+
+    # -- the round -----------------------------------------------------------------------------------
+
+    def begin_round(self) -> Generator[Op, Any, bool]:
+        """Membership (draining a running reduce before admitting), sync, reset the inner model.
+
+        Returns False once ``total_outer_steps`` outer steps were applied.
+        """
+        core = self.members
+        while True:
+            if core.just_joined:
+                core.just_joined = False
+            else:
+                try:
+                    if (yield PeersPending()):
+                        if self.running is not None:  # the newcomer must receive outer state with it
+                            yield from self._wait_running()
+                            self._apply()
+                        yield UpdateTopology()
+                except Exception as exc:
+                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED"):
+                        raise
+                    continue
+            core.rank, core.world_size = yield Members()
+            if core.world_size >= core.min_world_size:
+                break
+            yield Sleep(core.poll_interval)
+        last = self.total_outer_steps is not None and self.shared.revision + 1 >= self.total_outer_steps
+        if self.running is not None and last:
+            yield from self._wait_running()
+            self._apply()
+        if self.running is None:
+            yield from self._sync()
+        if self.total_outer_steps is not None and self.shared.revision >= self.total_outer_steps:
+            return False
+        self._reset_inner()
+        self.round_started = True
+        self.round_index = self.shared.revision + (1 if self.running is not None else 0)
+        self.inner_step = 0
+        return True
+
+    def end_round(self) -> Generator[Op, Any, None]:
+        """Pseudo-gradients, their average (now, or in the background) and the outer step."""
+        if not self.delayed:
+            self.buckets.pack_difference(self.outer_params)
+            if self.members.world_size > 1:
+                yield from self._reduce_now()
+            else:
+                self.buckets.copy_send_to_recv()
+            self._apply()
+        else:
+            previous = self.running is not None
+            if previous:
+                yield from self._wait_running()  # the send buffers are free again
+            # outer - inner against the outer parameters this round started from (before applying the
+            # previous round's average)
+            self.buckets.pack_difference(self.outer_params)
+            if previous:
+                self._apply()  # the previous round's average, one round late
+                yield from self._sync()
+            if self.members.world_size > 1:
+                self.running = yield StartAllReduce(self._reduce())
+            else:
+                self.buckets.copy_send_to_recv()
+                self._apply()
+        self.round_started = False
+
+    def step(self, backward: Backward) -> Generator[Op, Any, StepResult | None]:
+        """One inner step (a round's first one begins the round, its last one ends it)."""
+        if not self.round_started:
+            if not (yield from self.begin_round()):
+                return None
+        core = self.members
+        index = self.round_index * self.inner_steps + self.inner_step
+        self.inner_optimizer.zero_grad()
+        loss = backward(Step(index, core.rank, core.world_size))
+        self.inner_optimizer.step()
+        self.inner_step += 1
+        if self.inner_step == self.inner_steps:
+            yield from self.end_round()
+        rx, self.unreported_rx = self.unreported_rx, 0
+        return StepResult(index, loss, core.world_size, 1, rx, 0)

@@ -1,0 +1,319 @@
+"""The drivers: TrainingRun / DiLoCo (blocking) and AsyncTrainingRun / AsyncDiLoCo (trio)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import trio
+
+from .._config import PeerConfig
+from .._errors import InvalidArgumentError, PCCLError, Result
+from .._types import QuantizationOptions
+from ..peer.communicator import Communicator
+from ._buckets import DEFAULT_BUCKET_BYTES
+from ._diloco import DiLoCoCore
+from ._exec import BackgroundThread, Executor
+from ._model import SharedModel
+from ._ops import AllReduce, Op, StartAllReduce, Sync, drive, drive_async
+from ._train import Backward, StepResult, TrainCore
+
+__all__ = ["AsyncDiLoCo", "AsyncTrainingRun", "DiLoCo", "TrainingRun"]
+
+DEFAULT_POLL_INTERVAL = 0.05
+
+
+def _sync_cuda_streams(op: Op) -> None:
+    """Blocking drivers: finish the caller's queued CUDA work on the tensors ``op`` reads.
+
+    The communicator runs in another thread, whose current CUDA stream is not the caller's.
+    """
+    tensors: list[Any] = []
+    if isinstance(op, AllReduce):
+        tensors = [s for s, _ in op.pairs]
+    elif isinstance(op, StartAllReduce):
+        tensors = [s for s, _ in op.reduce.pairs]
+    elif isinstance(op, Sync):
+        tensors = [t.tensor for t in op.state.tensor_infos]
+    devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
+class _Blocking:
+    """A communicator in a background trio thread; requests are run there from the caller's thread."""
+
+    def __init__(self, master_address: str, *, peer_group: int, config: PeerConfig | None,
+                 connect_attempts: int) -> None:
+        self._thread = BackgroundThread()
+        try:
+            delay = 0.05
+            for attempt in range(max(1, connect_attempts)):
+                try:
+                    self.comm = self._thread.open_communicator(master_address, peer_group=peer_group,
+                                                               config=config)
+                    break
+                except PCCLError as exc:
+                    if exc.result != Result.MASTER_CONNECTION_FAILED or attempt + 1 >= connect_attempts:
+                        raise
+                    time.sleep(delay)
+                    delay = min(1.0, delay * 2)
+            self._executor = Executor(self.comm, self._thread.nursery)
+        except BaseException:
+            self._thread.close()
+            raise
+
+    def execute(self, op: Op) -> Any:
+        _sync_cuda_streams(op)
+        return self._thread.call(self._executor, op)
+
+    def close(self) -> None:
+        self._thread.close()
+
+
+class _RunInfo:
+    """Read-only views shared by the drivers."""
+
+    _members: Any
+    shared: SharedModel
+
+    @property
+    def rank(self) -> int:
+        """This peer's rank in its group, as of the latest step (its membership phase)."""
+        return int(self._members.rank)
+
+    @property
+    def world_size(self) -> int:
+        """The group's size, as of the latest step."""
+        return int(self._members.world_size)
+
+    @property
+    def revision(self) -> int:
+        """Steps applied (outer steps for DiLoCo): the shared state's revision."""
+        return self.shared.revision
+
+
+class AsyncTrainingRun(_RunInfo):
+    """The data-parallel driver for trio programs (and tests on ``pccl.testing`` clusters).
+
+    Each :meth:`step`: admit pending peers; sync the shared state (a newcomer receives the model and the
+    optimizer state here); run ``backward(step)``; average the gradients (bucketed all-reduces, AVG, up
+    to ``max_in_flight`` buckets at once on tags 0, 1, ...); step the optimizer. When a peer is lost the
+    step is retried from the top with the survivors: ``backward`` runs again, with the new rank and world
+    size, on the same global batch when it uses :meth:`~pccl.torch.Step.shard`.
+
+    Args:
+        comm: an accepted async communicator (``pccl.open_communicator`` or a test cluster's peer).
+        shared: the model and optimizer (:class:`SharedModel`).
+        total_steps: :meth:`step` returns None once this many steps were applied (None: never).
+        bucket_bytes: size of a gradient bucket.
+        max_in_flight: buckets reduced at once.
+        min_world_size: wait (polling every ``poll_interval`` s) while fewer peers are in the group;
+            the default 1 trains alone when everyone else is gone.
+        quantization: optional wire compression of the gradients.
+        just_joined: this peer was admitted by running peers (it skips the membership phase once);
+            default: ``comm.world_size > 1`` when the driver is made, right for a driver made as soon as
+            the communicator is accepted.
+
+    Raises:
+        InvalidArgumentError: a SharedModel without an optimizer, or bad sizes.
+    """
+
+    def __init__(self, comm: Communicator, shared: SharedModel, *, total_steps: int | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL,
+                 quantization: QuantizationOptions | None = None, just_joined: bool | None = None) -> None:
+        self.comm = comm
+        self.shared = shared
+        joined = comm.world_size > 1 if just_joined is None else just_joined
+        self.core = TrainCore(shared, just_joined=joined, total_steps=total_steps, bucket_bytes=bucket_bytes,
+                              max_in_flight=max_in_flight, min_world_size=min_world_size,
+                              poll_interval=poll_interval, quantization=quantization)
+        self._members = self.core
+        self._execute = Executor(comm)
+
+    async def step(self, backward: Backward) -> StepResult | None:
+        """Run one training step (see the class); None once ``total_steps`` were applied.
+
+        Raises:
+            MasterConnectionError: this peer lost the master or was removed.
+            PCCLError: anything else that is not retryable.
+        """
+        return await drive_async(self.core.step(backward), self._execute)
+
+
+class TrainingRun(_RunInfo):
+    """The data-parallel driver for ordinary (threaded) programs: :class:`AsyncTrainingRun`'s loop.
+
+    It connects to the master at once (retrying ``connect_attempts`` times with a short backoff) and
+    runs its communicator in a background thread; ``backward`` runs on the caller's thread. Use it as
+    a context manager, or call :meth:`close`::
+
+        with TrainingRun(master_address, SharedModel(model, optimizer), total_steps=1000) as run:
+            while (result := run.step(backward)) is not None:
+                ...
+
+    Args:
+        master_address: ``"HOST:PORT"`` of the master.
+        shared: the model and optimizer.
+        peer_group: the peer group.
+        config: the communicator's :class:`~pccl.PeerConfig`.
+        connect_attempts: connection attempts before MASTER_CONNECTION_FAILED is raised.
+        others: as in :class:`AsyncTrainingRun`.
+
+    Raises:
+        MasterConnectionError: the master could not be reached.
+    """
+
+    def __init__(self, master_address: str, shared: SharedModel, *, total_steps: int | None = None,
+                 peer_group: int = 0, config: PeerConfig | None = None, connect_attempts: int = 10,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL,
+                 quantization: QuantizationOptions | None = None, just_joined: bool | None = None) -> None:
+        self.shared = shared
+        self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
+                                   connect_attempts=connect_attempts)
+        try:
+            comm = self._blocking.comm
+            joined = comm.world_size > 1 if just_joined is None else just_joined
+            self.core = TrainCore(shared, just_joined=joined, total_steps=total_steps,
+                                  bucket_bytes=bucket_bytes, max_in_flight=max_in_flight,
+                                  min_world_size=min_world_size, poll_interval=poll_interval,
+                                  quantization=quantization)
+        except BaseException:
+            self._blocking.close()
+            raise
+        self._members = self.core
+
+    def step(self, backward: Backward) -> StepResult | None:
+        """Run one training step (see :class:`AsyncTrainingRun`); None once ``total_steps`` were applied.
+
+        Raises:
+            MasterConnectionError: this peer lost the master or was removed.
+            PCCLError: anything else that is not retryable.
+        """
+        return drive(self.core.step(backward), self._blocking.execute)
+
+    def close(self) -> None:
+        """Leave the run (the others see it as a peer lost) and stop the background thread."""
+        self._blocking.close()
+
+    def __enter__(self) -> TrainingRun:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+OuterOptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+class AsyncDiLoCo(_RunInfo):
+    """DiLoCo for trio programs: local inner steps, an outer step every ``inner_steps`` steps.
+
+    Each :meth:`step` is one inner step: ``backward(step)`` then ``inner_optimizer.step()``. A round's first
+    step admits pending peers, syncs the outer state (outer parameters and outer optimizer state: the
+    shared state, :attr:`shared`) and resets the model to the outer parameters; its last step all-reduces
+    the pseudo-gradients ``outer - inner`` (AVG, retried with the survivors when a peer is lost) and steps
+    the outer optimizer, at once (``delayed=False``) or one round late with the all-reduce running in the
+    background during the next round's inner steps (``delayed=True``).
+
+    Args:
+        comm: an accepted async communicator.
+        model: the model (the inner parameters); its buffers stay local.
+        inner_optimizer: the model's optimizer (local state).
+        outer_optimizer: ``factory(outer_params) -> optimizer``; default SGD(lr=0.7, momentum=0.9,
+            nesterov=True).
+        inner_steps: H, inner steps per outer step.
+        delayed: one-step-delayed outer updates; needs ``nursery`` (where the background all-reduce runs).
+        quantization: wire compression of the pseudo-gradients, e.g.
+            ``QuantizationOptions(quantized_datatype=DataType.UINT8,
+            algorithm=QuantizationAlgorithm.MIN_MAX)``.
+        total_outer_steps: :meth:`step` returns None once this many outer steps were applied.
+        others: as in :class:`AsyncTrainingRun`.
+
+    Raises:
+        InvalidArgumentError: ``delayed`` without a nursery, or bad sizes.
+    """
+
+    def __init__(self, comm: Communicator, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 outer_optimizer: OuterOptimizerFactory | None = None, inner_steps: int = 50,
+                 delayed: bool = False, quantization: QuantizationOptions | None = None,
+                 total_outer_steps: int | None = None, nursery: trio.Nursery | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL, just_joined: bool | None = None) -> None:
+        if delayed and nursery is None:
+            raise InvalidArgumentError("delayed DiLoCo needs a nursery for the background all-reduce")
+        joined = comm.world_size > 1 if just_joined is None else just_joined
+        self.core = DiLoCoCore(model, inner_optimizer, outer_optimizer=outer_optimizer,
+                               inner_steps=inner_steps, delayed=delayed, quantization=quantization,
+                               just_joined=joined, total_outer_steps=total_outer_steps,
+                               bucket_bytes=bucket_bytes,
+                               max_in_flight=max_in_flight, min_world_size=min_world_size,
+                               poll_interval=poll_interval)
+        self.comm = comm
+        self.shared = self.core.shared
+        self._members = self.core.members
+        self._execute = Executor(comm, nursery)
+
+    @property
+    def outer_model(self) -> torch.nn.Module:
+        """The outer parameters, as a copy of the model (identical on every peer after each sync)."""
+        return self.core.outer_model
+
+    async def step(self, backward: Backward) -> StepResult | None:
+        """One inner step (see the class); None once ``total_outer_steps`` outer steps were applied."""
+        return await drive_async(self.core.step(backward), self._execute)
+
+
+class DiLoCo(_RunInfo):
+    """:class:`AsyncDiLoCo` for ordinary programs; connects like :class:`TrainingRun`.
+
+    Args:
+        master_address, peer_group, config, connect_attempts: as in :class:`TrainingRun`.
+        others: as in :class:`AsyncDiLoCo` (``delayed`` needs no nursery here).
+    """
+
+    def __init__(self, master_address: str, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 outer_optimizer: OuterOptimizerFactory | None = None, inner_steps: int = 50,
+                 delayed: bool = False, quantization: QuantizationOptions | None = None,
+                 total_outer_steps: int | None = None, peer_group: int = 0, config: PeerConfig | None = None,
+                 connect_attempts: int = 10, bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4,
+                 min_world_size: int = 1, poll_interval: float = DEFAULT_POLL_INTERVAL,
+                 just_joined: bool | None = None) -> None:
+        self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
+                                   connect_attempts=connect_attempts)
+        try:
+            comm = self._blocking.comm
+            joined = comm.world_size > 1 if just_joined is None else just_joined
+            self.core = DiLoCoCore(model, inner_optimizer, outer_optimizer=outer_optimizer,
+                                   inner_steps=inner_steps, delayed=delayed, quantization=quantization,
+                                   just_joined=joined, total_outer_steps=total_outer_steps,
+                                   bucket_bytes=bucket_bytes, max_in_flight=max_in_flight,
+                                   min_world_size=min_world_size, poll_interval=poll_interval)
+        except BaseException:
+            self._blocking.close()
+            raise
+        self.shared = self.core.shared
+        self._members = self.core.members
+
+    @property
+    def outer_model(self) -> torch.nn.Module:
+        """The outer parameters, as a copy of the model."""
+        return self.core.outer_model
+
+    def step(self, backward: Backward) -> StepResult | None:
+        """One inner step; None once ``total_outer_steps`` outer steps were applied."""
+        return drive(self.core.step(backward), self._blocking.execute)
+
+    def close(self) -> None:
+        """Leave the run and stop the background thread (a running background all-reduce is abandoned)."""
+        self._blocking.close()
+
+    def __enter__(self) -> DiLoCo:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

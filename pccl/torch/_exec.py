@@ -1,0 +1,208 @@
+"""Runs the cores' requests (``_ops.py``) on an async communicator, and a background trio thread
+for the blocking drivers."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import trio
+
+from .._errors import InvalidUsageError, PCCLError, RankConnectionLostError
+from ..peer.communicator import Communicator, open_communicator
+from ._ops import (
+    AllReduce,
+    Members,
+    Op,
+    PeersPending,
+    Sleep,
+    StartAllReduce,
+    Sync,
+    UpdateTopology,
+    WaitAllReduce,
+)
+
+__all__ = ["BackgroundThread", "Executor"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_CLOSE_TIMEOUT = 10.0
+
+
+class _Background:
+    """A reduce running in the background."""
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.info: Any = None
+        self.error: PCCLError | None = None
+
+
+class Executor:
+    """Executes requests on ``comm`` (call it from the communicator's trio thread).
+
+    Args:
+        comm: the async communicator.
+        nursery: where background reduces (``StartAllReduce``) run; required only for those.
+    """
+
+    def __init__(self, comm: Communicator, nursery: trio.Nursery | None = None) -> None:
+        self.comm = comm
+        self.nursery = nursery
+
+    async def __call__(self, op: Op) -> Any:
+        comm = self.comm
+        if isinstance(op, PeersPending):
+            return await comm.are_peers_pending()
+        if isinstance(op, UpdateTopology):
+            return await comm.update_topology()
+        if isinstance(op, Members):
+            return comm.rank, len(comm.group_ring)
+        if isinstance(op, Sync):
+            return await comm.sync_shared_state(op.state)
+        if isinstance(op, Sleep):
+            return await trio.sleep(op.seconds)
+        if isinstance(op, AllReduce):
+            return await self.all_reduce(op)
+        if isinstance(op, StartAllReduce):
+            if self.nursery is None:
+                raise InvalidUsageError("background all-reduces need a nursery")
+            handle = _Background()
+            self.nursery.start_soon(self._background, op.reduce, handle)
+            return handle
+        if isinstance(op, WaitAllReduce):
+            handle = op.handle
+            await handle.done.wait()
+            if handle.error is not None:
+                raise handle.error
+            return handle.info
+        raise TypeError(f"unknown request {op!r}")
+
+    async def _background(self, op: AllReduce, handle: _Background) -> None:
+        try:
+            handle.info = await self.all_reduce(op)
+        except PCCLError as exc:
+            handle.error = exc
+        finally:
+            handle.done.set()
+
+    async def all_reduce(self, op: AllReduce) -> Any:
+        """Every bucket of ``op``; see :class:`~pccl.torch._ops.AllReduce`."""
+        comm = self.comm
+        if op.retry_lost:
+            return await comm.all_reduce_multiple_with_retry(
+                [{"send": s, "recv": r, "op": op.op, "quantization": op.quantization} for s, r in op.pairs],
+                max_in_flight=op.max_in_flight, base_tag=op.base_tag)
+        limiter = trio.CapacityLimiter(op.max_in_flight)
+        infos: list[Any] = []
+        errors: list[PCCLError] = []
+
+        async def one(i: int, send: Any, recv: Any) -> None:
+            try:
+                infos.append(await comm.all_reduce(send, recv, op=op.op, tag=op.base_tag + i,
+                                                   quantization=op.quantization))
+            except PCCLError as exc:
+                errors.append(exc)
+            finally:
+                limiter.release_on_behalf_of(i)
+
+        async with trio.open_nursery() as nursery:
+            # Launched strictly in index order, so every peer has the same window of tags in flight.
+            for i, (send, recv) in enumerate(op.pairs):
+                await limiter.acquire_on_behalf_of(i)
+                nursery.start_soon(one, i, send, recv)
+        if errors:
+            # A lost peer is retryable; anything else (the master lost, bad buffers) wins.
+            fatal = [e for e in errors if not isinstance(e, RankConnectionLostError)]
+            raise (fatal or errors)[0]
+        tx = sum(i.tx_bytes for i in infos)
+        rx = sum(i.rx_bytes for i in infos)
+        # The smallest group any bucket ran with: the core compares it with the world it sharded for.
+        world = min(i.local_world_size for i in infos)
+        return type(infos[0])(local_world_size=world, tx_bytes=tx, rx_bytes=rx)
+
+
+class BackgroundThread:
+    """A daemon thread running trio, holding one async communicator for a blocking driver."""
+
+    def __init__(self, name: str = "pccl-torch") -> None:
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._closing: trio.Event | None = None
+        self._held: trio.Event | None = None
+        self.nursery: trio.Nursery | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+
+    def _main(self) -> None:
+        async def main() -> None:
+            self._stop = trio.Event()
+            async with trio.open_nursery() as nursery:
+                self.nursery = nursery
+                self._token = trio.lowlevel.current_trio_token()
+                self._ready.set()
+                await self._stop.wait()
+                nursery.cancel_scope.cancel()
+
+        try:
+            trio.run(main)
+        except BaseException as exc:  # reported to the constructor, or logged
+            self._error = exc
+            if self._ready.is_set():
+                log.exception("the pccl.torch background thread failed")
+            self._ready.set()
+
+    def call(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``afn(*args)`` in the trio thread and return its result (or raise its error)."""
+        return trio.from_thread.run(afn, *args, trio_token=self._token)
+
+    def open_communicator(self, address: str, **options: Any) -> Communicator:
+        """Connect a communicator (kept open until :meth:`close`)."""
+        return self.call(self._open, address, options)
+
+    async def _open(self, address: str, options: dict[str, Any]) -> Communicator:
+        assert self.nursery is not None
+        comm: Communicator = await self.nursery.start(self._hold, address, options)
+        return comm
+
+    async def _hold(self, address: str, options: dict[str, Any],
+                    task_status: trio.TaskStatus[Communicator] = trio.TASK_STATUS_IGNORED) -> None:
+        self._closing = trio.Event()
+        self._held = trio.Event()
+        started = False
+        try:
+            async with open_communicator(address, **options) as comm:
+                task_status.started(comm)
+                started = True
+                await self._closing.wait()
+        except PCCLError:
+            if not started:
+                raise
+            log.debug("closing the communicator failed", exc_info=True)
+        finally:
+            self._held.set()
+
+    async def _close(self) -> None:
+        if self._closing is not None and self._held is not None:
+            self._closing.set()
+            with trio.move_on_after(_CLOSE_TIMEOUT):
+                await self._held.wait()
+        assert self._stop is not None
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close the communicator and stop the thread (idempotent, bounded in time)."""
+        if self._thread.is_alive():
+            try:
+                self.call(self._close)
+            except trio.RunFinishedError:
+                pass
+            self._thread.join(_CLOSE_TIMEOUT)

@@ -1,0 +1,138 @@
+"""The communication requests of the training cores, and the drivers that run them.
+
+The data-parallel step and the DiLoCo round (``_train.py``, ``_diloco.py``) are written once, as
+generators that *yield* these requests and receive each one's result (or have its ``PCCLError``
+thrown in). They do the local torch work themselves and never touch trio, sockets or clocks; the
+executor (``_exec.py``) runs the requests on an async communicator, from a trio task (the async
+drivers) or from the user's thread through a background trio thread (the blocking drivers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Generator, Sequence
+from typing import Any, TypeVar
+
+from .._errors import PCCLError, Result
+from .._types import QuantizationOptions, ReduceOp
+
+__all__ = [
+    "AllReduce",
+    "Members",
+    "Op",
+    "PeersPending",
+    "Sleep",
+    "StartAllReduce",
+    "Sync",
+    "UpdateTopology",
+    "WaitAllReduce",
+    "drive",
+    "drive_async",
+    "is_result",
+]
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class PeersPending:
+    """``are_peers_pending()``; result: bool."""
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateTopology:
+    """``update_topology()``; result: None."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Members:
+    """This peer's rank and its group's size; result: ``(rank, world_size)``."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sync:
+    """``sync_shared_state(state)``; result: ``SharedStateSyncInfo``."""
+
+    state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Sleep:
+    """Wait ``seconds`` (alone, waiting for peers); result: None."""
+
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduce:
+    """All-reduce ``pairs`` (``(send, recv)`` tensors), at most ``max_in_flight`` at once on tags
+    ``base_tag + i``, launched in index order; result: ``ReduceInfo`` (bytes summed).
+
+    ``retry_lost=False``: the first failure of any bucket is raised once every bucket finished (the
+    caller retries the whole step). ``retry_lost=True``: buckets that fail with RANK_CONNECTION_LOST
+    are retried with the survivors until all succeed (TOO_FEW_PEERS when nobody is left).
+    """
+
+    pairs: Sequence[tuple[Any, Any]]
+    op: ReduceOp = ReduceOp.AVG
+    quantization: QuantizationOptions | None = None
+    max_in_flight: int = 4
+    base_tag: int = 0
+    retry_lost: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StartAllReduce:
+    """Launch ``reduce`` (with ``retry_lost``) in the background; result: a handle for WaitAllReduce."""
+
+    reduce: AllReduce
+
+
+@dataclasses.dataclass(frozen=True)
+class WaitAllReduce:
+    """Wait for a background reduce; result: its ``ReduceInfo``, or its error raised."""
+
+    handle: Any
+
+
+Op = PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | StartAllReduce | WaitAllReduce
+
+
+def is_result(exc: BaseException, *names: str) -> bool:
+    """True when ``exc`` is a PCCLError whose result is one of ``names`` (Result member names)."""
+    return isinstance(exc, PCCLError) and exc.result in {Result[n] for n in names}
+
+
+def drive(gen: Generator[Op, Any, T], execute: Callable[[Op], Any]) -> T:
+    """Run a core generator to completion, executing each request with ``execute`` (blocking).
+
+    A ``PCCLError`` raised by ``execute`` is thrown into the generator; anything else propagates.
+    """
+    value: Any = None
+    error: PCCLError | None = None
+    while True:
+        try:
+            op = gen.throw(error) if error is not None else gen.send(value)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        try:
+            value, error = execute(op), None
+        except PCCLError as exc:
+            value, error = None, exc
+
+
+async def drive_async(gen: Generator[Op, Any, T], execute: Callable[[Op], Awaitable[Any]]) -> T:
+    """:func:`drive` for an async ``execute``."""
+    value: Any = None
+    error: PCCLError | None = None
+    while True:
+        try:
+            op = gen.throw(error) if error is not None else gen.send(value)
+        except StopIteration as stop:
+            result: T = stop.value
+            return result
+        try:
+            value, error = await execute(op), None
+        except PCCLError as exc:
+            value, error = None, exc

@@ -1,0 +1,139 @@
+"""The blocking drivers (TrainingRun, DiLoCo) over loopback TCP with a MasterNode, one thread per peer;
+the data-sharding helpers; CUDA tensors (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from _torchrun_helpers import integer_data, linear_model, mse_backward, sgd, single_process, state_bytes
+from torch import nn
+
+import pccl
+from pccl.blocking import MasterNode
+from pccl.torch import DiLoCo, SharedModel, TrainingRun, global_batch_indices, shard_indices
+
+
+def run_threads(target: Any, n: int) -> dict[int, Any]:
+    out: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def body(i: int) -> None:
+        try:
+            out[i] = target(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=body, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_training_run_blocking_two_peers_equal_single_process() -> None:
+    x, y = integer_data()
+    steps, batch = 5, 8
+    with MasterNode("127.0.0.1:0") as master:
+        master.run()
+
+        def peer(i: int) -> dict[str, bytes]:
+            model = linear_model()
+            shared = SharedModel(model, sgd(model))
+            with TrainingRun(master.address, shared, total_steps=steps, min_world_size=2) as run:
+                while (r := run.step(mse_backward(model, x, y, batch))) is not None:
+                    assert r.world_size == 2 and run.world_size == 2 and run.rank in (0, 1)
+                assert run.revision == steps
+            return state_bytes(shared)
+
+        states = run_threads(peer, 2)
+    model = linear_model()
+    assert states[0] == states[1] == state_bytes(single_process(model, sgd(model), x, y, batch, steps))
+
+
+def test_diloco_blocking_delayed_two_peers() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    y = x @ torch.randn(4, 1, generator=g)
+    with MasterNode("127.0.0.1:0") as master:
+        master.run()
+
+        def peer(i: int) -> tuple[dict[str, bytes], float]:
+            torch.manual_seed(0)
+            model = nn.Linear(4, 1)
+            with DiLoCo(master.address, model, torch.optim.SGD(model.parameters(), lr=0.1), inner_steps=4,
+                        delayed=True, total_outer_steps=6, min_world_size=2,
+                        outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.5)) as d:
+                while d.step(mse_backward(model, x, y, 16)) is not None:
+                    pass
+                with torch.no_grad():
+                    loss = float(nn.functional.mse_loss(d.outer_model(x), y))
+                return state_bytes(d.shared), loss
+
+        out = run_threads(peer, 2)
+    assert out[0][0] == out[1][0]
+    with torch.no_grad():
+        torch.manual_seed(0)
+        start = float(nn.functional.mse_loss(nn.Linear(4, 1)(x), y))
+    assert out[0][1] < 0.2 * start
+
+
+def test_training_run_reports_an_unreachable_master() -> None:
+    model = nn.Linear(2, 1)
+    with pytest.raises(pccl.MasterConnectionError):
+        TrainingRun("127.0.0.1:1", SharedModel(model, sgd(model)), connect_attempts=1)
+
+
+def test_sharding_is_deterministic_and_covers_the_global_batch() -> None:
+    for step in (0, 1, 7, 25):
+        batch = global_batch_indices(step, 12, 100, seed=3)
+        assert len(set(batch.tolist())) == 12
+        for world in (1, 2, 3, 5):
+            shards = [shard_indices(step, 12, 100, r, world, seed=3) for r in range(world)]
+            assert np.array_equal(np.concatenate(shards), batch)  # resharding keeps the global batch
+            assert max(map(len, shards)) - min(map(len, shards)) <= 1
+    # Epochs: each visits every sample at most once; a new epoch is a new permutation.
+    epoch = np.concatenate([global_batch_indices(s, 12, 100) for s in range(8)])
+    assert len(set(epoch.tolist())) == 96
+    assert not np.array_equal(global_batch_indices(8, 12, 100), global_batch_indices(0, 12, 100))
+    with pytest.raises(pccl.InvalidArgumentError):
+        shard_indices(0, 12, 100, 3, 3)
+    with pytest.raises(pccl.InvalidArgumentError):
+        global_batch_indices(0, 101, 100)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device for torch")
+def test_training_run_cuda_parameters() -> None:
+    """CUDA parameters, gradients and optimizer state: same result as on the CPU."""
+    x, y = integer_data()
+    steps, batch = 5, 8
+    with MasterNode("127.0.0.1:0") as master:
+        master.run()
+
+        def peer(i: int) -> dict[str, bytes]:
+            model = linear_model().cuda()
+            shared = SharedModel(model, sgd(model))
+            xc, yc = x.cuda(), y.cuda()
+            with TrainingRun(master.address, shared, total_steps=steps, min_world_size=2) as run:
+                while run.step(mse_backward(model, xc, yc, batch)) is not None:
+                    pass
+            return state_bytes(shared)
+
+        states = run_threads(peer, 2)
+    model = linear_model()
+    assert states[0] == states[1] == state_bytes(single_process(model, sgd(model), x, y, batch, steps))
+
+
+def test_pccl_itself_never_imports_torch() -> None:
+    code = ("import sys, pccl, pccl.blocking, pccl.testing, pccl.testing.pytest_plugin; "
+            "assert 'torch' not in sys.modules, 'pccl imported torch'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
