@@ -199,9 +199,12 @@ def plan_times(
     """When each rank finishes its plan, in a simple timing model (seconds from the start).
 
     Model: a frame of ``b`` bytes from ``s`` to ``d`` leaves once it is released and ``s``'s network
-    interface is free (each rank sends one frame at a time, in release order), takes
-    ``b / bandwidth(s, d)`` to serialize and arrives ``latency(s, d)`` later; receives are applied
-    in plan order, instantly (reduction and copy costs are ignored).
+    interface is free (each rank sends one frame at a time, in release order) and takes
+    ``b / bandwidth(s, d)`` to serialize; its first byte reaches ``d`` ``latency(s, d)`` later, and
+    ``d``'s interface takes in one frame at a time too (frames from several senders queue).
+    Receives are applied in plan order, instantly (reduction and copy costs are ignored). (The
+    virtual network of :mod:`pccl.testing.network` limits each directed link, not a host's
+    interface: there a node receiving from several peers at once is faster than here.)
 
     Args:
         plans: every rank's plan.
@@ -221,6 +224,7 @@ def plan_times(
     arrival: list[list[float | None]] = [[None] * len(p.recvs) for p in plans]
     applied = [0] * n
     nic_free = [0.0] * n
+    ingress_free = [0.0] * n
     finish = [0.0] * n
     now_applied = [0.0] * n  # when the latest receive was applied
     events: list[tuple[float, int, int, int]] = []  # (time, kind 0=release, rank, index)
@@ -231,12 +235,16 @@ def plan_times(
         t, _kind, r, j = heapq.heappop(events)
         f = plans[r].sends[j]
         start = max(t, nic_free[r])
-        done = start + (f.end - f.start) * itemsize / bandwidth(r, f.peer)
+        wire = (f.end - f.start) * itemsize / bandwidth(r, f.peer)
+        done = start + wire
         nic_free[r] = done
         finish[r] = max(finish[r], done)
         d = f.peer
         i = index[d][(r, f.seq)]
-        arrival[d][i] = done + latency(r, f.peer)
+        # the frame occupies d's interface for as long as it takes to serialize
+        recv_start = max(start + latency(r, d), ingress_free[d])
+        ingress_free[d] = recv_start + wire
+        arrival[d][i] = recv_start + wire
         # apply every receive of d that has arrived, in order
         p = plans[d]
         while applied[d] < len(p.recvs) and arrival[d][applied[d]] is not None:
