@@ -83,8 +83,8 @@ class LinkModel:
         default_latency: see ``latency``.
         default_bandwidth: see ``bandwidth``.
         window: bytes one connection may have in flight (the TCP window), times the connections a
-            transfer stripes over; a link then carries at most ``window`` per round trip. None:
-            unlimited.
+            transfer stripes over; a link then carries at most ``window`` per round trip
+            (``min(bw, window / (2 alpha))``). None: unlimited.
     """
 
     latency: float | Matrix = DEFAULT_LATENCY
@@ -108,8 +108,10 @@ class LinkModel:
             if v:
                 bw = float(v)
         if self.window is not None and self.window > 0:
-            # one window per round trip: time per byte = 1/bw + rtt/window
-            bw = 1.0 / (1.0 / bw + 2.0 * self.alpha(i, j) / self.window)
+            # at most one window in flight per round trip
+            rtt = 2.0 * self.alpha(i, j)
+            if rtt > 0:
+                bw = min(bw, self.window / rtt)
         return bw
 
     def cost(self, i: int, j: int, nbytes: float) -> float:
