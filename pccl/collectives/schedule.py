@@ -660,6 +660,7 @@ def schedule_kinds(schedule: str) -> tuple[str, ...]:
 
 _ALL_PLANS_CACHE: OrderedDict[tuple[str, str, int, int, int, int], tuple[Plan, ...]] = OrderedDict()
 _ALL_PLANS_CACHE_SIZE = 64
+_ALL_PLANS_CACHE_MAX_FRAMES = 1 << 16  # over all ranks: bigger sets are rebuilt, not kept
 
 
 def all_plans(
@@ -676,7 +677,8 @@ def all_plans(
         root: broadcast only: the rank whose input everyone receives.
 
     Returns:
-        ``n`` plans; rank ``r`` executes ``plans[r]``. Cached (small LRU): do not mutate.
+        ``n`` plans; rank ``r`` executes ``plans[r]``. Cached (small LRU; sets of more than 65536
+        frames are not kept): plans are frozen, the tuple is shared.
 
     Raises:
         ValueError: bad arguments, or a kind the schedule has no plan for.
@@ -698,7 +700,8 @@ def all_plans(
         plans = _hd_plans(kind, n, count, block_elems)
     else:
         plans = _tree_plans(kind, n, count, block_elems, root)
-    _ALL_PLANS_CACHE[key] = plans
+    if sum(len(p.sends) + len(p.recvs) for p in plans) <= _ALL_PLANS_CACHE_MAX_FRAMES:
+        _ALL_PLANS_CACHE[key] = plans
     while len(_ALL_PLANS_CACHE) > _ALL_PLANS_CACHE_SIZE:
         _ALL_PLANS_CACHE.popitem(last=False)
     return plans

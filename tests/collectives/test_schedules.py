@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pccl import ReduceOp
+from pccl.collectives import schedule as schedule_mod
 from pccl.collectives.schedule import (
     SCHEDULES,
     all_plans,
@@ -231,3 +232,13 @@ def test_simulator_catches_a_missing_dependency_and_a_missing_receive() -> None:
     dropped = dataclasses.replace(p0, recvs=p0.recvs[:-1], unlocks=p0.unlocks[:-1])
     with pytest.raises(PlanError):
         run_plans([dropped, *plans[1:]], xs, ReduceOp.SUM, count)
+
+
+def test_plan_sets_are_cached_unless_huge(monkeypatch: pytest.MonkeyPatch) -> None:
+    a = all_plans("tree", "all_reduce", 6, 100, 7)
+    assert all_plans("tree", "all_reduce", 6, 100, 7) is a
+    assert all_plans("tree", "all_reduce", 6, 101, 7) is not a
+    monkeypatch.setattr(schedule_mod, "_ALL_PLANS_CACHE_MAX_FRAMES", 100)
+    big = all_plans("ring", "all_reduce", 4, 120, 5)  # 4 ranks x 6 steps x 6 blocks x 2 frames
+    assert all_plans("ring", "all_reduce", 4, 120, 5) is not big
+    assert all_plans("ring", "all_reduce", 4, 120, 5) == big
