@@ -11,7 +11,10 @@ the way the server would, and times (``time.process_time``, CPU of this process)
 * update: an update-topology round with no newcomers (``n`` votes, ``n`` confirmations);
 * pending: a peers-pending vote round (``n`` votes);
 * collective: one collective's vote round (``n`` ``CollectiveInitiate``) and its completion
-  (``n`` ``CollectiveDone``).
+  (``n`` ``CollectiveDone``);
+* +encode: the same collective round with every message the master sends encoded as the server
+  would (``wire.messages.encode``): the ``n`` ``CollectiveCommence`` each carry the ``n``-row peer
+  table, so this part is O(n^2) bytes per round by protocol design.
 
 It prints the median over ``--repeats`` rounds and the cost per message; O(n) rounds keep the cost
 per message flat as ``n`` grows. Target (issue 21): one vote round at 256 peers <= 50 ms.
@@ -43,9 +46,16 @@ class Driver:
         self.now = 0.0
         self.ids: list[int] = []
 
+    encode = False
+
     def h(self, pid: int, msg: m.Message) -> list[Any]:
         self.now += 1e-6
-        return self.st.handle(pid, msg, self.now)
+        effects = self.st.handle(pid, msg, self.now)
+        if self.encode:
+            for e in effects:
+                if isinstance(e, Send):
+                    m.encode(e.message)
+        return effects
 
     def register(self, count: int) -> list[int]:
         new = []
@@ -104,13 +114,17 @@ def measure(n: int, repeats: int) -> dict[str, float]:
     out["collective"] = statistics.median(
         _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
     )
+    d.encode = True
+    out["+encode"] = statistics.median(
+        _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
+    )
     assert d.st.statistics()["collectives_running"] == 0
     return out
 
 
 # messages per round, to print a cost per message
 _MESSAGES = {"join": lambda n: 2 * n - 1, "update": lambda n: 2 * n, "pending": lambda n: n,
-             "collective": lambda n: 2 * n}
+             "collective": lambda n: 2 * n, "+encode": lambda n: 2 * n}
 
 
 def main(argv: list[str] | None = None) -> int:
