@@ -13,9 +13,8 @@ timing (a frame overwriting data that is still to be read, a dependency missing)
 results under some seed. A plan that cannot finish raises :class:`PlanError` ("deadlock").
 
 :func:`plan_times` is a timing model of the same execution (one-way latency and bandwidth per
-directed link, each rank's sends serialized on its one network interface), used by the
-benchmarks to cross-check the closed-form cost model on schedules the live executor does not
-run yet.
+directed link; each rank's interface sends one frame at a time and takes in one at a time), used
+to cross-check the closed-form cost model (:mod:`pccl.collectives.cost`) on every schedule.
 """
 
 from __future__ import annotations
