@@ -100,6 +100,7 @@ class _TopologyRound:
     # after the vote: P2P establishment
     epoch: int = -1
     members: list[int] = field(default_factory=list)  # ring order of the proposed set
+    member_set: set[int] = field(default_factory=set)  # the same peers, for O(1) membership tests
     newcomers: set[int] = field(default_factory=set)
     confirmed: set[int] = field(default_factory=set)
     failed: bool = False
@@ -119,6 +120,8 @@ class _CollectiveOp:
     op_seq: int = -1
     participants: list[int] = field(default_factory=list)
     done: set[int] = field(default_factory=set)
+    # the same peers as ``participants``, for O(1) membership tests (kept in step with it)
+    participant_set: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -153,7 +156,9 @@ class MasterState:
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
     ) -> None:
         self.peers: dict[int, PeerRecord] = {}
-        self.ring: list[int] = []  # accepted peers, ring order
+        self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
+        self._ring: list[int] = []
+        self.ring = []  # accepted peers, ring order
         self._next_peer_id = 1
         self._loopback: bool | None = None
         self.epoch = 0
@@ -178,6 +183,27 @@ class MasterState:
 
     # ---------------------------------------------------------------------------------------
     # queries
+
+    @property
+    def ring(self) -> list[int]:
+        """Accepted peers in ring order. Change it by assigning a new list, never in place: the
+        per-group counts that keep every vote O(1) per message are recounted on assignment."""
+        return self._ring
+
+    @ring.setter
+    def ring(self, value: list[int]) -> None:
+        self._ring = value
+        self._group_sizes = None
+
+    def _group_size(self, group: int) -> int:
+        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
+        if self._group_sizes is None:
+            sizes: dict[int, int] = {}
+            for p in self._ring:
+                g = self.peers[p].group
+                sizes[g] = sizes.get(g, 0) + 1
+            self._group_sizes = sizes
+        return self._group_sizes.get(group, 0)
 
     def accepted(self, group: int | None = None) -> list[int]:
         """Accepted peers in ring order (optionally of one group)."""
@@ -321,7 +347,7 @@ class MasterState:
         rec = self.peers.pop(peer_id)
         was_accepted = rec.phase is Phase.ACCEPTED
         if peer_id in self.ring:
-            self.ring.remove(peer_id)
+            self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
         effects: list[Effect] = []
@@ -419,7 +445,9 @@ class MasterState:
         return self._check_pending_vote()
 
     def _check_pending_vote(self) -> list[Effect]:
-        if not self._pending_votes or not set(self.ring) <= self._pending_votes:
+        # the count first: every vote but the last is O(1) (votes come from accepted peers only)
+        votes = self._pending_votes
+        if not votes or len(votes) < len(self.ring) or not set(self.ring) <= votes:
             return []
         pending = bool(self.registered())
         voters = [p for p in self.ring if p in self._pending_votes]
@@ -450,7 +478,7 @@ class MasterState:
         rnd = self._topology
         if rnd is None or rnd.epoch >= 0 or rnd.measuring or rnd.measure_rounds:
             return []
-        if not rnd.votes or not set(self.ring) <= rnd.votes:
+        if not rnd.votes or len(rnd.votes) < len(self.ring) or not set(self.ring) <= rnd.votes:
             return []
         if rnd.kind == "update":
             newcomers = self.registered()
@@ -468,6 +496,7 @@ class MasterState:
         self.epoch += 1
         rnd.epoch = self.epoch
         rnd.members = list(members)
+        rnd.member_set = set(members)
         rnd.newcomers = set(newcomers)
         rnd.establishing = True
         table = self.table(rnd.members)
@@ -476,7 +505,7 @@ class MasterState:
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PConnectionsDone)
         rnd = self._topology
-        if rnd is None or not rnd.establishing or msg.epoch != rnd.epoch or rec.peer_id not in rnd.members:
+        if rnd is None or not rnd.establishing or msg.epoch != rnd.epoch or rec.peer_id not in rnd.member_set:
             # A late answer for a round that already ended (e.g. failed because a peer died): ignore.
             return []
         if rec.peer_id in rnd.confirmed:
@@ -495,7 +524,9 @@ class MasterState:
             return []
         # A failed round ends at once: members still busy connecting (possibly to a peer that just
         # died or hangs, which can take a connect timeout) must not hold everyone else back.
-        if not rnd.failed and not set(rnd.members) <= rnd.confirmed:
+        if not rnd.failed and (
+            len(rnd.confirmed) < len(rnd.member_set) or not rnd.member_set <= rnd.confirmed
+        ):
             return []
         self._topology = None
         old = [p for p in rnd.members if p not in rnd.newcomers]
@@ -536,8 +567,9 @@ class MasterState:
             return []
         rnd.votes.discard(peer_id)
         if rnd.establishing:
-            if peer_id in rnd.members:
+            if peer_id in rnd.member_set:
                 rnd.members.remove(peer_id)
+                rnd.member_set.discard(peer_id)
                 rnd.newcomers.discard(peer_id)
                 rnd.confirmed.discard(peer_id)
                 # Its neighbours were told to connect to it: the proposed ring is broken.
@@ -678,7 +710,7 @@ class MasterState:
         op = self._ops.get(key)
         if op is None:
             op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag)
-        if rec.peer_id in op.votes or rec.peer_id in op.participants:
+        if rec.peer_id in op.votes or rec.peer_id in op.participant_set:
             # The running op is unaffected; only this call is refused.
             return [
                 Send(
@@ -710,8 +742,11 @@ class MasterState:
         op = self._ops.get(key)
         if op is None or op.running:
             return []
+        # the count first: every vote but the last is O(1) (votes come from accepted peers only)
+        if not op.votes or len(op.votes) < self._group_size(op.group):
+            return []
         members = self.accepted(op.group)
-        if not op.votes or not set(members) <= set(op.votes):
+        if not set(members) <= set(op.votes):
             return []
         voters = [p for p in members if p in op.votes]
         descriptors = {repr(op.votes[p]) for p in voters}
@@ -747,6 +782,7 @@ class MasterState:
         op.running = True
         op.op_seq = self._op_seq
         op.participants = voters
+        op.participant_set = set(voters)
         self._ops[key] = op
         table = self.table(voters)
         return [Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters]
@@ -760,7 +796,7 @@ class MasterState:
             return self._abort_op(
                 key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
             )
-        if op is None or not op.running or rec.peer_id not in op.participants:
+        if op is None or not op.running or rec.peer_id not in op.participant_set:
             # Late report for an op already aborted (the abort raced with it): harmless.
             return []
         if rec.peer_id in op.done:
@@ -770,7 +806,7 @@ class MasterState:
                 key, f"peer {rec.peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST
             )
         op.done.add(rec.peer_id)
-        if set(op.participants) <= op.done:
+        if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
             return [Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq)) for p in op.participants]
         return []
@@ -789,8 +825,9 @@ class MasterState:
         if op is None:
             return []
         if op.running:
-            if peer_id in op.participants:
+            if peer_id in op.participant_set:
                 op.participants.remove(peer_id)
+                op.participant_set.discard(peer_id)
                 return self._abort_op(
                     key, f"peer {peer_id} was lost during the operation", Result.RANK_CONNECTION_LOST
                 )
@@ -835,8 +872,10 @@ class MasterState:
         rnd = self._syncs.get(group)
         if rnd is None or rnd.running:
             return []
+        if not rnd.votes or len(rnd.votes) < self._group_size(group):
+            return []
         members = self.accepted(group)
-        if not rnd.votes or not set(members) <= set(rnd.votes):
+        if not set(members) <= set(rnd.votes):
             return []
         votes = {p: rnd.votes[p] for p in members if p in rnd.votes}
         result = _election.elect(votes, last_revision=self.last_revision.get(group))
@@ -890,7 +929,9 @@ class MasterState:
 
     def _check_sync_done(self, group: int) -> list[Effect]:
         rnd = self._syncs.get(group)
-        if rnd is None or not rnd.running or not rnd.participants <= rnd.done:
+        if rnd is None or not rnd.running or len(rnd.done) < len(rnd.participants):
+            return []
+        if not rnd.participants <= rnd.done:
             return []
         del self._syncs[group]
         self.last_revision[group] = rnd.revision

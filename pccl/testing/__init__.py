@@ -36,6 +36,7 @@ from .network import (
     stall_after,
     trickle,
 )
+from .plans import PlanError, check_pairing, plan_times, run_plans
 from .streams import BareListener, BareStream, BareTransport, open_stream_pair
 from .tensors import tensor_bytes
 
@@ -53,6 +54,7 @@ __all__ = [
     "LinkConfig",
     "NetworkStatistics",
     "PeerStatus",
+    "PlanError",
     "Reset",
     "Stall",
     "StreamStatistics",
@@ -63,11 +65,14 @@ __all__ = [
     "VirtualListener",
     "VirtualNetwork",
     "VirtualStream",
+    "check_pairing",
     "close_after",
     "delay_after",
     "open_stream_pair",
     "open_test_cluster",
+    "plan_times",
     "reset_after",
+    "run_plans",
     "stall_after",
     "tensor_bytes",
     "trickle",

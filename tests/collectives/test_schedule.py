@@ -236,7 +236,15 @@ def test_cached_plan_is_reused() -> None:
     assert cached_plan("all_reduce", 3, 1, 1001, 64) is not a
 
 
-@pytest.mark.parametrize("path", ["pccl/collectives/schedule.py", "pccl/wire/data.py"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "pccl/collectives/schedule.py",
+        "pccl/collectives/cost.py",
+        "pccl/testing/plans.py",
+        "pccl/wire/data.py",
+    ],
+)
 def test_pure_modules_import_neither_trio_nor_socket(path: str) -> None:
     root = pathlib.Path(__file__).resolve().parents[2]
     tree = ast.parse((root / path).read_text())

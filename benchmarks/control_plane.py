@@ -1,0 +1,146 @@
+#!/usr/bin/env python3
+"""Master CPU per control-plane round: the pure core (``MasterState.handle``) alone, no sockets.
+
+usage: python benchmarks/control_plane.py [--worlds 16,64,256] [--repeats 5]
+
+For each world size ``n`` it drives one :class:`~pccl.master.state.MasterState` message by message,
+the way the server would, and times (``time.process_time``, CPU of this process) each kind of round:
+
+* join: ``n - 1`` peers register while one is accepted, then one update-topology round admits them
+  all (the accepted peer's vote, ``EstablishP2P`` to everyone, every peer's ``P2PConnectionsDone``);
+* update: an update-topology round with no newcomers (``n`` votes, ``n`` confirmations);
+* pending: a peers-pending vote round (``n`` votes);
+* collective: one collective's vote round (``n`` ``CollectiveInitiate``) and its completion
+  (``n`` ``CollectiveDone``);
+* +encode: the same collective round with every message the master sends encoded as the server
+  would (``wire.messages.encode``): the ``n`` ``CollectiveCommence`` each carry the ``n``-row peer
+  table, so this part is O(n^2) bytes per round by protocol design.
+
+It prints the median over ``--repeats`` rounds and the cost per message; O(n) rounds keep the cost
+per message flat as ``n`` grows. Target (issue 21): one vote round at 256 peers <= 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pccl.master.state import MasterState, Send
+from pccl.wire import messages as m
+
+_DESCRIPTOR: list[Any] = ["all_reduce", 6, 1024, 0, 0, [0, 0], 0]
+
+
+def _sends(effects: list[Any], cls: type) -> list[tuple[int, Any]]:
+    return [(e.peer_id, e.message) for e in effects if isinstance(e, Send) and isinstance(e.message, cls)]
+
+
+class Driver:
+    """One master state and its scripted peers."""
+
+    def __init__(self) -> None:
+        self.st = MasterState()
+        self.now = 0.0
+        self.ids: list[int] = []
+
+    encode = False
+
+    def h(self, pid: int, msg: m.Message) -> list[Any]:
+        self.now += 1e-6
+        effects = self.st.handle(pid, msg, self.now)
+        if self.encode:
+            for e in effects:
+                if isinstance(e, Send):
+                    m.encode(e.message)
+        return effects
+
+    def register(self, count: int) -> list[int]:
+        new = []
+        for _ in range(count):
+            pid = self.st.new_connection("10.0.0.1", self.now)
+            self.h(pid, m.Register(p2p_port=40000 + pid % 20000))
+            new.append(pid)
+        return new
+
+    def update_round(self) -> None:
+        eff: list[Any] = []
+        for p in self.st.accepted():
+            eff += self.h(p, m.UpdateTopologyVote())
+        for pid, msg in _sends(eff, m.EstablishP2P):
+            self.h(pid, m.P2PConnectionsDone(epoch=msg.epoch, success=True))
+
+    def pending_round(self) -> None:
+        for p in self.st.accepted():
+            self.h(p, m.PeersPendingVote())
+
+    def collective_round(self, tag: int) -> None:
+        for p in self.st.accepted():
+            self.h(p, m.CollectiveInitiate(tag=tag, descriptor=_DESCRIPTOR))
+        for p in self.st.accepted():
+            self.h(p, m.CollectiveDone(tag=tag, success=True))
+
+
+def _join(n: int) -> tuple[Driver, float]:
+    d = Driver()
+    d.register(1)
+    t0 = time.process_time()
+    d.register(n - 1)
+    d.update_round()
+    dt = time.process_time() - t0
+    assert len(d.st.accepted()) == n, d.st.statistics()
+    return d, dt
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
+def measure(n: int, repeats: int) -> dict[str, float]:
+    """Median CPU seconds per round of each kind at world size ``n``."""
+    joins = []
+    d = Driver()
+    for _ in range(repeats):
+        d, dt = _join(n)
+        joins.append(dt)
+    out = {"join": statistics.median(joins)}
+    out["update"] = statistics.median(_timed(d.update_round) for _ in range(repeats))
+    out["pending"] = statistics.median(_timed(d.pending_round) for _ in range(repeats))
+    tags = iter(range(1, 1 << 30))
+    out["collective"] = statistics.median(
+        _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
+    )
+    d.encode = True
+    out["+encode"] = statistics.median(
+        _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
+    )
+    assert d.st.statistics()["collectives_running"] == 0
+    return out
+
+
+# messages per round, to print a cost per message
+_MESSAGES = {"join": lambda n: 2 * n - 1, "update": lambda n: 2 * n, "pending": lambda n: n,
+             "collective": lambda n: 2 * n, "+encode": lambda n: 2 * n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worlds", default="16,64,256")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    worlds = [int(x) for x in args.worlds.split(",")]
+    print(f"{'peers':>6} {'round':>11} {'master CPU ms':>14} {'us/message':>11}")
+    for n in worlds:
+        res = measure(n, args.repeats)
+        for kind, secs in res.items():
+            per = secs / _MESSAGES[kind](n) * 1e6
+            print(f"{n:>6} {kind:>11} {secs * 1e3:>14.2f} {per:>11.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
