@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -57,7 +58,7 @@ class MasterServer:
     def __init__(self, *, config: MasterConfig | None = None, transport: Transport | None = None) -> None:
         self.config = config or MasterConfig()
         self.transport: Transport = transport or TcpTransport()
-        self.state = MasterState()
+        self.state = MasterState(clock=time.perf_counter)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
@@ -324,7 +325,13 @@ class MasterServer:
         ids, bw = job
         try:
             sol = await trio.to_thread.run_sync(
-                functools.partial(improve_ring, list(range(len(ids))), bw, time_budget=self.improve_budget)
+                functools.partial(
+                    improve_ring,
+                    list(range(len(ids))),
+                    bw,
+                    time_budget=self.improve_budget,
+                    clock=time.perf_counter,
+                )
             )
         except Exception as exc:  # a solver bug must not take the master down
             log.warning("background ring improvement failed: %s", exc)

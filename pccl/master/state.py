@@ -136,6 +136,11 @@ def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
 
 
+def _frozen_clock() -> float:
+    """The default solver clock: never advances (see MasterState's ``clock``)."""
+    return 0.0
+
+
 class MasterState:
     """Pure master state machine.
 
@@ -143,6 +148,9 @@ class MasterState:
         bandwidth_probe_seconds: duration of each link's bandwidth probe during optimize_topology.
         bandwidth_stale_after: measurements older than this (seconds of ``now``) are re-measured.
         solver: ``solve(bw_matrix) -> ring order (indices)``; defaults to the ATSP solver.
+        clock: the time source the default solver's budget is measured with (the server passes
+            ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
+            step and stall limits, deterministically.
     """
 
     def __init__(
@@ -151,6 +159,7 @@ class MasterState:
         bandwidth_probe_seconds: float = 0.05,
         bandwidth_stale_after: float = 3600.0,
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.peers: dict[int, PeerRecord] = {}
         self.ring: list[int] = []  # accepted peers, ring order
@@ -168,6 +177,7 @@ class MasterState:
         self.bandwidth_probe_seconds = bandwidth_probe_seconds
         self.bandwidth_stale_after = bandwidth_stale_after
         self._solver = solver
+        self._clock: Callable[[], float] = clock if clock is not None else _frozen_clock
         self.solver_time_budget = 0.2
         self.exact_limit = 12
         # Background ring improvement (large worlds): a job for the server to run off the event loop,
@@ -664,7 +674,7 @@ class MasterState:
 
         # A short budget: this runs inside the master's event loop. Exact (Held-Karp) up to 12 peers
         # takes ~10 ms; beyond that the heuristic stops at the budget.
-        return list(topology.solve_ring(bw, time_budget=self.solver_time_budget).order)
+        return list(topology.solve_ring(bw, time_budget=self.solver_time_budget, clock=self._clock).order)
 
     # ---------------------------------------------------------------------------------------
     # collectives

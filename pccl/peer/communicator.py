@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 import trio
@@ -31,16 +31,12 @@ from .._errors import (
     InvalidUsageError,
     KickedError,
     MasterConnectionError,
-    NoSharedStateAvailableError,
     PCCLError,
     PendingAsyncOpsError,
     RankConnectionLostError,
     RemoteProtocolError,
     Result,
-    SharedStateSyncError,
     TooFewPeersError,
-    TopologyOptimizationFailedError,
-    UpdateTopologyFailedError,
 )
 from .._types import (
     Attribute,
@@ -55,100 +51,20 @@ from .._types import (
 from ..collectives.ring import run_collective
 from ..collectives.schedule import chunk_bounds
 from ..kernels import backend, reduce
+from ..kernels.buffers import BufferCache
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
-from .buffers import BufferCache
-from .p2p import serve_p2p
+from . import bandwidth, shared_state
+from .mailbox import Mailbox, Waiter
+from .p2p import P2PDialer, serve_p2p
 from .pool import P2PPool
+from .state import error_from_code
 
 log = logging.getLogger("pccl.peer")
 
 # The phases of a collective that statistics() reports, in call order (see _record_phases).
 _PHASES = ("vote", "ring", "confirm", "commit")
-
-T = TypeVar("T")
-
-_ERRORS_BY_CODE: dict[int, type[PCCLError]] = {
-    int(Result.RANK_CONNECTION_LOST): RankConnectionLostError,
-    int(Result.TOO_FEW_PEERS): TooFewPeersError,
-    int(Result.INVALID_USAGE): InvalidUsageError,
-    int(Result.INVALID_ARGUMENT): InvalidArgumentError,
-    int(Result.UPDATE_TOPOLOGY_FAILED): UpdateTopologyFailedError,
-    int(Result.TOPOLOGY_OPTIMIZATION_FAILED): TopologyOptimizationFailedError,
-}
-
-
-def error_from_code(code: int, reason: str) -> PCCLError:
-    """Build the PCCLError subclass matching a result code sent by the master."""
-    extra: dict[int, type[PCCLError]] = {
-        int(Result.SHARED_STATE_SYNC_FAILED): SharedStateSyncError,
-        int(Result.NO_SHARED_STATE_AVAILABLE): NoSharedStateAvailableError,
-    }
-    cls = _ERRORS_BY_CODE.get(code) or extra.get(code) or PCCLError
-    try:
-        result = Result(code)
-    except ValueError:
-        result = Result.INTERNAL_ERROR
-    return cls(reason, result)
-
-
-class _Waiter(Generic[T]):
-    """A one-shot slot a call waits on; the reader task fills it or fails it."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-        self._value: T | None = None
-        self._error: PCCLError | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def set(self, value: T) -> None:
-        if not self._event.is_set():
-            self._value = value
-            self._event.set()
-
-    def fail(self, error: PCCLError) -> None:
-        if not self._event.is_set():
-            self._error = error
-            self._event.set()
-
-    async def wait(self) -> T:
-        await self._event.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value
-
-
-class _Mailbox:
-    """An ordered inbox for one multi-message exchange (a shared-state sync gets a plan, then a result;
-    both can arrive back to back before the caller looks)."""
-
-    def __init__(self) -> None:
-        self._items: collections.deque[m.Message] = collections.deque()
-        self._error: PCCLError | None = None
-        self._wakeup = trio.Event()
-
-    def put(self, msg: m.Message) -> None:
-        self._items.append(msg)
-        self._wakeup.set()
-
-    def fail(self, error: PCCLError) -> None:
-        if self._error is None:
-            self._error = error
-        self._wakeup.set()
-
-    async def get(self) -> m.Message:
-        while not self._items:
-            if self._error is not None:
-                raise self._error
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-        return self._items.popleft()
-
 
 @dataclass(eq=False)
 class _StallGuard:
@@ -164,8 +80,8 @@ class _OpState:
     """A collective in flight, registered under its tag."""
 
     tag: int
-    commence: _Waiter[m.CollectiveCommence]
-    complete: _Waiter[m.CollectiveComplete]
+    commence: Waiter[m.CollectiveCommence]
+    complete: Waiter[m.CollectiveComplete]
     scope: trio.CancelScope | None = None
     op_seq: int = -1
     abort_error: PCCLError | None = None
@@ -206,12 +122,13 @@ class Communicator:
         self._epoch = 0
         self._ms: MessageStream | None = None
         self._master_error: PCCLError | None = None
-        self._accepted: _Waiter[m.Accepted] = _Waiter()
-        self._topology_waiter: _Waiter[m.TopologyResult] | None = None
-        self._pending_waiters: collections.deque[_Waiter[m.PeersPendingResult]] = collections.deque()
+        self._accepted: Waiter[m.Accepted] = Waiter()
+        self._topology_waiter: Waiter[m.TopologyResult] | None = None
+        self._pending_waiters: collections.deque[Waiter[m.PeersPendingResult]] = collections.deque()
         self._ops: dict[int, _OpState] = {}
-        self._sync_waiter: _Mailbox | None = None
-        self._sync_ctx: Any = None  # shared_state.SyncContext while a sync runs (holders serve from it)
+        self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
+        self._state_server = shared_state.StateServer(plan_timeout=self.config.connect_timeout)
+        self._dialer: P2PDialer | None = None
         self._nursery: trio.Nursery | None = None
         self._last_master_msg = 0.0
         self._closed = False
@@ -278,7 +195,8 @@ class Communicator:
             "ops_in_flight": len(self._ops),
             "op_tags": sorted(self._ops),
             "topology_call_waiting": self._topology_waiter is not None,
-            "sync_call_waiting": self._sync_waiter is not None,
+            "sync_call_waiting": self._sync_inbox is not None,
+            "sync": self._state_server.statistics(),
             "pending_queries_waiting": len(self._pending_waiters),
             "master_ok": self._master_error is None,
             "pool": self.pool.statistics() if self.pool is not None else None,
@@ -324,6 +242,9 @@ class Communicator:
             raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
         self._ms = ms
         self.peer_id = reply.peer_id
+        self._dialer = P2PDialer(
+            self.transport, my_peer_id=self.peer_id, config=self.config, secret=self.config.secret or ""
+        )
         self.pool = P2PPool(
             transport=self.transport,
             my_peer_id=self.peer_id,
@@ -425,10 +346,9 @@ class Communicator:
             st.complete.fail(error)
             if st.scope is not None:
                 st.scope.cancel()
-        if self._sync_waiter is not None:
-            self._sync_waiter.fail(error)
-        if self._sync_ctx is not None:
-            self._sync_ctx.abort(error)
+        if self._sync_inbox is not None:
+            self._sync_inbox.fail(error)
+        self._state_server.abort(error)
 
     async def _reader(self) -> None:
         assert self._ms is not None
@@ -549,8 +469,10 @@ class Communicator:
             st.scope.cancel()
 
     def _on_sync_message(self, msg: m.Message) -> None:
-        if self._sync_waiter is not None:
-            self._sync_waiter.put(msg)
+        if self._sync_inbox is not None:
+            if isinstance(msg, m.SharedStatePlan):
+                self._reconcile_group(msg.peers)
+            self._sync_inbox.put(msg)
 
     def _on_measure(self, msg: m.Message) -> None:
         assert isinstance(msg, m.MeasureBandwidth)
@@ -607,9 +529,9 @@ class Communicator:
         self._check_usable()
         if self._ops:
             raise PendingAsyncOpsError(f"{name} while {len(self._ops)} collective(s) are in flight")
-        if self._topology_waiter is not None or self._sync_waiter is not None:
+        if self._topology_waiter is not None or self._sync_inbox is not None:
             raise InvalidUsageError(f"{name} while another membership call is running")
-        waiter: _Waiter[m.TopologyResult] = _Waiter()
+        waiter: Waiter[m.TopologyResult] = Waiter()
         self._topology_waiter = waiter
         try:
             await self._send(vote)
@@ -625,7 +547,7 @@ class Communicator:
         May be called while collectives are in flight.
         """
         self._check_usable()
-        waiter: _Waiter[m.PeersPendingResult] = _Waiter()
+        waiter: Waiter[m.PeersPendingResult] = Waiter()
         self._pending_waiters.append(waiter)
         try:
             await self._send(m.PeersPendingVote())
@@ -767,7 +689,7 @@ class Communicator:
             stage = self._gpu_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
             backend.copy_to_host(send, stage)
         t_start = time.perf_counter()
-        st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
+        st = _OpState(tag=tag, commence=Waiter(), complete=Waiter())
         self._ops[tag] = st
         work: np.ndarray | None = None
         try:
@@ -1063,34 +985,55 @@ class Communicator:
             SharedStateSyncError / NoSharedStateAvailableError: refused or failed; tensors unchanged.
             RankConnectionLostError: a participant was lost mid-sync; retry.
         """
-        from . import shared_state
-
         self._check_usable()
-        if self._sync_waiter is not None or self._topology_waiter is not None:
+        if self._sync_inbox is not None or self._topology_waiter is not None:
             raise InvalidUsageError("sync_shared_state while another membership call is running")
-        return await shared_state.run_sync(self, state, SharedStateSyncStrategy(strategy), progress)
+        assert self._dialer is not None
+        inbox = Mailbox()
+        self._sync_inbox = inbox
+        try:
+            return await shared_state.run_sync(
+                _MasterLink(self._send, inbox),
+                self._dialer,
+                self._state_server,
+                state,
+                SharedStateSyncStrategy(strategy),
+                progress,
+            )
+        finally:
+            self._sync_inbox = None
 
     async def _serve_state(self, ms: MessageStream, hello: m.Hello) -> None:
-        from . import shared_state
-
-        await shared_state.serve_state_requests(self, ms, hello)
+        await shared_state.serve_state_requests(self._state_server, ms, hello)
 
     # ------------------------------------------------------------------------------------------
     # bandwidth
 
     async def _serve_bench(self, ms: MessageStream, hello: m.Hello) -> None:
-        from . import bandwidth
-
         await bandwidth.serve_probe(ms)
 
     async def _measure(self, msg: m.MeasureBandwidth) -> None:
-        from . import bandwidth
-
-        results = await bandwidth.measure_targets(self, msg.targets, msg.duration)
+        assert self._dialer is not None
+        results = await bandwidth.measure_targets(self._dialer, msg.targets, msg.duration)
         try:
             await self._send(m.BandwidthReport(epoch=msg.epoch, results=results))
         except PCCLError:
             pass
+
+
+class _MasterLink:
+    """The master link of one exchange (a :class:`pccl.peer.links.MasterLink`)."""
+
+    def __init__(self, send: Callable[[m.Message], Awaitable[None]], inbox: Mailbox) -> None:
+        self._send = send
+        self._inbox = inbox
+
+    @property
+    def inbox(self) -> Mailbox:
+        return self._inbox
+
+    async def send(self, msg: m.Message) -> None:
+        await self._send(msg)
 
 
 def _guard(fn: Callable[..., Awaitable[None]], what: str) -> Callable[..., Awaitable[None]]:

@@ -240,3 +240,47 @@ async def open_p2p(
                     await ms.aclose()
                 except Exception:  # already broken; the error above is what matters
                     pass
+
+
+class P2PDialer:
+    """Opens this peer's P2P connections (a :class:`pccl.peer.links.Dialer`).
+
+    Args:
+        transport: how to connect.
+        my_peer_id: this peer's id, presented in every Hello.
+        config: timeouts and frame limits.
+        secret: the shared secret, if the group uses one.
+    """
+
+    def __init__(
+        self, transport: Transport, *, my_peer_id: int, config: PeerConfig, secret: str = ""
+    ) -> None:
+        self.transport = transport
+        self.my_peer_id = my_peer_id
+        self.config = config
+        self.secret = secret
+
+    @property
+    def connect_timeout(self) -> float:
+        """``config.connect_timeout``."""
+        return self.config.connect_timeout
+
+    async def dial(self, host: str, port: int, *, channel: str, index: int = 0) -> MessageStream:
+        """Open and handshake a connection on ``channel`` (see :func:`open_p2p`).
+
+        Raises:
+            RankConnectionFailedError: see :func:`open_p2p`.
+        """
+        return await open_p2p(
+            self.transport,
+            host,
+            port,
+            my_peer_id=self.my_peer_id,
+            channel=channel,
+            index=index,
+            config=self.config,
+            secret=self.secret,
+        )
+
+    def __repr__(self) -> str:
+        return f"<P2PDialer peer={self.my_peer_id}>"
