@@ -23,6 +23,7 @@ PURE_MODULES = [
     "pccl.wire.messages",
     "pccl.wire.framing",
     "pccl.wire.data",
+    "pccl.wire.hello",
     "pccl.master.state",
     "pccl.master.election",
     "pccl.master.topology",
