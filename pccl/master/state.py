@@ -81,8 +81,8 @@ class PeerRecord:
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
 
-    def row(self) -> list[Any]:
-        return [self.peer_id, self.host, self.p2p_port, self.group]
+    def row(self) -> m.PeerRow:
+        return m.PeerRow(self.peer_id, self.host, self.p2p_port, self.group)
 
     def straggler_limit(self, minimum: float, cap: float) -> float:
         """Silence tolerated while others wait on this peer: ``minimum``, or twice the longest
@@ -114,7 +114,7 @@ class _TopologyRound:
 class _CollectiveOp:
     group: int
     tag: int
-    votes: dict[int, list[Any]] = field(default_factory=dict)
+    votes: dict[int, m.CollectiveDescriptor] = field(default_factory=dict)
     running: bool = False
     op_seq: int = -1
     participants: list[int] = field(default_factory=list)
@@ -199,7 +199,7 @@ class MasterState:
         """Peers waiting to be accepted, in arrival order."""
         return [p.peer_id for p in self.peers.values() if p.phase is Phase.REGISTERED]
 
-    def table(self, ids: list[int]) -> list[list[Any]]:
+    def table(self, ids: list[int]) -> list[m.PeerRow]:
         """Peer-table rows for ``ids`` (in that order)."""
         return [self.peers[p].row() for p in ids]
 
@@ -724,9 +724,9 @@ class MasterState:
         if not op.votes or not set(members) <= set(op.votes):
             return []
         voters = [p for p in members if p in op.votes]
-        descriptors = {repr(op.votes[p]) for p in voters}
+        first = op.votes[voters[0]]
         del self._ops[key]
-        if len(descriptors) > 1:
+        if any(op.votes[p] != first for p in voters):
             detail = "; ".join(f"peer {p}: {op.votes[p]}" for p in voters)
             return [
                 Send(

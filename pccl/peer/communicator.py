@@ -88,13 +88,13 @@ class _OpState:
     concluded: bool = False
 
 
-def _ring_neighbours(rows: Sequence[Sequence[Any]], me: int) -> tuple[list[Any] | None, list[Any] | None]:
+def _ring_neighbours(rows: Sequence[m.PeerRow], me: int) -> tuple[m.PeerRow | None, m.PeerRow | None]:
     """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone."""
-    ids = [r[0] for r in rows]
+    ids = [r.peer_id for r in rows]
     if me not in ids or len(ids) < 2:
         return None, None
     i = ids.index(me)
-    return list(rows[(i + 1) % len(rows)]), list(rows[(i - 1) % len(rows)])
+    return rows[(i + 1) % len(rows)], rows[(i - 1) % len(rows)]
 
 
 class Communicator:
@@ -118,7 +118,7 @@ class Communicator:
         self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
         self.peer_id = -1
         self.p2p_address: tuple[str, int] | None = None
-        self._table: list[list[Any]] = []  # accepted peers, ring order: [id, host, port, group]
+        self._table: list[m.PeerRow] = []  # accepted peers, ring order
         self._epoch = 0
         self._ms: MessageStream | None = None
         self._master_error: PCCLError | None = None
@@ -158,7 +158,7 @@ class Communicator:
         Raises:
             InvalidArgumentError: unknown attribute.
         """
-        groups = collections.Counter(int(r[3]) for r in self._table)
+        groups = collections.Counter(r.group for r in self._table)
         if attribute == Attribute.GLOBAL_WORLD_SIZE:
             return len(self._table)
         if attribute == Attribute.PEER_GROUP_WORLD_SIZE:
@@ -177,7 +177,7 @@ class Communicator:
     @property
     def group_ring(self) -> list[int]:
         """Peer ids of this peer's group in ring order, as last told by the master."""
-        return [int(r[0]) for r in self._table if int(r[3]) == self.peer_group]
+        return [r.peer_id for r in self._table if r.group == self.peer_group]
 
     @property
     def rank(self) -> int:
@@ -418,15 +418,15 @@ class Communicator:
         self._nursery.start_soon(self._establish, msg)
 
     async def _establish(self, msg: m.EstablishP2P) -> None:
-        group_rows = [r for r in msg.peers if int(r[3]) == self.peer_group]
+        group_rows = [r for r in msg.peers if r.group == self.peer_group]
         nxt, _ = _ring_neighbours(group_rows, self.peer_id)
         ok, failed, reason = True, [], ""
         if nxt is not None:
             try:
                 with trio.fail_after(self.config.p2p_connection_timeout):
-                    await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+                    await self.pool.connect(nxt.peer_id, nxt.host, nxt.port)
             except (PCCLError, trio.TooSlowError) as exc:
-                ok, failed, reason = False, [int(nxt[0])], str(exc)
+                ok, failed, reason = False, [nxt.peer_id], str(exc)
         try:
             await self._send(
                 m.P2PConnectionsDone(epoch=msg.epoch, success=ok, failed_peers=failed, reason=reason)
@@ -495,14 +495,14 @@ class Communicator:
         m.MeasureBandwidth: _on_measure,
     }
 
-    def _set_table(self, rows: list[list[Any]], epoch: int) -> None:
-        self._table = [list(r) for r in rows]
+    def _set_table(self, rows: list[m.PeerRow], epoch: int) -> None:
+        self._table = list(rows)
         self._epoch = epoch
 
-    def _reconcile_group(self, group_rows: list[list[Any]]) -> None:
+    def _reconcile_group(self, group_rows: list[m.PeerRow]) -> None:
         """A collective/sync told us who is alive in our group: drop the others from our table."""
-        alive = {int(r[0]) for r in group_rows}
-        self._table = [r for r in self._table if int(r[3]) != self.peer_group or int(r[0]) in alive]
+        alive = {r.peer_id for r in group_rows}
+        self._table = [r for r in self._table if r.group != self.peer_group or r.peer_id in alive]
 
     # ------------------------------------------------------------------------------------------
     # membership calls
@@ -673,15 +673,15 @@ class Communicator:
             if not 0 <= root < n:
                 raise InvalidArgumentError(f"root rank {root} out of range for group size {n}")
             root_id = group[root]
-        descriptor = [
-            kind,
-            int(sdesc.dtype),
-            sdesc.count,
-            int(op),
-            root_id,
-            int(q.algorithm),
-            int(q.quantized_datatype),
-        ]
+        descriptor = m.CollectiveDescriptor(
+            kind=kind,
+            dtype=int(sdesc.dtype),
+            element_count=sdesc.count,
+            op=int(op),
+            root=root_id,
+            quantization=int(q.algorithm),
+            quantized_dtype=int(q.quantized_datatype),
+        )
         stage: np.ndarray | None = None
         if on_gpu:
             # Host staging: the ring runs on a host copy of ``send``, taken now (before voting, so a CUDA
@@ -697,7 +697,7 @@ class Communicator:
             commence = await st.commence.wait()
             t_commence = time.perf_counter()
             rows = commence.peers
-            ring = [int(r[0]) for r in rows]
+            ring = [r.peer_id for r in rows]
             self._reconcile_group(rows)
             if kind == "all_gather" and len(ring) * sdesc.count != rdesc.count:
                 self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
@@ -725,7 +725,7 @@ class Communicator:
                     nxt, _ = _ring_neighbours(rows, self.peer_id)
                     assert nxt is not None
                     try:
-                        await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+                        await self.pool.connect(nxt.peer_id, nxt.host, nxt.port)
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise

@@ -278,7 +278,7 @@ async def _fetch_all(
     dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan, progress: ProgressCallback | None
 ) -> tuple[dict[str, np.ndarray], int]:
     """Fetch every planned key, spreading over holders; a failed holder's keys go to the next one."""
-    addresses = {int(r[0]): (str(r[1]), int(r[2])) for r in plan.peers}
+    addresses = {r.peer_id: (r.host, r.port) for r in plan.peers}
     items = {str(row[0]): (int(row[1]), [int(h) for h in row[2]]) for row in plan.fetch}
     by_name = {i.name: i for i in ctx.state.tensor_infos}
     sizes = {k: backend.describe(by_name[k].tensor).nbytes for k in items if k in by_name}
