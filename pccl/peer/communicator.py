@@ -1,5 +1,11 @@
 """The peer: the native async communicator.
 
+The protocol rules live in the pure :class:`pccl.peer.state.PeerState` (the peer table and epoch, the
+collectives in flight and their op_seq matching, one membership call at a time, shared-state rounds,
+the master's liveness): the reader task feeds it each message from the master and executes the effects
+it returns (:meth:`Communicator.handle_master_message`). This module keeps the tasks, the waiters and
+the public API. Messages are described in docs/protocol.md.
+
 One nursery holds the master reader, the heartbeat sender, the master watchdog, the P2P listener
 and the P2P pool. Every call that needs the master registers a waiter; the reader task fills it.
 If the master is lost (broken connection or missed heartbeats) every pending and later call
@@ -29,10 +35,8 @@ from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import (
     InvalidArgumentError,
     InvalidUsageError,
-    KickedError,
     MasterConnectionError,
     PCCLError,
-    PendingAsyncOpsError,
     RankConnectionLostError,
     RemoteProtocolError,
     Result,
@@ -59,7 +63,18 @@ from . import bandwidth, shared_state
 from .mailbox import Mailbox, Waiter
 from .p2p import P2PDialer, serve_p2p
 from .pool import P2PPool
-from .state import error_from_code
+from .state import (
+    AbortOp,
+    Call,
+    Effect,
+    Establish,
+    Lost,
+    Measure,
+    PeerState,
+    Resolve,
+    error_from_code,
+    ring_neighbours,
+)
 
 log = logging.getLogger("pccl.peer")
 
@@ -88,15 +103,6 @@ class _OpState:
     concluded: bool = False
 
 
-def _ring_neighbours(rows: Sequence[m.PeerRow], me: int) -> tuple[m.PeerRow | None, m.PeerRow | None]:
-    """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone."""
-    ids = [r.peer_id for r in rows]
-    if me not in ids or len(ids) < 2:
-        return None, None
-    i = ids.index(me)
-    return rows[(i + 1) % len(rows)], rows[(i - 1) % len(rows)]
-
-
 class Communicator:
     """A peer of a pccl run (native async API). Create it with :func:`open_communicator`."""
 
@@ -116,21 +122,17 @@ class Communicator:
         self.peer_group = int(peer_group)
         self.pool_size = max(1, int(p2p_connection_pool_size))
         self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
-        self.peer_id = -1
         self.p2p_address: tuple[str, int] | None = None
-        self._table: list[m.PeerRow] = []  # accepted peers, ring order
-        self._epoch = 0
+        self._core = PeerState(group=self.peer_group)  # the protocol rules (pure)
         self._ms: MessageStream | None = None
-        self._master_error: PCCLError | None = None
         self._accepted: Waiter[m.Accepted] = Waiter()
         self._topology_waiter: Waiter[m.TopologyResult] | None = None
         self._pending_waiters: collections.deque[Waiter[m.PeersPendingResult]] = collections.deque()
-        self._ops: dict[int, _OpState] = {}
+        self._ops: dict[int, _OpState] = {}  # the waiting side of the core's ops, by tag
         self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
         self._state_server = shared_state.StateServer(plan_timeout=self.config.connect_timeout)
         self._dialer: P2PDialer | None = None
         self._nursery: trio.Nursery | None = None
-        self._last_master_msg = 0.0
         self._closed = False
         # Ring outputs of CPU ops; GPU ops take their host copy of ``send`` and their ring output from
         # _gpu_cache (page-locked where possible, so kept apart).
@@ -158,9 +160,9 @@ class Communicator:
         Raises:
             InvalidArgumentError: unknown attribute.
         """
-        groups = collections.Counter(r.group for r in self._table)
+        groups = self._core.group_sizes()
         if attribute == Attribute.GLOBAL_WORLD_SIZE:
-            return len(self._table)
+            return len(self._core.table)
         if attribute == Attribute.PEER_GROUP_WORLD_SIZE:
             return groups.get(self.peer_group, 0)
         if attribute == Attribute.NUM_DISTINCT_PEER_GROUPS:
@@ -170,35 +172,46 @@ class Communicator:
         raise InvalidArgumentError(f"unknown attribute {attribute!r}")
 
     @property
+    def peer_id(self) -> int:
+        """This peer's id, given by the master (-1 before the hello)."""
+        return self._core.peer_id
+
+    @property
     def world_size(self) -> int:
         """Accepted peers in the run (GLOBAL_WORLD_SIZE)."""
-        return len(self._table)
+        return len(self._core.table)
+
+    @property
+    def table(self) -> list[m.PeerRow]:
+        """The accepted peers in ring order, as last told by the master (a copy)."""
+        return list(self._core.table)
 
     @property
     def group_ring(self) -> list[int]:
         """Peer ids of this peer's group in ring order, as last told by the master."""
-        return [r.peer_id for r in self._table if r.group == self.peer_group]
+        return self._core.group_ring
 
     @property
     def rank(self) -> int:
         """This peer's position in its group's ring (-1 if not accepted)."""
-        ring = self.group_ring
-        return ring.index(self.peer_id) if self.peer_id in ring else -1
+        return self._core.rank
 
     def statistics(self) -> dict[str, Any]:
-        """A summary of this peer's state (tests assert on it)."""
+        """A summary of this peer's state (tests assert on it).
+
+        Keys: the core's (``peer_id``, ``world_size``, ``group_world_size``, ``epoch``,
+        ``ops_in_flight``, ``op_tags``, ``ops`` (tag -> op_seq, -1 until commenced),
+        ``membership_call``, ``topology_call_waiting``, ``master_ok``), then ``sync_call_waiting``,
+        ``sync`` (the running sync, see :meth:`pccl.peer.shared_state.StateServer.statistics`),
+        ``pending_queries_waiting``, ``data_planes_running``, ``pool``, ``phase_seconds``,
+        ``last_op_phases`` and the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters.
+        """
         return {
-            "peer_id": self.peer_id,
-            "world_size": len(self._table),
-            "group_world_size": self.get_attribute(Attribute.PEER_GROUP_WORLD_SIZE),
-            "epoch": self._epoch,
-            "ops_in_flight": len(self._ops),
-            "op_tags": sorted(self._ops),
-            "topology_call_waiting": self._topology_waiter is not None,
+            **self._core.statistics(),
             "sync_call_waiting": self._sync_inbox is not None,
             "sync": self._state_server.statistics(),
             "pending_queries_waiting": len(self._pending_waiters),
-            "master_ok": self._master_error is None,
+            "data_planes_running": len(self._guards),
             "pool": self.pool.statistics() if self.pool is not None else None,
             "phase_seconds": dict(self._phase_seconds),
             "last_op_phases": dict(self._last_phases),
@@ -206,9 +219,10 @@ class Communicator:
         }
 
     def __repr__(self) -> str:
+        core = self._core
         return (
-            f"<Communicator peer={self.peer_id} group={self.peer_group} world={len(self._table)} "
-            f"master={'ok' if self._master_error is None else 'lost'}>"
+            f"<Communicator peer={core.peer_id} group={self.peer_group} world={len(core.table)} "
+            f"epoch={core.epoch} ops={sorted(core.ops)} master={'ok' if core.lost is None else 'lost'}>"
         )
 
     # ------------------------------------------------------------------------------------------
@@ -241,7 +255,7 @@ class Communicator:
             await ms.aclose()
             raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
         self._ms = ms
-        self.peer_id = reply.peer_id
+        self._core.peer_id = reply.peer_id
         self._dialer = P2PDialer(
             self.transport, my_peer_id=self.peer_id, config=self.config, secret=self.config.secret or ""
         )
@@ -270,15 +284,14 @@ class Communicator:
             await ms.aclose()
             raise MasterConnectionError(f"cannot open the P2P listener: {exc}") from exc
         assert self.p2p_address is not None
-        self._last_master_msg = trio.current_time()
+        self._core.last_heard = trio.current_time()
         nursery.start_soon(self._reader)
         nursery.start_soon(self._heartbeat)
         nursery.start_soon(self._watchdog)
         nursery.start_soon(self._stall_monitor)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
-        accepted = await self._accepted.wait()
-        self._set_table(accepted.peers, accepted.epoch)
-        log.info("peer %d accepted (world size %d)", self.peer_id, len(self._table))
+        await self._accepted.wait()  # the core has the table now
+        log.info("peer %d accepted (world size %d)", self.peer_id, len(self._core.table))
 
     async def aclose(self) -> None:
         """Leave the run. The others see it exactly like a failure, minus the wait."""
@@ -299,7 +312,7 @@ class Communicator:
     # master link
 
     async def _send(self, msg: m.Message) -> None:
-        self._check_master()
+        self._core.check_usable()
         assert self._ms is not None
         try:
             await self._ms.send(msg)
@@ -310,7 +323,7 @@ class Communicator:
 
     def _send_soon(self, msg: m.Message) -> None:
         """Send from a context that must not wait (cleanup paths)."""
-        if self._nursery is not None and self._master_error is None and not self._closed:
+        if self._nursery is not None and self._core.lost is None and not self._closed:
 
             async def go() -> None:
                 try:
@@ -320,21 +333,15 @@ class Communicator:
 
             self._nursery.start_soon(go)
 
-    def _check_master(self) -> None:
-        if self._master_error is not None:
-            raise self._master_error
-
     def _check_usable(self) -> None:
         if self._closed:
             raise InvalidUsageError("the communicator is closed")
-        self._check_master()
+        self._core.check_usable()
 
     def _fail_all(self, error: PCCLError, *, closing: bool = False) -> None:
         """The master is gone (or we close): fail every pending and future call."""
-        if self._master_error is None:
-            self._master_error = error
-            if not closing:
-                log.error("peer %d: %s", self.peer_id, error)
+        if self._core.lose(error) and not closing:
+            log.error("peer %d: %s", self.peer_id, error)
         self._accepted.fail(error)
         if self._topology_waiter is not None:
             self._topology_waiter.fail(error)
@@ -355,22 +362,17 @@ class Communicator:
         try:
             while True:
                 msg = await self._ms.receive()
-                self._last_master_msg = trio.current_time()
-                handler = self._DISPATCH.get(type(msg))
-                if handler is None:
-                    raise RemoteProtocolError(f"unexpected message from master: {type(msg).__name__}")
-                handler(self, msg)
+                if self.handle_master_message(msg) is not None:
+                    break  # kicked, or the master broke the protocol
         except StreamBroken as exc:
             self._fail_all(MasterConnectionError(f"lost the connection to the master: {exc}"))
+            return
         except RemoteProtocolError as exc:
             self._fail_all(MasterConnectionError(f"master protocol error: {exc.message}"))
-            await self._ms.aclose()
-        except KickedError as exc:
-            self._fail_all(exc)
-            await self._ms.aclose()
+        await self._ms.aclose()
 
     async def _heartbeat(self) -> None:
-        while self._master_error is None:
+        while self._core.lost is None:
             await trio.sleep(self.config.heartbeat_interval)
             try:
                 await self._send(m.Heartbeat())
@@ -379,9 +381,9 @@ class Communicator:
 
     async def _watchdog(self) -> None:
         period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
-        while self._master_error is None:
+        while self._core.lost is None:
             await trio.sleep(period)
-            silent = trio.current_time() - self._last_master_msg
+            silent = self._core.silence(trio.current_time())
             if silent > self.config.heartbeat_timeout:
                 limit = self.config.heartbeat_timeout
                 msg = f"master silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
@@ -390,36 +392,72 @@ class Communicator:
                     await self._ms.aclose()
                 return
 
-    # --- dispatch ---------------------------------------------------------------------------
+    # --- executing the core's effects -------------------------------------------------------
 
-    def _on_heartbeat(self, msg: m.Message) -> None:
-        pass
+    def handle_master_message(self, msg: m.Message) -> PCCLError | None:
+        """What the reader task does with each message from the master: the core applies it, this
+        executes the effects (synchronously: no checkpoint). Public so that a test can script the
+        master's messages exactly as they would arrive.
 
-    def _on_refused(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Refused)
-        raise KickedError(f"removed by the master: {msg.reason}")
+        Returns:
+            The error that ended the master link, if this message ended it (the reader then stops).
+        """
+        lost: PCCLError | None = None
+        for effect in self._core.handle(msg, trio.current_time()):
+            if isinstance(effect, Lost):
+                lost = effect.error
+                self._fail_all(lost)
+            else:
+                self._execute(effect)
+        return lost
 
-    def _on_registered(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Registered)
-        log.debug("peer %d registered, waiting to be accepted", msg.peer_id)
+    def _execute(self, effect: Effect) -> None:
+        if isinstance(effect, Resolve):
+            self._resolve(effect)
+        elif isinstance(effect, AbortOp):
+            st = self._ops.get(effect.tag)
+            if st is not None:
+                st.abort_error = effect.error
+                st.commence.fail(effect.error)
+                st.complete.fail(effect.error)
+                if st.scope is not None:
+                    st.scope.cancel()
+        elif isinstance(effect, Establish):
+            assert self._nursery is not None
+            self._nursery.start_soon(self._establish, effect)
+        elif isinstance(effect, Measure):
+            assert self._nursery is not None
+            self._nursery.start_soon(self._measure, effect.request)
 
-    def _on_accepted(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Accepted)
-        self._accepted.set(msg)
+    def _resolve(self, effect: Resolve) -> None:
+        msg, call = effect.message, effect.call
+        if call is Call.COMMENCE:
+            assert isinstance(msg, m.CollectiveCommence)
+            st = self._ops.get(effect.tag)
+            if st is not None:
+                st.commence.set(msg)
+        elif call is Call.COMPLETE:
+            assert isinstance(msg, m.CollectiveComplete)
+            st = self._ops.get(effect.tag)
+            if st is not None:
+                st.complete.set(msg)
+        elif call is Call.SYNC:
+            if self._sync_inbox is not None:
+                self._sync_inbox.put(msg)
+        elif call is Call.TOPOLOGY:
+            assert isinstance(msg, m.TopologyResult)
+            if self._topology_waiter is not None:
+                self._topology_waiter.set(msg)
+        elif call is Call.PENDING:
+            assert isinstance(msg, m.PeersPendingResult)
+            if self._pending_waiters:
+                self._pending_waiters.popleft().set(msg)
+        elif call is Call.ACCEPTED:
+            assert isinstance(msg, m.Accepted)
+            self._accepted.set(msg)
 
-    def _on_pending_result(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.PeersPendingResult)
-        if self._pending_waiters:
-            self._pending_waiters.popleft().set(msg)
-
-    def _on_establish(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.EstablishP2P)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._establish, msg)
-
-    async def _establish(self, msg: m.EstablishP2P) -> None:
-        group_rows = [r for r in msg.peers if r.group == self.peer_group]
-        nxt, _ = _ring_neighbours(group_rows, self.peer_id)
+    async def _establish(self, effect: Establish) -> None:
+        nxt = effect.successor
         ok, failed, reason = True, [], ""
         if nxt is not None:
             try:
@@ -429,80 +467,10 @@ class Communicator:
                 ok, failed, reason = False, [nxt.peer_id], str(exc)
         try:
             await self._send(
-                m.P2PConnectionsDone(epoch=msg.epoch, success=ok, failed_peers=failed, reason=reason)
+                m.P2PConnectionsDone(epoch=effect.epoch, success=ok, failed_peers=failed, reason=reason)
             )
         except PCCLError:
             pass
-
-    def _on_topology_result(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.TopologyResult)
-        self._set_table(msg.peers, msg.epoch)
-        if self._topology_waiter is not None:
-            self._topology_waiter.set(msg)
-
-    def _on_commence(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.CollectiveCommence)
-        st = self._ops.get(msg.tag)
-        if st is not None:
-            st.op_seq = msg.op_seq
-            st.commence.set(msg)
-
-    def _on_complete(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.CollectiveComplete)
-        st = self._ops.get(msg.tag)
-        if st is not None and st.op_seq == msg.op_seq:
-            st.complete.set(msg)
-
-    def _on_abort(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.CollectiveAbort)
-        st = self._ops.get(msg.tag)
-        # An abort names the op it ends: -1 for an op that never commenced (refused or withdrawn),
-        # else the commenced op's sequence number. Anything else is a late abort of an earlier op with
-        # the same tag (e.g. its retry already voted) and must not touch the current one.
-        if st is None or msg.op_seq != st.op_seq:
-            return
-        err = error_from_code(msg.code, msg.reason)
-        st.abort_error = err
-        st.commence.fail(err)
-        st.complete.fail(err)
-        if st.scope is not None:
-            st.scope.cancel()
-
-    def _on_sync_message(self, msg: m.Message) -> None:
-        if self._sync_inbox is not None:
-            if isinstance(msg, m.SharedStatePlan):
-                self._reconcile_group(msg.peers)
-            self._sync_inbox.put(msg)
-
-    def _on_measure(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.MeasureBandwidth)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._measure, msg)
-
-    _DISPATCH: dict[type[m.Message], Callable[[Communicator, m.Message], None]] = {
-        m.Heartbeat: _on_heartbeat,
-        m.Refused: _on_refused,
-        m.Registered: _on_registered,
-        m.Accepted: _on_accepted,
-        m.PeersPendingResult: _on_pending_result,
-        m.EstablishP2P: _on_establish,
-        m.TopologyResult: _on_topology_result,
-        m.CollectiveCommence: _on_commence,
-        m.CollectiveComplete: _on_complete,
-        m.CollectiveAbort: _on_abort,
-        m.SharedStatePlan: _on_sync_message,
-        m.SharedStateResult: _on_sync_message,
-        m.MeasureBandwidth: _on_measure,
-    }
-
-    def _set_table(self, rows: list[m.PeerRow], epoch: int) -> None:
-        self._table = list(rows)
-        self._epoch = epoch
-
-    def _reconcile_group(self, group_rows: list[m.PeerRow]) -> None:
-        """A collective/sync told us who is alive in our group: drop the others from our table."""
-        alive = {r.peer_id for r in group_rows}
-        self._table = [r for r in self._table if r.group != self.peer_group or r.peer_id in alive]
 
     # ------------------------------------------------------------------------------------------
     # membership calls
@@ -527,10 +495,7 @@ class Communicator:
 
     async def _topology_call(self, vote: m.Message, name: str) -> None:
         self._check_usable()
-        if self._ops:
-            raise PendingAsyncOpsError(f"{name} while {len(self._ops)} collective(s) are in flight")
-        if self._topology_waiter is not None or self._sync_inbox is not None:
-            raise InvalidUsageError(f"{name} while another membership call is running")
+        self._core.begin_topology(name)
         waiter: Waiter[m.TopologyResult] = Waiter()
         self._topology_waiter = waiter
         try:
@@ -538,6 +503,7 @@ class Communicator:
             result = await waiter.wait()
         finally:
             self._topology_waiter = None
+            self._core.end_membership()
         if not result.success:
             raise error_from_code(result.code, result.reason or f"{name} failed")
 
@@ -659,8 +625,7 @@ class Communicator:
                 )
         elif rdesc.count != sdesc.count:
             raise InvalidArgumentError(f"send has {sdesc.count} elements but recv has {rdesc.count}")
-        if tag in self._ops:
-            raise InvalidUsageError(f"tag {tag} is already running on this peer")
+        self._core.check_tag_free(tag)
         if n < 2:
             raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.peer_group}, world has {n}")
         q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
@@ -690,15 +655,17 @@ class Communicator:
             backend.copy_to_host(send, stage)
         t_start = time.perf_counter()
         st = _OpState(tag=tag, commence=Waiter(), complete=Waiter())
+        self._core.begin_op(tag)
         self._ops[tag] = st
         work: np.ndarray | None = None
         try:
             await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
             commence = await st.commence.wait()
             t_commence = time.perf_counter()
+            st.op_seq = commence.op_seq
             rows = commence.peers
             ring = [r.peer_id for r in rows]
-            self._reconcile_group(rows)
+            self._core.reconcile_group(rows)
             if kind == "all_gather" and len(ring) * sdesc.count != rdesc.count:
                 self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
                 await self._report_failure(st, "group size changed")
@@ -718,11 +685,11 @@ class Communicator:
                 st.scope = scope
                 if st.abort_error is not None:
                     # The abort arrived right behind the commence, before this task ran again, so
-                    # _on_abort found no scope to cancel: cancel now, before the ring starts (the
+                    # the AbortOp effect found no scope to cancel: cancel now, before the ring starts (the
                     # failure path below forgets the op's stashed frames and raises the abort).
                     scope.cancel()
                 try:
-                    nxt, _ = _ring_neighbours(rows, self.peer_id)
+                    nxt, _ = ring_neighbours(rows, self.peer_id)
                     assert nxt is not None
                     try:
                         await self.pool.connect(nxt.peer_id, nxt.host, nxt.port)
@@ -761,11 +728,12 @@ class Communicator:
             self._stats[f"{kind}_failed"] += 1
             raise
         finally:
-            if not st.concluded and st.abort_error is None and self._master_error is None:
+            if not st.concluded and st.abort_error is None and self._core.lost is None:
                 # Cancelled by the caller while voting or running: withdraw, so the master aborts the
                 # op for the other participants instead of leaving them waiting for us.
                 self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
             self._ops.pop(tag, None)
+            self._core.end_op(tag)
 
     def _record_phases(self, *t: float) -> None:
         """Record a successful collective's phases from the ``len(_PHASES) + 1`` instants between them."""
@@ -986,8 +954,7 @@ class Communicator:
             RankConnectionLostError: a participant was lost mid-sync; retry.
         """
         self._check_usable()
-        if self._sync_inbox is not None or self._topology_waiter is not None:
-            raise InvalidUsageError("sync_shared_state while another membership call is running")
+        self._core.begin_sync()
         assert self._dialer is not None
         inbox = Mailbox()
         self._sync_inbox = inbox
@@ -1002,6 +969,7 @@ class Communicator:
             )
         finally:
             self._sync_inbox = None
+            self._core.end_membership()
 
     async def _serve_state(self, ms: MessageStream, hello: m.Hello) -> None:
         await shared_state.serve_state_requests(self._state_server, ms, hello)
