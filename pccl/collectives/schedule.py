@@ -1,6 +1,6 @@
 """Ring schedules: which elements each rank sends and receives, step by step (pure: no trio, no I/O).
 
-Chunks (PROTOCOL.md section 4): for world size ``n`` and ``count`` elements, chunk ``c`` holds
+Chunks (docs/protocol.md section 4): for world size ``n`` and ``count`` elements, chunk ``c`` holds
 ``count // n`` elements plus one if ``c < count % n``; chunks are contiguous and in order, and
 may be empty.
 

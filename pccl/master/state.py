@@ -4,7 +4,7 @@ No trio, no sockets, no clocks: the trio server feeds it events and executes the
 effects. ``handle(peer_id, message, now)`` and ``peer_lost(peer_id, reason)`` are the only ways
 in; both return a list of effects (:class:`Send`, :class:`Kick`, :class:`Event`).
 
-Vote rules (PROTOCOL.md sections 2-6):
+Vote rules (docs/protocol.md sections 2-6):
 
 * A vote completes when every *accepted* peer it concerns has voted. Registered (not yet
   accepted) peers never block a vote. When a peer is lost (broken connection, eviction by

@@ -940,7 +940,7 @@ class Communicator:
         *,
         progress: Callable[[int, int], None] | None = None,
     ) -> SharedStateSyncInfo:
-        """Synchronize ``state`` with the group (a group vote); see PROTOCOL.md section 5.
+        """Synchronize ``state`` with the group (a group vote); see docs/protocol.md section 5.
 
         Tensors are updated in place; ``state.revision`` is set to the group's revision.
 
