@@ -63,6 +63,7 @@ from . import bandwidth, shared_state
 from .mailbox import Mailbox, Waiter
 from .p2p import P2PDialer, serve_p2p
 from .pool import P2PPool
+from .stall import StallWatch
 from .state import (
     AbortOp,
     Call,
@@ -80,15 +81,6 @@ log = logging.getLogger("pccl.peer")
 
 # The phases of a collective that statistics() reports, in call order (see _record_phases).
 _PHASES = ("vote", "ring", "confirm", "commit")
-
-@dataclass(eq=False)
-class _StallGuard:
-    """One running data plane, watched by :meth:`Communicator._stall_monitor`."""
-
-    started: float
-    scope: trio.CancelScope
-    stalled: float | None = None  # seconds without progress, once the monitor gave up on it
-
 
 @dataclass
 class _OpState:
@@ -144,8 +136,7 @@ class Communicator:
         # -> master's complete) and "commit" (result into the caller's buffer).
         self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
-        self._guards: set[_StallGuard] = set()
-        self._guards_changed = trio.Event()
+        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
         self.pool: Any = None
 
     # ------------------------------------------------------------------------------------------
@@ -211,7 +202,7 @@ class Communicator:
             "sync_call_waiting": self._sync_inbox is not None,
             "sync": self._state_server.statistics(),
             "pending_queries_waiting": len(self._pending_waiters),
-            "data_planes_running": len(self._guards),
+            "data_planes_running": self._stall.running,
             "pool": self.pool.statistics() if self.pool is not None else None,
             "phase_seconds": dict(self._phase_seconds),
             "last_op_phases": dict(self._last_phases),
@@ -288,7 +279,8 @@ class Communicator:
         nursery.start_soon(self._reader)
         nursery.start_soon(self._heartbeat)
         nursery.start_soon(self._watchdog)
-        nursery.start_soon(self._stall_monitor)
+        self._stall.name = f"peer {self.peer_id}"
+        nursery.start_soon(self._stall.run)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
         await self._accepted.wait()  # the core has the table now
         log.info("peer %d accepted (world size %d)", self.peer_id, len(self._core.table))
@@ -603,8 +595,7 @@ class Communicator:
         quantization: QuantizationOptions | None = None,
     ) -> ReduceInfo:
         self._check_usable()
-        if not isinstance(tag, int) or tag < 0 or tag >= 2**63:
-            raise InvalidArgumentError(f"tag must be a non-negative 64-bit integer, got {tag!r}")
+        self._core.check_tag(tag)
         op = ReduceOp(op)
         if recv is None:
             recv = send
@@ -616,36 +607,16 @@ class Communicator:
         device = backend.device_index(send)
         backend.check_same_device(device, backend.device_index(recv))
         on_gpu = device >= 0
-        group = self.group_ring
-        n = len(group)
-        if kind == "all_gather":
-            if rdesc.count != n * sdesc.count:
-                raise InvalidArgumentError(
-                    f"all_gather: recv has {rdesc.count} elements, expected {n} x {sdesc.count}"
-                )
-        elif rdesc.count != sdesc.count:
-            raise InvalidArgumentError(f"send has {sdesc.count} elements but recv has {rdesc.count}")
-        self._core.check_tag_free(tag)
-        if n < 2:
-            raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.peer_group}, world has {n}")
         q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
-        if q.algorithm != QuantizationAlgorithm.NONE and (
-            kind != "all_reduce" or not sdesc.dtype.is_floating
-        ):
-            raise InvalidArgumentError("quantization applies to floating-point all_reduce only")
-        root_id = -1
-        if kind == "broadcast":
-            if not 0 <= root < n:
-                raise InvalidArgumentError(f"root rank {root} out of range for group size {n}")
-            root_id = group[root]
-        descriptor = m.CollectiveDescriptor(
-            kind=kind,
-            dtype=int(sdesc.dtype),
-            element_count=sdesc.count,
-            op=int(op),
-            root=root_id,
-            quantization=int(q.algorithm),
-            quantized_dtype=int(q.quantized_datatype),
+        descriptor = self._core.describe_collective(
+            kind,
+            tag=tag,
+            dtype=sdesc.dtype,
+            send_count=sdesc.count,
+            recv_count=rdesc.count,
+            op=op,
+            root=root,
+            quantization=q,
         )
         stage: np.ndarray | None = None
         if on_gpu:
@@ -666,17 +637,11 @@ class Communicator:
             rows = commence.peers
             ring = [r.peer_id for r in rows]
             self._core.reconcile_group(rows)
-            if kind == "all_gather" and len(ring) * sdesc.count != rdesc.count:
+            problem = self._core.commence_problem(descriptor, rdesc.count, ring)
+            if problem is not None:
                 self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
-                await self._report_failure(st, "group size changed")
-                raise InvalidArgumentError(
-                    f"all_gather: the group has {len(ring)} peers now; recv must "
-                    f"hold {len(ring)} x {sdesc.count} elements"
-                )
-            if kind == "broadcast" and root_id not in ring:
-                self.pool.forget_op(st.op_seq)
-                await self._report_failure(st, "root lost")
-                raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
+                await self._report_failure(st, problem[0])
+                raise problem[1]
             send_np = stage if stage is not None else backend.as_numpy(send)
             cache = self._gpu_cache if on_gpu else self._work_cache
             work = cache.take(send_np.dtype, rdesc.count, recv if on_gpu else None)
@@ -696,7 +661,7 @@ class Communicator:
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
-                    tx, rx = await self._run_guarded(
+                    tx, rx = await self._stall.guarded(
                         functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q)
                     )
                     ok = True
@@ -749,66 +714,10 @@ class Communicator:
         except PCCLError:
             pass
 
-    async def _run_guarded(self, run: Callable[[], Awaitable[tuple[int, int]]]) -> tuple[int, int]:
-        """Run the data plane (``run()``) with a stall watchdog.
-
-        Heartbeats catch dead and hung peers, but two peers that are both fine with the master and
-        cannot reach each other (a partitioned P2P link) would wait forever. When this peer's pool
-        moves no bytes at all for ``p2p_stall_timeout`` seconds the operation fails with
-        RANK_CONNECTION_LOST, and the master aborts it for everyone.
-        """
-        guard = _StallGuard(started=trio.current_time(), scope=trio.CancelScope())
-        self._guards.add(guard)
-        self._guards_changed.set()
-        try:
-            with guard.scope:  # cancelled only by the stall monitor
-                return await run()
-        finally:
-            self._guards.discard(guard)
-        stalled = guard.stalled  # only the stall monitor cancels guard.scope, and it sets this first
-        assert stalled is not None
-        log.warning(
-            "peer %d: no data moved on the ring for %.1fs (p2p_stall_timeout): failing the operation",
-            self.peer_id, stalled,
-        )
-        raise RankConnectionLostError(
-            f"no data moved on the ring for {stalled:.1f}s (p2p_stall_timeout): a ring link is "
-            f"partitioned or a neighbour stopped sending"
-        )
-
-    async def _stall_monitor(self) -> None:
-        """The watchdog of every running data plane (:meth:`_run_guarded`), one task for all of them.
-
-        While any data plane runs, samples the pool's byte counters every ``p2p_stall_timeout / 8``;
-        a data plane that has seen no progress for ``p2p_stall_timeout`` (counted from its own start
-        or the last progress, whichever is later) is cancelled. Sleeps while none runs, so an idle
-        communicator costs nothing (and a mock clock has nothing to jump to). One long-lived task
-        instead of a nursery and two tasks per operation: measured 0.25 ms of CPU per 64 KB
-        all-reduce (2 peers, 0.9 vs 1.14 ms).
-        """
-        limit = self.config.p2p_stall_timeout
-
-        def progress() -> tuple[int, int]:
-            stats = self.pool.statistics()
-            return (stats["tx_bytes"], stats["rx_bytes"])
-
-        while True:
-            if not self._guards:
-                self._guards_changed = trio.Event()
-                await self._guards_changed.wait()
-                continue
-            last, since = progress(), trio.current_time()
-            while self._guards:
-                await trio.sleep(limit / 8)
-                now, cur = trio.current_time(), progress()
-                if cur != last:
-                    last, since = cur, now
-                    continue
-                for guard in list(self._guards):
-                    quiet = now - max(since, guard.started)
-                    if quiet >= limit and guard.stalled is None:
-                        guard.stalled = quiet
-                        guard.scope.cancel()
+    def _pool_progress(self) -> tuple[int, int]:
+        """The pool's byte counters: what the stall watch samples."""
+        stats = self.pool.statistics()
+        return (stats["tx_bytes"], stats["rx_bytes"])
 
     async def _run_dataplane(
         self,

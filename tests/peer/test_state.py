@@ -198,3 +198,55 @@ def test_statistics_and_repr_show_the_state() -> None:
     assert s["peer_id"] == 2 and s["world_size"] == 4 and s["group_world_size"] == 3 and s["epoch"] == 4
     assert s["ops_in_flight"] == 1 and s["op_tags"] == [2] and s["ops"] == {2: -1}
     assert repr(st) == "<PeerState peer=2 group=0 world=4 epoch=4 ops=[2] call=None master=ok>"
+
+
+F32 = pccl.DataType.FLOAT32
+
+
+def describe(st: PeerState, kind: str, send: int, recv: int, **kw: object) -> m.CollectiveDescriptor:
+    kw.setdefault("op", pccl.ReduceOp.SUM)
+    kw.setdefault("dtype", F32)
+    return st.describe_collective(kind, tag=1, send_count=send, recv_count=recv, **kw)  # type: ignore[arg-type]
+
+
+def test_a_collective_is_checked_against_the_group_before_voting() -> None:
+    st = accepted()  # group 0: peers 1, 2, 3
+    d = describe(st, "all_reduce", 8, 8, op=pccl.ReduceOp.MAX)
+    u8 = int(pccl.DataType.UINT8)
+    assert d == m.CollectiveDescriptor("all_reduce", int(F32), 8, int(pccl.ReduceOp.MAX), -1, 0, u8)
+    assert describe(st, "broadcast", 4, 4, root=2).root == 3  # the root's rank, as its peer id
+    with pytest.raises(pccl.InvalidArgumentError, match="root rank 3 out of range"):
+        describe(st, "broadcast", 4, 4, root=3)
+    describe(st, "all_gather", 2, 6)
+    with pytest.raises(pccl.InvalidArgumentError, match="expected 3 x 2"):
+        describe(st, "all_gather", 2, 4)
+    with pytest.raises(pccl.InvalidArgumentError, match="send has 8 elements but recv has 7"):
+        describe(st, "all_reduce", 8, 7)
+    q = pccl.QuantizationOptions(pccl.DataType.UINT8, pccl.QuantizationAlgorithm.MIN_MAX)
+    quantized = describe(st, "all_reduce", 8, 8, quantization=q)
+    assert quantized.quantization == int(pccl.QuantizationAlgorithm.MIN_MAX)
+    with pytest.raises(pccl.InvalidArgumentError, match="quantization"):
+        describe(st, "all_reduce", 8, 8, dtype=pccl.DataType.INT32, quantization=q)
+    with pytest.raises(pccl.InvalidArgumentError, match="quantization"):
+        describe(st, "broadcast", 8, 8, quantization=q)
+    st.begin_op(1)
+    with pytest.raises(pccl.InvalidUsageError):
+        describe(st, "all_reduce", 8, 8)
+    with pytest.raises(pccl.TooFewPeersError, match="group 1"):
+        describe(accepted(pid=7, group=1), "all_reduce", 8, 8)
+    for bad in (-1, 2**63, 1.5, "3"):
+        with pytest.raises(pccl.InvalidArgumentError, match="tag must be"):
+            PeerState.check_tag(bad)
+    PeerState.check_tag(2**63 - 1)
+
+
+def test_what_stops_a_commenced_op() -> None:
+    gather = m.CollectiveDescriptor("all_gather", int(F32), 2, 0, -1, 0, 0)
+    assert PeerState.commence_problem(gather, 6, [1, 2, 3]) is None
+    problem = PeerState.commence_problem(gather, 6, [1, 2])
+    assert problem is not None and problem[0] == "group size changed"
+    assert isinstance(problem[1], pccl.InvalidArgumentError) and "2 x 2" in str(problem[1])
+    bcast = m.CollectiveDescriptor("broadcast", int(F32), 4, 0, 3, 0, 0)
+    assert PeerState.commence_problem(bcast, 4, [1, 3]) is None
+    lost = PeerState.commence_problem(bcast, 4, [1, 2])
+    assert lost is not None and lost[0] == "root lost" and isinstance(lost[1], pccl.RankConnectionLostError)
