@@ -83,7 +83,7 @@ class QuantizationAlgorithm(enum.IntEnum):
 
 
 class SharedStateSyncStrategy(enum.IntEnum):
-    """How a peer takes part in a shared-state sync (see PROTOCOL.md section 5)."""
+    """How a peer takes part in a shared-state sync (see docs/protocol.md section 5)."""
 
     ENFORCE_POPULAR = 0
     RECEIVE_ONLY = 1

@@ -1,5 +1,5 @@
-"""Ring collectives over a :class:`~pccl.peer.pool.P2PPool`: all-reduce, reduce-scatter,
-all-gather and broadcast.
+"""Ring collectives over a :class:`~pccl.collectives.interface.DataPool` (the peer's P2P pool):
+all-reduce, reduce-scatter, all-gather and broadcast.
 
 The plan (which frames to send and receive, see :mod:`pccl.collectives.schedule`) is executed as
 a dependency-driven pipeline rather than step by step: every receive is registered up front and
@@ -41,10 +41,10 @@ from .._errors import (
     TooFewPeersError,
 )
 from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
+from ..kernels.buffers import BufferCache
 from ..kernels.quantize import dequantize, metadata_size, quantize
-from ..peer.buffers import BufferCache
-from ..peer.pool import P2PPool, ReceiveSlot
 from ._reduce import reduce_into
+from .interface import DataPool, Receive
 from .schedule import (
     KINDS,
     SRC_SEND,
@@ -172,7 +172,7 @@ def _validate_quantization(kind: str, send: np.ndarray, q: QuantizationOptions) 
 
 
 async def run_collective(
-    pool: P2PPool,
+    pool: DataPool,
     *,
     kind: str,
     ring: Sequence[int],
@@ -416,7 +416,7 @@ class _QuantExec(_Exec):
 
 
 async def _run_inline(
-    pool: P2PPool, ex: _Exec, slots: list[ReceiveSlot], nxt: int, tag: int, op_seq: int
+    pool: DataPool, ex: _Exec, slots: list[Receive], nxt: int, tag: int, op_seq: int
 ) -> None:
     sends = ex.plan.sends
     for j in ex.plan.initial:
@@ -467,7 +467,7 @@ class _ReadyFrames:
 
 
 async def _run_pipelined(
-    pool: P2PPool, ex: _Exec, slots: list[ReceiveSlot], nxt: int, tag: int, op_seq: int
+    pool: DataPool, ex: _Exec, slots: list[Receive], nxt: int, tag: int, op_seq: int
 ) -> None:
     plan = ex.plan
     sends = plan.sends

@@ -2,7 +2,7 @@
 no I/O). The ring (below), and recursive halving-doubling and binomial trees (:func:`all_plans`,
 after the ring code), all described in one plan vocabulary (:class:`Plan`).
 
-Chunks (PROTOCOL.md section 4): for world size ``n`` and ``count`` elements, chunk ``c`` holds
+Chunks (docs/protocol.md section 4): for world size ``n`` and ``count`` elements, chunk ``c`` holds
 ``count // n`` elements plus one if ``c < count % n``; chunks are contiguous and in order, and
 may be empty.
 

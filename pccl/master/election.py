@@ -8,7 +8,7 @@ When every accepted peer of a peer group has called ``sync_shared_state``, the m
 (``None`` before the group's first successful sync), then sends each peer either its fetch plan or its
 :class:`Refusal`. Groups are independent: nothing here knows about groups.
 
-Rules (PROTOCOL.md section 5):
+Rules (docs/protocol.md section 5):
 
 0. Structure. A vote that fails :func:`validate_vote` (duplicate keys, negative sizes, ``nbytes`` not
    equal to ``prod(shape) * itemsize``, hash outside 64 bits, unknown dtype or strategy, ...) is refused

@@ -10,8 +10,8 @@ kicked with a reason; it never takes the server down.
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -21,9 +21,10 @@ import trio
 
 from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
-from .._errors import LocalProtocolError, RemoteProtocolError, Result
+from .._errors import LocalProtocolError, RemoteProtocolError
 from ..transport import Address, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
+from ..wire.hello import check_hello
 from ..wire.stream import MessageStream
 from .state import Effect, Event, Kick, MasterState, Send
 
@@ -57,7 +58,7 @@ class MasterServer:
     def __init__(self, *, config: MasterConfig | None = None, transport: Transport | None = None) -> None:
         self.config = config or MasterConfig()
         self.transport: Transport = transport or TcpTransport()
-        self.state = MasterState()
+        self.state = MasterState(clock=time.perf_counter)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
@@ -105,11 +106,11 @@ class MasterServer:
         try:
             with trio.fail_after(self.config.hello_timeout):
                 hello = await ms.receive()
-            refusal = self._check_hello(hello)
+            refusal = check_hello(hello, purpose="master", secret=self.config.secret, listener="the master")
             if refusal is not None:
-                log.warning("refused connection from %s: %s", host, refusal)
+                log.warning("refused connection from %s: %s", host, refusal.reason)
                 with trio.move_on_after(1.0):
-                    await ms.send(m.Refused(reason=refusal, code=int(Result.INVALID_USAGE)))
+                    await ms.send(m.Refused(reason=refusal.reason, code=int(refusal.result)))
                 await ms.aclose()
                 return
         except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
@@ -140,22 +141,6 @@ class MasterServer:
             with trio.CancelScope(shield=True):
                 await ms.aclose()
             self._execute(self.state.peer_lost(pid, "left (connection closed)"))
-
-    def _check_hello(self, hello: m.Message) -> str | None:
-        if not isinstance(hello, m.Hello):
-            return f"expected Hello, got {type(hello).__name__}"
-        if hello.protocol_version != PROTOCOL_VERSION:
-            return (
-                f"protocol version mismatch: peer speaks version {hello.protocol_version}, "
-                f"master speaks version {PROTOCOL_VERSION}"
-            )
-        if hello.purpose != "master":
-            return f"wrong purpose {hello.purpose!r} for the master"
-        if self.config.secret is not None and not hmac.compare_digest(
-            hello.secret.encode(), self.config.secret.encode()
-        ):
-            return "bad or missing shared secret"
-        return None
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
@@ -324,7 +309,13 @@ class MasterServer:
         ids, bw = job
         try:
             sol = await trio.to_thread.run_sync(
-                functools.partial(improve_ring, list(range(len(ids))), bw, time_budget=self.improve_budget)
+                functools.partial(
+                    improve_ring,
+                    list(range(len(ids))),
+                    bw,
+                    time_budget=self.improve_budget,
+                    clock=time.perf_counter,
+                )
             )
         except Exception as exc:  # a solver bug must not take the master down
             log.warning("background ring improvement failed: %s", exc)

@@ -4,7 +4,7 @@ No trio, no sockets, no clocks: the trio server feeds it events and executes the
 effects. ``handle(peer_id, message, now)`` and ``peer_lost(peer_id, reason)`` are the only ways
 in; both return a list of effects (:class:`Send`, :class:`Kick`, :class:`Event`).
 
-Vote rules (PROTOCOL.md sections 2-6):
+Vote rules (docs/protocol.md sections 2-6):
 
 * A vote completes when every *accepted* peer it concerns has voted. Registered (not yet
   accepted) peers never block a vote. When a peer is lost (broken connection, eviction by
@@ -81,8 +81,8 @@ class PeerRecord:
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
 
-    def row(self) -> list[Any]:
-        return [self.peer_id, self.host, self.p2p_port, self.group]
+    def row(self) -> m.PeerRow:
+        return m.PeerRow(self.peer_id, self.host, self.p2p_port, self.group)
 
     def straggler_limit(self, minimum: float, cap: float) -> float:
         """Silence tolerated while others wait on this peer: ``minimum``, or twice the longest
@@ -115,7 +115,7 @@ class _TopologyRound:
 class _CollectiveOp:
     group: int
     tag: int
-    votes: dict[int, list[Any]] = field(default_factory=dict)
+    votes: dict[int, m.CollectiveDescriptor] = field(default_factory=dict)
     running: bool = False
     op_seq: int = -1
     participants: list[int] = field(default_factory=list)
@@ -139,6 +139,11 @@ def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
 
 
+def _frozen_clock() -> float:
+    """The default solver clock: never advances (see MasterState's ``clock``)."""
+    return 0.0
+
+
 class MasterState:
     """Pure master state machine.
 
@@ -146,6 +151,9 @@ class MasterState:
         bandwidth_probe_seconds: duration of each link's bandwidth probe during optimize_topology.
         bandwidth_stale_after: measurements older than this (seconds of ``now``) are re-measured.
         solver: ``solve(bw_matrix) -> ring order (indices)``; defaults to the ATSP solver.
+        clock: the time source the default solver's budget is measured with (the server passes
+            ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
+            step and stall limits, deterministically.
     """
 
     def __init__(
@@ -154,6 +162,7 @@ class MasterState:
         bandwidth_probe_seconds: float = 0.05,
         bandwidth_stale_after: float = 3600.0,
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.peers: dict[int, PeerRecord] = {}
         self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
@@ -173,6 +182,7 @@ class MasterState:
         self.bandwidth_probe_seconds = bandwidth_probe_seconds
         self.bandwidth_stale_after = bandwidth_stale_after
         self._solver = solver
+        self._clock: Callable[[], float] = clock if clock is not None else _frozen_clock
         self.solver_time_budget = 0.2
         self.exact_limit = 12
         # Background ring improvement (large worlds): a job for the server to run off the event loop,
@@ -215,7 +225,7 @@ class MasterState:
         """Peers waiting to be accepted, in arrival order."""
         return [p.peer_id for p in self.peers.values() if p.phase is Phase.REGISTERED]
 
-    def table(self, ids: list[int]) -> list[list[Any]]:
+    def table(self, ids: list[int]) -> list[m.PeerRow]:
         """Peer-table rows for ``ids`` (in that order)."""
         return [self.peers[p].row() for p in ids]
 
@@ -696,7 +706,7 @@ class MasterState:
 
         # A short budget: this runs inside the master's event loop. Exact (Held-Karp) up to 12 peers
         # takes ~10 ms; beyond that the heuristic stops at the budget.
-        return list(topology.solve_ring(bw, time_budget=self.solver_time_budget).order)
+        return list(topology.solve_ring(bw, time_budget=self.solver_time_budget, clock=self._clock).order)
 
     # ---------------------------------------------------------------------------------------
     # collectives
@@ -749,9 +759,9 @@ class MasterState:
         if not set(members) <= set(op.votes):
             return []
         voters = [p for p in members if p in op.votes]
-        descriptors = {repr(op.votes[p]) for p in voters}
+        first = op.votes[voters[0]]
         del self._ops[key]
-        if len(descriptors) > 1:
+        if any(op.votes[p] != first for p in voters):
             detail = "; ".join(f"peer {p}: {op.votes[p]}" for p in voters)
             return [
                 Send(

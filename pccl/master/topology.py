@@ -23,7 +23,8 @@ binary search over the distinct bandwidth values and then minimizes the cost. A 
 bound on the bottleneck (perfect matching plus strong connectivity of the thresholded graph) tells
 how far from optimal the heuristic can be.
 
-No trio, no sockets: time is only read through the injectable ``clock`` callable.
+No trio, no sockets, no clock of its own: time is only read through the ``clock`` callable the
+caller passes (the master server passes ``time.perf_counter``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from __future__ import annotations
 import bisect
 import math
 import random
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -989,7 +989,7 @@ def solve_ring(
     exact_limit: int = 12,
     time_budget: float = 1.0,
     seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float],
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> RingSolution:
     """Find the ring order that makes ring all-reduce fastest.
@@ -1014,7 +1014,7 @@ def solve_ring(
         exact_limit: largest world solved exactly (at most ``MAX_EXACT_LIMIT``).
         time_budget: seconds (as measured by ``clock``) the search may take.
         seed: seed of the heuristic's random choices.
-        clock: monotonic time source, injectable for deterministic tests.
+        clock: monotonic time source (required: this module reads no clock itself).
         tolerance: relative bottleneck slack within which rings are tied and the cost decides.
 
     Returns:
@@ -1077,7 +1077,7 @@ def improve_ring(
     *,
     time_budget: float = 1.0,
     seed: int = 0,
-    clock: Callable[[], float] = time.perf_counter,
+    clock: Callable[[], float],
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> RingSolution:
     """Continue the local search from an existing ring (background improvement, off the hot path).
@@ -1092,7 +1092,7 @@ def improve_ring(
         bw: bandwidth matrix as for :func:`solve_ring` (possibly updated since ``order`` was chosen).
         time_budget: seconds (as measured by ``clock``) the search may take (soft, see solve_ring).
         seed: seed of the random choices.
-        clock: monotonic time source, injectable for deterministic tests.
+        clock: monotonic time source (required: this module reads no clock itself).
         tolerance: relative bottleneck slack within which the cost decides (relative to the best
             bottleneck found, never below the input ring's bottleneck).
 

@@ -10,7 +10,7 @@ transfer takes at least a quarter of the probe duration (or 64 MiB), so a probe 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import trio
@@ -19,9 +19,7 @@ from .._errors import PCCLError
 from ..transport import StreamBroken
 from ..wire import messages as m
 from ..wire.stream import MessageStream
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
+from .links import Dialer
 
 log = logging.getLogger("pccl.bandwidth")
 
@@ -70,25 +68,21 @@ async def probe(ms: MessageStream, duration: float) -> float:
         nbytes = min(nbytes * 4, _MAX)
 
 
-async def measure_targets(comm: Communicator, targets: list[list[Any]], duration: float) -> list[list[Any]]:
-    """Probe each target in turn; returns rows ``[peer_id, bytes_per_second]`` (0 = unreachable)."""
-    from .p2p import open_p2p
+async def measure_targets(dialer: Dialer, targets: list[list[Any]], duration: float) -> list[list[Any]]:
+    """Probe each target in turn; returns rows ``[peer_id, bytes_per_second]`` (0 = unreachable).
 
+    Args:
+        dialer: opens the "bench" connections.
+        targets: rows ``[peer_id, host, port]``.
+        duration: seconds each probe aims for.
+    """
     results: list[list[Any]] = []
     for row in targets:
         pid, host, port = int(row[0]), str(row[1]), int(row[2])
         rate = 0.0
         try:
-            with trio.fail_after(max(comm.config.connect_timeout, duration * 20)):
-                ms = await open_p2p(
-                    comm.transport,
-                    host,
-                    port,
-                    my_peer_id=comm.peer_id,
-                    channel="bench",
-                    config=comm.config,
-                    secret=comm.config.secret or "",
-                )
+            with trio.fail_after(max(dialer.connect_timeout, duration * 20)):
+                ms = await dialer.dial(host, port, channel="bench")
                 try:
                     rate = await probe(ms, duration)
                 finally:

@@ -1,5 +1,11 @@
 """The peer: the native async communicator.
 
+The protocol rules live in the pure :class:`pccl.peer.state.PeerState` (the peer table and epoch, the
+collectives in flight and their op_seq matching, one membership call at a time, shared-state rounds,
+the master's liveness): the reader task feeds it each message from the master and executes the effects
+it returns (:meth:`Communicator.handle_master_message`). This module keeps the tasks, the waiters and
+the public API. Messages are described in docs/protocol.md.
+
 One nursery holds the master reader, the heartbeat sender, the master watchdog, the P2P listener
 and the P2P pool. Every call that needs the master registers a waiter; the reader task fills it.
 If the master is lost (broken connection or missed heartbeats) every pending and later call
@@ -19,7 +25,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import numpy as np
 import trio
@@ -29,18 +35,12 @@ from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import (
     InvalidArgumentError,
     InvalidUsageError,
-    KickedError,
     MasterConnectionError,
-    NoSharedStateAvailableError,
     PCCLError,
-    PendingAsyncOpsError,
     RankConnectionLostError,
     RemoteProtocolError,
     Result,
-    SharedStateSyncError,
     TooFewPeersError,
-    TopologyOptimizationFailedError,
-    UpdateTopologyFailedError,
 )
 from .._types import (
     Attribute,
@@ -55,130 +55,44 @@ from .._types import (
 from ..collectives.ring import run_collective
 from ..collectives.schedule import chunk_bounds
 from ..kernels import backend, reduce
+from ..kernels.buffers import BufferCache
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.stream import MessageStream
-from .buffers import BufferCache
-from .p2p import serve_p2p
+from . import bandwidth, shared_state
+from .mailbox import Mailbox, Waiter
+from .p2p import P2PDialer, serve_p2p
 from .pool import P2PPool
+from .stall import StallWatch
+from .state import (
+    AbortOp,
+    Call,
+    Effect,
+    Establish,
+    Lost,
+    Measure,
+    PeerState,
+    Resolve,
+    error_from_code,
+    ring_neighbours,
+)
 
 log = logging.getLogger("pccl.peer")
 
 # The phases of a collective that statistics() reports, in call order (see _record_phases).
 _PHASES = ("vote", "ring", "confirm", "commit")
 
-T = TypeVar("T")
-
-_ERRORS_BY_CODE: dict[int, type[PCCLError]] = {
-    int(Result.RANK_CONNECTION_LOST): RankConnectionLostError,
-    int(Result.TOO_FEW_PEERS): TooFewPeersError,
-    int(Result.INVALID_USAGE): InvalidUsageError,
-    int(Result.INVALID_ARGUMENT): InvalidArgumentError,
-    int(Result.UPDATE_TOPOLOGY_FAILED): UpdateTopologyFailedError,
-    int(Result.TOPOLOGY_OPTIMIZATION_FAILED): TopologyOptimizationFailedError,
-}
-
-
-def error_from_code(code: int, reason: str) -> PCCLError:
-    """Build the PCCLError subclass matching a result code sent by the master."""
-    extra: dict[int, type[PCCLError]] = {
-        int(Result.SHARED_STATE_SYNC_FAILED): SharedStateSyncError,
-        int(Result.NO_SHARED_STATE_AVAILABLE): NoSharedStateAvailableError,
-    }
-    cls = _ERRORS_BY_CODE.get(code) or extra.get(code) or PCCLError
-    try:
-        result = Result(code)
-    except ValueError:
-        result = Result.INTERNAL_ERROR
-    return cls(reason, result)
-
-
-class _Waiter(Generic[T]):
-    """A one-shot slot a call waits on; the reader task fills it or fails it."""
-
-    def __init__(self) -> None:
-        self._event = trio.Event()
-        self._value: T | None = None
-        self._error: PCCLError | None = None
-
-    @property
-    def done(self) -> bool:
-        return self._event.is_set()
-
-    def set(self, value: T) -> None:
-        if not self._event.is_set():
-            self._value = value
-            self._event.set()
-
-    def fail(self, error: PCCLError) -> None:
-        if not self._event.is_set():
-            self._error = error
-            self._event.set()
-
-    async def wait(self) -> T:
-        await self._event.wait()
-        if self._error is not None:
-            raise self._error
-        assert self._value is not None
-        return self._value
-
-
-class _Mailbox:
-    """An ordered inbox for one multi-message exchange (a shared-state sync gets a plan, then a result;
-    both can arrive back to back before the caller looks)."""
-
-    def __init__(self) -> None:
-        self._items: collections.deque[m.Message] = collections.deque()
-        self._error: PCCLError | None = None
-        self._wakeup = trio.Event()
-
-    def put(self, msg: m.Message) -> None:
-        self._items.append(msg)
-        self._wakeup.set()
-
-    def fail(self, error: PCCLError) -> None:
-        if self._error is None:
-            self._error = error
-        self._wakeup.set()
-
-    async def get(self) -> m.Message:
-        while not self._items:
-            if self._error is not None:
-                raise self._error
-            await self._wakeup.wait()
-            self._wakeup = trio.Event()
-        return self._items.popleft()
-
-
-@dataclass(eq=False)
-class _StallGuard:
-    """One running data plane, watched by :meth:`Communicator._stall_monitor`."""
-
-    started: float
-    scope: trio.CancelScope
-    stalled: float | None = None  # seconds without progress, once the monitor gave up on it
-
-
 @dataclass
 class _OpState:
     """A collective in flight, registered under its tag."""
 
     tag: int
-    commence: _Waiter[m.CollectiveCommence]
-    complete: _Waiter[m.CollectiveComplete]
+    commence: Waiter[m.CollectiveCommence]
+    complete: Waiter[m.CollectiveComplete]
     scope: trio.CancelScope | None = None
     op_seq: int = -1
     abort_error: PCCLError | None = None
     concluded: bool = False
-
-
-def _ring_neighbours(rows: Sequence[Sequence[Any]], me: int) -> tuple[list[Any] | None, list[Any] | None]:
-    """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone."""
-    ids = [r[0] for r in rows]
-    if me not in ids or len(ids) < 2:
-        return None, None
-    i = ids.index(me)
-    return list(rows[(i + 1) % len(rows)]), list(rows[(i - 1) % len(rows)])
 
 
 class Communicator:
@@ -200,20 +114,17 @@ class Communicator:
         self.peer_group = int(peer_group)
         self.pool_size = max(1, int(p2p_connection_pool_size))
         self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
-        self.peer_id = -1
         self.p2p_address: tuple[str, int] | None = None
-        self._table: list[list[Any]] = []  # accepted peers, ring order: [id, host, port, group]
-        self._epoch = 0
+        self._core = PeerState(group=self.peer_group)  # the protocol rules (pure)
         self._ms: MessageStream | None = None
-        self._master_error: PCCLError | None = None
-        self._accepted: _Waiter[m.Accepted] = _Waiter()
-        self._topology_waiter: _Waiter[m.TopologyResult] | None = None
-        self._pending_waiters: collections.deque[_Waiter[m.PeersPendingResult]] = collections.deque()
-        self._ops: dict[int, _OpState] = {}
-        self._sync_waiter: _Mailbox | None = None
-        self._sync_ctx: Any = None  # shared_state.SyncContext while a sync runs (holders serve from it)
+        self._accepted: Waiter[m.Accepted] = Waiter()
+        self._topology_waiter: Waiter[m.TopologyResult] | None = None
+        self._pending_waiters: collections.deque[Waiter[m.PeersPendingResult]] = collections.deque()
+        self._ops: dict[int, _OpState] = {}  # the waiting side of the core's ops, by tag
+        self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
+        self._state_server = shared_state.StateServer(plan_timeout=self.config.connect_timeout)
+        self._dialer: P2PDialer | None = None
         self._nursery: trio.Nursery | None = None
-        self._last_master_msg = 0.0
         self._closed = False
         # Ring outputs of CPU ops; GPU ops take their host copy of ``send`` and their ring output from
         # _gpu_cache (page-locked where possible, so kept apart).
@@ -225,8 +136,7 @@ class Communicator:
         # -> master's complete) and "commit" (result into the caller's buffer).
         self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
-        self._guards: set[_StallGuard] = set()
-        self._guards_changed = trio.Event()
+        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
         self.pool: Any = None
 
     # ------------------------------------------------------------------------------------------
@@ -241,9 +151,9 @@ class Communicator:
         Raises:
             InvalidArgumentError: unknown attribute.
         """
-        groups = collections.Counter(int(r[3]) for r in self._table)
+        groups = self._core.group_sizes()
         if attribute == Attribute.GLOBAL_WORLD_SIZE:
-            return len(self._table)
+            return len(self._core.table)
         if attribute == Attribute.PEER_GROUP_WORLD_SIZE:
             return groups.get(self.peer_group, 0)
         if attribute == Attribute.NUM_DISTINCT_PEER_GROUPS:
@@ -253,34 +163,46 @@ class Communicator:
         raise InvalidArgumentError(f"unknown attribute {attribute!r}")
 
     @property
+    def peer_id(self) -> int:
+        """This peer's id, given by the master (-1 before the hello)."""
+        return self._core.peer_id
+
+    @property
     def world_size(self) -> int:
         """Accepted peers in the run (GLOBAL_WORLD_SIZE)."""
-        return len(self._table)
+        return len(self._core.table)
+
+    @property
+    def table(self) -> list[m.PeerRow]:
+        """The accepted peers in ring order, as last told by the master (a copy)."""
+        return list(self._core.table)
 
     @property
     def group_ring(self) -> list[int]:
         """Peer ids of this peer's group in ring order, as last told by the master."""
-        return [int(r[0]) for r in self._table if int(r[3]) == self.peer_group]
+        return self._core.group_ring
 
     @property
     def rank(self) -> int:
         """This peer's position in its group's ring (-1 if not accepted)."""
-        ring = self.group_ring
-        return ring.index(self.peer_id) if self.peer_id in ring else -1
+        return self._core.rank
 
     def statistics(self) -> dict[str, Any]:
-        """A summary of this peer's state (tests assert on it)."""
+        """A summary of this peer's state (tests assert on it).
+
+        Keys: the core's (``peer_id``, ``world_size``, ``group_world_size``, ``epoch``,
+        ``ops_in_flight``, ``op_tags``, ``ops`` (tag -> op_seq, -1 until commenced),
+        ``membership_call``, ``topology_call_waiting``, ``master_ok``), then ``sync_call_waiting``,
+        ``sync`` (the running sync, see :meth:`pccl.peer.shared_state.StateServer.statistics`),
+        ``pending_queries_waiting``, ``data_planes_running``, ``pool``, ``phase_seconds``,
+        ``last_op_phases`` and the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters.
+        """
         return {
-            "peer_id": self.peer_id,
-            "world_size": len(self._table),
-            "group_world_size": self.get_attribute(Attribute.PEER_GROUP_WORLD_SIZE),
-            "epoch": self._epoch,
-            "ops_in_flight": len(self._ops),
-            "op_tags": sorted(self._ops),
-            "topology_call_waiting": self._topology_waiter is not None,
-            "sync_call_waiting": self._sync_waiter is not None,
+            **self._core.statistics(),
+            "sync_call_waiting": self._sync_inbox is not None,
+            "sync": self._state_server.statistics(),
             "pending_queries_waiting": len(self._pending_waiters),
-            "master_ok": self._master_error is None,
+            "data_planes_running": self._stall.running,
             "pool": self.pool.statistics() if self.pool is not None else None,
             "phase_seconds": dict(self._phase_seconds),
             "last_op_phases": dict(self._last_phases),
@@ -288,9 +210,10 @@ class Communicator:
         }
 
     def __repr__(self) -> str:
+        core = self._core
         return (
-            f"<Communicator peer={self.peer_id} group={self.peer_group} world={len(self._table)} "
-            f"master={'ok' if self._master_error is None else 'lost'}>"
+            f"<Communicator peer={core.peer_id} group={self.peer_group} world={len(core.table)} "
+            f"epoch={core.epoch} ops={sorted(core.ops)} master={'ok' if core.lost is None else 'lost'}>"
         )
 
     # ------------------------------------------------------------------------------------------
@@ -323,7 +246,10 @@ class Communicator:
             await ms.aclose()
             raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
         self._ms = ms
-        self.peer_id = reply.peer_id
+        self._core.peer_id = reply.peer_id
+        self._dialer = P2PDialer(
+            self.transport, my_peer_id=self.peer_id, config=self.config, secret=self.config.secret or ""
+        )
         self.pool = P2PPool(
             transport=self.transport,
             my_peer_id=self.peer_id,
@@ -349,15 +275,15 @@ class Communicator:
             await ms.aclose()
             raise MasterConnectionError(f"cannot open the P2P listener: {exc}") from exc
         assert self.p2p_address is not None
-        self._last_master_msg = trio.current_time()
+        self._core.last_heard = trio.current_time()
         nursery.start_soon(self._reader)
         nursery.start_soon(self._heartbeat)
         nursery.start_soon(self._watchdog)
-        nursery.start_soon(self._stall_monitor)
+        self._stall.name = f"peer {self.peer_id}"
+        nursery.start_soon(self._stall.run)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
-        accepted = await self._accepted.wait()
-        self._set_table(accepted.peers, accepted.epoch)
-        log.info("peer %d accepted (world size %d)", self.peer_id, len(self._table))
+        await self._accepted.wait()  # the core has the table now
+        log.info("peer %d accepted (world size %d)", self.peer_id, len(self._core.table))
 
     async def aclose(self) -> None:
         """Leave the run. The others see it exactly like a failure, minus the wait."""
@@ -378,7 +304,7 @@ class Communicator:
     # master link
 
     async def _send(self, msg: m.Message) -> None:
-        self._check_master()
+        self._core.check_usable()
         assert self._ms is not None
         try:
             await self._ms.send(msg)
@@ -389,7 +315,7 @@ class Communicator:
 
     def _send_soon(self, msg: m.Message) -> None:
         """Send from a context that must not wait (cleanup paths)."""
-        if self._nursery is not None and self._master_error is None and not self._closed:
+        if self._nursery is not None and self._core.lost is None and not self._closed:
 
             async def go() -> None:
                 try:
@@ -399,21 +325,15 @@ class Communicator:
 
             self._nursery.start_soon(go)
 
-    def _check_master(self) -> None:
-        if self._master_error is not None:
-            raise self._master_error
-
     def _check_usable(self) -> None:
         if self._closed:
             raise InvalidUsageError("the communicator is closed")
-        self._check_master()
+        self._core.check_usable()
 
     def _fail_all(self, error: PCCLError, *, closing: bool = False) -> None:
         """The master is gone (or we close): fail every pending and future call."""
-        if self._master_error is None:
-            self._master_error = error
-            if not closing:
-                log.error("peer %d: %s", self.peer_id, error)
+        if self._core.lose(error) and not closing:
+            log.error("peer %d: %s", self.peer_id, error)
         self._accepted.fail(error)
         if self._topology_waiter is not None:
             self._topology_waiter.fail(error)
@@ -425,32 +345,26 @@ class Communicator:
             st.complete.fail(error)
             if st.scope is not None:
                 st.scope.cancel()
-        if self._sync_waiter is not None:
-            self._sync_waiter.fail(error)
-        if self._sync_ctx is not None:
-            self._sync_ctx.abort(error)
+        if self._sync_inbox is not None:
+            self._sync_inbox.fail(error)
+        self._state_server.abort(error)
 
     async def _reader(self) -> None:
         assert self._ms is not None
         try:
             while True:
                 msg = await self._ms.receive()
-                self._last_master_msg = trio.current_time()
-                handler = self._DISPATCH.get(type(msg))
-                if handler is None:
-                    raise RemoteProtocolError(f"unexpected message from master: {type(msg).__name__}")
-                handler(self, msg)
+                if self.handle_master_message(msg) is not None:
+                    break  # kicked, or the master broke the protocol
         except StreamBroken as exc:
             self._fail_all(MasterConnectionError(f"lost the connection to the master: {exc}"))
+            return
         except RemoteProtocolError as exc:
             self._fail_all(MasterConnectionError(f"master protocol error: {exc.message}"))
-            await self._ms.aclose()
-        except KickedError as exc:
-            self._fail_all(exc)
-            await self._ms.aclose()
+        await self._ms.aclose()
 
     async def _heartbeat(self) -> None:
-        while self._master_error is None:
+        while self._core.lost is None:
             await trio.sleep(self.config.heartbeat_interval)
             try:
                 await self._send(m.Heartbeat())
@@ -459,9 +373,9 @@ class Communicator:
 
     async def _watchdog(self) -> None:
         period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
-        while self._master_error is None:
+        while self._core.lost is None:
             await trio.sleep(period)
-            silent = trio.current_time() - self._last_master_msg
+            silent = self._core.silence(trio.current_time())
             if silent > self.config.heartbeat_timeout:
                 limit = self.config.heartbeat_timeout
                 msg = f"master silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
@@ -470,117 +384,85 @@ class Communicator:
                     await self._ms.aclose()
                 return
 
-    # --- dispatch ---------------------------------------------------------------------------
+    # --- executing the core's effects -------------------------------------------------------
 
-    def _on_heartbeat(self, msg: m.Message) -> None:
-        pass
+    def handle_master_message(self, msg: m.Message) -> PCCLError | None:
+        """What the reader task does with each message from the master: the core applies it, this
+        executes the effects (synchronously: no checkpoint). Public so that a test can script the
+        master's messages exactly as they would arrive.
 
-    def _on_refused(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Refused)
-        raise KickedError(f"removed by the master: {msg.reason}")
+        Returns:
+            The error that ended the master link, if this message ended it (the reader then stops).
+        """
+        lost: PCCLError | None = None
+        for effect in self._core.handle(msg, trio.current_time()):
+            if isinstance(effect, Lost):
+                lost = effect.error
+                self._fail_all(lost)
+            else:
+                self._execute(effect)
+        return lost
 
-    def _on_registered(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Registered)
-        log.debug("peer %d registered, waiting to be accepted", msg.peer_id)
+    def _execute(self, effect: Effect) -> None:
+        if isinstance(effect, Resolve):
+            self._resolve(effect)
+        elif isinstance(effect, AbortOp):
+            st = self._ops.get(effect.tag)
+            if st is not None:
+                st.abort_error = effect.error
+                st.commence.fail(effect.error)
+                st.complete.fail(effect.error)
+                if st.scope is not None:
+                    st.scope.cancel()
+        elif isinstance(effect, Establish):
+            assert self._nursery is not None
+            self._nursery.start_soon(self._establish, effect)
+        elif isinstance(effect, Measure):
+            assert self._nursery is not None
+            self._nursery.start_soon(self._measure, effect.request)
 
-    def _on_accepted(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.Accepted)
-        self._accepted.set(msg)
+    def _resolve(self, effect: Resolve) -> None:
+        msg, call = effect.message, effect.call
+        if call is Call.COMMENCE:
+            assert isinstance(msg, m.CollectiveCommence)
+            st = self._ops.get(effect.tag)
+            if st is not None:
+                st.commence.set(msg)
+        elif call is Call.COMPLETE:
+            assert isinstance(msg, m.CollectiveComplete)
+            st = self._ops.get(effect.tag)
+            if st is not None:
+                st.complete.set(msg)
+        elif call is Call.SYNC:
+            if self._sync_inbox is not None:
+                self._sync_inbox.put(msg)
+        elif call is Call.TOPOLOGY:
+            assert isinstance(msg, m.TopologyResult)
+            if self._topology_waiter is not None:
+                self._topology_waiter.set(msg)
+        elif call is Call.PENDING:
+            assert isinstance(msg, m.PeersPendingResult)
+            if self._pending_waiters:
+                self._pending_waiters.popleft().set(msg)
+        elif call is Call.ACCEPTED:
+            assert isinstance(msg, m.Accepted)
+            self._accepted.set(msg)
 
-    def _on_pending_result(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.PeersPendingResult)
-        if self._pending_waiters:
-            self._pending_waiters.popleft().set(msg)
-
-    def _on_establish(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.EstablishP2P)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._establish, msg)
-
-    async def _establish(self, msg: m.EstablishP2P) -> None:
-        group_rows = [r for r in msg.peers if int(r[3]) == self.peer_group]
-        nxt, _ = _ring_neighbours(group_rows, self.peer_id)
+    async def _establish(self, effect: Establish) -> None:
+        nxt = effect.successor
         ok, failed, reason = True, [], ""
         if nxt is not None:
             try:
                 with trio.fail_after(self.config.p2p_connection_timeout):
-                    await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+                    await self.pool.connect(nxt.peer_id, nxt.host, nxt.port)
             except (PCCLError, trio.TooSlowError) as exc:
-                ok, failed, reason = False, [int(nxt[0])], str(exc)
+                ok, failed, reason = False, [nxt.peer_id], str(exc)
         try:
             await self._send(
-                m.P2PConnectionsDone(epoch=msg.epoch, success=ok, failed_peers=failed, reason=reason)
+                m.P2PConnectionsDone(epoch=effect.epoch, success=ok, failed_peers=failed, reason=reason)
             )
         except PCCLError:
             pass
-
-    def _on_topology_result(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.TopologyResult)
-        self._set_table(msg.peers, msg.epoch)
-        if self._topology_waiter is not None:
-            self._topology_waiter.set(msg)
-
-    def _on_commence(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.CollectiveCommence)
-        st = self._ops.get(msg.tag)
-        if st is not None:
-            st.op_seq = msg.op_seq
-            st.commence.set(msg)
-
-    def _on_complete(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.CollectiveComplete)
-        st = self._ops.get(msg.tag)
-        if st is not None and st.op_seq == msg.op_seq:
-            st.complete.set(msg)
-
-    def _on_abort(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.CollectiveAbort)
-        st = self._ops.get(msg.tag)
-        # An abort names the op it ends: -1 for an op that never commenced (refused or withdrawn),
-        # else the commenced op's sequence number. Anything else is a late abort of an earlier op with
-        # the same tag (e.g. its retry already voted) and must not touch the current one.
-        if st is None or msg.op_seq != st.op_seq:
-            return
-        err = error_from_code(msg.code, msg.reason)
-        st.abort_error = err
-        st.commence.fail(err)
-        st.complete.fail(err)
-        if st.scope is not None:
-            st.scope.cancel()
-
-    def _on_sync_message(self, msg: m.Message) -> None:
-        if self._sync_waiter is not None:
-            self._sync_waiter.put(msg)
-
-    def _on_measure(self, msg: m.Message) -> None:
-        assert isinstance(msg, m.MeasureBandwidth)
-        assert self._nursery is not None
-        self._nursery.start_soon(self._measure, msg)
-
-    _DISPATCH: dict[type[m.Message], Callable[[Communicator, m.Message], None]] = {
-        m.Heartbeat: _on_heartbeat,
-        m.Refused: _on_refused,
-        m.Registered: _on_registered,
-        m.Accepted: _on_accepted,
-        m.PeersPendingResult: _on_pending_result,
-        m.EstablishP2P: _on_establish,
-        m.TopologyResult: _on_topology_result,
-        m.CollectiveCommence: _on_commence,
-        m.CollectiveComplete: _on_complete,
-        m.CollectiveAbort: _on_abort,
-        m.SharedStatePlan: _on_sync_message,
-        m.SharedStateResult: _on_sync_message,
-        m.MeasureBandwidth: _on_measure,
-    }
-
-    def _set_table(self, rows: list[list[Any]], epoch: int) -> None:
-        self._table = [list(r) for r in rows]
-        self._epoch = epoch
-
-    def _reconcile_group(self, group_rows: list[list[Any]]) -> None:
-        """A collective/sync told us who is alive in our group: drop the others from our table."""
-        alive = {int(r[0]) for r in group_rows}
-        self._table = [r for r in self._table if int(r[3]) != self.peer_group or int(r[0]) in alive]
 
     # ------------------------------------------------------------------------------------------
     # membership calls
@@ -605,17 +487,15 @@ class Communicator:
 
     async def _topology_call(self, vote: m.Message, name: str) -> None:
         self._check_usable()
-        if self._ops:
-            raise PendingAsyncOpsError(f"{name} while {len(self._ops)} collective(s) are in flight")
-        if self._topology_waiter is not None or self._sync_waiter is not None:
-            raise InvalidUsageError(f"{name} while another membership call is running")
-        waiter: _Waiter[m.TopologyResult] = _Waiter()
+        self._core.begin_topology(name)
+        waiter: Waiter[m.TopologyResult] = Waiter()
         self._topology_waiter = waiter
         try:
             await self._send(vote)
             result = await waiter.wait()
         finally:
             self._topology_waiter = None
+            self._core.end_membership()
         if not result.success:
             raise error_from_code(result.code, result.reason or f"{name} failed")
 
@@ -625,7 +505,7 @@ class Communicator:
         May be called while collectives are in flight.
         """
         self._check_usable()
-        waiter: _Waiter[m.PeersPendingResult] = _Waiter()
+        waiter: Waiter[m.PeersPendingResult] = Waiter()
         self._pending_waiters.append(waiter)
         try:
             await self._send(m.PeersPendingVote())
@@ -715,8 +595,7 @@ class Communicator:
         quantization: QuantizationOptions | None = None,
     ) -> ReduceInfo:
         self._check_usable()
-        if not isinstance(tag, int) or tag < 0 or tag >= 2**63:
-            raise InvalidArgumentError(f"tag must be a non-negative 64-bit integer, got {tag!r}")
+        self._core.check_tag(tag)
         op = ReduceOp(op)
         if recv is None:
             recv = send
@@ -728,38 +607,17 @@ class Communicator:
         device = backend.device_index(send)
         backend.check_same_device(device, backend.device_index(recv))
         on_gpu = device >= 0
-        group = self.group_ring
-        n = len(group)
-        if kind == "all_gather":
-            if rdesc.count != n * sdesc.count:
-                raise InvalidArgumentError(
-                    f"all_gather: recv has {rdesc.count} elements, expected {n} x {sdesc.count}"
-                )
-        elif rdesc.count != sdesc.count:
-            raise InvalidArgumentError(f"send has {sdesc.count} elements but recv has {rdesc.count}")
-        if tag in self._ops:
-            raise InvalidUsageError(f"tag {tag} is already running on this peer")
-        if n < 2:
-            raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.peer_group}, world has {n}")
         q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
-        if q.algorithm != QuantizationAlgorithm.NONE and (
-            kind != "all_reduce" or not sdesc.dtype.is_floating
-        ):
-            raise InvalidArgumentError("quantization applies to floating-point all_reduce only")
-        root_id = -1
-        if kind == "broadcast":
-            if not 0 <= root < n:
-                raise InvalidArgumentError(f"root rank {root} out of range for group size {n}")
-            root_id = group[root]
-        descriptor = [
+        descriptor = self._core.describe_collective(
             kind,
-            int(sdesc.dtype),
-            sdesc.count,
-            int(op),
-            root_id,
-            int(q.algorithm),
-            int(q.quantized_datatype),
-        ]
+            tag=tag,
+            dtype=sdesc.dtype,
+            send_count=sdesc.count,
+            recv_count=rdesc.count,
+            op=op,
+            root=root,
+            quantization=q,
+        )
         stage: np.ndarray | None = None
         if on_gpu:
             # Host staging: the ring runs on a host copy of ``send``, taken now (before voting, so a CUDA
@@ -767,27 +625,23 @@ class Communicator:
             stage = self._gpu_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
             backend.copy_to_host(send, stage)
         t_start = time.perf_counter()
-        st = _OpState(tag=tag, commence=_Waiter(), complete=_Waiter())
+        st = _OpState(tag=tag, commence=Waiter(), complete=Waiter())
+        self._core.begin_op(tag)
         self._ops[tag] = st
         work: np.ndarray | None = None
         try:
             await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
             commence = await st.commence.wait()
             t_commence = time.perf_counter()
+            st.op_seq = commence.op_seq
             rows = commence.peers
-            ring = [int(r[0]) for r in rows]
-            self._reconcile_group(rows)
-            if kind == "all_gather" and len(ring) * sdesc.count != rdesc.count:
+            ring = [r.peer_id for r in rows]
+            self._core.reconcile_group(rows)
+            problem = self._core.commence_problem(descriptor, rdesc.count, ring)
+            if problem is not None:
                 self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
-                await self._report_failure(st, "group size changed")
-                raise InvalidArgumentError(
-                    f"all_gather: the group has {len(ring)} peers now; recv must "
-                    f"hold {len(ring)} x {sdesc.count} elements"
-                )
-            if kind == "broadcast" and root_id not in ring:
-                self.pool.forget_op(st.op_seq)
-                await self._report_failure(st, "root lost")
-                raise RankConnectionLostError(f"broadcast root peer {root_id} is no longer in the group")
+                await self._report_failure(st, problem[0])
+                raise problem[1]
             send_np = stage if stage is not None else backend.as_numpy(send)
             cache = self._gpu_cache if on_gpu else self._work_cache
             work = cache.take(send_np.dtype, rdesc.count, recv if on_gpu else None)
@@ -796,18 +650,18 @@ class Communicator:
                 st.scope = scope
                 if st.abort_error is not None:
                     # The abort arrived right behind the commence, before this task ran again, so
-                    # _on_abort found no scope to cancel: cancel now, before the ring starts (the
+                    # the AbortOp effect found no scope to cancel: cancel now, before the ring starts (the
                     # failure path below forgets the op's stashed frames and raises the abort).
                     scope.cancel()
                 try:
-                    nxt, _ = _ring_neighbours(rows, self.peer_id)
+                    nxt, _ = ring_neighbours(rows, self.peer_id)
                     assert nxt is not None
                     try:
-                        await self.pool.connect(int(nxt[0]), str(nxt[1]), int(nxt[2]))
+                        await self.pool.connect(nxt.peer_id, nxt.host, nxt.port)
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
-                    tx, rx = await self._run_guarded(
+                    tx, rx = await self._stall.guarded(
                         functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q)
                     )
                     ok = True
@@ -839,11 +693,12 @@ class Communicator:
             self._stats[f"{kind}_failed"] += 1
             raise
         finally:
-            if not st.concluded and st.abort_error is None and self._master_error is None:
+            if not st.concluded and st.abort_error is None and self._core.lost is None:
                 # Cancelled by the caller while voting or running: withdraw, so the master aborts the
                 # op for the other participants instead of leaving them waiting for us.
                 self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
             self._ops.pop(tag, None)
+            self._core.end_op(tag)
 
     def _record_phases(self, *t: float) -> None:
         """Record a successful collective's phases from the ``len(_PHASES) + 1`` instants between them."""
@@ -859,66 +714,10 @@ class Communicator:
         except PCCLError:
             pass
 
-    async def _run_guarded(self, run: Callable[[], Awaitable[tuple[int, int]]]) -> tuple[int, int]:
-        """Run the data plane (``run()``) with a stall watchdog.
-
-        Heartbeats catch dead and hung peers, but two peers that are both fine with the master and
-        cannot reach each other (a partitioned P2P link) would wait forever. When this peer's pool
-        moves no bytes at all for ``p2p_stall_timeout`` seconds the operation fails with
-        RANK_CONNECTION_LOST, and the master aborts it for everyone.
-        """
-        guard = _StallGuard(started=trio.current_time(), scope=trio.CancelScope())
-        self._guards.add(guard)
-        self._guards_changed.set()
-        try:
-            with guard.scope:  # cancelled only by the stall monitor
-                return await run()
-        finally:
-            self._guards.discard(guard)
-        stalled = guard.stalled  # only the stall monitor cancels guard.scope, and it sets this first
-        assert stalled is not None
-        log.warning(
-            "peer %d: no data moved on the ring for %.1fs (p2p_stall_timeout): failing the operation",
-            self.peer_id, stalled,
-        )
-        raise RankConnectionLostError(
-            f"no data moved on the ring for {stalled:.1f}s (p2p_stall_timeout): a ring link is "
-            f"partitioned or a neighbour stopped sending"
-        )
-
-    async def _stall_monitor(self) -> None:
-        """The watchdog of every running data plane (:meth:`_run_guarded`), one task for all of them.
-
-        While any data plane runs, samples the pool's byte counters every ``p2p_stall_timeout / 8``;
-        a data plane that has seen no progress for ``p2p_stall_timeout`` (counted from its own start
-        or the last progress, whichever is later) is cancelled. Sleeps while none runs, so an idle
-        communicator costs nothing (and a mock clock has nothing to jump to). One long-lived task
-        instead of a nursery and two tasks per operation: measured 0.25 ms of CPU per 64 KB
-        all-reduce (2 peers, 0.9 vs 1.14 ms).
-        """
-        limit = self.config.p2p_stall_timeout
-
-        def progress() -> tuple[int, int]:
-            stats = self.pool.statistics()
-            return (stats["tx_bytes"], stats["rx_bytes"])
-
-        while True:
-            if not self._guards:
-                self._guards_changed = trio.Event()
-                await self._guards_changed.wait()
-                continue
-            last, since = progress(), trio.current_time()
-            while self._guards:
-                await trio.sleep(limit / 8)
-                now, cur = trio.current_time(), progress()
-                if cur != last:
-                    last, since = cur, now
-                    continue
-                for guard in list(self._guards):
-                    quiet = now - max(since, guard.started)
-                    if quiet >= limit and guard.stalled is None:
-                        guard.stalled = quiet
-                        guard.scope.cancel()
+    def _pool_progress(self) -> tuple[int, int]:
+        """The pool's byte counters: what the stall watch samples."""
+        stats = self.pool.statistics()
+        return (stats["tx_bytes"], stats["rx_bytes"])
 
     async def _run_dataplane(
         self,
@@ -1050,7 +849,7 @@ class Communicator:
         *,
         progress: Callable[[int, int], None] | None = None,
     ) -> SharedStateSyncInfo:
-        """Synchronize ``state`` with the group (a group vote); see PROTOCOL.md section 5.
+        """Synchronize ``state`` with the group (a group vote); see docs/protocol.md section 5.
 
         Tensors are updated in place; ``state.revision`` is set to the group's revision.
 
@@ -1063,34 +862,55 @@ class Communicator:
             SharedStateSyncError / NoSharedStateAvailableError: refused or failed; tensors unchanged.
             RankConnectionLostError: a participant was lost mid-sync; retry.
         """
-        from . import shared_state
-
         self._check_usable()
-        if self._sync_waiter is not None or self._topology_waiter is not None:
-            raise InvalidUsageError("sync_shared_state while another membership call is running")
-        return await shared_state.run_sync(self, state, SharedStateSyncStrategy(strategy), progress)
+        self._core.begin_sync()
+        assert self._dialer is not None
+        inbox = Mailbox()
+        self._sync_inbox = inbox
+        try:
+            return await shared_state.run_sync(
+                _MasterLink(self._send, inbox),
+                self._dialer,
+                self._state_server,
+                state,
+                SharedStateSyncStrategy(strategy),
+                progress,
+            )
+        finally:
+            self._sync_inbox = None
+            self._core.end_membership()
 
     async def _serve_state(self, ms: MessageStream, hello: m.Hello) -> None:
-        from . import shared_state
-
-        await shared_state.serve_state_requests(self, ms, hello)
+        await shared_state.serve_state_requests(self._state_server, ms, hello)
 
     # ------------------------------------------------------------------------------------------
     # bandwidth
 
     async def _serve_bench(self, ms: MessageStream, hello: m.Hello) -> None:
-        from . import bandwidth
-
         await bandwidth.serve_probe(ms)
 
     async def _measure(self, msg: m.MeasureBandwidth) -> None:
-        from . import bandwidth
-
-        results = await bandwidth.measure_targets(self, msg.targets, msg.duration)
+        assert self._dialer is not None
+        results = await bandwidth.measure_targets(self._dialer, msg.targets, msg.duration)
         try:
             await self._send(m.BandwidthReport(epoch=msg.epoch, results=results))
         except PCCLError:
             pass
+
+
+class _MasterLink:
+    """The master link of one exchange (a :class:`pccl.peer.links.MasterLink`)."""
+
+    def __init__(self, send: Callable[[m.Message], Awaitable[None]], inbox: Mailbox) -> None:
+        self._send = send
+        self._inbox = inbox
+
+    @property
+    def inbox(self) -> Mailbox:
+        return self._inbox
+
+    async def send(self, msg: m.Message) -> None:
+        await self._send(msg)
 
 
 def _guard(fn: Callable[..., Awaitable[None]], what: str) -> Callable[..., Awaitable[None]]:

@@ -12,7 +12,6 @@ underlying stream right after it.
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 
@@ -21,6 +20,7 @@ import trio
 from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import PCCLError, RankConnectionFailedError, RemoteProtocolError, Result
 from ..transport import Address, Listener, StreamBroken, Transport
+from ..wire.hello import check_hello
 from ..wire.messages import Hello, HelloOk, Refused
 from ..wire.stream import MessageStream
 
@@ -110,27 +110,23 @@ async def _serve_connection(
     ms: MessageStream, handlers: Mapping[str, P2PHandler], config: PeerConfig, secret: str
 ) -> None:
     try:
-        hello = None
+        msg = None
         with trio.move_on_after(config.connect_timeout):
             try:
                 msg = await ms.receive()
             except (StreamBroken, RemoteProtocolError) as exc:
                 log.warning("refused P2P connection from %s: bad hello (%s)", _peer_of(ms), exc)
                 return
-            if not isinstance(msg, Hello):
-                await _refuse(ms, f"expected Hello, got {type(msg).__name__}", Result.REMOTE_ERROR,
-                              config.connect_timeout)
-                return
-            hello = msg
-        if hello is None:
+        if msg is None:
             log.warning("refused P2P connection from %s: no hello within %.1fs", _peer_of(ms),
                         config.connect_timeout)
             return
-        reason = _check_hello(hello, handlers, secret)
-        if reason is not None:
-            await _refuse(ms, reason, Result.REMOTE_ERROR if "version" in reason else Result.INVALID_USAGE,
-                          config.connect_timeout)
+        refusal = check_hello(msg, purpose="p2p", secret=secret, channels=handlers, listener="this peer")
+        if refusal is not None:
+            await _refuse(ms, refusal.reason, refusal.result, config.connect_timeout)
             return
+        assert isinstance(msg, Hello)
+        hello = msg
         with trio.move_on_after(config.connect_timeout) as scope:
             try:
                 await ms.send(HelloOk(protocol_version=PROTOCOL_VERSION))
@@ -148,23 +144,6 @@ async def _serve_connection(
                 await ms.aclose()
             except Exception:  # closing a broken stream may fail; nothing left to do
                 pass
-
-
-def _check_hello(hello: Hello, handlers: Mapping[str, P2PHandler], secret: str) -> str | None:
-    """Return why ``hello`` is refused, or None to accept it."""
-    if hello.protocol_version != PROTOCOL_VERSION:
-        return (
-            f"protocol version mismatch: the connecting peer speaks version {hello.protocol_version}, "
-            f"this peer speaks version {PROTOCOL_VERSION}"
-        )
-    if hello.purpose != "p2p":
-        return f"this is a P2P listener; connection purpose {hello.purpose!r} is not served here"
-    if secret or hello.secret:
-        if not hmac.compare_digest(hello.secret.encode("utf-8"), secret.encode("utf-8")):
-            return "bad secret"
-    if hello.channel not in handlers:
-        return f"unknown P2P channel {hello.channel!r}"
-    return None
 
 
 async def open_p2p(
@@ -240,3 +219,47 @@ async def open_p2p(
                     await ms.aclose()
                 except Exception:  # already broken; the error above is what matters
                     pass
+
+
+class P2PDialer:
+    """Opens this peer's P2P connections (a :class:`pccl.peer.links.Dialer`).
+
+    Args:
+        transport: how to connect.
+        my_peer_id: this peer's id, presented in every Hello.
+        config: timeouts and frame limits.
+        secret: the shared secret, if the group uses one.
+    """
+
+    def __init__(
+        self, transport: Transport, *, my_peer_id: int, config: PeerConfig, secret: str = ""
+    ) -> None:
+        self.transport = transport
+        self.my_peer_id = my_peer_id
+        self.config = config
+        self.secret = secret
+
+    @property
+    def connect_timeout(self) -> float:
+        """``config.connect_timeout``."""
+        return self.config.connect_timeout
+
+    async def dial(self, host: str, port: int, *, channel: str, index: int = 0) -> MessageStream:
+        """Open and handshake a connection on ``channel`` (see :func:`open_p2p`).
+
+        Raises:
+            RankConnectionFailedError: see :func:`open_p2p`.
+        """
+        return await open_p2p(
+            self.transport,
+            host,
+            port,
+            my_peer_id=self.my_peer_id,
+            channel=channel,
+            index=index,
+            config=self.config,
+            secret=self.secret,
+        )
+
+    def __repr__(self) -> str:
+        return f"<P2PDialer peer={self.my_peer_id}>"

@@ -21,7 +21,11 @@ the receive's state before every ``recv_into`` syscall (trio is single-threaded,
 write between the check and the syscall); on other transports it receives through a pool-owned
 bounce buffer and copies only while the receive is live.
 
-Fast path: on :class:`~pccl.transport.TcpStream` the pool drives a private ``dup`` of the socket
+One read path and one write path: the pool's logic (headers, routing, stash, discard) is written
+once against a connection's ``receive_into`` / ``send_frame``; how the bytes move is a property of the
+connection (``_Conn`` for any stream, ``_SocketConn`` for TCP).
+
+Fast path: on :class:`~pccl.transport.TcpStream` the connection drives a private ``dup`` of the socket
 with non-blocking ``sendmsg``/``recv_into`` and waits with ``trio.lowlevel.wait_readable`` /
 ``wait_writable`` only when the kernel says EAGAIN (or a short read/write says the same). This
 skips the two scheduler round trips per syscall that trio's socket methods spend on checkpoints.
@@ -130,65 +134,95 @@ def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | No
     return sock
 
 
+def _open_conn(
+    stream: Stream, peer_id: int, index: int, *, outgoing: bool, buffer_bytes: int | None = None
+) -> _Conn:
+    """The connection object for ``stream``: the TCP fast path where there is a socket to drive."""
+    sock = _fast_socket(stream, buffer_bytes)
+    if sock is None:
+        return _Conn(stream, peer_id, index, outgoing=outgoing)
+    return _SocketConn(stream, peer_id, index, outgoing=outgoing, sock=sock)
+
+
 class _Conn:
-    """One P2P connection of the pool (send-only if outgoing, receive-only if incoming)."""
+    """One P2P connection of the pool (send-only if outgoing, receive-only if incoming).
 
-    __slots__ = ("bounce", "closed", "hdr", "hdr_view", "index", "lock", "lowat", "outgoing", "peer_id",
-                 "rx_bytes", "send_waits", "sock", "stream", "tx_bytes")
+    The pool's read and write logic is written once, against :meth:`receive_into` and
+    :meth:`send_frame`; how bytes move is this object's business. This base class works on any
+    :class:`~pccl.transport.Stream`; :class:`_SocketConn` is the TCP fast path.
+    """
 
-    def __init__(
-        self, stream: Stream, peer_id: int, index: int, *, outgoing: bool, buffer_bytes: int | None = None
-    ) -> None:
+    __slots__ = ("bounce", "closed", "hdr", "hdr_view", "index", "lock", "outgoing", "peer_id",
+                 "recv_waits", "rx_bytes", "send_waits", "sent", "stream", "tx_bytes", "waited")
+
+    # True if receive_into never writes into ``view`` after a checkpoint, so a destination that may be
+    # cancelled meanwhile can be handed to it directly (the check before each call suffices); else the
+    # pool receives through a bounce buffer (see P2PPool._fill).
+    direct = False
+    # True if receive_into always waits (a checkpoint per call), as a generic stream does.
+    always_waits = True
+
+    def __init__(self, stream: Stream, peer_id: int, index: int, *, outgoing: bool) -> None:
         self.stream = stream
         self.peer_id = peer_id
         self.index = index
         self.outgoing = outgoing
-        self.sock = _fast_socket(stream, buffer_bytes)
         self.closed = False
         self.lock = trio.StrictFIFOLock()
         self.hdr = bytearray(DATA_HEADER_SIZE)
         self.hdr_view = memoryview(self.hdr)
         self.bounce: memoryview | None = None
-        self.lowat = 1  # current SO_RCVLOWAT (incoming TCP connections)
+        self.sent = 0  # bytes of the frame being sent that left (0 < sent < total: a partial frame)
+        self.waited = False  # set by receive_into when it had to wait
         self.send_waits = 0
+        self.recv_waits = 0
         self.tx_bytes = 0
         self.rx_bytes = 0
 
     def alive(self) -> bool:
-        """False once closed or (TCP) once the other side has closed or reset it."""
-        if self.closed:
-            return False
-        sock = self.sock
-        if sock is None or not self.outgoing:
-            return True
-        try:
-            sock.recv(1, _MSG_PEEK_DONTWAIT)
-        except BlockingIOError:
-            return True
-        except OSError:
-            return False
-        # EOF, or bytes on a connection the other side must never write to: either way unusable.
-        return False
+        """False once closed (a generic stream cannot tell more without reading)."""
+        return not self.closed
+
+    def _close_io(self) -> None:
+        """Release what this connection drives besides its stream."""
 
     async def aclose(self) -> None:
         """Close (idempotent, never raises, safe under cancellation)."""
         if self.closed:
             return
         self.closed = True
-        sock = self.sock
-        if sock is not None:
-            # wake any task parked in wait_readable/wait_writable on our dup first
-            trio.lowlevel.notify_closing(sock)
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
+        self._close_io()
         with trio.CancelScope(shield=True):
             try:
                 await self.stream.aclose()
             except Exception:  # closing an already broken stream: nothing left to do
                 pass
+
+    async def receive_into(self, view: memoryview, want: int) -> int:
+        """Receive up to ``len(view)`` bytes into ``view``.
+
+        Returns 0 when it only waited for bytes to arrive (the fast path never writes into ``view``
+        after a checkpoint): the caller re-checks whether it still wants them and calls again.
+
+        Args:
+            view: where the bytes go.
+            want: bytes certain to arrive (the rest of the header or frame): how long a wake-up may
+                be put off.
+
+        Raises:
+            _Broken: closed here, or EOF.
+        """
+        self.waited = True
+        k = await self.stream.receive_into(view)
+        if k == 0:
+            raise _Broken("connection closed by the other side")
+        return k
+
+    async def _send_parts(self, header: memoryview, data: memoryview, total: int) -> None:
+        self.sent = 1  # from here on, any failure may have left a partial frame behind
+        await self.stream.send_all(header)
+        await self.stream.send_all(data)
+        self.sent = total
 
     async def send_frame(self, tag: int, op_seq: int, seq: int, data: memoryview) -> None:
         """Send header + payload as one uninterrupted frame.
@@ -206,46 +240,128 @@ class _Conn:
         except trio.WouldBlock:
             await lock.acquire()
         total = DATA_HEADER_SIZE + len(data)
-        sent = 0
+        self.sent = 0
         try:
             if self.closed:
                 raise _Broken("connection closed")
             pack_data_header_into(self.hdr, tag, op_seq, seq, len(data))
-            sock = self.sock
-            if sock is not None:
-                hv = self.hdr_view
-                while True:
-                    try:
-                        if sent < DATA_HEADER_SIZE:
-                            sent += sock.sendmsg([hv[sent:], data], (), _MSG_NOSIGNAL)
-                        else:
-                            sent += sock.send(data[sent - DATA_HEADER_SIZE :], _MSG_NOSIGNAL)
-                    except BlockingIOError:
-                        pass
-                    if sent >= total:
-                        break
-                    # The send buffer is full (a short write means the same). Retrying at once
-                    # would spin on whatever trickle the receiver frees; epoll reports writable
-                    # only once a good part of the buffer is free again, so each send is large.
-                    self.send_waits += 1
-                    await trio.lowlevel.wait_writable(sock)
-                    if self.closed:
-                        raise _Broken("connection closed")
-            else:
-                sent = 1  # from here on, any failure may have left a partial frame behind
-                await self.stream.send_all(self.hdr_view)
-                await self.stream.send_all(data)
-                sent = total
+            await self._send_parts(self.hdr_view, data, total)
             self.tx_bytes += len(data)
         except (OSError, StreamBroken, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
             await self.aclose()
             raise _Broken(str(exc) or type(exc).__name__) from exc
         except BaseException:
-            if 0 < sent < total:
+            if 0 < self.sent < total:
                 await self.aclose()
             raise
         finally:
             lock.release()
+
+
+class _SocketConn(_Conn):
+    """The TCP fast path: non-blocking syscalls on a private dup of the socket, waiting for readiness
+    only when the kernel says EAGAIN (or a short read/write says the same). See the module docstring."""
+
+    __slots__ = ("drained", "lowat", "lowat_cap", "sock")
+
+    direct = True  # the receive syscall is synchronous: nothing can cancel a destination during it
+    always_waits = False
+
+    def __init__(
+        self, stream: Stream, peer_id: int, index: int, *, outgoing: bool, sock: socket.socket
+    ) -> None:
+        super().__init__(stream, peer_id, index, outgoing=outgoing)
+        self.sock = sock
+        self.lowat = 1  # current SO_RCVLOWAT (incoming connections)
+        self.lowat_cap = DEFAULT_RCVLOWAT  # 1 once the kernel refused SO_RCVLOWAT
+        self.drained = False  # the last read was short: the socket is empty, wait before the next
+
+    def alive(self) -> bool:
+        """False once closed or (outgoing) once the other side has closed or reset it."""
+        if self.closed:
+            return False
+        if not self.outgoing:
+            return True
+        try:
+            self.sock.recv(1, _MSG_PEEK_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        # EOF, or bytes on a connection the other side must never write to: either way unusable.
+        return False
+
+    def _close_io(self) -> None:
+        sock = self.sock
+        # wake any task parked in wait_readable/wait_writable on our dup first
+        trio.lowlevel.notify_closing(sock)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+    def _set_lowat(self, want: int) -> None:
+        """Set SO_RCVLOWAT so that epoll reports the socket readable only with ``want`` bytes queued.
+
+        Never above what is certain to arrive (the rest of the current header or frame), so it
+        cannot stall; the kernel also wakes us when the receive window fills or the peer closes.
+        """
+        if want != self.lowat:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, want))
+                self.lowat = want
+            except OSError:  # not supported: plain wake-ups still work
+                self.lowat_cap = 1
+
+    async def _wait_readable(self, want: int) -> None:
+        # Wake up only once a worthwhile amount has arrived (or the rest of the frame): fewer, larger
+        # recv_into calls and far fewer trips through the scheduler than retrying on every trickle.
+        self.waited = True
+        self._set_lowat(min(want, self.lowat_cap))
+        self.recv_waits += 1
+        await trio.lowlevel.wait_readable(self.sock)
+
+    async def receive_into(self, view: memoryview, want: int) -> int:
+        """See :meth:`_Conn.receive_into`: one ``recv_into`` without a checkpoint while the kernel has
+        bytes, else (EAGAIN, or the previous read was short, which means the same) one wait."""
+        if self.closed:
+            raise _Broken("connection closed")
+        if not self.drained:
+            try:
+                k = self.sock.recv_into(view)
+            except BlockingIOError:
+                k = -1
+            if k == 0:
+                raise _Broken("connection closed by the other side")
+            if k > 0:
+                self.drained = k < len(view)
+                return k
+        self.drained = False
+        await self._wait_readable(want)
+        return 0
+
+    async def _send_parts(self, header: memoryview, data: memoryview, total: int) -> None:
+        sock = self.sock
+        sent = 0
+        while True:
+            try:
+                if sent < DATA_HEADER_SIZE:
+                    sent += sock.sendmsg([header[sent:], data], (), _MSG_NOSIGNAL)
+                else:
+                    sent += sock.send(data[sent - DATA_HEADER_SIZE :], _MSG_NOSIGNAL)
+            except BlockingIOError:
+                pass
+            self.sent = sent
+            if sent >= total:
+                return
+            # The send buffer is full (a short write means the same). Retrying at once would spin on
+            # whatever trickle the receiver frees; epoll reports writable only once a good part of the
+            # buffer is free again, so each send is large.
+            self.send_waits += 1
+            await trio.lowlevel.wait_writable(sock)
+            if self.closed:
+                raise _Broken("connection closed")
 
 
 class ReceiveSlot:
@@ -363,8 +479,7 @@ class P2PPool:
         self._frames_stashed = 0
         self._bytes_discarded = 0
         self._connections_lost = 0
-        self._recv_waits = 0
-        self._lowat_cap = DEFAULT_RCVLOWAT
+        self._recv_waits = 0  # of incoming connections that are gone (live ones count their own)
 
     # ------------------------------------------------------------------------------------------
     # connections
@@ -428,7 +543,7 @@ class P2PPool:
         except RankConnectionFailedError as exc:
             errors.append(exc.message)
             return
-        conn = _Conn(ms.stream, peer_id, index, outgoing=True, buffer_bytes=self.socket_buffer_bytes)
+        conn = _open_conn(ms.stream, peer_id, index, outgoing=True, buffer_bytes=self.socket_buffer_bytes)
         if self._closed or self._out.get(peer_id) is not conns:
             # disconnect() or aclose() ran while we were connecting: this connection is unwanted
             await conn.aclose()
@@ -592,8 +707,8 @@ class P2PPool:
         """
         if self._closed:
             return
-        conn = _Conn(ms.stream, hello.peer_id, hello.index, outgoing=False,
-                     buffer_bytes=self.socket_buffer_bytes)
+        conn = _open_conn(ms.stream, hello.peer_id, hello.index, outgoing=False,
+                          buffer_bytes=self.socket_buffer_bytes)
         key = (hello.peer_id, hello.index)
         old = self._in.get(key)
         self._in[key] = conn
@@ -623,6 +738,8 @@ class P2PPool:
             log.warning("closing ring connection from peer %d: %s", conn.peer_id, exc.message)
         finally:
             was_closed = conn.closed
+            self._recv_waits += conn.recv_waits
+            conn.recv_waits = 0
             await conn.aclose()
             if self._in.get(key) is conn:
                 del self._in[key]
@@ -631,44 +748,10 @@ class P2PPool:
                 self._fail_peer(conn.peer_id, reason)
 
     async def _read_header(self, conn: _Conn) -> None:
-        sock = conn.sock
-        if sock is None:
-            view = conn.hdr_view
-            got = 0
-            while got < DATA_HEADER_SIZE:
-                k = await conn.stream.receive_into(view[got:])
-                if k == 0:
-                    raise _Broken("connection closed by the other side")
-                got += k
-            return
-        hv = conn.hdr_view
+        view = conn.hdr_view
         got = 0
         while got < DATA_HEADER_SIZE:
-            if conn.closed:
-                raise _Broken("connection closed")
-            try:
-                k = sock.recv_into(hv[got:] if got else hv)
-            except BlockingIOError:
-                self._set_lowat(conn, DATA_HEADER_SIZE - got)
-                self._recv_waits += 1
-                await trio.lowlevel.wait_readable(sock)
-                continue
-            if k == 0:
-                raise _Broken("connection closed by the other side")
-            got += k
-
-    def _set_lowat(self, conn: _Conn, want: int) -> None:
-        """Set SO_RCVLOWAT so that epoll reports the socket readable only with ``want`` bytes queued.
-
-        Never above what is certain to arrive (the rest of the current header or frame), so it
-        cannot stall; the kernel also wakes us when the receive window fills or the peer closes.
-        """
-        if want != conn.lowat and conn.sock is not None:
-            try:
-                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, want))
-                conn.lowat = want
-            except OSError:  # not supported: plain wake-ups still work
-                self._lowat_cap = 1
+            got += await conn.receive_into(view[got:] if got else view, DATA_HEADER_SIZE - got)
 
     async def _read_frame(self, conn: _Conn) -> bool:
         """Read the payload of the frame whose header is in ``conn.hdr``; True if it had to wait."""
@@ -739,72 +822,41 @@ class P2PPool:
         return blocked
 
     async def _fill(self, conn: _Conn, view: memoryview, slot: ReceiveSlot | None) -> bool:
-        """Receive exactly ``len(view)`` bytes into ``view``; stop writing once ``slot`` is cancelled."""
+        """Receive exactly ``len(view)`` bytes into ``view``; stop writing once ``slot`` is cancelled.
+
+        Returns:
+            True if it had to wait for bytes.
+        """
         n = len(view)
         got = 0
-        blocked = False
-        sock = conn.sock
-        if sock is not None:
-            while got < n:
-                if slot is not None and slot.cancelled:
-                    await self._drop(conn, n - got)
-                    return True
-                if conn.closed:
-                    raise _Broken("connection closed")
-                try:
-                    k = sock.recv_into(view[got:] if got else view)
-                    if k == 0:
-                        raise _Broken("connection closed by the other side")
-                    got += k
-                    if got >= n:
-                        break
-                except BlockingIOError:
-                    pass
-                # Drained the socket (a short read means the same). Wake up only once a worthwhile
-                # amount has arrived (or the frame's rest): fewer, larger recv_into calls and far
-                # fewer trips through the scheduler than retrying on every trickle.
-                blocked = True
-                self._set_lowat(conn, min(n - got, self._lowat_cap))
-                self._recv_waits += 1
-                await trio.lowlevel.wait_readable(sock)
-            return blocked
-        # Generic transport: receive_into may write after waking, so never hand it a destination
-        # that could be cancelled meanwhile; go through a pool-owned bounce buffer.
-        bounce = conn.bounce
-        if bounce is None:
-            bounce = conn.bounce = memoryview(bytearray(_BOUNCE_BYTES))
+        conn.waited = conn.always_waits
+        bounce: memoryview | None = None
+        if slot is not None and not conn.direct:
+            # receive_into may write after waking, so never hand it a destination that could be
+            # cancelled meanwhile; go through a pool-owned bounce buffer.
+            bounce = conn.bounce
+            if bounce is None:
+                bounce = conn.bounce = memoryview(bytearray(_BOUNCE_BYTES))
         while got < n:
-            if slot is None:
-                k = await conn.stream.receive_into(view[got:])
+            if slot is not None and slot.cancelled:
+                await self._drop(conn, n - got)
+                return True
+            if bounce is None:
+                got += await conn.receive_into(view[got:] if got else view, n - got)
             else:
-                k = await conn.stream.receive_into(bounce[: min(n - got, _BOUNCE_BYTES)])
-                if k and not slot.cancelled:
+                assert slot is not None
+                k = await conn.receive_into(bounce[: min(n - got, _BOUNCE_BYTES)], n - got)
+                if not slot.cancelled:
                     view[got : got + k] = bounce[:k]
-            if k == 0:
-                raise _Broken("connection closed by the other side")
-            got += k
-        return True
+                got += k
+        return conn.waited
 
     async def _drop(self, conn: _Conn, n: int) -> bool:
         got = 0
         discard = self._discard
-        sock = conn.sock
         while got < n:
             want = min(n - got, _DISCARD_BYTES)
-            if sock is not None:
-                if conn.closed:
-                    raise _Broken("connection closed")
-                try:
-                    k = sock.recv_into(discard, want)
-                except BlockingIOError:
-                    self._set_lowat(conn, min(want, self._lowat_cap))
-                    await trio.lowlevel.wait_readable(sock)
-                    continue
-            else:
-                k = await conn.stream.receive_into(discard[:want])
-            if k == 0:
-                raise _Broken("connection closed by the other side")
-            got += k
+            got += await conn.receive_into(discard[:want], want)
         return True
 
     # ------------------------------------------------------------------------------------------
@@ -829,7 +881,7 @@ class P2PPool:
             "frames_stashed_total": self._frames_stashed,
             "bytes_discarded": self._bytes_discarded,
             "connections_lost": self._connections_lost,
-            "recv_waits": self._recv_waits,
+            "recv_waits": self._recv_waits + sum(c.recv_waits for c in self._in.values()),
             "send_waits": sum(c.send_waits for cs in self._out.values() for c in cs if c is not None),
         }
 

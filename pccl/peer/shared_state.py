@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import trio
@@ -31,9 +31,8 @@ from ..kernels import backend, hashing
 from ..transport import StreamBroken
 from ..wire import messages as m
 from ..wire.stream import MessageStream
-
-if TYPE_CHECKING:
-    from .communicator import Communicator
+from .links import Dialer, MasterLink
+from .state import error_from_code
 
 log = logging.getLogger("pccl.shared_state")
 
@@ -111,8 +110,39 @@ class SyncContext:
     error: PCCLError | None = None
 
     def abort(self, error: PCCLError) -> None:
+        """Fail the sync: holders stop serving it."""
         self.error = error
         self.plan_ready.set()
+
+
+class StateServer:
+    """The sync this peer serves tensors from (the "state" P2P channel), if one is running.
+
+    Args:
+        plan_timeout: how long a request may wait for this peer's own plan to arrive.
+    """
+
+    def __init__(self, plan_timeout: float) -> None:
+        self.plan_timeout = plan_timeout
+        self.ctx: SyncContext | None = None
+
+    def abort(self, error: PCCLError) -> None:
+        """Fail the running sync, if any."""
+        if self.ctx is not None:
+            self.ctx.abort(error)
+
+    def statistics(self) -> dict[str, Any] | None:
+        """The running sync as this peer sees it, or None: its ``sync_seq`` (-1 until the plan
+        arrived), ``tx_bytes`` served so far and ``fetch``, the plan's ``{key: holder ids}``."""
+        ctx = self.ctx
+        if ctx is None:
+            return None
+        fetch = {} if ctx.plan is None else {str(r[0]): [int(h) for h in r[2]] for r in ctx.plan.fetch}
+        return {"sync_seq": ctx.seq, "tx_bytes": ctx.tx, "fetch": fetch}
+
+    def __repr__(self) -> str:
+        ctx = self.ctx
+        return "<StateServer idle>" if ctx is None else f"<StateServer sync={ctx.seq} tx={ctx.tx}>"
 
 
 def _host_bytes(t: Any) -> memoryview:
@@ -149,14 +179,30 @@ def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int]]:
 
 
 async def run_sync(
-    comm: Communicator,
+    link: MasterLink,
+    dialer: Dialer,
+    server: StateServer,
     state: SharedState,
     strategy: SharedStateSyncStrategy,
     progress: ProgressCallback | None = None,
 ) -> SharedStateSyncInfo:
-    """The body of :meth:`Communicator.sync_shared_state`."""
-    from .communicator import _Mailbox, error_from_code
+    """The body of :meth:`pccl.peer.communicator.Communicator.sync_shared_state` (see docs/protocol.md).
 
+    Args:
+        link: the master link; its inbox receives this sync's SharedStatePlan and SharedStateResult.
+        dialer: opens the "state" connections to holders.
+        server: publishes this sync so that other peers can fetch from us while it runs.
+        state: the tensors.
+        strategy: this peer's role in the vote.
+        progress: optional ``callback(bytes_done, bytes_total)``.
+
+    Returns:
+        Bytes sent to and received from other peers.
+
+    Raises:
+        SharedStateSyncError, NoSharedStateAvailableError, RankConnectionLostError,
+        MasterConnectionError: see the communicator's method.
+    """
     if not isinstance(state, SharedState):
         raise InvalidArgumentError("sync_shared_state needs a pccl.SharedState")
     total = sum(backend.describe(i.tensor).nbytes for i in state.tensor_infos)
@@ -167,11 +213,10 @@ async def run_sync(
     else:
         rows, hashes = _entries(state)
     ctx = SyncContext(state=state, hashes=hashes)
-    inbox = _Mailbox()
-    comm._sync_ctx = ctx
-    comm._sync_waiter = inbox
+    inbox = link.inbox
+    server.ctx = ctx
     try:
-        await comm._send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=rows))
+        await link.send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=rows))
         first = await inbox.get()
         if isinstance(first, m.SharedStateResult):
             # Refused before any transfer (revision skip, key mismatch, no state available...).
@@ -180,7 +225,6 @@ async def run_sync(
         ctx.seq = first.sync_seq
         ctx.plan = first
         ctx.plan_ready.set()
-        comm._reconcile_group(first.peers)
         staged: dict[str, np.ndarray] = {}
         ok, reason, rx = True, "", 0
         early: list[m.Message] = []
@@ -200,7 +244,7 @@ async def run_sync(
 
                 async def fetch() -> None:
                     try:
-                        fetched.append(await _fetch_all(comm, first, progress))
+                        fetched.append(await _fetch_all(dialer, ctx, first, progress))
                     except PCCLError as exc:
                         errors.append(exc)
                     nursery.cancel_scope.cancel()
@@ -214,7 +258,7 @@ async def run_sync(
             if errors and isinstance(errors[0], (MasterConnectionError, InvalidUsageError)):
                 raise errors[0]
         if not early:
-            await comm._send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
+            await link.send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
         result = early[0] if early else await inbox.get()
         if not isinstance(result, m.SharedStateResult) or result.sync_seq != ctx.seq:
             raise error_from_code(int(Result.INTERNAL_ERROR), f"unexpected message in sync: {result!r:.80}")
@@ -227,17 +271,16 @@ async def run_sync(
         state.revision = result.revision
         return SharedStateSyncInfo(tx_bytes=ctx.tx, rx_bytes=rx)
     finally:
-        comm._sync_ctx = None
-        comm._sync_waiter = None
+        server.ctx = None
 
 
 async def _fetch_all(
-    comm: Communicator, plan: m.SharedStatePlan, progress: ProgressCallback | None
+    dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan, progress: ProgressCallback | None
 ) -> tuple[dict[str, np.ndarray], int]:
     """Fetch every planned key, spreading over holders; a failed holder's keys go to the next one."""
-    addresses = {int(r[0]): (str(r[1]), int(r[2])) for r in plan.peers}
+    addresses = {r.peer_id: (r.host, r.port) for r in plan.peers}
     items = {str(row[0]): (int(row[1]), [int(h) for h in row[2]]) for row in plan.fetch}
-    by_name = {i.name: i for i in comm._sync_ctx.state.tensor_infos} if comm._sync_ctx else {}
+    by_name = {i.name: i for i in ctx.state.tensor_infos}
     sizes = {k: backend.describe(by_name[k].tensor).nbytes for k in items if k in by_name}
     missing = [k for k in items if k not in by_name]
     if missing:
@@ -272,7 +315,7 @@ async def _fetch_all(
         async def from_holder(holder: int, keys: list[str]) -> None:
             try:
                 await _fetch_from(
-                    comm, plan.sync_seq, holder, addresses.get(holder), keys, items, sizes, staged, on_bytes
+                    dialer, plan.sync_seq, holder, addresses.get(holder), keys, items, sizes, staged, on_bytes
                 )
             except (PCCLError, StreamBroken, trio.TooSlowError) as exc:
                 log.warning("fetching %d tensor(s) from peer %d failed: %s", len(keys), holder, exc)
@@ -290,7 +333,7 @@ async def _fetch_all(
 
 
 async def _fetch_from(
-    comm: Communicator,
+    dialer: Dialer,
     seq: int,
     holder: int,
     address: tuple[str, int] | None,
@@ -301,8 +344,6 @@ async def _fetch_from(
     on_bytes: Callable[[int], None],
 ) -> None:
     """Receive ``keys`` from one holder into staging buffers, re-hashing each one."""
-    from .p2p import open_p2p
-
     if address is None:
         raise SharedStateSyncError(f"holder {holder} is not in the group table")
 
@@ -318,15 +359,7 @@ async def _fetch_from(
     async def verify(key: str, buf: np.ndarray) -> None:
         await trio.to_thread.run_sync(check, key, buf)
 
-    ms = await open_p2p(
-        comm.transport,
-        address[0],
-        address[1],
-        my_peer_id=comm.peer_id,
-        channel="state",
-        config=comm.config,
-        secret=comm.config.secret or "",
-    )
+    ms = await dialer.dial(address[0], address[1], channel="state")
     try:
         async with trio.open_nursery() as nursery:
             await ms.send(m.StateRequest(sync_seq=seq, keys=keys))
@@ -361,8 +394,8 @@ async def _fetch_from(
         await ms.aclose()
 
 
-async def serve_state_requests(comm: Communicator, ms: MessageStream, hello: m.Hello) -> None:
-    """The "state" P2P channel: send requested tensors of the sync in progress."""
+async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.Hello) -> None:
+    """The "state" P2P channel: send requested tensors of the sync ``server`` publishes."""
     while True:
         try:
             req = await ms.receive()
@@ -371,10 +404,10 @@ async def serve_state_requests(comm: Communicator, ms: MessageStream, hello: m.H
         if not isinstance(req, m.StateRequest):
             await ms.send(m.Refused(reason=f"expected StateRequest, got {type(req).__name__}"))
             return
-        ctx = comm._sync_ctx
+        ctx = server.ctx
         if ctx is not None and ctx.seq == -1:
             # The requester may have received its plan before we processed ours.
-            with trio.move_on_after(comm.config.connect_timeout):
+            with trio.move_on_after(server.plan_timeout):
                 await ctx.plan_ready.wait()
         if ctx is None or ctx.seq != req.sync_seq or ctx.error is not None:
             await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))
@@ -390,4 +423,12 @@ async def serve_state_requests(comm: Communicator, ms: MessageStream, hello: m.H
             ctx.tx += len(data)
 
 
-__all__ = ["ProgressCallback", "SharedState", "SyncContext", "TensorInfo", "run_sync", "serve_state_requests"]
+__all__ = [
+    "ProgressCallback",
+    "SharedState",
+    "StateServer",
+    "SyncContext",
+    "TensorInfo",
+    "run_sync",
+    "serve_state_requests",
+]

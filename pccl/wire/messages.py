@@ -5,7 +5,10 @@ tag, the field count and every field's type against the dataclass annotations, s
 message becomes a :class:`RemoteProtocolError` instead of a crash deep inside a handler.
 Tensor bytes never travel in these messages (see :mod:`pccl.wire.data`).
 
-Peer tables are lists of ``[peer_id, host, p2p_port, peer_group]`` in ring order.
+Peer tables are lists of ``[peer_id, host, p2p_port, peer_group]`` in ring order on the wire and a
+collective's descriptor is ``[kind, dtype, count, op, root_id, quantization, quantized_dtype]``; both are
+decoded here, once, into the named tuples :class:`PeerRow` and :class:`CollectiveDescriptor` (a tuple
+packs as the same msgpack array, so the bytes are unchanged). docs/protocol.md describes every message.
 """
 
 from __future__ import annotations
@@ -14,13 +17,46 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar, get_args, get_origin
+from typing import Any, ClassVar, NamedTuple, TypeVar, get_args, get_origin
 
 import msgpack
 
 from .._errors import LocalProtocolError, RemoteProtocolError
 
-PeerRow = list[Any]  # [peer_id: int, host: str, p2p_port: int, peer_group: int]
+
+class PeerRow(NamedTuple):
+    """One accepted peer in a table: where its P2P listener is and which group it is in."""
+
+    peer_id: int
+    host: str
+    port: int
+    group: int
+
+
+class CollectiveDescriptor(NamedTuple):
+    """What a collective does; every participant must vote with an equal descriptor."""
+
+    kind: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast"
+    dtype: int  # pccl.DataType
+    element_count: int  # elements of the input
+    op: int  # pccl.ReduceOp
+    root: int  # broadcast: the root's peer id; -1 otherwise
+    quantization: int  # pccl.QuantizationAlgorithm
+    quantized_dtype: int  # pccl.DataType on the wire when quantizing
+
+
+_ROWS: dict[type, tuple[Any, ...]] = {}
+
+
+def _row_fields(tp: Any) -> tuple[Any, ...] | None:
+    """Field annotations of a NamedTuple row type, or None for other types."""
+    if not (isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields")):
+        return None
+    f = _ROWS.get(tp)
+    if f is None:
+        hints = typing.get_type_hints(tp)
+        f = _ROWS[tp] = tuple(hints[name] for name in tp._fields)
+    return f
 
 
 class Message:
@@ -53,6 +89,34 @@ def _fields(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
         f = tuple((fld.name, hints[fld.name]) for fld in dataclasses.fields(cls))  # type: ignore[arg-type]
         _FIELDS[cls] = f
     return f
+
+
+class _Bad(Exception):
+    """Internal: a value does not match its field type."""
+
+
+def _parse(value: Any, tp: Any) -> Any:
+    """``value`` checked against ``tp``, rows converted to their named tuples.
+
+    Raises:
+        _Bad: it does not match.
+    """
+    row = _row_fields(tp)
+    if row is not None:
+        if not isinstance(value, (list, tuple)) or len(value) != len(row) or not all(
+            _check(v, t) for v, t in zip(value, row, strict=True)
+        ):
+            raise _Bad
+        return tp(*value)
+    if get_origin(tp) is list:
+        (arg,) = get_args(tp) or (Any,)
+        if _row_fields(arg) is not None:
+            if not isinstance(value, list):
+                raise _Bad
+            return [_parse(v, arg) for v in value]
+    if not _check(value, tp):
+        raise _Bad
+    return value
 
 
 def _check(value: Any, tp: Any) -> bool:
@@ -116,9 +180,10 @@ def decode(payload: bytes) -> Message:
         raise RemoteProtocolError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
     kwargs: dict[str, Any] = {}
     for (name, tp), value in zip(fields, values, strict=True):
-        if not _check(value, tp):
-            raise RemoteProtocolError(f"{cls.__name__}.{name}: bad value {value!r:.80}")
-        kwargs[name] = value
+        try:
+            kwargs[name] = _parse(value, tp)
+        except _Bad:
+            raise RemoteProtocolError(f"{cls.__name__}.{name}: bad value {value!r:.80}") from None
     return cls(**kwargs)
 
 
@@ -240,7 +305,7 @@ class Registered(Message):
 class Accepted(Message):
     """The peer is accepted; ``peers`` is the ring-ordered table of accepted peers."""
 
-    peers: list[list[Any]]
+    peers: list[PeerRow]
     epoch: int
 
 
@@ -258,7 +323,7 @@ class EstablishP2P(Message):
     """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone."""
 
     epoch: int
-    peers: list[list[Any]]
+    peers: list[PeerRow]
 
 
 @_register(24)
@@ -268,7 +333,7 @@ class TopologyResult(Message):
 
     success: bool
     epoch: int
-    peers: list[list[Any]]
+    peers: list[PeerRow]
     reason: str = ""
     code: int = 0
 
@@ -292,12 +357,12 @@ class MeasureBandwidth(Message):
 class CollectiveInitiate(Message):
     """Vote to start collective ``tag`` in the sender's group.
 
-    ``descriptor`` (kind, dtype, count, op, root, quantization...) must be identical on every
-    participant; the master refuses the operation for everyone if they differ.
+    ``descriptor`` must be equal on every participant; the master refuses the operation for everyone
+    if they differ.
     """
 
     tag: int
-    descriptor: list[Any]
+    descriptor: CollectiveDescriptor
 
 
 @_register(31)
@@ -317,7 +382,7 @@ class CollectiveCommence(Message):
 
     tag: int
     op_seq: int
-    peers: list[list[Any]]
+    peers: list[PeerRow]
 
 
 @_register(33)
@@ -369,7 +434,7 @@ class SharedStatePlan(Message):
     sync_seq: int
     revision: int
     fetch: list[list[Any]]
-    peers: list[list[Any]]
+    peers: list[PeerRow]
 
 
 @_register(42)

@@ -144,8 +144,9 @@ async def sync_killing_the_holder(cl: LoopbackCluster, states: list[SharedState]
         n.start_soon(lambda: run("a", a, states[0]))
         await progressed.wait()
         # kill the holder c is fetching from (its plan names it first)
-        assert c._sync_ctx is not None and c._sync_ctx.plan is not None
-        first_holder = int(c._sync_ctx.plan.fetch[0][2][0])
+        sync = c.statistics()["sync"]
+        assert sync is not None and sync["fetch"]
+        first_holder = next(iter(sync["fetch"].values()))[0]
         holder = a if a.peer_id == first_holder else b
         cl.kill(holder)
     return results["c"]

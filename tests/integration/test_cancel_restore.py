@@ -138,10 +138,10 @@ async def test_abort_right_behind_commence_does_not_start_the_ring(
                 voting = "collective tag 11 (group 0) vote waits"
                 while not any(ln.startswith(voting) for ln in cl.master.state.pending_summary()):
                     await trio.sleep(0.001)
-                rows = [r for r in comm._table if int(r[3]) == comm.peer_group]
+                rows = [r for r in comm.table if r.group == comm.peer_group]
                 # What the reader task does for two messages that arrive together: no checkpoint between.
-                comm._on_commence(m.CollectiveCommence(tag=11, op_seq=777, peers=rows))
-                comm._on_abort(
+                comm.handle_master_message(m.CollectiveCommence(tag=11, op_seq=777, peers=rows))
+                comm.handle_master_message(
                     m.CollectiveAbort(tag=11, op_seq=777, code=int(pccl.Result.RANK_CONNECTION_LOST),
                                       reason="peer 3 was lost during the operation")
                 )

@@ -121,7 +121,8 @@ async def test_concurrent_tags_and_duplicate_refused() -> None:
         x0, x1 = np.ones(1000, np.float32), np.ones(1000, np.float32)
         async with trio.open_nursery() as n:
             n.start_soon(lambda: c0.all_reduce(x0, tag=5))
-            while 5 not in c0._ops:  # c0's call has registered its tag (it now waits for c1's vote)
+            # c0's call has registered its tag (it now waits for c1's vote)
+            while 5 not in c0.statistics()["op_tags"]:
                 await trio.sleep(0)
             with pytest.raises(pccl.InvalidUsageError):
                 await c0.all_reduce(np.ones(3, np.float32), tag=5)
@@ -200,7 +201,7 @@ async def test_peer_killed_mid_op_survivors_restore_and_retry() -> None:
 
             n.start_soon(victim_call)
             # kill the victim once the master said "commence": the op cannot complete without it
-            while 9 not in victim._ops or victim._ops[9].op_seq == -1:
+            while victim.statistics()["ops"].get(9, -1) == -1:
                 await trio.sleep(0.0005)
             cl.kill(victim)
         assert len(errors) == 2, errors

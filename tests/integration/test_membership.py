@@ -233,7 +233,8 @@ async def test_illegal_message_kicks_only_that_peer() -> None:
             ms = MessageStream(stream, max_frame_size=1 << 20)
             await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
             assert isinstance(await ms.receive(), m.HelloOk)
-            await ms.send(m.CollectiveInitiate(tag=1, descriptor=[]))  # before Register: illegal
+            descriptor = m.CollectiveDescriptor("all_reduce", 10, 4, 0, -1, 0, 0)
+            await ms.send(m.CollectiveInitiate(tag=1, descriptor=descriptor))  # before Register: illegal
             reply = await ms.receive()
             assert isinstance(reply, m.Refused) and "before Register" in reply.reason
             await ms.aclose()

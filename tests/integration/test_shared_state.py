@@ -1,4 +1,4 @@
-"""Shared-state sync through the full stack on loopback TCP (PROTOCOL.md section 5)."""
+"""Shared-state sync through the full stack on loopback TCP (docs/protocol.md section 5)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,7 @@ async def test_optimize_topology_with_pending_ops_refused() -> None:
         x0, x1 = np.ones(10, np.float32), np.ones(10, np.float32)
         async with trio.open_nursery() as n:
             n.start_soon(lambda: c0.all_reduce(x0, tag=3))
-            while 3 not in c0._ops:
+            while 3 not in c0.statistics()["op_tags"]:
                 await trio.sleep(0.001)
             try:
                 await c0.optimize_topology()

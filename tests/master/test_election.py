@@ -1,4 +1,4 @@
-"""Tests for the pure shared-state election core (pccl/master/election.py, PROTOCOL.md section 5)."""
+"""Tests for the pure shared-state election core (pccl/master/election.py, docs/protocol.md section 5)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def codes(result: ElectionResult) -> dict[int, Result]:
 
 
 # ============================================================================================
-# Table: the PROTOCOL.md section 5 behaviours
+# Table: the docs/protocol.md section 5 behaviours
 
 
 @dataclass

@@ -55,7 +55,7 @@ def test_first_peer_accepted_alone() -> None:
     pid, eff = hs.join()
     acc = sends(eff, m.Accepted)
     assert acc and acc[0][0] == pid
-    assert acc[0][1].peers == [[pid, "127.0.0.1", 40000 + pid, 0]]
+    assert acc[0][1].peers == [m.PeerRow(peer_id=pid, host="127.0.0.1", port=40000 + pid, group=0)]
     assert hs.st.statistics()["accepted"] == 1
 
 

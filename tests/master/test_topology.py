@@ -9,6 +9,7 @@ import ast
 import itertools
 import math
 import random
+import time
 from pathlib import Path
 
 import pytest
@@ -343,7 +344,7 @@ def test_strongly_connected_but_no_ring() -> None:
 
 def test_two_peers_with_one_dead_direction() -> None:
     with pytest.raises(NoRingError) as info:
-        solve_ring([[None, 5.0], [None, None]])
+        solve_ring([[None, 5.0], [None, None]], clock=time.perf_counter)
     assert info.value.isolated == [0, 1]
 
 
@@ -352,13 +353,13 @@ def test_two_peers_with_one_dead_direction() -> None:
 
 
 def test_one_peer() -> None:
-    sol = solve_ring([[None]])
+    sol = solve_ring([[None]], clock=time.perf_counter)
     assert sol == RingSolution(order=[0], bottleneck=math.inf, cost=0.0, exact=True)
     assert predicted_allreduce_time([0], [[None]], 1e9) == 0.0
 
 
 def test_two_peers() -> None:
-    sol = solve_ring([[0.0, 4.0], [2.0, 0.0]])
+    sol = solve_ring([[0.0, 4.0], [2.0, 0.0]], clock=time.perf_counter)
     assert sol.order == [0, 1]
     assert sol.bottleneck == 2.0
     assert sol.cost == pytest.approx(0.75)
@@ -367,7 +368,7 @@ def test_two_peers() -> None:
 
 def test_three_peers_picks_direction() -> None:
     bw: Matrix = [[None, 9.0, 1.0], [1.0, None, 9.0], [9.0, 1.0, None]]
-    sol = solve_ring(bw, exact_limit=0)
+    sol = solve_ring(bw, exact_limit=0, clock=time.perf_counter)
     assert sol.order == [0, 1, 2]
     assert sol.bottleneck == 9.0
     assert sol.exact
@@ -376,7 +377,7 @@ def test_three_peers_picks_direction() -> None:
 def test_exact_over_budget_falls_back_but_keeps_exact_bottleneck() -> None:
     n = 10
     bw = rand_matrix(n, random.Random(10))
-    reference = solve_ring(bw, tolerance=0.0)
+    reference = solve_ring(bw, tolerance=0.0, clock=time.perf_counter)
 
     # solve_ring reads the clock once, then the bottleneck DP once per subset size (n - 2 reads);
     # the budget runs out at the first read of the cost DP.
@@ -429,8 +430,8 @@ def test_improve_ring_does_not_trade_bottleneck_within_tolerance() -> None:
     for a, b in [(0, 1), (1, 2), (2, 3), (3, 0)]:
         bw[a][b] = 10.0
     bw[0][2], bw[2][1], bw[1][3] = 9.0, 1000.0, 1000.0
-    assert solve_ring(bw, tolerance=0.2).order == [0, 2, 1, 3]
-    assert solve_ring(bw, tolerance=0.0).order == [0, 1, 2, 3]
+    assert solve_ring(bw, tolerance=0.2, clock=time.perf_counter).order == [0, 2, 1, 3]
+    assert solve_ring(bw, tolerance=0.0, clock=time.perf_counter).order == [0, 1, 2, 3]
     kept = improve_ring([0, 1, 2, 3], bw, tolerance=0.2, clock=StepClock())
     assert kept.order == [0, 1, 2, 3]
     assert improve_ring([0, 3, 2, 1], bw, tolerance=0.2, clock=StepClock()).order == [0, 2, 1, 3]
@@ -449,10 +450,10 @@ def test_improve_ring_routes_around_a_dead_link() -> None:
 
 def test_improve_ring_accepts_any_rotation_and_small_worlds() -> None:
     bw: Matrix = [[None, 9.0, 1.0], [1.0, None, 9.0], [9.0, 1.0, None]]
-    sol = improve_ring([2, 1, 0], bw)
+    sol = improve_ring([2, 1, 0], bw, clock=time.perf_counter)
     assert sol.order == [0, 1, 2]
     with pytest.raises(InvalidArgumentError):
-        improve_ring([0, 1, 1], bw)
+        improve_ring([0, 1, 1], bw, clock=time.perf_counter)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -475,7 +476,7 @@ def test_predicted_allreduce_time_formula() -> None:
 
 def test_solution_minimizes_predicted_time_against_brute_force() -> None:
     bw = rand_matrix(7, random.Random(77))
-    sol = solve_ring(bw, tolerance=0.0)
+    sol = solve_ring(bw, tolerance=0.0, clock=time.perf_counter)
     best = min(predicted_allreduce_time([0, *p], bw, 1 << 26) for p in itertools.permutations(range(1, 7)))
     assert predicted_allreduce_time(sol.order, bw, 1 << 26) == pytest.approx(best, rel=1e-12)
 
@@ -498,17 +499,17 @@ def test_solution_minimizes_predicted_time_against_brute_force() -> None:
 )
 def test_bad_matrix_is_rejected(bw: Matrix) -> None:
     with pytest.raises(InvalidArgumentError):
-        solve_ring(bw)
+        solve_ring(bw, clock=time.perf_counter)
 
 
 def test_bad_parameters_are_rejected() -> None:
     bw: Matrix = [[None, 1.0], [1.0, None]]
     with pytest.raises(InvalidArgumentError):
-        solve_ring(bw, exact_limit=topology.MAX_EXACT_LIMIT + 1)
+        solve_ring(bw, exact_limit=topology.MAX_EXACT_LIMIT + 1, clock=time.perf_counter)
     with pytest.raises(InvalidArgumentError):
-        solve_ring(bw, time_budget=-1.0)
+        solve_ring(bw, time_budget=-1.0, clock=time.perf_counter)
     with pytest.raises(InvalidArgumentError):
-        solve_ring(bw, tolerance=1.0)
+        solve_ring(bw, tolerance=1.0, clock=time.perf_counter)
     with pytest.raises(InvalidArgumentError):
         ring_bottleneck([0, 2], bw)
     with pytest.raises(InvalidArgumentError):
@@ -517,7 +518,7 @@ def test_bad_parameters_are_rejected() -> None:
 
 def test_diagonal_is_ignored() -> None:
     bw: Matrix = [[1e30, 1.0, 2.0], [2.0, -5.0, 1.0], [1.0, 2.0, math.nan]]
-    assert solve_ring(bw).bottleneck == 2.0
+    assert solve_ring(bw, clock=time.perf_counter).bottleneck == 2.0
 
 
 def test_module_is_pure() -> None:

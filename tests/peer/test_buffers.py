@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pccl.peer.buffers import BufferCache
+from pccl.kernels.buffers import BufferCache
 
 
 def test_take_reuses_a_returned_buffer_of_the_same_dtype_and_count() -> None:

@@ -7,7 +7,7 @@ import trio
 import trio.testing
 
 import pccl
-from pccl.peer.communicator import _Mailbox
+from pccl.peer.mailbox import Mailbox as _Mailbox
 from pccl.wire import messages as m
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels import backend
+from . import backend
 
 DEFAULT_MAX_ENTRIES = 8
 DEFAULT_MAX_BYTES = 1 << 30

@@ -1,0 +1,50 @@
+"""What the ring collectives need from a data pool: the narrow interface :mod:`pccl.collectives.ring`
+runs on. :class:`pccl.peer.pool.P2PPool` implements it; the collectives never import the peer side.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Receive(Protocol):
+    """A registered receive of one frame (see :meth:`DataPool.expect`)."""
+
+    async def wait(self) -> None:
+        """Return once the frame has fully arrived in its destination.
+
+        Raises:
+            RankConnectionLostError: the connection broke or the operation was forgotten.
+            RemoteProtocolError: the frame had the wrong length.
+        """
+        ...
+
+
+class DataPool(Protocol):
+    """Frame transport between ring neighbours, routed by ``(peer, tag, op_seq, seq)``."""
+
+    @property
+    def pool_size(self) -> int:
+        """Connections per neighbour and direction."""
+        ...
+
+    async def send(
+        self, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview, *, conn_index: int
+    ) -> None:
+        """Send one frame to ``peer_id`` (on connection ``conn_index % pool_size``)."""
+        ...
+
+    def expect(self, peer_id: int, tag: int, op_seq: int, seq: int, dest: memoryview) -> Receive:
+        """Register a receive of frame ``(tag, op_seq, seq)`` from ``peer_id`` into ``dest``."""
+        ...
+
+    def forget_op(self, op_seq: int) -> None:
+        """Drop every receive of ``op_seq``; nothing writes into its destinations afterwards."""
+        ...
+
+    async def disconnect(self, peer_id: int) -> None:
+        """Close every connection with ``peer_id`` (its stream state is unknown after a failure)."""
+        ...
+
+
+__all__ = ["DataPool", "Receive"]

@@ -1,0 +1,515 @@
+"""The peer's pure core: the protocol rules of one peer, without trio, sockets or clocks.
+
+:class:`PeerState` is fed the master's messages one at a time, with the time they arrived, and returns
+effects (:class:`Resolve`, :class:`AbortOp`, :class:`Establish`, :class:`Measure`, :class:`Lost`);
+:class:`pccl.peer.communicator.Communicator` executes them, the way :mod:`pccl.master.server` executes
+:class:`pccl.master.state.MasterState`'s. The data plane never passes through here: frames are routed by
+the P2P pool. See docs/protocol.md for the messages.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from .._errors import (
+    InvalidArgumentError,
+    InvalidUsageError,
+    KickedError,
+    MasterConnectionError,
+    NoSharedStateAvailableError,
+    PCCLError,
+    PendingAsyncOpsError,
+    RankConnectionLostError,
+    Result,
+    SharedStateSyncError,
+    TooFewPeersError,
+    TopologyOptimizationFailedError,
+    UpdateTopologyFailedError,
+)
+from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
+from ..wire import messages as m
+
+_ERRORS_BY_RESULT: dict[Result, type[PCCLError]] = {
+    Result.RANK_CONNECTION_LOST: RankConnectionLostError,
+    Result.TOO_FEW_PEERS: TooFewPeersError,
+    Result.INVALID_USAGE: InvalidUsageError,
+    Result.INVALID_ARGUMENT: InvalidArgumentError,
+    Result.UPDATE_TOPOLOGY_FAILED: UpdateTopologyFailedError,
+    Result.TOPOLOGY_OPTIMIZATION_FAILED: TopologyOptimizationFailedError,
+    Result.SHARED_STATE_SYNC_FAILED: SharedStateSyncError,
+    Result.NO_SHARED_STATE_AVAILABLE: NoSharedStateAvailableError,
+}
+
+
+def error_from_code(code: int, reason: str) -> PCCLError:
+    """Build the PCCLError subclass matching a result code sent by the master.
+
+    Args:
+        code: the wire result code (an unknown one becomes INTERNAL_ERROR).
+        reason: the master's explanation.
+
+    Returns:
+        The error to raise in the waiting call.
+    """
+    try:
+        result = Result(code)
+    except ValueError:
+        return PCCLError(reason, Result.INTERNAL_ERROR)
+    return _ERRORS_BY_RESULT.get(result, PCCLError)(reason, result)
+
+
+# ============================================================================================
+# effects: what the communicator must do after a message
+
+
+class Call(enum.Enum):
+    """A kind of call waiting for the master."""
+
+    ACCEPTED = "accepted"  # open_communicator, until Accepted
+    TOPOLOGY = "topology"  # update_topology / optimize_topology, until TopologyResult
+    PENDING = "pending"  # are_peers_pending (oldest waiting query first), until PeersPendingResult
+    COMMENCE = "commence"  # a collective's vote, until CollectiveCommence
+    COMPLETE = "complete"  # a collective's confirmation, until CollectiveComplete
+    SYNC = "sync"  # sync_shared_state: its plan and its result, in order
+
+
+@dataclass(frozen=True)
+class Resolve:
+    """Hand ``message`` to the call waiting on ``call`` (for COMMENCE/COMPLETE: the op ``tag``)."""
+
+    call: Call
+    message: m.Message
+    tag: int = -1
+
+
+@dataclass(frozen=True)
+class AbortOp:
+    """The master aborted collective ``tag``: fail its call with ``error`` and stop its data plane."""
+
+    tag: int
+    error: PCCLError
+
+
+@dataclass(frozen=True)
+class Establish:
+    """Open the ring connections to ``successor`` (None: alone in the group), then answer
+    ``P2PConnectionsDone(epoch)``."""
+
+    epoch: int
+    successor: m.PeerRow | None
+
+
+@dataclass(frozen=True)
+class Measure:
+    """Probe the links of ``request`` and answer ``BandwidthReport``."""
+
+    request: m.MeasureBandwidth
+
+
+@dataclass(frozen=True)
+class Lost:
+    """The master link is over (kicked, or the master broke the protocol): fail everything, close it."""
+
+    error: PCCLError
+
+
+Effect = Resolve | AbortOp | Establish | Measure | Lost
+
+
+# ============================================================================================
+# the state machine
+
+
+@dataclass
+class OpRecord:
+    """A collective in flight on this peer, registered under its tag."""
+
+    tag: int
+    op_seq: int = -1  # the master's sequence number, once commenced
+    aborted: bool = False
+
+
+@dataclass
+class SyncRecord:
+    """A shared-state sync in flight on this peer."""
+
+    sync_seq: int = -1  # from the plan
+    plans: int = 0
+    results: int = 0
+
+
+_TOPOLOGY_CALLS = ("update_topology", "optimize_topology")
+
+
+class PeerState:
+    """One peer's protocol rules, fed message by message (see docs/protocol.md).
+
+    Owns the peer table and its epoch, the collectives in flight and their op_seq matching, the rule
+    that one membership call (update_topology, optimize_topology, sync_shared_state) runs at a time,
+    the shared-state round bookkeeping and the master's liveness. :meth:`handle` returns effects the
+    communicator executes; the ``begin_*``/``end_*`` methods are the calls' admission rules.
+
+    Args:
+        peer_id: this peer's id (from HelloOk).
+        group: this peer's group.
+    """
+
+    def __init__(self, peer_id: int = -1, group: int = 0) -> None:
+        self.peer_id = peer_id
+        self.group = group
+        self.table: list[m.PeerRow] = []  # accepted peers, ring order
+        self.epoch = 0
+        self.ops: dict[int, OpRecord] = {}
+        self.membership: str | None = None  # the membership call running, by name
+        self.sync: SyncRecord | None = None
+        self.lost: PCCLError | None = None
+        self.last_heard = 0.0
+        self.syncs_total = 0
+        self.topology_calls_total = 0
+
+    # ---------------------------------------------------------------------------------------
+    # queries
+
+    def group_rows(self, rows: list[m.PeerRow] | None = None) -> list[m.PeerRow]:
+        """This peer's group in ``rows`` (default: the table), ring order."""
+        return [r for r in (self.table if rows is None else rows) if r.group == self.group]
+
+    @property
+    def group_ring(self) -> list[int]:
+        """Peer ids of this peer's group in ring order."""
+        return [r.peer_id for r in self.table if r.group == self.group]
+
+    @property
+    def rank(self) -> int:
+        """This peer's position in its group's ring (-1 if not in it)."""
+        ring = self.group_ring
+        return ring.index(self.peer_id) if self.peer_id in ring else -1
+
+    def group_sizes(self) -> Counter[int]:
+        """Accepted peers per group."""
+        return Counter(r.group for r in self.table)
+
+    def silence(self, now: float) -> float:
+        """Seconds since the master was last heard from."""
+        return now - self.last_heard
+
+    def statistics(self) -> dict[str, Any]:
+        """What this peer's protocol state is (tests and operators read it)."""
+        return {
+            "peer_id": self.peer_id,
+            "world_size": len(self.table),
+            "group_world_size": self.group_sizes().get(self.group, 0),
+            "epoch": self.epoch,
+            "ops_in_flight": len(self.ops),
+            "op_tags": sorted(self.ops),
+            "ops": {tag: op.op_seq for tag, op in sorted(self.ops.items())},
+            "membership_call": self.membership,
+            "topology_call_waiting": self.membership in _TOPOLOGY_CALLS,
+            "master_ok": self.lost is None,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<PeerState peer={self.peer_id} group={self.group} world={len(self.table)} epoch={self.epoch} "
+            f"ops={sorted(self.ops)} call={self.membership} master={'ok' if self.lost is None else 'lost'}>"
+        )
+
+    # ---------------------------------------------------------------------------------------
+    # admission of calls
+
+    def check_usable(self) -> None:
+        """Raises the error that ended the master link, if it ended."""
+        if self.lost is not None:
+            raise self.lost
+
+    def begin_topology(self, name: str) -> None:
+        """Admit ``update_topology`` / ``optimize_topology``.
+
+        Raises:
+            PendingAsyncOpsError: collectives are in flight.
+            InvalidUsageError: another membership call is running.
+        """
+        if self.ops:
+            raise PendingAsyncOpsError(f"{name} while {len(self.ops)} collective(s) are in flight")
+        if self.membership is not None:
+            raise InvalidUsageError(f"{name} while another membership call is running")
+        self.membership = name
+        self.topology_calls_total += 1
+
+    def begin_sync(self) -> None:
+        """Admit ``sync_shared_state`` (collectives may be in flight).
+
+        Raises:
+            InvalidUsageError: another membership call is running.
+        """
+        if self.membership is not None:
+            raise InvalidUsageError("sync_shared_state while another membership call is running")
+        self.membership = "sync_shared_state"
+        self.sync = SyncRecord()
+        self.syncs_total += 1
+
+    def end_membership(self) -> None:
+        """The membership call returned (or failed)."""
+        self.membership = None
+        self.sync = None
+
+    def check_tag_free(self, tag: int) -> None:
+        """Raises InvalidUsageError if collective ``tag`` is already running here."""
+        if tag in self.ops:
+            raise InvalidUsageError(f"tag {tag} is already running on this peer")
+
+    def begin_op(self, tag: int) -> None:
+        """Register collective ``tag``.
+
+        Raises:
+            InvalidUsageError: ``tag`` is already running here.
+        """
+        self.check_tag_free(tag)
+        self.ops[tag] = OpRecord(tag)
+
+    def end_op(self, tag: int) -> None:
+        """Collective ``tag`` returned (or failed)."""
+        self.ops.pop(tag, None)
+
+    def reconcile_group(self, group_rows: list[m.PeerRow]) -> None:
+        """A collective or sync named who is alive in this group: drop the others from the table."""
+        alive = {r.peer_id for r in group_rows}
+        self.table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
+
+    def lose(self, error: PCCLError) -> bool:
+        """The master link ended with ``error``; True the first time (later errors are ignored)."""
+        if self.lost is not None:
+            return False
+        self.lost = error
+        return True
+
+    # ---------------------------------------------------------------------------------------
+    # the rules of a collective call
+
+    @staticmethod
+    def check_tag(tag: object) -> None:
+        """Raises InvalidArgumentError unless ``tag`` is a non-negative 63-bit integer."""
+        if not isinstance(tag, int) or tag < 0 or tag >= 2**63:
+            raise InvalidArgumentError(f"tag must be a non-negative 64-bit integer, got {tag!r}")
+
+    def describe_collective(
+        self,
+        kind: str,
+        *,
+        tag: int,
+        dtype: DataType,
+        send_count: int,
+        recv_count: int,
+        op: ReduceOp,
+        root: int = 0,
+        quantization: QuantizationOptions | None = None,
+    ) -> m.CollectiveDescriptor:
+        """Check a collective call against this peer's group and build the descriptor it votes with.
+
+        Checked before voting, so that the other peers are not dragged into a failed op.
+
+        Args:
+            kind: "all_reduce", "reduce_scatter", "all_gather" or "broadcast".
+            tag: the operation's tag (see :meth:`check_tag`).
+            dtype: the buffers' dtype (``send`` and ``recv`` agree).
+            send_count: elements of ``send``.
+            recv_count: elements of ``recv``.
+            op: the reduction.
+            root: broadcast only: the root's rank in this group's ring.
+            quantization: optional wire compression.
+
+        Returns:
+            The descriptor (the broadcast root as a peer id).
+
+        Raises:
+            InvalidArgumentError: sizes that do not fit the kind or the group, quantization of
+                something else than a floating-point all_reduce, a root out of range.
+            InvalidUsageError: ``tag`` is already running here.
+            TooFewPeersError: fewer than 2 peers in the group.
+        """
+        group = self.group_ring
+        n = len(group)
+        if kind == "all_gather":
+            if recv_count != n * send_count:
+                raise InvalidArgumentError(
+                    f"all_gather: recv has {recv_count} elements, expected {n} x {send_count}"
+                )
+        elif recv_count != send_count:
+            raise InvalidArgumentError(f"send has {send_count} elements but recv has {recv_count}")
+        self.check_tag_free(tag)
+        if n < 2:
+            raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.group}, world has {n}")
+        q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
+        if q.algorithm != QuantizationAlgorithm.NONE and (kind != "all_reduce" or not dtype.is_floating):
+            raise InvalidArgumentError("quantization applies to floating-point all_reduce only")
+        root_id = -1
+        if kind == "broadcast":
+            if not 0 <= root < n:
+                raise InvalidArgumentError(f"root rank {root} out of range for group size {n}")
+            root_id = group[root]
+        return m.CollectiveDescriptor(
+            kind=kind,
+            dtype=int(dtype),
+            element_count=send_count,
+            op=int(op),
+            root=root_id,
+            quantization=int(q.algorithm),
+            quantized_dtype=int(q.quantized_datatype),
+        )
+
+    @staticmethod
+    def commence_problem(
+        descriptor: m.CollectiveDescriptor, recv_count: int, ring: Sequence[int]
+    ) -> tuple[str, PCCLError] | None:
+        """What stops a commenced op from running with the ring the master named, if anything.
+
+        Returns:
+            None, or ``(reason for CollectiveDone, error for the caller)``: an all_gather whose group
+            changed size since the call checked ``recv``, or a broadcast whose root is gone.
+        """
+        n = len(ring)
+        if descriptor.kind == "all_gather" and n * descriptor.element_count != recv_count:
+            return "group size changed", InvalidArgumentError(
+                f"all_gather: the group has {n} peers now; recv must hold {n} x "
+                f"{descriptor.element_count} elements"
+            )
+        if descriptor.kind == "broadcast" and descriptor.root not in ring:
+            return "root lost", RankConnectionLostError(
+                f"broadcast root peer {descriptor.root} is no longer in the group"
+            )
+        return None
+
+    # ---------------------------------------------------------------------------------------
+    # messages from the master
+
+    def handle(self, msg: m.Message, now: float) -> list[Effect]:
+        """Apply one message from the master received at ``now``.
+
+        Returns:
+            The effects to execute, in order. A message that does not belong on this link yields
+            :class:`Lost` (the master broke the protocol).
+        """
+        self.last_heard = now
+        handler = self._DISPATCH.get(type(msg))
+        if handler is None:
+            return [Lost(MasterConnectionError(f"master protocol error: unexpected message from master: "
+                                               f"{type(msg).__name__}"))]
+        return handler(self, msg)
+
+    def _on_heartbeat(self, msg: m.Message) -> list[Effect]:
+        return []
+
+    def _on_refused(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.Refused)
+        return [Lost(KickedError(f"removed by the master: {msg.reason}"))]
+
+    def _on_registered(self, msg: m.Message) -> list[Effect]:
+        return []
+
+    def _on_accepted(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.Accepted)
+        self.table, self.epoch = list(msg.peers), msg.epoch
+        return [Resolve(Call.ACCEPTED, msg)]
+
+    def _on_pending_result(self, msg: m.Message) -> list[Effect]:
+        return [Resolve(Call.PENDING, msg)]
+
+    def _on_establish(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.EstablishP2P)
+        return [Establish(msg.epoch, ring_neighbours(self.group_rows(msg.peers), self.peer_id)[0])]
+
+    def _on_topology_result(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.TopologyResult)
+        self.table, self.epoch = list(msg.peers), msg.epoch
+        return [Resolve(Call.TOPOLOGY, msg)] if self.membership in _TOPOLOGY_CALLS else []
+
+    def _on_commence(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.CollectiveCommence)
+        op = self.ops.get(msg.tag)
+        if op is None:
+            return []
+        op.op_seq = msg.op_seq
+        return [Resolve(Call.COMMENCE, msg, msg.tag)]
+
+    def _on_complete(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.CollectiveComplete)
+        op = self.ops.get(msg.tag)
+        if op is None or op.op_seq != msg.op_seq:
+            return []
+        return [Resolve(Call.COMPLETE, msg, msg.tag)]
+
+    def _on_abort(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.CollectiveAbort)
+        op = self.ops.get(msg.tag)
+        # An abort names the op it ends: -1 for an op that never commenced (refused or withdrawn),
+        # else the commenced op's sequence number. Anything else is a late abort of an earlier op with
+        # the same tag (e.g. its retry already voted) and must not touch the current one.
+        if op is None or msg.op_seq != op.op_seq:
+            return []
+        op.aborted = True
+        return [AbortOp(msg.tag, error_from_code(msg.code, msg.reason))]
+
+    def _on_sync_plan(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStatePlan)
+        if self.sync is None:
+            return []
+        self.sync.sync_seq = msg.sync_seq
+        self.sync.plans += 1
+        self.reconcile_group(msg.peers)
+        return [Resolve(Call.SYNC, msg)]
+
+    def _on_sync_result(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStateResult)
+        if self.sync is None:
+            return []
+        self.sync.results += 1
+        return [Resolve(Call.SYNC, msg)]
+
+    def _on_measure(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.MeasureBandwidth)
+        return [Measure(msg)]
+
+    _DISPATCH: ClassVar[dict[type[m.Message], Callable[[PeerState, m.Message], list[Effect]]]] = {
+        m.Heartbeat: _on_heartbeat,
+        m.Refused: _on_refused,
+        m.Registered: _on_registered,
+        m.Accepted: _on_accepted,
+        m.PeersPendingResult: _on_pending_result,
+        m.EstablishP2P: _on_establish,
+        m.TopologyResult: _on_topology_result,
+        m.CollectiveCommence: _on_commence,
+        m.CollectiveComplete: _on_complete,
+        m.CollectiveAbort: _on_abort,
+        m.SharedStatePlan: _on_sync_plan,
+        m.SharedStateResult: _on_sync_result,
+        m.MeasureBandwidth: _on_measure,
+    }
+
+
+def ring_neighbours(rows: Sequence[m.PeerRow], me: int) -> tuple[m.PeerRow | None, m.PeerRow | None]:
+    """(next, prev) rows of ``me`` in ring-ordered ``rows``; None when alone or absent."""
+    ids = [r.peer_id for r in rows]
+    if me not in ids or len(ids) < 2:
+        return None, None
+    i = ids.index(me)
+    return rows[(i + 1) % len(rows)], rows[(i - 1) % len(rows)]
+
+
+__all__ = [
+    "AbortOp",
+    "Call",
+    "Effect",
+    "Establish",
+    "Lost",
+    "Measure",
+    "OpRecord",
+    "PeerState",
+    "Resolve",
+    "SyncRecord",
+    "error_from_code",
+    "ring_neighbours",
+]
