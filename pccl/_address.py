@@ -37,6 +37,8 @@ def _check_port(address: Any, port: Any) -> int:
 def _check_host(address: Any, host: str) -> str:
     if not host:
         return "0.0.0.0"
+    if "/" in host:
+        raise _bad(address, "give the host and port only, not a URL")
     if ":" in host:
         if host.count(":") < 2 or not _IPV6.match(host):
             raise _bad(address, f"{host!r} is not a host name or IP address")

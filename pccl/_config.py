@@ -84,7 +84,12 @@ class PeerConfig:
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
-        secret: optional shared secret presented to the master and to other peers.
+        secret: optional shared secret presented to the master and to other peers (None: from
+            ``$PCCL_SECRET_FILE`` / ``$PCCL_SECRET`` when set).
+        accept_timeout: give up connecting when the master has not accepted this peer within this
+            many seconds (a peer that connects to a running run waits until the accepted peers call
+            ``update_topology()``); raises PCCLError with result MASTER_CONNECTION_FAILED. None
+            (default): wait as long as the master is reachable.
     """
 
     heartbeat_interval: float = 0.5
@@ -97,3 +102,4 @@ class PeerConfig:
     recv_stash_limit: int = 1 << 30
     p2p_stall_timeout: float = 30.0
     secret: str | None = None
+    accept_timeout: float | None = None

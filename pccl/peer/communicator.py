@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import trio
 
+from .. import _env
 from .._address import parse_address
 from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import (
@@ -77,6 +78,15 @@ _ERRORS_BY_CODE: dict[int, type[PCCLError]] = {
     int(Result.UPDATE_TOPOLOGY_FAILED): UpdateTopologyFailedError,
     int(Result.TOPOLOGY_OPTIMIZATION_FAILED): TopologyOptimizationFailedError,
 }
+
+
+#: A peer not accepted this soon after registering says at INFO that it waits (the first peer of a run
+#: is accepted at once and says nothing).
+_WAITING_NOTICE_AFTER = 0.25
+
+
+def _no_limit(seconds: float | None) -> float:
+    return float("inf") if seconds is None else seconds
 
 
 def error_from_code(code: int, reason: str) -> PCCLError:
@@ -186,7 +196,7 @@ class Communicator:
 
     def __init__(
         self,
-        address: str,
+        address: str | tuple[str, int] | None = None,
         *,
         peer_group: int = 0,
         p2p_connection_pool_size: int = 1,
@@ -195,8 +205,8 @@ class Communicator:
     ) -> None:
         if p2p_connection_pool_size < 0:
             raise InvalidArgumentError("p2p_connection_pool_size must be >= 0")
-        self.config = config or PeerConfig()
-        self.master_host, self.master_port = parse_address(address)
+        self.config = _env.peer_config(config)
+        self.master_host, self.master_port = parse_address(_env.master_address(address))
         self.peer_group = int(peer_group)
         self.pool_size = max(1, int(p2p_connection_pool_size))
         self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
@@ -355,7 +365,24 @@ class Communicator:
         nursery.start_soon(self._watchdog)
         nursery.start_soon(self._stall_monitor)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
-        accepted = await self._accepted.wait()
+        deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
+        accepted: m.Accepted | None = None
+        with trio.move_on_at(min(deadline, trio.current_time() + _WAITING_NOTICE_AFTER)):
+            accepted = await self._accepted.wait()
+        if accepted is None and trio.current_time() < deadline:
+            log.info(
+                "peer %d is waiting to be accepted by the master at %s:%d: the accepted peers must call "
+                "update_topology() (the first peer of a run is accepted at once)",
+                self.peer_id, self.master_host, self.master_port,
+            )
+            with trio.move_on_at(deadline):
+                accepted = await self._accepted.wait()
+        if accepted is None:
+            raise PCCLError(
+                f"peer {self.peer_id} was not accepted within {self.config.accept_timeout:g}s: a peer that "
+                "connects waits until the accepted peers call update_topology()",
+                Result.MASTER_CONNECTION_FAILED,
+            )
         self._set_table(accepted.peers, accepted.epoch)
         log.info("peer %d accepted (world size %d)", self.peer_id, len(self._table))
 
@@ -740,7 +767,11 @@ class Communicator:
         if tag in self._ops:
             raise InvalidUsageError(f"tag {tag} is already running on this peer")
         if n < 2:
-            raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.peer_group}, world has {n}")
+            raise TooFewPeersError(
+                f"{kind} needs at least 2 accepted peers in peer group {self.peer_group}, it has {n}; peers "
+                "that connect() wait to be accepted until the accepted peers call update_topology() "
+                "(are_peers_pending() tells whether any is waiting)"
+            )
         q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
         if q.algorithm != QuantizationAlgorithm.NONE and (
             kind != "all_reduce" or not sdesc.dtype.is_floating
@@ -1110,7 +1141,7 @@ def _guard(fn: Callable[..., Awaitable[None]], what: str) -> Callable[..., Await
 
 @asynccontextmanager
 async def open_communicator(
-    address: str,
+    address: str | tuple[str, int] | None = None,
     *,
     peer_group: int = 0,
     p2p_connection_pool_size: int = 1,
@@ -1123,7 +1154,8 @@ async def open_communicator(
     ``update_topology()``.
 
     Args:
-        address: master ``"HOST:PORT"``.
+        address: master ``"HOST:PORT"`` or ``(host, port)`` (port 48148 when omitted); None:
+            ``$PCCL_MASTER``.
         peer_group: collectives and shared-state syncs run within a group.
         p2p_connection_pool_size: TCP connections per ring neighbour.
         config: timeouts and limits (:class:`pccl.PeerConfig`).
