@@ -84,6 +84,9 @@ def test_no_master_is_one_line_without_a_chain() -> None:
     assert info.value.result == Result.MASTER_CONNECTION_FAILED
     assert info.value.__cause__ is None and info.value.__suppress_context__
     assert "\n" not in str(info.value)
+    head = f"could not connect to the master at {comm.address} after 1 attempt(s)"
+    assert info.value.message.startswith(head)
+    assert info.value.message.endswith("Connection refused")  # the reason, not trio's "all attempts failed"
     comm.close()
 
 
