@@ -528,8 +528,8 @@ class _MasterSession:
                 try:
                     await self.server.serve(self.host, self.port, task_status=_StartedProxy(started))
                 except ConnectFailed as exc:
-                    raise PCCLError(f"the master cannot listen on {self.host}:{self.port}: {exc}",
-                                    Result.SYSTEM_ERROR) from exc
+                    log.debug("the master cannot listen", exc_info=True)
+                    raise PCCLError(str(exc), Result.SYSTEM_ERROR) from None
         finally:
             self.stopped.set()
             self.done.set()

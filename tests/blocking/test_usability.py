@@ -127,3 +127,17 @@ def test_default_retries_wait_for_a_master_that_is_still_starting(caplog: pytest
         logging.getLogger("pccl.blocking").removeHandler(handler)
         comm.close()
         t.join(30)
+
+
+def test_master_node_port_in_use_is_one_line() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        master = MasterNode(f"127.0.0.1:{port}")
+        with pytest.raises(PCCLError) as info:
+            master.run()
+        master.close()
+    assert info.value.result == Result.SYSTEM_ERROR
+    assert info.value.message == f"cannot listen on 127.0.0.1:{port}: [Errno 98] Address already in use"
+    assert info.value.__cause__ is None and info.value.__suppress_context__
