@@ -28,6 +28,7 @@ ENV_SECRET_FILE = "PCCL_SECRET_FILE"
 ENV_LOG_LEVEL = "PCCL_LOG_LEVEL"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+_HANDLER_NAME = "pccl-env-stderr"
 
 
 def master_address(address: Address | None, environ: Mapping[str, str] | None = None) -> Address:
@@ -92,10 +93,20 @@ def apply_log_level(environ: Mapping[str, str] | None = None) -> None:
     if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler.set_name(_HANDLER_NAME)
         logger.addHandler(handler)
+
+
+def drop_env_handler() -> None:
+    """Remove the stderr handler :func:`apply_log_level` added (a tool that configures logging itself
+    calls this, so that records are not printed twice)."""
+    logger = logging.getLogger("pccl")
+    for h in list(logger.handlers):
+        if h.get_name() == _HANDLER_NAME:
+            logger.removeHandler(h)
 
 
 __all__ = [
     "ENV_LOG_LEVEL", "ENV_MASTER", "ENV_SECRET", "ENV_SECRET_FILE", "LOG_LEVELS",
-    "apply_log_level", "log_level", "master_address", "peer_config", "secret",
+    "apply_log_level", "drop_env_handler", "log_level", "master_address", "peer_config", "secret",
 ]

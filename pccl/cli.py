@@ -105,6 +105,7 @@ async def _run_master(args: argparse.Namespace, config: MasterConfig) -> None:
 def setup_logging(level: str | None) -> None:
     """Log to stderr at ``level`` (default ``$PCCL_LOG_LEVEL``, else INFO)."""
     name = level or _env.log_level("INFO")
+    _env.drop_env_handler()
     logging.basicConfig(level=getattr(logging, name), format=_env.LOG_FORMAT, stream=sys.stderr)
     logging.getLogger("pccl").setLevel(getattr(logging, name))
 

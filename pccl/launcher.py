@@ -54,33 +54,52 @@ def _parser() -> argparse.ArgumentParser:
 
 
 async def _pump(stream: Any, prefix: str, out: TextIO) -> None:
-    """Copy ``stream`` to ``out`` line by line, each line prefixed."""
+    """Copy ``stream`` to ``out`` line by line, each line prefixed. When ``out`` breaks (a closed pipe)
+    the rest is drained and dropped, so that the process never blocks on a full pipe."""
     buf = b""
+    writable = True
     async for chunk in stream:
+        if not writable:
+            continue
         buf += chunk
         *lines, buf = buf.split(b"\n")
-        for line in lines:
-            out.write(prefix + line.decode(errors="replace") + "\n")
+        try:
+            for line in lines:
+                out.write(prefix + line.decode(errors="replace") + "\n")
+            out.flush()
+        except (OSError, ValueError):  # BrokenPipeError, or a closed file
+            writable = False
+    if buf and writable:
+        try:
+            out.write(prefix + buf.decode(errors="replace") + "\n")
+            out.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def _say(out: TextIO, text: str) -> None:
+    try:
+        out.write(text + "\n")
         out.flush()
-    if buf:
-        out.write(prefix + buf.decode(errors="replace") + "\n")
-        out.flush()
+    except (OSError, ValueError):
+        pass
 
 
 async def _stop(children: list[_Child]) -> None:
-    """SIGTERM every running child, then SIGKILL those still running after :data:`STOP_GRACE`."""
+    """SIGTERM every running child, then SIGKILL those still running after :data:`STOP_GRACE`; returns
+    once all have exited (shielded: it also runs while the launcher is being cancelled)."""
     with trio.CancelScope(shield=True):
         for c in children:
             if c.proc.returncode is None:
                 c.proc.terminate()
         with trio.move_on_after(STOP_GRACE):
             for c in children:
-                await c.done.wait()
+                await c.proc.wait()
         for c in children:
             if c.proc.returncode is None:
                 c.proc.kill()
         for c in children:
-            await c.done.wait()
+            await c.proc.wait()
 
 
 async def launch(
@@ -113,10 +132,9 @@ async def launch(
     async with open_master((host, port), config=config) as master:
         env = {**os.environ, _env.ENV_MASTER: master.connect_address, "PCCL_WORLD_SIZE": str(n)}
         if master.status_url:
-            sink.write(f"[launcher] status page: {master.status_url}\n")
-        sink.write(f"[launcher] master at {master.connect_address}; "
-                   f"starting {n} peer(s): {' '.join(command)}\n")
-        sink.flush()
+            _say(sink, f"[launcher] status page: {master.status_url}")
+        _say(sink, f"[launcher] master at {master.connect_address}; "
+                   f"starting {n} peer(s): {' '.join(command)}")
         children: list[_Child] = []
         first_failure: list[int] = []
         interrupted = False
@@ -129,17 +147,15 @@ async def launch(
                     child.done.set()
                     if child.code != 0 and not first_failure and not interrupted:
                         first_failure.append(child.code)
-                        sink.write(f"[launcher] peer {child.rank} exited with code {child.code}; "
-                                   "stopping the others\n")
-                        sink.flush()
+                        _say(sink, f"[launcher] peer {child.rank} exited with code {child.code}; "
+                                   "stopping the others")
                         nursery.start_soon(_stop, children)
 
                 async def on_signal() -> None:
                     nonlocal interrupted
                     async for signum in signals:
                         interrupted = True
-                        sink.write(f"[launcher] {signal.Signals(signum).name}: stopping every process\n")
-                        sink.flush()
+                        _say(sink, f"[launcher] {signal.Signals(signum).name}: stopping every process")
                         await _stop(children)
                         nursery.cancel_scope.cancel()
                         return
@@ -185,6 +201,7 @@ def main(argv: list[str]) -> int:
         raise CliError(f"-n must be at least 1, got {args.nproc}")
     if not os.path.isfile(args.script):
         raise CliError(f"no such script: {args.script}")
+    _env.drop_env_handler()
     logging.basicConfig(level=getattr(logging, _env.log_level("WARNING")),
                         format="[master] %(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     command = [sys.executable, args.script, *args.args]

@@ -3,6 +3,7 @@ Ctrl-C stops everything."""
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -11,8 +12,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import trio
 
 from pccl.cli import main
+from pccl.launcher import launch
 
 pytestmark = pytest.mark.slow
 
@@ -111,3 +114,17 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
 def test_launcher_mistakes(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
     assert main(argv) == 2
     assert capsys.readouterr().err.strip() == message
+
+
+class _ClosedPipe(io.StringIO):
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+async def test_a_closed_output_pipe_does_not_hang_the_launcher(tmp_path: Path) -> None:
+    """`pccl run ... | head` used to hang once head exited: the output task died, and stopping the peers
+    waited for events that task would have set."""
+    script = _script(tmp_path, "chatty.py", "for i in range(20000):\n    print('line', i)\n")
+    with trio.fail_after(60):
+        code = await launch(2, [sys.executable, script], out=_ClosedPipe())
+    assert code == 0
