@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig, PeerConfig
+from ._env import apply_log_level as _apply_log_level
 from ._errors import (
     InvalidArgumentError,
     InvalidUsageError,
@@ -45,6 +46,8 @@ from .peer.communicator import open_communicator
 from .peer.shared_state import SharedState, TensorInfo
 
 __version__ = "0.1.0"
+
+_apply_log_level()  # PCCL_LOG_LEVEL, when set
 
 __all__ = [
     "DEFAULT_MASTER_PORT",

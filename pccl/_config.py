@@ -30,6 +30,14 @@ class MasterConfig:
             about one straggler timeout each instead of one heartbeat timeout each. Peers whose
             event loop is blocked for longer than this (synchronous compute inside a trio task)
             are evicted when the others wait for them: keep it well above such pauses.
+        deadlock_grace: when every accepted peer of a group waits in a call that can never complete
+            (different calls, or the same call with different tags), the master fails those calls
+            with an error naming each peer's call once the situation has lasted this many seconds
+            (0: at once). The grace lets asynchronous operations whose votes arrive a moment apart
+            pair up. ``None`` disables the detection.
+        status_port: serve the status page (``/``), ``/status`` (JSON) and ``/metrics`` (Prometheus)
+            over HTTP on this port (0: the system picks one). ``None`` (default): no status server.
+        status_host: address the status server binds; ``None``: the master's own bind address.
     """
 
     heartbeat_interval: float = 0.5
@@ -39,8 +47,15 @@ class MasterConfig:
     send_queue_size: int = 1024
     secret: str | None = None
     straggler_timeout: float | None = None
+    deadlock_grace: float | None = 1.0
+    status_port: int | None = None
+    status_host: str | None = None
 
     def __post_init__(self) -> None:
+        if self.deadlock_grace is not None and self.deadlock_grace < 0:
+            raise ValueError(f"deadlock_grace ({self.deadlock_grace}) must be >= 0 or None")
+        if self.status_port is not None and not 0 <= self.status_port < 65536:
+            raise ValueError(f"status_port {self.status_port} is out of range (0-65535)")
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:
             raise ValueError(
                 f"need 0 < heartbeat_interval ({self.heartbeat_interval}) < heartbeat_timeout "
@@ -69,7 +84,12 @@ class PeerConfig:
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
-        secret: optional shared secret presented to the master and to other peers.
+        secret: optional shared secret presented to the master and to other peers (None: from
+            ``$PCCL_SECRET_FILE`` / ``$PCCL_SECRET`` when set).
+        accept_timeout: give up connecting when the master has not accepted this peer within this
+            many seconds (a peer that connects to a running run waits until the accepted peers call
+            ``update_topology()``); raises PCCLError with result MASTER_CONNECTION_FAILED. None
+            (default): wait as long as the master is reachable.
     """
 
     heartbeat_interval: float = 0.5
@@ -82,3 +102,4 @@ class PeerConfig:
     recv_stash_limit: int = 1 << 30
     p2p_stall_timeout: float = 30.0
     secret: str | None = None
+    accept_timeout: float | None = None

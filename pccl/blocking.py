@@ -41,8 +41,9 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from ._address import parse_address
+from ._address import format_address, parse_address
 from ._config import MasterConfig, PeerConfig
+from ._env import master_address
 from ._errors import (
     InvalidArgumentError,
     InvalidUsageError,
@@ -76,8 +77,9 @@ T = TypeVar("T")
 CLOSE_TIMEOUT = 5.0
 
 #: Backoff between connection attempts in :meth:`Communicator.connect` (doubles per attempt, capped).
-_CONNECT_BACKOFF_START = 0.05
-_CONNECT_BACKOFF_MAX = 1.0
+#: With the default 5 attempts the waits add up to 3.75 s: enough for a master that is still starting.
+_CONNECT_BACKOFF_START = 0.25
+_CONNECT_BACKOFF_MAX = 2.0
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -526,8 +528,8 @@ class _MasterSession:
                 try:
                     await self.server.serve(self.host, self.port, task_status=_StartedProxy(started))
                 except ConnectFailed as exc:
-                    raise PCCLError(f"the master cannot listen on {self.host}:{self.port}: {exc}",
-                                    Result.SYSTEM_ERROR) from exc
+                    log.debug("the master cannot listen", exc_info=True)
+                    raise PCCLError(str(exc), Result.SYSTEM_ERROR) from None
         finally:
             self.stopped.set()
             self.done.set()
@@ -768,7 +770,8 @@ class Communicator:
     """A peer of a pccl run (established blocking API).
 
     Args:
-        address: the master's ``"HOST:PORT"``.
+        address: the master's ``"HOST:PORT"`` or ``(host, port)`` (port 48148 when omitted); None:
+            ``$PCCL_MASTER``.
         peer_group: collectives and shared-state syncs run within a peer group.
         p2p_connection_pool_size: TCP connections per ring neighbour (0: the default, one).
         config: peer timeouts and limits (:class:`pccl.PeerConfig`); keyword-only extension.
@@ -777,9 +780,10 @@ class Communicator:
         InvalidArgumentError: malformed address, negative peer group or pool size.
     """
 
-    def __init__(self, address: str, peer_group: int = 0, p2p_connection_pool_size: int = 0, *,
-                 config: PeerConfig | None = None) -> None:
-        parse_address(address)  # fail now on a malformed address, not at connect()
+    def __init__(self, address: str | tuple[str, int] | None = None, peer_group: int = 0,
+                 p2p_connection_pool_size: int = 0, *, config: PeerConfig | None = None) -> None:
+        host, port = parse_address(master_address(address))  # fail now on a malformed address
+        address = format_address(host, port)
         if isinstance(peer_group, bool) or not isinstance(peer_group, int) or not 0 <= peer_group < 2**32:
             raise InvalidArgumentError(f"peer_group must be an unsigned 32-bit integer, got {peer_group!r}")
         if p2p_connection_pool_size < 0:
@@ -803,8 +807,9 @@ class Communicator:
         """Connect to the master and return once this peer is accepted into the run.
 
         The first peer is accepted at once; later peers wait until the accepted peers call
-        :meth:`update_topology`. A failed connection is retried ``n_attempts`` times in all, with a short
-        backoff (50 ms doubling, at most 1 s).
+        :meth:`update_topology`. A failed connection is retried ``n_attempts`` times in all, with a
+        backoff of 0.25 s doubling, at most 2 s (3.75 s of waiting with the default 5 attempts, which covers
+        a master that is still starting).
 
         Raises:
             InvalidArgumentError: ``n_attempts < 1``.
@@ -858,9 +863,10 @@ class Communicator:
                 log.info("connected to the master at %s", self.address)
                 return
             assert last is not None
+            log.debug("the last attempt failed with", exc_info=last)
             raise MasterConnectionError(
                 f"could not connect to the master at {self.address} after {n_attempts} attempt(s): "
-                f"{last.message}") from last
+                f"{last.message}") from None
         finally:
             with self._lock:
                 self._connecting = False
@@ -979,6 +985,17 @@ class Communicator:
         except ValueError:
             raise InvalidArgumentError(f"unknown attribute {attribute!r}") from None
         return int(_core.call_sync(comm.get_attribute, attr))
+
+    def statistics(self) -> dict[str, Any]:
+        """This peer's summary: peer id, world and group size, epoch, operations in flight, whether the
+        master is reachable, the P2P pool, and where collectives spent their time (``phase_seconds``,
+        ``last_op_phases``); see :meth:`pccl.AsyncCommunicator.statistics`.
+
+        Raises:
+            InvalidUsageError: not connected.
+        """
+        _, comm = self._comm("statistics")
+        return dict(_core.call_sync(comm.statistics))
 
     def update_topology(self) -> None:
         """Vote to admit pending peers; returns when every accepted peer voted and connected its ring.

@@ -1,48 +1,92 @@
-"""Command-line entry points: ``pccl-master`` and ``pccl`` (``python -m pccl``)."""
+"""Command-line entry points: ``pccl-master`` and ``pccl`` (``python -m pccl``).
+
+Every mistake on the command line ends in one line on stderr and a non-zero exit code (2 for a bad
+option, 1 for an address that cannot be bound or reached); the cause's traceback goes to the DEBUG log.
+"""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import signal
 import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
 
 import trio
 
+from . import _env
+from ._address import EXPECTED_FORM, parse_address
+from ._cliutil import CliError, Parser, port_number, seconds
 from ._config import DEFAULT_MASTER_PORT, MasterConfig
+from ._errors import PCCLError
+from ._exc import sole_exception
+from .launcher import main as run_main
+
+VERSION = "0.1.0"
+log = logging.getLogger("pccl.cli")
+
+
+def _add_version(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
 
 
 def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description="Run a pccl master node.")
+    p = Parser(prog=prog, description="Run a pccl master node.")
+    defaults = MasterConfig()
     p.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0)")
-    p.add_argument(
-        "--port", type=int, default=DEFAULT_MASTER_PORT, help=f"port (default {DEFAULT_MASTER_PORT})"
-    )
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    p.add_argument(
-        "--heartbeat-timeout",
-        type=float,
-        default=MasterConfig().heartbeat_timeout,
-        help="seconds of silence before a peer is evicted",
-    )
-    p.add_argument(
-        "--straggler-timeout",
-        type=float,
-        default=None,
-        help="evict a peer the others wait on once it has been silent this long (default: off; "
-        "only the heartbeat timeout applies)",
-    )
+    p.add_argument("--port", type=port_number, default=DEFAULT_MASTER_PORT,
+                   help=f"port (default {DEFAULT_MASTER_PORT})")
+    p.add_argument("--status-port", type=port_number, default=None,
+                   help="serve the status page, /status (JSON) and /metrics (Prometheus) over HTTP "
+                        "on this port")
+    p.add_argument("--status-host", default=None, help="address the status page binds (default: --host)")
+    p.add_argument("--log-level", default=None, choices=list(_env.LOG_LEVELS),
+                   help="default $PCCL_LOG_LEVEL, else INFO")
+    p.add_argument("--heartbeat-timeout", type=seconds, default=defaults.heartbeat_timeout,
+                   help="seconds of silence before a peer is evicted")
+    p.add_argument("--straggler-timeout", type=seconds, default=None,
+                   help="evict a peer the others wait on once it has been silent this long (default: off; "
+                        "only the heartbeat timeout applies)")
+    p.add_argument("--deadlock-grace", type=seconds, default=defaults.deadlock_grace,
+                   help="fail the calls of a group whose peers wait in calls that cannot complete each other "
+                        f"after this many seconds (default {defaults.deadlock_grace:g})")
     p.add_argument("--secret", default=None, help="shared secret peers must present (optional)")
+    p.add_argument("--secret-file", default=None,
+                   help="read the shared secret from this file (default $PCCL_SECRET_FILE)")
+    _add_version(p)
     return p
 
 
-async def _run_master(args: argparse.Namespace) -> None:
+def _master_config(args: argparse.Namespace) -> MasterConfig:
+    secret = args.secret
+    if secret is None and args.secret_file is not None:
+        secret = _env.secret(None, {_env.ENV_SECRET_FILE: args.secret_file})
+    if secret is None:
+        secret = _env.secret(None)
+    try:
+        parse_address((args.host, args.port))
+        if args.status_host is not None:
+            parse_address((args.status_host, 0))
+        return MasterConfig(
+            heartbeat_timeout=args.heartbeat_timeout,
+            straggler_timeout=args.straggler_timeout,
+            deadlock_grace=args.deadlock_grace,
+            secret=secret,
+            status_port=args.status_port,
+            status_host=args.status_host,
+        )
+    except ValueError as exc:  # InvalidArgumentError is a ValueError too
+        raise CliError(exc.message if isinstance(exc, PCCLError) else str(exc)) from None
+
+
+async def _run_master(args: argparse.Namespace, config: MasterConfig) -> None:
     from .master.server import serve_master
 
-    config = MasterConfig(
-        heartbeat_timeout=args.heartbeat_timeout, straggler_timeout=args.straggler_timeout, secret=args.secret
-    )
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             await nursery.start(functools.partial(serve_master, config=config), args.host, args.port)
@@ -58,44 +102,156 @@ async def _run_master(args: argparse.Namespace) -> None:
             nursery.start_soon(stop_on_signal)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
-    )
+def setup_logging(level: str | None) -> None:
+    """Log to stderr at ``level`` (default ``$PCCL_LOG_LEVEL``, else INFO)."""
+    name = level or _env.log_level("INFO")
+    _env.drop_env_handler()
+    logging.basicConfig(level=getattr(logging, name), format=_env.LOG_FORMAT, stream=sys.stderr)
+    logging.getLogger("pccl").setLevel(getattr(logging, name))
 
 
-def master_main(argv: list[str] | None = None) -> int:
-    """``pccl-master``: run a master until SIGINT/SIGTERM. Returns the exit code."""
-    args = _master_parser().parse_args(argv)
-    _setup_logging(args.log_level)
+def _fail(prog: str, message: str, code: int) -> int:
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return code
+
+
+def _run_guarded(prog: str, body: Any, argv: list[str]) -> int:
+    """Run ``body(argv)``; turn CLI mistakes and bind failures into one line and an exit code."""
     from .transport import ConnectFailed
 
     try:
-        trio.run(_run_master, args)
-    except ConnectFailed as exc:
-        logging.getLogger("pccl.master").error("%s", exc)
-        return 1
+        return int(body(argv))
+    except SystemExit as exc:  # --help / --version
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+    except CliError as exc:
+        return _fail(prog, exc.message, exc.code)
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as exc:
+        sole = sole_exception(exc)
+        if isinstance(sole, (ConnectFailed, PCCLError)):
+            log.debug("%s failed", prog, exc_info=exc)
+            return _fail(prog, str(sole), 1)
+        raise
+
+
+def _master(argv: list[str], prog: str = "pccl-master") -> int:
+    args = _master_parser(prog).parse_args(argv)
+    config = _master_config(args)
+    setup_logging(args.log_level)
+    trio.run(_run_master, args, config)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``pccl``/``python -m pccl``: subcommands ``master`` and ``demo``."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+def master_main(argv: list[str] | None = None) -> int:
+    """``pccl-master``: run a master until SIGINT/SIGTERM. Returns the exit code (0; 1 when the address
+    cannot be bound; 2 for a bad option)."""
+    return _run_guarded("pccl-master", _master, list(sys.argv[1:] if argv is None else argv))
+
+
+# ------------------------------------------------------------------------------------------------
+# pccl status
+
+
+def _status_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="pccl status", description="Show a running master's status (its --status-port).")
+    p.add_argument("address", help="the master's HOST:STATUS_PORT")
+    p.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    p.add_argument("--interval", type=seconds, default=2.0, help="seconds between refreshes (default 2)")
+    p.add_argument("--count", type=int, default=None, help="with --watch: stop after this many refreshes")
+    p.add_argument("--json", action="store_true", help="print the raw /status JSON")
+    p.add_argument("--timeout", type=seconds, default=5.0, help="HTTP timeout in seconds (default 5)")
+    return p
+
+
+def fetch_status(address: str, timeout: float = 5.0) -> dict[str, Any]:
+    """GET ``http://ADDRESS/status``.
+
+    Raises:
+        CliError: malformed address, or the status page cannot be reached or read.
+    """
+    try:
+        host, port = parse_address(address, default_port=-1)
+    except PCCLError as exc:
+        raise CliError(exc.message) from None
+    if port < 0:
+        raise CliError(f"{address!r} has no port: give the master's HOST:STATUS_PORT (its --status-port)")
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            data: dict[str, Any] = json.load(resp)
+            return data
+    except urllib.error.HTTPError as exc:
+        raise CliError(f"{url} answered {exc.code} {exc.reason}: is this a pccl master's status port?", 1) \
+            from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        log.debug("fetching %s failed", url, exc_info=True)
+        raise CliError(f"cannot reach {url}: {reason} (is the master running with --status-port {port}?)",
+                       1) from None
+    except ValueError as exc:
+        msg = f"{url} did not answer JSON ({exc}): is this a pccl master's status port?"
+        raise CliError(msg, 1) from None
+
+
+def _status(argv: list[str]) -> int:
+    from .master.status import render_text
+
+    args = _status_parser().parse_args(argv)
+    shown = 0
+    while True:
+        snap = fetch_status(args.address, args.timeout)
+        text = json.dumps(snap, indent=1) + "\n" if args.json else render_text(snap)
+        if args.watch and sys.stdout.isatty():
+            sys.stdout.write("\x1b[H\x1b[2J")
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        shown += 1
+        if not args.watch or (args.count is not None and shown >= args.count):
+            return 0
+        time.sleep(args.interval)
+
+
+# ------------------------------------------------------------------------------------------------
+# pccl
+
+
+USAGE = f"""usage: pccl {{master,status,run,demo}} [options]   (pccl --version)
+
+  master   run a master node (same as pccl-master)
+  status   show a running master's status: pccl status HOST:STATUS_PORT [--watch]
+  run      start a master and N peer processes of a script: pccl run -n N SCRIPT [ARGS...]
+  demo     local demo: a master and peers training together, one killed, one joining
+
+Peers find the master through the address they are given, or $PCCL_MASTER (port {DEFAULT_MASTER_PORT} when
+omitted; addresses are {EXPECTED_FORM})."""
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            "usage: pccl {master,demo} [options]\n\n"
-            "  master   run a master node (same as pccl-master)\n"
-            "  demo     local demo: a master and peers training together, one killed, one joining"
-        )
+        print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(f"pccl {VERSION}")
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "master":
-        return master_main(rest)
+        return _master(rest, "pccl master")
+    if cmd == "status":
+        return _status(rest)
+    if cmd == "run":
+        return run_main(rest)
     if cmd == "demo":
         from .demo import main as demo_main
 
         return int(demo_main(rest))
-    print(f"pccl: unknown command {cmd!r}", file=sys.stderr)
-    return 2
+    raise CliError(f"unknown command {cmd!r} (choose from master, status, run, demo; see pccl --help)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``pccl``/``python -m pccl``: subcommands ``master``, ``status``, ``run`` and ``demo``."""
+    return _run_guarded("pccl", _main, list(sys.argv[1:] if argv is None else argv))
+
+
+__all__ = ["VERSION", "CliError", "fetch_status", "main", "master_main", "port_number", "setup_logging"]

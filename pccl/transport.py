@@ -125,6 +125,17 @@ async def receive_exactly_into(stream: Stream, buf: memoryview) -> None:
 # TCP
 
 
+def _os_reason(exc: OSError) -> str:
+    """The reason of a failed connect in words: trio's "all attempts to connect failed" hides the
+    per-address errors in its cause; name them (``Connection refused``) instead."""
+    cause = exc.__cause__
+    if exc.strerror is None and isinstance(cause, BaseExceptionGroup):
+        reasons = sorted({getattr(e, "strerror", None) or str(e) for e in cause.exceptions})
+        if reasons:
+            return "; ".join(reasons)
+    return exc.strerror or str(exc)
+
+
 def _addr(sockaddr: object) -> Address:
     if isinstance(sockaddr, tuple) and len(sockaddr) >= 2:
         return (str(sockaddr[0]), int(sockaddr[1]))
@@ -290,7 +301,7 @@ class TcpTransport:
         except trio.TooSlowError as exc:
             raise ConnectFailed(f"connect to {host}:{port} timed out after {self.connect_timeout}s") from exc
         except OSError as exc:
-            raise ConnectFailed(f"connect to {host}:{port} failed: {exc}") from exc
+            raise ConnectFailed(f"connect to {host}:{port} failed: {_os_reason(exc)}") from exc
         return TcpStream(stream.socket)
 
     async def listen(self, host: str, port: int) -> Listener:

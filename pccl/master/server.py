@@ -9,6 +9,7 @@ kicked with a reason; it never takes the server down.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -22,11 +23,15 @@ import trio
 from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError
-from ..transport import Address, StreamBroken, TcpTransport, Transport
+from .._exc import sole_exception
+from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import messages as m
 from ..wire.hello import check_hello
 from ..wire.stream import MessageStream
+from .deadlock import DeadlockWatch
+from .http import Response, bound_address, open_http_listeners, serve_http
 from .state import Effect, Event, Kick, MasterState, Send
+from .status_server import StatusService
 
 log = logging.getLogger("pccl.master")
 
@@ -64,6 +69,12 @@ class MasterServer:
         self.kicked_total = 0
         self.improve_budget = 2.0
         self._nursery: trio.Nursery | None = None
+        grace = self.config.deadlock_grace
+        self.deadlocks = DeadlockWatch(grace) if grace is not None else None
+        self._deadlock_deadline: float | None = None
+        self._wake_monitor: trio.Event | None = None
+        self.status: StatusService | None = None  # observes the master once it serves
+        self.status_address: Address | None = None  # where /status is served (status_port set)
 
     def statistics(self) -> dict[str, Any]:
         """Master summary: the state's statistics plus connection counts."""
@@ -80,11 +91,20 @@ class MasterServer:
     ) -> None:
         """Listen and serve until cancelled."""
         listener = await self.transport.listen(host, port)
+        try:
+            http = await self._open_status(host) if self.config.status_port is not None else None
+        except ConnectFailed:
+            await listener.aclose()
+            raise
         self.address = listener.address
+        self.status = StatusService(self.state, f"{self.address[0]}:{self.address[1]}")
+        self._wake_monitor = trio.Event()
         log.info("master listening on %s:%d", *self.address)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
+                if http is not None:
+                    nursery.start_soon(serve_http, http, self._route)
                 nursery.start_soon(self._monitor)
                 task_status.started(listener.address)
                 while True:
@@ -97,6 +117,22 @@ class MasterServer:
         finally:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
+
+    async def _open_status(self, host: str) -> list[trio.SocketListener]:
+        assert self.config.status_port is not None
+        status_host = self.config.status_host or host
+        try:
+            listeners = await open_http_listeners(status_host, self.config.status_port)
+        except OSError as exc:
+            log.debug("cannot bind the status port", exc_info=True)
+            raise ConnectFailed(f"cannot serve the status page on {status_host}:{self.config.status_port}: "
+                                f"{exc.strerror or exc}") from None
+        self.status_address = bound_address(listeners)
+        log.info("status page on http://%s:%d/ (/status, /metrics)", *self.status_address)
+        return listeners
+
+    def _route(self, path: str) -> Response | None:
+        return self.status.route(path) if self.status is not None else None
 
     # ------------------------------------------------------------------------------------------
 
@@ -151,7 +187,10 @@ class MasterServer:
                 return
             except StreamBroken:
                 return
-            self._execute(self.state.handle(conn.peer_id, msg, trio.current_time()))
+            now = trio.current_time()
+            if self.status is not None:
+                self.status.observer.on_message(self.state, conn.peer_id, msg, now)
+            self._execute(self.state.handle(conn.peer_id, msg, now))
             if conn.closing:
                 return
 
@@ -218,8 +257,17 @@ class MasterServer:
                 sd = self.state.straggler_deadline(straggler, timeout)
                 if sd is not None:
                     deadline = min(deadline, sd)
-            # Wake just after the deadline; re-check at least every interval (new peers, clock skew).
-            await trio.sleep_until(min(deadline + 0.001, wake))
+            if self.deadlocks is not None:
+                self._execute([])  # declares the deadlocks whose grace ran out
+                dd = self.deadlocks.deadline()
+                if dd is not None:
+                    deadline = min(deadline, dd)
+            # Wake just after the deadline; re-check at least every interval (new peers, clock skew),
+            # or when a new candidate deadlock appears.
+            assert self._wake_monitor is not None
+            with trio.move_on_at(min(deadline + 0.001, wake)):
+                await self._wake_monitor.wait()
+            self._wake_monitor = trio.Event()
 
     def _log_stalls(self, now: float, since: dict[str, float], logged: dict[str, float]) -> None:
         """Log a warning for every vote or round that has waited on the same peers for
@@ -298,6 +346,17 @@ class MasterServer:
                     conn.closing = True
             elif isinstance(eff, Event):
                 log.info("%s", eff.text)
+        if self.status is not None:
+            self.status.on_effects(effects)
+        if self.deadlocks is not None:
+            failed = self.deadlocks.check(self.state, trio.current_time())
+            if failed:
+                self._execute(failed)
+            deadline = self.deadlocks.deadline()
+            if deadline != self._deadlock_deadline:
+                self._deadlock_deadline = deadline
+                if deadline is not None and self._wake_monitor is not None:
+                    self._wake_monitor.set()
         job = self.state.take_improvement_job()
         if job is not None and self._nursery is not None:
             self._nursery.start_soon(self._improve_ring, job)
@@ -363,6 +422,20 @@ class MasterHandle:
         return self._server.statistics()
 
     @property
+    def status_address(self) -> Address | None:
+        """Where the status server listens (``MasterConfig.status_port`` set), else None."""
+        return self._server.status_address
+
+    @property
+    def status_url(self) -> str | None:
+        """``http://HOST:PORT/`` of the status page on this machine, or None without a status server."""
+        bound = self._server.status_address
+        if bound is None:
+            return None
+        host = "127.0.0.1" if bound[0] in ("0.0.0.0", "", "::") else bound[0]
+        return f"http://{host}:{bound[1]}/"
+
+    @property
     def connect_address(self) -> str:
         """``"HOST:PORT"`` that peers on this machine can connect to."""
         host = self.address[0]
@@ -376,27 +449,49 @@ class MasterHandle:
 
 @asynccontextmanager
 async def open_master(
-    address: str = "127.0.0.1:0",
+    address: str | tuple[str, int] = "127.0.0.1:0",
     *,
     config: MasterConfig | None = None,
     transport: Transport | None = None,
+    status_port: int | None = None,
 ) -> AsyncIterator[MasterHandle]:
     """Run a master for the duration of the block.
 
     Args:
-        address: ``"HOST:PORT"`` to bind; port 0 lets the system choose (see ``master.address``).
+        address: ``"HOST:PORT"`` or ``(host, port)`` to bind; port 0 lets the system choose (see
+            ``master.address``); a missing port means 48148.
+        config: timeouts and limits.
+        transport: the transport seam (default: TCP).
+        status_port: serve the status page and metrics on this port (0: any; see
+            ``master.status_url``); overrides ``config.status_port``.
 
     Yields:
-        A :class:`MasterHandle` with ``address``, ``connect_address`` and ``statistics()``.
+        A :class:`MasterHandle` with ``address``, ``connect_address``, ``status_url`` and ``statistics()``.
+
+    Raises:
+        InvalidArgumentError: malformed address.
+        pccl.transport.ConnectFailed: the address (or the status port) cannot be bound.
     """
     host, port = parse_address(address)
+    config = config or MasterConfig()
+    if status_port is not None:
+        config = dataclasses.replace(config, status_port=status_port)
     server = MasterServer(config=config, transport=transport)
-    async with trio.open_nursery() as nursery:
-        bound = await nursery.start(server.serve, host, port)
-        try:
-            yield MasterHandle(server, bound)
-        finally:
-            nursery.cancel_scope.cancel()
+    started = False
+    try:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(server.serve, host, port)
+            started = True
+            try:
+                yield MasterHandle(server, bound)
+            finally:
+                nursery.cancel_scope.cancel()
+    except BaseExceptionGroup as group:
+        # A bind failure is one error: raise it as itself, not wrapped in the nursery's group.
+        sole = sole_exception(group)
+        if started or not isinstance(sole, ConnectFailed):
+            raise
+        raise sole from None
 
 
 __all__ = ["MasterHandle", "MasterServer", "open_master", "serve_master"]

@@ -27,6 +27,7 @@ from typing import Any
 from .._errors import Result
 from ..wire import messages as m
 from . import election as _election
+from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 
 # --------------------------------------------------------------------------------------------
 # Effects
@@ -310,6 +311,81 @@ class MasterState:
         for _, waiting, _ in self._waits():
             out |= waiting
         return out & set(self.peers)
+
+    def pending_rounds(self) -> list[tuple[str, list[int], str]]:
+        """Every vote or round in progress as ``(what, peers it waits for, detail)`` (for status pages)."""
+        return [(what, sorted(waiting), detail) for what, waiting, detail in self._waits()]
+
+    def vote_waits(self) -> dict[int, list[VoteWait]]:
+        """For every peer: the calls it has voted for whose votes have not completed (in-flight rounds
+        such as a running collective are not votes)."""
+        out: dict[int, list[VoteWait]] = {}
+        for p in sorted(self._pending_votes):
+            out.setdefault(p, []).append(VoteWait("peers_pending"))
+        rnd = self._topology
+        if rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds:
+            for p in sorted(rnd.votes):
+                out.setdefault(p, []).append(VoteWait(f"{rnd.kind}_topology"))
+        for (_, tag), op in sorted(self._ops.items()):
+            if not op.running:
+                for p, d in op.votes.items():
+                    out.setdefault(p, []).append(VoteWait("collective", tag, tuple(d)))
+        for sync in self._syncs.values():
+            if not sync.running:
+                for p in sync.votes:
+                    out.setdefault(p, []).append(VoteWait("sync"))
+        return out
+
+    def busy_peers(self) -> set[int]:
+        """Peers taking part in a running collective, sync or topology round (not just voting)."""
+        out: set[int] = set()
+        rnd = self._topology
+        if rnd is not None and (rnd.establishing or rnd.measuring or rnd.measure_rounds):
+            out |= set(rnd.members) | set(rnd.measuring) | set(self.ring)
+        for op in self._ops.values():
+            if op.running:
+                out |= set(op.participants)
+        for sync in self._syncs.values():
+            if sync.running:
+                out |= sync.participants
+        return out
+
+    def fail_votes(
+        self, peer_ids: set[int], reason: str, code: Result = Result.INVALID_USAGE
+    ) -> list[Effect]:
+        """Withdraw the votes of ``peer_ids`` from every vote that has not completed and fail each of
+        those calls with ``reason`` (a deadlock). are_peers_pending votes have no failure reply and stay."""
+        effects: list[Effect] = []
+        for key, op in sorted(self._ops.items()):
+            if op.running:
+                continue
+            for p in sorted(peer_ids & set(op.votes)):
+                del op.votes[p]
+                abort = m.CollectiveAbort(tag=op.tag, op_seq=-1, code=int(code), reason=reason)
+                effects.append(Send(p, abort))
+            if not op.votes:
+                del self._ops[key]
+        for group, sync in sorted(self._syncs.items()):
+            if sync.running:
+                continue
+            for p in sorted(peer_ids & set(sync.votes)):
+                vote = sync.votes.pop(p)
+                effects.append(Send(p, m.SharedStateResult(sync_seq=-1, success=False, revision=vote.revision,
+                                                           reason=reason, code=int(code))))
+            if not sync.votes:
+                del self._syncs[group]
+        rnd = self._topology
+        if rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds:
+            table = self.table(self.ring)
+            for p in sorted(peer_ids & rnd.votes):
+                rnd.votes.discard(p)
+                effects.append(Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
+                                                        reason=reason, code=int(code))))
+            if not rnd.votes:
+                self._topology = None
+        if effects:
+            effects.append(Event(reason))
+        return effects
 
     def pending_summary(self) -> list[str]:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
@@ -762,7 +838,7 @@ class MasterState:
         first = op.votes[voters[0]]
         del self._ops[key]
         if any(op.votes[p] != first for p in voters):
-            detail = "; ".join(f"peer {p}: {op.votes[p]}" for p in voters)
+            reason = describe_mismatch(op.tag, {p: op.votes[p] for p in voters})
             return [
                 Send(
                     p,
@@ -770,7 +846,7 @@ class MasterState:
                         tag=op.tag,
                         op_seq=-1,
                         code=int(Result.INVALID_ARGUMENT),
-                        reason=f"peers disagree on the operation: {detail}",
+                        reason=reason,
                     ),
                 )
                 for p in voters
@@ -783,7 +859,9 @@ class MasterState:
                         tag=op.tag,
                         op_seq=-1,
                         code=int(Result.TOO_FEW_PEERS),
-                        reason="a collective needs at least 2 peers in the group",
+                        reason=too_few_peers_reason(
+                            op.group, [r for r in self.registered() if self.peers[r].group == op.group]
+                        ),
                     ),
                 )
                 for p in voters

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import trio
 
+from .. import _env
 from .._address import parse_address
 from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import (
@@ -82,6 +83,15 @@ log = logging.getLogger("pccl.peer")
 # The phases of a collective that statistics() reports, in call order (see _record_phases).
 _PHASES = ("vote", "ring", "confirm", "commit")
 
+#: A peer not accepted this soon after registering says at INFO that it waits (the first peer of a run
+#: is accepted at once and says nothing).
+_WAITING_NOTICE_AFTER = 0.25
+
+
+def _no_limit(seconds: float | None) -> float:
+    return float("inf") if seconds is None else seconds
+
+
 @dataclass
 class _OpState:
     """A collective in flight, registered under its tag."""
@@ -100,7 +110,7 @@ class Communicator:
 
     def __init__(
         self,
-        address: str,
+        address: str | tuple[str, int] | None = None,
         *,
         peer_group: int = 0,
         p2p_connection_pool_size: int = 1,
@@ -109,8 +119,8 @@ class Communicator:
     ) -> None:
         if p2p_connection_pool_size < 0:
             raise InvalidArgumentError("p2p_connection_pool_size must be >= 0")
-        self.config = config or PeerConfig()
-        self.master_host, self.master_port = parse_address(address)
+        self.config = _env.peer_config(config)
+        self.master_host, self.master_port = parse_address(_env.master_address(address))
         self.peer_group = int(peer_group)
         self.pool_size = max(1, int(p2p_connection_pool_size))
         self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
@@ -282,7 +292,26 @@ class Communicator:
         self._stall.name = f"peer {self.peer_id}"
         nursery.start_soon(self._stall.run)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
-        await self._accepted.wait()  # the core has the table now
+        deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
+        accepted = False
+        with trio.move_on_at(min(deadline, trio.current_time() + _WAITING_NOTICE_AFTER)):
+            await self._accepted.wait()  # the core has the table now
+            accepted = True
+        if not accepted and trio.current_time() < deadline:
+            log.info(
+                "peer %d is waiting to be accepted by the master at %s:%d: the accepted peers must call "
+                "update_topology() (the first peer of a run is accepted at once)",
+                self.peer_id, self.master_host, self.master_port,
+            )
+            with trio.move_on_at(deadline):
+                await self._accepted.wait()
+                accepted = True
+        if not accepted:
+            raise PCCLError(
+                f"peer {self.peer_id} was not accepted within {self.config.accept_timeout:g}s: a peer that "
+                "connects waits until the accepted peers call update_topology()",
+                Result.MASTER_CONNECTION_FAILED,
+            )
         log.info("peer %d accepted (world size %d)", self.peer_id, len(self._core.table))
 
     async def aclose(self) -> None:
@@ -930,7 +959,7 @@ def _guard(fn: Callable[..., Awaitable[None]], what: str) -> Callable[..., Await
 
 @asynccontextmanager
 async def open_communicator(
-    address: str,
+    address: str | tuple[str, int] | None = None,
     *,
     peer_group: int = 0,
     p2p_connection_pool_size: int = 1,
@@ -943,7 +972,8 @@ async def open_communicator(
     ``update_topology()``.
 
     Args:
-        address: master ``"HOST:PORT"``.
+        address: master ``"HOST:PORT"`` or ``(host, port)`` (port 48148 when omitted); None:
+            ``$PCCL_MASTER``.
         peer_group: collectives and shared-state syncs run within a group.
         p2p_connection_pool_size: TCP connections per ring neighbour.
         config: timeouts and limits (:class:`pccl.PeerConfig`).

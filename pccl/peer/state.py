@@ -342,7 +342,11 @@ class PeerState:
             raise InvalidArgumentError(f"send has {send_count} elements but recv has {recv_count}")
         self.check_tag_free(tag)
         if n < 2:
-            raise TooFewPeersError(f"{kind} needs at least 2 peers in group {self.group}, world has {n}")
+            raise TooFewPeersError(
+                f"{kind} needs at least 2 accepted peers in peer group {self.group}, it has {n}; peers "
+                "that connect() wait to be accepted until the accepted peers call update_topology() "
+                "(are_peers_pending() tells whether any is waiting)"
+            )
         q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
         if q.algorithm != QuantizationAlgorithm.NONE and (kind != "all_reduce" or not dtype.is_floating):
             raise InvalidArgumentError("quantization applies to floating-point all_reduce only")

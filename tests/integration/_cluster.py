@@ -79,9 +79,14 @@ class LoopbackCluster:
 
 @asynccontextmanager
 async def loopback_cluster(
-    n_peers: int, *, groups: list[int] | None = None, pool_size: int = 1, transport: Transport | None = None
+    n_peers: int,
+    *,
+    groups: list[int] | None = None,
+    pool_size: int = 1,
+    transport: Transport | None = None,
+    master_config: MasterConfig = FAST_MASTER,
 ) -> AsyncIterator[LoopbackCluster]:
-    async with open_master(config=FAST_MASTER, transport=transport) as master:
+    async with open_master(config=master_config, transport=transport) as master:
         async with trio.open_nursery() as nursery:
             cl = LoopbackCluster(master, nursery, pool_size, transport)
             for i in range(n_peers):

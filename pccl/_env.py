@@ -1,0 +1,112 @@
+"""Environment variables for the common settings (documented in docs/cli.md).
+
+=================== ======================================================================
+``PCCL_MASTER``      the master's ``HOST:PORT`` when a communicator is given no address
+``PCCL_SECRET_FILE`` a file whose content (stripped) is the shared secret, for peers and master
+``PCCL_SECRET``      the shared secret itself (``PCCL_SECRET_FILE`` wins when both are set)
+``PCCL_LOG_LEVEL``   DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
+=================== ======================================================================
+
+Explicit arguments always win over the environment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+from collections.abc import Mapping
+
+from ._address import EXPECTED_FORM, Address
+from ._config import PeerConfig
+from ._errors import InvalidArgumentError
+
+ENV_MASTER = "PCCL_MASTER"
+ENV_SECRET = "PCCL_SECRET"
+ENV_SECRET_FILE = "PCCL_SECRET_FILE"
+ENV_LOG_LEVEL = "PCCL_LOG_LEVEL"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
+_HANDLER_NAME = "pccl-env-stderr"
+
+
+def master_address(address: Address | None, environ: Mapping[str, str] | None = None) -> Address:
+    """``address``, or ``$PCCL_MASTER`` when it is None.
+
+    Raises:
+        InvalidArgumentError: neither is given.
+    """
+    if address is not None:
+        return address
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_MASTER, "").strip()
+    if not value:
+        raise InvalidArgumentError(f"no master address: pass one ({EXPECTED_FORM}) or set {ENV_MASTER}")
+    return value
+
+
+def secret(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """``explicit``, else the content of ``$PCCL_SECRET_FILE``, else ``$PCCL_SECRET``, else None.
+
+    Raises:
+        InvalidArgumentError: ``PCCL_SECRET_FILE`` names a file that cannot be read.
+    """
+    if explicit is not None:
+        return explicit
+    env = os.environ if environ is None else environ
+    path = env.get(ENV_SECRET_FILE)
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise InvalidArgumentError(f"{ENV_SECRET_FILE}={path}: cannot read it ({exc.strerror})") from None
+    return env.get(ENV_SECRET) or None
+
+
+def peer_config(config: PeerConfig | None, environ: Mapping[str, str] | None = None) -> PeerConfig:
+    """``config`` (default :class:`PeerConfig`) with its secret from the environment when it has none."""
+    cfg = config or PeerConfig()
+    if cfg.secret is None:
+        found = secret(None, environ)
+        if found is not None:
+            cfg = dataclasses.replace(cfg, secret=found)
+    return cfg
+
+
+def log_level(default: str = "WARNING", environ: Mapping[str, str] | None = None) -> str:
+    """``$PCCL_LOG_LEVEL`` (upper-cased) when it is a known level, else ``default``."""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_LOG_LEVEL, "").strip().upper()
+    return value if value in LOG_LEVELS else default
+
+
+def apply_log_level(environ: Mapping[str, str] | None = None) -> None:
+    """When ``$PCCL_LOG_LEVEL`` is set: set the ``pccl`` logger to it and, if nothing else configured
+    logging, log to stderr. Called once when :mod:`pccl` is imported."""
+    env = os.environ if environ is None else environ
+    if not env.get(ENV_LOG_LEVEL, "").strip():
+        return
+    logger = logging.getLogger("pccl")
+    logger.setLevel(log_level("WARNING", env))
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        handler.set_name(_HANDLER_NAME)
+        logger.addHandler(handler)
+
+
+def drop_env_handler() -> None:
+    """Remove the stderr handler :func:`apply_log_level` added (a tool that configures logging itself
+    calls this, so that records are not printed twice)."""
+    logger = logging.getLogger("pccl")
+    for h in list(logger.handlers):
+        if h.get_name() == _HANDLER_NAME:
+            logger.removeHandler(h)
+
+
+__all__ = [
+    "ENV_LOG_LEVEL", "ENV_MASTER", "ENV_SECRET", "ENV_SECRET_FILE", "LOG_LEVELS",
+    "apply_log_level", "drop_env_handler", "log_level", "master_address", "peer_config", "secret",
+]

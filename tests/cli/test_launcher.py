@@ -1,0 +1,130 @@
+"""``pccl run -n N SCRIPT``: a master and N peer processes, prefixed output, first failure's exit code,
+Ctrl-C stops everything."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import trio
+
+from pccl.cli import main
+from pccl.launcher import launch
+
+pytestmark = pytest.mark.slow
+
+ALL_REDUCE = textwrap.dedent("""
+    import os, numpy as np
+    from pccl import Attribute, Communicator, ReduceOp
+    n = int(os.environ["PCCL_WORLD_SIZE"])
+    rank = int(os.environ["PCCL_RANK"])
+    print("master", os.environ["PCCL_MASTER"], flush=True)
+    with Communicator() as comm:          # the address comes from PCCL_MASTER
+        comm.connect()
+        while comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) < n:
+            if comm.are_peers_pending():
+                comm.update_topology()
+        x = np.full(4, rank + 1, np.float32)
+        comm.all_reduce(x, x, op=ReduceOp.SUM)
+        print("result", x[0], flush=True)
+""")
+
+
+def _script(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / name
+    path.write_text(body)
+    return str(path)
+
+
+def test_two_peers_all_reduce_with_prefixed_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "ar.py", ALL_REDUCE)
+    assert main(["run", "-n", "2", script]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("[launcher] master at 127.0.0.1:")
+    address = out[0].split()[3].rstrip(";")
+    for rank in (0, 1):
+        assert f"[peer {rank}] master {address}" in out
+        assert f"[peer {rank}] result 3.0" in out
+
+
+def test_first_failure_sets_the_exit_code_and_stops_the_others(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = _script(tmp_path, "fail.py", textwrap.dedent("""
+        import os, sys, time
+        if os.environ["PCCL_RANK"] == "1":
+            print("giving up", flush=True)
+            sys.exit(3)
+        print("pid", os.getpid(), flush=True)
+        time.sleep(120)
+    """))
+    assert main(["run", "-n", "2", "--no-prefix", script, "--some-arg"]) == 3
+    out = capsys.readouterr().out
+    assert "[launcher] peer 1 exited with code 3; stopping the others" in out
+    assert "\ngiving up\n" in out  # --no-prefix
+    pid = int(next(line for line in out.splitlines() if line.startswith("pid ")).split()[1])
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
+    script = _script(tmp_path, "sleep.py", textwrap.dedent("""
+        import os, time
+        print("ready", os.getpid(), flush=True)
+        time.sleep(120)
+    """))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "pccl", "run", "-n", "2", script],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    pids = []
+    for line in proc.stdout:
+        if "] ready " in line:
+            pids.append(int(line.split()[-1]))
+            if len(pids) == 2:
+                break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(30) == 130
+    assert "[launcher] SIGINT: stopping every process" in rest
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["run", "-n", "0", "x.py"], "pccl: error: -n must be at least 1, got 0"),
+        (["run", "-n", "2", "no/such/script.py"], "pccl: error: no such script: no/such/script.py"),
+        (["run", "x.py"],
+         "pccl: error: the following arguments are required: -n/--nproc (see pccl run --help)"),
+        (["run", "-n", "two", "x.py"],
+         "pccl: error: argument -n/--nproc: invalid int value: 'two' (see pccl run --help)"),
+    ],
+)
+def test_launcher_mistakes(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == message
+
+
+class _ClosedPipe(io.StringIO):
+    def write(self, s: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+async def test_a_closed_output_pipe_does_not_hang_the_launcher(tmp_path: Path) -> None:
+    """`pccl run ... | head` used to hang once head exited: the output task died, and stopping the peers
+    waited for events that task would have set."""
+    script = _script(tmp_path, "chatty.py", "for i in range(20000):\n    print('line', i)\n")
+    with trio.fail_after(60):
+        code = await launch(2, [sys.executable, script], out=_ClosedPipe())
+    assert code == 0
