@@ -65,7 +65,7 @@ def test_secret_from_pccl_secret_file(tmp_path: object, monkeypatch: pytest.Monk
         master.run()
         with pytest.raises(PCCLError) as info:
             Communicator(master.address).connect(n_attempts=1)
-        assert "bad or missing shared secret" in info.value.message
+        assert "bad secret: missing or not the shared secret" in info.value.message
         monkeypatch.setenv("PCCL_SECRET_FILE", str(path))
         with Communicator(master.address) as comm:
             comm.connect()
