@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import trio
 
-from pccl import PROTOCOL_VERSION, PCCLError, PeerConfig, RankConnectionFailedError
+from pccl import PROTOCOL_VERSION, PCCLError, PeerConfig, RankConnectionFailedError, Result
 from pccl.peer.p2p import open_p2p, serve_p2p
 from pccl.transport import Address, StreamBroken, TcpTransport, Transport
 from pccl.wire.messages import Heartbeat, Hello, HelloOk, Refused
@@ -190,3 +190,23 @@ async def test_listen_failure_is_a_pccl_error() -> None:
             await serve_p2p(TcpTransport(), "127.0.0.1", listener.address[1], {}, config=CONFIG)
     finally:
         await listener.aclose()
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"protocol_version": PROTOCOL_VERSION + 1}, Result.REMOTE_ERROR),
+        ({"channel": "version2"}, Result.INVALID_USAGE),  # "version" in the reason must not matter
+        ({"secret": "wrong"}, Result.INVALID_USAGE),
+    ],
+)
+async def test_refusal_codes_come_from_the_problem_not_the_reason_text(
+    change: dict[str, Any], code: Result
+) -> None:
+    """Regression: the listener chose REMOTE_ERROR whenever the reason text contained "version"."""
+    async with serving(TcpTransport(), echo_handlers([]), secret="right") as addr:
+        fields: dict[str, Any] = dict(protocol_version=PROTOCOL_VERSION, purpose="p2p", secret="right",
+                                      peer_id=1, channel="ring")
+        ms, reply = await raw_hello(addr, Hello(**{**fields, **change}))
+        assert isinstance(reply, Refused) and reply.code == int(code), reply
+        await assert_closed(ms)
