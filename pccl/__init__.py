@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from . import _pccl as _pccl
+from . import cuda
 from ._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig, PeerConfig
 from ._errors import (
     InvalidArgumentError,
+    InvalidBufferError,
     InvalidUsageError,
     KickedError,
     MasterConnectionError,
@@ -57,6 +60,7 @@ __all__ = [
     "DeviceType",
     "DistributionHint",
     "InvalidArgumentError",
+    "InvalidBufferError",
     "InvalidUsageError",
     "KickedError",
     "MasterConfig",
@@ -85,6 +89,7 @@ __all__ = [
     "TooFewPeersError",
     "TopologyOptimizationFailedError",
     "UpdateTopologyFailedError",
+    "cuda",
     "open_communicator",
     "open_master",
     "serve_master",
