@@ -566,7 +566,7 @@ def _shutdown_at_exit() -> None:
         pass
     finally:
         with _serving_lock:
-            sessions = list(_serving_masters)
+            sessions = [s for s in _serving_masters if s.pid == os.getpid()]
         for session in sessions:
             try:
                 _core.call(session.stop, CLOSE_TIMEOUT)
@@ -579,7 +579,8 @@ def _serve_until_interrupted() -> None:
     """Block while a master serves (the established library's MasterNode lifetime)."""
     while True:
         with _serving_lock:
-            serving = [s for s in _serving_masters if not s.stopped.is_set()]
+            # (a forked child inherits the parent's set, not its masters: only this process's count)
+            serving = [s for s in _serving_masters if not s.stopped.is_set() and s.pid == os.getpid()]
         if not serving:
             return
         session = serving[0]
@@ -603,6 +604,7 @@ class _MasterSession:
         self.scope: trio.CancelScope | None = None
         self.stopped = threading.Event()
         self.done = trio.Event()
+        self.pid = os.getpid()
 
     async def serve(self, started: Callable[[Any], None]) -> None:
         from .transport import ConnectFailed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -222,3 +223,30 @@ def test_only_cancelled_groups_count_as_cancellation() -> None:
     assert pccl.blocking._only_cancelled(group)
     assert not pccl.blocking._only_cancelled(BaseExceptionGroup("g", [ValueError()]))
     assert not pccl.blocking._only_cancelled(ValueError())
+
+
+_FORK_SCRIPT = textwrap.dedent("""
+    import os, sys
+    from pccl import Communicator, MasterNode
+
+    master = MasterNode("127.0.0.1:0")
+    master.run()
+    pid = os.fork()
+    if pid == 0:
+        # the child inherits the parent's record of its serving master, not the master itself: its exit must
+        # not wait for it
+        comm = Communicator(master.address, 0)
+        comm.connect()
+        sys.exit(0)
+    _, status = os.waitpid(pid, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+    master.interrupt()
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_forked_child_does_not_wait_for_the_parents_master() -> None:
+    proc = subprocess.run([sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "child exit 0", proc.stderr
+    assert "keeps serving" not in proc.stderr, proc.stderr
