@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -250,3 +252,25 @@ def test_forked_child_does_not_wait_for_the_parents_master() -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "child exit 0", proc.stderr
     assert "keeps serving" not in proc.stderr, proc.stderr
+
+
+def test_a_background_task_cancelled_inside_a_nursery_is_not_logged_as_a_failure(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # What a communicator or master being torn down looks like to the core: its hosted task is cancelled
+    # while it runs a nursery, so what escapes it is an exception group made only of Cancelled.
+    import trio
+
+    core = pccl.blocking._Core()
+
+    async def body(started: Callable[[object], None]) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+            nursery.start_soon(trio.sleep_forever)
+            started(None)
+            await trio.sleep_forever()
+
+    core.host(body)
+    with caplog.at_level(logging.ERROR, logger="pccl.blocking"):
+        core.stop()
+    assert not core.running
+    assert not [r for r in caplog.records if "background task failed" in r.getMessage()]
