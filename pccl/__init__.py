@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from . import _pccl as _pccl
+from . import cuda
 from ._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig, PeerConfig
 from ._env import apply_log_level as _apply_log_level
 from ._errors import (
     InvalidArgumentError,
+    InvalidBufferError,
     InvalidUsageError,
     KickedError,
     MasterConnectionError,
@@ -60,6 +63,7 @@ __all__ = [
     "DeviceType",
     "DistributionHint",
     "InvalidArgumentError",
+    "InvalidBufferError",
     "InvalidUsageError",
     "KickedError",
     "MasterConfig",
@@ -88,6 +92,7 @@ __all__ = [
     "TooFewPeersError",
     "TopologyOptimizationFailedError",
     "UpdateTopologyFailedError",
+    "cuda",
     "open_communicator",
     "open_master",
     "serve_master",

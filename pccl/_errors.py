@@ -11,49 +11,106 @@ import enum
 
 
 class Result(enum.IntEnum):
-    """Result codes, named and numbered like the established PCCL library."""
+    """Result codes: upstream's (the C header ``pcclResult_t``, 0..12) first, with the same names and
+    numbers, then the codes only pccl has (13 and up)."""
 
     SUCCESS = 0
     NOT_INITIALIZED = 1
-    SYSTEM_ERROR = 2
-    INTERNAL_ERROR = 3
-    INVALID_ARGUMENT = 4
-    INVALID_USAGE = 5
-    REMOTE_ERROR = 6
-    IN_PROGRESS = 7
-    NUM_RESULTS = 8
-    MASTER_CONNECTION_FAILED = 9
-    RANK_CONNECTION_FAILED = 10
-    RANK_CONNECTION_LOST = 11
-    NO_SHARED_STATE_AVAILABLE = 12
-    PENDING_ASYNC_OPS = 13
-    UPDATE_TOPOLOGY_FAILED = 14
-    TOPOLOGY_OPTIMIZATION_FAILED = 15
-    TOO_FEW_PEERS = 16
-    SHARED_STATE_SYNC_FAILED = 17
-    KICKED = 18
+    INTERNAL_ERROR = 2
+    INVALID_ARGUMENT = 3
+    INVALID_USAGE = 4
+    TOO_FEW_PEERS = 5
+    MASTER_CONNECTION_FAILED = 6
+    RANK_CONNECTION_FAILED = 7
+    RANK_CONNECTION_LOST = 8
+    NO_SHARED_STATE_AVAILABLE = 9
+    PENDING_ASYNC_OPS = 10
+    UPDATE_TOPOLOGY_FAILED = 11
+    TOPOLOGY_OPTIMIZATION_FAILED = 12
+    # pccl's own codes
+    SYSTEM_ERROR = 13
+    REMOTE_ERROR = 14
+    IN_PROGRESS = 15
+    SHARED_STATE_SYNC_FAILED = 16
+    KICKED = 17
 
 
 class PCCLError(Exception):
     """Base of every error raised by pccl.
 
+    Two ways to build one:
+
+    * ours: ``PCCLError(message, result=None)``: ``str(err)`` is ``"RESULT_NAME: message"``; a subclass
+      supplies its own default result;
+    * the established bindings': ``PCCLError(result, func_name)`` (a :class:`Result` or its integer code,
+      then the failing function's name): ``str(err)`` is ``"<func_name> failed with error: NAME: NAME"``,
+      exactly as there.
+
     Attributes:
         result: the :class:`Result` code.
         message: a human-readable explanation.
+        func_name: the failing function (the established form only; ``""`` otherwise).
     """
 
     default_result: Result = Result.INTERNAL_ERROR
 
-    def __init__(self, message: str = "", result: Result | None = None) -> None:
-        self.result: Result = result if result is not None else self.default_result
-        self.message = message
+    def __init__(self, message: str | Result | int = "", result: Result | str | None = None) -> None:
+        self.func_name = ""
+        self._upstream_form = False
+        if isinstance(message, int) and not isinstance(message, bool):
+            # the established call order: PCCLError(result, func_name)
+            self.result: Result = _as_result(message)
+            self.func_name = str(result) if result is not None else ""
+            self.message = f"{self.func_name} failed with error: {self.result.name}"
+            self._upstream_form = True
+            super().__init__(self.message)
+            return
+        if isinstance(result, str):
+            raise TypeError("PCCLError(message, result): result must be a Result, not a string")
+        self.result = result if result is not None else self.default_result
+        self.message = str(message)
         super().__init__(f"{self.result.name}: {message}" if message else self.result.name)
+
+    def __str__(self) -> str:
+        if self._upstream_form:
+            return f"{self.message}: {self.result.name}"
+        return super().__str__()
+
+    @staticmethod
+    def check(result: int, func_name: str) -> None:
+        """Raise for a non-SUCCESS code, like the established ``PCCLError.check``.
+
+        Args:
+            result: a :class:`Result` or its integer code.
+            func_name: the name put in the message.
+
+        Raises:
+            PCCLError: ``result`` is not SUCCESS (the subclass for that code, e.g. :class:`TooFewPeersError`).
+        """
+        code = _as_result(result)
+        if code != Result.SUCCESS:
+            raise error_class(code)(code, func_name)
+
+
+def _as_result(code: int) -> Result:
+    try:
+        return Result(code)
+    except ValueError:
+        return Result.INTERNAL_ERROR
 
 
 class InvalidArgumentError(PCCLError, ValueError):
     """A call was given an argument it cannot use."""
 
     default_result = Result.INVALID_ARGUMENT
+
+
+class InvalidBufferError(InvalidArgumentError, AssertionError):
+    """A tensor or array a call cannot use (wrong type, dtype, size, contiguity, device).
+
+    Also an ``AssertionError``: the established bindings ``assert`` on bad buffers, so handlers written for
+    them catch it.
+    """
 
 
 class InvalidUsageError(PCCLError):
@@ -136,3 +193,25 @@ class RemoteProtocolError(ProtocolError):
     """The other side broke the protocol (bad frame, unknown type, illegal message, version mismatch)."""
 
     default_result = Result.REMOTE_ERROR
+
+
+_CLASS_BY_RESULT: dict[Result, type[PCCLError]] = {
+    Result.INVALID_ARGUMENT: InvalidArgumentError,
+    Result.INVALID_USAGE: InvalidUsageError,
+    Result.PENDING_ASYNC_OPS: PendingAsyncOpsError,
+    Result.TOO_FEW_PEERS: TooFewPeersError,
+    Result.MASTER_CONNECTION_FAILED: MasterConnectionError,
+    Result.RANK_CONNECTION_FAILED: RankConnectionFailedError,
+    Result.RANK_CONNECTION_LOST: RankConnectionLostError,
+    Result.UPDATE_TOPOLOGY_FAILED: UpdateTopologyFailedError,
+    Result.TOPOLOGY_OPTIMIZATION_FAILED: TopologyOptimizationFailedError,
+    Result.SHARED_STATE_SYNC_FAILED: SharedStateSyncError,
+    Result.NO_SHARED_STATE_AVAILABLE: NoSharedStateAvailableError,
+    Result.KICKED: KickedError,
+    Result.REMOTE_ERROR: RemoteProtocolError,
+}
+
+
+def error_class(result: Result) -> type[PCCLError]:
+    """The :class:`PCCLError` subclass that stands for ``result`` (``PCCLError`` itself when none does)."""
+    return _CLASS_BY_RESULT.get(result, PCCLError)

@@ -30,6 +30,7 @@ import atexit
 import concurrent.futures
 import logging
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -46,12 +47,16 @@ from ._config import MasterConfig, PeerConfig
 from ._env import master_address
 from ._errors import (
     InvalidArgumentError,
+    InvalidBufferError,
     InvalidUsageError,
     MasterConnectionError,
     PCCLError,
     PendingAsyncOpsError,
+    RankConnectionLostError,
     Result,
+    TooFewPeersError,
 )
+from ._rawmem import address_of, is_address, view_at
 from ._types import (
     Attribute,
     DataType,
@@ -76,10 +81,14 @@ T = TypeVar("T")
 #: cleanup must never hang the caller, least of all at interpreter exit.
 CLOSE_TIMEOUT = 5.0
 
-#: Backoff between connection attempts in :meth:`Communicator.connect` (doubles per attempt, capped).
-#: With the default 5 attempts the waits add up to 3.75 s: enough for a master that is still starting.
-_CONNECT_BACKOFF_START = 0.25
-_CONNECT_BACKOFF_MAX = 2.0
+#: Seconds between connection attempts in :meth:`Communicator.connect` (one second, as the established
+#: bindings: a peer started together with its master waits for the master to come up).
+_CONNECT_RETRY_INTERVAL = 1.0
+
+#: How many times :meth:`Communicator.sync_shared_state` runs a sync again after a participant was lost
+#: during it (the established library completes the sync without the lost peer; ours aborts it for every
+#: participant, atomically, and every survivor runs it again).
+_SYNC_RETRIES_ON_PEER_LOSS = 8
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -157,18 +166,49 @@ class ReduceDescriptor:
     operand_descriptor: ReduceOperandDescriptor
     quantization_options: QuantizationOptions | None = None
 
+    def __post_init__(self) -> None:
+        # As the established bindings: the options are always there; "none given" is full precision.
+        if self.quantization_options is None:
+            self.quantization_options = QuantizationOptions(self.operand_descriptor.datatype,
+                                                            QuantizationAlgorithm.NONE)
+
 
 class ReduceOpDescriptor:
     """A reduce together with its buffers, for :meth:`Communicator.all_reduce_multiple_with_retry`.
 
-    Build it with :meth:`from_torch`, :meth:`from_numpy` or :meth:`from_cupy`; the descriptor keeps
-    references to the buffers (not raw pointers), so they stay alive as long as the descriptor does.
+    Build it with :meth:`from_torch`, :meth:`from_numpy` or :meth:`from_cupy`: the descriptor keeps
+    references to the buffers, so they stay alive as long as the descriptor does. The established form
+    ``ReduceOpDescriptor(sendbuf_ptr, recvbuf_ptr, reduce_descriptor)`` with raw host addresses (``int``)
+    works too: ``reduce_descriptor.count`` elements of ``operand_descriptor.datatype`` at each address, memory
+    the caller keeps alive.
+
+    Attributes:
+        send, recv: the buffers (numpy views for raw addresses).
+        sendbuf_ptr, recvbuf_ptr: their addresses, as in the established bindings.
+        reduce_descriptor: the reduce.
+
+    Raises:
+        InvalidBufferError: a null address.
     """
 
     def __init__(self, send: Any, recv: Any, reduce_descriptor: ReduceDescriptor) -> None:
+        if is_address(send) or is_address(recv):
+            dtype = DataType(reduce_descriptor.operand_descriptor.datatype)
+            send = view_at(send, reduce_descriptor.count, dtype) if is_address(send) else send
+            recv = view_at(recv, reduce_descriptor.count, dtype) if is_address(recv) else recv
         self.send = send
         self.recv = recv
         self.reduce_descriptor = reduce_descriptor
+
+    @property
+    def sendbuf_ptr(self) -> int:
+        """The address of the send buffer."""
+        return address_of(self.send)
+
+    @property
+    def recvbuf_ptr(self) -> int:
+        """The address of the receive buffer."""
+        return address_of(self.recv)
 
     @staticmethod
     def from_torch(send: Any, recv: Any, reduce_descriptor: ReduceDescriptor) -> ReduceOpDescriptor:
@@ -208,7 +248,7 @@ class ReduceOpDescriptor:
     def _checked(send: Any, recv: Any, reduce_descriptor: ReduceDescriptor, is_kind: Callable[[object], bool],
                  refusal: str) -> ReduceOpDescriptor:
         if not (is_kind(send) and is_kind(recv)):
-            raise InvalidArgumentError(f"ReduceOpDescriptor.{refusal}")
+            raise InvalidBufferError(f"ReduceOpDescriptor.{refusal}")
         _check_pair(send, recv, reduce_descriptor.count)
         return ReduceOpDescriptor(send, recv, reduce_descriptor)
 
@@ -222,16 +262,23 @@ def _is_numpy(t: object) -> bool:
 
 
 def _check_pair(send: Any, recv: Any, count: int | None) -> DataType:
-    """Validate a send/recv pair (dtype, size, same device); returns their data type."""
-    backend.check_same_device(backend.device_index(send), backend.device_index(recv))
-    sd = backend.describe(send)
-    rd = backend.describe(recv)
+    """Validate a send/recv pair (dtype, size, same device); returns their data type.
+
+    Raises:
+        InvalidBufferError: the pair is unusable (an AssertionError too, as the established checks).
+    """
+    try:
+        backend.check_same_device(backend.device_index(send), backend.device_index(recv))
+        sd = backend.describe(send)
+        rd = backend.describe(recv)
+    except InvalidArgumentError as exc:
+        raise InvalidBufferError(exc.message) from None
     if sd.dtype != rd.dtype:
-        raise InvalidArgumentError(f"send is {sd.dtype.name} but recv is {rd.dtype.name}")
+        raise InvalidBufferError(f"send is {sd.dtype.name} but recv is {rd.dtype.name}")
     if sd.count != rd.count:
-        raise InvalidArgumentError(f"send has {sd.count} elements but recv has {rd.count}")
+        raise InvalidBufferError(f"send has {sd.count} elements but recv has {rd.count}")
     if count is not None and not 0 < count <= sd.count:
-        raise InvalidArgumentError(f"count {count} out of range for tensors of {sd.count} elements")
+        raise InvalidBufferError(f"count {count} out of range for tensors of {sd.count} elements")
     return sd.dtype
 
 
@@ -259,7 +306,7 @@ def _prepare(send: Any, recv: Any, *, op: Any, tag: Any, count: int | None,
         recv = send
     if not any(is_kind(send) and is_kind(recv)
                for is_kind in (_is_numpy, backend.is_torch_tensor, backend.is_cupy_array)):
-        raise InvalidArgumentError(
+        raise InvalidBufferError(
             f"unsupported input types {type(send).__name__}, {type(recv).__name__}: send and recv must "
             "both be torch.Tensor, both be numpy.ndarray or both be cupy.ndarray")
     dtype = _check_pair(send, recv, count)
@@ -319,6 +366,13 @@ def _translate(exc: BaseException) -> BaseException:
     err = PCCLError(f"internal error: {exc!r}", Result.INTERNAL_ERROR)
     err.__cause__ = exc
     return err
+
+
+def _only_cancelled(exc: BaseException) -> bool:
+    """True for ``trio.Cancelled`` and for an exception group (nested or not) made only of Cancelled."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_only_cancelled(sub) for sub in exc.exceptions)
+    return isinstance(exc, trio.Cancelled)
 
 
 class _Core:
@@ -442,7 +496,7 @@ class _Core:
                 try:
                     await body(mark_started)
                 except BaseException as exc:
-                    if not started or isinstance(exc, trio.Cancelled):
+                    if not started or _only_cancelled(exc):
                         raise
                     log.exception("a pccl background task failed")
 
@@ -482,26 +536,59 @@ class _Core:
 
 _core = _Core()
 
-# Live public objects, closed at interpreter exit. Weak: the core never keeps a public object alive.
+# Live communicators, closed at interpreter exit. Weak: the core never keeps a public object alive.
 _live_communicators: weakref.WeakSet[Communicator] = weakref.WeakSet()
-_live_masters: weakref.WeakSet[MasterNode] = weakref.WeakSet()
+
+
+# Masters that serve (run() and no interrupt() yet), whether or not their MasterNode still exists: as in the
+# established bindings, a master keeps serving until it is interrupted, also past the end of the script.
+_serving_masters: set[_MasterSession] = set()
+_serving_lock = threading.Lock()
 
 
 def _shutdown_at_exit() -> None:
-    """atexit hook: close communicators, stop masters, stop the core; every step bounded in time."""
+    """atexit hook: close communicators, serve the masters still running until interrupted, stop the core.
+
+    The masters' wait ends with Ctrl-C (SIGINT) or ``interrupt()`` from another thread; it is skipped when the
+    script ended with an uncaught KeyboardInterrupt (the user interrupted it already). Every other step is
+    bounded in time.
+    """
     if not _core.running:
         return
-    for comm in list(_live_communicators):
-        try:
-            comm.close()
-        except Exception:
-            log.debug("closing a communicator at exit failed", exc_info=True)
-    for master in list(_live_masters):
-        try:
-            master.close()
-        except Exception:
-            log.debug("stopping a master at exit failed", exc_info=True)
-    _core.stop()
+    try:
+        for comm in list(_live_communicators):
+            try:
+                comm.close()
+            except Exception:
+                log.debug("closing a communicator at exit failed", exc_info=True)
+        if not isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            _serve_until_interrupted()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        with _serving_lock:
+            sessions = [s for s in _serving_masters if s.pid == os.getpid()]
+        for session in sessions:
+            try:
+                _core.call(session.stop, CLOSE_TIMEOUT)
+            except BaseException:
+                log.debug("stopping a master at exit failed", exc_info=True)
+        _core.stop()
+
+
+def _serve_until_interrupted() -> None:
+    """Block while a master serves (the established library's MasterNode lifetime)."""
+    while True:
+        with _serving_lock:
+            # (a forked child inherits the parent's set, not its masters: only this process's count)
+            serving = [s for s in _serving_masters if not s.stopped.is_set() and s.pid == os.getpid()]
+        if not serving:
+            return
+        session = serving[0]
+        log.warning("the pccl master on %s:%d keeps serving until interrupted (Ctrl-C)", session.host,
+                    session.port)
+        while not session.stopped.wait(0.25):  # short waits: SIGINT is handled between them
+            pass
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -518,19 +605,28 @@ class _MasterSession:
         self.scope: trio.CancelScope | None = None
         self.stopped = threading.Event()
         self.done = trio.Event()
+        self.pid = os.getpid()
 
     async def serve(self, started: Callable[[Any], None]) -> None:
         from .transport import ConnectFailed
+
+        def listening(bound: Any) -> None:
+            self.port = int(bound[1])
+            with _serving_lock:
+                _serving_masters.add(self)
+            started(bound)
 
         try:
             with trio.CancelScope() as scope:
                 self.scope = scope
                 try:
-                    await self.server.serve(self.host, self.port, task_status=_StartedProxy(started))
+                    await self.server.serve(self.host, self.port, task_status=_StartedProxy(listening))
                 except ConnectFailed as exc:
                     log.debug("the master cannot listen", exc_info=True)
                     raise PCCLError(str(exc), Result.SYSTEM_ERROR) from None
         finally:
+            with _serving_lock:
+                _serving_masters.discard(self)
             self.stopped.set()
             self.done.set()
 
@@ -557,6 +653,11 @@ class _StartedProxy:
 class MasterNode:
     """A master node run in the background (established API).
 
+    Lifetime, as in the established bindings: once :meth:`run` returned, the master serves until
+    :meth:`interrupt` (or :meth:`close`, or leaving a ``with`` block) stops it. Dropping the object does not
+    stop it, and a script that ends while a master serves keeps serving until Ctrl-C (the exit hook waits),
+    so a master script may end with ``master.run()``.
+
     Args:
         listen_address: ``"HOST:PORT"`` to bind, e.g. ``"0.0.0.0:48148"``; port 0 lets the system choose (read
             it back from :attr:`port` after :meth:`run`).
@@ -573,7 +674,6 @@ class MasterNode:
         self._lock = threading.Lock()
         self._session: _MasterSession | None = None
         self._bound: tuple[str, int] | None = None
-        _live_masters.add(self)
 
     @property
     def running(self) -> bool:
@@ -666,13 +766,9 @@ class MasterNode:
         self.close()
 
     def __del__(self) -> None:
-        # Never block in a finalizer: ask the core to stop the server and return.
-        try:
-            session = self._session
-            if session is not None and not session.stopped.is_set():
-                _core.run_soon(session.cancel)
-        except Exception:
-            pass
+        # Nothing to do: a master that serves keeps serving until interrupted (its session is referenced by
+        # _serving_masters; the exit hook waits for it), and one that never ran holds nothing.
+        pass
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
@@ -807,9 +903,8 @@ class Communicator:
         """Connect to the master and return once this peer is accepted into the run.
 
         The first peer is accepted at once; later peers wait until the accepted peers call
-        :meth:`update_topology`. A failed connection is retried ``n_attempts`` times in all, with a
-        backoff of 0.25 s doubling, at most 2 s (3.75 s of waiting with the default 5 attempts, which covers
-        a master that is still starting).
+        :meth:`update_topology`. A failed connection is retried ``n_attempts`` times in all, one second
+        apart (as the established bindings).
 
         Raises:
             InvalidArgumentError: ``n_attempts < 1``.
@@ -826,7 +921,6 @@ class Communicator:
             self._connecting = True
         try:
             last: MasterConnectionError | None = None
-            backoff = _CONNECT_BACKOFF_START
             for attempt in range(1, n_attempts + 1):
                 session = _CommSession(self.address, self.peer_group, self.p2p_connection_pool_size,
                                        self._config)
@@ -840,9 +934,8 @@ class Communicator:
                     last = exc
                     log.warning("connecting to the master at %s failed (attempt %d/%d): %s",
                                 self.address, attempt, n_attempts, exc.message)
-                    if attempt < n_attempts and self._closed_event.wait(backoff):
+                    if attempt < n_attempts and self._closed_event.wait(_CONNECT_RETRY_INTERVAL):
                         raise InvalidUsageError("the communicator was closed while connecting") from exc
-                    backoff = min(backoff * 2, _CONNECT_BACKOFF_MAX)
                     continue
                 except BaseException:
                     # KeyboardInterrupt in this thread (or any other error): the attempt may still be
@@ -1057,8 +1150,18 @@ class Communicator:
         self._check_no_ops("sync_shared_state")
         for tensor_info in shared_state.tensor_infos:  # GPU tensors: see _prepare (per-thread streams)
             backend.sync_current_stream(tensor_info.tensor)
-        info: SharedStateSyncInfo = _core.call(comm.sync_shared_state, shared_state, strategy)
-        return info
+        for attempt in range(1, _SYNC_RETRIES_ON_PEER_LOSS + 1):
+            try:
+                info: SharedStateSyncInfo = _core.call(comm.sync_shared_state, shared_state, strategy)
+                return info
+            except RankConnectionLostError as exc:
+                # A participant was lost during the sync. The master aborted it for every survivor (nothing
+                # was applied anywhere) and each of them gets this same error, so each runs the sync again
+                # without the lost peer: the survivors' sync succeeds, as in the established library.
+                if attempt == _SYNC_RETRIES_ON_PEER_LOSS:
+                    raise
+                log.info("sync_shared_state: %s; running the sync again without the lost peer", exc.message)
+        raise AssertionError("unreachable")
 
     # --- collectives ---------------------------------------------------------------------------------
 
@@ -1100,10 +1203,15 @@ class Communicator:
         Raises:
             InvalidUsageError: not connected, or ``tag`` already running.
             InvalidArgumentError: bad buffers or descriptor mismatch.
+            TooFewPeersError: this peer is alone in its group (raised at launch, as the established bindings).
         """
         session, comm = self._comm("all_reduce_async")
         o = _prepare(send, recv, op=op, tag=tag, count=None, operand_descriptor=operand_descriptor,
                      quantization_options=quantization_options)
+        group_size = int(_core.call_sync(comm.get_attribute, Attribute.PEER_GROUP_WORLD_SIZE))
+        if group_size < 2:
+            raise TooFewPeersError(f"all_reduce_async needs at least 2 peers in group {self.peer_group}, "
+                                   f"it has {group_size}")
         future: concurrent.futures.Future[tuple[bool, Result, ReduceInfo]] = concurrent.futures.Future()
         handle = AsyncReduceHandle(o.tag, future)
         self._track([o.tag], "all_reduce_async")

@@ -10,6 +10,7 @@ memory equal to the bytes fetched (a newcomer briefly holds its state twice).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ import trio
 
 from .._errors import (
     InvalidArgumentError,
+    InvalidBufferError,
     InvalidUsageError,
     MasterConnectionError,
     PCCLError,
@@ -26,7 +28,8 @@ from .._errors import (
     Result,
     SharedStateSyncError,
 )
-from .._types import SharedStateSyncInfo, SharedStateSyncStrategy
+from .._rawmem import address_of, view_at
+from .._types import DataType, DeviceType, SharedStateSyncInfo, SharedStateSyncStrategy
 from ..kernels import backend, hashing
 from ..transport import StreamBroken
 from ..wire import messages as m
@@ -46,31 +49,93 @@ _PROGRESS_LOG_BYTES = 64 * 1024 * 1024
 class TensorInfo:
     """One named tensor of a shared state.
 
+    Two forms:
+
+    * ``TensorInfo(name, tensor, *, allow_content_inequality=False)`` (pccl): ``tensor`` is a contiguous
+      numpy array, torch tensor (CPU or CUDA) or cupy array, referenced (kept alive) and updated in place;
+    * ``TensorInfo(name, data_ptr, *, numel, dtype, device_type, allow_content_inequality)`` (the
+      established bindings): a raw address of ``numel`` elements of ``dtype`` in host memory
+      (``DeviceType.CPU``). The memory is not kept alive: it must outlive the shared state, as there.
+
+    :meth:`from_numpy` and :meth:`from_torch` build the first form.
+
     Args:
         name: unique key within the state.
-        tensor: contiguous numpy array, torch tensor (CPU or CUDA) or cupy array; updated in place.
+        data_ptr: the tensor, or a raw host address (an ``int``).
+        numel: element count (raw address only; checked against a tensor when given).
+        dtype: element type (raw address only; checked against a tensor when given).
+        device_type: where the memory is (raw address: CPU only; checked against a tensor when given).
         allow_content_inequality: not compared between up-to-date peers (newcomers and outdated
             peers still receive it).
+
+    Attributes:
+        tensor: what pccl reads and writes (for a raw address: a numpy view of that memory).
+        data_ptr, numel, dtype, device_type: as in the established bindings.
+
+    Raises:
+        InvalidBufferError: not a usable tensor (type, dtype, contiguity), a null address, a raw address
+            without ``numel``/``dtype``, a raw device address, or a mismatch with ``numel``/``dtype``/
+            ``device_type`` (also a ValueError and an AssertionError, like the established checks).
     """
 
-    def __init__(self, name: str, tensor: Any, *, allow_content_inequality: bool = False) -> None:
+    def __init__(self, name: str, data_ptr: Any, *, numel: int | None = None, dtype: DataType | None = None,
+                 device_type: DeviceType | None = None, allow_content_inequality: bool = False) -> None:
         if not isinstance(name, str) or not name:
             raise InvalidArgumentError("a TensorInfo needs a non-empty string name")
-        backend.describe(tensor)  # validates type, dtype and contiguity now, not at sync time
+        if isinstance(data_ptr, int) and not isinstance(data_ptr, bool):
+            tensor: Any = _view_of_address(data_ptr, numel, dtype, device_type)
+        else:
+            tensor = data_ptr
+        try:
+            d = backend.describe(tensor)  # validates type, dtype and contiguity now, not at sync time
+        except InvalidArgumentError as exc:
+            raise InvalidBufferError(exc.message) from None
+        where = DeviceType.CUDA if backend.is_cuda(tensor) else DeviceType.CPU
+        if numel is not None and int(numel) != d.count:
+            raise InvalidBufferError(
+                f"TensorInfo {name!r}: numel={numel} but the tensor has {d.count} elements")
+        if dtype is not None and DataType(dtype) != d.dtype:
+            raise InvalidBufferError(f"TensorInfo {name!r}: dtype={DataType(dtype).name} but the tensor is "
+                                     f"{d.dtype.name}")
+        if device_type is not None and DeviceType(device_type) != where:
+            raise InvalidBufferError(f"TensorInfo {name!r}: device_type={DeviceType(device_type).name} "
+                                     f"but the tensor is on {where.name}")
         self.name = name
         self.tensor = tensor
         self.allow_content_inequality = bool(allow_content_inequality)
+        self.numel = d.count
+        self.dtype = d.dtype
+        self.device_type = where
+        self.data_ptr = address_of(tensor)
 
     @classmethod
     def from_numpy(
-        cls, array: np.ndarray, name: str, *, allow_content_inequality: bool = False
+        cls, tensor: np.ndarray, name: str, *, allow_content_inequality: bool = False
     ) -> TensorInfo:
-        """Wrap a contiguous numpy array."""
-        return cls(name, array, allow_content_inequality=allow_content_inequality)
+        """Wrap a contiguous numpy array (referenced, updated in place).
+
+        Raises:
+            InvalidBufferError: not a contiguous numpy array of a supported dtype.
+        """
+        if not isinstance(tensor, np.ndarray):
+            raise InvalidBufferError(
+                f"TensorInfo.from_numpy needs a numpy array, got {type(tensor).__name__}")
+        return cls(name, tensor, allow_content_inequality=allow_content_inequality)
 
     @classmethod
     def from_torch(cls, tensor: Any, name: str, *, allow_content_inequality: bool = False) -> TensorInfo:
-        """Wrap a contiguous torch tensor (CPU or CUDA)."""
+        """Wrap a contiguous torch tensor (CPU or CUDA; referenced, updated in place).
+
+        Raises:
+            InvalidBufferError: not a torch tensor, a distributed ``DTensor`` (pass its local shard), not
+                contiguous, or an unsupported dtype.
+        """
+        if not backend.is_torch_tensor(tensor):
+            raise InvalidBufferError(
+                f"TensorInfo.from_torch needs a torch tensor, got {type(tensor).__name__}")
+        if _is_dtensor(tensor):
+            raise InvalidBufferError("Input tensor must not be a distributed tensor (DTensor); "
+                                     "pass its local shard (tensor.to_local())")
         return cls(name, tensor, allow_content_inequality=allow_content_inequality)
 
     def __repr__(self) -> str:
@@ -78,20 +143,49 @@ class TensorInfo:
         return f"<TensorInfo {self.name!r} {d.dtype.name}{list(d.shape)}>"
 
 
+def _view_of_address(address: int, numel: int | None, dtype: DataType | None,
+                     device_type: DeviceType | None) -> np.ndarray:
+    """A numpy view of ``numel`` elements of ``dtype`` at a raw host ``address`` (the established form)."""
+    if address == 0:
+        raise InvalidBufferError("Invalid data pointer: nullptr")
+    if numel is None or dtype is None:
+        raise InvalidBufferError("a TensorInfo from a raw address needs numel= and dtype=")
+    if device_type is not None and DeviceType(device_type) != DeviceType.CPU:
+        raise InvalidBufferError(
+            "raw device addresses are not supported; use TensorInfo.from_torch(tensor, name)")
+    return view_at(address, int(numel), DataType(dtype))
+
+
+def _is_dtensor(t: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 class SharedState:
     """A list of named tensors plus a revision that goes up by one per sync.
 
     Args:
-        tensor_infos: the tensors; names must be unique.
+        tensor_infos: the tensors (at least one); names must be unique.
         revision: the starting revision.
+
+    Raises:
+        InvalidBufferError: an empty list (also an AssertionError, as the established bindings assert).
+        InvalidArgumentError: duplicate names.
     """
 
     def __init__(self, tensor_infos: list[TensorInfo], revision: int = 0) -> None:
+        if not tensor_infos:
+            raise InvalidBufferError("At least one tensor info must be provided")
         names = [t.name for t in tensor_infos]
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"duplicate tensor names in shared state: {names}")
         self.tensor_infos = list(tensor_infos)
         self.revision = int(revision)
+
+    def push_revision(self) -> None:
+        """Increment :attr:`revision` by one (what a training step does after a sync)."""
+        self.revision += 1
 
     def __repr__(self) -> str:
         return f"<SharedState revision={self.revision} tensors={len(self.tensor_infos)}>"
