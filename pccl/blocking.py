@@ -591,6 +591,25 @@ def _serve_until_interrupted() -> None:
             pass
 
 
+def stop_serving_masters() -> list[str]:
+    """Stop every master this process still serves after ``run()`` without an ``interrupt()``.
+
+    A script's masters keep serving past its end (the established bindings' lifetime); a test harness must not
+    wait for them at exit. The pytest plugin of :mod:`pccl.testing` calls this when the session ends.
+
+    Returns:
+        The ``"HOST:PORT"`` of each master that was still serving (empty when none was).
+    """
+    with _serving_lock:
+        serving = [s for s in _serving_masters if not s.stopped.is_set() and s.pid == os.getpid()]
+    for session in serving:
+        try:
+            _core.call(session.stop, CLOSE_TIMEOUT)
+        except BaseException:
+            log.debug("stopping a master failed", exc_info=True)
+    return [f"{s.host}:{s.port}" for s in serving]
+
+
 # ----------------------------------------------------------------------------------------------------------
 # MasterNode
 
@@ -1330,4 +1349,5 @@ __all__ = [
     "datatype_from_torch",
     "datatype_to_numpy",
     "datatype_to_torch",
+    "stop_serving_masters",
 ]

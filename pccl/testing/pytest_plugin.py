@@ -22,6 +22,7 @@ sockets do not follow a mock clock).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -105,3 +106,22 @@ async def pccl_cluster(pccl_network: VirtualNetwork) -> AsyncIterator[ClusterFac
 
         yield factory
         nursery.cancel_scope.cancel()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Stop blocking-API masters a test left serving (``run()`` without ``interrupt()``).
+
+    Such a master keeps a script alive until Ctrl-C, as in the established bindings; at the end of a test
+    session it would make pytest wait forever instead of exiting, so it is stopped here, with a warning.
+    """
+    blocking = sys.modules.get("pccl.blocking")  # not imported: no blocking master can be serving
+    if blocking is None:
+        return
+    leaked = blocking.stop_serving_masters()
+    if leaked:
+        line = f"pccl: stopped {len(leaked)} master(s) a test left serving: {', '.join(leaked)}"
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(line, yellow=True)
+        else:
+            print(line, file=sys.stderr)
