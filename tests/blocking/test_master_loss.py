@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from pccl import PeerConfig
 from pccl.blocking import (
     Communicator,
     MasterNode,
@@ -28,7 +29,7 @@ from pccl.blocking import (
     TensorInfo,
 )
 
-from ._helpers import JOIN_TIMEOUT, make_cluster, run_threads
+from ._helpers import JOIN_TIMEOUT, admit, make_cluster, run_threads
 
 _SIZE = 1 << 18  # float32 elements: 1 MB
 
@@ -119,3 +120,46 @@ def test_master_lost_inside_a_call_then_every_call_fails_promptly(during: str) -
         for c in comms:
             c.close()
         master.close()
+
+
+def _retrying_all_reduce(c: Communicator) -> float:
+    x = np.ones(1000, np.float32)
+    while True:
+        try:
+            c.all_reduce(x, x, op=ReduceOp.SUM)
+            return float(x[0])
+        except PCCLError as exc:
+            if exc.result != Result.RANK_CONNECTION_LOST:
+                raise
+
+
+def test_blocking_peers_survive_a_master_restarted_on_the_same_port() -> None:
+    """Opt-in reconnection through the blocking API: the master stops, a fresh one listens on the same
+    port, the peers re-register and their next all-reduce succeeds with the whole world."""
+    config = PeerConfig(reconnect_window=JOIN_TIMEOUT, p2p_listen_host="127.0.0.1")
+    master = MasterNode("127.0.0.1:0")
+    master.run()
+    port = master.port
+    a = Communicator(master.address, config=config)
+    b = Communicator(master.address, config=config)
+    second: MasterNode | None = None
+    try:
+        a.connect()
+        joining = threading.Thread(target=b.connect, daemon=True)
+        joining.start()
+        admit([a])
+        joining.join(JOIN_TIMEOUT)
+        assert b.connected
+        assert run_threads([lambda: _retrying_all_reduce(a), lambda: _retrying_all_reduce(b)]) == [2.0, 2.0]
+        master.interrupt()
+        second = MasterNode(f"127.0.0.1:{port}")
+        second.run()
+        assert run_threads([lambda: _retrying_all_reduce(a), lambda: _retrying_all_reduce(b)]) == [2.0, 2.0]
+        stats = second.statistics()
+        assert stats["generation"] == 2 and stats["accepted"] == 2
+    finally:
+        a.close()
+        b.close()
+        master.close()
+        if second is not None:
+            second.close()
