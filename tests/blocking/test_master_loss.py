@@ -163,3 +163,32 @@ def test_blocking_peers_survive_a_master_restarted_on_the_same_port() -> None:
         master.close()
         if second is not None:
             second.close()
+
+
+def test_blocking_peers_fail_over_to_a_running_standby() -> None:
+    """A standby master given as the second address takes the run over when the first one stops."""
+    config = PeerConfig(reconnect_window=JOIN_TIMEOUT, p2p_listen_host="127.0.0.1")
+    first = MasterNode("127.0.0.1:0")
+    standby = MasterNode("127.0.0.1:0")
+    first.run()
+    standby.run()
+    addresses = f"{first.address},{standby.address}"
+    a = Communicator(addresses, config=config)
+    b = Communicator(addresses, config=config)
+    try:
+        a.connect()
+        joining = threading.Thread(target=b.connect, daemon=True)
+        joining.start()
+        admit([a])
+        joining.join(JOIN_TIMEOUT)
+        assert b.connected and standby.statistics()["connected"] == 0  # the first address is the master
+        assert run_threads([lambda: _retrying_all_reduce(a), lambda: _retrying_all_reduce(b)]) == [2.0, 2.0]
+        first.interrupt()
+        assert run_threads([lambda: _retrying_all_reduce(a), lambda: _retrying_all_reduce(b)]) == [2.0, 2.0]
+        stats = standby.statistics()
+        assert stats["generation"] == 2 and stats["accepted"] == 2
+    finally:
+        a.close()
+        b.close()
+        first.close()
+        standby.close()
