@@ -192,6 +192,7 @@ class MasterProcess:
     address: str
     events: list[tuple[float, str]]
     log_path: Path
+    listening_at: float = 0.0  # monotonic time its "listening" line was read
 
     def membership_lines(self) -> list[str]:
         return [line for _, line in self.events if "pccl.master" in line]
@@ -209,9 +210,9 @@ class Cluster:
         self._count = 0
 
     async def start_master(self, *, heartbeat_timeout: float | None = None, timeout: float = 20.0,
-                           extra: Sequence[str] = ()) -> MasterProcess:
-        """Start a master on 127.0.0.1 with an OS-chosen port and wait until it listens."""
-        argv = [sys.executable, "-m", "pccl", "master", "--host", PEER_HOST, "--port", "0", *extra]
+                           extra: Sequence[str] = (), port: int = 0) -> MasterProcess:
+        """Start a master on 127.0.0.1 (``port`` 0: an OS-chosen port) and wait until it listens."""
+        argv = [sys.executable, "-m", "pccl", "master", "--host", PEER_HOST, "--port", str(port), *extra]
         if heartbeat_timeout is not None:
             argv += ["--heartbeat-timeout", str(heartbeat_timeout)]
         self._count += 1
@@ -240,6 +241,11 @@ class Cluster:
         with trio.fail_after(timeout):
             await listening.wait()
         master.address = found["address"]
+        master.listening_at = events[-1][0] if events else time.monotonic()
+        for t, line in events:
+            if _LISTEN_RE.search(line):
+                master.listening_at = t
+                break
         return master
 
     async def stop_master(self, master: MasterProcess, timeout: float = 5.0) -> int | None:

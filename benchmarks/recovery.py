@@ -20,7 +20,14 @@ comparable across processes on one machine.
 Targets: SIGKILL recovered within 50 ms with at most one failed call; SIGSTOP within heartbeat timeout
 + 100 ms.
 
+``--faults master``: the master is SIGKILLed and a fresh ``pccl-master`` started on the same port after
+``--restart-delay`` s (default 1); the peers run with ``reconnect_window`` (``--reconnect-window``, default
+30 s). Reported: how long after the kill the new master listened ("1st failure" column) and the time from
+it listening to every peer's next successful all-reduce over the whole world (target 0.5 s), failed calls
+per peer (target at most 1).
+
 usage: python benchmarks/recovery.py [--trials 3] [--size BYTES] [--retry update_topology|direct]
+       [--faults SIGKILL,SIGSTOP,master]
 """
 
 from __future__ import annotations
@@ -44,10 +51,17 @@ import _common as c
 
 
 async def _peer(cfg: dict[str, Any]) -> None:
-    from pccl import RankConnectionLostError, ReduceOp, TooFewPeersError, UpdateTopologyFailedError
+    from pccl import (
+        MasterConnectionError,
+        RankConnectionLostError,
+        ReduceOp,
+        TooFewPeersError,
+        UpdateTopologyFailedError,
+    )
     from pccl.peer.communicator import open_communicator
 
-    async with open_communicator(cfg["master"], config=c.peer_config()) as comm:
+    config = c.peer_config(reconnect_window=cfg.get("reconnect_window", 0.0))
+    async with open_communicator(cfg["master"], config=config) as comm:
         while comm.world_size < cfg["world"]:
             await c.admit_pending(comm)
             await trio.sleep(0.005)
@@ -68,6 +82,9 @@ async def _peer(cfg: dict[str, Any]) -> None:
                         except UpdateTopologyFailedError:
                             continue
                 continue
+            except MasterConnectionError as exc:
+                c.emit("fail", peer=comm.peer_id, t0=t0, error=str(exc)[:200])
+                raise
             except TooFewPeersError:
                 c.emit("alone", peer=comm.peer_id)
                 await trio.sleep_forever()
@@ -86,6 +103,56 @@ def child_main(cfg: dict[str, Any]) -> int:
 
 # ----------------------------------------------------------------------------------------------
 # driver
+
+
+async def master_trial(args: argparse.Namespace) -> dict[str, float]:
+    """SIGKILL the master while 3 peers loop all-reduces, start a fresh one on the same port after
+    ``--restart-delay`` s; time from the new master listening to every peer's next success."""
+    script = Path(__file__).resolve()
+    world = 3
+    async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
+        master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
+        port = int(master.address.rsplit(":", 1)[1])
+        cfg = {"master": master.address, "world": world, "size": args.size, "retry": args.retry,
+               "reconnect_window": args.reconnect_window}
+        for i in range(world):
+            await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
+        ids: dict[str, int] = {}
+        while len(ids) < world:
+            ch, msg = await cluster.wait_for(lambda ch, m: m.get("event") == "ready", 60, "peers ready")
+            ids[ch.name] = int(msg["peer"])
+        steady = 0
+        with trio.move_on_after(args.steady):
+            while True:
+                _, msg = await cluster.next_event()
+                steady += msg.get("event") == "ok"
+        assert master.proc.returncode is None
+        t_fault = time.monotonic()
+        master.proc.kill()
+        fails: dict[int, int] = dict.fromkeys(ids.values(), 0)
+        with trio.move_on_after(args.restart_delay):
+            while True:
+                _, msg = await cluster.next_event()
+                if msg.get("event") == "fail":
+                    fails[int(msg["peer"])] += 1
+        new = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, port=port)
+        recovered: dict[int, float] = {}
+        while len(recovered) < world:
+            ch, msg = await cluster.wait_for(
+                lambda ch, m: m.get("event") in ("ok", "fail", "exit", "error"),
+                args.reconnect_window + 10, "recovery after the master's restart")
+            ev = msg["event"]
+            if ev in ("exit", "error"):
+                raise RuntimeError(f"{ch.name} {ev}:\n{ch.log_tail()}")
+            pid = int(msg["peer"])
+            if ev == "fail" and pid not in recovered:
+                fails[pid] += 1
+            after_kill = float(msg["t0"]) > t_fault
+            if ev == "ok" and pid not in recovered and int(msg["world"]) == world and after_kill:
+                recovered[pid] = float(msg["t"])
+    return {"steady_calls_per_s": steady / args.steady, "detect_s": new.listening_at - t_fault,
+            "recover_s": max(recovered.values()) - new.listening_at,
+            "failed_calls": float(max(fails.values()))}
 
 
 async def trial(kind: str, args: argparse.Namespace) -> dict[str, float]:
@@ -142,15 +209,22 @@ async def run(args: argparse.Namespace) -> list[list[Any]]:
     for kind in kinds:
         results = []
         for i in range(args.trials):
+            if kind == "MASTER":
+                r = await master_trial(args)
+                results.append(r)
+                print(f"  master trial {i + 1}: new master listening {r['detect_s'] * 1e3:.0f} ms after the "
+                      f"kill, every peer's next success {r['recover_s'] * 1e3:.1f} ms after that, "
+                      f"{int(r['failed_calls'])} failed call(s) per peer at most", flush=True)
+                continue
             r = await trial(kind, args)
             results.append(r)
             print(f"  {kind} trial {i + 1}: first failed call after {r['detect_s'] * 1e3:.1f} ms, "
                   f"recovered after {r['recover_s'] * 1e3:.1f} ms, {int(r['failed_calls'])} failed call(s) "
                   f"(steady state: {r['steady_calls_per_s']:.0f} all-reduces/s)", flush=True)
-        target = 0.050 if kind == "SIGKILL" else args.heartbeat_timeout + 0.100
+        target = {"SIGKILL": 0.050, "MASTER": 0.500}.get(kind, args.heartbeat_timeout + 0.100)
         rec = [r["recover_s"] for r in results]
         failed = int(max(r["failed_calls"] for r in results))
-        met = max(rec) <= target and (kind != "SIGKILL" or failed <= 1)
+        met = max(rec) <= target and (kind not in ("SIGKILL", "MASTER") or failed <= 1)
         detects = [r["detect_s"] for r in results if r["detect_s"] == r["detect_s"]]  # trials with a failure
         rows.append([kind, len(results), statistics.median(detects) * 1e3 if detects else float("nan"),
                      statistics.median(rec) * 1e3, max(rec) * 1e3, failed, f"{target * 1e3:.0f}",
@@ -172,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="master's straggler timeout (default 0: off)")
     p.add_argument("--steady", type=float, default=1.0, help="seconds of fault-free looping before the fault")
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--restart-delay", type=float, default=1.0,
+                   help="--faults master: seconds from the master's SIGKILL to its restart on the same port")
+    p.add_argument("--reconnect-window", type=float, default=30.0,
+                   help="--faults master: the peers' PeerConfig.reconnect_window")
     args = p.parse_args(argv)
     straggler = f"{args.straggler_timeout:g}s" if args.straggler_timeout > 0 else "off"
     print(f"recovery; {c.machine_line()}; 3 peers looping {c.human_bytes(args.size)} all-reduces; "

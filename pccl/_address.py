@@ -102,9 +102,43 @@ def parse_address(address: Address, *, default_port: int = DEFAULT_MASTER_PORT) 
     return _check_host(address, host), port
 
 
+#: One master address, or several: a list of them, or one string of comma-separated addresses (the
+#: first is tried first; the next ones are standbys, see docs/concepts.md "Surviving the master").
+Addresses = Address | list[Address]
+
+
+def parse_addresses(address: Addresses, *, default_port: int = DEFAULT_MASTER_PORT) -> list[tuple[str, int]]:
+    """Parse one master address or several (``["h1:p", "h2:p"]`` or ``"h1:p,h2:p"``), in order.
+
+    Args:
+        address: an :data:`Address`, a list of them, or a comma-separated string.
+        default_port: the port when an address has none.
+
+    Returns:
+        ``[(host, port), ...]``, at least one, no duplicates (the first occurrence kept).
+
+    Raises:
+        InvalidArgumentError: an empty list, or any malformed address (see :func:`parse_address`).
+    """
+    if isinstance(address, list):
+        items: list[Address] = list(address)
+        if not items:
+            raise _bad(address, "the list of addresses is empty")
+    elif isinstance(address, str) and "," in address:
+        items = [part for part in address.split(",")]
+    else:
+        items = [address]
+    out: list[tuple[str, int]] = []
+    for item in items:
+        parsed = parse_address(item, default_port=default_port)
+        if parsed not in out:
+            out.append(parsed)
+    return out
+
+
 def format_address(host: str, port: int) -> str:
     """``"HOST:PORT"`` (IPv6 hosts in brackets)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-__all__ = ["EXPECTED_FORM", "Address", "format_address", "parse_address"]
+__all__ = ["EXPECTED_FORM", "Address", "Addresses", "format_address", "parse_address", "parse_addresses"]

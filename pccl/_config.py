@@ -90,6 +90,11 @@ class PeerConfig:
             many seconds (a peer that connects to a running run waits until the accepted peers call
             ``update_topology()``); raises PCCLError with result MASTER_CONNECTION_FAILED. None
             (default): wait as long as the master is reachable.
+        reconnect_window: how long an accepted peer that lost the master keeps trying to reconnect
+            (with backoff, to each master address in turn) before giving up: calls made meanwhile
+            wait, then fail with MASTER_CONNECTION_FAILED. 0: no reconnection (the master's loss ends
+            the run for this peer, every call fails at once). See docs/concepts.md "Surviving the
+            master".
     """
 
     heartbeat_interval: float = 0.5
@@ -103,3 +108,4 @@ class PeerConfig:
     p2p_stall_timeout: float = 30.0
     secret: str | None = None
     accept_timeout: float | None = None
+    reconnect_window: float = 0.0

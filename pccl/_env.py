@@ -18,7 +18,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from ._address import EXPECTED_FORM, Address
+from ._address import EXPECTED_FORM, Addresses
 from ._config import PeerConfig
 from ._errors import InvalidArgumentError
 
@@ -31,8 +31,9 @@ LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 _HANDLER_NAME = "pccl-env-stderr"
 
 
-def master_address(address: Address | None, environ: Mapping[str, str] | None = None) -> Address:
-    """``address``, or ``$PCCL_MASTER`` when it is None.
+def master_address(address: Addresses | None, environ: Mapping[str, str] | None = None) -> Addresses:
+    """``address``, or ``$PCCL_MASTER`` when it is None (one ``HOST:PORT`` or several, comma-separated:
+    the master, then its standbys).
 
     Raises:
         InvalidArgumentError: neither is given.

@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 import numpy as np
 import trio
 
-from ._address import format_address, parse_address
+from ._address import format_address, parse_address, parse_addresses
 from ._config import MasterConfig, PeerConfig
 from ._env import master_address
 from ._errors import (
@@ -895,10 +895,11 @@ class Communicator:
         InvalidArgumentError: malformed address, negative peer group or pool size.
     """
 
-    def __init__(self, address: str | tuple[str, int] | None = None, peer_group: int = 0,
-                 p2p_connection_pool_size: int = 0, *, config: PeerConfig | None = None) -> None:
-        host, port = parse_address(master_address(address))  # fail now on a malformed address
-        address = format_address(host, port)
+    def __init__(self, address: str | tuple[str, int] | list[str | tuple[str, int]] | None = None,
+                 peer_group: int = 0, p2p_connection_pool_size: int = 0, *,
+                 config: PeerConfig | None = None) -> None:
+        # fail now on a malformed address; several (a list or "h1:p,h2:p"): the master and its standbys
+        address = ",".join(format_address(h, p) for h, p in parse_addresses(master_address(address)))
         if isinstance(peer_group, bool) or not isinstance(peer_group, int) or not 0 <= peer_group < 2**32:
             raise InvalidArgumentError(f"peer_group must be an unsigned 32-bit integer, got {peer_group!r}")
         if p2p_connection_pool_size < 0:

@@ -154,7 +154,8 @@ class MasterServer:
             await ms.aclose()
             return
         now = trio.current_time()
-        pid = self.state.new_connection(host, now)
+        claim = hello.peer_id if isinstance(hello, m.Hello) else -1  # a member coming back (Reregister)
+        pid = self.state.new_connection(host, now, claim=claim)
         send, recv = trio.open_memory_channel[Any](self.config.send_queue_size)
         conn = _Conn(peer_id=pid, ms=ms, send=send, recv=recv)
         self._conns[pid] = conn

@@ -136,6 +136,35 @@ class _SyncRound:
     done: set[int] = field(default_factory=set)
 
 
+@dataclass
+class _Rebuild:
+    """A master rebuilding its run from re-registrations (docs/concepts.md "Surviving the master").
+
+    ``expected``: the last epoch's members (the ring of the re-registration with the highest epoch);
+    ``returned``: those that re-registered. Collectives, syncs and votes resume once a majority of
+    ``expected`` returned (:attr:`quorum`).
+    """
+
+    epoch: int
+    expected: list[int]
+    returned: set[int] = field(default_factory=set)
+
+    @property
+    def quorum(self) -> int:
+        """How many of ``expected`` must return: more than half."""
+        return len(self.expected) // 2 + 1
+
+    @property
+    def reached(self) -> bool:
+        return len(self.returned & set(self.expected)) >= self.quorum
+
+
+#: op_seq and sync_seq values of master generation g start at ``g << _SEQ_SHIFT``: a restarted master
+#: never hands out a sequence number a peer saw from an older generation (stale stashed frames); data
+#: frames carry op_seq as a u32, so this leaves 2**24 operations per generation, 255 generations.
+_SEQ_SHIFT = 24
+
+
 def _is_loopback(host: str) -> bool:
     return host.startswith("127.") or host in ("::1", "localhost")
 
@@ -191,6 +220,10 @@ class MasterState:
         self._improvement_job: tuple[list[int], list[list[float | None]]] | None = None
         self.improved_ring: list[int] | None = None
         self._now = 0.0
+        # Surviving the master (docs/concepts.md): this master's generation (fencing number) and the
+        # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
+        self.generation = 1
+        self.rebuild: _Rebuild | None = None
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -246,6 +279,8 @@ class MasterState:
             "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
             "syncs_in_progress": len(self._syncs),
             "revisions": dict(self.last_revision),
+            "generation": self.generation,
+            "rebuilding": self.rebuild is not None,
         }
 
     def __repr__(self) -> str:
@@ -258,12 +293,29 @@ class MasterState:
     # ---------------------------------------------------------------------------------------
     # connection lifecycle
 
-    def new_connection(self, host: str, now: float) -> int:
-        """A connection finished its hello; returns the peer id assigned to it."""
-        pid = self._next_peer_id
-        self._next_peer_id += 1
+    def new_connection(self, host: str, now: float, claim: int = -1) -> int:
+        """A connection finished its hello; returns the peer id assigned to it.
+
+        Args:
+            host: the peer's address as the master sees it.
+            now: the time.
+            claim: the id the hello claimed (a member re-registering after losing its master), or -1.
+                Granted when no connected peer holds it; otherwise a fresh id is assigned (and the
+                ``Reregister`` that follows is refused).
+        """
+        if claim > 0 and claim not in self.peers:
+            pid = claim
+            self._next_peer_id = max(self._next_peer_id, claim + 1)
+        else:
+            pid = self._next_peer_id
+            self._next_peer_id += 1
         self.peers[pid] = PeerRecord(peer_id=pid, host=host, last_seen=now)
         return pid
+
+    @property
+    def resumed(self) -> bool:
+        """False while rebuilding without a majority of the last epoch's members: no vote completes."""
+        return self.rebuild is None
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
@@ -462,7 +514,7 @@ class MasterState:
         handler = self._HANDLERS.get(type(msg))
         if handler is None:
             return self.kick(peer_id, f"message {type(msg).__name__} is not allowed from a peer")
-        if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Heartbeat)):
+        if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Reregister, m.Heartbeat)):
             return self.kick(peer_id, f"{type(msg).__name__} before Register")
         return handler(self, rec, msg)
 
@@ -493,16 +545,102 @@ class MasterState:
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
         effects: list[Effect] = [
-            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id)),
+            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id, generation=self.generation)),
             Event(f"peer {rec.peer_id} joined from {rec.host}:{msg.p2p_port} (group {msg.peer_group})"),
         ]
         if not self.ring and self._topology is None:
             effects += self._accept_first_if_alone()
         return effects
 
+    def _on_reregister(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """A member that lost its master comes back (docs/concepts.md "Surviving the master").
+
+        Rules, in order:
+
+        1. its connection must hold the id it claims (granted at the hello), which ``msg.ring`` names;
+        2. a peer that followed a newer generation than this master's refuses this master: kicked
+           (this master is stale; fencing);
+        3. a master with no members (restarted or standby) starts rebuilding: it adopts the epoch,
+           ring, revision and ``generation + 1`` the re-registration reports;
+        4. while rebuilding, a re-registration with a newer epoch replaces the expected ring;
+           one with the expected epoch is taken back; an older one is kicked;
+        5. a master not rebuilding takes a member back only when its epoch is the master's
+           (it was dropped for a lost connection, nothing moved on); otherwise it is kicked and
+           must join again as a newcomer;
+        6. taken back: accepted at once (no admission vote), ``Reregistered`` sent, and once a
+           majority of the expected members returned, the rebuild ends and every vote resumes.
+        """
+        assert isinstance(msg, m.Reregister)
+        if rec.phase is not Phase.CONNECTED:
+            return self.kick(rec.peer_id, "Reregister after Register")
+        if rec.peer_id != msg.peer_id or msg.peer_id not in msg.ring:
+            return self.kick(rec.peer_id, f"Reregister as peer {msg.peer_id}: that id is still held by a "
+                                          "connected peer or was not claimed in the hello (retry later)")
+        if not 0 < msg.p2p_port < 65536:
+            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+        if msg.generation > self.generation and (self.ring or self.rebuild is not None):
+            return self.kick(rec.peer_id, f"this master (generation {self.generation}) is older than "
+                                          f"the peer's (generation {msg.generation})",
+                             Result.MASTER_CONNECTION_FAILED)
+        effects: list[Effect] = []
+        if not self.ring and self.rebuild is None and self._topology is None:
+            self.generation = max(self.generation, msg.generation + 1)
+            self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
+            self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
+            self.epoch = msg.epoch
+            self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
+            effects.append(Event(f"rebuilding the run from re-registrations: epoch {msg.epoch}, "
+                                 f"{len(msg.ring)} member(s), generation {self.generation}"))
+        rb = self.rebuild
+        if rb is not None:
+            if msg.epoch > rb.epoch:
+                rb.epoch = self.epoch = msg.epoch
+                rb.expected = list(msg.ring)
+            elif msg.epoch < rb.epoch:
+                why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
+                return effects + self.kick(rec.peer_id, why, Result.MASTER_CONNECTION_FAILED)
+        elif msg.epoch != self.epoch:
+            return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
+                                                    f"epoch {self.epoch}: join again",
+                                       Result.MASTER_CONNECTION_FAILED)
+        if msg.revision >= 0:
+            self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
+        rec.phase = Phase.ACCEPTED
+        rec.p2p_port = msg.p2p_port
+        rec.group = msg.peer_group
+        if self._loopback is None:
+            self._loopback = _is_loopback(rec.host)
+        order = {p: i for i, p in enumerate(rb.expected if rb is not None else msg.ring)}
+        self.ring = sorted([*self.ring, rec.peer_id], key=lambda p: (order.get(p, len(order)), p))
+        effects += [
+            Send(rec.peer_id,
+                 m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)),
+            Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
+                  f"(group {msg.peer_group})"),
+        ]
+        if rb is not None:
+            rb.returned.add(rec.peer_id)
+            if rb.reached:
+                self.rebuild = None
+                effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
+                                     "re-registered: resuming"))
+                effects += self._recheck_votes()
+        return effects
+
+    def _recheck_votes(self) -> list[Effect]:
+        """Re-check every pending vote (the rebuild ended)."""
+        effects = self._check_pending_vote()
+        effects += self._check_topology_vote()
+        for key in list(self._ops):
+            effects += self._check_op_vote(key)
+        for group in list(self._syncs):
+            effects += self._check_sync_vote(group)
+        return effects
+
     def _accept_first_if_alone(self) -> list[Effect]:
-        """With no accepted peer, the earliest registered one is accepted at once (world size 1)."""
-        if self.ring or self._topology is not None:
+        """With no accepted peer, the earliest registered one is accepted at once (world size 1);
+        never while rebuilding (the run's members are coming back)."""
+        if self.ring or self._topology is not None or self.rebuild is not None:
             return []
         waiting = self.registered()
         if not waiting:
@@ -533,7 +671,7 @@ class MasterState:
     def _check_pending_vote(self) -> list[Effect]:
         # the count first: every vote but the last is O(1) (votes come from accepted peers only)
         votes = self._pending_votes
-        if not votes or len(votes) < len(self.ring) or not set(self.ring) <= votes:
+        if not self.resumed or not votes or len(votes) < len(self.ring) or not set(self.ring) <= votes:
             return []
         pending = bool(self.registered())
         voters = [p for p in self.ring if p in self._pending_votes]
@@ -562,7 +700,7 @@ class MasterState:
 
     def _check_topology_vote(self) -> list[Effect]:
         rnd = self._topology
-        if rnd is None or rnd.epoch >= 0 or rnd.measuring or rnd.measure_rounds:
+        if rnd is None or rnd.epoch >= 0 or rnd.measuring or rnd.measure_rounds or not self.resumed:
             return []
         if not rnd.votes or len(rnd.votes) < len(self.ring) or not set(self.ring) <= rnd.votes:
             return []
@@ -826,7 +964,7 @@ class MasterState:
 
     def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]:
         op = self._ops.get(key)
-        if op is None or op.running:
+        if op is None or op.running or not self.resumed:
             return []
         # the count first: every vote but the last is O(1) (votes come from accepted peers only)
         if not op.votes or len(op.votes) < self._group_size(op.group):
@@ -958,7 +1096,7 @@ class MasterState:
 
     def _check_sync_vote(self, group: int) -> list[Effect]:
         rnd = self._syncs.get(group)
-        if rnd is None or rnd.running:
+        if rnd is None or rnd.running or not self.resumed:
             return []
         if not rnd.votes or len(rnd.votes) < self._group_size(group):
             return []
@@ -1061,6 +1199,7 @@ class MasterState:
     _HANDLERS: dict[type[m.Message], Callable[[MasterState, PeerRecord, m.Message], list[Effect]]] = {
         m.Heartbeat: _on_heartbeat,
         m.Register: _on_register,
+        m.Reregister: _on_reregister,
         m.PeersPendingVote: _on_peers_pending,
         m.UpdateTopologyVote: _on_update_topology,
         m.OptimizeTopologyVote: _on_optimize_topology,

@@ -31,7 +31,7 @@ import numpy as np
 import trio
 
 from .. import _env
-from .._address import parse_address
+from .._address import Addresses, parse_addresses
 from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import (
     InvalidArgumentError,
@@ -42,6 +42,8 @@ from .._errors import (
     RemoteProtocolError,
     Result,
     TooFewPeersError,
+    TopologyOptimizationFailedError,
+    UpdateTopologyFailedError,
 )
 from .._types import (
     Attribute,
@@ -88,6 +90,11 @@ _PHASES = ("vote", "ring", "confirm", "commit")
 _WAITING_NOTICE_AFTER = 0.25
 
 
+#: Backoff between reconnection rounds (each round tries every master address once): doubles, capped.
+_RECONNECT_BACKOFF_START = 0.05
+_RECONNECT_BACKOFF_MAX = 1.0
+
+
 def _no_limit(seconds: float | None) -> float:
     return float("inf") if seconds is None else seconds
 
@@ -110,7 +117,7 @@ class Communicator:
 
     def __init__(
         self,
-        address: str | tuple[str, int] | None = None,
+        address: Addresses | None = None,
         *,
         peer_group: int = 0,
         p2p_connection_pool_size: int = 1,
@@ -120,7 +127,10 @@ class Communicator:
         if p2p_connection_pool_size < 0:
             raise InvalidArgumentError("p2p_connection_pool_size must be >= 0")
         self.config = _env.peer_config(config)
-        self.master_host, self.master_port = parse_address(_env.master_address(address))
+        # The master and its standbys, in order (docs/concepts.md "Surviving the master").
+        self.master_addresses = parse_addresses(_env.master_address(address))
+        self.master_host, self.master_port = self.master_addresses[0]
+        self._link_up = trio.Event()  # set when a reconnection succeeded or finally failed
         self.peer_group = int(peer_group)
         self.pool_size = max(1, int(p2p_connection_pool_size))
         self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
@@ -229,10 +239,14 @@ class Communicator:
     # ------------------------------------------------------------------------------------------
     # lifecycle
 
-    async def _start(self, nursery: trio.Nursery) -> None:
-        self._nursery = nursery
+    async def _dial(self, host: str, port: int, claim: int = -1) -> tuple[MessageStream, m.HelloOk]:
+        """Connect to the master at ``host:port`` and say hello (``claim``: the id to claim back).
+
+        Raises:
+            MasterConnectionError: unreachable, refused, or a bad answer.
+        """
         try:
-            stream = await self.transport.connect(self.master_host, self.master_port)
+            stream = await self.transport.connect(host, port)
         except ConnectFailed as exc:
             raise MasterConnectionError(str(exc)) from exc
         ms = MessageStream(stream, max_frame_size=self.config.max_frame_size)
@@ -240,21 +254,35 @@ class Communicator:
             with trio.fail_after(self.config.connect_timeout):
                 await ms.send(
                     m.Hello(
-                        protocol_version=PROTOCOL_VERSION, purpose="master", secret=self.config.secret or ""
+                        protocol_version=PROTOCOL_VERSION, purpose="master", secret=self.config.secret or "",
+                        peer_id=claim,
                     )
                 )
                 reply = await ms.receive()
         except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
             await ms.aclose()
-            raise MasterConnectionError(
-                f"hello with master {self.master_host}:{self.master_port} failed: {exc}"
-            ) from exc
+            raise MasterConnectionError(f"hello with master {host}:{port} failed: {exc}") from exc
         if isinstance(reply, m.Refused):
             await ms.aclose()
             raise MasterConnectionError(f"master refused the connection: {reply.reason}")
         if not isinstance(reply, m.HelloOk):
             await ms.aclose()
             raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
+        return ms, reply
+
+    async def _start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        errors: list[str] = []
+        for host, port in self.master_addresses:  # the first master that answers
+            try:
+                ms, reply = await self._dial(host, port)
+            except MasterConnectionError as exc:
+                errors.append(exc.message)
+                continue
+            self.master_host, self.master_port = host, port
+            break
+        else:
+            raise MasterConnectionError("; ".join(errors))
         self._ms = ms
         self._core.peer_id = reply.peer_id
         self._dialer = P2PDialer(
@@ -286,9 +314,7 @@ class Communicator:
             raise MasterConnectionError(f"cannot open the P2P listener: {exc}") from exc
         assert self.p2p_address is not None
         self._core.last_heard = trio.current_time()
-        nursery.start_soon(self._reader)
-        nursery.start_soon(self._heartbeat)
-        nursery.start_soon(self._watchdog)
+        self._start_link_tasks(ms)
         self._stall.name = f"peer {self.peer_id}"
         nursery.start_soon(self._stall.run)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
@@ -332,19 +358,127 @@ class Communicator:
     # ------------------------------------------------------------------------------------------
     # master link
 
+    def _start_link_tasks(self, ms: MessageStream) -> None:
+        """The reader, heartbeat and watchdog of one master link (they end with it)."""
+        assert self._nursery is not None
+        self._nursery.start_soon(self._reader, ms)
+        self._nursery.start_soon(self._heartbeat, ms)
+        self._nursery.start_soon(self._watchdog, ms)
+
     async def _send(self, msg: m.Message) -> None:
         self._core.check_usable()
-        assert self._ms is not None
+        ms = self._ms
+        if self._core.reconnecting or ms is None:
+            raise RankConnectionLostError("lost the master; reconnecting: retry")
         try:
-            await self._ms.send(msg)
+            await ms.send(msg)
         except StreamBroken as exc:
             err = MasterConnectionError(f"lost the master while sending: {exc}")
-            self._fail_all(err)
-            raise err from exc
+            self._link_failed(ms, err)
+            self._core.check_usable()
+            raise RankConnectionLostError(f"{err.message}; reconnecting: retry") from exc
+
+    async def _await_link(self) -> None:
+        """Admit a call: at once while the master link is up; while reconnecting, wait for the
+        reconnection (at most the reconnect window), then fail with MASTER_CONNECTION_FAILED.
+
+        Raises:
+            InvalidUsageError: closed.
+            MasterConnectionError: the master is lost for good.
+        """
+        while True:
+            self._check_usable()
+            if not self._core.reconnecting:
+                return
+            await self._link_up.wait()
+
+    def _link_failed(self, ms: MessageStream, error: PCCLError) -> None:
+        """The master link ``ms`` broke: reconnect within the window, or lose the master for good.
+
+        A stale link (already replaced) is ignored. Calls in flight fail either way; with a
+        reconnection ahead they fail with a retryable error (collectives: RANK_CONNECTION_LOST, the
+        caller's buffers untouched), later calls wait for the link (:meth:`_await_link`).
+        """
+        if ms is not self._ms or self._closed or self._core.lost is not None:
+            return
+        if self._core.reconnecting:
+            return
+        if not self._core.link_down(trio.current_time(), self.config.reconnect_window):
+            self._fail_all(error)
+            return
+        log.warning("peer %d: %s; reconnecting (window %gs)", self.peer_id, error,
+                    self.config.reconnect_window)
+        self._fail_calls(RankConnectionLostError(f"{error.message}; reconnecting to the master: retry"))
+        self._ms = None
+        assert self._nursery is not None
+        self._nursery.start_soon(self._close_stream, ms)
+        self._nursery.start_soon(self._reconnect)
+
+    @staticmethod
+    async def _close_stream(ms: MessageStream) -> None:
+        with trio.CancelScope(shield=True):
+            await ms.aclose()
+
+    async def _reconnect(self) -> None:
+        """Reconnect to the master addresses in turn, with backoff, until the window ends."""
+        deadline = self._core.reconnecting_until
+        if deadline is None:  # lost for good, or closed, before this task ran
+            self._link_up.set()
+            return
+        backoff = _RECONNECT_BACKOFF_START
+        last = "no master address answered"
+        while not self._closed and self._core.lost is None:
+            for host, port in self.master_addresses:
+                if trio.current_time() >= deadline:
+                    break
+                with trio.move_on_at(deadline):
+                    problem = await self._try_reregister(host, port)
+                    if problem is None:
+                        return
+                    last = f"{host}:{port}: {problem.message}"
+            if trio.current_time() >= deadline:
+                break
+            await trio.sleep_until(min(deadline, trio.current_time() + backoff))
+            backoff = min(backoff * 2, _RECONNECT_BACKOFF_MAX)
+        if not self._closed:
+            window = self.config.reconnect_window
+            self._fail_all(MasterConnectionError(
+                f"lost the master and could not reconnect within the reconnect window ({window:g}s): {last}"))
+        self._link_up.set()
+
+    async def _try_reregister(self, host: str, port: int) -> PCCLError | None:
+        """One attempt: hello claiming our id, Reregister, the master's answer. None: the link is up."""
+        assert self.p2p_address is not None
+        try:
+            ms, _ = await self._dial(host, port, claim=self.peer_id)
+        except MasterConnectionError as exc:
+            return exc
+        try:
+            with trio.fail_after(self.config.connect_timeout):
+                await ms.send(self._core.reregister(self.p2p_address[1]))
+                reply = await ms.receive()
+                while isinstance(reply, m.Heartbeat):
+                    reply = await ms.receive()
+        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
+            await self._close_stream(ms)
+            return MasterConnectionError(f"re-registration failed: {exc}")
+        problem = self._core.reregistered(reply, trio.current_time())
+        if problem is not None:
+            await self._close_stream(ms)
+            return problem
+        self._ms = ms
+        self.master_host, self.master_port = host, port
+        log.warning("peer %d reconnected to the master at %s:%d (generation %d)",
+                    self.peer_id, host, port, self._core.generation)
+        self._start_link_tasks(ms)
+        up, self._link_up = self._link_up, trio.Event()
+        up.set()
+        return None
 
     def _send_soon(self, msg: m.Message) -> None:
         """Send from a context that must not wait (cleanup paths)."""
-        if self._nursery is not None and self._core.lost is None and not self._closed:
+        if self._nursery is not None and self._core.lost is None and not self._core.reconnecting \
+                and not self._closed:
 
             async def go() -> None:
                 try:
@@ -360,12 +494,23 @@ class Communicator:
         self._core.check_usable()
 
     def _fail_all(self, error: PCCLError, *, closing: bool = False) -> None:
-        """The master is gone (or we close): fail every pending and future call."""
+        """The master is gone for good (or we close): fail every pending and future call."""
         if self._core.lose(error) and not closing:
             log.error("peer %d: %s", self.peer_id, error)
+        self._fail_calls(error)
+        self._link_up.set()  # calls waiting for a reconnection see the loss
+
+    def _fail_calls(self, error: PCCLError) -> None:
+        """Fail every call waiting on the master with ``error`` (topology calls with their own
+        retryable error when ``error`` is retryable)."""
         self._accepted.fail(error)
         if self._topology_waiter is not None:
-            self._topology_waiter.fail(error)
+            topo = error
+            if isinstance(error, RankConnectionLostError):
+                cls = TopologyOptimizationFailedError if self._core.membership == "optimize_topology" \
+                    else UpdateTopologyFailedError
+                topo = cls(error.message)
+            self._topology_waiter.fail(topo)
         while self._pending_waiters:
             self._pending_waiters.popleft().fail(error)
         for st in self._ops.values():
@@ -378,39 +523,41 @@ class Communicator:
             self._sync_inbox.fail(error)
         self._state_server.abort(error)
 
-    async def _reader(self) -> None:
-        assert self._ms is not None
+    async def _reader(self, ms: MessageStream) -> None:
         try:
-            while True:
-                msg = await self._ms.receive()
+            while ms is self._ms:
+                msg = await ms.receive()
+                if ms is not self._ms:
+                    return
                 if self.handle_master_message(msg) is not None:
                     break  # kicked, or the master broke the protocol
         except StreamBroken as exc:
-            self._fail_all(MasterConnectionError(f"lost the connection to the master: {exc}"))
+            self._link_failed(ms, MasterConnectionError(f"lost the connection to the master: {exc}"))
             return
         except RemoteProtocolError as exc:
-            self._fail_all(MasterConnectionError(f"master protocol error: {exc.message}"))
-        await self._ms.aclose()
+            self._link_failed(ms, MasterConnectionError(f"master protocol error: {exc.message}"))
+        await self._close_stream(ms)
 
-    async def _heartbeat(self) -> None:
-        while self._core.lost is None:
+    async def _heartbeat(self, ms: MessageStream) -> None:
+        while self._core.lost is None and ms is self._ms:
             await trio.sleep(self.config.heartbeat_interval)
+            if ms is not self._ms:
+                return
             try:
                 await self._send(m.Heartbeat())
             except PCCLError:
                 return
 
-    async def _watchdog(self) -> None:
+    async def _watchdog(self, ms: MessageStream) -> None:
         period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
-        while self._core.lost is None:
+        while self._core.lost is None and ms is self._ms:
             await trio.sleep(period)
             silent = self._core.silence(trio.current_time())
-            if silent > self.config.heartbeat_timeout:
+            if silent > self.config.heartbeat_timeout and ms is self._ms:
                 limit = self.config.heartbeat_timeout
                 msg = f"master silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
-                self._fail_all(MasterConnectionError(msg))
-                if self._ms is not None:
-                    await self._ms.aclose()
+                self._link_failed(ms, MasterConnectionError(msg))
+                await self._close_stream(ms)
                 return
 
     # --- executing the core's effects -------------------------------------------------------
@@ -515,7 +662,7 @@ class Communicator:
         await self._topology_call(m.OptimizeTopologyVote(), "optimize_topology")
 
     async def _topology_call(self, vote: m.Message, name: str) -> None:
-        self._check_usable()
+        await self._await_link()
         self._core.begin_topology(name)
         waiter: Waiter[m.TopologyResult] = Waiter()
         self._topology_waiter = waiter
@@ -533,7 +680,7 @@ class Communicator:
 
         May be called while collectives are in flight.
         """
-        self._check_usable()
+        await self._await_link()
         waiter: Waiter[m.PeersPendingResult] = Waiter()
         self._pending_waiters.append(waiter)
         try:
@@ -623,7 +770,7 @@ class Communicator:
         root: int = 0,
         quantization: QuantizationOptions | None = None,
     ) -> ReduceInfo:
-        self._check_usable()
+        await self._await_link()
         self._core.check_tag(tag)
         op = ReduceOp(op)
         if recv is None:
@@ -722,7 +869,8 @@ class Communicator:
             self._stats[f"{kind}_failed"] += 1
             raise
         finally:
-            if not st.concluded and st.abort_error is None and self._core.lost is None:
+            if not st.concluded and st.abort_error is None and self._core.lost is None \
+                    and not self._core.reconnecting:
                 # Cancelled by the caller while voting or running: withdraw, so the master aborts the
                 # op for the other participants instead of leaving them waiting for us.
                 self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
@@ -889,9 +1037,9 @@ class Communicator:
 
         Raises:
             SharedStateSyncError / NoSharedStateAvailableError: refused or failed; tensors unchanged.
-            RankConnectionLostError: a participant was lost mid-sync; retry.
+            RankConnectionLostError: a participant (or the master) was lost mid-sync; retry.
         """
-        self._check_usable()
+        await self._await_link()
         self._core.begin_sync()
         assert self._dialer is not None
         inbox = Mailbox()
@@ -959,7 +1107,7 @@ def _guard(fn: Callable[..., Awaitable[None]], what: str) -> Callable[..., Await
 
 @asynccontextmanager
 async def open_communicator(
-    address: str | tuple[str, int] | None = None,
+    address: Addresses | None = None,
     *,
     peer_group: int = 0,
     p2p_connection_pool_size: int = 1,
@@ -972,8 +1120,10 @@ async def open_communicator(
     ``update_topology()``.
 
     Args:
-        address: master ``"HOST:PORT"`` or ``(host, port)`` (port 48148 when omitted); None:
-            ``$PCCL_MASTER``.
+        address: master ``"HOST:PORT"`` or ``(host, port)`` (port 48148 when omitted), or several
+            (a list, or one comma-separated string: the master, then its standbys; the first that
+            answers is used, and a peer that loses its master reconnects to them in turn within
+            ``config.reconnect_window``); None: ``$PCCL_MASTER`` (comma-separated likewise).
         peer_group: collectives and shared-state syncs run within a group.
         p2p_connection_pool_size: TCP connections per ring neighbour.
         config: timeouts and limits (:class:`pccl.PeerConfig`).

@@ -170,6 +170,12 @@ class PeerState:
         self.last_heard = 0.0
         self.syncs_total = 0
         self.topology_calls_total = 0
+        # Surviving the master (docs/concepts.md): the master generation this peer follows (it never
+        # follows an older one), its group's last shared-state revision (-1: none), and until when it
+        # keeps trying to reconnect after losing the master (None: the link is up, or lost for good).
+        self.generation = 0
+        self.revision = -1
+        self.reconnecting_until: float | None = None
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -209,7 +215,9 @@ class PeerState:
             "ops": {tag: op.op_seq for tag, op in sorted(self.ops.items())},
             "membership_call": self.membership,
             "topology_call_waiting": self.membership in _TOPOLOGY_CALLS,
-            "master_ok": self.lost is None,
+            "master_ok": self.lost is None and self.reconnecting_until is None,
+            "reconnecting": self.reconnecting_until is not None,
+            "generation": self.generation,
         }
 
     def __repr__(self) -> str:
@@ -281,11 +289,72 @@ class PeerState:
         self.table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
 
     def lose(self, error: PCCLError) -> bool:
-        """The master link ended with ``error``; True the first time (later errors are ignored)."""
+        """The master link ended with ``error`` for good; True the first time (later errors are ignored)."""
         if self.lost is not None:
             return False
         self.lost = error
+        self.reconnecting_until = None
         return True
+
+    # ---------------------------------------------------------------------------------------
+    # surviving the master (docs/concepts.md "Surviving the master")
+
+    def link_down(self, now: float, window: float) -> bool:
+        """The master link broke at ``now``: start reconnecting for ``window`` seconds, if this peer may.
+
+        Only an accepted member reconnects (it has a place to keep); a peer still waiting to be
+        accepted, or with ``window`` <= 0, loses the master for good (the caller then calls
+        :meth:`lose`). Already reconnecting: the deadline stays.
+
+        Returns:
+            True when the peer is (now) reconnecting.
+        """
+        if self.lost is not None or window <= 0 or self.peer_id < 0 or not self.table:
+            return False
+        if self.reconnecting_until is None:
+            self.reconnecting_until = now + window
+        return True
+
+    @property
+    def reconnecting(self) -> bool:
+        """True between the master's loss and the reconnection (or the window's end)."""
+        return self.reconnecting_until is not None
+
+    def reregister(self, p2p_port: int) -> m.Reregister:
+        """What this peer tells a master it reconnects to: everything the master needs to rebuild."""
+        return m.Reregister(
+            peer_id=self.peer_id,
+            p2p_port=p2p_port,
+            peer_group=self.group,
+            epoch=self.epoch,
+            ring=[r.peer_id for r in self.table],
+            revision=self.revision,
+            generation=self.generation,
+        )
+
+    def reregistered(self, msg: m.Message, now: float) -> PCCLError | None:
+        """The first answer of a master this peer reconnects to (heartbeats skipped by the caller).
+
+        Returns:
+            None: taken back (the link is up again, generation remembered); else why this master
+            is not followed (refused us, names another id, or is of an older generation: fencing).
+        """
+        if isinstance(msg, m.Refused):
+            return MasterConnectionError(f"the master refused the re-registration: {msg.reason}")
+        if not isinstance(msg, m.Reregistered):
+            return MasterConnectionError(f"unexpected answer to Reregister: {type(msg).__name__}")
+        if msg.peer_id != self.peer_id:
+            return MasterConnectionError(
+                f"the master took peer {msg.peer_id} back, this is peer {self.peer_id}")
+        if msg.generation < self.generation:
+            return MasterConnectionError(
+                f"the master is of generation {msg.generation}, older than the generation {self.generation} "
+                "this peer followed: not following it")
+        self.generation = msg.generation
+        self.epoch = msg.epoch
+        self.reconnecting_until = None
+        self.last_heard = now
+        return None
 
     # ---------------------------------------------------------------------------------------
     # the rules of a collective call
@@ -412,6 +481,8 @@ class PeerState:
         return [Lost(KickedError(f"removed by the master: {msg.reason}"))]
 
     def _on_registered(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.Registered)
+        self.generation = max(self.generation, msg.generation)
         return []
 
     def _on_accepted(self, msg: m.Message) -> list[Effect]:
@@ -471,6 +542,8 @@ class PeerState:
         if self.sync is None:
             return []
         self.sync.results += 1
+        if msg.success:
+            self.revision = msg.revision
         return [Resolve(Call.SYNC, msg)]
 
     def _on_measure(self, msg: m.Message) -> list[Effect]:

@@ -145,6 +145,7 @@ class TestCluster:
                 self._prefix = f"c{k}-"
         self._master_host = network.host(f"{self._prefix}{MASTER}") if network is not None else None
         self._master_down = False
+        self._master_done: trio.Event | None = None  # set when the running master's task ended
         self._peers: list[_Peer] = []
         self._isolated: set[str] = set()
 
@@ -448,6 +449,22 @@ class TestCluster:
             self.network.crash(self._master_host)
         self._master_scope.cancel()
 
+    async def restart_master(self) -> None:
+        """Crash the master (like :meth:`kill_master`, if it still runs) and start a fresh one, with
+        empty state, on the same address and port: on a virtual network its host restarts as a new
+        incarnation. Peers configured with a ``reconnect_window`` re-register with it and the run
+        goes on (docs/concepts.md "Surviving the master"); returns once it listens.
+        """
+        port = int(self.master_address.rsplit(":", 1)[1])
+        self.kill_master()
+        if self._master_done is not None:
+            await self._master_done.wait()
+        if self.network is not None and self._master_host is not None:
+            self._master_host = self.network.restart(self._master_host)
+        self._master_scope = trio.CancelScope()
+        self._master_down = False
+        await self._nursery.start(self._start_master, port)
+
     def hang_master(self) -> None:
         """Freeze the master's host; peers lose it after their heartbeat timeout.
 
@@ -482,11 +499,14 @@ class TestCluster:
         listen = host.address if host is not None else "127.0.0.1"
         return dataclasses.replace(self.peer_config, p2p_listen_host=listen)
 
-    async def _start_master(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def _start_master(
+        self, port: int = 0, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
         if self._master_host is not None:
-            bind, transport = f"{self._master_host.address}:0", self._master_host
+            bind, transport = f"{self._master_host.address}:{port}", self._master_host
         else:
-            bind, transport = "127.0.0.1:0", None
+            bind, transport = f"127.0.0.1:{port}", None
+        done = self._master_done = trio.Event()
         try:
             with self._master_scope:
                 async with open_master(bind, config=self.master_config, transport=transport) as master:
@@ -499,6 +519,8 @@ class TestCluster:
             # A crashed host's listener fails under the master's feet; that is the point of the crash.
             if not self._master_down:
                 raise
+        finally:
+            done.set()
 
     async def _launch(self, group: int) -> _Peer:
         """Start a peer and return once the master has registered it (or it failed / got accepted)."""

@@ -203,7 +203,8 @@ class Hello(Message):
 
     ``purpose`` is "master" (peer -> master) or "p2p" (peer -> peer). For P2P, ``peer_id`` names
     the connecting peer, ``channel`` says what the connection is for ("ring", "state", "bench")
-    and ``index`` is its slot in the pool.
+    and ``index`` is its slot in the pool. To the master, ``peer_id`` >= 0 claims the id the peer
+    held before it lost its master (it then sends ``Reregister``); the master grants it when free.
     """
 
     protocol_version: int
@@ -289,15 +290,38 @@ class BandwidthReport(Message):
     results: list[list[Any]]
 
 
+@_register(16)
+@dataclass(frozen=True, kw_only=True)
+class Reregister(Message):
+    """A member of the run that lost its master registers again (with a restarted or standby master,
+    or the same one), instead of ``Register``: its connection's Hello claimed its old ``peer_id``
+    (repeated here).
+
+    What it last knew: the ``epoch`` and ``ring`` (peer ids, ring order) of its last accepted table,
+    its group's shared-state ``revision`` (-1: never synced) and the master ``generation`` it
+    followed. See docs/concepts.md "Surviving the master" for the rules.
+    """
+
+    peer_id: int
+    p2p_port: int
+    peer_group: int
+    epoch: int
+    ring: list[int]
+    revision: int
+    generation: int
+
+
 # Membership (master -> peer)
 
 
 @_register(20)
 @dataclass(frozen=True, kw_only=True)
 class Registered(Message):
-    """Registration received; the peer waits to be accepted."""
+    """Registration received; the peer waits to be accepted. ``generation``: the master's
+    generation (fencing number), which the peer remembers."""
 
     peer_id: int
+    generation: int = 0
 
 
 @_register(21)
@@ -324,6 +348,17 @@ class EstablishP2P(Message):
 
     epoch: int
     peers: list[PeerRow]
+
+
+@_register(26)
+@dataclass(frozen=True, kw_only=True)
+class Reregistered(Message):
+    """The master took the re-registering member back into the run (no admission vote): it keeps its
+    id and place; ``generation`` is the master's (never older than the peer's), ``epoch`` its epoch."""
+
+    peer_id: int
+    generation: int
+    epoch: int
 
 
 @_register(24)

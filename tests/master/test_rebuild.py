@@ -1,0 +1,148 @@
+"""Issue 18: a restarted or standby master rebuilds the run from the members' re-registrations.
+
+The pure MasterState driven message by message (docs/concepts.md "Surviving the master").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pccl import Result
+from pccl.master.state import Kick, MasterState, Send
+from pccl.wire import messages as m
+
+
+def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
+    return [(e.peer_id, e.message) for e in effects
+            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
+
+
+def kicks(effects: list[Any]) -> list[Kick]:
+    return [e for e in effects if isinstance(e, Kick)]
+
+
+class Harness:
+    """A live master with members joined and admitted the ordinary way."""
+
+    def __init__(self) -> None:
+        self.st = MasterState()
+
+    def join(self) -> tuple[int, list[Any]]:
+        pid = self.st.new_connection("127.0.0.1", 0.0)
+        return pid, self.st.handle(pid, m.Register(p2p_port=40000 + pid), 0.0)
+
+    def update(self, voters: list[int]) -> None:
+        eff: list[Any] = []
+        for p in voters:
+            eff += self.st.handle(p, m.UpdateTopologyVote(), 0.0)
+        for pid, msg in sends(eff, m.EstablishP2P):
+            self.st.handle(pid, m.P2PConnectionsDone(epoch=msg.epoch, success=True), 0.0)
+
+RING = [3, 1, 2]  # the last epoch's members, ring order (not id order)
+EPOCH = 7
+
+
+def rereg(st: MasterState, pid: int, *, epoch: int = EPOCH, ring: list[int] | None = None, revision: int = 4,
+          generation: int = 1, group: int = 0, claim: int | None = None) -> tuple[int, list[Any]]:
+    got = st.new_connection("127.0.0.1", 0.0, claim=pid if claim is None else claim)
+    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=group, epoch=epoch,
+                       ring=list(RING if ring is None else ring), revision=revision, generation=generation)
+    return got, st.handle(got, msg, 0.0)
+
+
+def test_restarted_master_adopts_epoch_ring_revision_and_a_newer_generation() -> None:
+    st = MasterState()
+    pid, eff = rereg(st, 1, generation=3)
+    assert pid == 1  # the claimed id is granted
+    (who, ok), = sends(eff, m.Reregistered)
+    assert who == 1 and ok == m.Reregistered(peer_id=1, generation=4, epoch=EPOCH)
+    s = st.statistics()
+    assert s["generation"] == 4 and s["epoch"] == EPOCH and s["rebuilding"]
+    assert s["revisions"] == {0: 4}
+    assert st.accepted() == [1]  # taken back at once, no admission vote
+
+
+def test_votes_wait_for_a_majority_of_the_last_epoch_then_resume_in_the_old_ring_order() -> None:
+    st = MasterState()
+    rereg(st, 1)
+    desc = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
+    # 1 of 3 back: its all-reduce vote does not complete (it would run alone otherwise)
+    assert not sends(st.handle(1, m.CollectiveInitiate(tag=0, descriptor=desc), 0.0), m.CollectiveCommence)
+    assert not sends(st.handle(1, m.PeersPendingVote(), 0.0))
+    _, eff = rereg(st, 2)  # 2 of 3: a majority
+    assert not st.statistics()["rebuilding"]
+    # the votes now wait for peer 2 (a member again), then complete
+    assert not sends(eff, m.PeersPendingResult) and not sends(eff, m.CollectiveCommence)
+    answered = sends(st.handle(2, m.PeersPendingVote(), 0.0), m.PeersPendingResult)
+    assert sorted(p for p, _ in answered) == [1, 2]
+    eff = st.handle(2, m.CollectiveInitiate(tag=0, descriptor=desc), 0.0)
+    commence = sends(eff, m.CollectiveCommence)
+    assert sorted(p for p, _ in commence) == [1, 2]
+    assert commence[0][1].op_seq >= 2 << 24  # generation 2: above generation 1
+    # the latecomer is taken back too, in its old place in the ring
+    _, eff = rereg(st, 3)
+    assert sends(eff, m.Reregistered) and st.accepted() == RING
+
+
+def test_rebuilt_master_admits_newcomers_by_vote_as_usual() -> None:
+    st = MasterState()
+    rereg(st, 1, ring=[1, 2])
+    rereg(st, 2, ring=[1, 2])
+    pid = st.new_connection("127.0.0.1", 0.0)
+    assert pid == 3  # fresh ids never collide with the members'
+    eff = st.handle(pid, m.Register(p2p_port=40003), 0.0)
+    (_, reg), = sends(eff, m.Registered)
+    assert reg.generation == 2 and not sends(eff, m.Accepted)
+    assert st.registered() == [3]
+
+
+def test_a_newcomer_is_not_accepted_alone_while_rebuilding() -> None:
+    st = MasterState()
+    rereg(st, 1)
+    st.peer_lost(1, "left")
+    pid = st.new_connection("127.0.0.1", 0.0)
+    assert not sends(st.handle(pid, m.Register(p2p_port=40009), 0.0), m.Accepted)
+
+
+def test_a_peer_of_a_newer_generation_refuses_an_older_master() -> None:
+    hs = Harness()  # a live master of generation 1 with a member
+    a, _ = hs.join()
+    assert hs.st.generation == 1
+    pid, eff = rereg(hs.st, 5, ring=[5], generation=2)
+    (k,) = kicks(eff)
+    assert k.peer_id == pid and k.code == int(Result.MASTER_CONNECTION_FAILED) and "older" in k.reason
+    assert hs.st.accepted() == [a]
+
+
+def test_live_master_takes_a_dropped_member_back_only_in_the_same_epoch() -> None:
+    hs = Harness()
+    a, _ = hs.join()
+    b, _ = hs.join()
+    hs.update([a])
+    epoch = hs.st.epoch
+    hs.st.peer_lost(b, "left (connection closed)")
+    pid, eff = rereg(hs.st, b, epoch=epoch, ring=[a, b], generation=1)
+    assert pid == b and sends(eff, m.Reregistered) and hs.st.accepted() == [a, b]
+    hs.st.peer_lost(b, "left (connection closed)")
+    _, eff = rereg(hs.st, b, epoch=epoch - 1, ring=[a, b], generation=1)
+    assert [k.code for k in kicks(eff)] == [int(Result.MASTER_CONNECTION_FAILED)]
+    assert hs.st.accepted() == [a]
+
+
+def test_a_claimed_id_still_held_is_not_granted_and_the_reregister_is_refused() -> None:
+    st = MasterState()
+    rereg(st, 1)
+    pid, eff = rereg(st, 1)  # id 1 is connected: a fresh id, and the Reregister is refused
+    assert pid != 1
+    assert [type(e) for e in eff if isinstance(e, (Kick, Send))] == [Kick]
+
+
+def test_an_older_epoch_than_the_rebuild_is_refused_a_newer_one_replaces_the_ring() -> None:
+    st = MasterState()
+    rereg(st, 1, epoch=EPOCH, ring=[1, 2, 3, 4, 5])
+    _, eff = rereg(st, 2, epoch=EPOCH - 1)
+    assert kicks(eff)
+    _, eff = rereg(st, 3, epoch=EPOCH + 1, ring=[1, 3])  # knows a newer epoch: 2 of 2 back
+    assert sends(eff, m.Reregistered)
+    s = st.statistics()
+    assert s["epoch"] == EPOCH + 1 and not s["rebuilding"] and st.accepted() == [1, 3]
