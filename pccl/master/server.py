@@ -25,6 +25,7 @@ from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError
 from .._exc import sole_exception
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, Transport
+from ..wire import limits
 from ..wire import messages as m
 from ..wire.hello import check_hello
 from ..wire.stream import MessageStream
@@ -137,7 +138,8 @@ class MasterServer:
     # ------------------------------------------------------------------------------------------
 
     async def _connection(self, stream: Any) -> None:
-        ms = MessageStream(stream, max_frame_size=self.config.max_frame_size)
+        ms = MessageStream(stream, max_frame_size=self.config.max_frame_size,
+                           limits=limits.pre_auth(self.config.max_frame_size))
         host = stream.peer_address[0]
         try:
             with trio.fail_after(self.config.hello_timeout):
@@ -153,6 +155,7 @@ class MasterServer:
             log.warning("connection from %s dropped during hello: %s", host, exc)
             await ms.aclose()
             return
+        ms.set_limits(limits.master_inbound(self.config.max_frame_size))
         now = trio.current_time()
         pid = self.state.new_connection(host, now)
         send, recv = trio.open_memory_channel[Any](self.config.send_queue_size)
@@ -183,6 +186,7 @@ class MasterServer:
             try:
                 msg = await conn.ms.receive()
             except RemoteProtocolError as exc:
+                log.warning("kicking peer %d: protocol error: %s", conn.peer_id, exc.message)
                 self._execute(self.state.kick(conn.peer_id, f"protocol error: {exc.message}"))
                 return
             except StreamBroken:

@@ -21,6 +21,7 @@ from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import PCCLError, RankConnectionFailedError, RemoteProtocolError, Result
 from ..transport import Address, Listener, StreamBroken, Transport
 from ..wire.hello import check_hello
+from ..wire.limits import p2p_inbound, pre_auth, trusted
 from ..wire.messages import Hello, HelloOk, Refused
 from ..wire.stream import MessageStream
 
@@ -85,7 +86,8 @@ async def _accept_loop(
         except StreamBroken:
             log.debug("P2P listener %s closed", listener.address)
             return
-        ms = MessageStream(stream, max_frame_size=config.max_frame_size)
+        limits = pre_auth(config.max_frame_size)
+        ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=limits)
         nursery.start_soon(_serve_connection, ms, handlers, config, secret)
 
 
@@ -127,6 +129,7 @@ async def _serve_connection(
             return
         assert isinstance(msg, Hello)
         hello = msg
+        ms.set_limits(p2p_inbound(config.max_frame_size))
         with trio.move_on_after(config.connect_timeout) as scope:
             try:
                 await ms.send(HelloOk(protocol_version=PROTOCOL_VERSION))
@@ -184,7 +187,7 @@ async def open_p2p(
         raise RankConnectionFailedError(f"P2P connect to {where} timed out") from exc
     except StreamBroken as exc:
         raise RankConnectionFailedError(f"P2P connect to {where} failed: {exc}") from exc
-    ms = MessageStream(stream, max_frame_size=config.max_frame_size)
+    ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=pre_auth(config.max_frame_size))
     ok = False
     try:
         hello = Hello(
@@ -204,6 +207,7 @@ async def open_p2p(
             raise RankConnectionFailedError(
                 f"P2P connection to {where}: expected HelloOk, got {type(reply).__name__}"
             )
+        ms.set_limits(trusted(config.max_frame_size))
         ok = True
         return ms
     except trio.TooSlowError as exc:
