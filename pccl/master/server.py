@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from .._accept import HelloDone, accept_loop
 from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError
@@ -27,6 +28,7 @@ from .._exc import sole_exception
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, Transport
 from ..wire import limits
 from ..wire import messages as m
+from ..wire.admission import HandshakeGate
 from ..wire.hello import check_hello
 from ..wire.stream import MessageStream
 from .deadlock import DeadlockWatch
@@ -76,6 +78,7 @@ class MasterServer:
         self._wake_monitor: trio.Event | None = None
         self.status: StatusService | None = None  # observes the master once it serves
         self.status_address: Address | None = None  # where /status is served (status_port set)
+        self.gate = HandshakeGate()  # the cap on connections in their hello (docs/security.md)
 
     def statistics(self) -> dict[str, Any]:
         """Master summary: the state's statistics plus connection counts."""
@@ -108,13 +111,12 @@ class MasterServer:
                     nursery.start_soon(serve_http, http, self._route)
                 nursery.start_soon(self._monitor)
                 task_status.started(listener.address)
-                while True:
-                    try:
-                        stream = await listener.accept()
-                    except StreamBroken:
-                        log.error("listener failed; master stops accepting")
-                        raise
-                    nursery.start_soon(self._connection, stream)
+                try:
+                    await accept_loop(listener, nursery, self._connection, gate=self.gate, log=log,
+                                      what="the master")
+                except StreamBroken:
+                    log.error("listener failed; master stops accepting")
+                    raise
         finally:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
@@ -137,7 +139,7 @@ class MasterServer:
 
     # ------------------------------------------------------------------------------------------
 
-    async def _connection(self, stream: Any) -> None:
+    async def _connection(self, stream: Any, hello_done: HelloDone) -> None:
         ms = MessageStream(stream, max_frame_size=self.config.max_frame_size,
                            limits=limits.pre_auth(self.config.max_frame_size))
         host = stream.peer_address[0]
@@ -155,6 +157,7 @@ class MasterServer:
             log.warning("connection from %s dropped during hello: %s", host, exc)
             await ms.aclose()
             return
+        hello_done()
         ms.set_limits(limits.master_inbound(self.config.max_frame_size))
         now = trio.current_time()
         pid = self.state.new_connection(host, now)

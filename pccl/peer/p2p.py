@@ -17,9 +17,11 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
+from .._accept import HelloDone, accept_loop
 from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import PCCLError, RankConnectionFailedError, RemoteProtocolError, Result
-from ..transport import Address, Listener, StreamBroken, Transport
+from ..transport import Address, Listener, Stream, StreamBroken, Transport
+from ..wire.admission import HandshakeGate
 from ..wire.hello import check_hello
 from ..wire.limits import p2p_inbound, pre_auth, trusted
 from ..wire.messages import Hello, HelloOk, Refused
@@ -38,6 +40,7 @@ async def serve_p2p(
     *,
     config: PeerConfig,
     secret: str = "",
+    gate: HandshakeGate | None = None,
     task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen for P2P connections and hand each one, after its hello, to its channel's handler.
@@ -53,6 +56,8 @@ async def serve_p2p(
             handler returns or fails.
         config: timeouts (``connect_timeout`` bounds the wait for the Hello) and frame limits.
         secret: when non-empty, a Hello must carry exactly this secret.
+        gate: the cap on connections in their hello (default: a fresh
+            :class:`~pccl.wire.admission.HandshakeGate` with the default caps).
         task_status: receives the bound ``(host, port)`` once listening.
 
     Raises:
@@ -67,7 +72,7 @@ async def serve_p2p(
     try:
         async with trio.open_nursery() as nursery:
             task_status.started(listener.address)
-            await _accept_loop(listener, nursery, handlers, config, secret)
+            await _accept_loop(listener, nursery, handlers, config, secret, gate or HandshakeGate())
     finally:
         with trio.CancelScope(shield=True):
             await listener.aclose()
@@ -79,16 +84,17 @@ async def _accept_loop(
     handlers: Mapping[str, P2PHandler],
     config: PeerConfig,
     secret: str,
+    gate: HandshakeGate,
 ) -> None:
-    while True:
-        try:
-            stream = await listener.accept()
-        except StreamBroken:
-            log.debug("P2P listener %s closed", listener.address)
-            return
+    async def handle(stream: Stream, hello_done: HelloDone) -> None:
         limits = pre_auth(config.max_frame_size)
         ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=limits)
-        nursery.start_soon(_serve_connection, ms, handlers, config, secret)
+        await _serve_connection(ms, handlers, config, secret, hello_done)
+
+    try:
+        await accept_loop(listener, nursery, handle, gate=gate, log=log, what="P2P listener")
+    except StreamBroken:
+        log.debug("P2P listener %s closed", listener.address)
 
 
 async def _refuse(ms: MessageStream, reason: str, code: Result, timeout: float) -> None:
@@ -109,7 +115,11 @@ def _peer_of(ms: MessageStream) -> str:
 
 
 async def _serve_connection(
-    ms: MessageStream, handlers: Mapping[str, P2PHandler], config: PeerConfig, secret: str
+    ms: MessageStream,
+    handlers: Mapping[str, P2PHandler],
+    config: PeerConfig,
+    secret: str,
+    hello_done: HelloDone,
 ) -> None:
     try:
         msg = None
@@ -137,6 +147,7 @@ async def _serve_connection(
                 return
         if scope.cancelled_caught:
             return
+        hello_done()
         await handlers[hello.channel](ms, hello)
     except Exception as exc:
         # Contain everything: one connection's failure must never kill the listener.
