@@ -29,7 +29,7 @@ from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, Tran
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.admission import HandshakeGate
-from ..wire.hello import check_hello
+from ..wire.handshake import accept_hello
 from ..wire.stream import MessageStream
 from .deadlock import DeadlockWatch
 from .http import Response, bound_address, open_http_listeners, serve_http
@@ -145,8 +145,8 @@ class MasterServer:
         host = stream.peer_address[0]
         try:
             with trio.fail_after(self.config.hello_timeout):
-                hello = await ms.receive()
-            refusal = check_hello(hello, purpose="master", secret=self.config.secret, listener="the master")
+                _, refusal = await accept_hello(ms, purpose="master", secret=self.config.secret,
+                                                listener="the master")
             if refusal is not None:
                 log.warning("refused connection from %s: %s", host, refusal.reason)
                 with trio.move_on_after(1.0):

@@ -1,7 +1,8 @@
 """Peer-to-peer connection set-up: the P2P listener and the outgoing handshake.
 
-Every P2P connection starts with ``Hello(purpose="p2p", peer_id, channel, index, secret)`` from
-the connecting side; the listener answers ``HelloOk`` or ``Refused`` (then closes). After the
+Every P2P connection starts with the handshake of :mod:`pccl.wire.handshake` (``Hello(purpose="p2p",
+peer_id, channel, index, nonce)``, ``Challenge``, ``Proof``); the listener answers ``HelloOk`` or
+``Refused`` (then closes). After the
 handshake the connection belongs to the handler registered for its channel ("ring" for the
 collective data plane, "state" for shared-state transfers, "bench" for bandwidth probes).
 
@@ -22,7 +23,7 @@ from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import PCCLError, RankConnectionFailedError, RemoteProtocolError, Result
 from ..transport import Address, Listener, Stream, StreamBroken, Transport
 from ..wire.admission import HandshakeGate
-from ..wire.hello import check_hello
+from ..wire.handshake import HandshakeFailed, accept_hello, offer_hello
 from ..wire.limits import p2p_inbound, pre_auth, trusted
 from ..wire.messages import Hello, HelloOk, Refused
 from ..wire.stream import MessageStream
@@ -122,23 +123,26 @@ async def _serve_connection(
     hello_done: HelloDone,
 ) -> None:
     try:
-        msg = None
+        done = False
+        hello: Hello | None = None
+        refusal = None
         with trio.move_on_after(config.connect_timeout):
             try:
-                msg = await ms.receive()
+                hello, refusal = await accept_hello(
+                    ms, purpose="p2p", secret=secret, channels=handlers, listener="this peer"
+                )
             except (StreamBroken, RemoteProtocolError) as exc:
                 log.warning("refused P2P connection from %s: bad hello (%s)", _peer_of(ms), exc)
                 return
-        if msg is None:
+            done = True
+        if not done:
             log.warning("refused P2P connection from %s: no hello within %.1fs", _peer_of(ms),
                         config.connect_timeout)
             return
-        refusal = check_hello(msg, purpose="p2p", secret=secret, channels=handlers, listener="this peer")
         if refusal is not None:
             await _refuse(ms, refusal.reason, refusal.result, config.connect_timeout)
             return
-        assert isinstance(msg, Hello)
-        hello = msg
+        assert hello is not None
         ms.set_limits(p2p_inbound(config.max_frame_size))
         with trio.move_on_after(config.connect_timeout) as scope:
             try:
@@ -201,26 +205,16 @@ async def open_p2p(
     ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=pre_auth(config.max_frame_size))
     ok = False
     try:
-        hello = Hello(
-            protocol_version=PROTOCOL_VERSION,
-            purpose="p2p",
-            secret=secret,
-            peer_id=my_peer_id,
-            channel=channel,
-            index=index,
-        )
         with trio.fail_after(config.connect_timeout):
-            await ms.send(hello)
-            reply = await ms.receive()
-        if isinstance(reply, Refused):
-            raise RankConnectionFailedError(f"P2P connection to {where} refused: {reply.reason}")
-        if not isinstance(reply, HelloOk):
-            raise RankConnectionFailedError(
-                f"P2P connection to {where}: expected HelloOk, got {type(reply).__name__}"
-            )
+            await offer_hello(ms, purpose="p2p", secret=secret, peer_id=my_peer_id, channel=channel,
+                              index=index)
         ms.set_limits(trusted(config.max_frame_size))
         ok = True
         return ms
+    except HandshakeFailed as exc:
+        if exc.refused:
+            raise RankConnectionFailedError(f"P2P connection to {where} refused: {exc.reason}") from exc
+        raise RankConnectionFailedError(f"P2P handshake with {where} failed: {exc.reason}") from exc
     except trio.TooSlowError as exc:
         raise RankConnectionFailedError(f"P2P handshake with {where} timed out") from exc
     except StreamBroken as exc:

@@ -140,25 +140,30 @@ def _unpack(*, strings: int, arrays: int, binary: int = 0) -> Mapping[str, int]:
 
 
 # The handshake: Hello and its answers (and the challenge-response messages, when defined).
-_HANDSHAKE_TAGS = (m.Hello.TAG, m.HelloOk.TAG, m.Refused.TAG)
+_HANDSHAKE_TAGS = (m.Hello.TAG, m.Challenge.TAG, m.Proof.TAG, m.HelloOk.TAG, m.Refused.TAG)
 
+
+
+HANDSHAKE_TAGS = frozenset(_HANDSHAKE_TAGS)
 
 
 def pre_auth(max_frame: int = PRE_AUTH_MAX_FRAME) -> FrameLimits:
-    """Limits until the handshake has succeeded: :data:`PRE_AUTH_MAX_FRAME` (or ``max_frame`` when it
-    is smaller), handshake messages only.
+    """Limits until the handshake has succeeded: :data:`PRE_AUTH_MAX_FRAME`, handshake messages only.
+
+    Handshake messages may always be :data:`PRE_AUTH_MAX_FRAME` long, however small the configured
+    frame size (:class:`~pccl.wire.stream.MessageStream` sends them so too).
 
     Args:
-        max_frame: the configured frame size; the pre-auth cap never exceeds it.
+        max_frame: the configured frame size (other message types stay below it).
     """
-    cap = min(PRE_AUTH_MAX_FRAME, max_frame)
+    cap = PRE_AUTH_MAX_FRAME
     return FrameLimits(
         name="before the hello",
         max_frame=cap,
         # Any other message: decoded only when tiny (then refused with "expected Hello").
-        default_tag_max=min(PRE_AUTH_OTHER_MAX, cap),
+        default_tag_max=min(PRE_AUTH_OTHER_MAX, max_frame),
         tag_max=MappingProxyType(dict.fromkeys(_HANDSHAKE_TAGS, cap)),
-        unpack=_unpack(strings=1024, arrays=16),
+        unpack=_unpack(strings=1024, arrays=16, binary=256),
     )
 
 

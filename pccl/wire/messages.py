@@ -215,15 +215,16 @@ class Hello(Message):
 
     ``purpose`` is "master" (peer -> master) or "p2p" (peer -> peer). For P2P, ``peer_id`` names
     the connecting peer, ``channel`` says what the connection is for ("ring", "state", "bench")
-    and ``index`` is its slot in the pool.
+    and ``index`` is its slot in the pool. ``nonce``: the connecting side's fresh random challenge
+    (16 to 64 bytes); the secret itself never travels (see :mod:`pccl.wire.hello`).
     """
 
     protocol_version: int
     purpose: str
-    secret: str = ""
     peer_id: int = -1
     channel: str = ""
     index: int = 0
+    nonce: bytes = b""
 
 
 @_register(2)
@@ -248,6 +249,24 @@ class Refused(Message):
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
     """Liveness signal, both directions."""
+
+
+@_register(5)
+@dataclass(frozen=True, kw_only=True)
+class Challenge(Message):
+    """The listener's answer to an acceptable Hello: its own fresh ``nonce`` and ``proof`` that it knows
+    the shared secret (an HMAC over both nonces, see :func:`pccl.wire.hello.proof`)."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@_register(6)
+@dataclass(frozen=True, kw_only=True)
+class Proof(Message):
+    """The connecting side's HMAC over both nonces; the listener answers HelloOk or Refused."""
+
+    proof: bytes
 
 
 # ============================================================================================

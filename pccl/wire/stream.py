@@ -12,7 +12,7 @@ import trio
 from .._errors import RemoteProtocolError
 from ..transport import Stream, StreamBroken, receive_exactly_into
 from .framing import Framer, encode_frame
-from .limits import FrameLimits
+from .limits import HANDSHAKE_TAGS, PRE_AUTH_MAX_FRAME, FrameLimits
 from .messages import Message, decode, encode
 
 _RECV_SIZE = 256 * 1024
@@ -38,6 +38,12 @@ class MessageStream:
         self._send_lock = trio.StrictFIFOLock()
         self._owed: memoryview | None = None  # see send_nowait
 
+    def _frame(self, msg: Message) -> bytes:
+        limit = self.max_frame_size
+        if msg.TAG in HANDSHAKE_TAGS:
+            limit = max(limit, PRE_AUTH_MAX_FRAME)  # the handshake fits whatever the configured size
+        return encode_frame(encode(msg), max_frame_size=limit)
+
     def set_limits(self, limits: FrameLimits) -> None:
         """Receive the next frames under ``limits`` (the framer's cap applies to the next length prefix
         not yet checked)."""
@@ -47,14 +53,14 @@ class MessageStream:
 
     async def send(self, msg: Message) -> None:
         """Send one message. Raises StreamBroken."""
-        data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
+        data = self._frame(msg)
         async with self._send_lock:
             await self._pay_owed()
             await self.stream.send_all(data)
 
     async def send_with_raw(self, msg: Message, raw: memoryview | bytes) -> None:
         """Send a message immediately followed by raw bytes, atomically w.r.t. other senders."""
-        data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
+        data = self._frame(msg)
         async with self._send_lock:
             await self._pay_owed()
             await self.stream.send_all(data)
@@ -75,7 +81,7 @@ class MessageStream:
         try_send = getattr(self.stream, "try_send", None)
         if try_send is None or self._owed is not None or self._send_lock.locked():
             return False
-        data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
+        data = self._frame(msg)
         n = try_send(data)
         if n == 0:
             return False

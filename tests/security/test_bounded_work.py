@@ -18,6 +18,8 @@ from pccl.transport import Stream, StreamBroken
 from pccl.wire import limits
 from pccl.wire import messages as m
 from pccl.wire.framing import Framer
+from pccl.wire.handshake import offer_hello
+from pccl.wire.stream import MessageStream
 
 from ._helpers import exact_all_reduces, hostile, master_port, p2p_address
 
@@ -36,7 +38,7 @@ def test_pre_auth_refuses_a_large_length_prefix_before_buffering() -> None:
 
 
 def test_pre_auth_decodes_only_small_handshake_frames() -> None:
-    hello = m.encode(m.Hello(protocol_version=1, purpose="master"))
+    hello = m.encode(m.Hello(protocol_version=PROTOCOL_VERSION, purpose="master", nonce=b"n" * 16))
     assert isinstance(limits.PRE_AUTH.decode(hello), m.Hello)
     # A non-handshake message is decoded only when tiny (then refused as "expected Hello").
     big_vote = m.encode(m.CollectiveDone(tag=1, success=False, reason="x" * 1000))
@@ -72,7 +74,8 @@ def test_master_inbound_caps_follow_the_schema() -> None:
     assert isinstance(limits.trusted(16 << 20).decode(table), m.Accepted)
     # No cap exceeds the configured frame size.
     assert limits.master_inbound(40).default_tag_max == 40
-    assert limits.pre_auth(40).max_frame == 40
+    assert limits.pre_auth(40).max_frame == limits.PRE_AUTH_MAX_FRAME  # the handshake always fits
+    assert limits.pre_auth(40).default_tag_max == 40
 
 
 async def _throw(stream: Stream, data: bytes) -> bytes:
@@ -110,13 +113,14 @@ async def test_hostile_pre_auth_msgpack_is_refused_and_the_run_stays_exact(
         data = frame(bytes([0x92, m.Hello.TAG]) + b"\x91" * 4000)
         want = "malformed message"
     else:
-        # A valid hello, then a huge frame of nested lists of a list-carrying type.
-        channel = "state" if target == "p2p" else ""
-        hello = m.Hello(protocol_version=PROTOCOL_VERSION, purpose=target, channel=channel)
+        # A valid handshake (no secret in this run), then a huge frame of a list-carrying type.
         tag = m.SharedStateSync.TAG if target == "master" else m.StateRequest.TAG
-        data = frame(m.encode(hello)) + frame(bytes([0x92, tag, 0x93, 0, 0, 0xDD]) + NESTED)[:64 * 1024]
+        data = frame(bytes([0x92, tag, 0x93, 0, 0, 0xDD]) + NESTED)[: 64 * 1024]
         want = "exceeds the limit of 1048576 bytes"
     stream = await evil.connect(*addr)
+    if attack == "post_hello_huge":
+        ms = MessageStream(stream, max_frame_size=1 << 20)
+        await offer_hello(ms, purpose=target, secret="", channel="state" if target == "p2p" else "")
 
     async def legit() -> None:
         await exact_all_reduces(cluster, rounds=3, tag=10)
