@@ -10,7 +10,7 @@ outsider host opens ``--attacks-per-round`` connections to the master port or a 
 one of: random bytes, a random length prefix, a valid frame with bytes flipped, a truncated frame, a frame
 of nested lists, a valid hello followed by junk, a replayed handshake. Exit status 0 when every all-reduce
 was exact and every member stayed in; 1 otherwise (with the first wrong result). Prints how many
-attacks ran and the longest virtual time a round took.
+attacks ran and the longest virtual time one all-reduce took while they did.
 """
 
 from __future__ import annotations
@@ -100,13 +100,15 @@ async def fuzz(args: argparse.Namespace) -> int:
                 out = np.zeros(COUNT, np.int64)
                 src = (np.arange(COUNT, dtype=np.int64) + 1) * (comm.peer_id + 1)  # type: ignore[attr-defined]
                 await comm.all_reduce(src, out, tag=r)  # type: ignore[attr-defined]
+                ends.append(trio.current_time())
                 return out.tobytes()
 
+            ends: list[float] = []
             t0 = trio.current_time()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(attack)
                 results = await cluster.run_all(one)
-            worst = max(worst, trio.current_time() - t0)
+            worst = max(worst, max(ends, default=t0) - t0)
             for i, res in enumerate(results):
                 if res != want.tobytes():
                     print(f"round {r}: peer {i} got a wrong result or an error: {res!r:.200}")
@@ -115,7 +117,7 @@ async def fuzz(args: argparse.Namespace) -> int:
                 print(f"round {r}: a member was lost ({cluster.alive})")
                 return 1
     print(f"{args.rounds} rounds, {attacks} attacks, every all-reduce exact; "
-          f"longest round {worst * 1e3:.1f} ms of virtual time")
+          f"longest all-reduce {worst * 1e3:.1f} ms of virtual time")
     return 0
 
 
