@@ -55,7 +55,9 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--deadlock-grace", type=seconds, default=defaults.deadlock_grace,
                    help="fail the calls of a group whose peers wait in calls that cannot complete each other "
                         f"after this many seconds (default {defaults.deadlock_grace:g})")
-    p.add_argument("--secret", default=None, help="shared secret peers must present (optional)")
+    p.add_argument("--secret", default=None,
+                   help="shared secret peers must know (optional; visible in the process list: "
+                        "prefer --secret-file or $PCCL_SECRET)")
     p.add_argument("--secret-file", default=None,
                    help="read the shared secret from this file (default $PCCL_SECRET_FILE)")
     _add_version(p)

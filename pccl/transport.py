@@ -35,6 +35,11 @@ class ConnectFailed(StreamBroken):
     """A connection could not be opened."""
 
 
+class AcceptExhausted(StreamBroken):
+    """``accept`` failed for want of a resource (EMFILE, ENFILE, ENOBUFS, ENOMEM); the listener is fine
+    and accepting again later may succeed (see :func:`pccl._accept.accept_loop`)."""
+
+
 @runtime_checkable
 class Stream(Protocol):
     """A reliable, ordered byte stream.
@@ -270,8 +275,7 @@ class TcpListener:
                 if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.ECONNRESET):
                     continue
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    await trio.sleep(0.05)
-                    continue
+                    raise AcceptExhausted(f"accept failed: {exc}") from exc
                 raise StreamBroken(f"accept failed: {exc}") from exc
             try:
                 return TcpStream(sock)

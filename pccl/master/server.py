@@ -20,13 +20,16 @@ from typing import Any
 
 import trio
 
+from .._accept import HelloDone, accept_loop
 from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError
 from .._exc import sole_exception
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, Transport
+from ..wire import limits
 from ..wire import messages as m
-from ..wire.hello import check_hello
+from ..wire.admission import HandshakeGate
+from ..wire.handshake import accept_hello
 from ..wire.stream import MessageStream
 from .deadlock import DeadlockWatch
 from .http import Response, bound_address, open_http_listeners, serve_http
@@ -75,6 +78,7 @@ class MasterServer:
         self._wake_monitor: trio.Event | None = None
         self.status: StatusService | None = None  # observes the master once it serves
         self.status_address: Address | None = None  # where /status is served (status_port set)
+        self.gate = HandshakeGate()  # the cap on connections in their hello (docs/security.md)
 
     def statistics(self) -> dict[str, Any]:
         """Master summary: the state's statistics plus connection counts."""
@@ -107,13 +111,12 @@ class MasterServer:
                     nursery.start_soon(serve_http, http, self._route)
                 nursery.start_soon(self._monitor)
                 task_status.started(listener.address)
-                while True:
-                    try:
-                        stream = await listener.accept()
-                    except StreamBroken:
-                        log.error("listener failed; master stops accepting")
-                        raise
-                    nursery.start_soon(self._connection, stream)
+                try:
+                    await accept_loop(listener, nursery, self._connection, gate=self.gate, log=log,
+                                      what="the master")
+                except StreamBroken:
+                    log.error("listener failed; master stops accepting")
+                    raise
         finally:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
@@ -136,13 +139,14 @@ class MasterServer:
 
     # ------------------------------------------------------------------------------------------
 
-    async def _connection(self, stream: Any) -> None:
-        ms = MessageStream(stream, max_frame_size=self.config.max_frame_size)
+    async def _connection(self, stream: Any, hello_done: HelloDone) -> None:
+        ms = MessageStream(stream, max_frame_size=self.config.max_frame_size,
+                           limits=limits.pre_auth(self.config.max_frame_size))
         host = stream.peer_address[0]
         try:
             with trio.fail_after(self.config.hello_timeout):
-                hello = await ms.receive()
-            refusal = check_hello(hello, purpose="master", secret=self.config.secret, listener="the master")
+                hello, refusal = await accept_hello(ms, purpose="master", secret=self.config.secret,
+                                                    listener="the master")
             if refusal is not None:
                 log.warning("refused connection from %s: %s", host, refusal.reason)
                 with trio.move_on_after(1.0):
@@ -153,8 +157,11 @@ class MasterServer:
             log.warning("connection from %s dropped during hello: %s", host, exc)
             await ms.aclose()
             return
+        hello_done()
+        ms.set_limits(limits.master_inbound(self.config.max_frame_size))
         now = trio.current_time()
-        claim = hello.peer_id if isinstance(hello, m.Hello) else -1  # a member coming back (Reregister)
+        assert hello is not None  # accepted
+        claim = hello.peer_id  # >= 0: a member coming back (Reregister)
         pid = self.state.new_connection(host, now, claim=claim)
         send, recv = trio.open_memory_channel[Any](self.config.send_queue_size)
         conn = _Conn(peer_id=pid, ms=ms, send=send, recv=recv)
@@ -184,6 +191,7 @@ class MasterServer:
             try:
                 msg = await conn.ms.receive()
             except RemoteProtocolError as exc:
+                log.warning("kicking peer %d: protocol error: %s", conn.peer_id, exc.message)
                 self._execute(self.state.kick(conn.peer_id, f"protocol error: {exc.message}"))
                 return
             except StreamBroken:

@@ -32,7 +32,7 @@ import trio
 
 from .. import _env
 from .._address import Addresses, parse_addresses
-from .._config import PROTOCOL_VERSION, PeerConfig
+from .._config import PeerConfig
 from .._errors import (
     InvalidArgumentError,
     InvalidUsageError,
@@ -60,7 +60,9 @@ from ..collectives.schedule import chunk_bounds
 from ..kernels import backend, reduce
 from ..kernels.buffers import BufferCache
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
+from ..wire import limits
 from ..wire import messages as m
+from ..wire.handshake import HandshakeFailed, offer_hello
 from ..wire.stream import MessageStream
 from . import bandwidth, shared_state
 from .mailbox import Mailbox, Waiter
@@ -249,25 +251,20 @@ class Communicator:
             stream = await self.transport.connect(host, port)
         except ConnectFailed as exc:
             raise MasterConnectionError(str(exc)) from exc
-        ms = MessageStream(stream, max_frame_size=self.config.max_frame_size)
+        max_frame = self.config.max_frame_size
+        ms = MessageStream(stream, max_frame_size=max_frame, limits=limits.pre_auth(max_frame))
         try:
             with trio.fail_after(self.config.connect_timeout):
-                await ms.send(
-                    m.Hello(
-                        protocol_version=PROTOCOL_VERSION, purpose="master", secret=self.config.secret or "",
-                        peer_id=claim,
-                    )
-                )
-                reply = await ms.receive()
+                reply = await offer_hello(ms, purpose="master", secret=self.config.secret, peer_id=claim)
         except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
             await ms.aclose()
             raise MasterConnectionError(f"hello with master {host}:{port} failed: {exc}") from exc
-        if isinstance(reply, m.Refused):
+        except HandshakeFailed as exc:
             await ms.aclose()
-            raise MasterConnectionError(f"master refused the connection: {reply.reason}")
-        if not isinstance(reply, m.HelloOk):
-            await ms.aclose()
-            raise MasterConnectionError(f"unexpected reply to hello: {type(reply).__name__}")
+            if exc.refused:
+                raise MasterConnectionError(f"master refused the connection: {exc.reason}") from None
+            raise MasterConnectionError(f"hello with master {host}:{port}: {exc.reason}") from None
+        ms.set_limits(limits.trusted(max_frame))
         return ms, reply
 
     async def _start(self, nursery: trio.Nursery) -> None:

@@ -1,7 +1,8 @@
 """Peer-to-peer connection set-up: the P2P listener and the outgoing handshake.
 
-Every P2P connection starts with ``Hello(purpose="p2p", peer_id, channel, index, secret)`` from
-the connecting side; the listener answers ``HelloOk`` or ``Refused`` (then closes). After the
+Every P2P connection starts with the handshake of :mod:`pccl.wire.handshake` (``Hello(purpose="p2p",
+peer_id, channel, index, nonce)``, ``Challenge``, ``Proof``); the listener answers ``HelloOk`` or
+``Refused`` (then closes). After the
 handshake the connection belongs to the handler registered for its channel ("ring" for the
 collective data plane, "state" for shared-state transfers, "bench" for bandwidth probes).
 
@@ -17,10 +18,13 @@ from collections.abc import Awaitable, Callable, Mapping
 
 import trio
 
+from .._accept import HelloDone, accept_loop
 from .._config import PROTOCOL_VERSION, PeerConfig
 from .._errors import PCCLError, RankConnectionFailedError, RemoteProtocolError, Result
-from ..transport import Address, Listener, StreamBroken, Transport
-from ..wire.hello import check_hello
+from ..transport import Address, Listener, Stream, StreamBroken, Transport
+from ..wire.admission import HandshakeGate
+from ..wire.handshake import HandshakeFailed, accept_hello, offer_hello
+from ..wire.limits import p2p_inbound, pre_auth, trusted
 from ..wire.messages import Hello, HelloOk, Refused
 from ..wire.stream import MessageStream
 
@@ -37,6 +41,7 @@ async def serve_p2p(
     *,
     config: PeerConfig,
     secret: str = "",
+    gate: HandshakeGate | None = None,
     task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen for P2P connections and hand each one, after its hello, to its channel's handler.
@@ -52,6 +57,8 @@ async def serve_p2p(
             handler returns or fails.
         config: timeouts (``connect_timeout`` bounds the wait for the Hello) and frame limits.
         secret: when non-empty, a Hello must carry exactly this secret.
+        gate: the cap on connections in their hello (default: a fresh
+            :class:`~pccl.wire.admission.HandshakeGate` with the default caps).
         task_status: receives the bound ``(host, port)`` once listening.
 
     Raises:
@@ -66,7 +73,7 @@ async def serve_p2p(
     try:
         async with trio.open_nursery() as nursery:
             task_status.started(listener.address)
-            await _accept_loop(listener, nursery, handlers, config, secret)
+            await _accept_loop(listener, nursery, handlers, config, secret, gate or HandshakeGate())
     finally:
         with trio.CancelScope(shield=True):
             await listener.aclose()
@@ -78,15 +85,17 @@ async def _accept_loop(
     handlers: Mapping[str, P2PHandler],
     config: PeerConfig,
     secret: str,
+    gate: HandshakeGate,
 ) -> None:
-    while True:
-        try:
-            stream = await listener.accept()
-        except StreamBroken:
-            log.debug("P2P listener %s closed", listener.address)
-            return
-        ms = MessageStream(stream, max_frame_size=config.max_frame_size)
-        nursery.start_soon(_serve_connection, ms, handlers, config, secret)
+    async def handle(stream: Stream, hello_done: HelloDone) -> None:
+        limits = pre_auth(config.max_frame_size)
+        ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=limits)
+        await _serve_connection(ms, handlers, config, secret, hello_done)
+
+    try:
+        await accept_loop(listener, nursery, handle, gate=gate, log=log, what="P2P listener")
+    except StreamBroken:
+        log.debug("P2P listener %s closed", listener.address)
 
 
 async def _refuse(ms: MessageStream, reason: str, code: Result, timeout: float) -> None:
@@ -107,26 +116,34 @@ def _peer_of(ms: MessageStream) -> str:
 
 
 async def _serve_connection(
-    ms: MessageStream, handlers: Mapping[str, P2PHandler], config: PeerConfig, secret: str
+    ms: MessageStream,
+    handlers: Mapping[str, P2PHandler],
+    config: PeerConfig,
+    secret: str,
+    hello_done: HelloDone,
 ) -> None:
     try:
-        msg = None
+        done = False
+        hello: Hello | None = None
+        refusal = None
         with trio.move_on_after(config.connect_timeout):
             try:
-                msg = await ms.receive()
+                hello, refusal = await accept_hello(
+                    ms, purpose="p2p", secret=secret, channels=handlers, listener="this peer"
+                )
             except (StreamBroken, RemoteProtocolError) as exc:
                 log.warning("refused P2P connection from %s: bad hello (%s)", _peer_of(ms), exc)
                 return
-        if msg is None:
+            done = True
+        if not done:
             log.warning("refused P2P connection from %s: no hello within %.1fs", _peer_of(ms),
                         config.connect_timeout)
             return
-        refusal = check_hello(msg, purpose="p2p", secret=secret, channels=handlers, listener="this peer")
         if refusal is not None:
             await _refuse(ms, refusal.reason, refusal.result, config.connect_timeout)
             return
-        assert isinstance(msg, Hello)
-        hello = msg
+        assert hello is not None
+        ms.set_limits(p2p_inbound(config.max_frame_size))
         with trio.move_on_after(config.connect_timeout) as scope:
             try:
                 await ms.send(HelloOk(protocol_version=PROTOCOL_VERSION))
@@ -134,6 +151,7 @@ async def _serve_connection(
                 return
         if scope.cancelled_caught:
             return
+        hello_done()
         await handlers[hello.channel](ms, hello)
     except Exception as exc:
         # Contain everything: one connection's failure must never kill the listener.
@@ -184,28 +202,19 @@ async def open_p2p(
         raise RankConnectionFailedError(f"P2P connect to {where} timed out") from exc
     except StreamBroken as exc:
         raise RankConnectionFailedError(f"P2P connect to {where} failed: {exc}") from exc
-    ms = MessageStream(stream, max_frame_size=config.max_frame_size)
+    ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=pre_auth(config.max_frame_size))
     ok = False
     try:
-        hello = Hello(
-            protocol_version=PROTOCOL_VERSION,
-            purpose="p2p",
-            secret=secret,
-            peer_id=my_peer_id,
-            channel=channel,
-            index=index,
-        )
         with trio.fail_after(config.connect_timeout):
-            await ms.send(hello)
-            reply = await ms.receive()
-        if isinstance(reply, Refused):
-            raise RankConnectionFailedError(f"P2P connection to {where} refused: {reply.reason}")
-        if not isinstance(reply, HelloOk):
-            raise RankConnectionFailedError(
-                f"P2P connection to {where}: expected HelloOk, got {type(reply).__name__}"
-            )
+            await offer_hello(ms, purpose="p2p", secret=secret, peer_id=my_peer_id, channel=channel,
+                              index=index)
+        ms.set_limits(trusted(config.max_frame_size))
         ok = True
         return ms
+    except HandshakeFailed as exc:
+        if exc.refused:
+            raise RankConnectionFailedError(f"P2P connection to {where} refused: {exc.reason}") from exc
+        raise RankConnectionFailedError(f"P2P handshake with {where} failed: {exc.reason}") from exc
     except trio.TooSlowError as exc:
         raise RankConnectionFailedError(f"P2P handshake with {where} timed out") from exc
     except StreamBroken as exc:

@@ -8,6 +8,7 @@ hostile length prefix costs nothing. No trio, no sockets: bytes in, frames out.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 from .._errors import LocalProtocolError, RemoteProtocolError
 
@@ -28,12 +29,22 @@ def encode_frame(payload: bytes, *, max_frame_size: int = MAX_FRAME_LIMIT) -> by
 
 
 class Framer:
-    """Incremental frame decoder: ``feed(bytes)`` then ``next_frame()`` until it returns None."""
+    """Incremental frame decoder: ``feed(bytes)`` then ``next_frame()`` until it returns None.
 
-    def __init__(self, *, max_frame_size: int) -> None:
+    Args:
+        max_frame_size: largest payload accepted (checked on the length prefix).
+        check_head: optional ``check(length, first_two_payload_bytes)`` run once per frame as soon as
+            those bytes are in, before the rest is buffered; it raises to refuse the frame.
+    """
+
+    def __init__(
+        self, *, max_frame_size: int, check_head: Callable[[int, bytes], None] | None = None
+    ) -> None:
         if not 0 < max_frame_size <= MAX_FRAME_LIMIT:
             raise ValueError("max_frame_size out of range")
         self.max_frame_size = max_frame_size
+        self.check_head = check_head
+        self._checked = -1  # buffer position of the frame whose head was checked
         self._buf = bytearray()
         self._pos = 0
         self._eof = False
@@ -71,10 +82,19 @@ class Framer:
                 raise RemoteProtocolError(
                     f"frame length {length} exceeds the limit of {self.max_frame_size} bytes"
                 )
+            if self.check_head is not None and self._checked != self._pos:
+                if length < 2:
+                    self.check_head(length, b"\x00\x00")
+                    self._checked = self._pos
+                elif avail >= HEADER_SIZE + 2:
+                    start = self._pos + HEADER_SIZE
+                    self.check_head(length, bytes(self._buf[start : start + 2]))
+                    self._checked = self._pos
             if avail >= HEADER_SIZE + length:
                 start = self._pos + HEADER_SIZE
                 payload = bytes(self._buf[start : start + length])
                 self._pos = start + length
+                self._checked = -1
                 self._compact()
                 return payload
         if self._eof and avail > 0:

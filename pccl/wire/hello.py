@@ -1,25 +1,44 @@
 """The hello check every listener runs (the master's and each peer's P2P listener; docs/protocol.md).
 
-Pure: it looks at the first message of a connection and says whether to accept it, and if not, why,
-as a :class:`HelloRefusal` whose ``problem`` maps to the result code sent in ``Refused``.
+Pure: it looks at the messages of a connection's handshake and says whether to accept it, and if not,
+why, as a :class:`HelloRefusal` whose ``problem`` maps to the result code sent in ``Refused``.
+
+The handshake is a mutual challenge-response; the secret never travels::
+
+    client -> Hello(..., nonce=Nc)                      Nc, Ns: fresh random 16 bytes
+    server -> Challenge(nonce=Ns, proof=HMAC(K, "server", purpose, Nc, Ns))
+    client -> Proof(proof=HMAC(K, "client", purpose, Nc, Ns))
+    server -> HelloOk | Refused
+
+``K`` is the shared secret (the empty key without one), HMAC-SHA256, compared in constant time. The
+client checks the server's proof before answering, so it never proves itself to a side that does not know
+the secret; a recorded handshake replayed later fails because the listener's nonce is new; the role label
+keeps either side's proof from being reflected as the other's.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import hmac
 from collections.abc import Collection
 from dataclasses import dataclass
 
 from .._config import PROTOCOL_VERSION
 from .._errors import Result
-from .messages import Hello, Message
+from .messages import Challenge, Hello, Message, Proof, Refused
+
+NONCE_BYTES = 16  # what this side sends
+MIN_NONCE_BYTES = 16  # what it accepts
+MAX_NONCE_BYTES = 64
+_LABEL = b"pccl-hello-v2"
 
 
 class HelloProblem(enum.Enum):
     """Why a connection's first message was refused."""
 
     NOT_HELLO = "not_hello"
+    NONCE = "nonce"
     VERSION = "version"
     PURPOSE = "purpose"
     SECRET = "secret"
@@ -35,6 +54,7 @@ class HelloProblem(enum.Enum):
 # error; a wrong purpose, secret or channel is a misuse (wrong address, wrong configuration).
 _RESULTS = {
     HelloProblem.NOT_HELLO: Result.REMOTE_ERROR,
+    HelloProblem.NONCE: Result.REMOTE_ERROR,
     HelloProblem.VERSION: Result.REMOTE_ERROR,
     HelloProblem.PURPOSE: Result.INVALID_USAGE,
     HelloProblem.SECRET: Result.INVALID_USAGE,
@@ -55,27 +75,46 @@ class HelloRefusal:
         return self.problem.result
 
 
+def proof(secret: str | None, role: str, purpose: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
+    """HMAC-SHA256 over both nonces, keyed with the secret ("" and None: the empty key).
+
+    Args:
+        secret: the shared secret.
+        role: "server" (in Challenge) or "client" (in Proof).
+        purpose: the connection's purpose ("master", "p2p").
+        client_nonce: the Hello's nonce.
+        server_nonce: the Challenge's nonce.
+
+    Returns:
+        The 32-byte proof.
+    """
+    key = (secret or "").encode("utf-8")
+    parts = (_LABEL, role.encode(), purpose.encode(), client_nonce, server_nonce)
+    msg = b"".join(len(p).to_bytes(2, "big") + p for p in parts)
+    return hmac.new(key, msg, hashlib.sha256).digest()
+
+
+def _nonce_ok(nonce: bytes) -> bool:
+    return MIN_NONCE_BYTES <= len(nonce) <= MAX_NONCE_BYTES
+
+
 def check_hello(
     msg: Message,
     *,
     purpose: str,
-    secret: str | None,
     channels: Collection[str] | None = None,
     listener: str = "this listener",
 ) -> HelloRefusal | None:
-    """Check the first message of a connection.
+    """Check the first message of a connection (the secret is checked later, by :func:`check_proof`).
 
     Args:
         msg: the message received first.
         purpose: the purpose this listener serves ("master" or "p2p").
-        secret: None: no secret is required (any is accepted); a string: the hello must carry exactly
-            it (compared in constant time). The master passes its configured secret (None when unset);
-            a P2P listener always passes a string, "" when the group has no secret.
         channels: the P2P channels served (None: the hello's channel is not checked).
         listener: how the reasons name this side ("the master", "this peer").
 
     Returns:
-        None to accept, else the refusal.
+        None to go on with :func:`challenge`, else the refusal.
     """
     if not isinstance(msg, Hello):
         return HelloRefusal(HelloProblem.NOT_HELLO, f"expected Hello, got {type(msg).__name__}")
@@ -90,11 +129,81 @@ def check_hello(
             HelloProblem.PURPOSE,
             f"{listener} serves purpose {purpose!r}; connection purpose {msg.purpose!r} is not served here",
         )
-    if secret is not None and not hmac.compare_digest(msg.secret.encode("utf-8"), secret.encode("utf-8")):
-        return HelloRefusal(HelloProblem.SECRET, "bad secret: missing or not the shared secret")
+    if not _nonce_ok(msg.nonce):
+        return HelloRefusal(
+            HelloProblem.NONCE,
+            f"hello without a nonce of {MIN_NONCE_BYTES}-{MAX_NONCE_BYTES} bytes (got {len(msg.nonce)})",
+        )
     if channels is not None and msg.channel not in channels:
         return HelloRefusal(HelloProblem.CHANNEL, f"unknown P2P channel {msg.channel!r}")
     return None
 
 
-__all__ = ["HelloProblem", "HelloRefusal", "check_hello"]
+def challenge(hello: Hello, *, secret: str | None, server_nonce: bytes) -> Challenge:
+    """The listener's answer to an accepted :class:`Hello` (``server_nonce``: fresh random bytes)."""
+    mac = proof(secret, "server", hello.purpose, hello.nonce, server_nonce)
+    return Challenge(nonce=server_nonce, proof=mac)
+
+
+def check_proof(
+    msg: Message, hello: Hello, *, secret: str | None, server_nonce: bytes
+) -> HelloRefusal | None:
+    """Check the connecting side's :class:`Proof`.
+
+    Args:
+        msg: the message received after the Challenge.
+        hello: the connection's Hello.
+        secret: None: no secret is required (any proof is accepted); a string: the proof must be made
+            with exactly it. The master passes its configured secret (None when unset); a P2P listener
+            always passes a string, "" when the group has no secret.
+        server_nonce: the nonce sent in the Challenge.
+
+    Returns:
+        None to accept (answer HelloOk), else the refusal.
+    """
+    if not isinstance(msg, Proof):
+        return HelloRefusal(HelloProblem.NOT_HELLO, f"expected Proof, got {type(msg).__name__}")
+    if secret is None:
+        return None
+    want = proof(secret, "client", hello.purpose, hello.nonce, server_nonce)
+    if not hmac.compare_digest(msg.proof, want):
+        return HelloRefusal(HelloProblem.SECRET, "bad secret: missing or not the shared secret")
+    return None
+
+
+def check_challenge(msg: Message, hello: Hello, *, secret: str | None) -> str | None:
+    """The connecting side's check of the listener's answer to its Hello.
+
+    Args:
+        msg: the answer.
+        hello: the Hello this side sent.
+        secret: this side's secret (None or "": none).
+
+    Returns:
+        None when ``msg`` is a Challenge whose proof is made with ``secret`` (answer with
+        :func:`answer`), else why the handshake fails (a Refused's reason, quoted).
+    """
+    if isinstance(msg, Refused):
+        return f"refused: {msg.reason}"
+    if not isinstance(msg, Challenge):
+        return f"expected Challenge, got {type(msg).__name__}"
+    if not _nonce_ok(msg.nonce):
+        return f"challenge without a nonce of {MIN_NONCE_BYTES}-{MAX_NONCE_BYTES} bytes"
+    want = proof(secret, "server", hello.purpose, hello.nonce, msg.nonce)
+    if not hmac.compare_digest(msg.proof, want):
+        return (
+            "bad secret: missing or not the shared secret "
+            "(the other side's challenge is not made with this side's)"
+        )
+    return None
+
+
+def answer(challenge_msg: Challenge, hello: Hello, *, secret: str | None) -> Proof:
+    """The connecting side's :class:`Proof` for a checked Challenge."""
+    return Proof(proof=proof(secret, "client", hello.purpose, hello.nonce, challenge_msg.nonce))
+
+
+__all__ = [
+    "MAX_NONCE_BYTES", "MIN_NONCE_BYTES", "NONCE_BYTES", "HelloProblem", "HelloRefusal", "answer",
+    "challenge", "check_challenge", "check_hello", "check_proof", "proof",
+]

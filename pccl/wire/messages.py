@@ -14,6 +14,7 @@ packs as the same msgpack array, so the bytes are unchanged). docs/protocol.md d
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 import typing
 from dataclasses import dataclass
@@ -141,6 +142,10 @@ def _check(value: Any, tp: Any) -> bool:
         if not isinstance(value, list):
             return False
         (arg,) = get_args(tp) or (Any,)
+        if arg is Any:
+            return True
+        if arg is list or (get_origin(arg) is list and get_args(arg) in ((), (Any,))):
+            return all(isinstance(v, list) for v in value)
         return all(_check(v, arg) for v in value)
     if origin is dict:
         if not isinstance(value, dict):
@@ -159,14 +164,21 @@ def encode(msg: Message) -> bytes:
     return msgpack.packb([cls.TAG, values], use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def decode(payload: bytes) -> Message:
+def decode(payload: bytes, *, unpack_limits: typing.Mapping[str, int] | None = None) -> Message:
     """Parse and validate one message.
+
+    Args:
+        payload: the frame's payload.
+        unpack_limits: extra ``msgpack.unpackb`` keywords (``max_str_len``, ``max_array_len``, ...;
+            see :mod:`pccl.wire.limits`).
 
     Raises:
         RemoteProtocolError: malformed msgpack, unknown tag, wrong field count or types.
     """
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        obj = msgpack.unpackb(
+            payload, raw=False, strict_map_key=False, use_list=True, **(unpack_limits or {})
+        )
     except Exception as exc:  # msgpack raises several unrelated types
         raise RemoteProtocolError(f"malformed message: {exc}") from exc
     if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], int) and isinstance(obj[1], list)):
@@ -183,7 +195,7 @@ def decode(payload: bytes) -> Message:
         try:
             kwargs[name] = _parse(value, tp)
         except _Bad:
-            raise RemoteProtocolError(f"{cls.__name__}.{name}: bad value {value!r:.80}") from None
+            raise RemoteProtocolError(f"{cls.__name__}.{name}: bad value {reprlib.repr(value):.80}") from None
     return cls(**kwargs)
 
 
@@ -205,14 +217,16 @@ class Hello(Message):
     the connecting peer, ``channel`` says what the connection is for ("ring", "state", "bench")
     and ``index`` is its slot in the pool. To the master, ``peer_id`` >= 0 claims the id the peer
     held before it lost its master (it then sends ``Reregister``); the master grants it when free.
+    ``nonce``: the connecting side's fresh random challenge (16 to 64 bytes); the secret itself never
+    travels (see :mod:`pccl.wire.hello`).
     """
 
     protocol_version: int
     purpose: str
-    secret: str = ""
     peer_id: int = -1
     channel: str = ""
     index: int = 0
+    nonce: bytes = b""
 
 
 @_register(2)
@@ -237,6 +251,24 @@ class Refused(Message):
 @dataclass(frozen=True, kw_only=True)
 class Heartbeat(Message):
     """Liveness signal, both directions."""
+
+
+@_register(5)
+@dataclass(frozen=True, kw_only=True)
+class Challenge(Message):
+    """The listener's answer to an acceptable Hello: its own fresh ``nonce`` and ``proof`` that it knows
+    the shared secret (an HMAC over both nonces, see :func:`pccl.wire.hello.proof`)."""
+
+    nonce: bytes
+    proof: bytes
+
+
+@_register(6)
+@dataclass(frozen=True, kw_only=True)
+class Proof(Message):
+    """The connecting side's HMAC over both nonces; the listener answers HelloOk or Refused."""
+
+    proof: bytes
 
 
 # ============================================================================================

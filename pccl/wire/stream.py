@@ -12,31 +12,55 @@ import trio
 from .._errors import RemoteProtocolError
 from ..transport import Stream, StreamBroken, receive_exactly_into
 from .framing import Framer, encode_frame
+from .limits import HANDSHAKE_TAGS, PRE_AUTH_MAX_FRAME, FrameLimits
 from .messages import Message, decode, encode
 
 _RECV_SIZE = 256 * 1024
 
 
 class MessageStream:
-    """Send and receive control messages on one stream."""
+    """Send and receive control messages on one stream.
 
-    def __init__(self, stream: Stream, *, max_frame_size: int) -> None:
+    Args:
+        stream: the transport stream.
+        max_frame_size: largest frame sent, and received while ``limits`` is None.
+        limits: what a received frame may cost (:mod:`pccl.wire.limits`); None: only
+            ``max_frame_size``. Change it with :meth:`set_limits` as the connection earns trust.
+    """
+
+    def __init__(self, stream: Stream, *, max_frame_size: int, limits: FrameLimits | None = None) -> None:
         self.stream = stream
         self.max_frame_size = max_frame_size
         self._framer = Framer(max_frame_size=max_frame_size)
+        self.limits: FrameLimits | None = None
+        if limits is not None:
+            self.set_limits(limits)
         self._send_lock = trio.StrictFIFOLock()
         self._owed: memoryview | None = None  # see send_nowait
 
+    def _frame(self, msg: Message) -> bytes:
+        limit = self.max_frame_size
+        if msg.TAG in HANDSHAKE_TAGS:
+            limit = max(limit, PRE_AUTH_MAX_FRAME)  # the handshake fits whatever the configured size
+        return encode_frame(encode(msg), max_frame_size=limit)
+
+    def set_limits(self, limits: FrameLimits) -> None:
+        """Receive the next frames under ``limits`` (the framer's cap applies to the next length prefix
+        not yet checked)."""
+        self.limits = limits
+        self._framer.max_frame_size = limits.max_frame
+        self._framer.check_head = limits.check_head
+
     async def send(self, msg: Message) -> None:
         """Send one message. Raises StreamBroken."""
-        data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
+        data = self._frame(msg)
         async with self._send_lock:
             await self._pay_owed()
             await self.stream.send_all(data)
 
     async def send_with_raw(self, msg: Message, raw: memoryview | bytes) -> None:
         """Send a message immediately followed by raw bytes, atomically w.r.t. other senders."""
-        data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
+        data = self._frame(msg)
         async with self._send_lock:
             await self._pay_owed()
             await self.stream.send_all(data)
@@ -57,7 +81,7 @@ class MessageStream:
         try_send = getattr(self.stream, "try_send", None)
         if try_send is None or self._owed is not None or self._send_lock.locked():
             return False
-        data = encode_frame(encode(msg), max_frame_size=self.max_frame_size)
+        data = self._frame(msg)
         n = try_send(data)
         if n == 0:
             return False
@@ -90,7 +114,10 @@ class MessageStream:
         while True:
             payload = self._framer.next_frame()
             if payload is not None:
-                return decode(payload)
+                # The framer already ran the limits' size check on the frame's head.
+                if self.limits is None:
+                    return decode(payload)
+                return decode(payload, unpack_limits=self.limits.unpack_for(payload[1]))
             if self._framer.at_eof:
                 raise StreamBroken("connection closed by the other side")
             data = await self.stream.receive_some(_RECV_SIZE)

@@ -18,6 +18,7 @@ from pccl.testing import DEFAULT_MASTER_CONFIG, MASTER, VirtualNetwork, open_tes
 from pccl.transport import TcpTransport
 from pccl.wire import messages as m
 from pccl.wire.framing import encode_frame
+from pccl.wire.handshake import offer_hello
 from pccl.wire.stream import MessageStream
 
 FAST_MASTER = MasterConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0)
@@ -167,8 +168,7 @@ async def test_silent_peer_evicted_by_heartbeat(autojump_clock: trio.testing.Moc
             _, port = master.address
             stream = await TcpTransport().connect("127.0.0.1", port)
             ms = MessageStream(stream, max_frame_size=1 << 20)
-            await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
-            await ms.receive()
+            await offer_hello(ms, purpose="master", secret=None)
             await ms.send(m.Register(p2p_port=5555, peer_group=0))
             while master.statistics()["registered"] < 1:
                 await trio.sleep(0.01)
@@ -231,8 +231,7 @@ async def test_illegal_message_kicks_only_that_peer() -> None:
             _, port = master.address
             stream = await TcpTransport().connect("127.0.0.1", port)
             ms = MessageStream(stream, max_frame_size=1 << 20)
-            await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
-            assert isinstance(await ms.receive(), m.HelloOk)
+            assert isinstance(await offer_hello(ms, purpose="master", secret=None), m.HelloOk)
             descriptor = m.CollectiveDescriptor("all_reduce", 10, 4, 0, -1, 0, 0)
             await ms.send(m.CollectiveInitiate(tag=1, descriptor=descriptor))  # before Register: illegal
             reply = await ms.receive()
@@ -241,8 +240,7 @@ async def test_illegal_message_kicks_only_that_peer() -> None:
             # garbage frame from another connection
             stream2 = await TcpTransport().connect("127.0.0.1", port)
             ms2 = MessageStream(stream2, max_frame_size=1 << 20)
-            await ms2.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
-            await ms2.receive()
+            await offer_hello(ms2, purpose="master", secret=None)
             await stream2.send_all(encode_frame(b"\xc1\xc1garbage"))
             reply = await ms2.receive()
             assert isinstance(reply, m.Refused) and "protocol error" in reply.reason
@@ -308,6 +306,5 @@ async def test_message_over_max_frame_size_evicts_the_peer_not_the_master(
         # Still serving: a newcomer gets its HelloOk.
         stream = await net.host("probe").connect(cl.host(MASTER).address, cl.master.address[1])
         ms = MessageStream(stream, max_frame_size=1 << 20)
-        await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
-        assert isinstance(await ms.receive(), m.HelloOk)
+        assert isinstance(await offer_hello(ms, purpose="master", secret=None), m.HelloOk)
         await ms.aclose()

@@ -14,7 +14,8 @@ import trio
 from pccl import PROTOCOL_VERSION, PCCLError, PeerConfig, RankConnectionFailedError, Result
 from pccl.peer.p2p import open_p2p, serve_p2p
 from pccl.transport import Address, StreamBroken, TcpTransport, Transport
-from pccl.wire.messages import Heartbeat, Hello, HelloOk, Refused
+from pccl.wire.hello import answer
+from pccl.wire.messages import Challenge, Heartbeat, Hello, HelloOk, Refused
 from pccl.wire.stream import MessageStream
 
 CONFIG = PeerConfig(connect_timeout=2.0)
@@ -45,11 +46,17 @@ def echo_handlers(seen: list[Hello]) -> dict[str, Any]:
     return {"ring": echo, "state": echo}
 
 
-async def raw_hello(addr: Address, hello: Hello) -> tuple[MessageStream, Any]:
+async def raw_hello(addr: Address, hello: Hello, secret: str = "") -> tuple[MessageStream, Any]:
+    """Send ``hello``; answer a Challenge with the proof made with ``secret`` (without checking the
+    listener's proof); return the listener's last answer."""
     stream = await TcpTransport().connect(*addr)
     ms = MessageStream(stream, max_frame_size=CONFIG.max_frame_size)
     await ms.send(hello)
-    return ms, await ms.receive()
+    reply = await ms.receive()
+    if isinstance(reply, Challenge) and isinstance(hello, Hello):
+        await ms.send(answer(reply, hello, secret=secret))
+        reply = await ms.receive()
+    return ms, reply
 
 
 async def assert_closed(ms: MessageStream) -> None:
@@ -83,10 +90,13 @@ async def test_refusals_say_why_and_close(change: dict[str, Any], expect: str,
                                           caplog: pytest.LogCaptureFixture) -> None:
     seen: list[Hello] = []
     async with serving(TcpTransport(), echo_handlers(seen), secret="right") as addr:
-        fields: dict[str, Any] = dict(protocol_version=PROTOCOL_VERSION, purpose="p2p", secret="right",
+        fields: dict[str, Any] = dict(protocol_version=PROTOCOL_VERSION, purpose="p2p", nonce=b"n" * 16,
                                       peer_id=1, channel="ring")
+        # The secret is no Hello field any more: it makes the Proof that answers the Challenge.
+        change = dict(change)
+        presented = change.pop("secret", "right")
         with caplog.at_level(logging.WARNING, logger="pccl.p2p"):
-            ms, reply = await raw_hello(addr, Hello(**{**fields, **change}))
+            ms, reply = await raw_hello(addr, Hello(**{**fields, **change}), presented)
             assert isinstance(reply, Refused)
             assert expect in reply.reason
             if "protocol_version" in change:
@@ -94,7 +104,7 @@ async def test_refusals_say_why_and_close(change: dict[str, Any], expect: str,
             await assert_closed(ms)
         assert [r for r in caplog.records if r.name == "pccl.p2p" and "refused" in r.getMessage()]
         # the listener keeps serving good connections
-        good, reply = await raw_hello(addr, Hello(**fields))
+        good, reply = await raw_hello(addr, Hello(**fields), "right")
         assert isinstance(reply, HelloOk)
         await good.aclose()
     assert len(seen) == 1
@@ -125,7 +135,7 @@ async def test_non_hello_first_message_and_garbage_are_refused() -> None:
         await stream.send_all(b"\xff\xff\xff\xff" + b"garbage")  # length prefix over the limit
         assert await stream.receive_some() == b""  # closed without a reply
         await stream.aclose()
-        good = Hello(protocol_version=PROTOCOL_VERSION, purpose="p2p", channel="ring")
+        good = Hello(protocol_version=PROTOCOL_VERSION, purpose="p2p", channel="ring", nonce=b"n" * 16)
         ms, reply = await raw_hello(addr, good)
         assert isinstance(reply, HelloOk)
         await ms.aclose()
@@ -205,8 +215,10 @@ async def test_refusal_codes_come_from_the_problem_not_the_reason_text(
 ) -> None:
     """Regression: the listener chose REMOTE_ERROR whenever the reason text contained "version"."""
     async with serving(TcpTransport(), echo_handlers([]), secret="right") as addr:
-        fields: dict[str, Any] = dict(protocol_version=PROTOCOL_VERSION, purpose="p2p", secret="right",
+        fields: dict[str, Any] = dict(protocol_version=PROTOCOL_VERSION, purpose="p2p", nonce=b"n" * 16,
                                       peer_id=1, channel="ring")
-        ms, reply = await raw_hello(addr, Hello(**{**fields, **change}))
+        change = dict(change)
+        presented = change.pop("secret", "right")  # the secret makes the Proof, it is no Hello field
+        ms, reply = await raw_hello(addr, Hello(**{**fields, **change}), presented)
         assert isinstance(reply, Refused) and reply.code == int(code), reply
         await assert_closed(ms)

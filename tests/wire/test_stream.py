@@ -15,7 +15,6 @@ import pytest
 import trio
 import trio.testing
 
-import pccl
 from pccl import MasterConfig
 from pccl._errors import RemoteProtocolError
 from pccl.master.server import open_master
@@ -23,6 +22,7 @@ from pccl.testing import BareStream, VirtualNetwork, VirtualStream, open_stream_
 from pccl.transport import Stream, StreamBroken, TcpStream, TcpTransport, receive_exactly_into
 from pccl.wire import messages as m
 from pccl.wire.framing import encode_frame
+from pccl.wire.handshake import offer_hello
 from pccl.wire.stream import MessageStream
 
 
@@ -230,8 +230,7 @@ async def test_master_evicts_a_peer_that_stops_reading_and_keeps_serving(
         port = master.address[1]
         stream = await net.host("p").connect(net.host("m").address, port)
         ms = MessageStream(stream, max_frame_size=1 << 20)
-        await ms.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
-        assert isinstance(await ms.receive(), m.HelloOk)
+        assert isinstance(await offer_hello(ms, purpose="master", secret=None), m.HelloOk)
         await ms.send(m.Register(p2p_port=5555, peer_group=0))
         with trio.fail_after(60):
             while master.statistics()["connections"]:
@@ -263,7 +262,6 @@ async def test_master_evicts_a_peer_that_stops_reading_and_keeps_serving(
         # The master still serves a newcomer.
         s2 = await net.host("q").connect(net.host("m").address, port)
         ms2 = MessageStream(s2, max_frame_size=1 << 20)
-        await ms2.send(m.Hello(protocol_version=pccl.PROTOCOL_VERSION, purpose="master"))
-        assert isinstance(await ms2.receive(), m.HelloOk)
+        assert isinstance(await offer_hello(ms2, purpose="master", secret=None), m.HelloOk)
         await ms2.aclose()
         await ms.aclose()

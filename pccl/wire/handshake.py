@@ -1,0 +1,119 @@
+"""The handshake of every connection, both ends, over a :class:`~pccl.wire.stream.MessageStream`.
+
+A thin trio adapter of :mod:`pccl.wire.hello` (which decides everything): :func:`accept_hello` is what a
+listener runs (Hello -> Challenge -> Proof), :func:`offer_hello` what the connecting side runs. Callers
+bound both with their hello / connect timeout and send ``Refused`` themselves.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Collection
+
+from .._config import PROTOCOL_VERSION
+from .hello import NONCE_BYTES, HelloRefusal, answer, challenge, check_challenge, check_hello, check_proof
+from .messages import Challenge, Hello, HelloOk, Refused
+from .stream import MessageStream
+
+
+class HandshakeFailed(Exception):
+    """The connecting side's handshake failed; ``reason`` says why, ``refused`` whether the other side
+    refused (then ``reason`` is its ``Refused.reason``)."""
+
+    def __init__(self, reason: str, *, refused: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.refused = refused
+
+
+def new_nonce() -> bytes:
+    """Fresh random bytes for a Hello or a Challenge."""
+    return secrets.token_bytes(NONCE_BYTES)
+
+
+async def accept_hello(
+    ms: MessageStream,
+    *,
+    purpose: str,
+    secret: str | None,
+    channels: Collection[str] | None = None,
+    listener: str = "this listener",
+) -> tuple[Hello | None, HelloRefusal | None]:
+    """Run the listener's side: read the Hello, answer a Challenge, check the Proof.
+
+    Args:
+        ms: the new connection.
+        purpose: what this listener serves ("master", "p2p").
+        secret: see :func:`pccl.wire.hello.check_proof`.
+        channels: the P2P channels served (None: not checked).
+        listener: how refusal reasons name this side.
+
+    Returns:
+        ``(hello, None)`` when accepted (the caller answers HelloOk), else ``(None, refusal)`` (the caller
+        sends Refused).
+
+    Raises:
+        pccl.transport.StreamBroken: the connection broke.
+        RemoteProtocolError: a malformed frame.
+    """
+    msg = await ms.receive()
+    refusal = check_hello(msg, purpose=purpose, channels=channels, listener=listener)
+    if refusal is not None:
+        return None, refusal
+    assert isinstance(msg, Hello)
+    server_nonce = new_nonce()
+    await ms.send(challenge(msg, secret=secret, server_nonce=server_nonce))
+    reply = await ms.receive()
+    refusal = check_proof(reply, msg, secret=secret, server_nonce=server_nonce)
+    return (msg, None) if refusal is None else (None, refusal)
+
+
+async def offer_hello(
+    ms: MessageStream,
+    *,
+    purpose: str,
+    secret: str | None,
+    peer_id: int = -1,
+    channel: str = "",
+    index: int = 0,
+    protocol_version: int = PROTOCOL_VERSION,
+) -> HelloOk:
+    """Run the connecting side: Hello, check the listener's Challenge, Proof, read HelloOk.
+
+    Args:
+        ms: the new connection.
+        purpose: "master" or "p2p".
+        secret: this side's shared secret (None or "": none).
+        peer_id: for P2P, this peer's id.
+        channel: for P2P, the channel.
+        index: for P2P, the slot in the pool.
+        protocol_version: the version to speak (tests speak others).
+
+    Returns:
+        The listener's HelloOk.
+
+    Raises:
+        HandshakeFailed: refused (the reason says why), or the listener does not know the secret.
+        pccl.transport.StreamBroken: the connection broke.
+        RemoteProtocolError: a malformed frame.
+    """
+    hello = Hello(protocol_version=protocol_version, purpose=purpose, peer_id=peer_id, channel=channel,
+                  index=index, nonce=new_nonce())
+    await ms.send(hello)
+    reply = await ms.receive()
+    if isinstance(reply, Refused):
+        raise HandshakeFailed(reply.reason, refused=True)
+    problem = check_challenge(reply, hello, secret=secret)
+    if problem is not None:
+        raise HandshakeFailed(problem)
+    assert isinstance(reply, Challenge)
+    await ms.send(answer(reply, hello, secret=secret))
+    final = await ms.receive()
+    if isinstance(final, Refused):
+        raise HandshakeFailed(final.reason, refused=True)
+    if not isinstance(final, HelloOk):
+        raise HandshakeFailed(f"expected HelloOk, got {type(final).__name__}")
+    return final
+
+
+__all__ = ["HandshakeFailed", "accept_hello", "new_nonce", "offer_hello"]
