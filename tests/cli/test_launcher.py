@@ -58,12 +58,20 @@ def test_two_peers_all_reduce_with_prefixed_output(
 def test_first_failure_sets_the_exit_code_and_stops_the_others(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    script = _script(tmp_path, "fail.py", textwrap.dedent("""
+    ready = tmp_path / "rank0.ready"
+    # Rank 1 fails only once rank 0 is running and has said its pid (else the launcher may stop rank 0
+    # before it prints, and the test cannot check that it was stopped).
+    script = _script(tmp_path, "fail.py", textwrap.dedent(f"""
         import os, sys, time
+        ready = {str(ready)!r}
         if os.environ["PCCL_RANK"] == "1":
+            deadline = time.monotonic() + 60
+            while not os.path.exists(ready) and time.monotonic() < deadline:
+                time.sleep(0.01)
             print("giving up", flush=True)
             sys.exit(3)
         print("pid", os.getpid(), flush=True)
+        open(ready, "w").close()
         time.sleep(120)
     """))
     assert main(["run", "-n", "2", "--no-prefix", script, "--some-arg"]) == 3
