@@ -3,6 +3,7 @@ the data-sharding helpers; CUDA tensors (skipped without a GPU)."""
 
 from __future__ import annotations
 
+import copy
 import subprocess
 import sys
 import threading
@@ -63,12 +64,15 @@ def test_diloco_blocking_delayed_two_peers() -> None:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 4, generator=g)
     y = x @ torch.randn(4, 1, generator=g)
+    # The initial model is made here, once: two threads seeding and drawing from torch's one global
+    # generator at the same time would interleave their draws (and differ from the reference below).
+    torch.manual_seed(0)
+    init = nn.Linear(4, 1)
     with MasterNode("127.0.0.1:0") as master:
         master.run()
 
         def peer(i: int) -> tuple[dict[str, bytes], float]:
-            torch.manual_seed(0)
-            model = nn.Linear(4, 1)
+            model = copy.deepcopy(init)
             with DiLoCo(master.address, model, torch.optim.SGD(model.parameters(), lr=0.1), inner_steps=4,
                         delayed=True, total_outer_steps=6, min_world_size=2,
                         outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.5, momentum=0.5)) as d:
@@ -81,8 +85,7 @@ def test_diloco_blocking_delayed_two_peers() -> None:
         out = run_threads(peer, 2)
     assert out[0][0] == out[1][0]
     with torch.no_grad():
-        torch.manual_seed(0)
-        start = float(nn.functional.mse_loss(nn.Linear(4, 1)(x), y))
+        start = float(nn.functional.mse_loss(init(x), y))
     assert out[0][1] < 0.2 * start
 
 
