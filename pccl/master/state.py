@@ -110,6 +110,7 @@ class _TopologyRound:
     measure_rounds: list[list[tuple[int, int]]] = field(default_factory=list)
     measuring: set[int] = field(default_factory=set)
     establishing: bool = False
+    establish_started: float = 0.0  # ``now`` when EstablishP2P went out (the P2P setup deadline's start)
 
 
 @dataclass
@@ -464,6 +465,53 @@ class MasterState:
         """When the earliest waited-on peer would become a straggler if it stays silent."""
         return min(self._straggler_deadlines(minimum, cap).values(), default=None)
 
+    def setup_deadline(self, timeout: float) -> float | None:
+        """When the P2P setup of the topology round in progress runs out of time (None: no setup)."""
+        rnd = self._topology
+        if rnd is None or not rnd.establishing:
+            return None
+        return rnd.establish_started + timeout
+
+    def setup_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Drop the members that have not confirmed their P2P setup ``timeout`` seconds after
+        EstablishP2P went out, and re-run the setup with the rest.
+
+        Each late member (a newcomer that ignores EstablishP2P, or an accepted peer that never
+        reports) is kicked with the reason logged; the remaining members get a fresh EstablishP2P
+        for a new epoch (their neighbours changed) with a fresh deadline, so the others'
+        update_topology() / optimize_topology() completes without the late ones. Nothing happens
+        before the deadline or when no setup is in progress.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds a member has to confirm (MasterConfig.p2p_setup_timeout).
+
+        Returns:
+            The effects to execute.
+        """
+        self._now = now
+        rnd = self._topology
+        if rnd is None or not rnd.establishing or now <= rnd.establish_started + timeout:
+            return []
+        late = [p for p in rnd.members if p not in rnd.confirmed]
+        if not late:
+            return []
+        # The round is taken out first: the late members' removal must not fail it.
+        self._topology = None
+        effects: list[Effect] = []
+        code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
+        for p in late:
+            reason = f"did not finish P2P setup of epoch {rnd.epoch} within {timeout:g}s"
+            effects += self.kick(p, reason, code)
+        if self._topology is not None or not self.ring:
+            return effects  # the kicks started something else (world of one): nothing to re-run
+        members = [p for p in rnd.members if p in self.peers]
+        newcomers = rnd.newcomers & set(members)
+        retry = _TopologyRound(kind=rnd.kind, votes=set(self.ring))
+        self._topology = retry
+        effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
+        return effects + self._start_establish(retry, members, newcomers)
+
     def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
         """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""
         rec = self.peers.get(peer_id)
@@ -723,6 +771,7 @@ class MasterState:
         rnd.member_set = set(members)
         rnd.newcomers = set(newcomers)
         rnd.establishing = True
+        rnd.establish_started = self._now
         table = self.table(rnd.members)
         return [Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)) for p in rnd.members]
 
