@@ -266,6 +266,12 @@ class MasterServer:
             sd_setup = self.state.setup_deadline(setup)
             if sd_setup is not None:
                 deadline = min(deadline, sd_setup)
+            vote_timeout = self.config.vote_timeout
+            if vote_timeout is not None:
+                self._execute(self.state.vote_overdue(now, vote_timeout))
+                vd = self.state.vote_deadline(vote_timeout)
+                if vd is not None:
+                    deadline = min(deadline, vd)
             wake = now + self.config.heartbeat_interval
             if straggler is not None:
                 wake = min(wake, now + straggler / 4)

@@ -98,6 +98,7 @@ class _TopologyRound:
 
     kind: str  # "update" | "optimize"
     votes: set[int] = field(default_factory=set)
+    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
     # after the vote: P2P establishment
     epoch: int = -1
     members: list[int] = field(default_factory=list)  # ring order of the proposed set
@@ -117,6 +118,7 @@ class _TopologyRound:
 class _CollectiveOp:
     group: int
     tag: int
+    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
     votes: dict[int, m.CollectiveDescriptor] = field(default_factory=dict)
     running: bool = False
     op_seq: int = -1
@@ -129,6 +131,7 @@ class _CollectiveOp:
 @dataclass
 class _SyncRound:
     group: int
+    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
     votes: dict[int, _election.SyncVote] = field(default_factory=dict)
     running: bool = False
     seq: int = -1
@@ -204,6 +207,7 @@ class MasterState:
         self.epoch = 0
         self._topology: _TopologyRound | None = None
         self._pending_votes: set[int] = set()
+        self._pending_opened = 0.0
         self._ops: dict[tuple[int, int], _CollectiveOp] = {}
         self._op_seq = 0
         self._syncs: dict[int, _SyncRound] = {}
@@ -512,6 +516,61 @@ class MasterState:
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self._start_establish(retry, members, newcomers)
 
+    def _open_votes(self) -> list[tuple[str, float, set[int], list[int]]]:
+        """Every vote that others have joined and that still misses some accepted peers, as
+        ``(what, when its first vote came, peers that have not voted, peers that have)``."""
+        if not self.resumed:
+            return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
+        out: list[tuple[str, float, set[int], list[int]]] = []
+        ring = set(self.ring)
+        if self._pending_votes:
+            out.append(("are_peers_pending vote", self._pending_opened, ring - self._pending_votes,
+                        sorted(self._pending_votes)))
+        rnd = self._topology
+        voting = rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds
+        if rnd is not None and voting and rnd.votes:
+            out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes)))
+        for (group, tag), op in sorted(self._ops.items()):
+            if not op.running and op.votes:
+                out.append((f"collective tag {tag} (group {group}) vote", op.opened,
+                            set(self.accepted(group)) - set(op.votes), sorted(op.votes)))
+        for group, sync in sorted(self._syncs.items()):
+            if not sync.running and sync.votes:
+                out.append((f"shared-state sync vote (group {group})", sync.opened,
+                            set(self.accepted(group)) - set(sync.votes), sorted(sync.votes)))
+        return [(what, opened, missing & set(self.peers), voted)
+                for what, opened, missing, voted in out if missing & set(self.peers)]
+
+    def vote_deadline(self, timeout: float) -> float | None:
+        """When the earliest open vote (one others joined) runs out of time for its missing voters."""
+        return min((opened + timeout for _, opened, _, _ in self._open_votes()), default=None)
+
+    def vote_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Kick every accepted peer that has not voted in a vote the others of its group joined
+        more than ``timeout`` seconds ago (MasterConfig.vote_timeout).
+
+        The clock starts at the vote's first ballot, not at the peer's last message: a peer that
+        heartbeats but never votes is caught, and a peer computing between collectives is only
+        ever measured against the others that already wait for it.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds the others may wait.
+
+        Returns:
+            The effects to execute (the kicks, then whatever the votes do without the kicked peers).
+        """
+        self._now = now
+        late: dict[int, str] = {}
+        for what, opened, missing, voted in self._open_votes():
+            if now > opened + timeout:
+                for p in sorted(missing):
+                    late.setdefault(p, f"did not join the {what} within {timeout:g}s while {voted} waited")
+        effects: list[Effect] = []
+        for p, reason in late.items():
+            effects += self.kick(p, reason)
+        return effects
+
     def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
         """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""
         rec = self.peers.get(peer_id)
@@ -713,6 +772,8 @@ class MasterState:
             return bad
         if rec.peer_id in self._pending_votes:
             return self.kick(rec.peer_id, "duplicate PeersPendingVote")
+        if not self._pending_votes:
+            self._pending_opened = self._now
         self._pending_votes.add(rec.peer_id)
         return self._check_pending_vote()
 
@@ -738,7 +799,7 @@ class MasterState:
             return bad
         rnd = self._topology
         if rnd is None:
-            rnd = self._topology = _TopologyRound(kind=kind)
+            rnd = self._topology = _TopologyRound(kind=kind, opened=self._now)
         elif rnd.kind != kind:
             return self.kick(rec.peer_id, f"{kind}_topology while the others run {rnd.kind}_topology")
         if rec.peer_id in rnd.votes or rnd.epoch >= 0 or rnd.measure_rounds or rnd.measuring:
@@ -982,7 +1043,7 @@ class MasterState:
         key = (rec.group, msg.tag)
         op = self._ops.get(key)
         if op is None:
-            op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag)
+            op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
         if rec.peer_id in op.votes or rec.peer_id in op.participant_set:
             # The running op is unaffected; only this call is refused.
             return [
@@ -1137,7 +1198,7 @@ class MasterState:
             ]
         rnd = self._syncs.get(rec.group)
         if rnd is None:
-            rnd = self._syncs[rec.group] = _SyncRound(group=rec.group)
+            rnd = self._syncs[rec.group] = _SyncRound(group=rec.group, opened=self._now)
         if rec.peer_id in rnd.votes or rnd.running:
             return self.kick(rec.peer_id, "SharedStateSync while this peer's previous sync is still running")
         rnd.votes[rec.peer_id] = vote

@@ -124,3 +124,75 @@ def test_no_setup_in_progress_is_never_overdue() -> None:
     assert hs.st.setup_deadline(TIMEOUT) is None
     assert hs.st.setup_overdue(hs.now, TIMEOUT) == []
     assert hs.st.accepted() == [a, b]
+
+
+# ---------------------------------------------------------------------------------------------
+# vote deadline (MasterConfig.vote_timeout)
+
+VOTE_TIMEOUT = 60.0
+DESC = ["all_reduce", 10, 4, 0, -1, 0, 0]
+
+
+def _three_accepted(hs: Harness) -> tuple[int, int, int]:
+    a, b = _two_accepted(hs)
+    c = hs.join()
+    epoch, _ = hs.vote([a, b])
+    for p in (a, b, c):
+        hs.h(p, m.P2PConnectionsDone(epoch=epoch, success=True))
+    assert hs.st.accepted() == [a, b, c]
+    return a, b, c
+
+
+def test_peer_that_never_votes_is_kicked_and_the_collective_runs_without_it() -> None:
+    hs = Harness()
+    a, b, c = _three_accepted(hs)
+    hs.now = 100.0  # long compute before the collective does not count
+    assert hs.st.vote_deadline(VOTE_TIMEOUT) is None
+    hs.h(a, m.CollectiveInitiate(tag=3, descriptor=DESC))
+    hs.now = 101.0
+    hs.h(b, m.CollectiveInitiate(tag=3, descriptor=DESC))
+    assert hs.st.vote_deadline(VOTE_TIMEOUT) == 100.0 + VOTE_TIMEOUT  # from the first ballot
+    hs.now = 100.0 + VOTE_TIMEOUT
+    hs.h(c, m.Heartbeat())  # c is alive, just never votes
+    assert hs.st.vote_overdue(hs.now, VOTE_TIMEOUT) == []
+    hs.now += 0.01
+    eff = hs.st.vote_overdue(hs.now, VOTE_TIMEOUT)
+    kicked = [e for e in eff if isinstance(e, Kick)]
+    assert [k.peer_id for k in kicked] == [c]
+    assert "did not join the collective tag 3" in kicked[0].reason and f"{[a, b]} waited" in kicked[0].reason
+    com = sends(eff, m.CollectiveCommence)
+    assert {p for p, _ in com} == {a, b}
+    assert hs.st.accepted() == [a, b] and hs.st.vote_deadline(VOTE_TIMEOUT) is None
+
+
+def test_slow_voter_within_the_bound_is_not_kicked() -> None:
+    hs = Harness()
+    a, b, c = _three_accepted(hs)
+    for p in (a, b):
+        hs.h(p, m.CollectiveInitiate(tag=3, descriptor=DESC))
+    hs.now = VOTE_TIMEOUT - 1
+    assert hs.st.vote_overdue(hs.now, VOTE_TIMEOUT) == []
+    eff = hs.h(c, m.CollectiveInitiate(tag=3, descriptor=DESC))
+    assert {p for p, _ in sends(eff, m.CollectiveCommence)} == {a, b, c}
+    hs.now = 10 * VOTE_TIMEOUT
+    assert hs.st.vote_overdue(hs.now, VOTE_TIMEOUT) == [] and hs.st.accepted() == [a, b, c]
+
+
+def test_vote_deadline_covers_topology_and_pending_votes() -> None:
+    hs = Harness()
+    a, b, c = _three_accepted(hs)
+    hs.h(a, m.UpdateTopologyVote())
+    hs.h(b, m.UpdateTopologyVote())
+    hs.now = VOTE_TIMEOUT + 1
+    eff = hs.st.vote_overdue(hs.now, VOTE_TIMEOUT)
+    assert [e.peer_id for e in eff if isinstance(e, Kick)] == [c]
+    est = sends(eff, m.EstablishP2P)  # the vote completes with a and b
+    assert {p for p, _ in est} == {a, b}
+    for p in (a, b):
+        hs.h(p, m.P2PConnectionsDone(epoch=est[0][1].epoch, success=True))
+    hs.h(a, m.PeersPendingVote())
+    hs.now = 3 * VOTE_TIMEOUT
+    eff = hs.st.vote_overdue(hs.now, VOTE_TIMEOUT)
+    assert [e.peer_id for e in eff if isinstance(e, Kick)] == [b]
+    assert [(p, r.pending) for p, r in sends(eff, m.PeersPendingResult)] == [(a, False)]
+    assert hs.st.accepted() == [a]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -15,7 +16,7 @@ from pccl.peer.communicator import Communicator
 from pccl.peer.state import Establish
 from pccl.testing import VirtualNetwork, open_test_cluster
 
-from ._helpers import exact_all_reduces, hostile
+from ._helpers import COUNT, contribution, exact_all_reduces, expected, hostile
 
 SETUP_TIMEOUT = 4.0
 PEER_CFG = PeerConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0)
@@ -64,3 +65,34 @@ async def test_newcomer_ignoring_establish_is_dropped_and_update_succeeds(
         assert "did not finish P2P setup" in caplog.text
         assert len(cl.master.state.accepted()) == 2
         await exact_all_reduces(cl)
+
+
+VOTE_TIMEOUT = 5.0
+
+
+async def test_member_that_never_votes_is_evicted_within_the_vote_timeout(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Peer 2 is accepted, heartbeats, and never joins the all-reduce the others wait in."""
+    caplog.set_level(logging.INFO, logger="pccl")
+    cfg = MasterConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0, vote_timeout=VOTE_TIMEOUT)
+    async with open_test_cluster(
+        3, network=VirtualNetwork(latency=0.0005), config=PEER_CFG, master_config=cfg
+    ) as cl:
+        await exact_all_reduces(cl)
+        ids = [cl.peer(i).peer_id for i in (0, 1)]
+        idle = cl.peer(2).peer_id
+        t0 = trio.current_time()
+
+        async def one(i: int, comm: Communicator) -> tuple[bytes, int]:
+            out = np.zeros(COUNT, np.int64)
+            info = await comm.all_reduce(contribution(comm.peer_id), out, tag=100)
+            return out.tobytes(), info.local_world_size
+
+        with trio.fail_after(VOTE_TIMEOUT + 2.0):
+            results = await cl.run_all(one, indexes=[0, 1])
+        stall = trio.current_time() - t0
+        assert results == [(expected(ids), 2)] * 2  # exact, without the idle peer
+        assert VOTE_TIMEOUT <= stall <= VOTE_TIMEOUT + 1.0  # bounded by the configured deadline
+        assert f"peer {idle} kicked: did not join the collective tag 100" in caplog.text
+        assert idle not in cl.master.state.peers
