@@ -30,6 +30,21 @@ class MasterConfig:
             about one straggler timeout each instead of one heartbeat timeout each. Peers whose
             event loop is blocked for longer than this (synchronous compute inside a trio task)
             are evicted when the others wait for them: keep it well above such pauses.
+        p2p_setup_timeout: seconds the members of a topology round have to confirm their P2P setup
+            after the master sends EstablishP2P. A member still silent about it then (a newcomer
+            that ignores EstablishP2P, an accepted peer that never reports) is kicked with the reason
+            logged, and the setup is re-run with the others, whose update_topology() then succeeds
+            without it. Keep it above PeerConfig.p2p_connection_timeout (10 s by default): an honest
+            peer whose connect hangs reports the failure within that time. Default 15 s.
+        vote_timeout: an accepted peer that has not joined a vote (collective, shared-state sync,
+            topology, are_peers_pending) this many seconds after the first peer of its group voted
+            is kicked with the reason logged, and the vote goes on without it. It catches a member
+            that heartbeats but never votes, which the heartbeat and straggler rules (both about
+            silence) never evict. The clock runs only while others already wait for the peer, so
+            compute between collectives does not count, only how far one peer lags behind the
+            others' vote; the default (1800 s) is far above any lag of a slow trainer in normal
+            use (one rank evaluating or checkpointing while the rest wait included). ``None``
+            disables it.
         deadlock_grace: when every accepted peer of a group waits in a call that can never complete
             (different calls, or the same call with different tags), the master fails those calls
             with an error naming each peer's call once the situation has lasted this many seconds
@@ -47,6 +62,8 @@ class MasterConfig:
     send_queue_size: int = 1024
     secret: str | None = None
     straggler_timeout: float | None = None
+    p2p_setup_timeout: float = 15.0
+    vote_timeout: float | None = 1800.0
     deadlock_grace: float | None = 1.0
     status_port: int | None = None
     status_host: str | None = None
@@ -54,6 +71,10 @@ class MasterConfig:
     def __post_init__(self) -> None:
         if self.deadlock_grace is not None and self.deadlock_grace < 0:
             raise ValueError(f"deadlock_grace ({self.deadlock_grace}) must be >= 0 or None")
+        if self.vote_timeout is not None and self.vote_timeout <= 0:
+            raise ValueError(f"vote_timeout ({self.vote_timeout}) must be > 0 or None")
+        if self.p2p_setup_timeout <= 0:
+            raise ValueError(f"p2p_setup_timeout ({self.p2p_setup_timeout}) must be > 0")
         if self.status_port is not None and not 0 <= self.status_port < 65536:
             raise ValueError(f"status_port {self.status_port} is out of range (0-65535)")
         if self.heartbeat_interval <= 0 or self.heartbeat_timeout <= self.heartbeat_interval:

@@ -231,7 +231,8 @@ class MasterServer:
 
     async def _monitor(self) -> None:
         """Evict peers that stayed silent past the heartbeat timeout (and, when
-        ``straggler_timeout`` is set, hung peers that the others are waiting for).
+        ``straggler_timeout`` is set, hung peers that the others are waiting for), and members of
+        a topology round that did not confirm their P2P setup within ``p2p_setup_timeout``.
 
         Sleeps until the earliest deadline (not a fixed tick), so a hung peer is evicted within a
         millisecond of its timeout: the survivors' recovery time is the timeout, not timeout + tick.
@@ -258,8 +259,19 @@ class MasterServer:
                     # A hung peer will not read a goodbye: close at once.
                     conn.closing = True
                     conn.scope.cancel()
+            setup = self.config.p2p_setup_timeout
+            self._execute(self.state.setup_overdue(now, setup))
             seen = [p.last_seen for p in self.state.peers.values()]
             deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
+            sd_setup = self.state.setup_deadline(setup)
+            if sd_setup is not None:
+                deadline = min(deadline, sd_setup)
+            vote_timeout = self.config.vote_timeout
+            if vote_timeout is not None:
+                self._execute(self.state.vote_overdue(now, vote_timeout))
+                vd = self.state.vote_deadline(vote_timeout)
+                if vd is not None:
+                    deadline = min(deadline, vd)
             wake = now + self.config.heartbeat_interval
             if straggler is not None:
                 wake = min(wake, now + straggler / 4)

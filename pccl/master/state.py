@@ -98,6 +98,7 @@ class _TopologyRound:
 
     kind: str  # "update" | "optimize"
     votes: set[int] = field(default_factory=set)
+    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
     # after the vote: P2P establishment
     epoch: int = -1
     members: list[int] = field(default_factory=list)  # ring order of the proposed set
@@ -110,12 +111,14 @@ class _TopologyRound:
     measure_rounds: list[list[tuple[int, int]]] = field(default_factory=list)
     measuring: set[int] = field(default_factory=set)
     establishing: bool = False
+    establish_started: float = 0.0  # ``now`` when EstablishP2P went out (the P2P setup deadline's start)
 
 
 @dataclass
 class _CollectiveOp:
     group: int
     tag: int
+    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
     votes: dict[int, m.CollectiveDescriptor] = field(default_factory=dict)
     running: bool = False
     op_seq: int = -1
@@ -128,6 +131,7 @@ class _CollectiveOp:
 @dataclass
 class _SyncRound:
     group: int
+    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
     votes: dict[int, _election.SyncVote] = field(default_factory=dict)
     running: bool = False
     seq: int = -1
@@ -203,6 +207,7 @@ class MasterState:
         self.epoch = 0
         self._topology: _TopologyRound | None = None
         self._pending_votes: set[int] = set()
+        self._pending_opened = 0.0
         self._ops: dict[tuple[int, int], _CollectiveOp] = {}
         self._op_seq = 0
         self._syncs: dict[int, _SyncRound] = {}
@@ -464,6 +469,108 @@ class MasterState:
         """When the earliest waited-on peer would become a straggler if it stays silent."""
         return min(self._straggler_deadlines(minimum, cap).values(), default=None)
 
+    def setup_deadline(self, timeout: float) -> float | None:
+        """When the P2P setup of the topology round in progress runs out of time (None: no setup)."""
+        rnd = self._topology
+        if rnd is None or not rnd.establishing:
+            return None
+        return rnd.establish_started + timeout
+
+    def setup_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Drop the members that have not confirmed their P2P setup ``timeout`` seconds after
+        EstablishP2P went out, and re-run the setup with the rest.
+
+        Each late member (a newcomer that ignores EstablishP2P, or an accepted peer that never
+        reports) is kicked with the reason logged; the remaining members get a fresh EstablishP2P
+        for a new epoch (their neighbours changed) with a fresh deadline, so the others'
+        update_topology() / optimize_topology() completes without the late ones. Nothing happens
+        before the deadline or when no setup is in progress.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds a member has to confirm (MasterConfig.p2p_setup_timeout).
+
+        Returns:
+            The effects to execute.
+        """
+        self._now = now
+        rnd = self._topology
+        if rnd is None or not rnd.establishing or now <= rnd.establish_started + timeout:
+            return []
+        late = [p for p in rnd.members if p not in rnd.confirmed]
+        if not late:
+            return []
+        # The round is taken out first: the late members' removal must not fail it.
+        self._topology = None
+        effects: list[Effect] = []
+        code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
+        for p in late:
+            reason = f"did not finish P2P setup of epoch {rnd.epoch} within {timeout:g}s"
+            effects += self.kick(p, reason, code)
+        if self._topology is not None or not self.ring:
+            return effects  # the kicks started something else (world of one): nothing to re-run
+        members = [p for p in rnd.members if p in self.peers]
+        newcomers = rnd.newcomers & set(members)
+        retry = _TopologyRound(kind=rnd.kind, votes=set(self.ring))
+        self._topology = retry
+        effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
+        return effects + self._start_establish(retry, members, newcomers)
+
+    def _open_votes(self) -> list[tuple[str, float, set[int], list[int]]]:
+        """Every vote that others have joined and that still misses some accepted peers, as
+        ``(what, when its first vote came, peers that have not voted, peers that have)``."""
+        if not self.resumed:
+            return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
+        out: list[tuple[str, float, set[int], list[int]]] = []
+        ring = set(self.ring)
+        if self._pending_votes:
+            out.append(("are_peers_pending vote", self._pending_opened, ring - self._pending_votes,
+                        sorted(self._pending_votes)))
+        rnd = self._topology
+        voting = rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds
+        if rnd is not None and voting and rnd.votes:
+            out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes)))
+        for (group, tag), op in sorted(self._ops.items()):
+            if not op.running and op.votes:
+                out.append((f"collective tag {tag} (group {group}) vote", op.opened,
+                            set(self.accepted(group)) - set(op.votes), sorted(op.votes)))
+        for group, sync in sorted(self._syncs.items()):
+            if not sync.running and sync.votes:
+                out.append((f"shared-state sync vote (group {group})", sync.opened,
+                            set(self.accepted(group)) - set(sync.votes), sorted(sync.votes)))
+        return [(what, opened, missing & set(self.peers), voted)
+                for what, opened, missing, voted in out if missing & set(self.peers)]
+
+    def vote_deadline(self, timeout: float) -> float | None:
+        """When the earliest open vote (one others joined) runs out of time for its missing voters."""
+        return min((opened + timeout for _, opened, _, _ in self._open_votes()), default=None)
+
+    def vote_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Kick every accepted peer that has not voted in a vote the others of its group joined
+        more than ``timeout`` seconds ago (MasterConfig.vote_timeout).
+
+        The clock starts at the vote's first ballot, not at the peer's last message: a peer that
+        heartbeats but never votes is caught, and a peer computing between collectives is only
+        ever measured against the others that already wait for it.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds the others may wait.
+
+        Returns:
+            The effects to execute (the kicks, then whatever the votes do without the kicked peers).
+        """
+        self._now = now
+        late: dict[int, str] = {}
+        for what, opened, missing, voted in self._open_votes():
+            if now > opened + timeout:
+                for p in sorted(missing):
+                    late.setdefault(p, f"did not join the {what} within {timeout:g}s while {voted} waited")
+        effects: list[Effect] = []
+        for p, reason in late.items():
+            effects += self.kick(p, reason)
+        return effects
+
     def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
         """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""
         rec = self.peers.get(peer_id)
@@ -665,6 +772,8 @@ class MasterState:
             return bad
         if rec.peer_id in self._pending_votes:
             return self.kick(rec.peer_id, "duplicate PeersPendingVote")
+        if not self._pending_votes:
+            self._pending_opened = self._now
         self._pending_votes.add(rec.peer_id)
         return self._check_pending_vote()
 
@@ -690,7 +799,7 @@ class MasterState:
             return bad
         rnd = self._topology
         if rnd is None:
-            rnd = self._topology = _TopologyRound(kind=kind)
+            rnd = self._topology = _TopologyRound(kind=kind, opened=self._now)
         elif rnd.kind != kind:
             return self.kick(rec.peer_id, f"{kind}_topology while the others run {rnd.kind}_topology")
         if rec.peer_id in rnd.votes or rnd.epoch >= 0 or rnd.measure_rounds or rnd.measuring:
@@ -723,6 +832,7 @@ class MasterState:
         rnd.member_set = set(members)
         rnd.newcomers = set(newcomers)
         rnd.establishing = True
+        rnd.establish_started = self._now
         table = self.table(rnd.members)
         return [Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)) for p in rnd.members]
 
@@ -933,7 +1043,7 @@ class MasterState:
         key = (rec.group, msg.tag)
         op = self._ops.get(key)
         if op is None:
-            op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag)
+            op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
         if rec.peer_id in op.votes or rec.peer_id in op.participant_set:
             # The running op is unaffected; only this call is refused.
             return [
@@ -1088,7 +1198,7 @@ class MasterState:
             ]
         rnd = self._syncs.get(rec.group)
         if rnd is None:
-            rnd = self._syncs[rec.group] = _SyncRound(group=rec.group)
+            rnd = self._syncs[rec.group] = _SyncRound(group=rec.group, opened=self._now)
         if rec.peer_id in rnd.votes or rnd.running:
             return self.kick(rec.peer_id, "SharedStateSync while this peer's previous sync is still running")
         rnd.votes[rec.peer_id] = vote
