@@ -101,7 +101,8 @@ class MasterServer:
             await listener.aclose()
             raise
         self.address = listener.address
-        self.status = StatusService(self.state, f"{self.address[0]}:{self.address[1]}")
+        if http is not None:  # only the status server reads what the service observes
+            self.status = StatusService(self.state, f"{self.address[0]}:{self.address[1]}")
         self._wake_monitor = trio.Event()
         log.info("master listening on %s:%d", *self.address)
         try:

@@ -393,6 +393,21 @@ class MasterState:
                     out.setdefault(p, []).append(VoteWait("sync"))
         return out
 
+    def voting_peers(self) -> set[int]:
+        """The peers that :meth:`vote_waits` lists (``set(vote_waits())``), without building the waits:
+        the cheap test the deadlock check makes after every batch of messages."""
+        out = set(self._pending_votes)
+        rnd = self._topology
+        if rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds:
+            out |= rnd.votes
+        for op in self._ops.values():
+            if not op.running:
+                out.update(op.votes)
+        for sync in self._syncs.values():
+            if not sync.running:
+                out.update(sync.votes)
+        return out
+
     def busy_peers(self) -> set[int]:
         """Peers taking part in a running collective, sync or topology round (not just voting)."""
         out: set[int] = set()

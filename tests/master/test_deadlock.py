@@ -146,3 +146,27 @@ def test_too_few_peers_says_who_waits_to_be_accepted() -> None:
     x = hs2.join()[0]
     (_, ab2), = sends(hs2.h(x, m.CollectiveInitiate(tag=0, descriptor=AR)), m.CollectiveAbort)
     assert ab2.reason.endswith("it has 1; no peer is waiting to be accepted (start more peers)")
+
+
+def test_voting_peers_is_the_set_of_peers_vote_waits_lists() -> None:
+    # find_deadlocks looks at voting_peers() first and builds vote_waits() only when a group could be
+    # deadlocked, so the two must name the same peers in every kind of vote.
+    hs, (a, b, c) = _group_of(3)
+
+    def same() -> set[int]:
+        assert hs.st.voting_peers() == set(hs.st.vote_waits())
+        return hs.st.voting_peers()
+
+    assert same() == set()
+    hs.h(a, m.CollectiveInitiate(tag=0, descriptor=AR))
+    assert same() == {a}
+    hs.h(b, m.SharedStateSync(revision=1, strategy=0, entries=ENTRY))
+    assert same() == {a, b}
+    hs.h(c, m.UpdateTopologyVote())
+    assert same() == {a, b, c}
+    hs2, (x, y) = _group_of(2)
+    hs2.h(x, m.CollectiveInitiate(tag=0, descriptor=AR))
+    hs2.h(y, m.CollectiveInitiate(tag=0, descriptor=AR))  # running: no longer a vote
+    assert hs2.st.voting_peers() == set(hs2.st.vote_waits()) == set()
+    hs2.h(x, m.PeersPendingVote())
+    assert hs2.st.voting_peers() == set(hs2.st.vote_waits()) == {x}
