@@ -105,6 +105,25 @@ def child_main(cfg: dict[str, Any]) -> int:
 # driver
 
 
+async def _peers_ready(cluster: Any, world: int) -> dict[str, int]:
+    """Wait until ``world`` peers said "ready"; their peer ids by process name."""
+    ids: dict[str, int] = {}
+    while len(ids) < world:
+        ch, msg = await cluster.wait_for(lambda ch, m: m.get("event") == "ready", 60, "peers ready")
+        ids[ch.name] = int(msg["peer"])
+    return ids
+
+
+async def _count_ok(cluster: Any, seconds: float) -> int:
+    """Successful calls the peers report within ``seconds``."""
+    ok = 0
+    with trio.move_on_after(seconds):
+        while True:
+            _, msg = await cluster.next_event()
+            ok += msg.get("event") == "ok"
+    return ok
+
+
 async def master_trial(args: argparse.Namespace) -> dict[str, float]:
     """SIGKILL the master while 3 peers loop all-reduces, start a fresh one on the same port after
     ``--restart-delay`` s; time from the new master listening to every peer's next success."""
@@ -117,15 +136,8 @@ async def master_trial(args: argparse.Namespace) -> dict[str, float]:
                "reconnect_window": args.reconnect_window}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
-        ids: dict[str, int] = {}
-        while len(ids) < world:
-            ch, msg = await cluster.wait_for(lambda ch, m: m.get("event") == "ready", 60, "peers ready")
-            ids[ch.name] = int(msg["peer"])
-        steady = 0
-        with trio.move_on_after(args.steady):
-            while True:
-                _, msg = await cluster.next_event()
-                steady += msg.get("event") == "ok"
+        ids = await _peers_ready(cluster, world)
+        steady = await _count_ok(cluster, args.steady)
         assert master.proc.returncode is None
         t_fault = time.monotonic()
         master.proc.kill()
@@ -163,16 +175,8 @@ async def trial(kind: str, args: argparse.Namespace) -> dict[str, float]:
         master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra)
         cfg = {"master": master.address, "world": world, "size": args.size, "retry": args.retry}
         peers = [await cluster.spawn(f"peer{i}", c.script_argv(script, cfg)) for i in range(world)]
-        ids: dict[str, int] = {}
-        while len(ids) < world:
-            ch, msg = await cluster.wait_for(lambda ch, m: m.get("event") == "ready", 60, "peers ready")
-            ids[ch.name] = int(msg["peer"])
-        # Steady state first: count successful calls for a moment.
-        steady = 0
-        with trio.move_on_after(args.steady):
-            while True:
-                _, msg = await cluster.next_event()
-                steady += msg.get("event") == "ok"
+        ids = await _peers_ready(cluster, world)
+        steady = await _count_ok(cluster, args.steady)  # steady state first
         victim = peers[-1]
         t_fault = victim.kill() if kind == "SIGKILL" else victim.stop()
         survivors = {ids[p.name] for p in peers if p is not victim}
