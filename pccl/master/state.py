@@ -19,6 +19,7 @@ Vote rules (docs/protocol.md sections 2-6):
 from __future__ import annotations
 
 import enum
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 
 from .._errors import Result
 from ..wire import messages as m
+from ..wire.credentials import CredentialIssuer
 from . import election as _election
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 
@@ -188,6 +190,8 @@ class MasterState:
         clock: the time source the default solver's budget is measured with (the server passes
             ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
             step and stall limits, deterministically.
+        credential_root: the random key every P2P credential of this master is derived from
+            (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
     """
 
     def __init__(
@@ -197,6 +201,7 @@ class MasterState:
         bandwidth_stale_after: float = 3600.0,
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
+        credential_root: bytes | None = None,
     ) -> None:
         self.peers: dict[int, PeerRecord] = {}
         self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
@@ -229,6 +234,15 @@ class MasterState:
         # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
         self.generation = 1
         self.rebuild: _Rebuild | None = None
+        # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
+        # before the epoch's EstablishP2P / Accepted, and after Reregistered.
+        self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
+
+    def credentials(self, peer_id: int, members: list[int], epoch: int | None = None) -> Send:
+        """Send ``peer_id`` its P2P credentials of ``epoch`` (default: the current one) for ``members``."""
+        msg = self._issuer.issue(peer_id, members, generation=self.generation,
+                                 epoch=self.epoch if epoch is None else epoch)
+        return Send(peer_id, msg)
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -705,6 +719,7 @@ class MasterState:
                                           f"the peer's (generation {msg.generation})",
                              Result.MASTER_CONNECTION_FAILED)
         effects: list[Effect] = []
+        reissue = False  # the rebuild moved to a newer epoch: the members already back need new credentials
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
@@ -718,6 +733,7 @@ class MasterState:
             if msg.epoch > rb.epoch:
                 rb.epoch = self.epoch = msg.epoch
                 rb.expected = list(msg.ring)
+                reissue = True
             elif msg.epoch < rb.epoch:
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.MASTER_CONNECTION_FAILED)
@@ -734,12 +750,16 @@ class MasterState:
             self._loopback = _is_loopback(rec.host)
         order = {p: i for i, p in enumerate(rb.expected if rb is not None else msg.ring)}
         self.ring = sorted([*self.ring, rec.peer_id], key=lambda p: (order.get(p, len(order)), p))
-        effects += [
-            Send(rec.peer_id,
-                 m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)),
-            Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
-                  f"(group {msg.peer_group})"),
-        ]
+        back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)
+        effects.append(Send(rec.peer_id, back))
+        # After Reregistered (the peer reads that one itself): credentials of this master for every member
+        # of the run and, while rebuilding, every member expected back, so that connections between them
+        # work whoever returns first.
+        members = list(dict.fromkeys([*self.ring, *(rb.expected if rb is not None else [])]))
+        for p in (self.ring if reissue else [rec.peer_id]):
+            effects.append(self.credentials(p, members))
+        effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
+                             f"(group {msg.peer_group})"))
         if rb is not None:
             rb.returned.add(rec.peer_id)
             if rb.reached:
@@ -771,6 +791,8 @@ class MasterState:
         self.peers[pid].phase = Phase.ACCEPTED
         self.ring = [pid]
         self.epoch += 1
+        # No P2P credentials: alone, it connects to nobody and nobody connects to it; the next topology
+        # round issues them.
         return [
             Send(pid, m.Accepted(peers=self.table(self.ring), epoch=self.epoch)),
             Event(f"peer {pid} accepted (world size 1)"),
@@ -849,7 +871,12 @@ class MasterState:
         rnd.establishing = True
         rnd.establish_started = self._now
         table = self.table(rnd.members)
-        return [Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)) for p in rnd.members]
+        effects: list[Effect] = []
+        for p in rnd.members:
+            # The credentials first: the peer connects as soon as it reads EstablishP2P.
+            effects.append(self.credentials(p, rnd.members, rnd.epoch))
+            effects.append(Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)))
+        return effects
 
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PConnectionsDone)

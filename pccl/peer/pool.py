@@ -15,6 +15,12 @@ registered (the sender got the master's go-ahead first) is stashed in a pool-own
 bounded by ``PeerConfig.recv_stash_limit``, and copied over on registration. Frames of
 operations known to be finished or aborted (:meth:`P2PPool.forget_op`) are read and dropped.
 
+Binding: a frame is routed by the sender the connection's Hello named (``from_peer``), never by
+anything in the frame, so it can only fill receives registered for that sender. In a communicator the
+listener authenticates that name (the master-issued credential for that peer, the "ring" channel and the
+epoch, :mod:`pccl.peer.p2p`) before the connection reaches :meth:`P2PPool.handle_incoming`: a frame from
+peer X lands only through a connection that proved to be X's, and no other connection can take X's slot.
+
 Safety of the destination: once :meth:`P2PPool.forget_op` (or :meth:`P2PPool.disconnect`)
 returns, no reader writes into a destination of that operation again. On TCP the reader checks
 the receive's state before every ``recv_into`` syscall (trio is single-threaded, so nothing can
@@ -65,6 +71,7 @@ from ..wire.data import (
 )
 from ..wire.messages import Hello
 from ..wire.stream import MessageStream
+from .credentials import CredentialStore
 from .p2p import open_p2p
 
 log = logging.getLogger("pccl.p2p")
@@ -439,6 +446,7 @@ class P2PPool:
         secret: shared secret presented to the other peers' listeners.
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for TCP ring connections; None keeps the
             kernel's autotuning.
+        credentials: this peer's P2P credentials, presented on every connection it opens (None: none).
     """
 
     def __init__(
@@ -450,6 +458,7 @@ class P2PPool:
         config: PeerConfig,
         secret: str = "",
         socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER,
+        credentials: CredentialStore | None = None,
     ) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be >= 1")
@@ -459,6 +468,7 @@ class P2PPool:
         self.config = config
         self.secret = secret
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.credentials = credentials
         self._closed = False
         self._out: dict[int, list[_Conn | None]] = {}
         self._addr: dict[int, tuple[str, int]] = {}
@@ -539,6 +549,8 @@ class P2PPool:
                 index=index,
                 config=self.config,
                 secret=self.secret,
+                to_peer=peer_id,
+                credentials=self.credentials,
             )
         except RankConnectionFailedError as exc:
             errors.append(exc.message)
