@@ -235,14 +235,8 @@ class MasterState:
         self.generation = 1
         self.rebuild: _Rebuild | None = None
         # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
-        # before the epoch's EstablishP2P / Accepted, and after Reregistered.
+        # before the epoch's EstablishP2P, and after Reregistered.
         self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
-
-    def credentials(self, peer_id: int, members: list[int], epoch: int | None = None) -> Send:
-        """Send ``peer_id`` its P2P credentials of ``epoch`` (default: the current one) for ``members``."""
-        msg = self._issuer.issue(peer_id, members, generation=self.generation,
-                                 epoch=self.epoch if epoch is None else epoch)
-        return Send(peer_id, msg)
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -756,8 +750,9 @@ class MasterState:
         # of the run and, while rebuilding, every member expected back, so that connections between them
         # work whoever returns first.
         members = list(dict.fromkeys([*self.ring, *(rb.expected if rb is not None else [])]))
-        for p in (self.ring if reissue else [rec.peer_id]):
-            effects.append(self.credentials(p, members))
+        receivers = self.ring if reissue else [rec.peer_id]
+        issued = self._issuer.issue_all(receivers, members, generation=self.generation, epoch=self.epoch)
+        effects += [Send(p, creds) for p, creds in issued.items()]
         effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                              f"(group {msg.peer_group})"))
         if rb is not None:
@@ -871,10 +866,11 @@ class MasterState:
         rnd.establishing = True
         rnd.establish_started = self._now
         table = self.table(rnd.members)
+        creds = self._issuer.issue_all(rnd.members, rnd.members, generation=self.generation, epoch=rnd.epoch)
         effects: list[Effect] = []
         for p in rnd.members:
             # The credentials first: the peer connects as soon as it reads EstablishP2P.
-            effects.append(self.credentials(p, rnd.members, rnd.epoch))
+            effects.append(Send(p, creds[p]))
             effects.append(Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)))
         return effects
 

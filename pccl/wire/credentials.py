@@ -23,16 +23,27 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from .hello import HelloProblem, HelloRefusal
 from .messages import CredentialRow, Hello, P2PCredentials
 
 KEY_BYTES = 32
+_PERSON = b"pccl-p2p-cred"
+
+
+def _msg(*parts: bytes) -> bytes:
+    return b"".join(len(p).to_bytes(2, "big") + p for p in parts)
+
+
+def _keyed(key: bytes) -> hashlib.blake2b:
+    return hashlib.blake2b(key=key, digest_size=KEY_BYTES, person=_PERSON)
 
 
 def _prf(key: bytes, *parts: bytes) -> bytes:
-    msg = b"".join(len(p).to_bytes(2, "big") + p for p in parts)
-    return hashlib.blake2b(msg, key=key, digest_size=KEY_BYTES, person=b"pccl-p2p-cred").digest()
+    h = _keyed(key)
+    h.update(_msg(*parts))
+    return h.digest()
 
 
 def _int(v: int) -> bytes:
@@ -49,9 +60,15 @@ def listen_key(epoch_key_: bytes, peer_id: int) -> bytes:
     return _prf(epoch_key_, b"listen", _int(peer_id))
 
 
+def _dial_msg(from_peer: int) -> bytes:
+    return _msg(b"dial", _int(from_peer))
+
+
 def dial_key(listen_key_: bytes, from_peer: int) -> bytes:
     """``from_peer``'s dial key for the listener whose listen key is ``listen_key_``."""
-    return _prf(listen_key_, b"dial", _int(from_peer))
+    h = _keyed(listen_key_)
+    h.update(_dial_msg(from_peer))
+    return h.digest()
 
 
 def channel_credential(dial_key_: bytes, channel: str) -> bytes:
@@ -65,8 +82,8 @@ class CredentialIssuer:
     Args:
         root: the master's random key (at least 16 bytes), drawn once per master process.
 
-    The listen keys of the latest epoch are cached: issuing a set to every one of ``n`` members costs
-    ``n`` listen keys once and ``n - 1`` dial keys per member.
+    The listen keys of the latest epoch are cached (as keyed hash states, copied per dial key): issuing
+    a set to every one of ``n`` members costs ``n`` listen keys once and ``n - 1`` dial keys per member.
     """
 
     def __init__(self, root: bytes) -> None:
@@ -75,17 +92,18 @@ class CredentialIssuer:
         self._root = root
         self._serial: tuple[int, int] | None = None
         self._epoch_key = b""
-        self._listen: dict[int, bytes] = {}
+        self._listen: dict[int, tuple[bytes, Any]] = {}  # peer -> (listen key, its keyed hash state)
 
-    def _listen_key(self, generation: int, epoch: int, peer_id: int) -> bytes:
+    def _listen_key(self, generation: int, epoch: int, peer_id: int) -> tuple[bytes, Any]:
         if self._serial != (generation, epoch):
             self._serial = (generation, epoch)
             self._epoch_key = epoch_key(self._root, generation, epoch)
             self._listen = {}
-        k = self._listen.get(peer_id)
-        if k is None:
-            k = self._listen[peer_id] = listen_key(self._epoch_key, peer_id)
-        return k
+        got = self._listen.get(peer_id)
+        if got is None:
+            k = listen_key(self._epoch_key, peer_id)
+            got = self._listen[peer_id] = (k, _keyed(k))
+        return got
 
     def issue(self, peer_id: int, members: Iterable[int], *, generation: int, epoch: int) -> P2PCredentials:
         """The set of ``peer_id`` for ``epoch``: its listen key and a dial key for every other member.
@@ -96,13 +114,25 @@ class CredentialIssuer:
             generation: the master's generation.
             epoch: the epoch.
         """
-        own = self._listen_key(generation, epoch, peer_id)
-        rows = [
-            CredentialRow(j, dial_key(self._listen_key(generation, epoch, j), peer_id))
-            for j in dict.fromkeys(members)
-            if j != peer_id
-        ]
-        return P2PCredentials(peer_id=peer_id, generation=generation, epoch=epoch, key=own, dial=rows)
+        return self.issue_all([peer_id], members, generation=generation, epoch=epoch)[peer_id]
+
+    def issue_all(
+        self, receivers: Iterable[int], members: Iterable[int], *, generation: int, epoch: int
+    ) -> dict[int, P2PCredentials]:
+        """:meth:`issue` for each of ``receivers`` (the listen-key states looked up once)."""
+        states = [(j, self._listen_key(generation, epoch, j)[1]) for j in dict.fromkeys(members)]
+        out: dict[int, P2PCredentials] = {}
+        for i in receivers:
+            data = _dial_msg(i)
+            rows = []
+            for j, state in states:
+                if j != i:
+                    h = state.copy()  # = dial_key(k_j, i), without re-keying
+                    h.update(data)
+                    rows.append(CredentialRow(j, h.digest()))
+            own = self._listen_key(generation, epoch, i)[0]
+            out[i] = P2PCredentials(peer_id=i, generation=generation, epoch=epoch, key=own, dial=rows)
+        return out
 
 
 @dataclass(frozen=True)
