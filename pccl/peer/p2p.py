@@ -224,9 +224,10 @@ async def open_p2p(
         cred = credentials.for_dial(to_peer, channel)
         if cred is None:
             await trio.lowlevel.checkpoint()
+            cur = credentials.current
+            held = "none yet" if cur is None else f"epoch {cur.epoch} of generation {cur.generation}"
             raise RankConnectionFailedError(
-                f"no P2P credential for {where}: the master issued none for it in this peer's epoch "
-                f"({credentials.current!r})"
+                f"no P2P credential for {where}: the master issued none for it in this peer's set ({held})"
             )
         cred_args = {"credential": cred.key, "generation": cred.generation, "epoch": cred.epoch}
     try:
