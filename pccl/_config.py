@@ -89,6 +89,13 @@ class MasterConfig:
             )
 
 
+#: Default ``PeerConfig.recv_stash_limit``: 16 frames of the default 4 MiB ring block. Frames only
+#: arrive early by the skew between two peers' starts of one operation (registration follows the
+#: master's go-ahead at once), and a frame that does not fit waits for its receive instead of
+#: failing, so the stash only saves the sender a wait; see docs/security.md "Early data frames".
+DEFAULT_RECV_STASH_LIMIT = 64 << 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     """Peer (communicator) tunables.
@@ -101,10 +108,17 @@ class PeerConfig:
         p2p_listen_host: address the P2P listener binds.
         p2p_listen_port: 0 lets the OS choose.
         max_frame_size: largest control frame accepted.
-        recv_stash_limit: bytes of not-yet-claimed data a P2P reader may buffer.
+        recv_stash_limit: bytes of ring data frames that arrived before their receive was
+            registered which the P2P pool may hold (all incoming connections together; default
+            64 MiB, 16 frames of the default 4 MiB block). When a frame does not fit, its
+            connection is not read (TCP flow control holds the sender back) until its receive is
+            registered, its operation ends or room frees; a connection blocked so for
+            ``p2p_stall_timeout`` is closed with a logged reason. 0: never stash, every early frame
+            waits for its receive (see ``pccl/peer/pool.py`` and docs/security.md).
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
+            Also the bound on how long a P2P reader waits for stash room (see ``recv_stash_limit``).
         secret: optional shared secret presented to the master and to other peers (None: from
             ``$PCCL_SECRET_FILE`` / ``$PCCL_SECRET`` when set).
         accept_timeout: give up connecting when the master has not accepted this peer within this
@@ -125,8 +139,14 @@ class PeerConfig:
     p2p_listen_host: str = "0.0.0.0"
     p2p_listen_port: int = 0
     max_frame_size: int = 16 * 1024 * 1024
-    recv_stash_limit: int = 1 << 30
+    recv_stash_limit: int = DEFAULT_RECV_STASH_LIMIT
     p2p_stall_timeout: float = 30.0
     secret: str | None = None
     accept_timeout: float | None = None
     reconnect_window: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.recv_stash_limit < 0:
+            raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
+        if not self.p2p_stall_timeout > 0:
+            raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")
