@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from pccl import Result
+from pccl.master.deadlock import DeadlockWatch, find_deadlocks
 from pccl.master.state import Kick, MasterState, Send
 from pccl.wire import messages as m
 
@@ -236,3 +237,18 @@ def test_standbys_from_one_peer_turns_the_rule_on_for_the_run() -> None:
     st.handle(ids[2], m.Standbys(count=2), 2.0)  # the survivor can fail over: 1 of 3 is held now
     assert st.enforced and st.statistics()["held"] and st.hold_deadline(5.0) == 7.0
     assert not sends(all_reduce(st, [ids[2]], now=2.0))
+
+
+def test_a_held_master_declares_no_deadlock_its_votes_wait_for_members() -> None:
+    """Regression: every member a held master holds voting the same call is not a deadlock (the
+    deadlock check assumed that a vote all members joined would have completed)."""
+    rebuilding = MasterState()
+    rereg(rebuilding, 1, epoch=7, ring=[1, 2, 3, 4, 5])
+    rereg(rebuilding, 2, epoch=7, ring=[1, 2, 3, 4, 5])  # 2 of 5 back: still rebuilding
+    live, ids = run(5)
+    for p in ids[:3]:
+        live.peer_lost(p, "evicted: silent", now=1.0)
+    for st, voters in ((rebuilding, [1, 2]), (live, ids[3:])):
+        assert not sends(all_reduce(st, voters, now=1.0))
+        assert find_deadlocks(st) == []
+        assert DeadlockWatch(0.0).check(st, 100.0) == []
