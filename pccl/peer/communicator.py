@@ -455,7 +455,7 @@ class Communicator:
             return exc
         try:
             with trio.fail_after(self.config.connect_timeout):
-                await ms.send(self._core.reregister(self.p2p_address[1]))
+                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0))
                 reply = await ms.receive()
                 while isinstance(reply, m.Heartbeat):
                     reply = await ms.receive()

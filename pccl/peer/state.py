@@ -334,14 +334,23 @@ class PeerState:
         """True between the master's loss and the reconnection (or the window's end)."""
         return self.reconnecting_until is not None
 
-    def reregister(self, p2p_port: int) -> m.Reregister:
-        """What this peer tells a master it reconnects to: everything the master needs to rebuild."""
+    def reregister(self, p2p_port: int, *, epoch_members: bool = True) -> m.Reregister:
+        """What this peer tells a master it reconnects to: everything the master needs to rebuild.
+
+        Args:
+            p2p_port: this peer's P2P listener port.
+            epoch_members: report the epoch's members as the master established them (a peer that
+                can fail over to a standby: both masters must count the same list); False: the
+                table as collectives reconciled it (a single-master peer: a restarted master then
+                expects only the members that took part in the last operations).
+        """
+        ring = self.members if epoch_members and self.members else [r.peer_id for r in self.table]
         return m.Reregister(
             peer_id=self.peer_id,
             p2p_port=p2p_port,
             peer_group=self.group,
             epoch=self.epoch,
-            ring=list(self.members) if self.members else [r.peer_id for r in self.table],
+            ring=list(ring),
             revision=self.revision,
             generation=self.generation,
         )

@@ -43,6 +43,7 @@ def test_reregister_reports_the_epoch_s_members_not_the_reconciled_table() -> No
     st.handle(plan, now=1.0)
     assert [r.peer_id for r in st.table] == [3, 2, 1]
     assert st.reregister(41002).ring == [3, 2, 1, 4, 5]
+    assert st.reregister(41002, epoch_members=False).ring == [3, 2, 1]  # a peer without a standby
     # a failed topology round leaves the epoch's members as they were ...
     st.handle(m.TopologyResult(success=False, epoch=6, peers=rows(3, 2, 1), reason="x", code=11), now=2.0)
     assert st.reregister(41002).ring == [3, 2, 1, 4, 5] and st.reregister(41002).epoch == 6
