@@ -53,6 +53,17 @@ class MasterConfig:
         status_port: serve the status page (``/``), ``/status`` (JSON) and ``/metrics`` (Prometheus)
             over HTTP on this port (0: the system picks one). ``None`` (default): no status server.
         status_host: address the status server binds; ``None``: the master's own bind address.
+        quorum: when a *live* master needs a majority of its epoch's members to complete votes
+            (docs/concepts.md "Surviving the master", "No split brain"): ``"auto"`` (default) as soon
+            as a peer of the run tells this master that it can fail over to another master address
+            (it has a reconnect window and a standby address), ``"on"`` always, ``"off"`` never (a
+            single-master run that must go on after losing most of its peers at once). A master
+            rebuilding from re-registrations needs that majority in every mode.
+        quorum_hold_timeout: seconds a master without its quorum (rebuilding, or live and short of
+            the majority) holds its votes for members to come back; then it closes every
+            connection with ``MASTER_CONNECTION_FAILED`` ("look for a newer master"), so its peers
+            fail over through their address lists, and it refuses the run's members from then on.
+            ``None``: hold forever. Default 30 s.
     """
 
     heartbeat_interval: float = 0.5
@@ -67,8 +78,14 @@ class MasterConfig:
     deadlock_grace: float | None = 1.0
     status_port: int | None = None
     status_host: str | None = None
+    quorum: str = "auto"
+    quorum_hold_timeout: float | None = 30.0
 
     def __post_init__(self) -> None:
+        if self.quorum not in ("auto", "on", "off"):
+            raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")
+        if self.quorum_hold_timeout is not None and self.quorum_hold_timeout <= 0:
+            raise ValueError(f"quorum_hold_timeout ({self.quorum_hold_timeout}) must be > 0 or None")
         if self.deadlock_grace is not None and self.deadlock_grace < 0:
             raise ValueError(f"deadlock_grace ({self.deadlock_grace}) must be >= 0 or None")
         if self.vote_timeout is not None and self.vote_timeout <= 0:
