@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MASTER_PORT = 48148
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -74,6 +74,7 @@ from .state import (
     Call,
     Effect,
     Establish,
+    Forget,
     Lost,
     Measure,
     PeerState,
@@ -158,7 +159,7 @@ class Communicator:
         # -> master's complete) and "commit" (result into the caller's buffer).
         self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
-        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
+        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress, arm=self._pool_received)
         self.pool: Any = None
 
     # ------------------------------------------------------------------------------------------
@@ -593,6 +594,11 @@ class Communicator:
         elif isinstance(effect, Measure):
             assert self._nursery is not None
             self._nursery.start_soon(self._measure, effect.request)
+        elif isinstance(effect, Forget):
+            if self.pool is not None:
+                for op_seq in effect.op_seqs:
+                    if 0 <= op_seq < 2**32:
+                        self.pool.forget_op(op_seq)
 
     def _resolve(self, effect: Resolve) -> None:
         msg, call = effect.message, effect.call
@@ -803,11 +809,19 @@ class Communicator:
         self._ops[tag] = st
         work: np.ndarray | None = None
         try:
-            await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
-            commence = await st.commence.wait()
+            # The speculative start (docs/protocol.md section 4): with the op_seq the last confirmation
+            # of this tag reserved, the data plane starts right after the vote, on the current ring, and
+            # the master's one answer (Complete or Abort) settles it.
+            proposal = self._core.speculate(tag)
+            st.op_seq = proposal
+            await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor, op_seq=proposal))
+            if proposal >= 0:
+                rows = self._core.group_rows()
+            else:
+                commence = await st.commence.wait()
+                st.op_seq = commence.op_seq
+                rows = commence.peers
             t_commence = time.perf_counter()
-            st.op_seq = commence.op_seq
-            rows = commence.peers
             ring = [r.peer_id for r in rows]
             self._core.reconcile_group(rows)
             problem = self._core.commence_problem(descriptor, rdesc.count, ring)
@@ -834,8 +848,11 @@ class Communicator:
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
+                    # A speculative data plane may wait for peers that have not voted yet: its stall
+                    # clock starts once data arrives (the master's vote timeout bounds the wait before).
                     tx, rx = await self._stall.guarded(
-                        functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q)
+                        functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q),
+                        armed=proposal < 0,
                     )
                     ok = True
                 except PCCLError as exc:
@@ -847,7 +864,7 @@ class Communicator:
                 await self._report_failure(st, reason)
                 raise RankConnectionLostError(reason)
             t_ring = time.perf_counter()
-            await self._send(m.CollectiveDone(tag=tag, success=True))
+            await self._send(m.CollectiveDone(tag=tag, success=True, op_seq=st.op_seq))
             await st.complete.wait()
             t_complete = time.perf_counter()
             st.concluded = True
@@ -884,7 +901,7 @@ class Communicator:
     async def _report_failure(self, st: _OpState, reason: str) -> None:
         st.concluded = True
         try:
-            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason))
+            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq))
         except PCCLError:
             pass
 
@@ -892,6 +909,10 @@ class Communicator:
         """The pool's byte counters: what the stall watch samples."""
         stats = self.pool.statistics()
         return (stats["tx_bytes"], stats["rx_bytes"])
+
+    def _pool_received(self) -> int:
+        """The pool's received bytes: what arms the stall clock of a speculative data plane."""
+        return int(self.pool.statistics()["rx_bytes"])
 
     async def _run_dataplane(
         self,

@@ -29,6 +29,9 @@ class _Guard:
     started: float
     scope: trio.CancelScope
     stalled: float | None = None  # seconds without progress, once the monitor gave up on it
+    # an unarmed data plane cannot stall: it is armed (its clock starts) once ``arm()`` changes
+    armed: bool = True
+    arm_mark: object = None
 
 
 class StallWatch:
@@ -38,11 +41,21 @@ class StallWatch:
         limit: seconds without progress (``PeerConfig.p2p_stall_timeout``).
         progress: the pool's byte counters; any change counts as progress for every data plane.
         name: how log lines name this peer.
+        arm: what arms a data plane started unarmed (the pool's received bytes; default
+            ``progress``): a change since its start.
     """
 
-    def __init__(self, limit: float, progress: Callable[[], object], name: str = "peer") -> None:
+    def __init__(
+        self,
+        limit: float,
+        progress: Callable[[], object],
+        name: str = "peer",
+        *,
+        arm: Callable[[], object] | None = None,
+    ) -> None:
         self.limit = limit
         self._progress = progress
+        self._arm = arm if arm is not None else progress
         self.name = name
         self._guards: set[_Guard] = set()
         self._changed = trio.Event()
@@ -52,14 +65,22 @@ class StallWatch:
         """Data planes being watched now."""
         return len(self._guards)
 
-    async def guarded(self, run: Callable[[], Awaitable[T]]) -> T:
+    async def guarded(self, run: Callable[[], Awaitable[T]], *, armed: bool = True) -> T:
         """Run one data plane (``run()``) under the watch.
+
+        Args:
+            run: the data plane.
+            armed: False: its stall clock starts only when data arrives (the ``arm`` counter moves), not
+                at once. A speculative start runs before the others may have voted, and a peer that
+                votes late (it computes longer) is no stall; the master's vote timeout bounds that wait.
 
         Raises:
             RankConnectionLostError: it moved no bytes for ``limit`` seconds (the master then aborts
                 the operation for everyone).
         """
-        guard = _Guard(started=trio.current_time(), scope=trio.CancelScope())
+        guard = _Guard(started=trio.current_time(), scope=trio.CancelScope(), armed=armed)
+        if not armed:
+            guard.arm_mark = self._arm()
         self._guards.add(guard)
         self._changed.set()
         try:
@@ -98,12 +119,15 @@ class StallWatch:
             while self._guards:
                 await trio.sleep(limit / 8)
                 now, cur = trio.current_time(), self._progress()
+                for guard in self._guards:
+                    if not guard.armed and self._arm() != guard.arm_mark:
+                        guard.armed, guard.started = True, now
                 if cur != last:
                     last, since = cur, now
                     continue
                 for guard in list(self._guards):
                     quiet = now - max(since, guard.started)
-                    if quiet >= limit and guard.stalled is None:
+                    if guard.armed and quiet >= limit and guard.stalled is None:
                         guard.stalled = quiet
                         guard.scope.cancel()
 
