@@ -113,8 +113,10 @@ class MasterObserver:
                 if eff.text.startswith("deadlock in peer group"):
                     self.deadlocks.inc()
                     self.counts["deadlocks"] += 1
-            elif isinstance(eff, FastStart):
-                # a speculative start the vote confirmed: started without a CollectiveCommence
+            elif isinstance(eff, FastStart) and eff.op_seq not in commenced:
+                # a speculative start the vote confirmed: started without a CollectiveCommence (or with
+                # one under the same number, for voters that missed the reservation)
+                commenced.add(eff.op_seq)
                 self.started.inc()
                 self.counts["collectives_started"] += 1
                 self._vote_done(("collective", eff.group, eff.tag), now)

@@ -141,6 +141,7 @@ class _CollectiveOp:
     # attempt already reported success while the vote was still open
     proposals: dict[int, int] = field(default_factory=dict)
     early_done: set[int] = field(default_factory=set)
+    early_failed: dict[int, str] = field(default_factory=dict)  # ... or failure, with its reason
     retired: set[int] = field(default_factory=set)  # proposals of voters that withdrew or were lost
     fast: bool = False  # running under the reserved op_seq (no CollectiveCommence was sent)
 
@@ -156,6 +157,7 @@ class _CollectiveOp:
         """Take ``peer_id``'s vote back; returns its proposal (kept among the numbers to forget)."""
         self.votes.pop(peer_id, None)
         self.early_done.discard(peer_id)
+        self.early_failed.pop(peer_id, None)
         seq = self.proposals.pop(peer_id, -1)
         if seq >= 0:
             self.retired.add(seq)
@@ -486,6 +488,8 @@ class MasterState:
                 continue
             for p in sorted(peer_ids & set(op.votes)):
                 seq = op.drop_voter(p)
+                if seq >= 0:
+                    self._take_reservation(key)  # frames may be out under it: it never runs again
                 abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
                                           forget=op.speculative_seqs())
                 effects.append(Send(p, abort))
@@ -1206,13 +1210,36 @@ class MasterState:
                 )
                 for p in voters
             ]
+        # The speculative start holds when the reservation does (same epoch, the ring it was reserved
+        # for, nobody lost since: a loss drops it) and no voter started under another number. Voters
+        # without the number (they reconnected or cancelled and missed the last confirmation) join it
+        # through a CollectiveCommence naming it; a number a withdrawn voter already ran under is never
+        # run again (its frames may be out there): then everyone is aborted.
         fast = (
             res is not None
+            and bool(op.proposals)
+            and not op.retired
             and res.epoch == self.epoch
             and res.members == voters
-            and len(op.proposals) == len(voters)
-            and all(op.proposals[p] == res.seq for p in voters)
+            and all(op.proposals.get(p, res.seq) == res.seq for p in voters)
         )
+        if op.early_failed:
+            # A speculative attempt failed before the vote completed (and the descriptors agree):
+            # the op cannot complete; everyone is aborted, buffers intact.
+            p0 = min(op.early_failed)
+            return [
+                Send(
+                    p,
+                    m.CollectiveAbort(
+                        tag=op.tag,
+                        op_seq=op.proposal(p),
+                        code=int(Result.RANK_CONNECTION_LOST),
+                        reason=f"peer {p0} failed: {op.early_failed[p0]}",
+                        forget=forget,
+                    ),
+                )
+                for p in voters
+            ]
         if op.proposals and not fast:
             # Some voters started speculatively but the start does not hold: their data planes ran on a
             # number (or a ring) the others do not share. All-or-nothing: everyone is aborted with
@@ -1244,7 +1271,18 @@ class MasterState:
             op.op_seq = res.seq
             op.done = op.early_done & op.participant_set
             self.fast_starts += 1
-            return [FastStart(op.group, op.tag, op.op_seq), *self._check_op_done(key)]
+            # Off the critical path, the speculating voters hear that everyone voted (a commence
+            # without a table: their data planes already run; it starts their stall clocks); voters
+            # that did not have the number get the table and run under it.
+            go = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=[])
+            late = [p for p in voters if p not in op.proposals]
+            table = self.table(voters) if late else []
+            return [
+                FastStart(op.group, op.tag, op.op_seq),
+                *(Send(p, go if p in op.proposals else
+                       m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters),
+                *self._check_op_done(key),
+            ]
         self._op_seq += 1
         op.op_seq = self._op_seq
         op.done = set()
@@ -1262,17 +1300,23 @@ class MasterState:
             return f"reserved in epoch {res.epoch}, the run is at epoch {self.epoch}"
         if res.members != voters:
             return f"reserved for the ring {res.members}, the group is {voters} now"
-        odd = sorted(p for p in voters if proposals.get(p, -1) != res.seq)
-        return f"peer(s) {odd} did not start under the reserved op_seq {res.seq}"
+        odd = sorted(p for p in voters if proposals.get(p, res.seq) != res.seq)
+        if odd:
+            return f"peer(s) {odd} started under another op_seq than the reserved {res.seq}"
+        return f"a voter withdrew after starting under the reserved op_seq {res.seq}"
 
     def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveDone)
         key = (rec.group, msg.tag)
         op = self._ops.get(key)
         if op is not None and not op.running and rec.peer_id in op.votes:
+            if not msg.success and msg.op_seq >= 0 and msg.op_seq == op.proposals.get(rec.peer_id, -1):
+                # Its speculative attempt failed before the vote completed: the op fails, but the
+                # verdict waits for the vote (a descriptor mismatch, the likely cause, is then named).
+                op.early_failed.setdefault(rec.peer_id, msg.reason)
+                return []
             if not msg.success:
-                # The peer withdrew its vote (its call was cancelled, or its speculative attempt
-                # failed): the op cannot run as voted.
+                # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
                 return self._abort_op(
                     key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
                 )

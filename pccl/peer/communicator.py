@@ -159,7 +159,7 @@ class Communicator:
         # -> master's complete) and "commit" (result into the caller's buffer).
         self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
-        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress, arm=self._pool_received)
+        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
         self.pool: Any = None
 
     # ------------------------------------------------------------------------------------------
@@ -849,10 +849,11 @@ class Communicator:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
                     # A speculative data plane may wait for peers that have not voted yet: its stall
-                    # clock starts once data arrives (the master's vote timeout bounds the wait before).
+                    # clock starts with the master's commence (every participant voted), which comes
+                    # off the critical path; the master's vote timeout bounds the wait before.
                     tx, rx = await self._stall.guarded(
                         functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q),
-                        armed=proposal < 0,
+                        arm_when=(lambda: st.commence.done) if proposal >= 0 else None,
                     )
                     ok = True
                 except PCCLError as exc:
@@ -862,6 +863,10 @@ class Communicator:
                 raise st.abort_error
             if not ok:
                 await self._report_failure(st, reason)
+                if proposal >= 0:
+                    # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
+                    # size): the master's verdict names the real cause, and it is an abort.
+                    await st.complete.wait()
                 raise RankConnectionLostError(reason)
             t_ring = time.perf_counter()
             await self._send(m.CollectiveDone(tag=tag, success=True, op_seq=st.op_seq))
@@ -909,10 +914,6 @@ class Communicator:
         """The pool's byte counters: what the stall watch samples."""
         stats = self.pool.statistics()
         return (stats["tx_bytes"], stats["rx_bytes"])
-
-    def _pool_received(self) -> int:
-        """The pool's received bytes: what arms the stall clock of a speculative data plane."""
-        return int(self.pool.statistics()["rx_bytes"])
 
     async def _run_dataplane(
         self,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import trio
@@ -29,9 +29,8 @@ class _Guard:
     started: float
     scope: trio.CancelScope
     stalled: float | None = None  # seconds without progress, once the monitor gave up on it
-    # an unarmed data plane cannot stall: it is armed (its clock starts) once ``arm()`` changes
-    armed: bool = True
-    arm_mark: object = None
+    # None: armed (its clock runs); else it is armed, and its clock starts, once this returns True
+    arm_when: Callable[[], bool] | None = field(default=None)
 
 
 class StallWatch:
@@ -41,21 +40,11 @@ class StallWatch:
         limit: seconds without progress (``PeerConfig.p2p_stall_timeout``).
         progress: the pool's byte counters; any change counts as progress for every data plane.
         name: how log lines name this peer.
-        arm: what arms a data plane started unarmed (the pool's received bytes; default
-            ``progress``): a change since its start.
     """
 
-    def __init__(
-        self,
-        limit: float,
-        progress: Callable[[], object],
-        name: str = "peer",
-        *,
-        arm: Callable[[], object] | None = None,
-    ) -> None:
+    def __init__(self, limit: float, progress: Callable[[], object], name: str = "peer") -> None:
         self.limit = limit
         self._progress = progress
-        self._arm = arm if arm is not None else progress
         self.name = name
         self._guards: set[_Guard] = set()
         self._changed = trio.Event()
@@ -65,22 +54,25 @@ class StallWatch:
         """Data planes being watched now."""
         return len(self._guards)
 
-    async def guarded(self, run: Callable[[], Awaitable[T]], *, armed: bool = True) -> T:
+    async def guarded(
+        self, run: Callable[[], Awaitable[T]], *, arm_when: Callable[[], bool] | None = None
+    ) -> T:
         """Run one data plane (``run()``) under the watch.
 
         Args:
             run: the data plane.
-            armed: False: its stall clock starts only when data arrives (the ``arm`` counter moves), not
-                at once. A speculative start runs before the others may have voted, and a peer that
-                votes late (it computes longer) is no stall; the master's vote timeout bounds that wait.
+            arm_when: None: its stall clock starts at once. Else it starts when this first returns True
+                (sampled with the progress): a speculative start runs before the others may have voted,
+                and a peer that votes late (it computes longer) is no stall; the master's commence
+                says that every participant voted (its vote timeout bounds the wait before).
 
         Raises:
             RankConnectionLostError: it moved no bytes for ``limit`` seconds (the master then aborts
                 the operation for everyone).
         """
-        guard = _Guard(started=trio.current_time(), scope=trio.CancelScope(), armed=armed)
-        if not armed:
-            guard.arm_mark = self._arm()
+        guard = _Guard(started=trio.current_time(), scope=trio.CancelScope(), arm_when=arm_when)
+        if arm_when is not None and arm_when():
+            guard.arm_when = None
         self._guards.add(guard)
         self._changed.set()
         try:
@@ -120,14 +112,14 @@ class StallWatch:
                 await trio.sleep(limit / 8)
                 now, cur = trio.current_time(), self._progress()
                 for guard in self._guards:
-                    if not guard.armed and self._arm() != guard.arm_mark:
-                        guard.armed, guard.started = True, now
+                    if guard.arm_when is not None and guard.arm_when():
+                        guard.arm_when, guard.started = None, now
                 if cur != last:
                     last, since = cur, now
                     continue
                 for guard in list(self._guards):
                     quiet = now - max(since, guard.started)
-                    if guard.armed and quiet >= limit and guard.stalled is None:
+                    if guard.arm_when is None and quiet >= limit and guard.stalled is None:
                         guard.stalled = quiet
                         guard.scope.cancel()
 

@@ -554,10 +554,12 @@ class PeerState:
         assert isinstance(msg, m.CollectiveCommence)
         effects: list[Effect] = [Forget(tuple(msg.forget))] if msg.forget else []
         op = self.ops.get(msg.tag)
-        if op is None or op.speculative:
-            # Not ours; or ours runs speculatively, which the master confirms or aborts and never
-            # commences (it commences only when no voter speculated).
+        if op is None:
             return effects
+        if op.speculative:
+            # Ours runs speculatively: a commence under its number says that every participant voted
+            # (its stall clock starts); any other is not for this op (the master aborts or confirms).
+            return [*effects, Resolve(Call.COMMENCE, msg, msg.tag)] if msg.op_seq == op.op_seq else effects
         op.op_seq = msg.op_seq
         return [*effects, Resolve(Call.COMMENCE, msg, msg.tag)]
 

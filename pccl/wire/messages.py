@@ -455,7 +455,8 @@ class CollectiveDone(Message):
 class CollectiveCommence(Message):
     """Every participant voted: run ``tag`` over the ring ``peers`` (ring order, this group only).
 
-    Sent only on the slow path, when no voter started speculatively. ``forget``: speculative sequence
+    Sent on the slow path, when no voter started speculatively; and, under the reserved number, to the
+    voters that did not have it while the others run speculatively. ``forget``: speculative sequence
     numbers of voters lost or withdrawn meanwhile, whose frames the receivers drop.
     """
 
