@@ -812,7 +812,7 @@ class Communicator:
             # The speculative start (docs/protocol.md section 4): with the op_seq the last confirmation
             # of this tag reserved, the data plane starts right after the vote, on the current ring, and
             # the master's one answer (Complete or Abort) settles it.
-            proposal = self._core.speculate(tag)
+            proposal = self._core.speculate(tag, rdesc.nbytes)
             st.op_seq = proposal
             await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor, op_seq=proposal))
             if proposal >= 0:

@@ -456,8 +456,10 @@ class CollectiveCommence(Message):
     """Every participant voted: run ``tag`` over the ring ``peers`` (ring order, this group only).
 
     Sent on the slow path, when no voter started speculatively; and, under the reserved number, to the
-    voters that did not have it while the others run speculatively. ``forget``: speculative sequence
-    numbers of voters lost or withdrawn meanwhile, whose frames the receivers drop.
+    voters that did not have it while the others run speculatively. With ``peers`` empty: the
+    speculative start under ``op_seq`` is confirmed (every participant voted; the receiver's data plane
+    already runs, this starts its stall clock). ``forget``: speculative sequence numbers of voters lost
+    or withdrawn meanwhile, whose frames the receivers drop.
     """
 
     tag: int
