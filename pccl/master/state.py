@@ -667,10 +667,17 @@ class MasterState:
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
-        if was_accepted:
-            self._reserved.pop(rec.group, None)  # the group changed: no speculative start until the next op
+        revoked: list[Effect] = []
+        voided = self._reserved.pop(rec.group, {}) if was_accepted else {}
+        if voided:
+            # The group changed: no speculative start until its next op completes. Members that are not
+            # voting yet hear it now, so their next call takes the slow path (whose commence names the
+            # living members) instead of starting on a ring with the lost peer and being aborted.
+            why = f"peer {peer_id} of group {rec.group} was lost"
+            revoked = [Send(p, m.ReservationsRevoked(reason=why))
+                       for p in self.ring if self.peers[p].group == rec.group]
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
-        effects: list[Effect] = []
+        effects: list[Effect] = revoked
         # Re-check every vote with the peer gone.
         effects += self._topology_peer_lost(peer_id)
         effects += self._check_pending_vote()

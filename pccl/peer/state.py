@@ -597,6 +597,10 @@ class PeerState:
         self.reserved.pop(msg.tag, None)
         return [*effects, AbortOp(msg.tag, error_from_code(msg.code, msg.reason))]
 
+    def _on_revoked(self, msg: m.Message) -> list[Effect]:
+        self.drop_reservations()
+        return []
+
     def _on_sync_plan(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.SharedStatePlan)
         if self.sync is None:
@@ -630,6 +634,7 @@ class PeerState:
         m.CollectiveCommence: _on_commence,
         m.CollectiveComplete: _on_complete,
         m.CollectiveAbort: _on_abort,
+        m.ReservationsRevoked: _on_revoked,
         m.SharedStatePlan: _on_sync_plan,
         m.SharedStateResult: _on_sync_result,
         m.MeasureBandwidth: _on_measure,

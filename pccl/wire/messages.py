@@ -500,6 +500,16 @@ class CollectiveAbort(Message):
     forget: list[int] = dataclasses.field(default_factory=list)
 
 
+@_register(35)
+@dataclass(frozen=True, kw_only=True)
+class ReservationsRevoked(Message):
+    """A member of the receiver's group was lost: every op_seq reserved by an earlier
+    ``CollectiveComplete`` is void; the group's next operations take the slow path (its commence
+    names the living members)."""
+
+    reason: str = ""
+
+
 # ============================================================================================
 # Shared state
 

@@ -281,3 +281,23 @@ async def test_operations_above_the_speculative_limit_keep_the_slow_path(
         bufs = fresh(2, SPECULATIVE_MAX_BYTES // 8)  # at the limit: fast (the last op reserved a number)
         await all_reduce_all(cl, bufs)
         assert cl.master.state.statistics()["collectives_fast"] == 1
+
+
+async def test_a_member_lost_between_operations_costs_the_next_call_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.005)) as cl:
+        await all_reduce_all(cl, fresh(3))
+        cl.kill(2)
+        while cl.is_member(2):
+            await trio.sleep(0.01)
+        await trio.sleep(0.1)  # the revocation reaches the survivors
+        assert all(c.statistics()["reserved_tags"] == 0 for c in cl.peers[:2])
+        got = [count_received(c) for c in cl.peers[:2]]
+        bufs = fresh(2)
+        before = [b.copy() for b in bufs]
+        res = await all_reduce_all(cl, bufs)
+        assert all(isinstance(r, pccl.ReduceInfo) and r.local_world_size == 2 for r in res), res
+        expect_sum(bufs, before)
+        # the slow path, and no abort
+        assert all(g == {"CollectiveCommence": 1, "CollectiveComplete": 1} for g in got), got

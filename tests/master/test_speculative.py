@@ -366,3 +366,19 @@ def test_the_status_metrics_count_fast_starts_once() -> None:
     counts = obs.summary(0.0)
     assert counts["collectives_started"] == 3 and counts["collectives_completed"] == 3
     assert counts["collectives_failed"] == 0 and hs.st.statistics()["collectives_fast"] == 2
+
+
+def test_a_lost_member_revokes_the_groups_reservations_at_the_other_members() -> None:
+    hs = Harness(3)
+    hs.slow_op()
+    a, b, c = hs.peers
+    eff = hs.st.peer_lost(c, "left")
+    revoked = sends(eff, m.ReservationsRevoked)
+    assert sorted(p for p, _ in revoked) == [a, b] and all(f"peer {c}" in r.reason for _, r in revoked)
+    hs.peers.remove(c)
+    # nothing reserved any more: a second loss tells nobody anything
+    d = hs.peers.pop()
+    assert not sends(hs.st.peer_lost(d, "left"), m.ReservationsRevoked)
+    # a loss in a group with no reservation sends nothing either
+    hs2 = Harness(3)
+    assert not sends(hs2.st.peer_lost(hs2.peers[2], "left"), m.ReservationsRevoked)

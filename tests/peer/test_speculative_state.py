@@ -145,3 +145,12 @@ def test_reservations_are_bounded_oldest_first() -> None:
     assert st.speculate(0) == -1
     st.begin_op(RESERVATIONS_KEPT)
     assert st.speculate(RESERVATIONS_KEPT) == 1000 + RESERVATIONS_KEPT
+
+
+def test_a_revocation_drops_every_reservation_and_touches_no_running_op() -> None:
+    st = completed(tag=5)
+    st.begin_op(6)
+    assert st.handle(m.ReservationsRevoked(reason="peer 3 of group 0 was lost"), 2.0) == []
+    assert not st.reserved and 6 in st.ops and not st.ops[6].aborted
+    st.begin_op(5)
+    assert st.speculate(5) == -1
