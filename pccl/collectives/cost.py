@@ -24,7 +24,8 @@ see docs/topology.md for the derivation and when each wins):
 
 :func:`choose` picks the schedule with the smallest prediction, keeping the ring unless another
 schedule is faster by more than ``margin``: the ring is the schedule whose order the master
-optimizes for the measured bandwidth, and the only one the executor runs today.
+optimizes for the measured bandwidth. :func:`schedule_for` turns a requested schedule ("auto" or a
+fixed one) into the one the executor runs for one operation.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ __all__ = [
     "DEFAULT_LATENCY",
     "DEFAULT_MARGIN",
     "HETEROGENEOUS_RATIO",
+    "SCHEDULE_REQUESTS",
     "Choice",
     "LinkModel",
     "choose",
     "heterogeneity",
     "predict",
+    "schedule_for",
 ]
 
 DEFAULT_LATENCY = 0.5e-3
@@ -396,3 +399,69 @@ def _steady(
                 egress += 1.0 / lm.beta(rank(v), rank(parent))
         busiest = max(busiest, egress, ingress)
     return rest * busiest
+
+
+# ------------------------------------------------------------------------------------------------
+# the schedule of one live operation
+
+SCHEDULE_REQUESTS = ("auto", *SCHEDULES)
+"""What a peer may ask for (``PeerConfig.schedule``): "auto" (the cost model's choice) or one schedule."""
+
+
+def schedule_for(
+    requested: str,
+    kind: str,
+    n: int,
+    nbytes: int,
+    *,
+    quantized: bool = False,
+    links: LinkModel | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    root: int = 0,
+) -> str:
+    """The schedule one operation runs: the same on every participant as long as the arguments are.
+
+    Pass only data identical on every participant (the descriptor's kind, size and dtype, the
+    group size, a link model the master distributed), never a local measurement: peers that chose
+    differently would wait for frames that never come.
+
+    * quantized operations run the ring (its forwarding rule keeps the quantized bits identical);
+    * a fixed request runs as asked, except a halving-doubling broadcast, which runs the tree
+      (halving-doubling has nothing to halve in a broadcast);
+    * "auto" keeps the ring (with its one-step exchange) between two peers, and otherwise takes
+      :func:`choose`'s pick.
+
+    Args:
+        requested: "auto", "ring", "hd" or "tree".
+        kind: the operation kind.
+        n: the group size (>= 2).
+        nbytes: bytes of each rank's input.
+        quantized: whether the operation is quantized.
+        links: the link model (None: :class:`LinkModel` defaults).
+        block_bytes: the executor's pipelining block.
+        root: broadcast only: the root's ring position.
+
+    Returns:
+        "ring", "hd" or "tree".
+
+    Raises:
+        ValueError: an unknown request or kind, or bad sizes.
+    """
+    if requested not in SCHEDULE_REQUESTS:
+        raise ValueError(f"unknown schedule {requested!r} (expected one of {', '.join(SCHEDULE_REQUESTS)})")
+    _check(kind, n, nbytes)
+    if quantized:
+        return "ring"
+    if requested != "auto":
+        return "tree" if requested == "hd" and kind == "broadcast" else requested
+    if n == 2:
+        return "ring"
+    if links is None:
+        return _auto_default(kind, n, nbytes, block_bytes, root)
+    return choose(kind, n, nbytes, links, block_bytes=block_bytes, root=root).schedule
+
+
+@functools.lru_cache(maxsize=1024)
+def _auto_default(kind: str, n: int, nbytes: int, block_bytes: int, root: int) -> str:
+    """:func:`choose` under the default link model (cached: training loops repeat their shapes)."""
+    return choose(kind, n, nbytes, None, block_bytes=block_bytes, root=root).schedule

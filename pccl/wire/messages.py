@@ -44,6 +44,7 @@ class CollectiveDescriptor(NamedTuple):
     root: int  # broadcast: the root's peer id; -1 otherwise
     quantization: int  # pccl.QuantizationAlgorithm
     quantized_dtype: int  # pccl.DataType on the wire when quantizing
+    schedule: str = "auto"  # PeerConfig.schedule: "auto", "ring", "hd" or "tree"
 
 
 _ROWS: dict[type, tuple[Any, ...]] = {}
@@ -104,8 +105,10 @@ def _parse(value: Any, tp: Any) -> Any:
     """
     row = _row_fields(tp)
     if row is not None:
-        if not isinstance(value, (list, tuple)) or len(value) != len(row) or not all(
-            _check(v, t) for v, t in zip(value, row, strict=True)
+        # trailing fields with a default may be missing (rows of peers from before they were added)
+        required = len(row) - len(getattr(tp, "_field_defaults", {}))
+        if not isinstance(value, (list, tuple)) or not required <= len(value) <= len(row) or not all(
+            _check(v, t) for v, t in zip(value, row[: len(value)], strict=True)
         ):
             raise _Bad
         return tp(*value)
