@@ -88,6 +88,8 @@ class LinkModel:
         window: bytes one connection may have in flight (the TCP window), times the connections a
             transfer stripes over; a link then carries at most ``window`` per round trip
             (``min(bw, window / (2 alpha))``). None: unlimited.
+        spread: fastest over slowest measured link, for a model without a ``bandwidth`` matrix
+            (the master's summary, :meth:`from_summary`); see :func:`heterogeneity`.
     """
 
     latency: float | Matrix = DEFAULT_LATENCY
@@ -95,6 +97,20 @@ class LinkModel:
     default_latency: float = DEFAULT_LATENCY
     default_bandwidth: float = DEFAULT_BANDWIDTH
     window: float | None = None
+    spread: float = 1.0
+
+    @classmethod
+    def from_summary(cls, links: Sequence[float]) -> LinkModel | None:
+        """The model of the master's link summary ``[slowest bytes/s, fastest / slowest]``
+        (``EstablishP2P.links``): every link at the slowest measured bandwidth, the spread kept for
+        the heterogeneity rule of :func:`choose`. None for an empty or malformed summary (the
+        defaults then)."""
+        if len(links) != 2 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in links):
+            return None
+        lo, spread = float(links[0]), float(links[1])
+        if lo <= 0 or spread < 1:
+            return None
+        return cls(default_bandwidth=lo, spread=spread)
 
     def alpha(self, i: int, j: int) -> float:
         """Latency term of a transfer ``i -> j``, seconds."""
@@ -231,9 +247,10 @@ def choose(
 
 
 def heterogeneity(links: LinkModel, n: int) -> float:
-    """Fastest over slowest measured link among ranks ``0..n-1`` (1.0 when nothing is measured)."""
+    """Fastest over slowest measured link among ranks ``0..n-1`` (``links.spread`` without a matrix:
+    1.0 when nothing is measured)."""
     if links.bandwidth is None:
-        return 1.0
+        return links.spread
     vals = [float(v) for i in range(n) for j in range(n) if i != j and (v := links.bandwidth[i][j])]
     return max(vals) / min(vals) if vals else 1.0
 
@@ -456,12 +473,13 @@ def schedule_for(
         return "tree" if requested == "hd" and kind == "broadcast" else requested
     if n == 2:
         return "ring"
-    if links is None:
-        return _auto_default(kind, n, nbytes, block_bytes, root)
+    if links is None or (links.bandwidth is None and isinstance(links.latency, (int, float))):
+        return _auto(kind, n, nbytes, block_bytes, root, links)
     return choose(kind, n, nbytes, links, block_bytes=block_bytes, root=root).schedule
 
 
 @functools.lru_cache(maxsize=1024)
-def _auto_default(kind: str, n: int, nbytes: int, block_bytes: int, root: int) -> str:
-    """:func:`choose` under the default link model (cached: training loops repeat their shapes)."""
-    return choose(kind, n, nbytes, None, block_bytes=block_bytes, root=root).schedule
+def _auto(kind: str, n: int, nbytes: int, block_bytes: int, root: int, links: LinkModel | None) -> str:
+    """:func:`choose` under a model without matrices (hashable; cached: training loops repeat
+    their shapes)."""
+    return choose(kind, n, nbytes, links, block_bytes=block_bytes, root=root).schedule

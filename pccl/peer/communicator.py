@@ -55,7 +55,7 @@ from .._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
-from ..collectives.cost import SCHEDULE_REQUESTS, schedule_for
+from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel, schedule_for
 from ..collectives.ring import plan_for, plan_partners, run_collective
 from ..collectives.schedule import chunk_bounds, send_partners
 from ..kernels import backend, reduce
@@ -165,6 +165,9 @@ class Communicator:
         self._last_phases: dict[str, float] = {}
         self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
         self.pool: Any = None
+        # What the schedule choice knows of the links: the master's summary from the last
+        # EstablishP2P (the same on every member of the group), None: the cost model's defaults.
+        self._links: LinkModel | None = None
 
     # ------------------------------------------------------------------------------------------
     # public queries
@@ -628,6 +631,7 @@ class Communicator:
             self._accepted.set(msg)
 
     async def _establish(self, effect: Establish) -> None:
+        self._links = LinkModel.from_summary(effect.links)
         nxt = effect.successor
         ok, failed, reason = True, [], ""
         targets = [] if nxt is None else [nxt]
@@ -940,6 +944,7 @@ class Communicator:
             len(ring),
             descriptor.element_count * backend.dtype_to_numpy(dtype).itemsize,
             quantized=descriptor.quantization != int(QuantizationAlgorithm.NONE),
+            links=self._links,
             root=root,
         )
 

@@ -103,6 +103,7 @@ class Establish:
     epoch: int
     successor: m.PeerRow | None
     group: tuple[m.PeerRow, ...] = ()
+    links: tuple[float, ...] = ()  # EstablishP2P.links
 
 
 @dataclass(frozen=True)
@@ -503,7 +504,7 @@ class PeerState:
     def _on_establish(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.EstablishP2P)
         group = self.group_rows(msg.peers)
-        return [Establish(msg.epoch, ring_neighbours(group, self.peer_id)[0], tuple(group))]
+        return [Establish(msg.epoch, ring_neighbours(group, self.peer_id)[0], tuple(group), tuple(msg.links))]
 
     def _on_topology_result(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.TopologyResult)

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Any
 
 import ml_dtypes
+import msgpack
 import numpy as np
 import pytest
 import trio
@@ -19,11 +20,14 @@ import trio.testing
 
 import pccl
 from pccl import ReduceOp
-from pccl.collectives.cost import schedule_for
+from pccl._errors import RemoteProtocolError
+from pccl.collectives.cost import LinkModel, schedule_for
 from pccl.collectives.schedule import SCHEDULES, all_plans, chunk_range
+from pccl.master.state import MasterState
 from pccl.peer.communicator import Communicator
 from pccl.testing import DEFAULT_PEER_CONFIG, HookAction, Reset, TestCluster, TrafficEvent, VirtualNetwork
 from pccl.testing.pytest_plugin import ClusterFactory
+from pccl.wire import messages as m
 from pccl.wire.data import DATA_HEADER_SIZE, unpack_data_header_fields
 
 DTYPES: list[Any] = [
@@ -377,3 +381,83 @@ async def test_a_peer_killed_at_every_step_of_each_schedule(
             assert (recvs[i] == xs[FAULT_ROOT]).all()
     for i in survivors:  # the warm-up and the retry ran the schedule, the failed op did not count
         assert cluster.peer(i).statistics().get(f"schedule_{schedule}_ok", 0) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# the link summary the master distributes, and what the choice makes of it
+
+
+def test_the_master_summarizes_the_measured_links_of_a_group() -> None:
+    state = MasterState()
+    assert state.link_summary([1, 2, 3]) == []  # nothing measured: the defaults
+    state.bandwidth = {(1, 2): (100e6, 0.0), (2, 3): (400e6, 0.0), (3, 9): (1.0, 0.0), (2, 1): (0.0, 0.0)}
+    assert state.link_summary([1, 2, 3]) == [100e6, 4.0]  # peer 9 is in no member pair; 0 = failed
+
+
+def test_establish_carries_the_summary_and_old_bytes_stay_old() -> None:
+    row = m.PeerRow(peer_id=3, host="h", port=1, group=0)
+    plain = m.EstablishP2P(epoch=7, peers=[row])
+    assert msgpack.unpackb(m.encode(plain)) == [m.EstablishP2P.TAG, [7, [[3, "h", 1, 0]]]]
+    with_links = m.EstablishP2P(epoch=7, peers=[row], links=[1e8, 3.0])
+    assert msgpack.unpackb(m.encode(with_links))[1][2] == [1e8, 3.0]
+    assert m.decode(m.encode(with_links)) == with_links
+    assert m.decode(m.encode(plain)) == plain
+    with pytest.raises(RemoteProtocolError):
+        m.decode(msgpack.packb([m.EstablishP2P.TAG, [7]]))  # a required field missing
+    with pytest.raises(RemoteProtocolError):
+        m.decode(msgpack.packb([m.EstablishP2P.TAG, [7, [], [], 1]]))  # one too many
+
+
+def test_heterogeneous_links_keep_large_operations_on_the_ring() -> None:
+    n, big, small = 64, 16 << 20, 4 << 10
+    uniform = LinkModel.from_summary([125e6, 1.5])
+    skewed = LinkModel.from_summary([125e6, 10.0])
+    assert uniform is not None and skewed is not None
+    assert schedule_for("auto", "all_reduce", n, big, links=uniform) == "hd"
+    assert schedule_for("auto", "all_reduce", n, big, links=skewed) == "ring"
+    assert schedule_for("auto", "all_reduce", n, small, links=skewed) == "hd"  # latency-bound still
+    for bad in ([], [1.0], [0.0, 2.0], [1e8, 0.5], [float("nan"), 2.0]):
+        assert LinkModel.from_summary(bad) is None
+    assert schedule_for("auto", "all_reduce", 2, small, links=skewed) == "ring"  # 2 peers: the exchange
+    assert schedule_for("auto", "all_reduce", n, small, quantized=True) == "ring"
+    assert schedule_for("hd", "broadcast", n, small) == "tree"
+    with pytest.raises(ValueError, match="schedule"):
+        schedule_for("butterfly", "all_reduce", n, small)
+
+
+async def test_peers_choose_with_the_summary_they_were_sent(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    """Once the master has measured heterogeneous links, the next topology update's EstablishP2P
+    tells every member, and a bandwidth-bound all-reduce at 8 peers keeps the ring on every peer;
+    before, with the defaults, it ran halving-doubling."""
+    n, count = 8, 1 << 18  # float32: 1 MB
+    cluster = await pccl_cluster(n - 1, network=VirtualNetwork(latency=0.0005, bandwidth=None))
+    skewed = LinkModel.from_summary([125e6, 10.0])
+    want = {"defaults": schedule_for("auto", "all_reduce", n, count * 4),
+            "skewed": schedule_for("auto", "all_reduce", n, count * 4, links=skewed)}
+    assert want == {"defaults": "hd", "skewed": "ring"}
+    for tag, case in enumerate(["defaults", "skewed"]):
+        if case == "skewed":
+            ids = [cluster.peer(i).peer_id for i in cluster.alive]
+            # as if optimize_topology had measured them: one slow pair, the rest 10x faster
+            slow = (ids[0], ids[1])
+            cluster.master.state.bandwidth = {
+                (a, b): (125e6 if (a, b) == slow else 1.25e9, 0.0) for a in ids for b in ids if a != b
+            }
+        await cluster.add_peer()  # an update round: EstablishP2P to every member
+        assert all(cluster.peer(i)._links == (None if case == "defaults" else skewed) for i in cluster.alive)
+        xs = {i: np.ones(count, np.float32) for i in cluster.alive}
+        before = {i: dict(cluster.peer(i).statistics()) for i in cluster.alive}
+        infos = await cluster.run_all(lambda i, c, x=xs: c.all_reduce(x[i], tag=tag))
+        assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
+        size = len(cluster.alive)
+        assert size == n + tag
+        links = None if case == "defaults" else skewed
+        got = schedule_for("auto", "all_reduce", size, count * 4, links=links)
+        assert got == want[case]
+        for i in cluster.alive:
+            assert (xs[i] == size).all()
+            after = cluster.peer(i).statistics()
+            key = f"schedule_{got}_ok"
+            assert after.get(key, 0) == before[i].get(key, 0) + 1
