@@ -461,3 +461,28 @@ async def test_peers_choose_with_the_summary_they_were_sent(
             after = cluster.peer(i).statistics()
             key = f"schedule_{got}_ok"
             assert after.get(key, 0) == before[i].get(key, 0) + 1
+
+
+@pytest.mark.parametrize(("schedule", "n"), [("hd", 5), ("tree", 4)])
+async def test_large_operations_pipeline_over_several_connections(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, schedule: str, n: int
+) -> None:
+    """Above the inline limit the executor runs one sender task per (partner, connection): several
+    4 MiB blocks per transfer, striped over 2 connections per partner, exact."""
+    cluster = await pccl_cluster(n, config=_config(schedule), pool_size=2)
+    count = (12 << 20) // 8  # int64: 12 MB, three blocks per peer's input
+    xs = {i: _contribution(cluster.peer(i).peer_id, count) for i in cluster.alive}
+    outs = {i: np.empty(count, np.int64) for i in cluster.alive}
+    infos = await cluster.run_all(lambda i, c: c.all_reduce(xs[i], outs[i], tag=2))
+    assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
+    want = sum(xs.values())
+    assert all((outs[i] == want).all() for i in cluster.alive)
+    root_id = cluster.peer(cluster.alive[0]).group_ring[1]
+    bcast = {i: xs[i].copy() for i in cluster.alive}
+    infos = await cluster.run_all(lambda i, c: c.broadcast(bcast[i], root=1, tag=3))
+    assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
+    root = next(i for i in cluster.alive if cluster.peer(i).peer_id == root_id)
+    assert all((bcast[i] == xs[root]).all() for i in cluster.alive)
+    for i in cluster.alive:
+        stats = cluster.peer(i).statistics()
+        assert stats.get("schedule_tree_ok", 0) + stats.get("schedule_hd_ok", 0) == 2
