@@ -980,7 +980,11 @@ class Communicator:
         )
         to_ranks, from_ranks = plan_partners(plan)
         partners = sorted({ids[r] for r in to_ranks} | {ids[r] for r in from_ranks})
-        targets = [rows[r] for r in to_ranks]
+        # the steady state: every connection open (a peek each, as pool.connect would do); no tasks
+        targets = [rows[r] for r in to_ranks if not self.pool.is_connected(rows[r].peer_id)]
+        if not targets:
+            await trio.lowlevel.checkpoint()
+            return partners
         if len(targets) == 1:
             await self.pool.connect(targets[0].peer_id, targets[0].host, targets[0].port)
             return partners
