@@ -1066,7 +1066,25 @@ class MasterState:
         rnd.establishing = True
         rnd.establish_started = self._now
         table = self.table(rnd.members)
-        return [Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)) for p in rnd.members]
+        by_group: dict[int, list[int]] = {}
+        for p in rnd.members:
+            by_group.setdefault(self.peers[p].group, []).append(p)
+        links = {g: self.link_summary(ps) for g, ps in by_group.items()}
+        return [
+            Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[self.peers[p].group]))
+            for p in rnd.members
+        ]
+
+    def link_summary(self, members: list[int]) -> list[float]:
+        """``[slowest, fastest / slowest]`` of the bandwidths measured between ``members`` (bytes/s),
+        or ``[]`` when none is: what the peers' schedule choice knows of the links (the same for
+        every member of a group, so every member chooses the same schedule)."""
+        inside = set(members)
+        vals = [bw for (a, b), (bw, _t) in self.bandwidth.items() if a in inside and b in inside and bw > 0]
+        if not vals:
+            return []
+        lo = min(vals)
+        return [lo, max(vals) / lo]
 
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PConnectionsDone)

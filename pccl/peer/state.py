@@ -97,11 +97,14 @@ class AbortOp:
 
 @dataclass(frozen=True)
 class Establish:
-    """Open the ring connections to ``successor`` (None: alone in the group), then answer
-    ``P2PConnectionsDone(epoch)``."""
+    """Open the ring connections to ``successor`` (None: alone in the group) and, when the peer
+    runs other schedules too, to the other ranks its plans may send to (``group``: the group's rows
+    in ring order), then answer ``P2PConnectionsDone(epoch)``."""
 
     epoch: int
     successor: m.PeerRow | None
+    group: tuple[m.PeerRow, ...] = ()
+    links: tuple[float, ...] = ()  # EstablishP2P.links
 
 
 @dataclass(frozen=True)
@@ -454,6 +457,7 @@ class PeerState:
         op: ReduceOp,
         root: int = 0,
         quantization: QuantizationOptions | None = None,
+        schedule: str = "auto",
     ) -> m.CollectiveDescriptor:
         """Check a collective call against this peer's group and build the descriptor it votes with.
 
@@ -468,6 +472,9 @@ class PeerState:
             op: the reduction.
             root: broadcast only: the root's rank in this group's ring.
             quantization: optional wire compression.
+            schedule: the requested schedule (``PeerConfig.schedule``): part of the descriptor, so a
+                peer configured differently fails the vote with a clear mismatch instead of waiting
+                for frames of another plan.
 
         Returns:
             The descriptor (the broadcast root as a peer id).
@@ -510,6 +517,7 @@ class PeerState:
             root=root_id,
             quantization=int(q.algorithm),
             quantized_dtype=int(q.quantized_datatype),
+            schedule=schedule,
         )
 
     @staticmethod
@@ -577,7 +585,8 @@ class PeerState:
 
     def _on_establish(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.EstablishP2P)
-        return [Establish(msg.epoch, ring_neighbours(self.group_rows(msg.peers), self.peer_id)[0])]
+        group = self.group_rows(msg.peers)
+        return [Establish(msg.epoch, ring_neighbours(group, self.peer_id)[0], tuple(group), tuple(msg.links))]
 
     def _on_topology_result(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.TopologyResult)

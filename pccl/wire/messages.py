@@ -44,6 +44,7 @@ class CollectiveDescriptor(NamedTuple):
     root: int  # broadcast: the root's peer id; -1 otherwise
     quantization: int  # pccl.QuantizationAlgorithm
     quantized_dtype: int  # pccl.DataType on the wire when quantizing
+    schedule: str = "auto"  # PeerConfig.schedule: "auto", "ring", "hd" or "tree"
 
 
 _ROWS: dict[type, tuple[Any, ...]] = {}
@@ -68,6 +69,12 @@ class Message:
 
 _REGISTRY: dict[int, type[Message]] = {}
 _FIELDS: dict[type[Message], tuple[tuple[str, Any], ...]] = {}
+_OPTIONAL: dict[type[Message], tuple[Any, ...]] = {}  # defaults of the trailing optional fields
+
+#: ``dataclasses.field(metadata=OPTIONAL, ...)`` marks a field added to a message after its first
+#: version: trailing optional fields at their default are not sent, and may be missing when decoding
+#: (so the message's bytes stay those of before unless the new field is used).
+OPTIONAL = {"optional": True}
 
 M = TypeVar("M", bound=type[Message])
 
@@ -87,7 +94,15 @@ def _fields(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
     f = _FIELDS.get(cls)
     if f is None:
         hints = typing.get_type_hints(cls)
-        f = tuple((fld.name, hints[fld.name]) for fld in dataclasses.fields(cls))  # type: ignore[arg-type]
+        flds = dataclasses.fields(cls)  # type: ignore[arg-type]
+        f = tuple((fld.name, hints[fld.name]) for fld in flds)
+        optional: list[Any] = []
+        for fld in reversed(flds):
+            if not fld.metadata.get("optional"):
+                break
+            factory = fld.default_factory
+            optional.insert(0, factory() if factory is not dataclasses.MISSING else fld.default)
+        _OPTIONAL[cls] = tuple(optional)
         _FIELDS[cls] = f
     return f
 
@@ -104,8 +119,10 @@ def _parse(value: Any, tp: Any) -> Any:
     """
     row = _row_fields(tp)
     if row is not None:
-        if not isinstance(value, (list, tuple)) or len(value) != len(row) or not all(
-            _check(v, t) for v, t in zip(value, row, strict=True)
+        # trailing fields with a default may be missing (rows of peers from before they were added)
+        required = len(row) - len(getattr(tp, "_field_defaults", {}))
+        if not isinstance(value, (list, tuple)) or not required <= len(value) <= len(row) or not all(
+            _check(v, t) for v, t in zip(value, row[: len(value)], strict=True)
         ):
             raise _Bad
         return tp(*value)
@@ -161,7 +178,13 @@ def encode(msg: Message) -> bytes:
     if _REGISTRY.get(cls.TAG) is not cls:
         raise LocalProtocolError(f"{cls.__name__} is not a registered message")
     values = [getattr(msg, name) for name, _ in _fields(cls)]
-    return msgpack.packb([cls.TAG, values], use_bin_type=True)  # type: ignore[no-any-return]
+    defaults = _OPTIONAL[cls]
+    keep = len(values)
+    while defaults and keep > len(values) - len(defaults) and values[keep - 1] == defaults[
+        keep - 1 - (len(values) - len(defaults))
+    ]:
+        keep -= 1
+    return msgpack.packb([cls.TAG, values[:keep]], use_bin_type=True)  # type: ignore[no-any-return]
 
 
 def decode(payload: bytes, *, unpack_limits: typing.Mapping[str, int] | None = None) -> Message:
@@ -188,10 +211,10 @@ def decode(payload: bytes, *, unpack_limits: typing.Mapping[str, int] | None = N
     if cls is None:
         raise RemoteProtocolError(f"unknown message type {tag}")
     fields = _fields(cls)
-    if len(values) != len(fields):
+    if not len(fields) - len(_OPTIONAL[cls]) <= len(values) <= len(fields):
         raise RemoteProtocolError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
     kwargs: dict[str, Any] = {}
-    for (name, tp), value in zip(fields, values, strict=True):
+    for (name, tp), value in zip(fields[: len(values)], values, strict=True):
         try:
             kwargs[name] = _parse(value, tp)
         except _Bad:
@@ -387,10 +410,16 @@ class PeersPendingResult(Message):
 @_register(23)
 @dataclass(frozen=True, kw_only=True)
 class EstablishP2P(Message):
-    """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone."""
+    """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone.
+
+    ``links``: the master's summary of the measured bandwidths within the recipient's group,
+    ``[slowest bytes/s, fastest / slowest]``, or empty when nothing is measured; every member of a
+    group gets the same, and chooses its collectives' schedules with it (docs/topology.md).
+    """
 
     epoch: int
     peers: list[PeerRow]
+    links: list[float] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
 
 
 @_register(26)
