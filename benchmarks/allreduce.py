@@ -17,7 +17,11 @@ only), written like ``gloo_bench.py`` (barrier, then ``dist.all_reduce``) plus a
 ``torch.cuda.synchronize()`` inside the timed region, since Gloo's CUDA all-reduce returns before its
 copy back to the device has finished. Our call returns with the result in device memory.
 
+``--schedule`` sets our peers' ``PeerConfig.schedule`` (default: the PeerConfig default, "auto": the cost
+model picks the ring, halving-doubling or the tree per operation, docs/topology.md).
+
 usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
+                                      [--schedule auto|ring|hd|tree]
 """
 
 from __future__ import annotations
@@ -54,8 +58,12 @@ async def _peer(cfg: dict[str, Any]) -> None:
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
 
-    stash = {} if cfg.get("stash_limit") is None else {"recv_stash_limit": cfg["stash_limit"]}
-    async with open_communicator(cfg["master"], config=c.peer_config(**stash),
+    overrides: dict[str, Any] = {}
+    if cfg.get("stash_limit") is not None:
+        overrides["recv_stash_limit"] = cfg["stash_limit"]
+    if cfg.get("schedule"):
+        overrides["schedule"] = cfg["schedule"]
+    async with open_communicator(cfg["master"], config=c.peer_config(**overrides),
                                  p2p_connection_pool_size=cfg["pool_size"]) as comm:
         while comm.world_size < cfg["world"]:
             await c.admit_pending(comm)
@@ -127,7 +135,7 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
         master = await cluster.start_master()
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
                "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device,
-               "samples": args.samples, "stash_limit": args.recv_stash_limit}
+               "samples": args.samples, "stash_limit": args.recv_stash_limit, "schedule": args.schedule}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         results: dict[int, dict[str, Any]] = {}
@@ -280,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gloo-bench", default="../shared/bench/gloo_bench.py",
                    help="path to gloo_bench.py (relative paths are from the repository root)")
     p.add_argument("--no-gloo", action="store_true", help="only our side")
+    p.add_argument("--schedule", default=None, choices=("auto", "ring", "hd", "tree"),
+                   help="PeerConfig.schedule of our peers (default: the PeerConfig default, auto)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: all-reduce torch CUDA tensors on both sides (needs a GPU)")
     p.add_argument("--keep-logs", action="store_true")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MASTER_PORT = 48148
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +136,12 @@ class PeerConfig:
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
             Also the bound on how long a P2P reader waits for stash room (see ``recv_stash_limit``).
+        schedule: how collectives move data: "auto" (default: per operation, the cost model picks
+            the ring, recursive halving-doubling or a binomial tree from the operation's kind and
+            size and the group size; docs/topology.md "Running them live"), or "ring", "hd",
+            "tree" to force one (an "hd" broadcast runs the tree; quantized all-reduces always run
+            the ring). Part of every collective's descriptor: peers configured differently fail
+            the operation with a descriptor mismatch.
         secret: optional shared secret presented to the master and to other peers (None: from
             ``$PCCL_SECRET_FILE`` / ``$PCCL_SECRET`` when set).
         accept_timeout: give up connecting when the master has not accepted this peer within this
@@ -158,6 +164,7 @@ class PeerConfig:
     max_frame_size: int = 16 * 1024 * 1024
     recv_stash_limit: int = DEFAULT_RECV_STASH_LIMIT
     p2p_stall_timeout: float = 30.0
+    schedule: str = "auto"
     secret: str | None = None
     accept_timeout: float | None = None
     reconnect_window: float = 0.0

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -21,7 +22,16 @@ import trio.testing
 
 import pccl
 from pccl.peer.communicator import Communicator
-from pccl.testing import MASTER, HookAction, Reset, TestCluster, TrafficEvent, VirtualNetwork, reset_after
+from pccl.testing import (
+    DEFAULT_PEER_CONFIG,
+    MASTER,
+    HookAction,
+    Reset,
+    TestCluster,
+    TrafficEvent,
+    VirtualNetwork,
+    reset_after,
+)
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.wire.data import DATA_HEADER_SIZE, unpack_data_header_fields
 
@@ -30,6 +40,9 @@ COUNT = 4 * 1000  # int64 elements: 4 chunks of 1000, one 8000-byte frame per ri
 FRAMES = 2 * (N - 1)  # frames each peer sends per all-reduce (reduce-scatter + all-gather)
 HB_TIMEOUT = 2.0  # DEFAULT_MASTER_CONFIG / DEFAULT_PEER_CONFIG
 HB_INTERVAL = 0.2
+# The frame cutters below follow the ring (frames on the victim's stream to its successor); the
+# other schedules' faults at every step: tests/collectives/test_live_schedules.py.
+RING = dataclasses.replace(DEFAULT_PEER_CONFIG, schedule="ring")
 
 
 def contribution(peer_id: int) -> np.ndarray:
@@ -148,7 +161,7 @@ def successor(cluster: TestCluster, index: int) -> int:
 @pytest.mark.parametrize("k", range(FRAMES))
 async def test_peer_crash_at_every_ring_step(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, k: int, cut: int) -> None:
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=RING)
     victim = 1
     survivors = [i for i in cluster.alive if i != victim]
     bufs = Buffers(cluster)
@@ -189,7 +202,7 @@ async def test_peer_crash_at_every_ring_step(
 async def test_peer_crash_after_its_last_frame(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
     """The victim sent every frame, then died: the op cannot complete without its vote; all survivors fail."""
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=RING)
     victim = 2
     bufs = Buffers(cluster)
     before = bufs.snapshot()
@@ -219,7 +232,7 @@ async def test_peer_crash_after_its_last_frame(
 
 async def test_peer_hung_mid_operation_is_evicted_and_retry_succeeds(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=RING)
     victim = 1
     survivors = [i for i in cluster.alive if i != victim]
     bufs = Buffers(cluster)

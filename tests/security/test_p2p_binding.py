@@ -123,6 +123,7 @@ async def test_forged_data_frames_during_running_all_reduces_change_nothing(
     await exact_all_reduces(cluster, rounds=1)
     baseline = await timed_rounds(cluster, rounds, tag=100)
     lost = [cluster.peer(i).pool.statistics()["connections_lost"] for i in cluster.alive]
+    live = [dict(cluster.peer(i).pool._in) for i in cluster.alive]  # incoming (peer, index) -> connection
     # Well-formed ring frames of the right chunk length for the tags about to run and the op_seqs the
     # master is about to hand out, full of 0xFF: one landing anywhere would show in the exact sums.
     chunk = (chunk_bounds(COUNT, 3)[0][1] - chunk_bounds(COUNT, 3)[0][0]) * 8
@@ -164,12 +165,18 @@ async def test_forged_data_frames_during_running_all_reduces_change_nothing(
             nursery.start_soon(attack, idx)
         under_attack = await timed_rounds(cluster, rounds, tag=200)
         stop.set()
-    assert attacks >= 3 * 3 * rounds and during_ops >= attacks // 4, (attacks, during_ops)
+    # on average every victim attacked every round, a quarter of them while a collective ran
+    assert attacks >= 3 * rounds and during_ops >= attacks // 4, (attacks, during_ops)
     assert cluster.alive == [0, 1, 2]  # no member lost
     for i, before in zip(cluster.alive, lost, strict=True):
         s = cluster.peer(i).pool.statistics()
         assert s["connections_lost"] == before and s["stashed_frames"] == 0
-        assert {p for p, _ in cluster.peer(i).pool._in} == {predecessor(cluster.peer(i))}
+        incoming = cluster.peer(i).pool._in
+        # No connection was replaced, and every incoming one is from a member (the schedules may open more
+        # than the ring's: the tree and halving-doubling partners).
+        assert all(incoming.get(k) is c for k, c in live[cluster.alive.index(i)].items())
+        others = {cluster.peer(j).peer_id for j in cluster.alive} - {cluster.peer(i).peer_id}
+        assert {p for p, _ in incoming} <= others
     # The stall is bounded: no round took longer than the slowest round without the attacker.
     assert max(under_attack) <= max(baseline) + 1e-9, (baseline, under_attack)
     assert "refused P2P connection" in caplog.text and "no P2P credential" in caplog.text

@@ -116,7 +116,7 @@ def test_the_handshake_keyed_with_a_credential_needs_both_the_secret_and_the_cre
     assert check_challenge(ch, h, secret=secret, credential=dial.key) is None
     proof = answer(ch, h, secret=secret, credential=dial.key)
     assert check_proof(proof, h, secret=secret, server_nonce=NS, credential=cred) is None
-    # Without the credential (the secret alone, as before protocol 3): refused, with the reason.
+    # Without the credential (the secret alone, as before protocol 4): refused, with the reason.
     bare = answer(challenge(h, secret=secret, server_nonce=NS), h, secret=secret)
     refusal = check_proof(bare, h, secret=secret, server_nonce=NS, credential=cred)
     assert refusal is not None and refusal.result is Result.INVALID_USAGE
@@ -138,7 +138,7 @@ def test_the_handshake_keyed_with_a_credential_needs_both_the_secret_and_the_cre
 
 
 def test_a_hello_of_another_version_is_decoded_so_that_the_version_is_what_is_refused() -> None:
-    # A protocol-2 Hello had six fields; protocol 3 added generation and epoch.
+    # A protocol-2 or -3 Hello had six fields; protocol 4 added generation and epoch.
     old = m.encode(m.Hello(protocol_version=2, purpose="p2p", channel="ring", nonce=NC))
     tag, values = msgpack.unpackb(old)
     short = msgpack.packb([tag, values[:6]], use_bin_type=True)

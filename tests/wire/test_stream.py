@@ -245,7 +245,7 @@ async def test_master_evicts_a_peer_that_stops_reading_and_keeps_serving(
         # the head of a frame when the window filled part-way through one): nothing was sent after a
         # frame's head but its tail.
         beats = 0
-        credentials = 0  # bytes of the P2P credentials among the answers (issued since protocol 3)
+        credentials = 0  # bytes of the P2P credentials among the answers (issued since protocol 4)
         with trio.fail_after(5):
             while True:
                 try:
