@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._tls import TlsFiles, check_pairing
+
 DEFAULT_MASTER_PORT = 48148
 PROTOCOL_VERSION = 2
 
@@ -53,6 +55,11 @@ class MasterConfig:
         status_port: serve the status page (``/``), ``/status`` (JSON) and ``/metrics`` (Prometheus)
             over HTTP on this port (0: the system picks one). ``None`` (default): no status server.
         status_host: address the status server binds; ``None``: the master's own bind address.
+        tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
+            no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
+        tls_key: PEM private key of ``tls_cert``.
+        tls_ca: PEM CA certificates; when given, every connection must present a client certificate
+            signed by one of them (mutual TLS). Needs ``tls_cert``.
     """
 
     heartbeat_interval: float = 0.5
@@ -67,8 +74,12 @@ class MasterConfig:
     deadlock_grace: float | None = 1.0
     status_port: int | None = None
     status_host: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
+        check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")
         if self.deadlock_grace is not None and self.deadlock_grace < 0:
             raise ValueError(f"deadlock_grace ({self.deadlock_grace}) must be >= 0 or None")
         if self.vote_timeout is not None and self.vote_timeout <= 0:
@@ -87,6 +98,13 @@ class MasterConfig:
                 f"straggler_timeout ({self.straggler_timeout}) must be > 0 and at most heartbeat_timeout "
                 f"({self.heartbeat_timeout})"
             )
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The master's TLS files, or None when TLS is off."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,6 +134,16 @@ class PeerConfig:
             wait, then fail with MASTER_CONNECTION_FAILED. 0: no reconnection (the master's loss ends
             the run for this peer, every call fails at once). See docs/concepts.md "Surviving the
             master".
+        tls_cert: PEM certificate chain of this peer (with ``tls_key`` and ``tls_ca``); None (default):
+            no TLS (None too: from ``$PCCL_TLS_CERT`` / ``$PCCL_TLS_KEY`` / ``$PCCL_TLS_CA`` when all
+            three fields are None). With TLS every connection of this peer speaks TLS: to the master
+            (which must serve TLS), to other peers, and at its P2P listener, which serves this
+            certificate and requires one signed by ``tls_ca`` (P2P is always mutual TLS).
+        tls_key: PEM private key of ``tls_cert``.
+        tls_ca: PEM CA certificates the master's and the other peers' certificates must chain to.
+        tls_server_name: the name the master's certificate must be valid for; None (default): the
+            host this peer dials (a name or an IP address, as given). P2P connections check the chain
+            only (docs/security.md "TLS" says why).
     """
 
     heartbeat_interval: float = 0.5
@@ -130,3 +158,19 @@ class PeerConfig:
     secret: str | None = None
     accept_timeout: float | None = None
     reconnect_window: float = 0.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=True, who="PeerConfig")
+        if self.tls_server_name is not None and self.tls_cert is None:
+            raise ValueError("PeerConfig: tls_server_name without TLS (set tls_cert, tls_key and tls_ca)")
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """This peer's TLS files, or None when TLS is off."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
