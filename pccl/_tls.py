@@ -71,21 +71,26 @@ def check_pairing(cert: str | None, key: str | None, ca: str | None, *, need_ca:
 
 
 def _load(ctx: ssl.SSLContext, files: TlsFiles, *, chain: bool) -> None:
+    # ssl names no file when one is missing: try each first, so that the message can.
+    for path in (files.cert, files.key, files.ca) if chain else (files.ca,):
+        if path is not None:
+            try:
+                with open(path, "rb"):
+                    pass
+            except OSError as exc:
+                raise InvalidArgumentError(f"TLS: cannot read {path}: {exc.strerror or exc}") from None
     try:
         if chain:
             ctx.load_cert_chain(files.cert, files.key)
         if files.ca is not None:
             ctx.load_verify_locations(cafile=files.ca)
-    except FileNotFoundError as exc:
-        raise InvalidArgumentError(f"TLS: cannot read {exc.filename}: {exc.strerror}") from None
-    except OSError as exc:
-        name = getattr(exc, "filename", None) or f"{files.cert} / {files.key} / {files.ca}"
-        raise InvalidArgumentError(f"TLS: cannot read {name}: {exc.strerror or exc}") from None
     except ssl.SSLError as exc:
         what = "certificate or key" if chain else "CA"
         raise InvalidArgumentError(
             f"TLS: cannot load the {what} ({files.cert}, {files.key}, CA {files.ca}): {reason(exc)}"
         ) from None
+    except OSError as exc:  # read between the check above and here
+        raise InvalidArgumentError(f"TLS: cannot read {files.cert}, {files.key}, {files.ca}: {exc}") from None
 
 
 def _base(purpose: ssl.Purpose) -> ssl.SSLContext:

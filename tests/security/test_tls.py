@@ -25,11 +25,11 @@ from pccl.peer.communicator import open_communicator
 from pccl.peer.p2p import open_p2p
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, TrafficEvent, VirtualNetwork
 from pccl.testing.pytest_plugin import ClusterFactory
+from pccl.testing.tls import Certs
 from pccl.transport import ConnectFailed, StreamBroken, TlsStream, TlsTransport
 from pccl.wire.handshake import offer_hello
 from pccl.wire.stream import MessageStream
 
-from ._certs import Certs
 from ._helpers import contribution, exact_all_reduces, hostile, master_port, p2p_address
 
 SECRET = "correct horse battery staple"
