@@ -18,7 +18,7 @@ import os as _os
 import socket as _stdsocket
 import ssl
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import trio
 
@@ -396,6 +396,10 @@ class TlsStream:
         self._lock = trio.Lock()
         self._server_side = server_side
         self._received = False  # any data received after the handshake
+        # The SSL object inside trio.SSLStream, for _drain_into (None if a trio version moved it: then
+        # every record takes one SSLStream call, which works, slower).
+        obj = getattr(self._ssl, "_ssl_object", None)
+        self._obj: ssl.SSLObject | None = obj if isinstance(obj, ssl.SSLObject) else None
 
     @property
     def peer_address(self) -> Address:
@@ -499,7 +503,35 @@ class TlsStream:
         data = await self.receive_some(len(buf))
         n = len(data)
         buf[:n] = data
+        if n and n < len(buf) and self._obj is not None:
+            n += self._drain_into(buf[n:])
         return n
+
+    def _drain_into(self, buf: memoryview) -> int:
+        """Decrypt, without waiting, what the TLS layer already holds, straight into ``buf``.
+
+        trio.SSLStream returns at most one TLS record (16 KiB) per call, with a scheduler pass each:
+        on bulk data that per-record cost, not the cipher, is most of TLS's price. The records it has
+        already read sit decrypted-to-be in its SSL object; reading them here, in one go, is what its own
+        next calls would do, minus the passes. Only called between SSLStream calls of this (the one)
+        receiving task, so the SSL object is not in use; anything that is not plain data (a close, an
+        error, a want-read) ends the drain and is left for the next SSLStream call to meet again.
+        """
+        obj = self._obj
+        assert obj is not None
+        got = 0
+        while got < len(buf):
+            try:
+                # With a buffer, read returns the byte count (typeshed says bytes).
+                k = cast(int, obj.read(len(buf) - got, buf[got:]))
+            except ssl.SSLWantReadError:
+                break
+            except (ssl.SSLError, OSError):
+                break  # the next receive meets it through SSLStream, which then marks the stream broken
+            if k <= 0:
+                break
+            got += k
+        return got
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):

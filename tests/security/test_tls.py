@@ -14,10 +14,12 @@ import struct
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
 
+from pccl import _tls
 from pccl._config import MasterConfig, PeerConfig
 from pccl._errors import MasterConnectionError, RankConnectionFailedError
 from pccl.master.server import serve_master
@@ -396,3 +398,42 @@ async def test_pre_auth_frame_limit_applies_inside_tls(
     await stream.aclose()
     assert cluster.alive == [0, 1]
     await exact_all_reduces(cluster, rounds=1)
+
+
+async def test_tls_stream_delivers_every_byte_in_order_whatever_the_receive_sizes(
+    autojump_clock: trio.testing.MockClock, pccl_network: VirtualNetwork, certs: Certs
+) -> None:
+    """Records read by SSLStream and the ones drained straight from its SSL object interleave: the bytes
+    come out exact and in order, then the close."""
+    pem = certs.issue("x")
+    files = _tls.TlsFiles(pem, pem, certs.ca_file)
+    a, b = pccl_network.host("a"), pccl_network.host("b")
+    server = TlsTransport(a, server_context=_tls.server_context(files), client_context=None)
+    client = TlsTransport(b, server_context=None,
+                          client_context=_tls.client_context(files, check_hostname=False))
+    listener = await server.listen(a.address, 0)
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8).tobytes()
+    got = bytearray()
+    sizes = [1, 7, 16384, 65536, 300_000, 1 << 20]
+
+    async def receive() -> None:
+        stream = await listener.accept()
+        assert isinstance(stream, TlsStream) and stream._obj is not None  # the drain is in use
+        i = 0
+        while True:
+            buf = memoryview(bytearray(sizes[i % len(sizes)]))
+            i += 1
+            k = await stream.receive_into(buf)
+            if k == 0:
+                break
+            got.extend(buf[:k])
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receive)
+        stream = await client.connect(a.address, listener.address[1])
+        for start in range(0, len(data), 700_001):
+            await stream.send_all(data[start : start + 700_001])
+        await stream.aclose()
+    assert bytes(got) == data
+    await listener.aclose()
