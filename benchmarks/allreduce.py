@@ -277,11 +277,14 @@ async def run_security(args: argparse.Namespace) -> list[list[Any]]:
                           flush=True)
             for n in sizes:
                 med = {k: statistics.median(v[n] for v in runs) for k, runs in got.items()}
-                per_round = [runs[n] for runs in got["tls"]], [runs[n] for runs in got["plain"]]
-                tls_ratios = sorted(t / p for t, p in zip(*per_round, strict=True))
+
+                def per_round(name: str, n: int = n) -> str:
+                    pairs = zip((r[n] for r in got[name]), (r[n] for r in got["plain"]), strict=True)
+                    return " ".join(f"{x:.2f}" for x in sorted(a / b for a, b in pairs))
+
                 rows.append([c.human_bytes(n), world, med["plain"] * 1e3, med["secret"] * 1e3,
-                             med["tls"] * 1e3, med["secret"] / med["plain"], med["tls"] / med["plain"],
-                             " ".join(f"{x:.2f}" for x in tls_ratios), n / med["plain"] / 1e9,
+                             med["tls"] * 1e3, med["secret"] / med["plain"], per_round("secret"),
+                             med["tls"] / med["plain"], per_round("tls"), n / med["plain"] / 1e9,
                              n / med["tls"] / 1e9])
     return rows
 
@@ -350,8 +353,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.rounds} interleaved rounds", flush=True)
         rows = trio.run(run_security, args)
         print()
-        print(c.format_table(["size", "world", "plain ms", "secret ms", "tls ms", "secret/plain", "tls/plain",
-                              "tls/plain per round", "plain algbw GB/s", "tls algbw GB/s"], rows))
+        print(c.format_table(["size", "world", "plain ms", "secret ms", "tls ms", "secret/plain",
+                              "secret/plain per round", "tls/plain", "tls/plain per round",
+                              "plain algbw GB/s", "tls algbw GB/s"], rows))
+        print("\nratios: of the medians over the rounds; per round: each round's ratio, sorted")
         print(f"\n({time.monotonic() - t0:.0f}s)")
         return 0
     args.worlds = args.worlds or "2,3,4"
