@@ -1,6 +1,7 @@
 """TLS across real OS processes: ``pccl-master --tls-cert --tls-ca`` as a subprocess, peers as separate Python
 processes that take their TLS files from ``$PCCL_TLS_CERT`` / ``$PCCL_TLS_CA``; an exact all-reduce, and a
-peer without TLS refused with MASTER_CONNECTION_FAILED while the run goes on."""
+peer without TLS refused with MASTER_CONNECTION_FAILED while the run goes on; and ``pccl run`` handing the
+same variables to its master and its peers."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from pccl.cli import main
 from pccl.testing.tls import Certs
 
 pytestmark = pytest.mark.slow
@@ -96,3 +98,35 @@ def test_tls_master_and_peer_processes(tmp_path: Path) -> None:
         for p in [*peers, master]:
             p.kill()
             p.wait(WAIT)
+
+
+LAUNCHED = r"""
+import os, numpy as np
+from pccl import Attribute, Communicator, ReduceOp, _env
+assert _env.peer_config(None).tls is not None  # TLS files from the launcher's environment
+n = int(os.environ["PCCL_WORLD_SIZE"])
+with Communicator() as comm:
+    comm.connect()
+    while comm.get_attribute(Attribute.GLOBAL_WORLD_SIZE) < n:
+        if comm.are_peers_pending():
+            comm.update_topology()
+    x = np.full(4, int(os.environ["PCCL_RANK"]) + 1, np.float32)
+    comm.all_reduce(x, x, op=ReduceOp.SUM)
+    print("result", x[0], flush=True)
+"""
+
+
+def test_pccl_run_gives_master_and_peers_tls_from_the_environment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TLS peer succeeds only against a TLS master (and the reverse): the all-reduce proves both."""
+    certs = Certs(tmp_path)
+    pem = certs.issue("both", "127.0.0.1", "pccl-peer")
+    monkeypatch.setenv("PCCL_TLS_CERT", pem)
+    monkeypatch.setenv("PCCL_TLS_CA", certs.ca_file)
+    monkeypatch.delenv("PCCL_TLS_KEY", raising=False)
+    script = tmp_path / "ar.py"
+    script.write_text(LAUNCHED)
+    assert main(["run", "-n", "2", str(script)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "[peer 0] result 3.0" in out and "[peer 1] result 3.0" in out
