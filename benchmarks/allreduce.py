@@ -63,7 +63,8 @@ async def _peer(cfg: dict[str, Any]) -> None:
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
 
-    async with open_communicator(cfg["master"], config=c.peer_config(**cfg.get("peer", {})),
+    stash = {} if cfg.get("stash_limit") is None else {"recv_stash_limit": cfg["stash_limit"]}
+    async with open_communicator(cfg["master"], config=c.peer_config(**stash, **cfg.get("peer", {})),
                                  p2p_connection_pool_size=cfg["pool_size"]) as comm:
         while comm.world_size < cfg["world"]:
             await c.admit_pending(comm)
@@ -107,8 +108,10 @@ async def _peer(cfg: dict[str, Any]) -> None:
             samples[str(nbytes)] = times
             cpu_medians[str(nbytes)] = statistics.median(cpus)
             phase_medians[str(nbytes)] = {k: statistics.median(v) for k, v in phases.items()}
+        ps = comm.pool.statistics()
         c.emit("result", peer=comm.peer_id, rank=comm.rank, median_s=medians, samples_s=samples,
-               cpu_median_s=cpu_medians, phase_median_s=phase_medians)
+               cpu_median_s=cpu_medians, phase_median_s=phase_medians,
+               stash={k: ps[k] for k in ("frames_stashed_total", "stash_peak_bytes", "reader_blocks_total")})
         # Leave together: a peer that closes early would look like a failure to a peer still timing.
         await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
 
@@ -135,7 +138,7 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace,
         master = await cluster.start_master(extra=setting.master_argv)
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
                "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device,
-               "samples": args.samples, "peer": setting.peer}
+               "samples": args.samples, "stash_limit": args.recv_stash_limit, "peer": setting.peer}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         results: dict[int, dict[str, Any]] = {}
@@ -161,6 +164,13 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace,
                 ph = results[r]["phase_median_s"][str(n)]
                 print(f"    {'':>6} phase medians (ms): "
                       + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in ph.items()), flush=True)
+    if args.recv_stash_limit is not None:
+        st = [results[r].get("stash", {}) for r in sorted(results)]
+        stashed = [s.get("frames_stashed_total") for s in st]
+        peaks = [s.get("stash_peak_bytes") for s in st]
+        blocks = [s.get("reader_blocks_total") for s in st]
+        print(f"    world {world}, recv_stash_limit {args.recv_stash_limit}: frames stashed {stashed}, "
+              f"stash peak bytes {peaks}, reader blocks {blocks} (per rank, whole run)", flush=True)
     rank0 = results[0]["median_s"]
     return {n: float(rank0[str(n)]) for n in sizes}
 
@@ -332,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", type=int, default=1, help="p2p_connection_pool_size of our peers")
+    p.add_argument("--recv-stash-limit", type=int, default=None,
+                   help="PeerConfig.recv_stash_limit of our peers (default: PeerConfig's); also prints "
+                        "their stash counters")
     p.add_argument("--gloo-bench", default="../shared/bench/gloo_bench.py",
                    help="path to gloo_bench.py (relative paths are from the repository root)")
     p.add_argument("--no-gloo", action="store_true", help="only our side")

@@ -55,6 +55,17 @@ class MasterConfig:
         status_port: serve the status page (``/``), ``/status`` (JSON) and ``/metrics`` (Prometheus)
             over HTTP on this port (0: the system picks one). ``None`` (default): no status server.
         status_host: address the status server binds; ``None``: the master's own bind address.
+        quorum: when a *live* master needs a majority of its epoch's members to complete votes
+            (docs/concepts.md "Surviving the master", "No split brain"): ``"auto"`` (default) as soon
+            as a peer of the run tells this master that it can fail over to another master address
+            (it has a reconnect window and a standby address), ``"on"`` always, ``"off"`` never (a
+            single-master run that must go on after losing most of its peers at once). A master
+            rebuilding from re-registrations needs that majority in every mode.
+        quorum_hold_timeout: seconds a master without its quorum (rebuilding, or live and short of
+            the majority) holds its votes for members to come back; then it closes every
+            connection with ``MASTER_CONNECTION_FAILED`` ("look for a newer master"), so its peers
+            fail over through their address lists, and it refuses the run's members from then on.
+            ``None``: hold forever. Default 30 s.
         tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
             no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
         tls_key: PEM private key of ``tls_cert``.
@@ -74,12 +85,18 @@ class MasterConfig:
     deadlock_grace: float | None = 1.0
     status_port: int | None = None
     status_host: str | None = None
+    quorum: str = "auto"
+    quorum_hold_timeout: float | None = 30.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")
+        if self.quorum not in ("auto", "on", "off"):
+            raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")
+        if self.quorum_hold_timeout is not None and self.quorum_hold_timeout <= 0:
+            raise ValueError(f"quorum_hold_timeout ({self.quorum_hold_timeout}) must be > 0 or None")
         if self.deadlock_grace is not None and self.deadlock_grace < 0:
             raise ValueError(f"deadlock_grace ({self.deadlock_grace}) must be >= 0 or None")
         if self.vote_timeout is not None and self.vote_timeout <= 0:
@@ -107,6 +124,13 @@ class MasterConfig:
         return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
 
+#: Default ``PeerConfig.recv_stash_limit``: 16 frames of the default 4 MiB ring block. Frames only
+#: arrive early by the skew between two peers' starts of one operation (registration follows the
+#: master's go-ahead at once), and a frame that does not fit waits for its receive instead of
+#: failing, so the stash only saves the sender a wait; see docs/security.md "Early data frames".
+DEFAULT_RECV_STASH_LIMIT = 64 << 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     """Peer (communicator) tunables.
@@ -119,10 +143,17 @@ class PeerConfig:
         p2p_listen_host: address the P2P listener binds.
         p2p_listen_port: 0 lets the OS choose.
         max_frame_size: largest control frame accepted.
-        recv_stash_limit: bytes of not-yet-claimed data a P2P reader may buffer.
+        recv_stash_limit: bytes of ring data frames that arrived before their receive was
+            registered which the P2P pool may hold (all incoming connections together; default
+            64 MiB, 16 frames of the default 4 MiB block). When a frame does not fit, its
+            connection is not read (TCP flow control holds the sender back) until its receive is
+            registered, its operation ends or room frees; a connection blocked so for
+            ``p2p_stall_timeout`` is closed with a logged reason. 0: never stash, every early frame
+            waits for its receive (see ``pccl/peer/pool.py`` and docs/security.md).
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
+            Also the bound on how long a P2P reader waits for stash room (see ``recv_stash_limit``).
         secret: optional shared secret presented to the master and to other peers (None: from
             ``$PCCL_SECRET_FILE`` / ``$PCCL_SECRET`` when set).
         accept_timeout: give up connecting when the master has not accepted this peer within this
@@ -153,7 +184,7 @@ class PeerConfig:
     p2p_listen_host: str = "0.0.0.0"
     p2p_listen_port: int = 0
     max_frame_size: int = 16 * 1024 * 1024
-    recv_stash_limit: int = 1 << 30
+    recv_stash_limit: int = DEFAULT_RECV_STASH_LIMIT
     p2p_stall_timeout: float = 30.0
     secret: str | None = None
     accept_timeout: float | None = None
@@ -164,6 +195,10 @@ class PeerConfig:
     tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
+        if self.recv_stash_limit < 0:
+            raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
+        if not self.p2p_stall_timeout > 0:
+            raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=True, who="PeerConfig")
         if self.tls_server_name is not None and self.tls_cert is None:
             raise ValueError("PeerConfig: tls_server_name without TLS (set tls_cert, tls_key and tls_ca)")

@@ -55,6 +55,13 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--deadlock-grace", type=seconds, default=defaults.deadlock_grace,
                    help="fail the calls of a group whose peers wait in calls that cannot complete each other "
                         f"after this many seconds (default {defaults.deadlock_grace:g})")
+    p.add_argument("--quorum", choices=("auto", "on", "off"), default=defaults.quorum,
+                   help="complete votes only while a majority of the epoch's members is connected: 'auto' "
+                        "once a peer says it can fail over to a standby master, 'on', 'off' "
+                        f"(default {defaults.quorum})")
+    p.add_argument("--quorum-hold-timeout", type=seconds, default=defaults.quorum_hold_timeout,
+                   help="seconds a master without its quorum holds votes before it tells its peers to look "
+                        f"for a newer master (default {defaults.quorum_hold_timeout:g})")
     p.add_argument("--secret", default=None,
                    help="shared secret peers must know (optional; visible in the process list: "
                         "prefer --secret-file or $PCCL_SECRET)")
@@ -86,6 +93,8 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             heartbeat_timeout=args.heartbeat_timeout,
             straggler_timeout=args.straggler_timeout,
             deadlock_grace=args.deadlock_grace,
+            quorum=args.quorum,
+            quorum_hold_timeout=args.quorum_hold_timeout,
             secret=secret,
             status_port=args.status_port,
             status_host=args.status_host,

@@ -188,6 +188,8 @@ class MasterState:
         clock: the time source the default solver's budget is measured with (the server passes
             ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
             step and stall limits, deterministically.
+        quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
+            (MasterConfig.quorum; docs/concepts.md "No split brain").
     """
 
     def __init__(
@@ -197,7 +199,10 @@ class MasterState:
         bandwidth_stale_after: float = 3600.0,
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
+        quorum: str = "auto",
     ) -> None:
+        if quorum not in ("auto", "on", "off"):
+            raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
         self.peers: dict[int, PeerRecord] = {}
         self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
         self._ring: list[int] = []
@@ -229,6 +234,21 @@ class MasterState:
         # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
         self.generation = 1
         self.rebuild: _Rebuild | None = None
+        # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
+        # this master holds must be a majority for any vote to complete (when the rule applies);
+        # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
+        # since when the master is held (no quorum; None: it is not); the generation of a run this
+        # master gave up for lack of a quorum (its members are refused from then on); and the peers
+        # accepted alone at a master that held no run (they yield to re-registering members).
+        self.quorum_mode = quorum
+        self.failover = False
+        self._base: list[int] = []
+        self._base_held: int | None = None  # how many of ``base`` are in the ring; None: recount
+        self._held_since: float | None = None
+        self._dismissed_generation: int | None = None
+        self._fresh = True
+        self._provisional: set[int] = set()
+        self._yielding = False
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -243,6 +263,7 @@ class MasterState:
     def ring(self, value: list[int]) -> None:
         self._ring = value
         self._group_sizes = None
+        self._base_held = None
 
     def _group_size(self, group: int) -> int:
         """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
@@ -286,6 +307,8 @@ class MasterState:
             "revisions": dict(self.last_revision),
             "generation": self.generation,
             "rebuilding": self.rebuild is not None,
+            "quorum_enforced": self.enforced,
+            "held": not self.resumed,
         }
 
     def __repr__(self) -> str:
@@ -318,9 +341,89 @@ class MasterState:
         return pid
 
     @property
+    def enforced(self) -> bool:
+        """Whether the live quorum rule applies: ``quorum="on"``, or ``"auto"`` once a peer said it can
+        fail over to another master (:class:`~pccl.wire.messages.Standbys`)."""
+        return self.quorum_mode == "on" or (self.quorum_mode == "auto" and self.failover)
+
+    @property
+    def quorate(self) -> bool:
+        """Whether the accepted peers this master holds are more than half of the epoch's members."""
+        if not self._base:
+            return True
+        if self._base_held is None:  # counted once per ring or base change, not per vote
+            self._base_held = len(set(self._ring) & set(self._base))
+        return 2 * self._base_held > len(self._base)
+
+    @property
+    def base(self) -> list[int]:
+        """The current epoch's members (ring order), whom the quorum rule counts. Assign a new list."""
+        return self._base
+
+    @base.setter
+    def base(self, value: list[int]) -> None:
+        self._base = value
+        self._base_held = None
+
+    @property
     def resumed(self) -> bool:
-        """False while rebuilding without a majority of the last epoch's members: no vote completes."""
-        return self.rebuild is None
+        """False while the master is *held* (no vote completes): rebuilding without a majority of the
+        last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
+        a majority of its epoch's members (docs/concepts.md "No split brain")."""
+        return self.rebuild is None and (not self.enforced or self.quorate)
+
+    def _note_quorum(self) -> list[Effect]:
+        """Start or end the hold after a membership change: a master that became held starts its
+        hold clock; one that is no longer held re-checks every pending vote."""
+        held = not self.resumed
+        if held and self._held_since is None:
+            self._held_since = self._now
+            if self.rebuild is None:
+                have = sum(1 for p in self.base if p in self.ring)
+                return [Event(f"no quorum: {have} of the epoch's {len(self.base)} member(s) held; "
+                              "votes wait for members to come back")]
+            return []
+        if not held and self._held_since is not None:
+            self._held_since = None
+            return self._recheck_votes()
+        return []
+
+    def hold_deadline(self, timeout: float) -> float | None:
+        """When the current hold (no quorum) runs out of time (None: not held)."""
+        if self._held_since is None:
+            return None
+        return self._held_since + timeout
+
+    def hold_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Give the run up when the master has been held (no quorum) for more than ``timeout``
+        seconds (MasterConfig.quorum_hold_timeout).
+
+        Every connection is closed with ``MASTER_CONNECTION_FAILED`` ("look for a newer master"):
+        members fail over through their address lists. The master then holds no run, refuses
+        re-registrations of this generation or older, and accepts newcomers as a fresh master does.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds a hold may last.
+
+        Returns:
+            The effects to execute (nothing before the deadline or when not held).
+        """
+        self._now = now
+        if self._held_since is None or now <= self._held_since + timeout:
+            return []
+        have = sum(1 for p in self.base if p in self.ring)
+        reason = (f"no quorum: this master (generation {self.generation}) held only {have} of the epoch's "
+                  f"{len(self.base)} member(s) for {timeout:g}s; look for a newer master")
+        effects: list[Effect] = [Event(f"giving the run up: {reason}")]
+        for pid in list(self.peers):
+            effects += self.kick(pid, reason, Result.MASTER_CONNECTION_FAILED)
+        self.rebuild = None
+        self.base = []
+        self._held_since = None
+        self._dismissed_generation = self.generation
+        self._fresh = True
+        return effects
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
@@ -586,8 +689,12 @@ class MasterState:
             effects += self.kick(p, reason)
         return effects
 
-    def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
-        """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""
+    def peer_lost(self, peer_id: int, reason: str, now: float | None = None) -> list[Effect]:
+        """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored.
+
+        ``now`` (optional): when; it starts the hold clock if the loss costs the quorum."""
+        if now is not None:
+            self._now = now
         rec = self.peers.get(peer_id)
         if rec is None:
             return []
@@ -618,6 +725,9 @@ class MasterState:
             effects += self._op_peer_lost(key, peer_id)
         for group in list(self._syncs):
             effects += self._sync_peer_lost(group, peer_id)
+        self._provisional.discard(peer_id)
+        if was_accepted:
+            effects += self._note_quorum()
         if was_accepted and not self.ring:
             effects += self._accept_first_if_alone()
         return effects
@@ -679,7 +789,12 @@ class MasterState:
 
         Rules, in order:
 
+        0. newcomer-first: a master whose only accepted peers are newcomers it accepted alone while
+           holding no run (and that have completed no topology round) kicks them (``KICKED``: join
+           again): the run's members win;
         1. its connection must hold the id it claims (granted at the hello), which ``msg.ring`` names;
+        1b. a master that gave a run up for lack of a quorum (:meth:`hold_overdue`) and holds none
+           refuses members of that generation or an older one ("look for a newer master");
         2. a peer that followed a newer generation than this master's refuses this master: kicked
            (this master is stale; fencing);
         3. a master with no members (restarted or standby) starts rebuilding: it adopts the epoch,
@@ -695,22 +810,42 @@ class MasterState:
         assert isinstance(msg, m.Reregister)
         if rec.phase is not Phase.CONNECTED:
             return self.kick(rec.peer_id, "Reregister after Register")
+        effects: list[Effect] = []
+        if self.ring and self.rebuild is None and set(self.ring) <= self._provisional:
+            # Newcomer-first at a master that held no run: the run's members win over the lone
+            # newcomer accepted meanwhile, which must join again (docs/concepts.md rule 0). Its id
+            # (a fresh master counts from 1 again) may be the one this member claims: then the
+            # claim below fails once, and the member's next attempt gets it.
+            self._yielding = True  # no other newcomer is accepted alone meanwhile
+            for p in sorted(self._provisional):
+                effects += self.kick(p, f"member {msg.peer_id} of the run this master serves re-registered: "
+                                        "join again as a newcomer", Result.KICKED)
+            self._yielding = False
+            self._provisional.clear()
         if rec.peer_id != msg.peer_id or msg.peer_id not in msg.ring:
-            return self.kick(rec.peer_id, f"Reregister as peer {msg.peer_id}: that id is still held by a "
-                                          "connected peer or was not claimed in the hello (retry later)")
+            why = (f"Reregister as peer {msg.peer_id}: that id is still held by a connected peer or was "
+                   "not claimed in the hello (retry later)")
+            return effects + self.kick(rec.peer_id, why)
         if not 0 < msg.p2p_port < 65536:
-            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+            return effects + self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+        if (not self.ring and self.rebuild is None and self._dismissed_generation is not None
+                and msg.generation <= self._dismissed_generation):
+            return effects + self.kick(
+                rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
+                             "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
         if msg.generation > self.generation and (self.ring or self.rebuild is not None):
             return self.kick(rec.peer_id, f"this master (generation {self.generation}) is older than "
                                           f"the peer's (generation {msg.generation})",
                              Result.MASTER_CONNECTION_FAILED)
-        effects: list[Effect] = []
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self.epoch = msg.epoch
             self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
+            self.base = list(msg.ring)
+            self._fresh = False
+            self._held_since = self._now
             effects.append(Event(f"rebuilding the run from re-registrations: epoch {msg.epoch}, "
                                  f"{len(msg.ring)} member(s), generation {self.generation}"))
         rb = self.rebuild
@@ -718,6 +853,7 @@ class MasterState:
             if msg.epoch > rb.epoch:
                 rb.epoch = self.epoch = msg.epoch
                 rb.expected = list(msg.ring)
+                self.base = list(msg.ring)
             elif msg.epoch < rb.epoch:
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.MASTER_CONNECTION_FAILED)
@@ -746,8 +882,19 @@ class MasterState:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
-                effects += self._recheck_votes()
-        return effects
+        return effects + self._note_quorum()
+
+    def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
+        assert isinstance(msg, m.Standbys)
+        if msg.count <= 0 or self.failover:
+            return []
+        self.failover = True
+        effects: list[Effect] = []
+        if self.enforced:
+            effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
+                                 "now need a majority of the epoch's members"))
+        return effects + self._note_quorum()
 
     def _recheck_votes(self) -> list[Effect]:
         """Re-check every pending vote (the rebuild ended)."""
@@ -762,7 +909,7 @@ class MasterState:
     def _accept_first_if_alone(self) -> list[Effect]:
         """With no accepted peer, the earliest registered one is accepted at once (world size 1);
         never while rebuilding (the run's members are coming back)."""
-        if self.ring or self._topology is not None or self.rebuild is not None:
+        if self.ring or self._topology is not None or not self.resumed or self._yielding:
             return []
         waiting = self.registered()
         if not waiting:
@@ -770,6 +917,9 @@ class MasterState:
         pid = waiting[0]
         self.peers[pid].phase = Phase.ACCEPTED
         self.ring = [pid]
+        self.base = [pid]
+        if self._fresh:
+            self._provisional = {pid}
         self.epoch += 1
         return [
             Send(pid, m.Accepted(peers=self.table(self.ring), epoch=self.epoch)),
@@ -899,6 +1049,9 @@ class MasterState:
             effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
             return effects
         self.ring = list(rnd.members)
+        self.base = list(self.ring)
+        self._fresh = False
+        self._provisional.clear()
         table = self.table(self.ring)
         for p in rnd.newcomers:
             self.peers[p].phase = Phase.ACCEPTED
@@ -1325,6 +1478,7 @@ class MasterState:
         m.Heartbeat: _on_heartbeat,
         m.Register: _on_register,
         m.Reregister: _on_reregister,
+        m.Standbys: _on_standbys,
         m.PeersPendingVote: _on_peers_pending,
         m.UpdateTopologyVote: _on_update_topology,
         m.OptimizeTopologyVote: _on_optimize_topology,

@@ -72,6 +72,7 @@ from .stall import StallWatch
 from .state import (
     AbortOp,
     Call,
+    Dismissed,
     Effect,
     Establish,
     Lost,
@@ -333,6 +334,8 @@ class Communicator:
         self._stall.name = f"peer {self.peer_id}"
         nursery.start_soon(self._stall.run)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
+        if self._standbys():
+            await self._send(m.Standbys(count=self._standbys()))
         deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
         accepted = False
         with trio.move_on_at(min(deadline, trio.current_time() + _WAITING_NOTICE_AFTER)):
@@ -470,7 +473,7 @@ class Communicator:
             return exc
         try:
             with trio.fail_after(self.config.connect_timeout):
-                await ms.send(self._core.reregister(self.p2p_address[1]))
+                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0))
                 reply = await ms.receive()
                 while isinstance(reply, m.Heartbeat):
                     reply = await ms.receive()
@@ -488,7 +491,16 @@ class Communicator:
         self._start_link_tasks(ms)
         up, self._link_up = self._link_up, trio.Event()
         up.set()
+        if self._standbys():
+            self._send_soon(m.Standbys(count=self._standbys()))
         return None
+
+    def _standbys(self) -> int:
+        """How many other master addresses this peer fails over to (0 without a reconnect window):
+        told to the master, whose "auto" quorum rule then applies (docs/concepts.md "No split brain")."""
+        if self.config.reconnect_window <= 0:
+            return 0
+        return len(set(self.master_addresses)) - 1
 
     def _send_soon(self, msg: m.Message) -> None:
         """Send from a context that must not wait (cleanup paths)."""
@@ -590,6 +602,13 @@ class Communicator:
             if isinstance(effect, Lost):
                 lost = effect.error
                 self._fail_all(lost)
+            elif isinstance(effect, Dismissed):
+                # The master gave the run up (no quorum): fail over as if the link broke.
+                lost = effect.error
+                if self._ms is not None:
+                    self._link_failed(self._ms, lost)
+                else:
+                    self._fail_all(lost)
             else:
                 self._execute(effect)
         return lost

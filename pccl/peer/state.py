@@ -1,7 +1,8 @@
 """The peer's pure core: the protocol rules of one peer, without trio, sockets or clocks.
 
 :class:`PeerState` is fed the master's messages one at a time, with the time they arrived, and returns
-effects (:class:`Resolve`, :class:`AbortOp`, :class:`Establish`, :class:`Measure`, :class:`Lost`);
+effects (:class:`Resolve`, :class:`AbortOp`, :class:`Establish`, :class:`Measure`, :class:`Lost`,
+:class:`Dismissed`);
 :class:`pccl.peer.communicator.Communicator` executes them, the way :mod:`pccl.master.server` executes
 :class:`pccl.master.state.MasterState`'s. The data plane never passes through here: frames are routed by
 the P2P pool. See docs/protocol.md for the messages.
@@ -117,7 +118,16 @@ class Lost:
     error: PCCLError
 
 
-Effect = Resolve | AbortOp | Establish | Measure | Lost
+@dataclass(frozen=True)
+class Dismissed:
+    """The master closed the link with ``MASTER_CONNECTION_FAILED`` (it gave the run up for lack of a
+    quorum: docs/concepts.md "No split brain"): the link is down as if it broke, so a member with a
+    reconnect window fails over through its address list; otherwise the master is lost."""
+
+    error: PCCLError
+
+
+Effect = Resolve | AbortOp | Establish | Measure | Lost | Dismissed
 
 
 # ============================================================================================
@@ -163,6 +173,10 @@ class PeerState:
         self.group = group
         self.table: list[m.PeerRow] = []  # accepted peers, ring order
         self.epoch = 0
+        # The epoch's members (peer ids, ring order) as the master established them (Accepted, a
+        # successful TopologyResult); unlike ``table`` never reconciled with collectives: the set the
+        # masters' quorum rule counts, reported in Reregister (docs/concepts.md "No split brain").
+        self.members: list[int] = []
         self.ops: dict[int, OpRecord] = {}
         self.membership: str | None = None  # the membership call running, by name
         self.sync: SyncRecord | None = None
@@ -320,14 +334,23 @@ class PeerState:
         """True between the master's loss and the reconnection (or the window's end)."""
         return self.reconnecting_until is not None
 
-    def reregister(self, p2p_port: int) -> m.Reregister:
-        """What this peer tells a master it reconnects to: everything the master needs to rebuild."""
+    def reregister(self, p2p_port: int, *, epoch_members: bool = True) -> m.Reregister:
+        """What this peer tells a master it reconnects to: everything the master needs to rebuild.
+
+        Args:
+            p2p_port: this peer's P2P listener port.
+            epoch_members: report the epoch's members as the master established them (a peer that
+                can fail over to a standby: both masters must count the same list); False: the
+                table as collectives reconciled it (a single-master peer: a restarted master then
+                expects only the members that took part in the last operations).
+        """
+        ring = self.members if epoch_members and self.members else [r.peer_id for r in self.table]
         return m.Reregister(
             peer_id=self.peer_id,
             p2p_port=p2p_port,
             peer_group=self.group,
             epoch=self.epoch,
-            ring=[r.peer_id for r in self.table],
+            ring=list(ring),
             revision=self.revision,
             generation=self.generation,
         )
@@ -478,6 +501,8 @@ class PeerState:
 
     def _on_refused(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.Refused)
+        if msg.code == int(Result.MASTER_CONNECTION_FAILED):
+            return [Dismissed(MasterConnectionError(f"the master closed the connection: {msg.reason}"))]
         return [Lost(KickedError(f"removed by the master: {msg.reason}"))]
 
     def _on_registered(self, msg: m.Message) -> list[Effect]:
@@ -488,6 +513,7 @@ class PeerState:
     def _on_accepted(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.Accepted)
         self.table, self.epoch = list(msg.peers), msg.epoch
+        self.members = [r.peer_id for r in msg.peers]
         return [Resolve(Call.ACCEPTED, msg)]
 
     def _on_pending_result(self, msg: m.Message) -> list[Effect]:
@@ -500,6 +526,8 @@ class PeerState:
     def _on_topology_result(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.TopologyResult)
         self.table, self.epoch = list(msg.peers), msg.epoch
+        if msg.success:
+            self.members = [r.peer_id for r in msg.peers]
         return [Resolve(Call.TOPOLOGY, msg)] if self.membership in _TOPOLOGY_CALLS else []
 
     def _on_commence(self, msg: m.Message) -> list[Effect]:
@@ -579,6 +607,7 @@ def ring_neighbours(rows: Sequence[m.PeerRow], me: int) -> tuple[m.PeerRow | Non
 __all__ = [
     "AbortOp",
     "Call",
+    "Dismissed",
     "Effect",
     "Establish",
     "Lost",

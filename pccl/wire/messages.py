@@ -329,7 +329,7 @@ class Reregister(Message):
     or the same one), instead of ``Register``: its connection's Hello claimed its old ``peer_id``
     (repeated here).
 
-    What it last knew: the ``epoch`` and ``ring`` (peer ids, ring order) of its last accepted table,
+    What it last knew: the ``epoch`` and ``ring`` (peer ids, ring order) of that epoch's members,
     its group's shared-state ``revision`` (-1: never synced) and the master ``generation`` it
     followed. See docs/concepts.md "Surviving the master" for the rules.
     """
@@ -341,6 +341,17 @@ class Reregister(Message):
     ring: list[int]
     revision: int
     generation: int
+
+
+@_register(17)
+@dataclass(frozen=True, kw_only=True)
+class Standbys(Message):
+    """The peer knows ``count`` (> 0) master addresses besides this master's and, when it loses this
+    master, reconnects to them within its reconnect window: a second master may then hold part of
+    the run, so a master in ``quorum="auto"`` mode applies its live quorum rule from now on
+    (docs/concepts.md "No split brain"). Sent once after ``Register`` or ``Reregister``."""
+
+    count: int
 
 
 # Membership (master -> peer)
