@@ -57,7 +57,18 @@ class Event:
     text: str
 
 
-Effect = Send | Kick | Event
+@dataclass(frozen=True)
+class FastStart:
+    """Collective ``tag`` of ``group`` runs under its speculative ``op_seq``: every participant voted
+    with the number the master reserved, so no ``CollectiveCommence`` is sent (nothing to execute; the
+    status metrics count it as started)."""
+
+    group: int
+    tag: int
+    op_seq: int
+
+
+Effect = Send | Kick | Event | FastStart
 
 
 class Phase(enum.Enum):
@@ -126,6 +137,45 @@ class _CollectiveOp:
     done: set[int] = field(default_factory=set)
     # the same peers as ``participants``, for O(1) membership tests (kept in step with it)
     participant_set: set[int] = field(default_factory=set)
+    # the speculative start: each voter's proposed op_seq (-1: none), and voters whose speculative
+    # attempt already reported success while the vote was still open
+    proposals: dict[int, int] = field(default_factory=dict)
+    early_done: set[int] = field(default_factory=set)
+    early_failed: dict[int, str] = field(default_factory=dict)  # ... or failure, with its reason
+    retired: set[int] = field(default_factory=set)  # proposals of voters that withdrew or were lost
+    fast: bool = False  # running under the reserved op_seq (no CollectiveCommence was sent)
+
+    def proposal(self, peer_id: int) -> int:
+        """The op_seq ``peer_id`` runs this op under as far as it knows (its proposal, or -1)."""
+        return self.op_seq if self.running else self.proposals.get(peer_id, -1)
+
+    def speculative_seqs(self) -> list[int]:
+        """The speculative op_seqs the voters proposed (their frames must be dropped everywhere)."""
+        return sorted({s for s in self.proposals.values() if s >= 0} | self.retired)
+
+    def drop_voter(self, peer_id: int) -> int:
+        """Take ``peer_id``'s vote back; returns its proposal (kept among the numbers to forget)."""
+        self.votes.pop(peer_id, None)
+        self.early_done.discard(peer_id)
+        self.early_failed.pop(peer_id, None)
+        seq = self.proposals.pop(peer_id, -1)
+        if seq >= 0:
+            self.retired.add(seq)
+        return seq
+
+
+@dataclass
+class _Reservation:
+    """The op_seq reserved for a group's next operation with one tag (sent in CollectiveComplete):
+    valid while the epoch is ``epoch`` and the group's ring is still ``members``."""
+
+    seq: int
+    epoch: int
+    members: list[int]
+
+
+#: Reservations kept per group (the oldest go first; peers keep the same number in the same order).
+RESERVATIONS_PER_GROUP = 1024
 
 
 @dataclass
@@ -215,6 +265,9 @@ class MasterState:
         self._pending_opened = 0.0
         self._ops: dict[tuple[int, int], _CollectiveOp] = {}
         self._op_seq = 0
+        # group -> tag -> the op_seq reserved for the next op (the speculative start), oldest first
+        self._reserved: dict[int, dict[int, _Reservation]] = {}
+        self.fast_starts = 0  # collectives that ran on the speculative start (statistics)
         self._syncs: dict[int, _SyncRound] = {}
         self._sync_seq = 0
         self.last_revision: dict[int, int] = {}
@@ -303,6 +356,8 @@ class MasterState:
             "topology_round": self._topology.kind if self._topology else None,
             "collectives_running": sum(1 for o in self._ops.values() if o.running),
             "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
+            "collectives_fast": self.fast_starts,
+            "reservations": sum(len(r) for r in self._reserved.values()),
             "syncs_in_progress": len(self._syncs),
             "revisions": dict(self.last_revision),
             "generation": self.generation,
@@ -535,8 +590,11 @@ class MasterState:
             if op.running:
                 continue
             for p in sorted(peer_ids & set(op.votes)):
-                del op.votes[p]
-                abort = m.CollectiveAbort(tag=op.tag, op_seq=-1, code=int(code), reason=reason)
+                seq = op.drop_voter(p)
+                if seq >= 0:
+                    self._take_reservation(key)  # frames may be out under it: it never runs again
+                abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
+                                          forget=op.speculative_seqs())
                 effects.append(Send(p, abort))
             if not op.votes:
                 del self._ops[key]
@@ -716,8 +774,17 @@ class MasterState:
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
+        revoked: list[Effect] = []
+        voided = self._reserved.pop(rec.group, {}) if was_accepted else {}
+        if voided:
+            # The group changed: no speculative start until its next op completes. Members that are not
+            # voting yet hear it now, so their next call takes the slow path (whose commence names the
+            # living members) instead of starting on a ring with the lost peer and being aborted.
+            why = f"peer {peer_id} of group {rec.group} was lost"
+            revoked = [Send(p, m.ReservationsRevoked(reason=why))
+                       for p in self.ring if self.peers[p].group == rec.group]
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
-        effects: list[Effect] = []
+        effects: list[Effect] = revoked
         # Re-check every vote with the peer gone.
         effects += self._topology_peer_lost(peer_id)
         effects += self._check_pending_vote()
@@ -1219,7 +1286,7 @@ class MasterState:
                     rec.peer_id,
                     m.CollectiveAbort(
                         tag=msg.tag,
-                        op_seq=-1,
+                        op_seq=msg.op_seq,
                         code=int(Result.INVALID_USAGE),
                         reason=f"tag {msg.tag} is already running in this group",
                     ),
@@ -1231,14 +1298,30 @@ class MasterState:
                     rec.peer_id,
                     m.CollectiveAbort(
                         tag=msg.tag,
-                        op_seq=-1,
+                        op_seq=msg.op_seq,
                         code=int(Result.INVALID_USAGE),
                         reason=f"tag {msg.tag} is already running without this peer",
                     ),
                 )
             ]
         op.votes[rec.peer_id] = msg.descriptor
+        if msg.op_seq >= 0:
+            op.proposals[rec.peer_id] = msg.op_seq
         return self._check_op_vote(key)
+
+    def _reserve(self, op: _CollectiveOp) -> int:
+        """Reserve the op_seq of ``op``'s group's next operation with ``op``'s tag (at its completion)."""
+        self._op_seq += 1
+        group = self._reserved.setdefault(op.group, {})
+        group.pop(op.tag, None)
+        group[op.tag] = _Reservation(seq=self._op_seq, epoch=self.epoch, members=list(op.participants))
+        while len(group) > RESERVATIONS_PER_GROUP:
+            del group[next(iter(group))]
+        return self._op_seq
+
+    def _take_reservation(self, key: tuple[int, int]) -> _Reservation | None:
+        group = self._reserved.get(key[0])
+        return None if group is None else group.pop(key[1], None)
 
     def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]:
         op = self._ops.get(key)
@@ -1253,6 +1336,9 @@ class MasterState:
         voters = [p for p in members if p in op.votes]
         first = op.votes[voters[0]]
         del self._ops[key]
+        # The reservation is used (or void) either way: a number is never run twice.
+        res = self._take_reservation(key)
+        forget = op.speculative_seqs()
         if any(op.votes[p] != first for p in voters):
             reason = describe_mismatch(op.tag, {p: op.votes[p] for p in voters})
             return [
@@ -1260,9 +1346,10 @@ class MasterState:
                     p,
                     m.CollectiveAbort(
                         tag=op.tag,
-                        op_seq=-1,
+                        op_seq=op.proposal(p),
                         code=int(Result.INVALID_ARGUMENT),
                         reason=reason,
+                        forget=forget,
                     ),
                 )
                 for p in voters
@@ -1273,35 +1360,137 @@ class MasterState:
                     p,
                     m.CollectiveAbort(
                         tag=op.tag,
-                        op_seq=-1,
+                        op_seq=op.proposal(p),
                         code=int(Result.TOO_FEW_PEERS),
                         reason=too_few_peers_reason(
                             op.group, [r for r in self.registered() if self.peers[r].group == op.group]
                         ),
+                        forget=forget,
                     ),
                 )
                 for p in voters
             ]
-        self._op_seq += 1
+        # The speculative start holds when the reservation does (same epoch, the ring it was reserved
+        # for, nobody lost since: a loss drops it) and no voter started under another number. Voters
+        # without the number (they reconnected or cancelled and missed the last confirmation) join it
+        # through a CollectiveCommence naming it; a number a withdrawn voter already ran under is never
+        # run again (its frames may be out there): then everyone is aborted.
+        fast = (
+            res is not None
+            and bool(op.proposals)
+            and not op.retired
+            and res.epoch == self.epoch
+            and res.members == voters
+            and all(op.proposals.get(p, res.seq) == res.seq for p in voters)
+        )
+        if op.early_failed:
+            # A speculative attempt failed before the vote completed (and the descriptors agree):
+            # the op cannot complete; everyone is aborted, buffers intact.
+            p0 = min(op.early_failed)
+            return [
+                Send(
+                    p,
+                    m.CollectiveAbort(
+                        tag=op.tag,
+                        op_seq=op.proposal(p),
+                        code=int(Result.RANK_CONNECTION_LOST),
+                        reason=f"peer {p0} failed: {op.early_failed[p0]}",
+                        forget=forget,
+                    ),
+                )
+                for p in voters
+            ]
+        if op.proposals and not fast:
+            # Some voters started speculatively but the start does not hold: their data planes ran on a
+            # number (or a ring) the others do not share. All-or-nothing: everyone is aborted with
+            # their buffers intact and forgets the speculative numbers; the retry has no reservation
+            # and takes the slow path.
+            why = self._why_not_fast(res, voters, op.proposals)
+            return [
+                Send(
+                    p,
+                    m.CollectiveAbort(
+                        tag=op.tag,
+                        op_seq=op.proposal(p),
+                        code=int(Result.RANK_CONNECTION_LOST),
+                        reason=f"tag {op.tag}: the speculative start was not confirmed ({why}): retry",
+                        forget=forget,
+                    ),
+                )
+                for p in voters
+            ]
         op.running = True
-        op.op_seq = self._op_seq
         op.participants = voters
         op.participant_set = set(voters)
         self._ops[key] = op
+        if fast:
+            assert res is not None
+            # The speculative start holds: every participant already runs under the reserved number
+            # on the ring it names; the master's one answer is the confirmation (or an abort).
+            op.fast = True
+            op.op_seq = res.seq
+            op.done = op.early_done & op.participant_set
+            self.fast_starts += 1
+            # Off the critical path, the speculating voters hear that everyone voted (a commence
+            # without a table: their data planes already run; it starts their stall clocks); voters
+            # that did not have the number get the table and run under it.
+            go = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=[])
+            late = [p for p in voters if p not in op.proposals]
+            table = self.table(voters) if late else []
+            return [
+                FastStart(op.group, op.tag, op.op_seq),
+                *(Send(p, go if p in op.proposals else
+                       m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters),
+                *self._check_op_done(key),
+            ]
+        self._op_seq += 1
+        op.op_seq = self._op_seq
+        op.done = set()
         table = self.table(voters)
-        return [Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters]
+        return [
+            Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table, forget=forget))
+            for p in voters
+        ]
+
+    def _why_not_fast(self, res: _Reservation | None, voters: list[int], proposals: dict[int, int]) -> str:
+        """Why the voters' speculative start does not hold (for the abort's reason)."""
+        if res is None:
+            return "no op_seq is reserved for this tag: the group changed or the last op did not complete"
+        if res.epoch != self.epoch:
+            return f"reserved in epoch {res.epoch}, the run is at epoch {self.epoch}"
+        if res.members != voters:
+            return f"reserved for the ring {res.members}, the group is {voters} now"
+        odd = sorted(p for p in voters if proposals.get(p, res.seq) != res.seq)
+        if odd:
+            return f"peer(s) {odd} started under another op_seq than the reserved {res.seq}"
+        return f"a voter withdrew after starting under the reserved op_seq {res.seq}"
 
     def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveDone)
         key = (rec.group, msg.tag)
         op = self._ops.get(key)
-        if op is not None and not op.running and rec.peer_id in op.votes and not msg.success:
-            # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
-            return self._abort_op(
-                key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
-            )
+        if op is not None and not op.running and rec.peer_id in op.votes:
+            if not msg.success and msg.op_seq >= 0 and msg.op_seq == op.proposals.get(rec.peer_id, -1):
+                # Its speculative attempt failed before the vote completed: the op fails, but the
+                # verdict waits for the vote (a descriptor mismatch, the likely cause, is then named).
+                op.early_failed.setdefault(rec.peer_id, msg.reason)
+                return []
+            if not msg.success:
+                # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
+                return self._abort_op(
+                    key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
+                )
+            if msg.op_seq >= 0 and msg.op_seq == op.proposals.get(rec.peer_id, -1):
+                # A speculative attempt finished before the vote did (a broadcast's upstream peers
+                # need nothing from the late ones): it counts if the vote confirms the number.
+                op.early_done.add(rec.peer_id)
+            return []
         if op is None or not op.running or rec.peer_id not in op.participant_set:
             # Late report for an op already aborted (the abort raced with it): harmless.
+            return []
+        if msg.op_seq >= 0 and msg.op_seq != op.op_seq:
+            # The report of a speculative attempt this op's CollectiveCommence replaced (sent before
+            # the peer read it): the peer runs again under op.op_seq and reports that.
             return []
         if rec.peer_id in op.done:
             return self.kick(rec.peer_id, f"duplicate CollectiveDone for tag {msg.tag}")
@@ -1310,16 +1499,27 @@ class MasterState:
                 key, f"peer {rec.peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST
             )
         op.done.add(rec.peer_id)
+        return self._check_op_done(key)
+
+    def _check_op_done(self, key: tuple[int, int]) -> list[Effect]:
+        op = self._ops[key]
         if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
-            return [Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq)) for p in op.participants]
+            nxt = self._reserve(op)
+            return [
+                Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=nxt))
+                for p in op.participants
+            ]
         return []
 
     def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:
         op = self._ops.pop(key)
+        self._take_reservation(key)
         targets = op.participants if op.running else list(op.votes)
+        forget = [] if op.running else op.speculative_seqs()
         return [
-            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.op_seq, reason=reason, code=int(code)))
+            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.proposal(p), reason=reason, code=int(code),
+                                      forget=forget))
             for p in targets
             if p in self.peers
         ]
@@ -1336,7 +1536,7 @@ class MasterState:
                     key, f"peer {peer_id} was lost during the operation", Result.RANK_CONNECTION_LOST
                 )
             return []
-        op.votes.pop(peer_id, None)
+        op.drop_voter(peer_id)  # its number stays among those to forget: the others may hold its frames
         if not op.votes:
             del self._ops[key]
             return []

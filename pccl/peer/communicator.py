@@ -75,6 +75,7 @@ from .state import (
     Dismissed,
     Effect,
     Establish,
+    Forget,
     Lost,
     Measure,
     PeerState,
@@ -630,6 +631,11 @@ class Communicator:
         elif isinstance(effect, Measure):
             assert self._nursery is not None
             self._nursery.start_soon(self._measure, effect.request)
+        elif isinstance(effect, Forget):
+            if self.pool is not None:
+                for op_seq in effect.op_seqs:
+                    if 0 <= op_seq < 2**32:
+                        self.pool.forget_op(op_seq)
 
     def _resolve(self, effect: Resolve) -> None:
         msg, call = effect.message, effect.call
@@ -840,11 +846,19 @@ class Communicator:
         self._ops[tag] = st
         work: np.ndarray | None = None
         try:
-            await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
-            commence = await st.commence.wait()
+            # The speculative start (docs/protocol.md section 4): with the op_seq the last confirmation
+            # of this tag reserved, the data plane starts right after the vote, on the current ring, and
+            # the master's one answer (Complete or Abort) settles it.
+            proposal = self._core.speculate(tag, rdesc.nbytes)
+            st.op_seq = proposal
+            await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor, op_seq=proposal))
+            if proposal >= 0:
+                rows = self._core.group_rows()
+            else:
+                commence = await st.commence.wait()
+                st.op_seq = commence.op_seq
+                rows = commence.peers
             t_commence = time.perf_counter()
-            st.op_seq = commence.op_seq
-            rows = commence.peers
             ring = [r.peer_id for r in rows]
             self._core.reconcile_group(rows)
             problem = self._core.commence_problem(descriptor, rdesc.count, ring)
@@ -871,8 +885,12 @@ class Communicator:
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
+                    # A speculative data plane may wait for peers that have not voted yet: its stall
+                    # clock starts with the master's commence (every participant voted), which comes
+                    # off the critical path; the master's vote timeout bounds the wait before.
                     tx, rx = await self._stall.guarded(
-                        functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q)
+                        functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q),
+                        arm_when=(lambda: st.commence.done) if proposal >= 0 else None,
                     )
                     ok = True
                 except PCCLError as exc:
@@ -882,9 +900,13 @@ class Communicator:
                 raise st.abort_error
             if not ok:
                 await self._report_failure(st, reason)
+                if proposal >= 0:
+                    # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
+                    # size): the master's verdict names the real cause, and it is an abort.
+                    await st.complete.wait()
                 raise RankConnectionLostError(reason)
             t_ring = time.perf_counter()
-            await self._send(m.CollectiveDone(tag=tag, success=True))
+            await self._send(m.CollectiveDone(tag=tag, success=True, op_seq=st.op_seq))
             await st.complete.wait()
             t_complete = time.perf_counter()
             st.concluded = True
@@ -921,7 +943,7 @@ class Communicator:
     async def _report_failure(self, st: _OpState, reason: str) -> None:
         st.concluded = True
         try:
-            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason))
+            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq))
         except PCCLError:
             pass
 

@@ -112,6 +112,14 @@ class Measure:
 
 
 @dataclass(frozen=True)
+class Forget:
+    """Drop every frame of these speculative op_seqs (other voters started under them; nobody will
+    run them now): ``P2PPool.forget_op`` each."""
+
+    op_seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Lost:
     """The master link is over (kicked, or the master broke the protocol): fail everything, close it."""
 
@@ -127,7 +135,18 @@ class Dismissed:
     error: PCCLError
 
 
-Effect = Resolve | AbortOp | Establish | Measure | Lost | Dismissed
+Effect = Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed
+
+#: Reserved op_seqs a peer keeps (per tag, the oldest go first): the master keeps as many per group,
+#: in the same order (pccl.master.state.RESERVATIONS_PER_GROUP).
+RESERVATIONS_KEPT = 1024
+
+#: Operations whose receive buffer is larger than this never start speculatively (docs/protocol.md
+#: section 4): the saved round trip matters for latency-bound operations only, and the data a speculative
+#: start sends to a peer that has not voted yet waits in that peer's stash (bounded by recv_stash_limit),
+#: possibly ahead of other operations' frames on the same connection. Derived from the descriptor alone,
+#: so equal on every peer of an operation.
+SPECULATIVE_MAX_BYTES = 4 << 20
 
 
 # ============================================================================================
@@ -139,8 +158,9 @@ class OpRecord:
     """A collective in flight on this peer, registered under its tag."""
 
     tag: int
-    op_seq: int = -1  # the master's sequence number, once commenced
+    op_seq: int = -1  # the master's sequence number, once commenced (or the reserved one, speculating)
     aborted: bool = False
+    speculative: bool = False  # running under the reserved op_seq before the master answered
 
 
 @dataclass
@@ -190,6 +210,10 @@ class PeerState:
         self.generation = 0
         self.revision = -1
         self.reconnecting_until: float | None = None
+        # The speculative start (docs/protocol.md section 4): tag -> (op_seq the master reserved for
+        # this group's next op with the tag, the epoch it was reserved in), oldest first.
+        self.reserved: dict[int, tuple[int, int]] = {}
+        self.speculative_starts = 0
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -232,6 +256,8 @@ class PeerState:
             "master_ok": self.lost is None and self.reconnecting_until is None,
             "reconnecting": self.reconnecting_until is not None,
             "generation": self.generation,
+            "reserved_tags": len(self.reserved),
+            "speculative_starts": self.speculative_starts,
         }
 
     def __repr__(self) -> str:
@@ -297,10 +323,37 @@ class PeerState:
         """Collective ``tag`` returned (or failed)."""
         self.ops.pop(tag, None)
 
+    def speculate(self, tag: int, nbytes: int = 0) -> int:
+        """Start registered op ``tag`` under its reserved op_seq, if it has one for this epoch and its
+        receive buffer (``nbytes``) is at most :data:`SPECULATIVE_MAX_BYTES`.
+
+        The number is used once (taken out either way). The op then runs on the current group ring
+        before the master answered: its ``CollectiveComplete`` commits, its ``CollectiveAbort``
+        aborts (also when the other voters did not start under the same number).
+
+        Returns:
+            The op_seq to vote with and run under, or -1: vote and wait for ``CollectiveCommence``.
+        """
+        res = self.reserved.pop(tag, None)
+        op = self.ops.get(tag)
+        if res is None or op is None or res[1] != self.epoch or len(self.group_ring) < 2 \
+                or nbytes > SPECULATIVE_MAX_BYTES:
+            return -1
+        op.op_seq, op.speculative = res[0], True
+        self.speculative_starts += 1
+        return res[0]
+
+    def drop_reservations(self) -> None:
+        """The epoch, the group or the master changed: every op waits for CollectiveCommence again."""
+        self.reserved.clear()
+
     def reconcile_group(self, group_rows: list[m.PeerRow]) -> None:
         """A collective or sync named who is alive in this group: drop the others from the table."""
         alive = {r.peer_id for r in group_rows}
-        self.table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
+        table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
+        if len(table) != len(self.table):
+            self.drop_reservations()
+        self.table = table
 
     def lose(self, error: PCCLError) -> bool:
         """The master link ended with ``error`` for good; True the first time (later errors are ignored)."""
@@ -327,6 +380,7 @@ class PeerState:
             return False
         if self.reconnecting_until is None:
             self.reconnecting_until = now + window
+        self.drop_reservations()
         return True
 
     @property
@@ -376,6 +430,7 @@ class PeerState:
         self.generation = msg.generation
         self.epoch = msg.epoch
         self.reconnecting_until = None
+        self.drop_reservations()
         self.last_heard = now
         return None
 
@@ -514,6 +569,7 @@ class PeerState:
         assert isinstance(msg, m.Accepted)
         self.table, self.epoch = list(msg.peers), msg.epoch
         self.members = [r.peer_id for r in msg.peers]
+        self.drop_reservations()
         return [Resolve(Call.ACCEPTED, msg)]
 
     def _on_pending_result(self, msg: m.Message) -> list[Effect]:
@@ -528,33 +584,50 @@ class PeerState:
         self.table, self.epoch = list(msg.peers), msg.epoch
         if msg.success:
             self.members = [r.peer_id for r in msg.peers]
+        self.drop_reservations()
         return [Resolve(Call.TOPOLOGY, msg)] if self.membership in _TOPOLOGY_CALLS else []
 
     def _on_commence(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveCommence)
+        effects: list[Effect] = [Forget(tuple(msg.forget))] if msg.forget else []
         op = self.ops.get(msg.tag)
         if op is None:
-            return []
+            return effects
+        if op.speculative:
+            # Ours runs speculatively: a commence under its number says that every participant voted
+            # (its stall clock starts); any other is not for this op (the master aborts or confirms).
+            return [*effects, Resolve(Call.COMMENCE, msg, msg.tag)] if msg.op_seq == op.op_seq else effects
         op.op_seq = msg.op_seq
-        return [Resolve(Call.COMMENCE, msg, msg.tag)]
+        return [*effects, Resolve(Call.COMMENCE, msg, msg.tag)]
 
     def _on_complete(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveComplete)
         op = self.ops.get(msg.tag)
         if op is None or op.op_seq != msg.op_seq:
             return []
+        if msg.next_op_seq >= 0:
+            self.reserved.pop(msg.tag, None)
+            self.reserved[msg.tag] = (msg.next_op_seq, self.epoch)
+            while len(self.reserved) > RESERVATIONS_KEPT:
+                del self.reserved[next(iter(self.reserved))]
         return [Resolve(Call.COMPLETE, msg, msg.tag)]
 
     def _on_abort(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveAbort)
+        effects: list[Effect] = [Forget(tuple(msg.forget))] if msg.forget else []
         op = self.ops.get(msg.tag)
         # An abort names the op it ends: -1 for an op that never commenced (refused or withdrawn),
-        # else the commenced op's sequence number. Anything else is a late abort of an earlier op with
-        # the same tag (e.g. its retry already voted) and must not touch the current one.
+        # else the commenced (or speculative) op's sequence number. Anything else is a late abort of an
+        # earlier op with the same tag (e.g. its retry already voted) and must not touch the current one.
         if op is None or msg.op_seq != op.op_seq:
-            return []
+            return effects
         op.aborted = True
-        return [AbortOp(msg.tag, error_from_code(msg.code, msg.reason))]
+        self.reserved.pop(msg.tag, None)
+        return [*effects, AbortOp(msg.tag, error_from_code(msg.code, msg.reason))]
+
+    def _on_revoked(self, msg: m.Message) -> list[Effect]:
+        self.drop_reservations()
+        return []
 
     def _on_sync_plan(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.SharedStatePlan)
@@ -589,6 +662,7 @@ class PeerState:
         m.CollectiveCommence: _on_commence,
         m.CollectiveComplete: _on_complete,
         m.CollectiveAbort: _on_abort,
+        m.ReservationsRevoked: _on_revoked,
         m.SharedStatePlan: _on_sync_plan,
         m.SharedStateResult: _on_sync_result,
         m.MeasureBandwidth: _on_measure,
@@ -605,11 +679,14 @@ def ring_neighbours(rows: Sequence[m.PeerRow], me: int) -> tuple[m.PeerRow | Non
 
 
 __all__ = [
+    "RESERVATIONS_KEPT",
+    "SPECULATIVE_MAX_BYTES",
     "AbortOp",
     "Call",
     "Dismissed",
     "Effect",
     "Establish",
+    "Forget",
     "Lost",
     "Measure",
     "OpRecord",

@@ -436,51 +436,89 @@ class CollectiveInitiate(Message):
     """Vote to start collective ``tag`` in the sender's group.
 
     ``descriptor`` must be equal on every participant; the master refuses the operation for everyone
-    if they differ.
+    if they differ. ``op_seq``: the sequence number the sender already started the data plane under
+    (the one the last ``CollectiveComplete`` of this tag reserved, the speculative start), or -1 when it
+    waits for ``CollectiveCommence``.
     """
 
     tag: int
     descriptor: CollectiveDescriptor
+    op_seq: int = -1
 
 
 @_register(31)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveDone(Message):
-    """The sender finished its part of ``tag`` (or failed it)."""
+    """The sender finished its part of ``tag`` (or failed it).
+
+    ``op_seq``: the sequence number the sender ran under (the master ignores a report under another
+    number than the operation's); -1: whatever this tag runs now (a withdrawal).
+    """
 
     tag: int
     success: bool
     reason: str = ""
+    op_seq: int = -1
 
 
 @_register(32)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveCommence(Message):
-    """Every participant voted: run ``tag`` over the ring ``peers`` (ring order, this group only)."""
+    """Every participant voted: run ``tag`` over the ring ``peers`` (ring order, this group only).
+
+    Sent on the slow path, when no voter started speculatively; and, under the reserved number, to the
+    voters that did not have it while the others run speculatively. With ``peers`` empty: the
+    speculative start under ``op_seq`` is confirmed (every participant voted; the receiver's data plane
+    already runs, this starts its stall clock). ``forget``: speculative sequence numbers of voters lost
+    or withdrawn meanwhile, whose frames the receivers drop.
+    """
 
     tag: int
     op_seq: int
     peers: list[PeerRow]
+    forget: list[int] = dataclasses.field(default_factory=list)
 
 
 @_register(33)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveComplete(Message):
-    """Every participant finished ``tag`` successfully: commit the result."""
+    """Every participant finished ``tag`` successfully: commit the result.
+
+    ``next_op_seq``: the sequence number reserved for the group's next operation with this tag (-1:
+    none); while the epoch and the group stay as they are, every participant starts it under that
+    number on its own vote (the speculative start, docs/protocol.md section 4).
+    """
 
     tag: int
     op_seq: int
+    next_op_seq: int = -1
 
 
 @_register(34)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveAbort(Message):
-    """``tag`` failed somewhere (or was refused): restore buffers and raise ``code``."""
+    """``tag`` failed somewhere (or was refused): restore buffers and raise ``code``.
+
+    ``op_seq``: the receiver's own number for the operation (its speculative one, or the commenced
+    one; -1: never commenced). ``forget``: speculative numbers other voters started under, whose frames
+    the receiver drops.
+    """
 
     tag: int
     op_seq: int
     reason: str
     code: int
+    forget: list[int] = dataclasses.field(default_factory=list)
+
+
+@_register(35)
+@dataclass(frozen=True, kw_only=True)
+class ReservationsRevoked(Message):
+    """A member of the receiver's group was lost: every op_seq reserved by an earlier
+    ``CollectiveComplete`` is void; the group's next operations take the slow path (its commence
+    names the living members)."""
+
+    reason: str = ""
 
 
 # ============================================================================================
