@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import Result
+from ..wire import limits as _limits
 from ..wire import messages as m
 from ..wire.credentials import CredentialIssuer
 from . import election as _election
@@ -274,6 +275,9 @@ class MasterState:
         self._reserved: dict[int, dict[int, _Reservation]] = {}
         self.fast_starts = 0  # collectives that ran on the speculative start (statistics)
         self._syncs: dict[int, _SyncRound] = {}
+        # Per peer: the rows of its next SharedStateSync received so far in SharedStateEntries frames
+        # (the rows, then how many frames brought them); dropped with the peer or consumed by its vote.
+        self._sync_rows: dict[int, tuple[list[list[Any]], int]] = {}
         self._sync_seq = 0
         self.last_revision: dict[int, int] = {}
         self.bandwidth: dict[tuple[int, int], tuple[float, float]] = {}  # (a, b) -> (bytes/s, when)
@@ -782,6 +786,7 @@ class MasterState:
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
+        self._sync_rows.pop(peer_id, None)
         revoked: list[Effect] = []
         voided = self._reserved.pop(rec.group, {}) if was_accepted else {}
         if voided:
@@ -1584,12 +1589,49 @@ class MasterState:
     # ---------------------------------------------------------------------------------------
     # shared state
 
-    def _on_shared_state_sync(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.SharedStateSync)
-        bad = self._require_accepted(rec, "SharedStateSync")
+    def _sync_in_phase(self, rec: PeerRecord, what: str) -> list[Effect] | None:
+        """None when ``rec`` may send (the rows of) a new vote now; else the kick for a frame out of phase."""
+        bad = self._require_accepted(rec, what)
         if bad is not None:
             return bad
-        vote = _election.vote_from_wire(revision=msg.revision, strategy=msg.strategy, entries=msg.entries)
+        rnd = self._syncs.get(rec.group)
+        if rnd is not None and (rec.peer_id in rnd.votes or rnd.running):
+            return self.kick(rec.peer_id, f"{what} while this peer's previous sync is still running")
+        return None
+
+    def _add_sync_rows(self, rec: PeerRecord, rows: list[list[Any]], what: str) -> list[Effect] | None:
+        """Append one frame's rows to the peer's vote in progress; the kick when it goes over the bounds."""
+        held, frames = self._sync_rows.get(rec.peer_id, ([], 0))
+        frames += 1
+        total = len(held) + len(rows)
+        if frames > _limits.SHARED_STATE_MAX_FRAMES or total > _limits.SHARED_STATE_MAX_ENTRIES:
+            self._sync_rows.pop(rec.peer_id, None)
+            most = _limits.SHARED_STATE_MAX_ENTRIES, _limits.SHARED_STATE_MAX_FRAMES
+            return self.kick(
+                rec.peer_id,
+                f"{what}: shared-state vote over its bound (at least {total} entries in {frames} frames; "
+                f"at most {most[0]} entries in {most[1]} frames)",
+            )
+        held.extend(rows)
+        self._sync_rows[rec.peer_id] = (held, frames)
+        return None
+
+    def _on_shared_state_entries(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStateEntries)
+        bad = self._sync_in_phase(rec, "SharedStateEntries")
+        if bad is None:
+            bad = self._add_sync_rows(rec, msg.entries, "SharedStateEntries")
+        return bad or []
+
+    def _on_shared_state_sync(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStateSync)
+        bad = self._sync_in_phase(rec, "SharedStateSync")
+        if bad is None:
+            bad = self._add_sync_rows(rec, msg.entries, "SharedStateSync")
+        if bad is not None:
+            return bad
+        entries, _ = self._sync_rows.pop(rec.peer_id)
+        vote = _election.vote_from_wire(revision=msg.revision, strategy=msg.strategy, entries=entries)
         if isinstance(vote, _election.Refusal):
             return [
                 Send(
@@ -1606,8 +1648,6 @@ class MasterState:
         rnd = self._syncs.get(rec.group)
         if rnd is None:
             rnd = self._syncs[rec.group] = _SyncRound(group=rec.group, opened=self._now)
-        if rec.peer_id in rnd.votes or rnd.running:
-            return self.kick(rec.peer_id, "SharedStateSync while this peer's previous sync is still running")
         rnd.votes[rec.peer_id] = vote
         return self._check_sync_vote(rec.group)
 
@@ -1726,5 +1766,6 @@ class MasterState:
         m.CollectiveInitiate: _on_collective_initiate,
         m.CollectiveDone: _on_collective_done,
         m.SharedStateSync: _on_shared_state_sync,
+        m.SharedStateEntries: _on_shared_state_entries,
         m.SharedStateDone: _on_shared_state_done,
     }

@@ -32,6 +32,7 @@ from .._rawmem import address_of, view_at
 from .._types import DataType, DeviceType, SharedStateSyncInfo, SharedStateSyncStrategy
 from ..kernels import backend, hashing
 from ..transport import StreamBroken
+from ..wire import limits
 from ..wire import messages as m
 from ..wire.stream import MessageStream
 from .links import Dialer, MasterLink
@@ -310,7 +311,12 @@ async def run_sync(
     inbox = link.inbox
     server.ctx = ctx
     try:
-        await link.send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=rows))
+        # The rows go in frames the master decodes in a few milliseconds each (issue 17 item 4): all but
+        # the last chunk as SharedStateEntries, the last one in the vote itself.
+        *ahead, last = limits.split_rows(rows)
+        for chunk in ahead:
+            await link.send(m.SharedStateEntries(entries=chunk))
+        await link.send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=last))
         first = await inbox.get()
         if isinstance(first, m.SharedStateResult):
             # Refused before any transfer (revision skip, key mismatch, no state available...).
@@ -456,8 +462,14 @@ async def _fetch_from(
     ms = await dialer.dial(address[0], address[1], channel="state", peer_id=holder)
     try:
         async with trio.open_nursery() as nursery:
-            await ms.send(m.StateRequest(sync_seq=seq, keys=keys))
-            for key in keys:
+            # One small request after another (issue 17 item 4), each once the previous one's tensors
+            # arrived: the holder serves the requests on this connection in turn.
+            chunks = limits.split_rows(keys)
+            asked = 0
+            for index, key in enumerate(keys):
+                if index == asked:
+                    await ms.send(m.StateRequest(sync_seq=seq, keys=chunks[0]))
+                    asked += len(chunks.pop(0))
                 hdr = await ms.receive()
                 if isinstance(hdr, m.Refused):
                     raise SharedStateSyncError(f"peer {holder} refused the transfer: {hdr.reason}")

@@ -9,9 +9,10 @@ decodes with (longest string, binary, array and map). docs/security.md explains 
   the handshake messages, at most 4 KiB, arrays of at most 16 items, no maps. Decoding such a frame
   costs microseconds whatever its content; its nesting is bounded by its size.
 * :func:`master_inbound`: what the master reads from an accepted peer. Messages without lists are
-  64 KiB at most (a failure reason is the largest field); the messages with per-peer or per-key lists
-  have their own caps. A frame of a type the master never receives gets the small cap, so it is
-  decoded cheaply and then refused by the state machine with its usual reason.
+  64 KiB at most (a failure reason is the largest field); the messages with per-peer lists have their
+  own caps; shared-state rows travel in several frames of at most 32 KiB (:func:`split_rows`). A frame
+  of a type the master never receives gets the small cap, so it is decoded cheaply and then refused by
+  the state machine with its usual reason.
 * :func:`p2p_inbound`: what a P2P listener reads after the hello (state requests, bandwidth probes).
 * :func:`trusted`: what a peer reads from the master it connected to, or from a P2P listener it dialled,
   once that side has answered HelloOk: any message up to the configured frame size (peer tables grow
@@ -23,19 +24,34 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, get_args, get_origin
+from typing import Any, TypeVar, get_args, get_origin
 
-from .._errors import RemoteProtocolError
+import msgpack
+
+from .._errors import InvalidArgumentError, RemoteProtocolError
 from . import messages as m
 
 PRE_AUTH_MAX_FRAME = 4 * 1024
 PRE_AUTH_OTHER_MAX = 256
 SMALL_MAX_FRAME = 64 * 1024
 LIST_MAX_FRAME = 256 * 1024
-STATE_SYNC_MAX_FRAME = 1024 * 1024
+# SharedStateSync / SharedStateEntries (the master reading a peer) and StateRequest (a P2P listener),
+# half the small cap: 64 KiB of one-byte lists (65k objects) costs ~15 ms with the GC pass it triggers;
+# the sender splits its rows or keys over frames of at most this size (see :func:`split_rows`), so that
+# one frame decodes in a few milliseconds whatever it holds (docs/security.md, hostile_frames.py).
+STATE_SYNC_MAX_FRAME = 32 * 1024
+# The most rows one shared-state vote may carry in all its frames, and the most frames it may take
+# (``SharedStateEntries`` frames plus the final ``SharedStateSync``): the master keeps a peer's rows
+# until its vote arrives, at most ``SHARED_STATE_MAX_FRAMES * STATE_SYNC_MAX_FRAME`` bytes of frames.
+SHARED_STATE_MAX_ENTRIES = 1 << 17
+SHARED_STATE_MAX_FRAMES = 128
+# Room a frame keeps, beyond its rows, for the envelope and the other fields.
+_SPLIT_HEADROOM = 256
+
+_T = TypeVar("_T")
 
 _FIXARRAY_2 = 0x92  # msgpack: an array of two items (every message is [tag, values])
 
@@ -180,6 +196,7 @@ def master_inbound(max_frame: int) -> FrameLimits:
         m.P2PConnectionsDone.TAG: LIST_MAX_FRAME,
         m.BandwidthReport.TAG: LIST_MAX_FRAME,
         m.SharedStateSync.TAG: STATE_SYNC_MAX_FRAME,
+        m.SharedStateEntries.TAG: STATE_SYNC_MAX_FRAME,
     }
     return FrameLimits(
         name="from a peer",
@@ -210,6 +227,35 @@ def trusted(max_frame: int) -> FrameLimits:
     return FrameLimits(name="from a trusted side", max_frame=max_frame, default_tag_max=max_frame)
 
 
+def split_rows(rows: Sequence[_T], max_frame: int = STATE_SYNC_MAX_FRAME) -> list[list[_T]]:
+    """Split ``rows`` (shared-state entry rows, state-request keys) into consecutive chunks that each
+    fit a frame of :data:`STATE_SYNC_MAX_FRAME` bytes (or ``max_frame``, when smaller).
+
+    Args:
+        rows: the rows, in order.
+        max_frame: a smaller frame size to fit (the receiver's, when it is known to be smaller).
+
+    Returns:
+        At least one chunk (an empty one for no rows); their concatenation is ``rows``.
+
+    Raises:
+        InvalidArgumentError: a single row is too large for any frame.
+    """
+    budget = min(STATE_SYNC_MAX_FRAME, max_frame) - _SPLIT_HEADROOM
+    chunks: list[list[_T]] = [[]]
+    size = 0
+    for row in rows:
+        n = len(msgpack.packb(row))
+        if n > budget:
+            raise InvalidArgumentError(f"a shared-state row of {n} bytes does not fit a {budget}-byte frame")
+        if size + n > budget:
+            chunks.append([])
+            size = 0
+        chunks[-1].append(row)
+        size += n
+    return chunks
+
+
 def describe(limits: FrameLimits) -> dict[str, Any]:
     """The limits as plain data (for docs and the status page)."""
     return {
@@ -222,6 +268,7 @@ def describe(limits: FrameLimits) -> dict[str, Any]:
 
 
 __all__ = [
-    "LIST_MAX_FRAME", "PRE_AUTH", "PRE_AUTH_MAX_FRAME", "SMALL_MAX_FRAME", "STATE_SYNC_MAX_FRAME",
-    "FrameLimits", "describe", "master_inbound", "p2p_inbound", "pre_auth", "trusted",
+    "LIST_MAX_FRAME", "PRE_AUTH", "PRE_AUTH_MAX_FRAME", "SHARED_STATE_MAX_ENTRIES", "SHARED_STATE_MAX_FRAMES",
+    "SMALL_MAX_FRAME", "STATE_SYNC_MAX_FRAME", "FrameLimits", "describe", "master_inbound", "p2p_inbound",
+    "pre_auth", "split_rows", "trusted",
 ]

@@ -598,7 +598,8 @@ class ReservationsRevoked(Message):
 class SharedStateSync(Message):
     """Vote to sync shared state.
 
-    ``entries`` rows: ``[key, dtype, shape (list[int]), nbytes, hash (int), allow_content_inequality]``.
+    ``entries`` rows: ``[key, dtype, shape (list[int]), nbytes, hash (int), allow_content_inequality]``;
+    the vote's rows are those of the ``SharedStateEntries`` frames the peer sent just before it, then these.
     """
 
     revision: int
@@ -644,6 +645,17 @@ class SharedStateResult(Message):
     code: int = 0
 
 
+@_register(44)
+@dataclass(frozen=True, kw_only=True)
+class SharedStateEntries(Message):
+    """Rows of the next ``SharedStateSync`` vote, sent ahead of it when the rows would not fit one small
+    frame (rows as in ``SharedStateSync.entries``). The master appends them, in order, to the rows of
+    the vote that follows; it bounds their total (:data:`pccl.wire.limits.SHARED_STATE_MAX_ENTRIES`)."""
+
+    entries: list[list[Any]]
+
+
+
 # ============================================================================================
 # Peer <-> peer (after Hello on a P2P connection)
 
@@ -651,7 +663,10 @@ class SharedStateResult(Message):
 @_register(60)
 @dataclass(frozen=True, kw_only=True)
 class StateRequest(Message):
-    """Ask a holder for tensors of shared state (``keys``); it answers StateTensor + raw bytes each."""
+    """Ask a holder for tensors of shared state (``keys``); it answers StateTensor + raw bytes each.
+
+    A fetcher with many keys sends several requests on the connection, each after the previous one's
+    tensors arrived, so that every request fits one small frame."""
 
     sync_seq: int
     keys: list[str]

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from pccl._config import PROTOCOL_VERSION
-from pccl._errors import RemoteProtocolError
+from pccl._errors import InvalidArgumentError, RemoteProtocolError
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.transport import Stream, StreamBroken
 from pccl.wire import limits
@@ -62,11 +62,34 @@ def test_master_inbound_caps_follow_the_schema() -> None:
     entries = [[f"k{i}", 1, [1], 8, 0, False] for i in range(80000)]
     sync = m.encode(m.SharedStateSync(revision=0, strategy=0, entries=entries))
     assert len(sync) > limits.STATE_SYNC_MAX_FRAME
-    want = r"SharedStateSync of \d+ bytes exceeds the limit of 1048576 bytes from a peer"
+    want = r"SharedStateSync of \d+ bytes exceeds the limit of 32768 bytes from a peer"
     with pytest.raises(RemoteProtocolError, match=want):
         lim.decode(sync)
     ok = m.encode(m.SharedStateSync(revision=0, strategy=0, entries=entries[:1000]))
     assert lim.decode(ok) == m.decode(ok)
+    # The rows travel in chunks that each fit the cap, in order, nothing lost (issue 17 item 4).
+    chunks = limits.split_rows(entries)
+    assert len(chunks) > 1 and [r for c in chunks for r in c] == entries
+    for chunk in chunks:
+        ahead = m.encode(m.SharedStateEntries(entries=chunk))
+        vote = m.encode(m.SharedStateSync(revision=2**64 - 1, strategy=2, entries=chunk))
+        assert len(vote) <= limits.STATE_SYNC_MAX_FRAME
+        assert lim.decode(ahead) == m.decode(ahead) and lim.decode(vote) == m.decode(vote)
+    too_many = r"SharedStateEntries of \d+ bytes exceeds the limit of 32768 "
+    with pytest.raises(RemoteProtocolError, match=too_many):
+        lim.decode(m.encode(m.SharedStateEntries(entries=entries[:5000])))
+    keys = [f"layer.{i}.weight" for i in range(20000)]
+    p2p = limits.p2p_inbound(16 << 20)
+    with pytest.raises(RemoteProtocolError, match=r"StateRequest of \d+ bytes exceeds the limit of 32768"):
+        p2p.decode(m.encode(m.StateRequest(sync_seq=1, keys=keys)))
+    key_chunks = limits.split_rows(keys)
+    assert [k for c in key_chunks for k in c] == keys
+    for chunk in key_chunks:
+        req = m.encode(m.StateRequest(sync_seq=2**63 - 1, keys=chunk))
+        assert p2p.decode(req) == m.decode(req)
+    assert limits.split_rows([]) == [[]]
+    with pytest.raises(InvalidArgumentError, match="does not fit"):
+        limits.split_rows(["k" * 40000])
     # A message the master never receives is capped small (then refused by the state machine).
     table = m.encode(m.Accepted(peers=[m.PeerRow(i, "10.0.0.1", 4000, 0) for i in range(5000)], epoch=1))
     with pytest.raises(RemoteProtocolError, match=r"Accepted of \d+ bytes exceeds the limit of 65536"):
@@ -117,7 +140,7 @@ async def test_hostile_pre_auth_msgpack_is_refused_and_the_run_stays_exact(
         # A valid handshake (no secret in this run), then a huge frame of a list-carrying type.
         tag = m.SharedStateSync.TAG if target == "master" else m.StateRequest.TAG
         data = frame(bytes([0x92, tag, 0x93, 0, 0, 0xDD]) + NESTED)[: 64 * 1024]
-        want = "exceeds the limit of 1048576 bytes"
+        want = f"exceeds the limit of {limits.STATE_SYNC_MAX_FRAME} bytes"
     stream = await evil.connect(*addr)
     if attack == "post_hello_huge":
         ms = MessageStream(stream, max_frame_size=1 << 20)
