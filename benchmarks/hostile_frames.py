@@ -59,6 +59,7 @@ def main() -> None:
     stages = {
         "pre-auth (Hello)": (limits.PRE_AUTH, m.Hello.TAG),
         "master <- peer (SharedStateSync)": (limits.master_inbound(16 << 20), m.SharedStateSync.TAG),
+        "master <- peer (SharedStateEntries)": (limits.master_inbound(16 << 20), m.SharedStateEntries.TAG),
         "master <- peer (CollectiveDone)": (limits.master_inbound(16 << 20), m.CollectiveDone.TAG),
         "p2p <- peer (StateRequest)": (limits.p2p_inbound(16 << 20), m.StateRequest.TAG),
     }
@@ -73,7 +74,7 @@ def main() -> None:
             t = cost(work, args.repeats)
             if t > worst[1]:
                 worst = (shape, t)
-        print(f"{name:36s} cap {cap:>8d} B  worst {worst[1] * 1e3:7.2f} ms ({worst[0]})")
+        print(f"{name:38s} cap {cap:>8d} B  worst {worst[1] * 1e3:7.2f} ms ({worst[0]})")
     if args.no_limits:
         for shape, payload in shapes(m.SharedStateSync.TAG, 16 << 20).items():
             t = cost(lambda payload=payload: m.decode(payload), 1)
