@@ -113,9 +113,10 @@ class PeerConfig:
             (default): wait as long as the master is reachable.
         reconnect_window: how long an accepted peer that lost the master keeps trying to reconnect
             (with backoff, to each master address in turn) before giving up: calls made meanwhile
-            wait, then fail with MASTER_CONNECTION_FAILED. 0: no reconnection (the master's loss ends
-            the run for this peer, every call fails at once). See docs/concepts.md "Surviving the
-            master".
+            wait, then fail with MASTER_CONNECTION_FAILED. Default 60 s: a restarted master (or a
+            standby) takes the run back. 0: no reconnection (the master's loss ends the run for this
+            peer, every call fails at once, as in the established library). See docs/concepts.md
+            "Surviving the master".
     """
 
     heartbeat_interval: float = 0.5
@@ -129,4 +130,4 @@ class PeerConfig:
     p2p_stall_timeout: float = 30.0
     secret: str | None = None
     accept_timeout: float | None = None
-    reconnect_window: float = 0.0
+    reconnect_window: float = 60.0

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -21,7 +22,16 @@ import trio.testing
 
 import pccl
 from pccl.peer.communicator import Communicator
-from pccl.testing import MASTER, HookAction, Reset, TestCluster, TrafficEvent, VirtualNetwork, reset_after
+from pccl.testing import (
+    DEFAULT_PEER_CONFIG,
+    MASTER,
+    HookAction,
+    Reset,
+    TestCluster,
+    TrafficEvent,
+    VirtualNetwork,
+    reset_after,
+)
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.wire.data import DATA_HEADER_SIZE, unpack_data_header_fields
 
@@ -29,6 +39,8 @@ N = 4
 COUNT = 4 * 1000  # int64 elements: 4 chunks of 1000, one 8000-byte frame per ring step
 FRAMES = 2 * (N - 1)  # frames each peer sends per all-reduce (reduce-scatter + all-gather)
 HB_TIMEOUT = 2.0  # DEFAULT_MASTER_CONFIG / DEFAULT_PEER_CONFIG
+# The tests of a final master loss opt out of reconnecting (PeerConfig's default window is 60 s).
+NO_RECONNECT = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=0)
 HB_INTERVAL = 0.2
 
 
@@ -287,21 +299,21 @@ async def _all_fail_with_master_lost(cluster: TestCluster, lose: Callable[[], No
 
 async def test_master_crash_fails_calls(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(3)
+    cluster = await pccl_cluster(3, config=NO_RECONNECT)
     elapsed = await _all_fail_with_master_lost(cluster, cluster.kill_master)
     assert elapsed < 0.1  # the crash resets the connections: no need to wait for heartbeats
 
 
 async def test_master_hang_fails_calls_within_heartbeat_timeout(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(3)
+    cluster = await pccl_cluster(3, config=NO_RECONNECT)
     elapsed = await _all_fail_with_master_lost(cluster, cluster.hang_master)
     assert HB_TIMEOUT - HB_INTERVAL <= elapsed <= HB_TIMEOUT + HB_INTERVAL + 0.1, elapsed
 
 
 async def test_master_cut_off_fails_calls_within_heartbeat_timeout(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(3)
+    cluster = await pccl_cluster(3, config=NO_RECONNECT)
     elapsed = await _all_fail_with_master_lost(cluster, lambda: cluster.partition(MASTER))
     assert HB_TIMEOUT - HB_INTERVAL <= elapsed <= HB_TIMEOUT + HB_INTERVAL + 0.1, elapsed
 
@@ -309,7 +321,7 @@ async def test_master_cut_off_fails_calls_within_heartbeat_timeout(
 @pytest.mark.parametrize("cut", ["isolated", "from-master"])
 async def test_partitioned_peer_is_evicted(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, cut: str) -> None:
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=NO_RECONNECT)  # the victim's loss of the master is final
     victim = 2
     survivors = [i for i in cluster.alive if i != victim]
     bufs = Buffers(cluster)

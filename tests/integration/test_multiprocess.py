@@ -36,7 +36,9 @@ def say(**kw):
     print(json.dumps(kw), flush=True)
 
 async def main(address):
-    cfg = PeerConfig(p2p_listen_host="127.0.0.1", heartbeat_interval=0.2, heartbeat_timeout=2.0)
+    # reconnect_window=0: the master's end (SIGTERM) ends the run for these peers.
+    cfg = PeerConfig(p2p_listen_host="127.0.0.1", heartbeat_interval=0.2, heartbeat_timeout=2.0,
+                     reconnect_window=0)
     try:
         async with open_communicator(address, config=cfg) as comm:
             last = None

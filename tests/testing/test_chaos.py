@@ -69,6 +69,7 @@ PEER_CFG = PeerConfig(
     heartbeat_timeout=1.0,
     connect_timeout=0.5,
     p2p_connection_timeout=1.0,
+    reconnect_window=0,  # a peer cut off from the master is lost for good (it rejoins as a newcomer)
 )
 
 RETRYABLE = (pccl.RankConnectionLostError, pccl.UpdateTopologyFailedError, pccl.SharedStateSyncError)
