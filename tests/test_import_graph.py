@@ -25,6 +25,7 @@ PURE_MODULES = [
     "pccl.wire.data",
     "pccl.wire.hello",
     "pccl.master.state",
+    "pccl.master.doubt",
     "pccl.master.election",
     "pccl.master.topology",
     "pccl.collectives.schedule",

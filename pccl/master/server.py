@@ -262,8 +262,14 @@ class MasterServer:
                     conn.scope.cancel()
             setup = self.config.p2p_setup_timeout
             self._execute(self.state.setup_overdue(now, setup))
+            # Operations in doubt after a master's loss wait at most a heartbeat timeout for the
+            # participants to come back (pccl/master/doubt.py).
+            self._execute(self.state.doubts_overdue(now, timeout))
             seen = [p.last_seen for p in self.state.peers.values()]
             deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
+            dd_doubt = self.state.doubt_deadline(timeout)
+            if dd_doubt is not None:
+                deadline = min(deadline, dd_doubt)
             sd_setup = self.state.setup_deadline(setup)
             if sd_setup is not None:
                 deadline = min(deadline, sd_setup)

@@ -28,6 +28,7 @@ from .._errors import Result
 from ..wire import messages as m
 from . import election as _election
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
+from .doubt import Decision, DoubtBook
 
 # --------------------------------------------------------------------------------------------
 # Effects
@@ -229,6 +230,9 @@ class MasterState:
         # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
         self.generation = 1
         self.rebuild: _Rebuild | None = None
+        # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
+        # one is undecided.
+        self.doubts = DoubtBook()
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -286,6 +290,7 @@ class MasterState:
             "revisions": dict(self.last_revision),
             "generation": self.generation,
             "rebuilding": self.rebuild is not None,
+            "in_doubt": len(self.doubts.open_doubts()),
         }
 
     def __repr__(self) -> str:
@@ -319,8 +324,52 @@ class MasterState:
 
     @property
     def resumed(self) -> bool:
-        """False while rebuilding without a majority of the last epoch's members: no vote completes."""
-        return self.rebuild is None
+        """False while rebuilding without a majority of the last epoch's members, or while an
+        operation in doubt is undecided: no vote completes."""
+        return self.rebuild is None and not self.doubts.undecided
+
+    def doubt_deadline(self, timeout: float) -> float | None:
+        """When the oldest undecided operation in doubt runs out of time (see :meth:`doubts_overdue`)."""
+        return self.doubts.deadline(timeout)
+
+    def doubts_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Abort, for every peer waiting on it, each operation in doubt left undecided for longer than
+        ``timeout`` (a participant never came back after the master's loss), then resume the votes.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds a decision may wait for the participants' re-registrations (the server
+                passes ``MasterConfig.heartbeat_timeout``: a peer silent that long is lost anyway).
+        """
+        self._now = now
+        return self._execute_decisions(self.doubts.overdue(now, timeout))
+
+    def _execute_decisions(self, decisions: list[Decision]) -> list[Effect]:
+        """Tell the waiting peers each decision; resume the votes once none is left open."""
+        effects: list[Effect] = []
+        for d in decisions:
+            kind, group, tag = d.key
+            peers = [p for p in d.peers if p in self.peers]
+            verdict = "committed" if d.commit else "aborted"
+            if kind == "op":
+                lost = int(Result.RANK_CONNECTION_LOST)
+                msg: m.Message = (m.CollectiveComplete(tag=tag, op_seq=d.seq) if d.commit else
+                                  m.CollectiveAbort(tag=tag, op_seq=d.seq, code=lost,
+                                                    reason=f"in doubt after the master's loss: {d.reason}"))
+                what = f"collective tag {tag} (group {group}, op {d.seq})"
+            else:
+                if d.commit and d.revision >= 0:
+                    self.last_revision[group] = max(self.last_revision.get(group, -1), d.revision)
+                msg = (m.SharedStateResult(sync_seq=d.seq, success=True, revision=d.revision) if d.commit else
+                       m.SharedStateResult(sync_seq=d.seq, success=False, revision=d.revision,
+                                           reason=f"in doubt after the master's loss: {d.reason}",
+                                           code=int(Result.RANK_CONNECTION_LOST)))
+                what = f"shared-state sync {d.seq} (group {group})"
+            effects += [Send(p, msg) for p in peers]
+            effects.append(Event(f"{what} in doubt: {verdict} for {peers} ({d.reason})"))
+        if decisions and self.resumed:
+            effects += self._recheck_votes()
+        return effects
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
@@ -606,6 +655,8 @@ class MasterState:
     def _remove(self, peer_id: int) -> list[Effect]:
         rec = self.peers.pop(peer_id)
         was_accepted = rec.phase is Phase.ACCEPTED
+        undecided = self.doubts.undecided
+        self.doubts.peer_lost(peer_id)
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
@@ -620,6 +671,8 @@ class MasterState:
             effects += self._sync_peer_lost(group, peer_id)
         if was_accepted and not self.ring:
             effects += self._accept_first_if_alone()
+        if undecided and self.resumed:
+            effects += self._recheck_votes()  # the last peer waiting on a decision left
         return effects
 
     # ---------------------------------------------------------------------------------------
@@ -704,11 +757,15 @@ class MasterState:
             return self.kick(rec.peer_id, f"this master (generation {self.generation}) is older than "
                                           f"the peer's (generation {msg.generation})",
                              Result.MASTER_CONNECTION_FAILED)
+        conflict = self.doubts.conflict(msg.peer_group, msg)
+        if conflict is not None:
+            return self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
         effects: list[Effect] = []
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
+            self.doubts.own_from(self._op_seq, self._sync_seq)
             self.epoch = msg.epoch
             self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
             effects.append(Event(f"rebuilding the run from re-registrations: epoch {msg.epoch}, "
@@ -740,6 +797,7 @@ class MasterState:
             Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                   f"(group {msg.peer_group})"),
         ]
+        effects += self._execute_decisions(self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now))
         if rb is not None:
             rb.returned.add(rec.peer_id)
             if rb.reached:
@@ -1159,11 +1217,14 @@ class MasterState:
         op.done.add(rec.peer_id)
         if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
+            self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
             return [Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq)) for p in op.participants]
         return []
 
     def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:
         op = self._ops.pop(key)
+        if op.running:
+            self.doubts.settle(("op", op.group, op.tag), op.op_seq, False)
         targets = op.participants if op.running else list(op.votes)
         return [
             Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.op_seq, reason=reason, code=int(code)))
@@ -1286,6 +1347,7 @@ class MasterState:
             return []
         del self._syncs[group]
         self.last_revision[group] = rnd.revision
+        self.doubts.settle(("sync", group, -1), rnd.seq, True)
         return [
             Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision))
             for p in sorted(rnd.participants)
@@ -1293,6 +1355,7 @@ class MasterState:
 
     def _fail_sync(self, group: int, reason: str, code: Result) -> list[Effect]:
         rnd = self._syncs.pop(group)
+        self.doubts.settle(("sync", group, -1), rnd.seq, False)
         return [
             Send(
                 p,
