@@ -53,6 +53,12 @@ class MasterConfig:
         status_port: serve the status page (``/``), ``/status`` (JSON) and ``/metrics`` (Prometheus)
             over HTTP on this port (0: the system picks one). ``None`` (default): no status server.
         status_host: address the status server binds; ``None``: the master's own bind address.
+        rebuild_grace: a restarted or standby master that rebuilds the run from re-registrations
+            holds every vote until all of the last epoch's members are back, or for at most this many
+            seconds from the first re-registration (a majority is needed in any case; docs/concepts.md
+            "Surviving the master"). Members reconnect with a backoff of up to 1 s, so a few seconds
+            let them all return before the run resumes: one that returned after the others resumed
+            would retry another call than theirs (a deadlock). 0: resume at the majority.
     """
 
     heartbeat_interval: float = 0.5
@@ -67,8 +73,11 @@ class MasterConfig:
     deadlock_grace: float | None = 1.0
     status_port: int | None = None
     status_host: str | None = None
+    rebuild_grace: float = 2.0
 
     def __post_init__(self) -> None:
+        if self.rebuild_grace < 0:
+            raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
         if self.deadlock_grace is not None and self.deadlock_grace < 0:
             raise ValueError(f"deadlock_grace ({self.deadlock_grace}) must be >= 0 or None")
         if self.vote_timeout is not None and self.vote_timeout <= 0:

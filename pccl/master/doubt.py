@@ -20,7 +20,11 @@ A peer that reports as committed an operation the book decided to abort is refus
 (:meth:`DoubtBook.conflict`): it is a step ahead of the run and must join again.
 
 The master holds every vote while a decision is open, so the run resumes only once every peer agrees
-on what happened.
+on what happened. A rebuilt master also holds the votes for a *roll call* (:meth:`DoubtBook.roll_call`):
+until every member of the last epoch has re-registered, or a grace period has passed. A member not back
+yet has not said what it holds, and one that returns after the others resumed finds them in another call
+than the one it retries (a deadlock); the grace lets the members that reconnect a backoff step later
+return first.
 """
 
 from __future__ import annotations
@@ -101,13 +105,28 @@ class DoubtBook:
         # Sequence numbers above these were handed out by this master (see own_from()).
         self._own_op_from = 0
         self._own_sync_from = 0
+        # The roll call of a rebuilt master: the last epoch's members not back yet, and until when
+        # the votes wait for them (None: no roll call).
+        self._missing: set[int] = set()
+        self._roll_until: float | None = None
 
     # -- queries --------------------------------------------------------------------------------
 
     @property
     def undecided(self) -> bool:
-        """True while some peer waits for a decision."""
-        return bool(self._open)
+        """True while some peer waits for a decision, or the roll call waits for a member."""
+        return bool(self._open) or self._roll_until is not None
+
+    @property
+    def missing(self) -> set[int]:
+        """Members the roll call still waits for (empty: none running)."""
+        return set(self._missing) if self._roll_until is not None else set()
+
+    def roll_call(self, members: list[int], returned: set[int], now: float, grace: float) -> None:
+        """Hold the votes until every one of ``members`` re-registered (``returned`` are back) or
+        ``grace`` seconds after ``now``, whichever comes first. ``grace`` <= 0 holds nothing."""
+        self._missing = set(members) - returned
+        self._roll_until = now + grace if self._missing and grace > 0 else None
 
     def open_doubts(self) -> list[Doubt]:
         """The open doubts, oldest first (status and tests)."""
@@ -118,8 +137,11 @@ class DoubtBook:
         return self._outcomes.get(key)
 
     def deadline(self, timeout: float) -> float | None:
-        """When the oldest open doubt runs out of time (see :meth:`overdue`)."""
-        return min((d.opened + timeout for d in self._open.values()), default=None)
+        """When the oldest open doubt (or the roll call) runs out of time (see :meth:`overdue`)."""
+        ends = [d.opened + timeout for d in self._open.values()]
+        if self._roll_until is not None:
+            ends.append(self._roll_until)
+        return min(ends, default=None)
 
     # -- what the master itself did ---------------------------------------------------------------
 
@@ -158,6 +180,9 @@ class DoubtBook:
             The decisions this report makes (to this peer and to the others waiting).
         """
         rep = _report(group, msg)
+        self._missing.discard(peer_id)
+        if not self._missing:
+            self._roll_until = None
         for key, seq in rep.committed:
             out = self._outcomes.get(key)
             if out is None or out[0] < seq:
@@ -220,6 +245,8 @@ class DoubtBook:
     def overdue(self, now: float, timeout: float) -> list[Decision]:
         """Abort every doubt open for more than ``timeout`` seconds: a participant never came back
         (it died with the master), so nothing tells whether it committed, and the survivors agree."""
+        if self._roll_until is not None and now >= self._roll_until:
+            self._missing, self._roll_until = set(), None  # the latecomers are simply absent
         decisions: list[Decision] = []
         for ks, d in list(self._open.items()):
             if now > d.opened + timeout:

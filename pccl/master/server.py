@@ -66,7 +66,7 @@ class MasterServer:
     def __init__(self, *, config: MasterConfig | None = None, transport: Transport | None = None) -> None:
         self.config = config or MasterConfig()
         self.transport: Transport = transport or TcpTransport()
-        self.state = MasterState(clock=time.perf_counter)
+        self.state = MasterState(clock=time.perf_counter, rebuild_grace=self.config.rebuild_grace)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0

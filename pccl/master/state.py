@@ -189,6 +189,9 @@ class MasterState:
         clock: the time source the default solver's budget is measured with (the server passes
             ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
             step and stall limits, deterministically.
+        rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
+            many seconds after the rebuild started for the last epoch's members not back yet, even
+            once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
     """
 
     def __init__(
@@ -198,6 +201,7 @@ class MasterState:
         bandwidth_stale_after: float = 3600.0,
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
+        rebuild_grace: float = 0.0,
     ) -> None:
         self.peers: dict[int, PeerRecord] = {}
         self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
@@ -233,6 +237,9 @@ class MasterState:
         # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
         # one is undecided.
         self.doubts = DoubtBook()
+        # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
+        # back yet once a majority returned (0: resume at the majority).
+        self.rebuild_grace = rebuild_grace
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -342,10 +349,12 @@ class MasterState:
                 passes ``MasterConfig.heartbeat_timeout``: a peer silent that long is lost anyway).
         """
         self._now = now
-        return self._execute_decisions(self.doubts.overdue(now, timeout))
+        was = self.doubts.undecided
+        return self._execute_decisions(self.doubts.overdue(now, timeout), was)
 
-    def _execute_decisions(self, decisions: list[Decision]) -> list[Effect]:
-        """Tell the waiting peers each decision; resume the votes once none is left open."""
+    def _execute_decisions(self, decisions: list[Decision], was_undecided: bool) -> list[Effect]:
+        """Tell the waiting peers each decision; resume the votes once none is left open (and the
+        roll call is over)."""
         effects: list[Effect] = []
         for d in decisions:
             kind, group, tag = d.key
@@ -367,7 +376,7 @@ class MasterState:
                 what = f"shared-state sync {d.seq} (group {group})"
             effects += [Send(p, msg) for p in peers]
             effects.append(Event(f"{what} in doubt: {verdict} for {peers} ({d.reason})"))
-        if decisions and self.resumed:
+        if (decisions or was_undecided) and self.resumed:
             effects += self._recheck_votes()
         return effects
 
@@ -768,6 +777,7 @@ class MasterState:
             self.doubts.own_from(self._op_seq, self._sync_seq)
             self.epoch = msg.epoch
             self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
+            self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
             effects.append(Event(f"rebuilding the run from re-registrations: epoch {msg.epoch}, "
                                  f"{len(msg.ring)} member(s), generation {self.generation}"))
         rb = self.rebuild
@@ -775,6 +785,7 @@ class MasterState:
             if msg.epoch > rb.epoch:
                 rb.epoch = self.epoch = msg.epoch
                 rb.expected = list(msg.ring)
+                self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
             elif msg.epoch < rb.epoch:
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.MASTER_CONNECTION_FAILED)
@@ -797,7 +808,9 @@ class MasterState:
             Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                   f"(group {msg.peer_group})"),
         ]
-        effects += self._execute_decisions(self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now))
+        was = self.doubts.undecided
+        decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
+        effects += self._execute_decisions(decisions, was)
         if rb is not None:
             rb.returned.add(rec.peer_id)
             if rb.reached:

@@ -181,3 +181,28 @@ def test_live_master_aborts_its_own_op_it_did_not_complete() -> None:
                                       revision=-1, generation=1, ops_in_doubt=[[TAG, seq, RING]]), 0.0)
     (who, abort), = sends(eff, m.CollectiveAbort)
     assert who == 2 and abort.op_seq == seq and st.resumed
+
+
+def test_the_roll_call_holds_votes_for_the_members_not_back_yet() -> None:
+    st = MasterState(rebuild_grace=2.0)
+    rereg(st, 1, now=10.0)
+    rereg(st, 2, now=10.1)  # a majority: the rebuild ends, but member 3 has not said what it holds
+    assert not st.statistics()["rebuilding"] and not st.resumed and st.doubts.missing == {3}
+    st.handle(1, m.PeersPendingVote(), 10.2)
+    assert not sends(st.handle(2, m.PeersPendingVote(), 10.2), m.PeersPendingResult)
+    eff = rereg(st, 3, now=10.4)  # the last one: the votes resume at once
+    assert st.resumed and not sends(eff, m.PeersPendingResult)  # now they wait for 3's vote too
+    answered = sends(st.handle(3, m.PeersPendingVote(), 10.5), m.PeersPendingResult)
+    assert sorted(p for p, _ in answered) == [1, 2, 3]
+
+
+def test_the_roll_call_ends_after_the_grace() -> None:
+    st = MasterState(rebuild_grace=2.0)
+    rereg(st, 1, now=10.0)
+    rereg(st, 2, now=10.1)
+    st.handle(1, m.PeersPendingVote(), 10.2)
+    st.handle(2, m.PeersPendingVote(), 10.2)
+    assert st.doubt_deadline(3.0) == 12.0
+    assert not sends(st.doubts_overdue(11.9, 3.0), m.PeersPendingResult)
+    answered = sends(st.doubts_overdue(12.0, 3.0), m.PeersPendingResult)  # member 3 is simply absent
+    assert sorted(p for p, _ in answered) == [1, 2] and st.resumed
