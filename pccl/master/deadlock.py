@@ -38,6 +38,8 @@ def find_deadlocks(state: MasterState) -> list[Deadlock]:
     """Every peer group that is deadlocked right now (see the module docstring)."""
     # Runs after every batch of messages: a deadlock needs at least two accepted peers of one group that all
     # have a vote in, which almost never holds while a run makes progress, so look at the voters first.
+    if not state.resumed:
+        return []  # votes are held (a rebuild, its roll call, an operation in doubt): they complete later
     voting = state.voting_peers()
     if len(voting) < 2 or not any(
         len(members := state.accepted(group)) >= 2 and voting.issuperset(members)

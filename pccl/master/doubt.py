@@ -109,6 +109,10 @@ class DoubtBook:
         # the votes wait for them (None: no roll call).
         self._missing: set[int] = set()
         self._roll_until: float | None = None
+        # Operations this master completed per group, and the count when each member was dropped:
+        # a member that comes back after its group went on without it is behind (moved_on()).
+        self._progress: dict[int, int] = {}
+        self._dropped_at: dict[int, int] = {}
 
     # -- queries --------------------------------------------------------------------------------
 
@@ -124,7 +128,8 @@ class DoubtBook:
 
     def roll_call(self, members: list[int], returned: set[int], now: float, grace: float) -> None:
         """Hold the votes until every one of ``members`` re-registered (``returned`` are back) or
-        ``grace`` seconds after ``now``, whichever comes first. ``grace`` <= 0 holds nothing."""
+        ``grace`` seconds after ``now``, whichever comes first. ``grace`` <= 0 holds nothing. Each
+        re-registration narrows ``members`` to those its ring lists (see :meth:`report`)."""
         self._missing = set(members) - returned
         self._roll_until = now + grace if self._missing and grace > 0 else None
 
@@ -158,6 +163,20 @@ class DoubtBook:
         while len(self._outcomes) > self._keep:
             self._outcomes.popitem(last=False)
 
+    def progressed(self, group: int) -> None:
+        """The master completed a collective or sync of ``group``."""
+        self._progress[group] = self._progress.get(group, 0) + 1
+
+    def dropped(self, peer_id: int, group: int) -> None:
+        """Member ``peer_id`` of ``group`` left this master (connection lost, evicted)."""
+        self._dropped_at[peer_id] = self._progress.get(group, 0)
+
+    def moved_on(self, peer_id: int, group: int) -> bool:
+        """True when ``group`` completed an operation at this master since ``peer_id`` was dropped (or,
+        for a member this master never had, at all): taken back, it would retry a call the others
+        are past (a deadlock), so it must join again and sync instead."""
+        return self._progress.get(group, 0) > self._dropped_at.get(peer_id, 0)
+
     def _own(self, key: Key, seq: int) -> bool:
         return seq > (self._own_op_from if key[0] == "op" else self._own_sync_from)
 
@@ -180,6 +199,10 @@ class DoubtBook:
             The decisions this report makes (to this peer and to the others waiting).
         """
         rep = _report(group, msg)
+        # A member is waited for only while every member back lists it: a peer drops the dead of its
+        # own group from its table but may still list the dead of other groups, so the rings differ,
+        # and the roll call must not depend on whose came first.
+        self._missing &= set(msg.ring)
         self._missing.discard(peer_id)
         if not self._missing:
             self._roll_until = None

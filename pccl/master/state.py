@@ -153,6 +153,8 @@ class _Rebuild:
     epoch: int
     expected: list[int]
     returned: set[int] = field(default_factory=set)
+    generations: dict[int, int] = field(default_factory=dict)  # the generation each returned one followed
+    epochs: dict[int, int] = field(default_factory=dict)  # the epoch each returned one reported
 
     @property
     def quorum(self) -> int:
@@ -666,6 +668,8 @@ class MasterState:
         was_accepted = rec.phase is Phase.ACCEPTED
         undecided = self.doubts.undecided
         self.doubts.peer_lost(peer_id)
+        if was_accepted:
+            self.doubts.dropped(peer_id, rec.group)
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
@@ -762,14 +766,25 @@ class MasterState:
                                           "connected peer or was not claimed in the hello (retry later)")
         if not 0 < msg.p2p_port < 65536:
             return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
-        if msg.generation > self.generation and (self.ring or self.rebuild is not None):
+        effects: list[Effect] = []
+        rb0 = self.rebuild
+        if rb0 is not None and rb0.generations and msg.generation < max(rb0.generations.values()):
+            # It missed a master the others followed: the run went on there without it (final).
+            return self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, the run "
+                                          f"went on at generation {max(rb0.generations.values())} without "
+                                          "it: join again", Result.KICKED)
+        if rb0 is not None and rb0.generations and msg.generation > max(rb0.generations.values()):
+            # Rebuilding from members that had missed a newer master: this one followed it. Those
+            # were away while the run went on at the newer master: they must join again (final), and
+            # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
+            effects += self._newer_generation(msg.generation)
+        elif msg.generation > self.generation and (self.ring or self.rebuild is not None):
             return self.kick(rec.peer_id, f"this master (generation {self.generation}) is older than "
                                           f"the peer's (generation {msg.generation})",
                              Result.MASTER_CONNECTION_FAILED)
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
-            return self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
-        effects: list[Effect] = []
+            return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
@@ -785,14 +800,29 @@ class MasterState:
             if msg.epoch > rb.epoch:
                 rb.epoch = self.epoch = msg.epoch
                 rb.expected = list(msg.ring)
+                # Those back with an older epoch that are not members of the newer one are refused as
+                # if they had come after it (the outcome must not depend on the order of arrival).
+                for p, e in sorted(rb.epochs.items()):
+                    if e < msg.epoch and p not in rb.expected:
+                        rb.returned.discard(p)
+                        rb.generations.pop(p, None)
+                        del rb.epochs[p]
+                        effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
+                                                f"{msg.epoch}: join again", Result.KICKED)
                 self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
             elif msg.epoch < rb.epoch:
+                # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
-                return effects + self.kick(rec.peer_id, why, Result.MASTER_CONNECTION_FAILED)
+                return effects + self.kick(rec.peer_id, why, Result.KICKED)
         elif msg.epoch != self.epoch:
             return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
                                                     f"epoch {self.epoch}: join again",
                                        Result.MASTER_CONNECTION_FAILED)
+        elif self.doubts.moved_on(msg.peer_id, msg.peer_group):
+            # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
+            # standby of the right epoch may not share.
+            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
+                                                    "since it was dropped: join again", Result.KICKED)
         if msg.revision >= 0:
             self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
         rec.phase = Phase.ACCEPTED
@@ -813,11 +843,34 @@ class MasterState:
         effects += self._execute_decisions(decisions, was)
         if rb is not None:
             rb.returned.add(rec.peer_id)
+            rb.generations[rec.peer_id] = msg.generation
+            rb.epochs[rec.peer_id] = msg.epoch
             if rb.reached:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
                 effects += self._recheck_votes()
+        return effects
+
+    def _newer_generation(self, generation: int) -> list[Effect]:
+        """While rebuilding, a member that followed master ``generation`` (newer than what the members
+        back so far followed) re-registers: move to ``generation + 1`` and refuse, for good, the
+        members back so far that followed an older one."""
+        rb = self.rebuild
+        assert rb is not None
+        self.generation = max(self.generation, generation + 1)
+        self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
+        self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
+        self.doubts.own_from(self._op_seq, self._sync_seq)
+        effects: list[Effect] = [Event(f"a member followed master generation {generation}: rebuilding as "
+                                       f"generation {self.generation}")]
+        for p, g in sorted(rb.generations.items()):
+            if g < generation:
+                rb.returned.discard(p)
+                del rb.generations[p]
+                rb.epochs.pop(p, None)
+                effects += self.kick(p, f"this peer followed master generation {g}, the run went on at "
+                                        f"generation {generation} without it: join again", Result.KICKED)
         return effects
 
     def _recheck_votes(self) -> list[Effect]:
@@ -1231,6 +1284,7 @@ class MasterState:
         if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
             self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
+            self.doubts.progressed(op.group)
             return [Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq)) for p in op.participants]
         return []
 
@@ -1361,6 +1415,7 @@ class MasterState:
         del self._syncs[group]
         self.last_revision[group] = rnd.revision
         self.doubts.settle(("sync", group, -1), rnd.seq, True)
+        self.doubts.progressed(group)
         return [
             Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision))
             for p in sorted(rnd.participants)

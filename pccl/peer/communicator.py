@@ -36,6 +36,7 @@ from .._config import PeerConfig
 from .._errors import (
     InvalidArgumentError,
     InvalidUsageError,
+    KickedError,
     MasterConnectionError,
     PCCLError,
     RankConnectionLostError,
@@ -434,6 +435,11 @@ class Communicator:
                     if problem is None:
                         return
                     last = f"{host}:{port}: {problem.message}"
+                    if isinstance(problem, KickedError):
+                        # The run went on without this peer: no master will take it back.
+                        self._fail_all(MasterConnectionError(f"lost the master; {last}"))
+                        self._link_up.set()
+                        return
             if trio.current_time() >= deadline:
                 break
             await trio.sleep_until(min(deadline, trio.current_time() + backoff))

@@ -409,8 +409,12 @@ class PeerState:
         Returns:
             None: taken back (the link is up again, generation remembered); else why this master
             is not followed (refused us, names another id, or is of an older generation: fencing).
+            A :class:`KickedError` is final: the run went on without this peer, it must join again.
         """
         if isinstance(msg, m.Refused):
+            if msg.code == int(Result.KICKED):
+                # Final (the run went on without this peer): the caller stops reconnecting.
+                return KickedError(f"the master refused the re-registration: {msg.reason}")
             return MasterConnectionError(f"the master refused the re-registration: {msg.reason}")
         if not isinstance(msg, m.Reregistered):
             return MasterConnectionError(f"unexpected answer to Reregister: {type(msg).__name__}")

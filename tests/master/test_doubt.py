@@ -206,3 +206,43 @@ def test_the_roll_call_ends_after_the_grace() -> None:
     assert not sends(st.doubts_overdue(11.9, 3.0), m.PeersPendingResult)
     answered = sends(st.doubts_overdue(12.0, 3.0), m.PeersPendingResult)  # member 3 is simply absent
     assert sorted(p for p, _ in answered) == [1, 2] and st.resumed
+
+
+def test_a_member_the_group_went_on_without_is_refused_for_good() -> None:
+    st, seq = _live_master_with_op()
+    st.peer_lost(3, "evicted: silent")  # aborts the op for 1 and 2
+    eff: list[Any] = []
+    for p in (1, 2):  # they retry and complete it without peer 3
+        eff += st.handle(p, m.CollectiveInitiate(tag=TAG, descriptor=DESC), 1.0)
+    assert sorted(p for p, _ in sends(eff, m.CollectiveCommence)) == [1, 2]
+    for p in (1, 2):
+        st.handle(p, m.CollectiveDone(tag=TAG, success=True), 1.0)
+    got = st.new_connection("127.0.0.1", 2.0, claim=3)
+    eff = st.handle(got, m.Reregister(peer_id=3, p2p_port=40003, peer_group=0, epoch=st.epoch, ring=RING,
+                                      revision=-1, generation=1, ops_abandoned=[[TAG, seq]]), 2.0)
+    (kick,) = kicks(eff)
+    assert kick.code == int(Result.KICKED) and "went on without" in kick.reason
+    assert st.accepted() == [1, 2]
+
+
+def test_a_dropped_member_is_taken_back_when_nothing_moved_on() -> None:
+    st, seq = _live_master_with_op()
+    st.peer_lost(3, "connection closed")
+    got = st.new_connection("127.0.0.1", 2.0, claim=3)
+    eff = st.handle(got, m.Reregister(peer_id=3, p2p_port=40003, peer_group=0, epoch=st.epoch, ring=RING,
+                                      revision=-1, generation=1, ops_abandoned=[[TAG, seq]]), 2.0)
+    assert not kicks(eff) and sends(eff, m.Reregistered) and sorted(st.accepted()) == [1, 2, 3]
+
+
+def test_the_roll_call_waits_only_for_members_every_returned_peer_lists() -> None:
+    """Peer 1 still lists peer 4 (dead, of another group: its table drops only its own group's dead);
+    peer 2 does not. Whoever comes first, the roll call ends once 1, 2 and 3 are back."""
+    for order in ([1, 2, 3], [2, 1, 3]):
+        st = MasterState(rebuild_grace=2.0)
+        for pid in order:
+            ring = [1, 2, 3, 4] if pid == 1 else [1, 2, 3]
+            got = st.new_connection("127.0.0.1", 0.0, claim=pid)
+            msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=EPOCH, ring=ring,
+                               revision=5, generation=1)
+            st.handle(got, msg, 0.0)
+        assert st.resumed, order

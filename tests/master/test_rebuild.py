@@ -146,3 +146,28 @@ def test_an_older_epoch_than_the_rebuild_is_refused_a_newer_one_replaces_the_rin
     assert sends(eff, m.Reregistered)
     s = st.statistics()
     assert s["epoch"] == EPOCH + 1 and not s["rebuilding"] and st.accepted() == [1, 3]
+
+
+def test_rebuilding_from_a_member_that_missed_a_newer_master_moves_on_to_the_newer_generation() -> None:
+    """Issue 18, found by the chaos test with master restarts: the first member back had been away while
+    the run went on at a newer master (it reports generation 3, the others 5). The rebuild follows the
+    newer one, and the member that missed it must join again (refused for good: KICKED)."""
+    st = MasterState()
+    rereg(st, 1, generation=3)
+    assert st.generation == 4
+    _, eff = rereg(st, 2, generation=5)
+    assert st.generation == 6 and st.statistics()["rebuilding"]
+    (kick,) = kicks(eff)
+    assert kick.peer_id == 1 and kick.code == int(Result.KICKED) and "generation 3" in kick.reason
+    (who, ok), = sends(eff, m.Reregistered)
+    assert who == 2 and ok.generation == 6
+    assert st.accepted() == [2]
+
+
+def test_a_member_that_missed_a_newer_master_is_refused_in_either_order() -> None:
+    st = MasterState()
+    rereg(st, 2, generation=5)
+    _, eff = rereg(st, 1, generation=3)  # after the newer one: the same outcome as before it
+    (kick,) = kicks(eff)
+    assert kick.peer_id == 1 and kick.code == int(Result.KICKED) and st.generation == 6
+    assert st.accepted() == [2]

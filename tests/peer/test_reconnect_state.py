@@ -140,3 +140,14 @@ def test_an_unfinished_sync_is_reported_abandoned() -> None:
     st.link_down(1.0, 60.0)
     rr = st.reregister(41002)
     assert rr.sync_in_doubt == [] and rr.sync_abandoned == 4
+
+
+def test_a_refusal_because_the_run_went_on_is_final() -> None:
+    st = member()
+    st.link_down(1.0, 60.0)
+    gone = m.Refused(reason="group 0 went on without this peer", code=int(pccl.Result.KICKED))
+    final = st.reregistered(gone, now=2.0)
+    assert isinstance(final, pccl.KickedError)
+    epoch = m.Refused(reason="epoch", code=int(pccl.Result.MASTER_CONNECTION_FAILED))
+    retry = st.reregistered(epoch, now=2.0)
+    assert retry is not None and not isinstance(retry, pccl.KickedError)
