@@ -239,6 +239,9 @@ class MasterState:
         # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
         # one is undecided.
         self.doubts = DoubtBook()
+        # At a rebuilt master: the ring each member reported when it re-registered (who its group
+        # still lists; see _on_reregister).
+        self._rings: dict[int, set[int]] = {}
         # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
         # back yet once a majority returned (0: resume at the majority).
         self.rebuild_grace = rebuild_grace
@@ -792,6 +795,7 @@ class MasterState:
             self.doubts.own_from(self._op_seq, self._sync_seq)
             self.epoch = msg.epoch
             self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
+            self._rings = {}
             self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
             effects.append(Event(f"rebuilding the run from re-registrations: epoch {msg.epoch}, "
                                  f"{len(msg.ring)} member(s), generation {self.generation}"))
@@ -806,6 +810,7 @@ class MasterState:
                     if e < msg.epoch and p not in rb.expected:
                         rb.returned.discard(p)
                         rb.generations.pop(p, None)
+                        self._rings.pop(p, None)
                         del rb.epochs[p]
                         effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
                                                 f"{msg.epoch}: join again", Result.KICKED)
@@ -814,6 +819,10 @@ class MasterState:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.KICKED)
+        elif msg.epoch != self.epoch and self.ring:
+            # KICKED (final): the run this master serves moved to another epoch without it.
+            return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
+                                                    f"epoch {self.epoch}: join again", Result.KICKED)
         elif msg.epoch != self.epoch:
             return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
                                                     f"epoch {self.epoch}: join again",
@@ -823,6 +832,25 @@ class MasterState:
             # standby of the right epoch may not share.
             return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
                                                     "since it was dropped: join again", Result.KICKED)
+        if self._rings:
+            # A peer drops the dead of its own group from its table at every operation: one that a
+            # member of its group back here no longer lists was dropped from the group while it was
+            # away (the run went on without it). Refused in either order of arrival (KICKED: final).
+            for p, ring in sorted(self._rings.items()):
+                if p in self.peers and self.peers[p].group == msg.peer_group and rec.peer_id not in ring:
+                    return effects + self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
+                                                            "lists this peer: the run went on without it, "
+                                                            "join again", Result.KICKED)
+            for p in sorted(self._rings):
+                if p in self.peers and self.peers[p].group == msg.peer_group and p not in msg.ring:
+                    self._rings.pop(p, None)
+                    if rb is not None:
+                        rb.returned.discard(p)
+                        rb.generations.pop(p, None)
+                        rb.epochs.pop(p, None)
+                    why = (f"peer {rec.peer_id} of group {msg.peer_group} no longer lists this peer: the run "
+                           "went on without it, join again")
+                    effects += self.kick(p, why, Result.KICKED)
         if msg.revision >= 0:
             self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
         rec.phase = Phase.ACCEPTED
@@ -838,6 +866,8 @@ class MasterState:
             Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                   f"(group {msg.peer_group})"),
         ]
+        if rb is not None or self._rings:
+            self._rings[rec.peer_id] = set(msg.ring)
         was = self.doubts.undecided
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
         effects += self._execute_decisions(decisions, was)
@@ -869,6 +899,7 @@ class MasterState:
                 rb.returned.discard(p)
                 del rb.generations[p]
                 rb.epochs.pop(p, None)
+                self._rings.pop(p, None)
                 effects += self.kick(p, f"this peer followed master generation {g}, the run went on at "
                                         f"generation {generation} without it: join again", Result.KICKED)
         return effects
