@@ -17,7 +17,11 @@ only), written like ``gloo_bench.py`` (barrier, then ``dist.all_reduce``) plus a
 ``torch.cuda.synchronize()`` inside the timed region, since Gloo's CUDA all-reduce returns before its
 copy back to the device has finished. Our call returns with the result in device memory.
 
+``--schedule`` sets our peers' ``PeerConfig.schedule`` (default: the PeerConfig default, "auto": the cost
+model picks the ring, halving-doubling or the tree per operation, docs/topology.md).
+
 usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
+                                      [--schedule auto|ring|hd|tree]
 """
 
 from __future__ import annotations
@@ -54,7 +58,12 @@ async def _peer(cfg: dict[str, Any]) -> None:
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
 
-    async with open_communicator(cfg["master"], config=c.peer_config(),
+    overrides: dict[str, Any] = {}
+    if cfg.get("stash_limit") is not None:
+        overrides["recv_stash_limit"] = cfg["stash_limit"]
+    if cfg.get("schedule"):
+        overrides["schedule"] = cfg["schedule"]
+    async with open_communicator(cfg["master"], config=c.peer_config(**overrides),
                                  p2p_connection_pool_size=cfg["pool_size"]) as comm:
         while comm.world_size < cfg["world"]:
             await c.admit_pending(comm)
@@ -98,8 +107,10 @@ async def _peer(cfg: dict[str, Any]) -> None:
             samples[str(nbytes)] = times
             cpu_medians[str(nbytes)] = statistics.median(cpus)
             phase_medians[str(nbytes)] = {k: statistics.median(v) for k, v in phases.items()}
+        ps = comm.pool.statistics()
         c.emit("result", peer=comm.peer_id, rank=comm.rank, median_s=medians, samples_s=samples,
-               cpu_median_s=cpu_medians, phase_median_s=phase_medians)
+               cpu_median_s=cpu_medians, phase_median_s=phase_medians,
+               stash={k: ps[k] for k in ("frames_stashed_total", "stash_peak_bytes", "reader_blocks_total")})
         # Leave together: a peer that closes early would look like a failure to a peer still timing.
         await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
 
@@ -124,7 +135,7 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
         master = await cluster.start_master()
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
                "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device,
-               "samples": args.samples}
+               "samples": args.samples, "stash_limit": args.recv_stash_limit, "schedule": args.schedule}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         results: dict[int, dict[str, Any]] = {}
@@ -150,6 +161,13 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> di
                 ph = results[r]["phase_median_s"][str(n)]
                 print(f"    {'':>6} phase medians (ms): "
                       + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in ph.items()), flush=True)
+    if args.recv_stash_limit is not None:
+        st = [results[r].get("stash", {}) for r in sorted(results)]
+        stashed = [s.get("frames_stashed_total") for s in st]
+        peaks = [s.get("stash_peak_bytes") for s in st]
+        blocks = [s.get("reader_blocks_total") for s in st]
+        print(f"    world {world}, recv_stash_limit {args.recv_stash_limit}: frames stashed {stashed}, "
+              f"stash peak bytes {peaks}, reader blocks {blocks} (per rank, whole run)", flush=True)
     rank0 = results[0]["median_s"]
     return {n: float(rank0[str(n)]) for n in sizes}
 
@@ -264,9 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--pool-size", type=int, default=1, help="p2p_connection_pool_size of our peers")
+    p.add_argument("--recv-stash-limit", type=int, default=None,
+                   help="PeerConfig.recv_stash_limit of our peers (default: PeerConfig's); also prints "
+                        "their stash counters")
     p.add_argument("--gloo-bench", default="../shared/bench/gloo_bench.py",
                    help="path to gloo_bench.py (relative paths are from the repository root)")
     p.add_argument("--no-gloo", action="store_true", help="only our side")
+    p.add_argument("--schedule", default=None, choices=("auto", "ring", "hd", "tree"),
+                   help="PeerConfig.schedule of our peers (default: the PeerConfig default, auto)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: all-reduce torch CUDA tensors on both sides (needs a GPU)")
     p.add_argument("--keep-logs", action="store_true")

@@ -13,8 +13,12 @@ the way the server would, and times (``time.process_time``, CPU of this process)
 * collective: one collective's vote round (``n`` ``CollectiveInitiate``) and its completion
   (``n`` ``CollectiveDone``);
 * +encode: the same collective round with every message the master sends encoded as the server
-  would (``wire.messages.encode``): the ``n`` ``CollectiveCommence`` each carry the ``n``-row peer
-  table, so this part is O(n^2) bytes per round by protocol design.
+  would (``wire.messages.encode``): on this slow path the ``n`` ``CollectiveCommence`` each carry the
+  ``n``-row peer table, O(n^2) bytes per round;
+* fast / fast+encode: a collective round on the speculative start (issue 21 item 3: every peer votes
+  with the op_seq the tag's last ``CollectiveComplete`` reserved): no table is sent, the master answers
+  each peer with a tableless ``CollectiveCommence`` (off the peers' critical path) and the
+  ``CollectiveComplete``, O(n) bytes per round.
 
 It prints the median over ``--repeats`` rounds and the cost per message; O(n) rounds keep the cost
 per message flat as ``n`` grows. Target (issue 21): one vote round at 256 peers <= 50 ms.
@@ -45,6 +49,7 @@ class Driver:
         self.st = MasterState()
         self.now = 0.0
         self.ids: list[int] = []
+        self.reserved: dict[int, int] = {}  # tag -> the op_seq its last round reserved
 
     encode = False
 
@@ -79,8 +84,25 @@ class Driver:
     def collective_round(self, tag: int) -> None:
         for p in self.st.accepted():
             self.h(p, m.CollectiveInitiate(tag=tag, descriptor=_DESCRIPTOR))
+        eff: list[Any] = []
         for p in self.st.accepted():
-            self.h(p, m.CollectiveDone(tag=tag, success=True))
+            eff += self.h(p, m.CollectiveDone(tag=tag, success=True))
+        self._reserve(tag, eff)
+
+    def fast_round(self, tag: int) -> None:
+        """A round on the speculative start (the tag's reserved op_seq, from its last round)."""
+        seq = self.reserved[tag]
+        for p in self.st.accepted():
+            self.h(p, m.CollectiveInitiate(tag=tag, descriptor=_DESCRIPTOR, op_seq=seq))
+        eff: list[Any] = []
+        for p in self.st.accepted():
+            eff += self.h(p, m.CollectiveDone(tag=tag, success=True, op_seq=seq))
+        self._reserve(tag, eff)
+
+    def _reserve(self, tag: int, effects: list[Any]) -> None:
+        complete = _sends(effects, m.CollectiveComplete)
+        assert complete, "the round did not complete"
+        self.reserved[tag] = complete[0][1].next_op_seq
 
 
 def _join(n: int) -> tuple[Driver, float]:
@@ -118,13 +140,21 @@ def measure(n: int, repeats: int) -> dict[str, float]:
     out["+encode"] = statistics.median(
         _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
     )
+    d.encode = False
+    fast_tag = next(tags)
+    d.collective_round(fast_tag)  # reserves the tag's first speculative op_seq
+    out["fast"] = statistics.median(_timed(lambda: d.fast_round(fast_tag)) for _ in range(repeats))
+    d.encode = True
+    out["fast+encode"] = statistics.median(_timed(lambda: d.fast_round(fast_tag)) for _ in range(repeats))
     assert d.st.statistics()["collectives_running"] == 0
+    assert d.st.statistics()["collectives_fast"] == 2 * repeats
     return out
 
 
 # messages per round, to print a cost per message
 _MESSAGES = {"join": lambda n: 2 * n - 1, "update": lambda n: 2 * n, "pending": lambda n: n,
-             "collective": lambda n: 2 * n, "+encode": lambda n: 2 * n}
+             "collective": lambda n: 2 * n, "+encode": lambda n: 2 * n, "fast": lambda n: 2 * n,
+             "fast+encode": lambda n: 2 * n}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@
 
 usage: python benchmarks/scale.py [--peers 4,16,64,256] [--sizes 4K,1M,64M] [--links all]
                                   [--virtual-max-peers 16] [--virtual-max-bytes 1M] [--model-only]
+                                  [--plans]
 
 ``gain`` is ring / chosen: virtual times where both ran, the model's otherwise.
 
@@ -11,17 +12,20 @@ world size and size it prints:
 
 * ``ring model``: :func:`pccl.collectives.cost.predict` for today's ring, plus the two master round
   trips every collective costs today (vote, then confirm: ``4 x latency``);
-* ``ring virtual``: the same all-reduce run by the real stack (master, communicators, ring executor)
-  on :class:`pccl.testing.VirtualNetwork` under ``trio.testing.MockClock``: virtual seconds of the
-  second all-reduce (the first warms caches), and the wall seconds the simulation took - only for
+* ``ring virtual``: the same all-reduce run by the real stack (master, communicators, executor) with
+  ``PeerConfig.schedule="ring"`` on :class:`pccl.testing.VirtualNetwork` under
+  ``trio.testing.MockClock``: virtual seconds of the second all-reduce (the first warms caches and
+  opens connections), and the wall seconds the simulation took - only for
   ``peers <= --virtual-max-peers`` and ``size <= --virtual-max-bytes`` (a 256-peer ring moves
   every byte 2 x 255 times through Python);
-* ``chosen``: the schedule :func:`pccl.collectives.cost.choose` picks, its model time (with the
-  same two round trips), its plan timing (:func:`pccl.testing.plan_times` over the plans
-  themselves) and its virtual time: the live executor does not run halving-doubling or trees yet,
-  so its plans run on :func:`pccl.testing.plan_exec.run_plan` (a reference executor over real
-  P2P pools, no master) on the same virtual network, plus the same two round trips (within the
-  virtual limits above).
+* ``chosen``: the schedule :func:`pccl.collectives.cost.choose` picks for the true links, its
+  model time (with the same two round trips), its plan timing (:func:`pccl.testing.plan_times`
+  over the plans themselves) and its virtual time: the live stack again, with
+  ``PeerConfig.schedule="auto"`` (the peers choose with :func:`pccl.collectives.cost.schedule_for`
+  from the operation and the group size alone, so ``ran`` may differ from ``chosen``: that one
+  knows the true latency), within the virtual limits above. ``--plans`` runs the chosen plans on
+  :func:`pccl.testing.plan_exec.run_plan` instead (P2P pools only, no master, plus the two round
+  trips).
 
 The model is given the virtual network's TCP window (4 MiB per connection, one connection), so
 long fat links are capped at one window per round trip, as they are there.
@@ -30,6 +34,7 @@ long fat links are capped at one window per round trip, as they are there.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -39,8 +44,8 @@ import trio
 import trio.testing
 
 from pccl.collectives.cost import LinkModel, choose, predict
-from pccl.collectives.schedule import all_plans
-from pccl.testing import VirtualNetwork, open_test_cluster, plan_times
+from pccl.collectives.schedule import SCHEDULES, all_plans
+from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster, plan_times
 from pccl.testing.plan_exec import open_plan_pools
 
 WINDOW = 4 << 20  # VirtualNetwork's default buffer_size, one connection per neighbour
@@ -77,11 +82,13 @@ def _fmt_size(n: int) -> str:
     return str(n)
 
 
-async def _virtual_allreduce(n: int, nbytes: int, link: Link) -> float:
-    """Virtual seconds of one all-reduce of ``nbytes`` float32 on ``n`` peers (the second one)."""
+async def _virtual_allreduce(n: int, nbytes: int, link: Link, schedule: str) -> tuple[float, str]:
+    """Virtual seconds of one all-reduce of ``nbytes`` float32 on ``n`` peers (the second one) with
+    ``PeerConfig.schedule = schedule``, and the schedule the peers ran."""
     net = VirtualNetwork(latency=link.latency, bandwidth=link.bandwidth)
     count = nbytes // 4
-    async with open_test_cluster(n, network=net) as cl:
+    config = dataclasses.replace(DEFAULT_PEER_CONFIG, schedule=schedule)
+    async with open_test_cluster(n, network=net, config=config) as cl:
         comms = cl.peers
         t = 0.0
         for _ in range(2):
@@ -93,14 +100,18 @@ async def _virtual_allreduce(n: int, nbytes: int, link: Link) -> float:
             t = trio.current_time() - t0
             expect = n * (n + 1) / 2
             assert all((x == expect).all() for x in xs)
-        return t
+        stats = comms[0].statistics()
+        ran = [s for s in SCHEDULES if stats.get(f"schedule_{s}_ok", 0) == 2]
+        assert len(ran) == 1, stats
+        return t, ran[0]
 
 
-def virtual_allreduce(n: int, nbytes: int, link: Link) -> tuple[float, float]:
-    """``(virtual seconds, wall seconds)``."""
+def virtual_allreduce(n: int, nbytes: int, link: Link, schedule: str = "ring") -> tuple[float, float, str]:
+    """``(virtual seconds, wall seconds, schedule run)``."""
     w0 = time.perf_counter()
-    t = trio.run(_virtual_allreduce, n, nbytes, link, clock=trio.testing.MockClock(autojump_threshold=0))
-    return t, time.perf_counter() - w0
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    t, ran = trio.run(_virtual_allreduce, n, nbytes, link, schedule, clock=clock)
+    return t, time.perf_counter() - w0, ran
 
 
 async def _virtual_plans(schedule: str, n: int, nbytes: int, link: Link) -> float:
@@ -141,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--virtual-max-peers", type=int, default=16)
     ap.add_argument("--virtual-max-bytes", default="1M")
     ap.add_argument("--model-only", action="store_true", help="no virtual-network runs, no plan timing")
+    ap.add_argument(
+        "--plans", action="store_true",
+        help="run the chosen schedule on plan_exec (pools only, no master) instead of the live stack",
+    )
     args = ap.parse_args(argv)
     # a 256-peer ring over 25 ms links runs for seconds of virtual time: no stall warnings
     logging.getLogger("pccl").setLevel(logging.ERROR)
@@ -150,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     vmax_bytes = _size(args.virtual_max_bytes)
     head = (
         f"{'links':>10} {'peers':>5} {'size':>5} | {'ring model':>10} {'ring virtual':>12} {'(wall s)':>8} "
-        f"| {'chosen':>6} {'its model':>9} {'its plans':>9} {'its virtual':>11} | {'gain':>5}"
+        f"| {'chosen':>6} {'its model':>9} {'its plans':>9} {'its virtual':>11} {'(wall s)':>8} {'ran':>4} "
+        f"| {'gain':>5}"
     )
     print(head)
     print("-" * len(head))
@@ -162,22 +178,27 @@ def main(argv: list[str] | None = None) -> int:
                 ring = predict("ring", "all_reduce", n, nbytes, lm, block_bytes=BLOCK) + control
                 choice = choose("all_reduce", n, nbytes, lm, block_bytes=BLOCK)
                 chosen = choice.predictions[choice.schedule] + control
-                virt = wall = plans = cvirt = "-"
+                virt = wall = plans = cvirt = cwall = ran = "-"
                 gain = ring / chosen
                 if not args.model_only:
                     if n <= args.virtual_max_peers and nbytes <= vmax_bytes:
-                        v, w = virtual_allreduce(n, nbytes, link)
+                        v, w, _ = virtual_allreduce(n, nbytes, link, "ring")
                         virt, wall = f"{v * 1e3:.0f} ms", f"{w:.1f}"
-                        cv = v
-                        if choice.schedule != "ring":
-                            cv = virtual_plans(choice.schedule, n, nbytes, link) + control
+                        if args.plans:
+                            cv, ran = v, "ring"
+                            if choice.schedule != "ring":
+                                cv, ran = virtual_plans(choice.schedule, n, nbytes, link) + control, "plan"
+                        else:
+                            # the live stack, PeerConfig.schedule="auto": what the peers choose
+                            cv, cw, ran = virtual_allreduce(n, nbytes, link, "auto")
+                            cwall = f"{cw:.1f}"
                         cvirt = f"{cv * 1e3:.0f} ms"
                         gain = v / cv
                     plans = f"{(plan_time(choice.schedule, n, nbytes, link, lm) + control) * 1e3:.0f} ms"
                 print(
                     f"{link.name:>10} {n:>5} {_fmt_size(nbytes):>5} | {ring * 1e3:>7.0f} ms {virt:>12} "
                     f"{wall:>8} | {choice.schedule:>6} {chosen * 1e3:>6.0f} ms {plans:>9} {cvirt:>11} "
-                    f"| {gain:>4.1f}x",
+                    f"{cwall:>8} {ran:>4} | {gain:>4.1f}x",
                     flush=True,
                 )
     return 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MASTER_PORT = 48148
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +53,17 @@ class MasterConfig:
         status_port: serve the status page (``/``), ``/status`` (JSON) and ``/metrics`` (Prometheus)
             over HTTP on this port (0: the system picks one). ``None`` (default): no status server.
         status_host: address the status server binds; ``None``: the master's own bind address.
+        quorum: when a *live* master needs a majority of its epoch's members to complete votes
+            (docs/concepts.md "Surviving the master", "No split brain"): ``"auto"`` (default) as soon
+            as a peer of the run tells this master that it can fail over to another master address
+            (it has a reconnect window and a standby address), ``"on"`` always, ``"off"`` never (a
+            single-master run that must go on after losing most of its peers at once). A master
+            rebuilding from re-registrations needs that majority in every mode.
+        quorum_hold_timeout: seconds a master without its quorum (rebuilding, or live and short of
+            the majority) holds its votes for members to come back; then it closes every
+            connection with ``MASTER_CONNECTION_FAILED`` ("look for a newer master"), so its peers
+            fail over through their address lists, and it refuses the run's members from then on.
+            ``None``: hold forever. Default 30 s.
         rebuild_grace: a restarted or standby master that rebuilds the run from re-registrations
             holds every vote until all of the last epoch's members are back, or for at most this many
             seconds from the first re-registration (a majority is needed in any case; docs/concepts.md
@@ -73,11 +84,17 @@ class MasterConfig:
     deadlock_grace: float | None = 1.0
     status_port: int | None = None
     status_host: str | None = None
+    quorum: str = "auto"
+    quorum_hold_timeout: float | None = 30.0
     rebuild_grace: float = 2.0
 
     def __post_init__(self) -> None:
         if self.rebuild_grace < 0:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
+        if self.quorum not in ("auto", "on", "off"):
+            raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")
+        if self.quorum_hold_timeout is not None and self.quorum_hold_timeout <= 0:
+            raise ValueError(f"quorum_hold_timeout ({self.quorum_hold_timeout}) must be > 0 or None")
         if self.deadlock_grace is not None and self.deadlock_grace < 0:
             raise ValueError(f"deadlock_grace ({self.deadlock_grace}) must be >= 0 or None")
         if self.vote_timeout is not None and self.vote_timeout <= 0:
@@ -98,6 +115,13 @@ class MasterConfig:
             )
 
 
+#: Default ``PeerConfig.recv_stash_limit``: 16 frames of the default 4 MiB ring block. Frames only
+#: arrive early by the skew between two peers' starts of one operation (registration follows the
+#: master's go-ahead at once), and a frame that does not fit waits for its receive instead of
+#: failing, so the stash only saves the sender a wait; see docs/security.md "Early data frames".
+DEFAULT_RECV_STASH_LIMIT = 64 << 20
+
+
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
     """Peer (communicator) tunables.
@@ -110,10 +134,23 @@ class PeerConfig:
         p2p_listen_host: address the P2P listener binds.
         p2p_listen_port: 0 lets the OS choose.
         max_frame_size: largest control frame accepted.
-        recv_stash_limit: bytes of not-yet-claimed data a P2P reader may buffer.
+        recv_stash_limit: bytes of ring data frames that arrived before their receive was
+            registered which the P2P pool may hold (all incoming connections together; default
+            64 MiB, 16 frames of the default 4 MiB block). When a frame does not fit, its
+            connection is not read (TCP flow control holds the sender back) until its receive is
+            registered, its operation ends or room frees; a connection blocked so for
+            ``p2p_stall_timeout`` is closed with a logged reason. 0: never stash, every early frame
+            waits for its receive (see ``pccl/peer/pool.py`` and docs/security.md).
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
+            Also the bound on how long a P2P reader waits for stash room (see ``recv_stash_limit``).
+        schedule: how collectives move data: "auto" (default: per operation, the cost model picks
+            the ring, recursive halving-doubling or a binomial tree from the operation's kind and
+            size and the group size; docs/topology.md "Running them live"), or "ring", "hd",
+            "tree" to force one (an "hd" broadcast runs the tree; quantized all-reduces always run
+            the ring). Part of every collective's descriptor: peers configured differently fail
+            the operation with a descriptor mismatch.
         secret: optional shared secret presented to the master and to other peers (None: from
             ``$PCCL_SECRET_FILE`` / ``$PCCL_SECRET`` when set).
         accept_timeout: give up connecting when the master has not accepted this peer within this
@@ -135,8 +172,15 @@ class PeerConfig:
     p2p_listen_host: str = "0.0.0.0"
     p2p_listen_port: int = 0
     max_frame_size: int = 16 * 1024 * 1024
-    recv_stash_limit: int = 1 << 30
+    recv_stash_limit: int = DEFAULT_RECV_STASH_LIMIT
     p2p_stall_timeout: float = 30.0
+    schedule: str = "auto"
     secret: str | None = None
     accept_timeout: float | None = None
     reconnect_window: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.recv_stash_limit < 0:
+            raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
+        if not self.p2p_stall_timeout > 0:
+            raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")

@@ -58,6 +58,13 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--rebuild-grace", type=seconds, default=defaults.rebuild_grace,
                    help="a restarted master waits this long for every member of the run to come back "
                         f"before it resumes (default {defaults.rebuild_grace:g}; docs/concepts.md)")
+    p.add_argument("--quorum", choices=("auto", "on", "off"), default=defaults.quorum,
+                   help="complete votes only while a majority of the epoch's members is connected: 'auto' "
+                        "once a peer says it can fail over to a standby master, 'on', 'off' "
+                        f"(default {defaults.quorum})")
+    p.add_argument("--quorum-hold-timeout", type=seconds, default=defaults.quorum_hold_timeout,
+                   help="seconds a master without its quorum holds votes before it tells its peers to look "
+                        f"for a newer master (default {defaults.quorum_hold_timeout:g})")
     p.add_argument("--secret", default=None,
                    help="shared secret peers must know (optional; visible in the process list: "
                         "prefer --secret-file or $PCCL_SECRET)")
@@ -82,6 +89,8 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             straggler_timeout=args.straggler_timeout,
             deadlock_grace=args.deadlock_grace,
             rebuild_grace=args.rebuild_grace,
+            quorum=args.quorum,
+            quorum_hold_timeout=args.quorum_hold_timeout,
             secret=secret,
             status_port=args.status_port,
             status_host=args.status_host,

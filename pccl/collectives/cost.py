@@ -24,7 +24,8 @@ see docs/topology.md for the derivation and when each wins):
 
 :func:`choose` picks the schedule with the smallest prediction, keeping the ring unless another
 schedule is faster by more than ``margin``: the ring is the schedule whose order the master
-optimizes for the measured bandwidth, and the only one the executor runs today.
+optimizes for the measured bandwidth. :func:`schedule_for` turns a requested schedule ("auto" or a
+fixed one) into the one the executor runs for one operation.
 """
 
 from __future__ import annotations
@@ -42,11 +43,13 @@ __all__ = [
     "DEFAULT_LATENCY",
     "DEFAULT_MARGIN",
     "HETEROGENEOUS_RATIO",
+    "SCHEDULE_REQUESTS",
     "Choice",
     "LinkModel",
     "choose",
     "heterogeneity",
     "predict",
+    "schedule_for",
 ]
 
 DEFAULT_LATENCY = 0.5e-3
@@ -85,6 +88,8 @@ class LinkModel:
         window: bytes one connection may have in flight (the TCP window), times the connections a
             transfer stripes over; a link then carries at most ``window`` per round trip
             (``min(bw, window / (2 alpha))``). None: unlimited.
+        spread: fastest over slowest measured link, for a model without a ``bandwidth`` matrix
+            (the master's summary, :meth:`from_summary`); see :func:`heterogeneity`.
     """
 
     latency: float | Matrix = DEFAULT_LATENCY
@@ -92,6 +97,20 @@ class LinkModel:
     default_latency: float = DEFAULT_LATENCY
     default_bandwidth: float = DEFAULT_BANDWIDTH
     window: float | None = None
+    spread: float = 1.0
+
+    @classmethod
+    def from_summary(cls, links: Sequence[float]) -> LinkModel | None:
+        """The model of the master's link summary ``[slowest bytes/s, fastest / slowest]``
+        (``EstablishP2P.links``): every link at the slowest measured bandwidth, the spread kept for
+        the heterogeneity rule of :func:`choose`. None for an empty or malformed summary (the
+        defaults then)."""
+        if len(links) != 2 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in links):
+            return None
+        lo, spread = float(links[0]), float(links[1])
+        if lo <= 0 or spread < 1:
+            return None
+        return cls(default_bandwidth=lo, spread=spread)
 
     def alpha(self, i: int, j: int) -> float:
         """Latency term of a transfer ``i -> j``, seconds."""
@@ -228,9 +247,10 @@ def choose(
 
 
 def heterogeneity(links: LinkModel, n: int) -> float:
-    """Fastest over slowest measured link among ranks ``0..n-1`` (1.0 when nothing is measured)."""
+    """Fastest over slowest measured link among ranks ``0..n-1`` (``links.spread`` without a matrix:
+    1.0 when nothing is measured)."""
     if links.bandwidth is None:
-        return 1.0
+        return links.spread
     vals = [float(v) for i in range(n) for j in range(n) if i != j and (v := links.bandwidth[i][j])]
     return max(vals) / min(vals) if vals else 1.0
 
@@ -396,3 +416,70 @@ def _steady(
                 egress += 1.0 / lm.beta(rank(v), rank(parent))
         busiest = max(busiest, egress, ingress)
     return rest * busiest
+
+
+# ------------------------------------------------------------------------------------------------
+# the schedule of one live operation
+
+SCHEDULE_REQUESTS = ("auto", *SCHEDULES)
+"""What a peer may ask for (``PeerConfig.schedule``): "auto" (the cost model's choice) or one schedule."""
+
+
+def schedule_for(
+    requested: str,
+    kind: str,
+    n: int,
+    nbytes: int,
+    *,
+    quantized: bool = False,
+    links: LinkModel | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    root: int = 0,
+) -> str:
+    """The schedule one operation runs: the same on every participant as long as the arguments are.
+
+    Pass only data identical on every participant (the descriptor's kind, size and dtype, the
+    group size, a link model the master distributed), never a local measurement: peers that chose
+    differently would wait for frames that never come.
+
+    * quantized operations run the ring (its forwarding rule keeps the quantized bits identical);
+    * a fixed request runs as asked, except a halving-doubling broadcast, which runs the tree
+      (halving-doubling has nothing to halve in a broadcast);
+    * "auto" keeps the ring (with its one-step exchange) between two peers, and otherwise takes
+      :func:`choose`'s pick.
+
+    Args:
+        requested: "auto", "ring", "hd" or "tree".
+        kind: the operation kind.
+        n: the group size (>= 2).
+        nbytes: bytes of each rank's input.
+        quantized: whether the operation is quantized.
+        links: the link model (None: :class:`LinkModel` defaults).
+        block_bytes: the executor's pipelining block.
+        root: broadcast only: the root's ring position.
+
+    Returns:
+        "ring", "hd" or "tree".
+
+    Raises:
+        ValueError: an unknown request or kind, or bad sizes.
+    """
+    if requested not in SCHEDULE_REQUESTS:
+        raise ValueError(f"unknown schedule {requested!r} (expected one of {', '.join(SCHEDULE_REQUESTS)})")
+    _check(kind, n, nbytes)
+    if quantized:
+        return "ring"
+    if requested != "auto":
+        return "tree" if requested == "hd" and kind == "broadcast" else requested
+    if n == 2:
+        return "ring"
+    if links is None or (links.bandwidth is None and isinstance(links.latency, (int, float))):
+        return _auto(kind, n, nbytes, block_bytes, root, links)
+    return choose(kind, n, nbytes, links, block_bytes=block_bytes, root=root).schedule
+
+
+@functools.lru_cache(maxsize=1024)
+def _auto(kind: str, n: int, nbytes: int, block_bytes: int, root: int, links: LinkModel | None) -> str:
+    """:func:`choose` under a model without matrices (hashable; cached: training loops repeat
+    their shapes)."""
+    return choose(kind, n, nbytes, links, block_bytes=block_bytes, root=root).schedule

@@ -1,28 +1,32 @@
-"""Ring collectives over a :class:`~pccl.collectives.interface.DataPool` (the peer's P2P pool):
-all-reduce, reduce-scatter, all-gather and broadcast.
+"""Collectives over a :class:`~pccl.collectives.interface.DataPool` (the peer's P2P pool):
+all-reduce, reduce-scatter, all-gather and broadcast, under any schedule of
+:mod:`pccl.collectives.schedule` (the ring, recursive halving-doubling, the binomial tree).
 
-The plan (which frames to send and receive, see :mod:`pccl.collectives.schedule`) is executed as
-a dependency-driven pipeline rather than step by step: every receive is registered up front and
-lands straight in ``out`` (zero copy); as soon as block ``b`` of a step has arrived (and, in the
-reduce-scatter half, has been reduced in place with this rank's input), block ``b`` of the next
-step is released for sending. So the reduction of one block overlaps the arrival of the next,
-sends overlap receives, and a chunk moves on around the ring without waiting for whole steps.
+The plan (which frames to send and receive, and to or from which rank) is executed as a
+dependency-driven pipeline rather than step by step: every receive is registered up front and
+lands straight in ``out`` (zero copy) or, for frames that are combined with a partial this rank
+already holds, in scratch memory; as soon as a frame has arrived and been applied (reduced in
+place with this rank's input, or accumulated), the sends it releases go. So the reduction of one
+block overlaps the arrival of the next, sends overlap receives, and data moves on without
+waiting for whole steps.
 
-Reduce-scatter needs no scratch buffer: the predecessor's partial for a block is received into
-``out`` and this rank's contribution is added in place (``out op= send``). SUM, PROD, MIN and
-MAX are commutative element-wise, and the chunk owner's final bits are what the all-gather half
-distributes, so every peer ends with identical bits.
+Ring reduce-scatter needs no scratch buffer: the predecessor's partial for a block is received
+into ``out`` and this rank's contribution is added in place (``out op= send``). SUM, PROD, MIN
+and MAX are commutative element-wise, and under every schedule each element's final bits are
+computed once (by its owner) and then only copied, so every peer ends with identical bits.
 
-Two peers' small all-reduces use the one-step exchange plan instead (:func:`schedule.plan_exchange`,
-``EXCHANGE_MAX_BYTES``): each sends its whole input and both reduce, in the same operand order.
+Two peers' small all-reduces under the ring use the one-step exchange plan instead
+(:func:`schedule.plan_exchange`, ``EXCHANGE_MAX_BYTES``): each sends its whole input and both
+reduce, in the same operand order. Quantized operations always run the ring.
 
 Small operations send inline from the operation's own task (no extra tasks, no channels); large
-ones run one sender task per pool connection they use, fed through channels in release order,
-so a send blocked on one connection never holds up reduction or other connections.
+ones run one sender task per (partner, pool connection) they use, fed in release order, so a send
+blocked on one connection never holds up reduction or other connections.
 
 Failure: any error or cancellation forgets the operation in the pool (pending receives stop
-writing into ``out`` before that returns) and disconnects both ring neighbours, whose stream state
-is then unknown. Nothing writes to ``out`` after :func:`run_collective` has returned or raised.
+writing into ``out`` before that returns) and disconnects every partner the plan names, whose
+stream state is then unknown. Nothing writes to ``out`` after :func:`run_collective` has returned
+or raised.
 """
 
 from __future__ import annotations
@@ -47,14 +51,14 @@ from ._reduce import reduce_into
 from .interface import DataPool, Receive
 from .schedule import (
     KINDS,
+    SCHEDULES,
     SRC_SEND,
     Plan,
     SendFrame,
     cached_plan,
     output_count,
     plan_ring,
-    predecessor,
-    successor,
+    plan_schedule,
 )
 
 # Default pipelining block. Every frame costs a few scheduler trips and wake-ups of the peer
@@ -171,6 +175,53 @@ def _validate_quantization(kind: str, send: np.ndarray, q: QuantizationOptions) 
         raise InvalidArgumentError(f"unknown quantization algorithm {q.algorithm!r}")
 
 
+def plan_for(
+    kind: str,
+    n: int,
+    rank: int,
+    count: int,
+    itemsize: int,
+    *,
+    schedule: str = "ring",
+    root: int = 0,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+    quantized: bool = False,
+) -> Plan:
+    """The plan :func:`run_collective` runs on ring index ``rank`` (the caller opens connections to
+    every rank its sends name, see :func:`plan_partners`, before running it).
+
+    ``schedule`` "ring" runs the ring (two peers' small all-reduces the exchange); "hd" and "tree" run
+    halving-doubling and binomial-tree plans; quantized operations always run the ring (their
+    forwarding rule relies on the ring's steps).
+
+    Raises:
+        InvalidArgumentError: an unknown schedule, or one without a plan for ``kind`` (no "hd"
+            broadcast).
+    """
+    if schedule not in SCHEDULES:
+        raise InvalidArgumentError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+    block_elems = max(1, block_bytes // itemsize)
+    if quantized:
+        # Quantized frames are a quarter (or half) as long, so blocks of a quarter of the input
+        # size keep their frames well above the per-frame costs while the pipeline fills and
+        # drains 4x sooner. Derived from block_bytes alone: identical on every participant.
+        block_elems = max(1, block_elems // QUANTIZED_BLOCK_DIVISOR)
+        schedule = "ring"
+    if schedule == "ring":
+        small = count * itemsize <= EXCHANGE_MAX_BYTES
+        exchange = kind == "all_reduce" and n == 2 and not quantized and small
+        return cached_plan(kind, n, rank, count, block_elems, root, exchange=exchange)
+    try:
+        return plan_schedule(schedule, kind, n, rank, count, block_elems, root)
+    except ValueError as exc:
+        raise InvalidArgumentError(str(exc)) from None
+
+
+def plan_partners(plan: Plan) -> tuple[list[int], list[int]]:
+    """``(ranks this plan sends to, ranks it receives from)``, each sorted and without repeats."""
+    return sorted({f.peer for f in plan.sends}), sorted({f.peer for f in plan.recvs})
+
+
 async def run_collective(
     pool: DataPool,
     *,
@@ -185,20 +236,23 @@ async def run_collective(
     root: int = 0,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     quantization: QuantizationOptions | None = None,
+    schedule: str = "ring",
 ) -> tuple[int, int]:
-    """Run one ring collective with this peer's ring neighbours.
+    """Run one collective with the ranks this peer's plan names.
 
     Every participant must call it with the same ``kind``, ``ring``, ``tag``, ``op_seq``, dtype,
-    element count, ``op``, ``root``, ``block_bytes`` and ``quantization``; the pool must already be
-    connected to this peer's successor (its predecessor connects to us).
+    element count, ``op``, ``root``, ``block_bytes``, ``quantization`` and ``schedule``; the pool
+    must already be connected to every rank this peer's plan sends to (:func:`plan_for`,
+    :func:`plan_partners`; under the ring: the successor; the others connect to us).
 
     Args:
-        pool: the ring connection pool.
+        pool: the P2P connection pool.
         kind: "all_reduce" (``out`` = reduction of everyone's ``send``), "reduce_scatter" (only
             this rank's chunk of ``out`` is meaningful, see :func:`owned_range`), "all_gather"
             (``out`` = the ``send`` arrays in ring order, ``n * len(send)`` elements) or
             "broadcast" (``out`` = ``send`` of ring index ``root``).
-        ring: peer ids in ring order (at least 2, ``my_id`` among them).
+        ring: peer ids in ring order (at least 2, ``my_id`` among them); the plans' ranks are
+            indices into it.
         my_id: this peer's id.
         tag: the operation tag (0 <= tag < 2**64).
         op_seq: the master's sequence number for this operation (0 <= op_seq < 2**32), unique
@@ -210,9 +264,14 @@ async def run_collective(
         root: broadcast only: ring index of the source.
         block_bytes: pipelining granularity; must be equal on every participant.
         quantization: reducing kinds on float dtypes only: send min-max or zero-point-scale
-            quantized blocks (8 or 16 bit). Senders quantize their partial sums; in the all-gather
-            half the chunk owner quantizes once and keeps the dequantized values itself, and
-            forwarders pass the quantized bytes on unchanged, so every peer ends bit-identical.
+            quantized blocks (8 or 16 bit), always over the ring. Senders quantize their partial
+            sums; in the all-gather half the chunk owner quantizes once and keeps the dequantized
+            values itself, and forwarders pass the quantized bytes on unchanged, so every peer
+            ends bit-identical.
+        schedule: "ring", "hd" (recursive halving-doubling) or "tree" (binomial tree; also what
+            "hd" runs for a broadcast, which halving-doubling has no plan for). Every schedule
+            computes each element's final bits once and then only copies them, so every peer
+            ends with identical bits; integer ops are exact under each.
 
     Returns:
         ``(tx_bytes, rx_bytes)``: payload bytes this peer sent and received (quantized sizes,
@@ -221,31 +280,27 @@ async def run_collective(
     Raises:
         TooFewPeersError: fewer than 2 peers in the ring.
         InvalidArgumentError: bad arguments (raised before anything is sent).
-        RankConnectionLostError: a neighbour's connection broke or is missing, or a peer failed.
-        RemoteProtocolError: a neighbour sent a frame that does not fit the plan.
+        RankConnectionLostError: a partner's connection broke or is missing, or a peer failed.
+        RemoteProtocolError: a partner sent a frame that does not fit the plan.
     """
     _validate(kind, ring, my_id, tag, op_seq, send, out, op, root, block_bytes)
     quantized = quantization is not None and quantization.algorithm != QuantizationAlgorithm.NONE
     if quantized:
         assert quantization is not None
         _validate_quantization(kind, send, quantization)
+    if kind == "broadcast" and schedule == "hd":
+        schedule = "tree"
     n = len(ring)
-    rank = list(ring).index(my_id)
-    itemsize = send.dtype.itemsize
-    block_elems = max(1, block_bytes // itemsize)
-    if quantized:
-        # Quantized frames are a quarter (or half) as long, so blocks of a quarter of the input
-        # size keep their frames well above the per-frame costs while the pipeline fills and
-        # drains 4x sooner. Derived from block_bytes alone: identical on every participant.
-        block_elems = max(1, block_elems // QUANTIZED_BLOCK_DIVISOR)
-    exchange = (
-        kind == "all_reduce" and n == 2 and not quantized and send.shape[0] * itemsize <= EXCHANGE_MAX_BYTES
+    ids = list(ring)
+    rank = ids.index(my_id)
+    plan = plan_for(
+        kind, n, rank, send.shape[0], send.dtype.itemsize, schedule=schedule, root=root,
+        block_bytes=block_bytes, quantized=quantized,
     )
-    plan = cached_plan(kind, n, rank, send.shape[0], block_elems, root, exchange=exchange)
     if len(plan.sends) > _U32 or len(plan.recvs) > _U32:
         raise InvalidArgumentError("too many frames for one operation: raise block_bytes")
-    nxt = successor(ring, rank)
-    prv = predecessor(ring, rank)
+    to_ranks, from_ranks = plan_partners(plan)
+    partners = sorted({ids[r] for r in to_ranks} | {ids[r] for r in from_ranks})
     if quantized:
         assert quantization is not None
         ex: _Exec = _QuantExec(plan, n, send, out, op, quantization)
@@ -253,28 +308,30 @@ async def run_collective(
         ex = _Exec(plan, n, send, out, op)
     ok = False
     try:
-        recvs = plan.recvs
-        slots = [pool.expect(prv, tag, op_seq, f.seq, ex.recv_dest(i)) for i, f in enumerate(recvs)]
+        slots = [
+            pool.expect(ids[f.peer], tag, op_seq, f.seq, ex.recv_dest(i)) for i, f in enumerate(plan.recvs)
+        ]
         if plan.local_copy is not None:
             s0, s1, o0 = plan.local_copy
             out[o0 : o0 + (s1 - s0)] = send[s0:s1]
         if plan.sends or plan.recvs:
             runner = _run_inline if ex.tx <= INLINE_SEND_LIMIT else _run_pipelined
-            await runner(pool, ex, slots, nxt, tag, op_seq)
+            await runner(pool, ex, slots, ids, tag, op_seq)
         else:
             await trio.lowlevel.checkpoint()
         ok = True
-        ex.release()
         return ex.tx, ex.rx
     finally:
         # Always: late or duplicate frames of this op must be dropped, never stashed. On failure
         # this also stops every reader from writing into ``out`` before we return.
         pool.forget_op(op_seq)
-        if not ok:
+        if ok:
+            ex.release()
+        else:
+            # Every partner the plan names: the stream state of each is unknown now.
             with trio.CancelScope(shield=True):
-                await pool.disconnect(prv)
-                if nxt != prv:
-                    await pool.disconnect(nxt)
+                for peer_id in partners:
+                    await pool.disconnect(peer_id)
 
 
 def owned_range(kind: str, n: int, rank: int, count: int) -> tuple[int, int]:
@@ -297,23 +354,38 @@ class _Exec:
         self.out_b = _byte_view(out)
         self.tx = plan.send_elems * isz
         self.rx = plan.recv_elems * isz
-        # Receives marked to_scratch (the exchange plan's rank 0) land here, at their ``out`` offsets.
+        # Receives marked to_scratch land in scratch memory: the exchange plan's rank 0 at their
+        # ``out`` offsets in an out-sized buffer (``scratch == -1``), halving-doubling and tree
+        # plans each at its own offset of the plan's scratch area (``Plan.scratch_elems``).
         self._landing: np.ndarray | None = None
-        if any(f.to_scratch for f in plan.recvs):
+        self._area: np.ndarray | None = None
+        if any(f.to_scratch and f.scratch < 0 for f in plan.recvs):
             self._landing = _take_scratch(out.nbytes)
             self.landing = self._landing.view(out.dtype)
+        if plan.scratch_elems:
+            self._area = _take_scratch(plan.scratch_elems * isz)
+            self.area = self._area.view(out.dtype)
 
     def release(self) -> None:
         """The operation succeeded: hand back scratch memory (nothing refers to it any more)."""
         if self._landing is not None:
             _give_back_scratch(self._landing)
             self._landing = None
+        if self._area is not None:
+            _give_back_scratch(self._area)
+            self._area = None
+
+    def _scratch_of(self, i: int) -> np.ndarray:
+        f = self.plan.recvs[i]
+        if f.scratch >= 0:
+            return self.area[f.scratch : f.scratch + (f.end - f.start)]
+        return self.landing[f.start : f.end]
 
     def recv_dest(self, i: int) -> memoryview:
-        """Where receive ``i`` lands: straight in ``out`` (or the scratch buffer, see to_scratch)."""
+        """Where receive ``i`` lands: straight in ``out`` (or scratch memory, see to_scratch)."""
         f = self.plan.recvs[i]
         if f.to_scratch:
-            return _byte_view(self.landing)[f.start * self.itemsize : f.end * self.itemsize]
+            return _byte_view(self._scratch_of(i))
         return self.out_b[f.start * self.itemsize : f.end * self.itemsize]
 
     def payload(self, j: int) -> memoryview:
@@ -326,7 +398,7 @@ class _Exec:
         """Receive ``i`` has fully arrived: reduce it in place with this rank's contribution."""
         f = self.plan.recvs[i]
         if f.to_scratch:
-            reduce_into(self.out[f.start : f.end], self.landing[f.start : f.end], self.op)
+            reduce_into(self.out[f.start : f.end], self._scratch_of(i), self.op)
         elif f.reduce:
             reduce_into(self.out[f.start : f.end], self.send[f.start : f.end], self.op)
 
@@ -416,19 +488,19 @@ class _QuantExec(_Exec):
 
 
 async def _run_inline(
-    pool: DataPool, ex: _Exec, slots: list[Receive], nxt: int, tag: int, op_seq: int
+    pool: DataPool, ex: _Exec, slots: list[Receive], ids: Sequence[int], tag: int, op_seq: int
 ) -> None:
     sends = ex.plan.sends
     for j in ex.plan.initial:
         f = sends[j]
-        await pool.send(nxt, tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+        await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
     unlocks = ex.plan.unlocks
     for i in range(len(slots)):
         await slots[i].wait()
         ex.received(i)
         for j in unlocks[i]:
             f = sends[j]
-            await pool.send(nxt, tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+            await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
 
 
 class _ReadyFrames:
@@ -467,16 +539,18 @@ class _ReadyFrames:
 
 
 async def _run_pipelined(
-    pool: DataPool, ex: _Exec, slots: list[Receive], nxt: int, tag: int, op_seq: int
+    pool: DataPool, ex: _Exec, slots: list[Receive], ids: Sequence[int], tag: int, op_seq: int
 ) -> None:
     plan = ex.plan
     sends = plan.sends
     psize = pool.pool_size
-    conn_of = [(tag + f.lane) % psize for f in sends]
+    # one queue and sender task per (partner, connection)
+    conn_of = [(f.peer, (tag + f.lane) % psize) for f in sends]
     queues = {c: _ReadyFrames() for c in sorted(set(conn_of))}
     errors: list[BaseException] = []
 
-    async def sender(conn: int, queue: _ReadyFrames, cancel: trio.CancelScope) -> None:
+    async def sender(key: tuple[int, int], queue: _ReadyFrames, cancel: trio.CancelScope) -> None:
+        peer_id, conn = ids[key[0]], key[1]
         try:
             while True:
                 j = await queue.pop()
@@ -487,7 +561,7 @@ async def _run_pipelined(
                 # so without this a sender could quantize frame after frame while the peer's data
                 # piles up unread and the peer's own sends stall.
                 await trio.lowlevel.checkpoint()
-                await pool.send(nxt, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
         except PCCLError as exc:
             # Record and stop the whole operation; raising here would surface as an ExceptionGroup.
             errors.append(exc)

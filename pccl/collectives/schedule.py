@@ -707,6 +707,41 @@ def all_plans(
     return plans
 
 
+def send_partners(n: int, rank: int, schedules: Sequence[str] = SCHEDULES) -> list[int]:
+    """Every rank that ``rank`` may send to under ``schedules``, whatever the kind, size or root:
+    the ring successor; halving-doubling's ``rank ^ 2**k`` partners and fold partner; and, for the
+    tree, ``rank +- 2**k (mod n)`` (a node's parent and children for any broadcast root: node
+    ``v = rank - root`` has parent ``v - lowbit(v)`` and children ``v + 2**j``). A superset is
+    fine: these are the connections a peer opens ahead of its collectives.
+
+    Returns:
+        The ranks, sorted, without ``rank``.
+
+    Raises:
+        ValueError: ``n < 2``, ``rank`` out of range or an unknown schedule.
+    """
+    if n < 2 or not 0 <= rank < n:
+        raise ValueError(f"bad ring: n={n}, rank={rank}")
+    out = set()
+    for schedule in schedules:
+        schedule_kinds(schedule)  # checks the name
+        if schedule == "ring":
+            out.add((rank + 1) % n)
+        elif schedule == "hd":
+            p = 1 << (n.bit_length() - 1)
+            if rank >= p:
+                out.add(rank - p)
+            else:
+                out.update(rank ^ (1 << k) for k in range(p.bit_length() - 1))
+                if rank < n - p:
+                    out.add(rank + p)
+        else:
+            for k in range(max(1, (n - 1).bit_length())):
+                out.update(((rank + (1 << k)) % n, (rank - (1 << k)) % n))
+    out.discard(rank)
+    return sorted(out)
+
+
 def plan_schedule(
     schedule: str, kind: str, n: int, rank: int, count: int, block_elems: int, root: int = 0
 ) -> Plan:

@@ -7,7 +7,8 @@ same call with different tags. Nobody else could vote, so without help they woul
 
 The peers' calls are failed with one error that names each peer's call. Because a peer may run
 several asynchronous operations and send their votes a moment apart, a deadlock must hold unchanged
-for ``grace`` seconds before it is declared (0: at once).
+for ``grace`` seconds before it is declared (0: at once). A held master (rebuilding, or short of its
+quorum: docs/concepts.md "Surviving the master") has no deadlocks: its votes wait for members.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def find_deadlocks(state: MasterState) -> list[Deadlock]:
     # Runs after every batch of messages: a deadlock needs at least two accepted peers of one group that all
     # have a vote in, which almost never holds while a run makes progress, so look at the voters first.
     if not state.resumed:
-        return []  # votes are held (a rebuild, its roll call, an operation in doubt): they complete later
+        return []  # held (rebuilding, no quorum, a roll call or an operation in doubt): votes wait
     voting = state.voting_peers()
     if len(voting) < 2 or not any(
         len(members := state.accepted(group)) >= 2 and voting.issuperset(members)

@@ -3,7 +3,8 @@
 Pure string helpers (no state, no I/O): the master's error messages are built here so that each one
 names what a person can act on (the calls by name, the fields and dtypes by name, who is missing).
 
-A collective descriptor travels as ``[kind, dtype, count, op, root_id, quantization, quantized_dtype]``
+A collective descriptor travels as ``[kind, dtype, count, op, root_id, quantization, quantized_dtype,
+schedule]``
 (see :meth:`pccl.peer.communicator.Communicator` collectives); :data:`DESCRIPTOR_FIELDS` names them.
 """
 
@@ -18,7 +19,7 @@ from .._types import DataType, QuantizationAlgorithm, ReduceOp
 
 #: Names of a collective descriptor's fields, in wire order.
 DESCRIPTOR_FIELDS = (
-    "operation", "dtype", "count", "reduce op", "root peer", "quantization", "quantized dtype",
+    "operation", "dtype", "count", "reduce op", "root peer", "quantization", "quantized dtype", "schedule",
 )
 
 

@@ -172,10 +172,12 @@ class DoubtBook:
         self._dropped_at[peer_id] = self._progress.get(group, 0)
 
     def moved_on(self, peer_id: int, group: int) -> bool:
-        """True when ``group`` completed an operation at this master since ``peer_id`` was dropped (or,
-        for a member this master never had, at all): taken back, it would retry a call the others
-        are past (a deadlock), so it must join again and sync instead."""
-        return self._progress.get(group, 0) > self._dropped_at.get(peer_id, 0)
+        """True when ``group`` completed an operation at this master since this master dropped
+        ``peer_id``: taken back, it would retry a call the others are past (a deadlock), so it must
+        join again and sync instead. (A member this master never had, such as a minority failing
+        over to a standby that went on, is taken back: it syncs at its next step, docs/concepts.md
+        "No split brain".)"""
+        return peer_id in self._dropped_at and self._progress.get(group, 0) > self._dropped_at[peer_id]
 
     def _own(self, key: Key, seq: int) -> bool:
         return seq > (self._own_op_from if key[0] == "op" else self._own_sync_from)

@@ -17,7 +17,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..wire import messages as m
-from .state import Effect, Event, Kick, MasterState, Phase, Send
+from .state import Effect, Event, FastStart, Kick, MasterState, Phase, Send
 
 #: Content type of :meth:`MasterObserver.render` (Prometheus text exposition format 0.0.4).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -113,6 +113,13 @@ class MasterObserver:
                 if eff.text.startswith("deadlock in peer group"):
                     self.deadlocks.inc()
                     self.counts["deadlocks"] += 1
+            elif isinstance(eff, FastStart) and eff.op_seq not in commenced:
+                # a speculative start the vote confirmed: started without a CollectiveCommence (or with
+                # one under the same number, for voters that missed the reservation)
+                commenced.add(eff.op_seq)
+                self.started.inc()
+                self.counts["collectives_started"] += 1
+                self._vote_done(("collective", eff.group, eff.tag), now)
             elif isinstance(eff, Kick):
                 pass  # counted through its "kicked:" event
         while self._completions and now - self._completions[0] > self.throughput_window:

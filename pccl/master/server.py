@@ -66,7 +66,8 @@ class MasterServer:
     def __init__(self, *, config: MasterConfig | None = None, transport: Transport | None = None) -> None:
         self.config = config or MasterConfig()
         self.transport: Transport = transport or TcpTransport()
-        self.state = MasterState(clock=time.perf_counter, rebuild_grace=self.config.rebuild_grace)
+        self.state = MasterState(clock=time.perf_counter, quorum=self.config.quorum,
+                                 rebuild_grace=self.config.rebuild_grace)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
@@ -163,6 +164,10 @@ class MasterServer:
         now = trio.current_time()
         assert hello is not None  # accepted
         claim = hello.peer_id  # >= 0: a member coming back (Reregister)
+        if claim in self._conns:
+            # The id's previous connection is still closing (its peer was just kicked or dropped):
+            # never two connections under one id; the member's Reregister is refused and it retries.
+            claim = -1
         pid = self.state.new_connection(host, now, claim=claim)
         send, recv = trio.open_memory_channel[Any](self.config.send_queue_size)
         conn = _Conn(peer_id=pid, ms=ms, send=send, recv=recv)
@@ -185,7 +190,7 @@ class MasterServer:
             self._conns.pop(pid, None)
             with trio.CancelScope(shield=True):
                 await ms.aclose()
-            self._execute(self.state.peer_lost(pid, "left (connection closed)"))
+            self._execute(self.state.peer_lost(pid, "left (connection closed)", trio.current_time()))
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
@@ -255,7 +260,7 @@ class MasterServer:
                                          f"(straggler timeout {straggler:g}s)")
             for pid, reason in lost.items():
                 conn = self._conns.get(pid)
-                self._execute(self.state.peer_lost(pid, reason))
+                self._execute(self.state.peer_lost(pid, reason, now))
                 if conn is not None:
                     # A hung peer will not read a goodbye: close at once.
                     conn.closing = True
@@ -279,6 +284,12 @@ class MasterServer:
                 vd = self.state.vote_deadline(vote_timeout)
                 if vd is not None:
                     deadline = min(deadline, vd)
+            hold = self.config.quorum_hold_timeout
+            if hold is not None:
+                self._execute(self.state.hold_overdue(now, hold))
+                hd = self.state.hold_deadline(hold)
+                if hd is not None:
+                    deadline = min(deadline, hd)
             wake = now + self.config.heartbeat_interval
             if straggler is not None:
                 wake = min(wake, now + straggler / 4)
@@ -357,7 +368,7 @@ class MasterServer:
         """Close ``conn`` at once and tell the state its peer is gone."""
         conn.closing = True
         conn.scope.cancel()
-        self._execute(self.state.peer_lost(conn.peer_id, reason))
+        self._execute(self.state.peer_lost(conn.peer_id, reason, trio.current_time()))
 
     def _execute(self, effects: list[Effect]) -> None:
         for eff in effects:

@@ -58,7 +58,18 @@ class Event:
     text: str
 
 
-Effect = Send | Kick | Event
+@dataclass(frozen=True)
+class FastStart:
+    """Collective ``tag`` of ``group`` runs under its speculative ``op_seq``: every participant voted
+    with the number the master reserved, so no ``CollectiveCommence`` is sent (nothing to execute; the
+    status metrics count it as started)."""
+
+    group: int
+    tag: int
+    op_seq: int
+
+
+Effect = Send | Kick | Event | FastStart
 
 
 class Phase(enum.Enum):
@@ -127,6 +138,45 @@ class _CollectiveOp:
     done: set[int] = field(default_factory=set)
     # the same peers as ``participants``, for O(1) membership tests (kept in step with it)
     participant_set: set[int] = field(default_factory=set)
+    # the speculative start: each voter's proposed op_seq (-1: none), and voters whose speculative
+    # attempt already reported success while the vote was still open
+    proposals: dict[int, int] = field(default_factory=dict)
+    early_done: set[int] = field(default_factory=set)
+    early_failed: dict[int, str] = field(default_factory=dict)  # ... or failure, with its reason
+    retired: set[int] = field(default_factory=set)  # proposals of voters that withdrew or were lost
+    fast: bool = False  # running under the reserved op_seq (no CollectiveCommence was sent)
+
+    def proposal(self, peer_id: int) -> int:
+        """The op_seq ``peer_id`` runs this op under as far as it knows (its proposal, or -1)."""
+        return self.op_seq if self.running else self.proposals.get(peer_id, -1)
+
+    def speculative_seqs(self) -> list[int]:
+        """The speculative op_seqs the voters proposed (their frames must be dropped everywhere)."""
+        return sorted({s for s in self.proposals.values() if s >= 0} | self.retired)
+
+    def drop_voter(self, peer_id: int) -> int:
+        """Take ``peer_id``'s vote back; returns its proposal (kept among the numbers to forget)."""
+        self.votes.pop(peer_id, None)
+        self.early_done.discard(peer_id)
+        self.early_failed.pop(peer_id, None)
+        seq = self.proposals.pop(peer_id, -1)
+        if seq >= 0:
+            self.retired.add(seq)
+        return seq
+
+
+@dataclass
+class _Reservation:
+    """The op_seq reserved for a group's next operation with one tag (sent in CollectiveComplete):
+    valid while the epoch is ``epoch`` and the group's ring is still ``members``."""
+
+    seq: int
+    epoch: int
+    members: list[int]
+
+
+#: Reservations kept per group (the oldest go first; peers keep the same number in the same order).
+RESERVATIONS_PER_GROUP = 1024
 
 
 @dataclass
@@ -194,6 +244,8 @@ class MasterState:
         rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
             many seconds after the rebuild started for the last epoch's members not back yet, even
             once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
+        quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
+            (MasterConfig.quorum; docs/concepts.md "No split brain").
     """
 
     def __init__(
@@ -204,7 +256,10 @@ class MasterState:
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
         rebuild_grace: float = 0.0,
+        quorum: str = "auto",
     ) -> None:
+        if quorum not in ("auto", "on", "off"):
+            raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
         self.peers: dict[int, PeerRecord] = {}
         self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
         self._ring: list[int] = []
@@ -217,6 +272,9 @@ class MasterState:
         self._pending_opened = 0.0
         self._ops: dict[tuple[int, int], _CollectiveOp] = {}
         self._op_seq = 0
+        # group -> tag -> the op_seq reserved for the next op (the speculative start), oldest first
+        self._reserved: dict[int, dict[int, _Reservation]] = {}
+        self.fast_starts = 0  # collectives that ran on the speculative start (statistics)
         self._syncs: dict[int, _SyncRound] = {}
         self._sync_seq = 0
         self.last_revision: dict[int, int] = {}
@@ -245,6 +303,21 @@ class MasterState:
         # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
         # back yet once a majority returned (0: resume at the majority).
         self.rebuild_grace = rebuild_grace
+        # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
+        # this master holds must be a majority for any vote to complete (when the rule applies);
+        # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
+        # since when the master is held (no quorum; None: it is not); the generation of a run this
+        # master gave up for lack of a quorum (its members are refused from then on); and the peers
+        # accepted alone at a master that held no run (they yield to re-registering members).
+        self.quorum_mode = quorum
+        self.failover = False
+        self._base: list[int] = []
+        self._base_held: int | None = None  # how many of ``base`` are in the ring; None: recount
+        self._held_since: float | None = None
+        self._dismissed_generation: int | None = None
+        self._fresh = True
+        self._provisional: set[int] = set()
+        self._yielding = False
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -259,6 +332,7 @@ class MasterState:
     def ring(self, value: list[int]) -> None:
         self._ring = value
         self._group_sizes = None
+        self._base_held = None
 
     def _group_size(self, group: int) -> int:
         """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
@@ -298,11 +372,15 @@ class MasterState:
             "topology_round": self._topology.kind if self._topology else None,
             "collectives_running": sum(1 for o in self._ops.values() if o.running),
             "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
+            "collectives_fast": self.fast_starts,
+            "reservations": sum(len(r) for r in self._reserved.values()),
             "syncs_in_progress": len(self._syncs),
             "revisions": dict(self.last_revision),
             "generation": self.generation,
             "rebuilding": self.rebuild is not None,
             "in_doubt": len(self.doubts.open_doubts()),
+            "quorum_enforced": self.enforced,
+            "held": not self.resumed,
         }
 
     def __repr__(self) -> str:
@@ -335,10 +413,95 @@ class MasterState:
         return pid
 
     @property
+    def enforced(self) -> bool:
+        """Whether the live quorum rule applies: ``quorum="on"``, or ``"auto"`` once a peer said it can
+        fail over to another master (:class:`~pccl.wire.messages.Standbys`)."""
+        return self.quorum_mode == "on" or (self.quorum_mode == "auto" and self.failover)
+
+    @property
+    def quorate(self) -> bool:
+        """Whether the accepted peers this master holds are more than half of the epoch's members."""
+        if not self._base:
+            return True
+        if self._base_held is None:  # counted once per ring or base change, not per vote
+            self._base_held = len(set(self._ring) & set(self._base))
+        return 2 * self._base_held > len(self._base)
+
+    @property
+    def base(self) -> list[int]:
+        """The current epoch's members (ring order), whom the quorum rule counts. Assign a new list."""
+        return self._base
+
+    @base.setter
+    def base(self, value: list[int]) -> None:
+        self._base = value
+        self._base_held = None
+
+    @property
     def resumed(self) -> bool:
-        """False while rebuilding without a majority of the last epoch's members, or while an
-        operation in doubt is undecided: no vote completes."""
-        return self.rebuild is None and not self.doubts.undecided
+        """False while the master is *held* (no vote completes): rebuilding without a majority of the
+        last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
+        a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
+        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py)."""
+        return self._quorum_ok and not self.doubts.undecided
+
+    @property
+    def _quorum_ok(self) -> bool:
+        """The quorum part of :attr:`resumed` (what the hold clock of :meth:`_note_quorum` follows)."""
+        return self.rebuild is None and (not self.enforced or self.quorate)
+
+    def _note_quorum(self) -> list[Effect]:
+        """Start or end the hold after a membership change: a master that became held starts its
+        hold clock; one that is no longer held re-checks every pending vote."""
+        held = not self._quorum_ok
+        if held and self._held_since is None:
+            self._held_since = self._now
+            if self.rebuild is None:
+                have = sum(1 for p in self.base if p in self.ring)
+                return [Event(f"no quorum: {have} of the epoch's {len(self.base)} member(s) held; "
+                              "votes wait for members to come back")]
+            return []
+        if not held and self._held_since is not None:
+            self._held_since = None
+            return self._recheck_votes()
+        return []
+
+    def hold_deadline(self, timeout: float) -> float | None:
+        """When the current hold (no quorum) runs out of time (None: not held)."""
+        if self._held_since is None:
+            return None
+        return self._held_since + timeout
+
+    def hold_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Give the run up when the master has been held (no quorum) for more than ``timeout``
+        seconds (MasterConfig.quorum_hold_timeout).
+
+        Every connection is closed with ``MASTER_CONNECTION_FAILED`` ("look for a newer master"):
+        members fail over through their address lists. The master then holds no run, refuses
+        re-registrations of this generation or older, and accepts newcomers as a fresh master does.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds a hold may last.
+
+        Returns:
+            The effects to execute (nothing before the deadline or when not held).
+        """
+        self._now = now
+        if self._held_since is None or now <= self._held_since + timeout:
+            return []
+        have = sum(1 for p in self.base if p in self.ring)
+        reason = (f"no quorum: this master (generation {self.generation}) held only {have} of the epoch's "
+                  f"{len(self.base)} member(s) for {timeout:g}s; look for a newer master")
+        effects: list[Effect] = [Event(f"giving the run up: {reason}")]
+        for pid in list(self.peers):
+            effects += self.kick(pid, reason, Result.MASTER_CONNECTION_FAILED)
+        self.rebuild = None
+        self.base = []
+        self._held_since = None
+        self._dismissed_generation = self.generation
+        self._fresh = True
+        return effects
 
     def doubt_deadline(self, timeout: float) -> float | None:
         """When the oldest undecided operation in doubt runs out of time (see :meth:`doubts_overdue`)."""
@@ -495,8 +658,11 @@ class MasterState:
             if op.running:
                 continue
             for p in sorted(peer_ids & set(op.votes)):
-                del op.votes[p]
-                abort = m.CollectiveAbort(tag=op.tag, op_seq=-1, code=int(code), reason=reason)
+                seq = op.drop_voter(p)
+                if seq >= 0:
+                    self._take_reservation(key)  # frames may be out under it: it never runs again
+                abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
+                                          forget=op.speculative_seqs())
                 effects.append(Send(p, abort))
             if not op.votes:
                 del self._ops[key]
@@ -649,8 +815,12 @@ class MasterState:
             effects += self.kick(p, reason)
         return effects
 
-    def peer_lost(self, peer_id: int, reason: str) -> list[Effect]:
-        """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored."""
+    def peer_lost(self, peer_id: int, reason: str, now: float | None = None) -> list[Effect]:
+        """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored.
+
+        ``now`` (optional): when; it starts the hold clock if the loss costs the quorum."""
+        if now is not None:
+            self._now = now
         rec = self.peers.get(peer_id)
         if rec is None:
             return []
@@ -676,8 +846,17 @@ class MasterState:
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
+        revoked: list[Effect] = []
+        voided = self._reserved.pop(rec.group, {}) if was_accepted else {}
+        if voided:
+            # The group changed: no speculative start until its next op completes. Members that are not
+            # voting yet hear it now, so their next call takes the slow path (whose commence names the
+            # living members) instead of starting on a ring with the lost peer and being aborted.
+            why = f"peer {peer_id} of group {rec.group} was lost"
+            revoked = [Send(p, m.ReservationsRevoked(reason=why))
+                       for p in self.ring if self.peers[p].group == rec.group]
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
-        effects: list[Effect] = []
+        effects: list[Effect] = revoked
         # Re-check every vote with the peer gone.
         effects += self._topology_peer_lost(peer_id)
         effects += self._check_pending_vote()
@@ -685,6 +864,9 @@ class MasterState:
             effects += self._op_peer_lost(key, peer_id)
         for group in list(self._syncs):
             effects += self._sync_peer_lost(group, peer_id)
+        self._provisional.discard(peer_id)
+        if was_accepted:
+            effects += self._note_quorum()
         if was_accepted and not self.ring:
             effects += self._accept_first_if_alone()
         if undecided and self.resumed:
@@ -748,7 +930,12 @@ class MasterState:
 
         Rules, in order:
 
+        0. newcomer-first: a master whose only accepted peers are newcomers it accepted alone while
+           holding no run (and that have completed no topology round) kicks them (``KICKED``: join
+           again): the run's members win;
         1. its connection must hold the id it claims (granted at the hello), which ``msg.ring`` names;
+        1b. a master that gave a run up for lack of a quorum (:meth:`hold_overdue`) and holds none
+           refuses members of that generation or an older one ("look for a newer master");
         2. a peer that followed a newer generation than this master's refuses this master: kicked
            (this master is stale; fencing);
         3. a master with no members (restarted or standby) starts rebuilding: it adopts the epoch,
@@ -764,27 +951,45 @@ class MasterState:
         assert isinstance(msg, m.Reregister)
         if rec.phase is not Phase.CONNECTED:
             return self.kick(rec.peer_id, "Reregister after Register")
-        if rec.peer_id != msg.peer_id or msg.peer_id not in msg.ring:
-            return self.kick(rec.peer_id, f"Reregister as peer {msg.peer_id}: that id is still held by a "
-                                          "connected peer or was not claimed in the hello (retry later)")
-        if not 0 < msg.p2p_port < 65536:
-            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
         effects: list[Effect] = []
+        if self.ring and self.rebuild is None and set(self.ring) <= self._provisional:
+            # Newcomer-first at a master that held no run: the run's members win over the lone
+            # newcomer accepted meanwhile, which must join again (docs/concepts.md rule 0). Its id
+            # (a fresh master counts from 1 again) may be the one this member claims: then the
+            # claim below fails once, and the member's next attempt gets it.
+            self._yielding = True  # no other newcomer is accepted alone meanwhile
+            for p in sorted(self._provisional):
+                effects += self.kick(p, f"member {msg.peer_id} of the run this master serves re-registered: "
+                                        "join again as a newcomer", Result.KICKED)
+            self._yielding = False
+            self._provisional.clear()
+        if rec.peer_id != msg.peer_id or msg.peer_id not in msg.ring:
+            why = (f"Reregister as peer {msg.peer_id}: that id is still held by a connected peer or was "
+                   "not claimed in the hello (retry later)")
+            return effects + self.kick(rec.peer_id, why)
+        if not 0 < msg.p2p_port < 65536:
+            return effects + self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+        if (not self.ring and self.rebuild is None and self._dismissed_generation is not None
+                and msg.generation <= self._dismissed_generation):
+            return effects + self.kick(
+                rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
+                             "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
         rb0 = self.rebuild
         if rb0 is not None and rb0.generations and msg.generation < max(rb0.generations.values()):
             # It missed a master the others followed: the run went on there without it (final).
-            return self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, the run "
-                                          f"went on at generation {max(rb0.generations.values())} without "
-                                          "it: join again", Result.KICKED)
+            return effects + self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
+                                                    f"the run went on at generation "
+                                                    f"{max(rb0.generations.values())} without it: join again",
+                                       Result.KICKED)
         if rb0 is not None and rb0.generations and msg.generation > max(rb0.generations.values()):
             # Rebuilding from members that had missed a newer master: this one followed it. Those
             # were away while the run went on at the newer master: they must join again (final), and
             # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
             effects += self._newer_generation(msg.generation)
         elif msg.generation > self.generation and (self.ring or self.rebuild is not None):
-            return self.kick(rec.peer_id, f"this master (generation {self.generation}) is older than "
-                                          f"the peer's (generation {msg.generation})",
-                             Result.MASTER_CONNECTION_FAILED)
+            return effects + self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
+                                                    f"than the peer's (generation {msg.generation})",
+                                       Result.MASTER_CONNECTION_FAILED)
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
@@ -797,6 +1002,9 @@ class MasterState:
             self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
             self._rings = {}
             self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
+            self.base = list(msg.ring)
+            self._fresh = False
+            self._held_since = self._now
             effects.append(Event(f"rebuilding the run from re-registrations: epoch {msg.epoch}, "
                                  f"{len(msg.ring)} member(s), generation {self.generation}"))
         rb = self.rebuild
@@ -815,12 +1023,15 @@ class MasterState:
                         effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
                                                 f"{msg.epoch}: join again", Result.KICKED)
                 self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
+                self.base = list(msg.ring)
             elif msg.epoch < rb.epoch:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.KICKED)
-        elif msg.epoch != self.epoch and self.ring:
-            # KICKED (final): the run this master serves moved to another epoch without it.
+        elif msg.epoch != self.epoch and set(self.ring) & set(msg.ring):
+            # KICKED (final): the run this master serves (members the peer knows) moved to another
+            # epoch without it. (A master now serving another run refuses it with the retryable code
+            # below: a standby may hold its run.)
             return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
                                                     f"epoch {self.epoch}: join again", Result.KICKED)
         elif msg.epoch != self.epoch:
@@ -879,8 +1090,19 @@ class MasterState:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
-                effects += self._recheck_votes()
-        return effects
+        return effects + self._note_quorum()
+
+    def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
+        assert isinstance(msg, m.Standbys)
+        if msg.count <= 0 or self.failover:
+            return []
+        self.failover = True
+        effects: list[Effect] = []
+        if self.enforced:
+            effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
+                                 "now need a majority of the epoch's members"))
+        return effects + self._note_quorum()
 
     def _newer_generation(self, generation: int) -> list[Effect]:
         """While rebuilding, a member that followed master ``generation`` (newer than what the members
@@ -917,7 +1139,7 @@ class MasterState:
     def _accept_first_if_alone(self) -> list[Effect]:
         """With no accepted peer, the earliest registered one is accepted at once (world size 1);
         never while rebuilding (the run's members are coming back)."""
-        if self.ring or self._topology is not None or self.rebuild is not None:
+        if self.ring or self._topology is not None or not self.resumed or self._yielding:
             return []
         waiting = self.registered()
         if not waiting:
@@ -925,6 +1147,9 @@ class MasterState:
         pid = waiting[0]
         self.peers[pid].phase = Phase.ACCEPTED
         self.ring = [pid]
+        self.base = [pid]
+        if self._fresh:
+            self._provisional = {pid}
         self.epoch += 1
         return [
             Send(pid, m.Accepted(peers=self.table(self.ring), epoch=self.epoch)),
@@ -1004,7 +1229,25 @@ class MasterState:
         rnd.establishing = True
         rnd.establish_started = self._now
         table = self.table(rnd.members)
-        return [Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table)) for p in rnd.members]
+        by_group: dict[int, list[int]] = {}
+        for p in rnd.members:
+            by_group.setdefault(self.peers[p].group, []).append(p)
+        links = {g: self.link_summary(ps) for g, ps in by_group.items()}
+        return [
+            Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[self.peers[p].group]))
+            for p in rnd.members
+        ]
+
+    def link_summary(self, members: list[int]) -> list[float]:
+        """``[slowest, fastest / slowest]`` of the bandwidths measured between ``members`` (bytes/s),
+        or ``[]`` when none is: what the peers' schedule choice knows of the links (the same for
+        every member of a group, so every member chooses the same schedule)."""
+        inside = set(members)
+        vals = [bw for (a, b), (bw, _t) in self.bandwidth.items() if a in inside and b in inside and bw > 0]
+        if not vals:
+            return []
+        lo = min(vals)
+        return [lo, max(vals) / lo]
 
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PConnectionsDone)
@@ -1054,6 +1297,9 @@ class MasterState:
             effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
             return effects
         self.ring = list(rnd.members)
+        self.base = list(self.ring)
+        self._fresh = False
+        self._provisional.clear()
         table = self.table(self.ring)
         for p in rnd.newcomers:
             self.peers[p].phase = Phase.ACCEPTED
@@ -1221,7 +1467,7 @@ class MasterState:
                     rec.peer_id,
                     m.CollectiveAbort(
                         tag=msg.tag,
-                        op_seq=-1,
+                        op_seq=msg.op_seq,
                         code=int(Result.INVALID_USAGE),
                         reason=f"tag {msg.tag} is already running in this group",
                     ),
@@ -1233,14 +1479,30 @@ class MasterState:
                     rec.peer_id,
                     m.CollectiveAbort(
                         tag=msg.tag,
-                        op_seq=-1,
+                        op_seq=msg.op_seq,
                         code=int(Result.INVALID_USAGE),
                         reason=f"tag {msg.tag} is already running without this peer",
                     ),
                 )
             ]
         op.votes[rec.peer_id] = msg.descriptor
+        if msg.op_seq >= 0:
+            op.proposals[rec.peer_id] = msg.op_seq
         return self._check_op_vote(key)
+
+    def _reserve(self, op: _CollectiveOp) -> int:
+        """Reserve the op_seq of ``op``'s group's next operation with ``op``'s tag (at its completion)."""
+        self._op_seq += 1
+        group = self._reserved.setdefault(op.group, {})
+        group.pop(op.tag, None)
+        group[op.tag] = _Reservation(seq=self._op_seq, epoch=self.epoch, members=list(op.participants))
+        while len(group) > RESERVATIONS_PER_GROUP:
+            del group[next(iter(group))]
+        return self._op_seq
+
+    def _take_reservation(self, key: tuple[int, int]) -> _Reservation | None:
+        group = self._reserved.get(key[0])
+        return None if group is None else group.pop(key[1], None)
 
     def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]:
         op = self._ops.get(key)
@@ -1255,6 +1517,9 @@ class MasterState:
         voters = [p for p in members if p in op.votes]
         first = op.votes[voters[0]]
         del self._ops[key]
+        # The reservation is used (or void) either way: a number is never run twice.
+        res = self._take_reservation(key)
+        forget = op.speculative_seqs()
         if any(op.votes[p] != first for p in voters):
             reason = describe_mismatch(op.tag, {p: op.votes[p] for p in voters})
             return [
@@ -1262,9 +1527,10 @@ class MasterState:
                     p,
                     m.CollectiveAbort(
                         tag=op.tag,
-                        op_seq=-1,
+                        op_seq=op.proposal(p),
                         code=int(Result.INVALID_ARGUMENT),
                         reason=reason,
+                        forget=forget,
                     ),
                 )
                 for p in voters
@@ -1275,35 +1541,137 @@ class MasterState:
                     p,
                     m.CollectiveAbort(
                         tag=op.tag,
-                        op_seq=-1,
+                        op_seq=op.proposal(p),
                         code=int(Result.TOO_FEW_PEERS),
                         reason=too_few_peers_reason(
                             op.group, [r for r in self.registered() if self.peers[r].group == op.group]
                         ),
+                        forget=forget,
                     ),
                 )
                 for p in voters
             ]
-        self._op_seq += 1
+        # The speculative start holds when the reservation does (same epoch, the ring it was reserved
+        # for, nobody lost since: a loss drops it) and no voter started under another number. Voters
+        # without the number (they reconnected or cancelled and missed the last confirmation) join it
+        # through a CollectiveCommence naming it; a number a withdrawn voter already ran under is never
+        # run again (its frames may be out there): then everyone is aborted.
+        fast = (
+            res is not None
+            and bool(op.proposals)
+            and not op.retired
+            and res.epoch == self.epoch
+            and res.members == voters
+            and all(op.proposals.get(p, res.seq) == res.seq for p in voters)
+        )
+        if op.early_failed:
+            # A speculative attempt failed before the vote completed (and the descriptors agree):
+            # the op cannot complete; everyone is aborted, buffers intact.
+            p0 = min(op.early_failed)
+            return [
+                Send(
+                    p,
+                    m.CollectiveAbort(
+                        tag=op.tag,
+                        op_seq=op.proposal(p),
+                        code=int(Result.RANK_CONNECTION_LOST),
+                        reason=f"peer {p0} failed: {op.early_failed[p0]}",
+                        forget=forget,
+                    ),
+                )
+                for p in voters
+            ]
+        if op.proposals and not fast:
+            # Some voters started speculatively but the start does not hold: their data planes ran on a
+            # number (or a ring) the others do not share. All-or-nothing: everyone is aborted with
+            # their buffers intact and forgets the speculative numbers; the retry has no reservation
+            # and takes the slow path.
+            why = self._why_not_fast(res, voters, op.proposals)
+            return [
+                Send(
+                    p,
+                    m.CollectiveAbort(
+                        tag=op.tag,
+                        op_seq=op.proposal(p),
+                        code=int(Result.RANK_CONNECTION_LOST),
+                        reason=f"tag {op.tag}: the speculative start was not confirmed ({why}): retry",
+                        forget=forget,
+                    ),
+                )
+                for p in voters
+            ]
         op.running = True
-        op.op_seq = self._op_seq
         op.participants = voters
         op.participant_set = set(voters)
         self._ops[key] = op
+        if fast:
+            assert res is not None
+            # The speculative start holds: every participant already runs under the reserved number
+            # on the ring it names; the master's one answer is the confirmation (or an abort).
+            op.fast = True
+            op.op_seq = res.seq
+            op.done = op.early_done & op.participant_set
+            self.fast_starts += 1
+            # Off the critical path, the speculating voters hear that everyone voted (a commence
+            # without a table: their data planes already run; it starts their stall clocks); voters
+            # that did not have the number get the table and run under it.
+            go = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=[])
+            late = [p for p in voters if p not in op.proposals]
+            table = self.table(voters) if late else []
+            return [
+                FastStart(op.group, op.tag, op.op_seq),
+                *(Send(p, go if p in op.proposals else
+                       m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters),
+                *self._check_op_done(key),
+            ]
+        self._op_seq += 1
+        op.op_seq = self._op_seq
+        op.done = set()
         table = self.table(voters)
-        return [Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters]
+        return [
+            Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table, forget=forget))
+            for p in voters
+        ]
+
+    def _why_not_fast(self, res: _Reservation | None, voters: list[int], proposals: dict[int, int]) -> str:
+        """Why the voters' speculative start does not hold (for the abort's reason)."""
+        if res is None:
+            return "no op_seq is reserved for this tag: the group changed or the last op did not complete"
+        if res.epoch != self.epoch:
+            return f"reserved in epoch {res.epoch}, the run is at epoch {self.epoch}"
+        if res.members != voters:
+            return f"reserved for the ring {res.members}, the group is {voters} now"
+        odd = sorted(p for p in voters if proposals.get(p, res.seq) != res.seq)
+        if odd:
+            return f"peer(s) {odd} started under another op_seq than the reserved {res.seq}"
+        return f"a voter withdrew after starting under the reserved op_seq {res.seq}"
 
     def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveDone)
         key = (rec.group, msg.tag)
         op = self._ops.get(key)
-        if op is not None and not op.running and rec.peer_id in op.votes and not msg.success:
-            # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
-            return self._abort_op(
-                key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
-            )
+        if op is not None and not op.running and rec.peer_id in op.votes:
+            if not msg.success and msg.op_seq >= 0 and msg.op_seq == op.proposals.get(rec.peer_id, -1):
+                # Its speculative attempt failed before the vote completed: the op fails, but the
+                # verdict waits for the vote (a descriptor mismatch, the likely cause, is then named).
+                op.early_failed.setdefault(rec.peer_id, msg.reason)
+                return []
+            if not msg.success:
+                # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
+                return self._abort_op(
+                    key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
+                )
+            if msg.op_seq >= 0 and msg.op_seq == op.proposals.get(rec.peer_id, -1):
+                # A speculative attempt finished before the vote did (a broadcast's upstream peers
+                # need nothing from the late ones): it counts if the vote confirms the number.
+                op.early_done.add(rec.peer_id)
+            return []
         if op is None or not op.running or rec.peer_id not in op.participant_set:
             # Late report for an op already aborted (the abort raced with it): harmless.
+            return []
+        if msg.op_seq >= 0 and msg.op_seq != op.op_seq:
+            # The report of a speculative attempt this op's CollectiveCommence replaced (sent before
+            # the peer read it): the peer runs again under op.op_seq and reports that.
             return []
         if rec.peer_id in op.done:
             return self.kick(rec.peer_id, f"duplicate CollectiveDone for tag {msg.tag}")
@@ -1312,20 +1680,31 @@ class MasterState:
                 key, f"peer {rec.peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST
             )
         op.done.add(rec.peer_id)
+        return self._check_op_done(key)
+
+    def _check_op_done(self, key: tuple[int, int]) -> list[Effect]:
+        op = self._ops[key]
         if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
             self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
             self.doubts.progressed(op.group)
-            return [Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq)) for p in op.participants]
+            nxt = self._reserve(op)
+            return [
+                Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=nxt))
+                for p in op.participants
+            ]
         return []
 
     def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:
         op = self._ops.pop(key)
         if op.running:
             self.doubts.settle(("op", op.group, op.tag), op.op_seq, False)
+        self._take_reservation(key)
         targets = op.participants if op.running else list(op.votes)
+        forget = [] if op.running else op.speculative_seqs()
         return [
-            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.op_seq, reason=reason, code=int(code)))
+            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.proposal(p), reason=reason, code=int(code),
+                                      forget=forget))
             for p in targets
             if p in self.peers
         ]
@@ -1342,7 +1721,7 @@ class MasterState:
                     key, f"peer {peer_id} was lost during the operation", Result.RANK_CONNECTION_LOST
                 )
             return []
-        op.votes.pop(peer_id, None)
+        op.drop_voter(peer_id)  # its number stays among those to forget: the others may hold its frames
         if not op.votes:
             del self._ops[key]
             return []
@@ -1487,6 +1866,7 @@ class MasterState:
         m.Heartbeat: _on_heartbeat,
         m.Register: _on_register,
         m.Reregister: _on_reregister,
+        m.Standbys: _on_standbys,
         m.PeersPendingVote: _on_peers_pending,
         m.UpdateTopologyVote: _on_update_topology,
         m.OptimizeTopologyVote: _on_optimize_topology,

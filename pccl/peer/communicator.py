@@ -56,8 +56,9 @@ from .._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
-from ..collectives.ring import run_collective
-from ..collectives.schedule import chunk_bounds
+from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel, schedule_for
+from ..collectives.ring import plan_for, plan_partners, run_collective
+from ..collectives.schedule import chunk_bounds, send_partners
 from ..kernels import backend, reduce
 from ..kernels.buffers import BufferCache
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
@@ -73,14 +74,15 @@ from .stall import StallWatch
 from .state import (
     AbortOp,
     Call,
+    Dismissed,
     Effect,
     Establish,
+    Forget,
     Lost,
     Measure,
     PeerState,
     Resolve,
     error_from_code,
-    ring_neighbours,
 )
 
 log = logging.getLogger("pccl.peer")
@@ -130,6 +132,11 @@ class Communicator:
         if p2p_connection_pool_size < 0:
             raise InvalidArgumentError("p2p_connection_pool_size must be >= 0")
         self.config = _env.peer_config(config)
+        if self.config.schedule not in SCHEDULE_REQUESTS:
+            raise InvalidArgumentError(
+                f"PeerConfig.schedule must be one of {', '.join(SCHEDULE_REQUESTS)}, "
+                f"not {self.config.schedule!r}"
+            )
         # The master and its standbys, in order (docs/concepts.md "Surviving the master").
         self.master_addresses = parse_addresses(_env.master_address(address))
         self.master_host, self.master_port = self.master_addresses[0]
@@ -161,6 +168,9 @@ class Communicator:
         self._last_phases: dict[str, float] = {}
         self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
         self.pool: Any = None
+        # What the schedule choice knows of the links: the master's summary from the last
+        # EstablishP2P (the same on every member of the group), None: the cost model's defaults.
+        self._links: LinkModel | None = None
 
     # ------------------------------------------------------------------------------------------
     # public queries
@@ -218,7 +228,8 @@ class Communicator:
         ``membership_call``, ``topology_call_waiting``, ``master_ok``), then ``sync_call_waiting``,
         ``sync`` (the running sync, see :meth:`pccl.peer.shared_state.StateServer.statistics`),
         ``pending_queries_waiting``, ``data_planes_running``, ``pool``, ``phase_seconds``,
-        ``last_op_phases`` and the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters.
+        ``last_op_phases``, the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters and
+        ``schedule_<name>_ok`` (successful collectives per schedule: ring, hd, tree).
         """
         return {
             **self._core.statistics(),
@@ -316,6 +327,8 @@ class Communicator:
         self._stall.name = f"peer {self.peer_id}"
         nursery.start_soon(self._stall.run)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
+        if self._standbys():
+            await self._send(m.Standbys(count=self._standbys()))
         deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
         accepted = False
         with trio.move_on_at(min(deadline, trio.current_time() + _WAITING_NOTICE_AFTER)):
@@ -459,7 +472,7 @@ class Communicator:
             return exc
         try:
             with trio.fail_after(self.config.connect_timeout):
-                await ms.send(self._core.reregister(self.p2p_address[1]))
+                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0))
                 reply = await ms.receive()
                 while isinstance(reply, m.Heartbeat):
                     reply = await ms.receive()
@@ -477,7 +490,16 @@ class Communicator:
         self._start_link_tasks(ms)
         up, self._link_up = self._link_up, trio.Event()
         up.set()
+        if self._standbys():
+            self._send_soon(m.Standbys(count=self._standbys()))
         return None
+
+    def _standbys(self) -> int:
+        """How many other master addresses this peer fails over to (0 without a reconnect window):
+        told to the master, whose "auto" quorum rule then applies (docs/concepts.md "No split brain")."""
+        if self.config.reconnect_window <= 0:
+            return 0
+        return len(set(self.master_addresses)) - 1
 
     def _send_soon(self, msg: m.Message) -> None:
         """Send from a context that must not wait (cleanup paths)."""
@@ -588,6 +610,13 @@ class Communicator:
             if isinstance(effect, Lost):
                 lost = effect.error
                 self._fail_all(lost)
+            elif isinstance(effect, Dismissed):
+                # The master gave the run up (no quorum): fail over as if the link broke.
+                lost = effect.error
+                if self._ms is not None:
+                    self._link_failed(self._ms, lost)
+                else:
+                    self._fail_all(lost)
             else:
                 self._execute(effect)
         return lost
@@ -609,6 +638,11 @@ class Communicator:
         elif isinstance(effect, Measure):
             assert self._nursery is not None
             self._nursery.start_soon(self._measure, effect.request)
+        elif isinstance(effect, Forget):
+            if self.pool is not None:
+                for op_seq in effect.op_seqs:
+                    if 0 <= op_seq < 2**32:
+                        self.pool.forget_op(op_seq)
 
     def _resolve(self, effect: Resolve) -> None:
         msg, call = effect.message, effect.call
@@ -638,14 +672,30 @@ class Communicator:
             self._accepted.set(msg)
 
     async def _establish(self, effect: Establish) -> None:
+        self._links = LinkModel.from_summary(effect.links)
         nxt = effect.successor
         ok, failed, reason = True, [], ""
-        if nxt is not None:
+        targets = [] if nxt is None else [nxt]
+        ids = [r.peer_id for r in effect.group]
+        if nxt is not None and self.config.schedule != "ring" and self.peer_id in ids:
+            # every rank the halving-doubling and tree plans may send to, opened now rather than on
+            # first use (a connect on first use would fail under a partition that the data plane
+            # rides out, and costs the operation a round trip)
+            rank = ids.index(self.peer_id)
+            targets += [effect.group[r] for r in send_partners(len(ids), rank) if effect.group[r] != nxt]
+
+        async def one(row: m.PeerRow) -> None:
+            nonlocal ok, reason
             try:
                 with trio.fail_after(self.config.p2p_connection_timeout):
-                    await self.pool.connect(nxt.peer_id, nxt.host, nxt.port)
+                    await self.pool.connect(row.peer_id, row.host, row.port)
             except (PCCLError, trio.TooSlowError) as exc:
-                ok, failed, reason = False, [nxt.peer_id], str(exc)
+                ok, reason = False, reason or str(exc)
+                failed.append(row.peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for row in targets:
+                nursery.start_soon(one, row)
         try:
             await self._send(
                 m.P2PConnectionsDone(epoch=effect.epoch, success=ok, failed_peers=failed, reason=reason)
@@ -806,6 +856,7 @@ class Communicator:
             op=op,
             root=root,
             quantization=q,
+            schedule=self.config.schedule,
         )
         stage: np.ndarray | None = None
         if on_gpu:
@@ -818,12 +869,22 @@ class Communicator:
         self._core.begin_op(tag)
         self._ops[tag] = st
         work: np.ndarray | None = None
+        partners: list[int] = []  # every peer this op's plan sends to or receives from
+        plane_ok = False  # this peer's data plane finished (the op may still fail elsewhere)
         try:
-            await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor))
-            commence = await st.commence.wait()
+            # The speculative start (docs/protocol.md section 4): with the op_seq the last confirmation
+            # of this tag reserved, the data plane starts right after the vote, on the current ring, and
+            # the master's one answer (Complete or Abort) settles it.
+            proposal = self._core.speculate(tag, rdesc.nbytes)
+            st.op_seq = proposal
+            await self._send(m.CollectiveInitiate(tag=tag, descriptor=descriptor, op_seq=proposal))
+            if proposal >= 0:
+                rows = self._core.group_rows()
+            else:
+                commence = await st.commence.wait()
+                st.op_seq = commence.op_seq
+                rows = commence.peers
             t_commence = time.perf_counter()
-            st.op_seq = commence.op_seq
-            rows = commence.peers
             ring = [r.peer_id for r in rows]
             self._core.reconcile_group(rows)
             self._core.commenced(tag, ring)
@@ -844,17 +905,24 @@ class Communicator:
                     # failure path below forgets the op's stashed frames and raises the abort).
                     scope.cancel()
                 try:
-                    nxt, _ = ring_neighbours(rows, self.peer_id)
-                    assert nxt is not None
+                    schedule = self._schedule(descriptor, ring, sdesc.dtype, root)
                     try:
-                        await self.pool.connect(nxt.peer_id, nxt.host, nxt.port)
+                        partners = await self._connect_partners(
+                            kind, rows, descriptor, sdesc.dtype, schedule, root
+                        )
                     except BaseException:
                         self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
                         raise
+                    # A speculative data plane may wait for peers that have not voted yet: its stall
+                    # clock starts with the master's commence (every participant voted), which comes
+                    # off the critical path; the master's vote timeout bounds the wait before.
                     tx, rx = await self._stall.guarded(
-                        functools.partial(self._run_dataplane, kind, st, ring, send_np, work, op, root, q)
+                        functools.partial(
+                            self._run_dataplane, kind, st, ring, send_np, work, op, root, q, schedule
+                        ),
+                        arm_when=(lambda: st.commence.done) if proposal >= 0 else None,
                     )
-                    ok = True
+                    ok = plane_ok = True
                 except PCCLError as exc:
                     reason = str(exc)
             st.scope = None
@@ -862,6 +930,10 @@ class Communicator:
                 raise st.abort_error
             if not ok:
                 await self._report_failure(st, reason)
+                if proposal >= 0:
+                    # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
+                    # size): the master's verdict names the real cause, and it is an abort.
+                    await st.complete.wait()
                 raise RankConnectionLostError(reason)
             t_ring = time.perf_counter()
             # In doubt from here until the master answers: a master lost now (even while this
@@ -869,7 +941,7 @@ class Communicator:
             # reconnects to, instead of failing it (docs/concepts.md "Operations in doubt").
             self._core.op_done(tag)
             try:
-                await self._send(m.CollectiveDone(tag=tag, success=True))
+                await self._send(m.CollectiveDone(tag=tag, success=True, op_seq=st.op_seq))
             except RankConnectionLostError:
                 if not self._core.reconnecting:
                     raise
@@ -886,10 +958,19 @@ class Communicator:
             if stage is not None:
                 cache.give_back(stage)
             self._stats[f"{kind}_ok"] += 1
+            self._stats[f"schedule_{schedule}_ok"] += 1
             self._record_phases(t_start, t_commence, t_ring, t_complete, time.perf_counter())
             return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
         except PCCLError:
             self._stats[f"{kind}_failed"] += 1
+            if plane_ok:
+                # Our data plane finished but the op failed elsewhere: a partner whose data plane
+                # failed closed its connections with us. Close ours too, so that the retry opens
+                # fresh ones instead of writing into one the partner gave up (a generic stream
+                # cannot tell that without a failed send).
+                with trio.CancelScope(shield=True):
+                    for peer_id in partners:
+                        await self.pool.disconnect(peer_id)
             raise
         finally:
             if not st.concluded and st.abort_error is None and self._core.lost is None \
@@ -910,7 +991,7 @@ class Communicator:
     async def _report_failure(self, st: _OpState, reason: str) -> None:
         st.concluded = True
         try:
-            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason))
+            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq))
         except PCCLError:
             pass
 
@@ -918,6 +999,76 @@ class Communicator:
         """The pool's byte counters: what the stall watch samples."""
         stats = self.pool.statistics()
         return (stats["tx_bytes"], stats["rx_bytes"])
+
+    def _schedule(
+        self, descriptor: m.CollectiveDescriptor, ring: list[int], dtype: DataType, root: int
+    ) -> str:
+        """The schedule this operation runs: from the descriptor (equal on every participant, the
+        master checked) and the commenced group's size only, so every participant picks the same."""
+        return schedule_for(
+            descriptor.schedule,
+            descriptor.kind,
+            len(ring),
+            descriptor.element_count * backend.dtype_to_numpy(dtype).itemsize,
+            quantized=descriptor.quantization != int(QuantizationAlgorithm.NONE),
+            links=self._links,
+            root=root,
+        )
+
+    async def _connect_partners(
+        self,
+        kind: str,
+        rows: list[m.PeerRow],
+        descriptor: m.CollectiveDescriptor,
+        dtype: DataType,
+        schedule: str,
+        root: int,
+    ) -> list[int]:
+        """Open (or check) the outgoing connections to every rank this peer's plan sends to: the
+        ring successor under the ring, the halving-doubling partners or tree parent and children
+        otherwise. Already open connections cost nothing; new ones one round trip, concurrently.
+
+        Returns:
+            The peer ids the plan sends to or receives from.
+
+        Raises:
+            RankConnectionFailedError: a connection could not be opened.
+        """
+        ids = [r.peer_id for r in rows]
+        plan = plan_for(
+            kind,
+            len(ids),
+            ids.index(self.peer_id),
+            descriptor.element_count,
+            backend.dtype_to_numpy(dtype).itemsize,
+            schedule=schedule,
+            root=root,
+            quantized=descriptor.quantization != int(QuantizationAlgorithm.NONE),
+        )
+        to_ranks, from_ranks = plan_partners(plan)
+        partners = sorted({ids[r] for r in to_ranks} | {ids[r] for r in from_ranks})
+        # the steady state: every connection open (a peek each, as pool.connect would do); no tasks
+        targets = [rows[r] for r in to_ranks if not self.pool.is_connected(rows[r].peer_id)]
+        if not targets:
+            await trio.lowlevel.checkpoint()
+            return partners
+        if len(targets) == 1:
+            await self.pool.connect(targets[0].peer_id, targets[0].host, targets[0].port)
+            return partners
+        errors: list[PCCLError] = []
+
+        async def one(row: m.PeerRow) -> None:
+            try:
+                await self.pool.connect(row.peer_id, row.host, row.port)
+            except PCCLError as exc:  # reported once, as itself (not as an exception group)
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for row in targets:
+                nursery.start_soon(one, row)
+        if errors:
+            raise errors[0]
+        return partners
 
     async def _run_dataplane(
         self,
@@ -929,6 +1080,7 @@ class Communicator:
         op: ReduceOp,
         root: int,
         q: QuantizationOptions,
+        schedule: str = "ring",
     ) -> tuple[int, int]:
         ring_op = ReduceOp.SUM if op == ReduceOp.AVG else op
         kwargs: dict[str, Any] = {}
@@ -945,6 +1097,7 @@ class Communicator:
             out=work,
             op=ring_op,
             root=root,
+            schedule=schedule,
             **kwargs,
         )
 

@@ -11,9 +11,53 @@ Receiving: one reader task per incoming connection (:meth:`P2PPool.handle_incomi
 handler of :func:`~pccl.peer.p2p.serve_p2p`) reads a header, finds the receive registered for
 ``(from_peer, tag, op_seq, seq)`` with :meth:`P2PPool.expect`, and ``recv_into``s the payload
 straight into the registered destination (zero copy). A frame that arrives before its receive is
-registered (the sender got the master's go-ahead first) is stashed in a pool-owned buffer,
-bounded by ``PeerConfig.recv_stash_limit``, and copied over on registration. Frames of
-operations known to be finished or aborted (:meth:`P2PPool.forget_op`) are read and dropped.
+registered (the sender got the master's go-ahead first) is stashed in a pool-owned buffer and
+copied over on registration. Frames of operations known to be finished or aborted
+(:meth:`P2PPool.forget_op`) are read and dropped.
+
+Backpressure instead of a drop: the stash holds at most ``PeerConfig.recv_stash_limit`` bytes
+(all incoming connections together, 64 MiB by default). A reader whose frame has no receive and
+does not fit stops reading its connection (the header is read, the payload stays in the socket, so
+TCP flow control holds the sender back) and parks until one of these happens, then goes on:
+
+1. the frame's receive is registered: the payload goes straight into its destination (zero copy);
+2. the frame's operation is forgotten: the payload is read and dropped;
+3. the stash has room for it (another frame was claimed or dropped): it is stashed;
+4. the connection or the pool is closed: the reader ends;
+5. ``PeerConfig.p2p_stall_timeout`` passes: the connection is closed with a logged reason ("waited
+   30s (p2p_stall_timeout) for its receive while the stash is full"), pending receives from that peer fail as
+   on any lost connection, and the frames it had stashed are released (nothing claimed them while
+   it was blocked, so they are suspect, and their room goes back to the other connections).
+
+Why this cannot deadlock (and why ``p2p_stall_timeout`` is the bound). A connection is a FIFO, so a
+parked frame F of operation A holds up every frame behind it on that connection, whatever their
+operation B. That is safe as long as A's receives get registered (or A forgotten) without any
+data frame having to arrive first, because then case 1 or 2 ends the wait whatever is queued
+behind F. The invariant that gives it, and which every data plane must keep:
+
+* (send after the vote) a peer sends frames of A to a neighbour only after the master's
+  go-ahead for A (``CollectiveCommence``), which the master sends only once every member of A voted
+  for it; so the receiver's own call of A is already in progress when F arrives;
+* (register before waiting) on the go-ahead, the receiver's operation task registers every
+  receive of A at once (:func:`~pccl.collectives.ring.run_collective` calls :meth:`P2PPool.expect`
+  for the whole plan before it sends or waits for anything), and the steps before that (validating
+  the go-ahead, :meth:`connect` to the successor) wait for no data frame; any failure on the way
+  calls :meth:`forget_op`.
+
+Concurrent tagged operations are covered by the same argument: each one's receives are registered
+on its own go-ahead, independently of the others' frames, so a frame of A blocking B's frames on
+one connection is released by A's registration, never by B's progress. The pipelined executor only
+changes when frames are sent, not when receives are registered. The one way to break this is a
+sender that runs ahead of the receiver's vote (for example starting an operation speculatively on
+its own vote): then A's registration may wait for the user's next call, which may wait for B, whose
+frames are parked behind F. The pool does not deadlock even then: the wait ends at case 5 after
+``p2p_stall_timeout``, the bound on "no data moved" that the stall watch (:mod:`pccl.peer.stall`)
+applies to operations anyway; any frame that waited that long with its operation running here
+would have failed its operation there too. An honest frame waits only for the receiver's go-ahead
+(the commence skew between two peers, microseconds to milliseconds), so a small stash costs the
+sender at most that wait and no exactness or liveness. A member (or any connection able to send
+data frames) that floods frames nobody will ever receive gets at most ``recv_stash_limit`` bytes of
+this peer's memory and one blocked connection, closed after ``p2p_stall_timeout``.
 
 Safety of the destination: once :meth:`P2PPool.forget_op` (or :meth:`P2PPool.disconnect`)
 returns, no reader writes into a destination of that operation again. On TCP the reader checks
@@ -97,6 +141,10 @@ class _Broken(Exception):
     """Internal: this connection is unusable (closed locally, EOF, reset)."""
 
 
+class _Blocked(Exception):
+    """Internal: a frame waited longer than the bound for a receive or stash room (backpressure)."""
+
+
 def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | None:
     """A private non-blocking ``dup`` of the stream's TCP socket, or None for other transports.
 
@@ -153,7 +201,7 @@ class _Conn:
     """
 
     __slots__ = ("bounce", "closed", "hdr", "hdr_view", "index", "lock", "outgoing", "peer_id",
-                 "recv_waits", "rx_bytes", "send_waits", "sent", "stream", "tx_bytes", "waited")
+                 "recv_waits", "rx_bytes", "send_waits", "sent", "stashed", "stream", "tx_bytes", "waited")
 
     # True if receive_into never writes into ``view`` after a checkpoint, so a destination that may be
     # cancelled meanwhile can be handed to it directly (the check before each call suffices); else the
@@ -178,6 +226,7 @@ class _Conn:
         self.recv_waits = 0
         self.tx_bytes = 0
         self.rx_bytes = 0
+        self.stashed = 0  # bytes of this (incoming) connection's frames in the pool's stash
 
     def alive(self) -> bool:
         """False once closed (a generic stream cannot tell more without reading)."""
@@ -466,9 +515,15 @@ class P2PPool:
         self._in: dict[tuple[int, int], _Conn] = {}
         self._slots: dict[SlotKey, ReceiveSlot] = {}
         self._stash: dict[SlotKey, bytearray] = {}
+        self._stash_conn: dict[SlotKey, _Conn] = {}  # the connection each stashed frame came on
         self._stashing: set[SlotKey] = set()
         self._stash_bytes = 0
         self._stash_limit = config.recv_stash_limit
+        # Backpressure (see the module docstring): readers whose frame neither has a receive nor fits
+        # in the stash park here; everything that registers a receive, forgets an operation, frees
+        # stash space or closes connections wakes them to look again.
+        self._room = trio.lowlevel.ParkingLot()
+        self._block_limit = config.p2p_stall_timeout
         self._dead_ops: OrderedDict[int, None] = OrderedDict()
         self._discard = memoryview(bytearray(_DISCARD_BYTES))
         # counters for statistics()
@@ -479,6 +534,9 @@ class P2PPool:
         self._frames_stashed = 0
         self._bytes_discarded = 0
         self._connections_lost = 0
+        self._stash_peak = 0  # most bytes the stash ever held (reserved included)
+        self._reader_blocks = 0  # times a reader stopped reading because the stash was full
+        self._blocked_drops = 0  # connections closed because a frame stayed blocked too long
         self._recv_waits = 0  # of incoming connections that are gone (live ones count their own)
 
     # ------------------------------------------------------------------------------------------
@@ -568,10 +626,11 @@ class P2PPool:
             conns.append(self._in.pop(in_key))
         self._fail_peer(peer_id, f"connections to peer {peer_id} were closed")
         for key in [k for k in self._stash if k[0] == peer_id]:
-            self._stash_bytes -= len(self._stash.pop(key))
+            self._unstash(key)
         with trio.CancelScope(shield=True):
             for c in conns:
                 await c.aclose()
+        self._wake()  # readers of those connections parked on a full stash see them closed
 
     async def aclose(self) -> None:
         """Close every connection; pending receives fail; the pool cannot be used again."""
@@ -584,10 +643,12 @@ class P2PPool:
             slot._fail(RankConnectionLostError, "the P2P pool was closed")
         self._slots.clear()
         self._stash.clear()
+        self._stash_conn.clear()
         self._stash_bytes = 0
         with trio.CancelScope(shield=True):
             for c in conns:
                 await c.aclose()
+        self._wake()
 
     # ------------------------------------------------------------------------------------------
     # sending
@@ -657,13 +718,34 @@ class P2PPool:
         if dest.format != "B" or dest.ndim != 1:
             dest = dest.cast("B")
         slot = ReceiveSlot(key, dest)
-        buf = self._stash.pop(key, None)
+        buf = self._unstash(key)
         if buf is not None:
-            self._stash_bytes -= len(buf)
             self._deliver_stash(slot, buf)
             return slot
         self._slots[key] = slot
+        if self._room:
+            self._room.unpark_all()  # a reader may be parked on exactly this frame
         return slot
+
+    def _unstash(self, key: SlotKey) -> bytearray | None:
+        """Take frame ``key`` out of the stash (None if it is not there); parked readers look again."""
+        buf = self._stash.pop(key, None)
+        if buf is None:
+            return None
+        self._stash_bytes -= len(buf)
+        conn = self._stash_conn.pop(key, None)
+        if conn is not None:
+            conn.stashed -= len(buf)
+        if self._room:
+            self._room.unpark_all()
+        return buf
+
+    def _wake(self) -> None:
+        if self._room:
+            self._room.unpark_all()
+
+    def _fits(self, length: int) -> bool:
+        return self._stash_bytes + length <= self._stash_limit
 
     def _deliver_stash(self, slot: ReceiveSlot, buf: bytearray) -> None:
         if len(buf) != slot.nbytes:
@@ -691,7 +773,8 @@ class P2PPool:
                 self._slots.pop(key)._fail(RankConnectionLostError, f"operation {op_seq} was aborted")
         if self._stash:
             for key in [k for k in self._stash if k[2] == op_seq]:
-                self._stash_bytes -= len(self._stash.pop(key))
+                self._unstash(key)
+        self._wake()  # a reader parked on a frame of this op now drops it
 
     def _fail_peer(self, peer_id: int, reason: str) -> None:
         for key in [k for k in self._slots if k[0] == peer_id]:
@@ -715,6 +798,7 @@ class P2PPool:
         if old is not None:
             # The peer reopened this slot, so it gave the old connection up.
             await old.aclose()
+            self._wake()
         reason = "closed"
         try:
             # The first header may already be buffered in the message stream behind the Hello.
@@ -736,6 +820,14 @@ class P2PPool:
         except RemoteProtocolError as exc:
             reason = f"peer {conn.peer_id} broke the data protocol: {exc.message}"
             log.warning("closing ring connection from peer %d: %s", conn.peer_id, exc.message)
+        except _Blocked as exc:
+            reason = f"ring connection from peer {conn.peer_id} blocked: {exc}"
+            log.warning("closing ring connection %d from peer %d: %s", conn.index, conn.peer_id, exc)
+            self._blocked_drops += 1
+            # What this connection stashed is suspect (nothing claimed it while it was blocked, see
+            # the module docstring): give its budget back to the other connections.
+            for skey in [k for k, c in self._stash_conn.items() if c is conn]:
+                self._unstash(skey)
         finally:
             was_closed = conn.closed
             self._recv_waits += conn.recv_waits
@@ -794,18 +886,26 @@ class P2PPool:
             return await self._drop(conn, length)
         if key in self._stash or key in self._stashing:
             raise RemoteProtocolError(f"frame {key} received twice")
-        if self._stash_bytes + length > self._stash_limit:
-            raise RemoteProtocolError(
-                f"{length}-byte frame {key} arrived before its receive and the stash is full "
-                f"({self._stash_bytes} of {self._stash_limit} bytes)"
-            )
+        if not self._fits(length):
+            # Backpressure: stop reading this connection until the frame can go somewhere.
+            slot = await self._wait_for_room(conn, key, length)
+            if slot is not None:
+                await self._read_frame(conn)  # registered meanwhile: straight into place
+                return True
+            if op_seq in self._dead_ops:
+                self._bytes_discarded += length
+                return await self._drop(conn, length)
+            if key in self._stash or key in self._stashing:
+                raise RemoteProtocolError(f"frame {key} received twice")
         buf = bytearray(length)
         self._stash_bytes += length
+        self._stash_peak = max(self._stash_peak, self._stash_bytes)
         self._stashing.add(key)
         try:
             blocked = await self._fill(conn, memoryview(buf), None)
         except BaseException:
             self._stash_bytes -= length
+            self._wake()
             raise
         finally:
             self._stashing.discard(key)
@@ -814,12 +914,42 @@ class P2PPool:
         if slot is not None:
             # registered while we were stashing
             self._stash_bytes -= length
+            self._wake()
             self._deliver_stash(slot, buf)
         elif op_seq in self._dead_ops:
             self._stash_bytes -= length
+            self._wake()
         else:
             self._stash[key] = buf
+            self._stash_conn[key] = conn
+            conn.stashed += length
         return blocked
+
+    async def _wait_for_room(self, conn: _Conn, key: SlotKey, length: int) -> ReceiveSlot | None:
+        """Backpressure: park this reader (its connection stays unread) until frame ``key`` can go
+        somewhere: its receive is registered (returned), its operation is forgotten or the stash has
+        room for it (None).
+
+        Raises:
+            _Blocked: none of that within ``p2p_stall_timeout``.
+            _Broken: the connection or the pool was closed meanwhile.
+        """
+        self._reader_blocks += 1
+        with trio.move_on_after(self._block_limit):
+            while True:
+                await self._room.park()
+                if conn.closed or self._closed:
+                    raise _Broken("connection closed")
+                slot = self._slots.get(key)
+                if slot is not None:
+                    return slot
+                if key[2] in self._dead_ops or self._fits(length):
+                    return None
+        raise _Blocked(
+            f"{length}-byte frame {key} waited {self._block_limit:g}s (p2p_stall_timeout) for its receive "
+            f"while the stash is full ({self._stash_bytes} of {self._stash_limit} bytes, "
+            f"{conn.stashed} of them from this connection)"
+        )
 
     async def _fill(self, conn: _Conn, view: memoryview, slot: ReceiveSlot | None) -> bool:
         """Receive exactly ``len(view)`` bytes into ``view``; stop writing once ``slot`` is cancelled.
@@ -874,6 +1004,11 @@ class P2PPool:
             "pending_receives": len(self._slots),
             "stashed_frames": len(self._stash),
             "stashed_bytes": self._stash_bytes,
+            "stash_limit": self._stash_limit,
+            "stash_peak_bytes": self._stash_peak,
+            "readers_blocked": len(self._room),
+            "reader_blocks_total": self._reader_blocks,
+            "blocked_connections_dropped": self._blocked_drops,
             "tx_bytes": self._tx_bytes,
             "rx_bytes": self._rx_bytes,
             "frames_sent": self._frames_sent,

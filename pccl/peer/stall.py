@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import trio
@@ -29,6 +29,8 @@ class _Guard:
     started: float
     scope: trio.CancelScope
     stalled: float | None = None  # seconds without progress, once the monitor gave up on it
+    # None: armed (its clock runs); else it is armed, and its clock starts, once this returns True
+    arm_when: Callable[[], bool] | None = field(default=None)
 
 
 class StallWatch:
@@ -52,14 +54,25 @@ class StallWatch:
         """Data planes being watched now."""
         return len(self._guards)
 
-    async def guarded(self, run: Callable[[], Awaitable[T]]) -> T:
+    async def guarded(
+        self, run: Callable[[], Awaitable[T]], *, arm_when: Callable[[], bool] | None = None
+    ) -> T:
         """Run one data plane (``run()``) under the watch.
+
+        Args:
+            run: the data plane.
+            arm_when: None: its stall clock starts at once. Else it starts when this first returns True
+                (sampled with the progress): a speculative start runs before the others may have voted,
+                and a peer that votes late (it computes longer) is no stall; the master's commence
+                says that every participant voted (its vote timeout bounds the wait before).
 
         Raises:
             RankConnectionLostError: it moved no bytes for ``limit`` seconds (the master then aborts
                 the operation for everyone).
         """
-        guard = _Guard(started=trio.current_time(), scope=trio.CancelScope())
+        guard = _Guard(started=trio.current_time(), scope=trio.CancelScope(), arm_when=arm_when)
+        if arm_when is not None and arm_when():
+            guard.arm_when = None
         self._guards.add(guard)
         self._changed.set()
         try:
@@ -98,12 +111,15 @@ class StallWatch:
             while self._guards:
                 await trio.sleep(limit / 8)
                 now, cur = trio.current_time(), self._progress()
+                for guard in self._guards:
+                    if guard.arm_when is not None and guard.arm_when():
+                        guard.arm_when, guard.started = None, now
                 if cur != last:
                     last, since = cur, now
                     continue
                 for guard in list(self._guards):
                     quiet = now - max(since, guard.started)
-                    if quiet >= limit and guard.stalled is None:
+                    if guard.arm_when is None and quiet >= limit and guard.stalled is None:
                         guard.stalled = quiet
                         guard.scope.cancel()
 

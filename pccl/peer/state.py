@@ -1,7 +1,8 @@
 """The peer's pure core: the protocol rules of one peer, without trio, sockets or clocks.
 
 :class:`PeerState` is fed the master's messages one at a time, with the time they arrived, and returns
-effects (:class:`Resolve`, :class:`AbortOp`, :class:`Establish`, :class:`Measure`, :class:`Lost`);
+effects (:class:`Resolve`, :class:`AbortOp`, :class:`Establish`, :class:`Measure`, :class:`Lost`,
+:class:`Dismissed`);
 :class:`pccl.peer.communicator.Communicator` executes them, the way :mod:`pccl.master.server` executes
 :class:`pccl.master.state.MasterState`'s. The data plane never passes through here: frames are routed by
 the P2P pool. See docs/protocol.md for the messages.
@@ -96,11 +97,14 @@ class AbortOp:
 
 @dataclass(frozen=True)
 class Establish:
-    """Open the ring connections to ``successor`` (None: alone in the group), then answer
-    ``P2PConnectionsDone(epoch)``."""
+    """Open the ring connections to ``successor`` (None: alone in the group) and, when the peer
+    runs other schedules too, to the other ranks its plans may send to (``group``: the group's rows
+    in ring order), then answer ``P2PConnectionsDone(epoch)``."""
 
     epoch: int
     successor: m.PeerRow | None
+    group: tuple[m.PeerRow, ...] = ()
+    links: tuple[float, ...] = ()  # EstablishP2P.links
 
 
 @dataclass(frozen=True)
@@ -111,13 +115,41 @@ class Measure:
 
 
 @dataclass(frozen=True)
+class Forget:
+    """Drop every frame of these speculative op_seqs (other voters started under them; nobody will
+    run them now): ``P2PPool.forget_op`` each."""
+
+    op_seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class Lost:
     """The master link is over (kicked, or the master broke the protocol): fail everything, close it."""
 
     error: PCCLError
 
 
-Effect = Resolve | AbortOp | Establish | Measure | Lost
+@dataclass(frozen=True)
+class Dismissed:
+    """The master closed the link with ``MASTER_CONNECTION_FAILED`` (it gave the run up for lack of a
+    quorum: docs/concepts.md "No split brain"): the link is down as if it broke, so a member with a
+    reconnect window fails over through its address list; otherwise the master is lost."""
+
+    error: PCCLError
+
+
+Effect = Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed
+
+#: Reserved op_seqs a peer keeps (per tag, the oldest go first): the master keeps as many per group,
+#: in the same order (pccl.master.state.RESERVATIONS_PER_GROUP).
+RESERVATIONS_KEPT = 1024
+
+#: Operations whose receive buffer is larger than this never start speculatively (docs/protocol.md
+#: section 4): the saved round trip matters for latency-bound operations only, and the data a speculative
+#: start sends to a peer that has not voted yet waits in that peer's stash (bounded by recv_stash_limit),
+#: possibly ahead of other operations' frames on the same connection. Derived from the descriptor alone,
+#: so equal on every peer of an operation.
+SPECULATIVE_MAX_BYTES = 4 << 20
 
 
 # ============================================================================================
@@ -129,12 +161,13 @@ class OpRecord:
     """A collective in flight on this peer, registered under its tag."""
 
     tag: int
-    op_seq: int = -1  # the master's sequence number, once commenced
+    op_seq: int = -1  # the master's sequence number, once commenced (or the reserved one, speculating)
     aborted: bool = False
     # This peer's part is finished (CollectiveDone sent or being sent): from here on the op is in doubt
     # if the master is lost before it answers (docs/concepts.md "Operations in doubt").
     done: bool = False
     participants: list[int] = field(default_factory=list)  # the commenced ring's peer ids
+    speculative: bool = False  # running under the reserved op_seq before the master answered
 
 
 @dataclass
@@ -174,6 +207,10 @@ class PeerState:
         self.group = group
         self.table: list[m.PeerRow] = []  # accepted peers, ring order
         self.epoch = 0
+        # The epoch's members (peer ids, ring order) as the master established them (Accepted, a
+        # successful TopologyResult); unlike ``table`` never reconciled with collectives: the set the
+        # masters' quorum rule counts, reported in Reregister (docs/concepts.md "No split brain").
+        self.members: list[int] = []
         self.ops: dict[int, OpRecord] = {}
         self.membership: str | None = None  # the membership call running, by name
         self.sync: SyncRecord | None = None
@@ -193,6 +230,10 @@ class PeerState:
         self.sync_committed = -1
         self.abandoned_ops: list[list[int]] = []
         self.sync_abandoned = -1
+        # The speculative start (docs/protocol.md section 4): tag -> (op_seq the master reserved for
+        # this group's next op with the tag, the epoch it was reserved in), oldest first.
+        self.reserved: dict[int, tuple[int, int]] = {}
+        self.speculative_starts = 0
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -237,6 +278,8 @@ class PeerState:
             "generation": self.generation,
             "ops_in_doubt": sorted(t for t, op in self.ops.items() if op.done),
             "sync_in_doubt": self.sync is not None and self.sync.done,
+            "reserved_tags": len(self.reserved),
+            "speculative_starts": self.speculative_starts,
         }
 
     def __repr__(self) -> str:
@@ -341,10 +384,38 @@ class PeerState:
         """True when the running sync is finished here and waits for the master's result."""
         return self.sync is not None and self.sync.done
 
+    def speculate(self, tag: int, nbytes: int = 0) -> int:
+        """Start registered op ``tag`` under its reserved op_seq, if it has one for this epoch and its
+        receive buffer (``nbytes``) is at most :data:`SPECULATIVE_MAX_BYTES`.
+
+        The number is used once (taken out either way). The op then runs on the current group ring
+        before the master answered: its ``CollectiveComplete`` commits, its ``CollectiveAbort``
+        aborts (also when the other voters did not start under the same number).
+
+        Returns:
+            The op_seq to vote with and run under, or -1: vote and wait for ``CollectiveCommence``.
+        """
+        res = self.reserved.pop(tag, None)
+        op = self.ops.get(tag)
+        if res is None or op is None or res[1] != self.epoch or len(self.group_ring) < 2 \
+                or nbytes > SPECULATIVE_MAX_BYTES:
+            return -1
+        op.op_seq, op.speculative = res[0], True
+        op.participants = self.group_ring  # the ring it runs on (for an in-doubt report)
+        self.speculative_starts += 1
+        return res[0]
+
+    def drop_reservations(self) -> None:
+        """The epoch, the group or the master changed: every op waits for CollectiveCommence again."""
+        self.reserved.clear()
+
     def reconcile_group(self, group_rows: list[m.PeerRow]) -> None:
         """A collective or sync named who is alive in this group: drop the others from the table."""
         alive = {r.peer_id for r in group_rows}
-        self.table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
+        table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
+        if len(table) != len(self.table):
+            self.drop_reservations()
+        self.table = table
 
     def lose(self, error: PCCLError) -> bool:
         """The master link ended with ``error`` for good; True the first time (later errors are ignored)."""
@@ -376,6 +447,7 @@ class PeerState:
                                   if op.op_seq >= 0 and not op.done]
             sync = self.sync
             self.sync_abandoned = sync.sync_seq if sync is not None and not sync.done else -1
+        self.drop_reservations()
         return True
 
     @property
@@ -383,14 +455,23 @@ class PeerState:
         """True between the master's loss and the reconnection (or the window's end)."""
         return self.reconnecting_until is not None
 
-    def reregister(self, p2p_port: int) -> m.Reregister:
-        """What this peer tells a master it reconnects to: everything the master needs to rebuild."""
+    def reregister(self, p2p_port: int, *, epoch_members: bool = True) -> m.Reregister:
+        """What this peer tells a master it reconnects to: everything the master needs to rebuild.
+
+        Args:
+            p2p_port: this peer's P2P listener port.
+            epoch_members: report the epoch's members as the master established them (a peer that
+                can fail over to a standby: both masters must count the same list); False: the
+                table as collectives reconciled it (a single-master peer: a restarted master then
+                expects only the members that took part in the last operations).
+        """
+        ring = self.members if epoch_members and self.members else [r.peer_id for r in self.table]
         return m.Reregister(
             peer_id=self.peer_id,
             p2p_port=p2p_port,
             peer_group=self.group,
             epoch=self.epoch,
-            ring=[r.peer_id for r in self.table],
+            ring=list(ring),
             revision=self.revision,
             generation=self.generation,
             ops_in_doubt=[[t, op.op_seq, list(op.participants)] for t, op in sorted(self.ops.items())
@@ -428,6 +509,7 @@ class PeerState:
         self.generation = msg.generation
         self.epoch = msg.epoch
         self.reconnecting_until = None
+        self.drop_reservations()
         self.last_heard = now
         self.abandoned_ops, self.sync_abandoned = [], -1
         return None
@@ -452,6 +534,7 @@ class PeerState:
         op: ReduceOp,
         root: int = 0,
         quantization: QuantizationOptions | None = None,
+        schedule: str = "auto",
     ) -> m.CollectiveDescriptor:
         """Check a collective call against this peer's group and build the descriptor it votes with.
 
@@ -466,6 +549,9 @@ class PeerState:
             op: the reduction.
             root: broadcast only: the root's rank in this group's ring.
             quantization: optional wire compression.
+            schedule: the requested schedule (``PeerConfig.schedule``): part of the descriptor, so a
+                peer configured differently fails the vote with a clear mismatch instead of waiting
+                for frames of another plan.
 
         Returns:
             The descriptor (the broadcast root as a peer id).
@@ -508,6 +594,7 @@ class PeerState:
             root=root_id,
             quantization=int(q.algorithm),
             quantized_dtype=int(q.quantized_datatype),
+            schedule=schedule,
         )
 
     @staticmethod
@@ -554,6 +641,8 @@ class PeerState:
 
     def _on_refused(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.Refused)
+        if msg.code == int(Result.MASTER_CONNECTION_FAILED):
+            return [Dismissed(MasterConnectionError(f"the master closed the connection: {msg.reason}"))]
         return [Lost(KickedError(f"removed by the master: {msg.reason}"))]
 
     def _on_registered(self, msg: m.Message) -> list[Effect]:
@@ -564,6 +653,8 @@ class PeerState:
     def _on_accepted(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.Accepted)
         self.table, self.epoch = list(msg.peers), msg.epoch
+        self.members = [r.peer_id for r in msg.peers]
+        self.drop_reservations()
         return [Resolve(Call.ACCEPTED, msg)]
 
     def _on_pending_result(self, msg: m.Message) -> list[Effect]:
@@ -571,38 +662,58 @@ class PeerState:
 
     def _on_establish(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.EstablishP2P)
-        return [Establish(msg.epoch, ring_neighbours(self.group_rows(msg.peers), self.peer_id)[0])]
+        group = self.group_rows(msg.peers)
+        return [Establish(msg.epoch, ring_neighbours(group, self.peer_id)[0], tuple(group), tuple(msg.links))]
 
     def _on_topology_result(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.TopologyResult)
         self.table, self.epoch = list(msg.peers), msg.epoch
+        if msg.success:
+            self.members = [r.peer_id for r in msg.peers]
+        self.drop_reservations()
         return [Resolve(Call.TOPOLOGY, msg)] if self.membership in _TOPOLOGY_CALLS else []
 
     def _on_commence(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveCommence)
+        effects: list[Effect] = [Forget(tuple(msg.forget))] if msg.forget else []
         op = self.ops.get(msg.tag)
         if op is None:
-            return []
+            return effects
+        if op.speculative:
+            # Ours runs speculatively: a commence under its number says that every participant voted
+            # (its stall clock starts); any other is not for this op (the master aborts or confirms).
+            return [*effects, Resolve(Call.COMMENCE, msg, msg.tag)] if msg.op_seq == op.op_seq else effects
         op.op_seq = msg.op_seq
-        return [Resolve(Call.COMMENCE, msg, msg.tag)]
+        return [*effects, Resolve(Call.COMMENCE, msg, msg.tag)]
 
     def _on_complete(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveComplete)
         op = self.ops.get(msg.tag)
         if op is None or op.op_seq != msg.op_seq:
             return []
+        if msg.next_op_seq >= 0:
+            self.reserved.pop(msg.tag, None)
+            self.reserved[msg.tag] = (msg.next_op_seq, self.epoch)
+            while len(self.reserved) > RESERVATIONS_KEPT:
+                del self.reserved[next(iter(self.reserved))]
         return [Resolve(Call.COMPLETE, msg, msg.tag)]
 
     def _on_abort(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveAbort)
+        effects: list[Effect] = [Forget(tuple(msg.forget))] if msg.forget else []
         op = self.ops.get(msg.tag)
         # An abort names the op it ends: -1 for an op that never commenced (refused or withdrawn),
-        # else the commenced op's sequence number. Anything else is a late abort of an earlier op with
-        # the same tag (e.g. its retry already voted) and must not touch the current one.
+        # else the commenced (or speculative) op's sequence number. Anything else is a late abort of an
+        # earlier op with the same tag (e.g. its retry already voted) and must not touch the current one.
         if op is None or msg.op_seq != op.op_seq:
-            return []
+            return effects
         op.aborted = True
-        return [AbortOp(msg.tag, error_from_code(msg.code, msg.reason))]
+        self.reserved.pop(msg.tag, None)
+        return [*effects, AbortOp(msg.tag, error_from_code(msg.code, msg.reason))]
+
+    def _on_revoked(self, msg: m.Message) -> list[Effect]:
+        self.drop_reservations()
+        return []
 
     def _on_sync_plan(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.SharedStatePlan)
@@ -640,6 +751,7 @@ class PeerState:
         m.CollectiveCommence: _on_commence,
         m.CollectiveComplete: _on_complete,
         m.CollectiveAbort: _on_abort,
+        m.ReservationsRevoked: _on_revoked,
         m.SharedStatePlan: _on_sync_plan,
         m.SharedStateResult: _on_sync_result,
         m.MeasureBandwidth: _on_measure,
@@ -656,10 +768,14 @@ def ring_neighbours(rows: Sequence[m.PeerRow], me: int) -> tuple[m.PeerRow | Non
 
 
 __all__ = [
+    "RESERVATIONS_KEPT",
+    "SPECULATIVE_MAX_BYTES",
     "AbortOp",
     "Call",
+    "Dismissed",
     "Effect",
     "Establish",
+    "Forget",
     "Lost",
     "Measure",
     "OpRecord",

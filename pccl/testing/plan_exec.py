@@ -1,13 +1,13 @@
 """A reference executor for plans of any schedule over real :class:`~pccl.peer.pool.P2PPool` s.
 
-The live executor (:func:`pccl.collectives.ring.run_collective`) runs ring plans between ring
-neighbours. This one runs any plan (:func:`pccl.collectives.schedule.all_plans`: ring,
-halving-doubling, tree) with frames to and from whichever rank each names, over pools that are
-connected to every rank the plans name (:func:`open_plan_pools`) - on the virtual network under a
-``MockClock`` that gives the schedules' virtual times with the real data-plane code underneath
-(framing, receive slots, stash, windows), and checks that the plans need nothing the pool does not
-offer. It is a test and benchmark tool, kept short: sends go inline from the operation's task
-(no sender tasks, no striping), and on failure it only forgets the operation.
+The live executor (:func:`pccl.collectives.ring.run_collective`) runs every schedule inside the
+communicator (master, descriptors, abort and retry). This one, without any of that, runs any plan
+(:func:`pccl.collectives.schedule.all_plans`: ring, halving-doubling, tree) with frames to and from
+whichever rank each names, over pools that are connected to every rank the plans name
+(:func:`open_plan_pools`) - on the virtual network under a ``MockClock`` that gives the schedules'
+virtual times with the real data-plane code underneath (framing, receive slots, stash, windows).
+It is a test and benchmark tool, kept short: sends go inline from the operation's task (no sender
+tasks, no striping), and on failure it only forgets the operation.
 """
 
 from __future__ import annotations

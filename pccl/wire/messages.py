@@ -44,6 +44,7 @@ class CollectiveDescriptor(NamedTuple):
     root: int  # broadcast: the root's peer id; -1 otherwise
     quantization: int  # pccl.QuantizationAlgorithm
     quantized_dtype: int  # pccl.DataType on the wire when quantizing
+    schedule: str = "auto"  # PeerConfig.schedule: "auto", "ring", "hd" or "tree"
 
 
 _ROWS: dict[type, tuple[Any, ...]] = {}
@@ -68,6 +69,12 @@ class Message:
 
 _REGISTRY: dict[int, type[Message]] = {}
 _FIELDS: dict[type[Message], tuple[tuple[str, Any], ...]] = {}
+_OPTIONAL: dict[type[Message], tuple[Any, ...]] = {}  # defaults of the trailing optional fields
+
+#: ``dataclasses.field(metadata=OPTIONAL, ...)`` marks a field added to a message after its first
+#: version: trailing optional fields at their default are not sent, and may be missing when decoding
+#: (so the message's bytes stay those of before unless the new field is used).
+OPTIONAL = {"optional": True}
 
 M = TypeVar("M", bound=type[Message])
 
@@ -87,7 +94,15 @@ def _fields(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
     f = _FIELDS.get(cls)
     if f is None:
         hints = typing.get_type_hints(cls)
-        f = tuple((fld.name, hints[fld.name]) for fld in dataclasses.fields(cls))  # type: ignore[arg-type]
+        flds = dataclasses.fields(cls)  # type: ignore[arg-type]
+        f = tuple((fld.name, hints[fld.name]) for fld in flds)
+        optional: list[Any] = []
+        for fld in reversed(flds):
+            if not fld.metadata.get("optional"):
+                break
+            factory = fld.default_factory
+            optional.insert(0, factory() if factory is not dataclasses.MISSING else fld.default)
+        _OPTIONAL[cls] = tuple(optional)
         _FIELDS[cls] = f
     return f
 
@@ -104,8 +119,10 @@ def _parse(value: Any, tp: Any) -> Any:
     """
     row = _row_fields(tp)
     if row is not None:
-        if not isinstance(value, (list, tuple)) or len(value) != len(row) or not all(
-            _check(v, t) for v, t in zip(value, row, strict=True)
+        # trailing fields with a default may be missing (rows of peers from before they were added)
+        required = len(row) - len(getattr(tp, "_field_defaults", {}))
+        if not isinstance(value, (list, tuple)) or not required <= len(value) <= len(row) or not all(
+            _check(v, t) for v, t in zip(value, row[: len(value)], strict=True)
         ):
             raise _Bad
         return tp(*value)
@@ -161,7 +178,13 @@ def encode(msg: Message) -> bytes:
     if _REGISTRY.get(cls.TAG) is not cls:
         raise LocalProtocolError(f"{cls.__name__} is not a registered message")
     values = [getattr(msg, name) for name, _ in _fields(cls)]
-    return msgpack.packb([cls.TAG, values], use_bin_type=True)  # type: ignore[no-any-return]
+    defaults = _OPTIONAL[cls]
+    keep = len(values)
+    while defaults and keep > len(values) - len(defaults) and values[keep - 1] == defaults[
+        keep - 1 - (len(values) - len(defaults))
+    ]:
+        keep -= 1
+    return msgpack.packb([cls.TAG, values[:keep]], use_bin_type=True)  # type: ignore[no-any-return]
 
 
 def decode(payload: bytes, *, unpack_limits: typing.Mapping[str, int] | None = None) -> Message:
@@ -188,10 +211,10 @@ def decode(payload: bytes, *, unpack_limits: typing.Mapping[str, int] | None = N
     if cls is None:
         raise RemoteProtocolError(f"unknown message type {tag}")
     fields = _fields(cls)
-    if len(values) != len(fields):
+    if not len(fields) - len(_OPTIONAL[cls]) <= len(values) <= len(fields):
         raise RemoteProtocolError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
     kwargs: dict[str, Any] = {}
-    for (name, tp), value in zip(fields, values, strict=True):
+    for (name, tp), value in zip(fields[: len(values)], values, strict=True):
         try:
             kwargs[name] = _parse(value, tp)
         except _Bad:
@@ -329,7 +352,7 @@ class Reregister(Message):
     or the same one), instead of ``Register``: its connection's Hello claimed its old ``peer_id``
     (repeated here).
 
-    What it last knew: the ``epoch`` and ``ring`` (peer ids, ring order) of its last accepted table,
+    What it last knew: the ``epoch`` and ``ring`` (peer ids, ring order) of that epoch's members,
     its group's shared-state ``revision`` (-1: never synced) and the master ``generation`` it
     followed. See docs/concepts.md "Surviving the master" for the rules.
 
@@ -359,6 +382,17 @@ class Reregister(Message):
     sync_in_doubt: list[Any] = dataclasses.field(default_factory=list)
     sync_abandoned: int = -1
     sync_committed: int = -1
+
+
+@_register(17)
+@dataclass(frozen=True, kw_only=True)
+class Standbys(Message):
+    """The peer knows ``count`` (> 0) master addresses besides this master's and, when it loses this
+    master, reconnects to them within its reconnect window: a second master may then hold part of
+    the run, so a master in ``quorum="auto"`` mode applies its live quorum rule from now on
+    (docs/concepts.md "No split brain"). Sent once after ``Register`` or ``Reregister``."""
+
+    count: int
 
 
 # Membership (master -> peer)
@@ -394,10 +428,16 @@ class PeersPendingResult(Message):
 @_register(23)
 @dataclass(frozen=True, kw_only=True)
 class EstablishP2P(Message):
-    """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone."""
+    """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone.
+
+    ``links``: the master's summary of the measured bandwidths within the recipient's group,
+    ``[slowest bytes/s, fastest / slowest]``, or empty when nothing is measured; every member of a
+    group gets the same, and chooses its collectives' schedules with it (docs/topology.md).
+    """
 
     epoch: int
     peers: list[PeerRow]
+    links: list[float] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
 
 
 @_register(26)
@@ -443,51 +483,89 @@ class CollectiveInitiate(Message):
     """Vote to start collective ``tag`` in the sender's group.
 
     ``descriptor`` must be equal on every participant; the master refuses the operation for everyone
-    if they differ.
+    if they differ. ``op_seq``: the sequence number the sender already started the data plane under
+    (the one the last ``CollectiveComplete`` of this tag reserved, the speculative start), or -1 when it
+    waits for ``CollectiveCommence``.
     """
 
     tag: int
     descriptor: CollectiveDescriptor
+    op_seq: int = -1
 
 
 @_register(31)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveDone(Message):
-    """The sender finished its part of ``tag`` (or failed it)."""
+    """The sender finished its part of ``tag`` (or failed it).
+
+    ``op_seq``: the sequence number the sender ran under (the master ignores a report under another
+    number than the operation's); -1: whatever this tag runs now (a withdrawal).
+    """
 
     tag: int
     success: bool
     reason: str = ""
+    op_seq: int = -1
 
 
 @_register(32)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveCommence(Message):
-    """Every participant voted: run ``tag`` over the ring ``peers`` (ring order, this group only)."""
+    """Every participant voted: run ``tag`` over the ring ``peers`` (ring order, this group only).
+
+    Sent on the slow path, when no voter started speculatively; and, under the reserved number, to the
+    voters that did not have it while the others run speculatively. With ``peers`` empty: the
+    speculative start under ``op_seq`` is confirmed (every participant voted; the receiver's data plane
+    already runs, this starts its stall clock). ``forget``: speculative sequence numbers of voters lost
+    or withdrawn meanwhile, whose frames the receivers drop.
+    """
 
     tag: int
     op_seq: int
     peers: list[PeerRow]
+    forget: list[int] = dataclasses.field(default_factory=list)
 
 
 @_register(33)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveComplete(Message):
-    """Every participant finished ``tag`` successfully: commit the result."""
+    """Every participant finished ``tag`` successfully: commit the result.
+
+    ``next_op_seq``: the sequence number reserved for the group's next operation with this tag (-1:
+    none); while the epoch and the group stay as they are, every participant starts it under that
+    number on its own vote (the speculative start, docs/protocol.md section 4).
+    """
 
     tag: int
     op_seq: int
+    next_op_seq: int = -1
 
 
 @_register(34)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveAbort(Message):
-    """``tag`` failed somewhere (or was refused): restore buffers and raise ``code``."""
+    """``tag`` failed somewhere (or was refused): restore buffers and raise ``code``.
+
+    ``op_seq``: the receiver's own number for the operation (its speculative one, or the commenced
+    one; -1: never commenced). ``forget``: speculative numbers other voters started under, whose frames
+    the receiver drops.
+    """
 
     tag: int
     op_seq: int
     reason: str
     code: int
+    forget: list[int] = dataclasses.field(default_factory=list)
+
+
+@_register(35)
+@dataclass(frozen=True, kw_only=True)
+class ReservationsRevoked(Message):
+    """A member of the receiver's group was lost: every op_seq reserved by an earlier
+    ``CollectiveComplete`` is void; the group's next operations take the slow path (its commence
+    names the living members)."""
+
+    reason: str = ""
 
 
 # ============================================================================================

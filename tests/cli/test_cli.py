@@ -166,3 +166,14 @@ def test_status_of_a_running_master(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 1
     (line,) = _err_lines(capsys)
     assert line.startswith("pccl: error: ")
+
+
+def test_quorum_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl.cli import _master_config, _master_parser
+
+    config = _master_config(_master_parser().parse_args(["--quorum", "off", "--quorum-hold-timeout", "5"]))
+    assert config.quorum == "off" and config.quorum_hold_timeout == 5.0
+    assert _master_config(_master_parser().parse_args([])).quorum == "auto"
+    assert master_main(["--quorum", "maybe"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.startswith("pccl-master: error: argument --quorum: invalid choice")

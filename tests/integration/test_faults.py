@@ -42,6 +42,9 @@ HB_TIMEOUT = 2.0  # DEFAULT_MASTER_CONFIG / DEFAULT_PEER_CONFIG
 # The tests of a final master loss opt out of reconnecting (PeerConfig's default window is 60 s).
 NO_RECONNECT = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=0)
 HB_INTERVAL = 0.2
+# The frame cutters below follow the ring (frames on the victim's stream to its successor); the
+# other schedules' faults at every step: tests/collectives/test_live_schedules.py.
+RING = dataclasses.replace(DEFAULT_PEER_CONFIG, schedule="ring")
 
 
 def contribution(peer_id: int) -> np.ndarray:
@@ -160,7 +163,7 @@ def successor(cluster: TestCluster, index: int) -> int:
 @pytest.mark.parametrize("k", range(FRAMES))
 async def test_peer_crash_at_every_ring_step(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, k: int, cut: int) -> None:
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=RING)
     victim = 1
     survivors = [i for i in cluster.alive if i != victim]
     bufs = Buffers(cluster)
@@ -201,7 +204,7 @@ async def test_peer_crash_at_every_ring_step(
 async def test_peer_crash_after_its_last_frame(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
     """The victim sent every frame, then died: the op cannot complete without its vote; all survivors fail."""
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=RING)
     victim = 2
     bufs = Buffers(cluster)
     before = bufs.snapshot()
@@ -231,7 +234,7 @@ async def test_peer_crash_after_its_last_frame(
 
 async def test_peer_hung_mid_operation_is_evicted_and_retry_succeeds(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=RING)
     victim = 1
     survivors = [i for i in cluster.alive if i != victim]
     bufs = Buffers(cluster)

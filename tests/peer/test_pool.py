@@ -287,16 +287,36 @@ async def test_protocol_violations_close_the_connection(frame: bytes, reason: st
         await ms.aclose()
 
 
-async def test_stash_limit_closes_the_connection() -> None:
-    async with pools([1, 2], config=PeerConfig(recv_stash_limit=1000)) as ((a, b), (_, b_addr)):
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_full_stash_stops_the_connection_until_the_receive_is_registered(
+    transport: Callable[[], Transport],
+) -> None:
+    """Backpressure on both read paths (TCP fast path and generic stream): a frame with no receive and
+    no room holds its connection, frames behind it wait, and registering its receive lets it land in
+    place (not stashed) and the rest follow."""
+    cfg = PeerConfig(connect_timeout=5.0, recv_stash_limit=1000)
+    async with pools([1, 2], transport=transport, config=cfg) as ((a, b), (_, b_addr)):
         await connected_pair(a, b, b_addr)
-        pending = b.expect(1, 0, 1, 5, memoryview(bytearray(1)))
-        await a.send(2, 0, 1, 0, memoryview(bytes(600)), conn_index=0)
-        await wait_until(lambda: b.statistics()["stashed_frames"] == 1)
-        await a.send(2, 0, 1, 1, memoryview(bytes(600)), conn_index=0)  # over the limit
-        with pytest.raises(RankConnectionLostError, match="stash is full"):
-            await pending.wait()
-        await wait_until(lambda: not a.is_connected(2))
+        behind = bytearray(300)
+        op2 = b.expect(1, 0, 2, 0, memoryview(behind))
+        await a.send(2, 0, 1, 0, memoryview(b"\x01" * 600), conn_index=0)
+        await a.send(2, 0, 1, 1, memoryview(b"\x02" * 700), conn_index=0)  # no room: blocks
+        await a.send(2, 0, 2, 0, memoryview(b"\x03" * 300), conn_index=0)
+        await wait_until(lambda: b.statistics()["readers_blocked"] == 1)
+        assert not op2.done and b.statistics()["stashed_bytes"] == 600
+        second = bytearray(700)
+        await b.expect(1, 0, 1, 1, memoryview(second)).wait()
+        await op2.wait()
+        first = bytearray(600)
+        await b.expect(1, 0, 1, 0, memoryview(first)).wait()
+        assert (bytes(first), bytes(second), bytes(behind)) == (b"\x01" * 600, b"\x02" * 700, b"\x03" * 300)
+        s = b.statistics()
+        assert s["frames_stashed_total"] == 1 and s["stash_peak_bytes"] == 600 and s["stashed_bytes"] == 0
+
+
+# A full stash no longer closes the connection at once: the reader waits (backpressure) and closes it only
+# after p2p_stall_timeout. That test (same assertions: the pending receive fails with "stash is full", the
+# sender's side is gone) moved to test_pool_backpressure.py, which runs it in virtual time.
 
 
 async def test_reconnected_slot_supersedes_the_old_connection_quietly() -> None:

@@ -129,8 +129,12 @@ def test_a_topology_result_updates_the_table_and_wakes_only_a_topology_call() ->
 
 def test_establish_names_this_peers_successor_in_its_group() -> None:
     st = accepted(pid=3)
-    assert st.handle(m.EstablishP2P(epoch=6, peers=TABLE), 1.0) == [Establish(6, row(1))]  # wraps around
-    assert accepted(pid=7, group=1).handle(m.EstablishP2P(epoch=6, peers=TABLE), 1.0) == [Establish(6, None)]
+    # the successor wraps around; the group's rows in ring order come along (the other schedules'
+    # partners are opened too)
+    group0 = (row(1), row(2), row(3))
+    assert st.handle(m.EstablishP2P(epoch=6, peers=TABLE), 1.0) == [Establish(6, row(1), group0)]
+    alone = accepted(pid=7, group=1).handle(m.EstablishP2P(epoch=6, peers=TABLE), 1.0)
+    assert alone == [Establish(6, None, (row(7, group=1),))]
     assert ring_neighbours([row(1), row(2), row(3)], 2) == (row(3), row(1))
     assert ring_neighbours([row(1)], 1) == (None, None)
     assert ring_neighbours([row(1), row(2)], 9) == (None, None)

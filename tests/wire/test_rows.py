@@ -27,8 +27,16 @@ def test_rows_decode_to_named_rows_and_compare_by_value() -> None:
 def test_the_bytes_are_the_positional_lists_of_before() -> None:
     encoded = m.encode(m.EstablishP2P(epoch=7, peers=[ROW]))
     assert msgpack.unpackb(encoded) == [m.EstablishP2P.TAG, [7, [[3, "10.0.0.2", 4100, 1]]]]
-    raw = msgpack.packb([m.CollectiveInitiate.TAG, [5, ["all_reduce", 10, 4, 0, -1, 0, 0]]])
+    # protocol version 3 added the speculative start's op_seq (-1: none) after the descriptor
+    raw = msgpack.packb([m.CollectiveInitiate.TAG, [5, ["all_reduce", 10, 4, 0, -1, 0, 0], -1]])
     assert m.decode(raw) == m.CollectiveInitiate(tag=5, descriptor=DESC)
+    # the descriptor's schedule request (default "auto") is encoded after the seven fields of before;
+    # seven-field descriptors still decode (to "auto")
+    assert msgpack.unpackb(m.encode(m.CollectiveInitiate(tag=5, descriptor=DESC))) == [
+        m.CollectiveInitiate.TAG, [5, ["all_reduce", 10, 4, 0, -1, 0, 0, "auto"], -1]
+    ]
+    with pytest.raises(RemoteProtocolError, match="expected 3 fields, got 2"):  # version 2's bytes
+        m.decode(msgpack.packb([m.CollectiveInitiate.TAG, [5, ["all_reduce", 10, 4, 0, -1, 0, 0]]]))
 
 
 @pytest.mark.parametrize(
@@ -49,6 +57,6 @@ def test_a_malformed_row_is_a_protocol_error(peers: list[object]) -> None:
 
 @pytest.mark.parametrize("descriptor", [[], ["all_reduce", 10, 4], ["all_reduce", "10", 4, 0, -1, 0, 0], "x"])
 def test_a_malformed_descriptor_is_a_protocol_error(descriptor: object) -> None:
-    raw = msgpack.packb([m.CollectiveInitiate.TAG, [1, descriptor]])
+    raw = msgpack.packb([m.CollectiveInitiate.TAG, [1, descriptor, -1]])
     with pytest.raises(RemoteProtocolError, match=r"CollectiveInitiate\.descriptor"):
         m.decode(raw)
