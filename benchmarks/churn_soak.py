@@ -68,6 +68,9 @@ class Stats:
     crashes: list[tuple[str, int]] = field(default_factory=list)
     master_kills: list[float] = field(default_factory=list)
     master_gap: float = 0.0  # the longest gap without a completed all-reduce across a master kill
+    master_listening: list[float] = field(default_factory=list)  # when each restarted master listened
+    listen_gap: float = 0.0  # the longest time from a restarted master listening to the next completion
+    restart_s: float = 0.0  # the longest time from a kill to the restarted master listening
     lost_joins: int = 0  # peers not yet admitted when the master died (their join fails)
 
     def at(self, t: float | None = None) -> str:
@@ -80,6 +83,9 @@ class Stats:
         last = self.last_completion
         if last is not None and any(last < k <= t for k in self.master_kills):
             self.master_gap = max(self.master_gap, t - last)
+        for lt in self.master_listening:
+            if last is not None and last < lt <= t:
+                self.listen_gap = max(self.listen_gap, t - lt)
         if self.last_completion is not None and t - self.last_completion > self.longest_gap:
             self.longest_gap = t - self.last_completion
             self.longest_gap_at = self.last_completion
@@ -188,6 +194,8 @@ async def run(args: argparse.Namespace) -> int:
                     master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra,
                                                         port=master_port)
                     masters.append(master)
+                    st.master_listening.append(master.listening_at)
+                    st.restart_s = max(st.restart_s, master.listening_at - st.master_kills[-1])
                     master_seen = 0
                     print(f"{st.at()} master restarted at {master.address}", flush=True)
                     now = time.monotonic()
@@ -311,6 +319,9 @@ async def run(args: argparse.Namespace) -> int:
              f"{len(st.master_kills)} (every {args.master_kill_every:g}s, {args.restart_delay:g}s)"],
             ["longest gap without a completed all-reduce across a master kill s",
              f"{st.master_gap:.2f} (limit {limit:.2f})"],
+            ["longest time from a kill to the restarted master listening s", f"{st.restart_s:.2f}"],
+            ["longest time from a restarted master listening to the next all-reduce s",
+             f"{st.listen_gap:.2f}"],
             ["joins lost to a master kill (not admitted yet)", st.lost_joins],
         ]
     print(c.format_table(["churn soak", "result"], rows))
