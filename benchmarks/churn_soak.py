@@ -129,7 +129,11 @@ async def consume(cluster: c.Cluster, st: Stats, verbose: bool) -> None:
             print(f"{st.at()}   {where}: " + ", ".join(f"{k}={stats.get(k)}" for k in keys), flush=True)
         elif ev == "error":
             text = str(msg.get("message"))
-            if st.master_kills and not ch.info.get("accepted") and "MASTER_CONNECTION_FAILED" in text:
+            # A peer not admitted when the master died, or a newcomer that a restarted master accepted
+            # alone before the run's members came back (they win: docs/concepts.md rule 0).
+            newcomer_first = "join again as a newcomer" in text
+            if st.master_kills and (newcomer_first or not ch.info.get("accepted")) \
+                    and "MASTER_CONNECTION_FAILED" in text:
                 st.lost_joins += 1
                 ch.info["lost_join"] = True
                 print(f"{st.at()} {ch.name} was not admitted yet when the master died: {text}", flush=True)
