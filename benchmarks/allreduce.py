@@ -20,13 +20,22 @@ copy back to the device has finished. Our call returns with the result in device
 ``--schedule`` sets our peers' ``PeerConfig.schedule`` (default: the PeerConfig default, "auto": the cost
 model picks the ring, halving-doubling or the tree per operation, docs/topology.md).
 
+``--tls``: the cost of security instead of the Gloo comparison. At each world size (default 2) our side
+runs in three settings, interleaved over ``--rounds`` rounds (the order rotates each round, so a busy
+host's drift hits every setting alike): ``plain`` (no secret, no TLS), ``secret`` (the challenge-response
+handshake, no TLS: it runs only at connection set-up, so once connected it should cost nothing) and
+``tls`` (mutual TLS on master and P2P connections, throw-away certificates from
+``pccl.testing.tls``, which needs ``trustme``). The table gives the median over the rounds and the ratios.
+
 usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
                                       [--schedule auto|ring|hd|tree]
+       python benchmarks/allreduce.py --tls [--rounds 3] [--sizes 64K,1M,16M,64M] [--iters 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -58,7 +67,7 @@ async def _peer(cfg: dict[str, Any]) -> None:
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
 
-    overrides: dict[str, Any] = {}
+    overrides: dict[str, Any] = dict(cfg.get("peer", {}))
     if cfg.get("stash_limit") is not None:
         overrides["recv_stash_limit"] = cfg["stash_limit"]
     if cfg.get("schedule"):
@@ -129,13 +138,16 @@ def child_main(cfg: dict[str, Any]) -> int:
 # driver
 
 
-async def run_ours(world: int, sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
+async def run_ours(world: int, sizes: list[int], args: argparse.Namespace,
+                   setting: Setting | None = None) -> dict[int, float]:
     script = Path(__file__).resolve()
+    setting = setting or Setting("plain")
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
-        master = await cluster.start_master()
+        master = await cluster.start_master(extra=setting.master_argv)
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
                "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device,
-               "samples": args.samples, "stash_limit": args.recv_stash_limit, "schedule": args.schedule}
+               "samples": args.samples, "stash_limit": args.recv_stash_limit, "schedule": args.schedule,
+               "peer": setting.peer}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         results: dict[int, dict[str, Any]] = {}
@@ -239,6 +251,63 @@ async def run_gloo(world: int, sizes: list[int], args: argparse.Namespace) -> di
     return {n: float(data["median_s"][str(n)]) for n in sizes}
 
 
+@dataclasses.dataclass
+class Setting:
+    """How the master and the peers of one run are secured (``--tls`` mode)."""
+
+    name: str
+    master_argv: list[str] = dataclasses.field(default_factory=list)
+    peer: dict[str, Any] = dataclasses.field(default_factory=dict)  # PeerConfig fields
+
+
+def security_settings(root: Path) -> list[Setting]:
+    """plain, secret (a secret file, no TLS) and tls (mutual TLS, certificates under ``root``)."""
+    from pccl.testing.tls import Certs  # needs trustme: imported only in --tls mode
+
+    secret = "benchmark-" + "0123456789abcdef" * 4
+    secret_file = root / "secret"
+    secret_file.write_text(secret)
+    certs = Certs(root)
+    master_pem, peer_pem = certs.issue("master", "127.0.0.1"), certs.issue("peer", "pccl-peer")
+    return [
+        Setting("plain"),
+        Setting("secret", ["--secret-file", str(secret_file)], {"secret": secret}),
+        Setting("tls", ["--tls-cert", master_pem, "--tls-ca", certs.ca_file],
+                {"tls_cert": peer_pem, "tls_key": peer_pem, "tls_ca": certs.ca_file}),
+    ]
+
+
+async def run_security(args: argparse.Namespace) -> list[list[Any]]:
+    """``--tls``: plain / secret / tls interleaved over ``args.rounds`` rounds at each world size."""
+    sizes = [parse_size(x) for x in args.sizes.split(",")]
+    worlds = [int(x) for x in (args.worlds or "2").split(",")]
+    rows: list[list[Any]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = security_settings(Path(tmp))
+        for world in worlds:
+            got: dict[str, list[dict[int, float]]] = {s.name: [] for s in settings}
+            for r in range(args.rounds):
+                order = settings[r % len(settings):] + settings[: r % len(settings)]
+                for st in order:
+                    print(f"  world {world} round {r + 1}/{args.rounds}: {st.name}...", flush=True)
+                    res = await run_ours(world, sizes, args, st)
+                    got[st.name].append(res)
+                    print("    " + ", ".join(f"{c.human_bytes(n)} {res[n] * 1e3:.2f} ms" for n in sizes),
+                          flush=True)
+            for n in sizes:
+                med = {k: statistics.median(v[n] for v in runs) for k, runs in got.items()}
+
+                def per_round(name: str, n: int = n) -> str:
+                    pairs = zip((r[n] for r in got[name]), (r[n] for r in got["plain"]), strict=True)
+                    return " ".join(f"{x:.2f}" for x in sorted(a / b for a, b in pairs))
+
+                rows.append([c.human_bytes(n), world, med["plain"] * 1e3, med["secret"] * 1e3,
+                             med["tls"] * 1e3, med["secret"] / med["plain"], per_round("secret"),
+                             med["tls"] / med["plain"], per_round("tls"), n / med["plain"] / 1e9,
+                             n / med["tls"] / 1e9])
+    return rows
+
+
 def parse_size(s: str) -> int:
     s = s.strip().upper()
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
@@ -277,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "--child":
         return child_main(json.loads(argv[1]))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--worlds", default="2,3,4")
+    p.add_argument("--worlds", default=None, help="world sizes (default 2,3,4; with --tls 2)")
     p.add_argument("--sizes", default="64K,1M,16M,64M", help="bytes of float32 data (K/M suffixes)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -296,8 +365,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", action="store_true",
                    help="also print every rank's distribution of our per-call times, its CPU time per "
                         "call and the median of each phase (statistics()[\"last_op_phases\"])")
+    p.add_argument("--tls", action="store_true",
+                   help="instead of Gloo: plain vs secret vs mutual TLS, interleaved (see the module doc)")
+    p.add_argument("--rounds", type=int, default=3, help="with --tls: interleaved rounds (default 3)")
     args = p.parse_args(argv)
     t0 = time.monotonic()
+    if args.tls:
+        print("all-reduce float32 SUM, in place, cpu tensors, plain / secret / mutual TLS; "
+              f"{c.machine_line()}; "
+              f"{args.iters} iterations after {args.warmup} warm-up, median on rank 0, median of "
+              f"{args.rounds} interleaved rounds", flush=True)
+        rows = trio.run(run_security, args)
+        print()
+        print(c.format_table(["size", "world", "plain ms", "secret ms", "tls ms", "secret/plain",
+                              "secret/plain per round", "tls/plain", "tls/plain per round",
+                              "plain algbw GB/s", "tls algbw GB/s"], rows))
+        print("\nratios: of the medians over the rounds; per round: each round's ratio, sorted")
+        print(f"\n({time.monotonic() - t0:.0f}s)")
+        return 0
+    args.worlds = args.worlds or "2,3,4"
     print(f"all-reduce float32 SUM, in place, {args.device} tensors; {c.machine_line()}; "
           f"{args.iters} iterations after {args.warmup} warm-up, median on rank 0", flush=True)
     rows = trio.run(run, args)

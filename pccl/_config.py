@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ._tls import TlsFiles, check_pairing
+
 DEFAULT_MASTER_PORT = 48148
 PROTOCOL_VERSION = 3
 
@@ -70,6 +72,11 @@ class MasterConfig:
             "Surviving the master"). Members reconnect with a backoff of up to 1 s, so a few seconds
             let them all return before the run resumes: one that returned after the others resumed
             would retry another call than theirs (a deadlock). 0: resume at the majority.
+        tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
+            no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
+        tls_key: PEM private key of ``tls_cert``.
+        tls_ca: PEM CA certificates; when given, every connection must present a client certificate
+            signed by one of them (mutual TLS). Needs ``tls_cert``.
     """
 
     heartbeat_interval: float = 0.5
@@ -87,10 +94,14 @@ class MasterConfig:
     quorum: str = "auto"
     quorum_hold_timeout: float | None = 30.0
     rebuild_grace: float = 2.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if self.rebuild_grace < 0:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
+        check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")
         if self.quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")
         if self.quorum_hold_timeout is not None and self.quorum_hold_timeout <= 0:
@@ -113,6 +124,13 @@ class MasterConfig:
                 f"straggler_timeout ({self.straggler_timeout}) must be > 0 and at most heartbeat_timeout "
                 f"({self.heartbeat_timeout})"
             )
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """The master's TLS files, or None when TLS is off."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)
 
 
 #: Default ``PeerConfig.recv_stash_limit``: 16 frames of the default 4 MiB ring block. Frames only
@@ -163,6 +181,16 @@ class PeerConfig:
             standby) takes the run back. 0: no reconnection (the master's loss ends the run for this
             peer, every call fails at once, as in the established library). See docs/concepts.md
             "Surviving the master".
+        tls_cert: PEM certificate chain of this peer (with ``tls_key`` and ``tls_ca``); None (default):
+            no TLS (None too: from ``$PCCL_TLS_CERT`` / ``$PCCL_TLS_KEY`` / ``$PCCL_TLS_CA`` when all
+            three fields are None). With TLS every connection of this peer speaks TLS: to the master
+            (which must serve TLS), to other peers, and at its P2P listener, which serves this
+            certificate and requires one signed by ``tls_ca`` (P2P is always mutual TLS).
+        tls_key: PEM private key of ``tls_cert``.
+        tls_ca: PEM CA certificates the master's and the other peers' certificates must chain to.
+        tls_server_name: the name the master's certificate must be valid for; None (default): the
+            host this peer dials (a name or an IP address, as given). P2P connections check the chain
+            only (docs/security.md "TLS" says why).
     """
 
     heartbeat_interval: float = 0.5
@@ -178,9 +206,23 @@ class PeerConfig:
     secret: str | None = None
     accept_timeout: float | None = None
     reconnect_window: float = 60.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         if self.recv_stash_limit < 0:
             raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
         if not self.p2p_stall_timeout > 0:
             raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")
+        check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=True, who="PeerConfig")
+        if self.tls_server_name is not None and self.tls_cert is None:
+            raise ValueError("PeerConfig: tls_server_name without TLS (set tls_cert, tls_key and tls_ca)")
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """This peer's TLS files, or None when TLS is off."""
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key, self.tls_ca)

@@ -4,6 +4,9 @@
 ``PCCL_MASTER``      the master's ``HOST:PORT`` when a communicator is given no address
 ``PCCL_SECRET_FILE`` a file whose content (stripped) is the shared secret, for peers and master
 ``PCCL_SECRET``      the shared secret itself (``PCCL_SECRET_FILE`` wins when both are set)
+``PCCL_TLS_CERT``    PEM certificate chain for TLS (peers, ``pccl-master``, ``pccl run``'s master)
+``PCCL_TLS_KEY``     its private key (default: the ``PCCL_TLS_CERT`` file)
+``PCCL_TLS_CA``      PEM CA certificates the other side's certificate must chain to
 ``PCCL_LOG_LEVEL``   DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
 =================== ======================================================================
 
@@ -21,11 +24,15 @@ from collections.abc import Mapping
 from ._address import EXPECTED_FORM, Addresses
 from ._config import PeerConfig
 from ._errors import InvalidArgumentError
+from ._tls import check_pairing
 
 ENV_MASTER = "PCCL_MASTER"
 ENV_SECRET = "PCCL_SECRET"
 ENV_SECRET_FILE = "PCCL_SECRET_FILE"
 ENV_LOG_LEVEL = "PCCL_LOG_LEVEL"
+ENV_TLS_CERT = "PCCL_TLS_CERT"
+ENV_TLS_KEY = "PCCL_TLS_KEY"
+ENV_TLS_CA = "PCCL_TLS_CA"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 LOG_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 _HANDLER_NAME = "pccl-env-stderr"
@@ -66,13 +73,52 @@ def secret(explicit: str | None, environ: Mapping[str, str] | None = None) -> st
     return env.get(ENV_SECRET) or None
 
 
+def tls_files(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None, str | None]:
+    """``($PCCL_TLS_CERT, $PCCL_TLS_KEY, $PCCL_TLS_CA)``, each None when unset or empty; the key defaults
+    to the certificate file (one PEM file may hold both)."""
+    env = os.environ if environ is None else environ
+    cert = env.get(ENV_TLS_CERT, "").strip() or None
+    key = env.get(ENV_TLS_KEY, "").strip() or cert
+    ca = env.get(ENV_TLS_CA, "").strip() or None
+    return cert, key, ca
+
+
+def master_tls(environ: Mapping[str, str] | None = None) -> tuple[str | None, str | None, str | None]:
+    """The master's TLS files from the environment (:func:`tls_files`), checked as ``MasterConfig`` would.
+
+    Raises:
+        InvalidArgumentError: a CA without a certificate.
+    """
+    cert, key, ca = tls_files(environ)
+    try:
+        check_pairing(cert, key, ca, need_ca=False, who="the master")
+    except ValueError as exc:
+        raise InvalidArgumentError(f"{exc} (from ${ENV_TLS_CERT}, ${ENV_TLS_KEY}, ${ENV_TLS_CA})") from None
+    return cert, key, ca
+
+
 def peer_config(config: PeerConfig | None, environ: Mapping[str, str] | None = None) -> PeerConfig:
-    """``config`` (default :class:`PeerConfig`) with its secret from the environment when it has none."""
+    """``config`` (default :class:`PeerConfig`) with its secret from the environment when it has none, and
+    its TLS files from ``$PCCL_TLS_CERT`` / ``$PCCL_TLS_KEY`` / ``$PCCL_TLS_CA`` when it names none.
+
+    Raises:
+        InvalidArgumentError: ``PCCL_SECRET_FILE`` cannot be read, or the TLS variables are incomplete
+            (a peer needs a certificate and a CA).
+    """
     cfg = config or PeerConfig()
     if cfg.secret is None:
         found = secret(None, environ)
         if found is not None:
             cfg = dataclasses.replace(cfg, secret=found)
+    if cfg.tls_cert is None and cfg.tls_key is None and cfg.tls_ca is None:
+        cert, key, ca = tls_files(environ)
+        if cert is not None or ca is not None:
+            try:
+                cfg = dataclasses.replace(cfg, tls_cert=cert, tls_key=key, tls_ca=ca)
+            except ValueError as exc:
+                raise InvalidArgumentError(
+                    f"{exc} (from ${ENV_TLS_CERT}, ${ENV_TLS_KEY}, ${ENV_TLS_CA})"
+                ) from None
     return cfg
 
 
@@ -108,6 +154,7 @@ def drop_env_handler() -> None:
 
 
 __all__ = [
-    "ENV_LOG_LEVEL", "ENV_MASTER", "ENV_SECRET", "ENV_SECRET_FILE", "LOG_LEVELS",
-    "apply_log_level", "drop_env_handler", "log_level", "master_address", "peer_config", "secret",
+    "ENV_LOG_LEVEL", "ENV_MASTER", "ENV_SECRET", "ENV_SECRET_FILE", "ENV_TLS_CA", "ENV_TLS_CERT",
+    "ENV_TLS_KEY", "LOG_LEVELS", "apply_log_level", "drop_env_handler", "log_level", "master_address",
+    "master_tls", "peer_config", "secret", "tls_files",
 ]

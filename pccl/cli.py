@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from . import _env
+from . import _env, _tls
 from ._address import EXPECTED_FORM, parse_address
 from ._cliutil import CliError, Parser, port_number, seconds
 from ._config import DEFAULT_MASTER_PORT, MasterConfig
@@ -70,6 +70,13 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
                         "prefer --secret-file or $PCCL_SECRET)")
     p.add_argument("--secret-file", default=None,
                    help="read the shared secret from this file (default $PCCL_SECRET_FILE)")
+    p.add_argument("--tls-cert", default=None, metavar="PEM",
+                   help="serve TLS with this certificate chain (default $PCCL_TLS_CERT; peers then need "
+                        "TLS too)")
+    p.add_argument("--tls-key", default=None, metavar="PEM",
+                   help="the certificate's private key (default $PCCL_TLS_KEY, else the --tls-cert file)")
+    p.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="require client certificates signed by these CAs: mutual TLS (default $PCCL_TLS_CA)")
     _add_version(p)
     return p
 
@@ -81,6 +88,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
     if secret is None:
         secret = _env.secret(None)
     try:
+        cert, key, ca = _master_tls(args)
         parse_address((args.host, args.port))
         if args.status_host is not None:
             parse_address((args.status_host, 0))
@@ -94,9 +102,30 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             secret=secret,
             status_port=args.status_port,
             status_host=args.status_host,
+            tls_cert=cert,
+            tls_key=key,
+            tls_ca=ca,
         )
     except ValueError as exc:  # InvalidArgumentError is a ValueError too
         raise CliError(exc.message if isinstance(exc, PCCLError) else str(exc)) from None
+
+
+def _master_tls(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
+    """The TLS files: the options, else the environment; loaded once here, so that a bad file is one
+    line and exit code 2 before anything listens.
+
+    Raises:
+        ValueError: a certificate without a key file or a CA without a certificate (InvalidArgumentError:
+            a file that cannot be read or is not valid).
+    """
+    env_cert, env_key, env_ca = _env.tls_files()
+    cert = args.tls_cert or env_cert
+    key = args.tls_key or (args.tls_cert if args.tls_cert else env_key)
+    ca = args.tls_ca or env_ca
+    if _tls.check_pairing(cert, key, ca, need_ca=False, who="TLS options"):
+        assert cert is not None and key is not None
+        _tls.server_context(_tls.TlsFiles(cert, key, ca))
+    return cert, key, ca
 
 
 async def _run_master(args: argparse.Namespace, config: MasterConfig) -> None:

@@ -128,7 +128,9 @@ async def launch(
         signal counts as 128 + the signal number); 130 after SIGINT/SIGTERM.
     """
     sink = out or sys.stdout
-    config = MasterConfig(status_port=status_port, secret=_env.secret(None))
+    cert, key, ca = _env.master_tls()
+    config = MasterConfig(status_port=status_port, secret=_env.secret(None), tls_cert=cert, tls_key=key,
+                          tls_ca=ca)
     async with open_master((host, port), config=config) as master:
         env = {**os.environ, _env.ENV_MASTER: master.connect_address, "PCCL_WORLD_SIZE": str(n)}
         if master.status_url:

@@ -6,6 +6,9 @@ receives). ``pccl.testing`` provides an in-memory network implementing the same
 
 Every I/O failure surfaces as :class:`StreamBroken` (or its subclass :class:`ConnectFailed`), so
 layers above never see raw ``OSError`` / ``trio.BrokenResourceError``.
+
+:class:`TlsTransport` wraps any transport in TLS (``trio.SSLStream``; see :mod:`pccl._tls` for the
+contexts and docs/security.md "TLS").
 """
 
 from __future__ import annotations
@@ -13,10 +16,13 @@ from __future__ import annotations
 import errno
 import os as _os
 import socket as _stdsocket
+import ssl
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import trio
+
+from . import _tls
 
 Address = tuple[str, int]
 
@@ -328,3 +334,310 @@ class TcpTransport:
 
     def __repr__(self) -> str:
         return "<TcpTransport>"
+
+
+# --------------------------------------------------------------------------------------------
+# TLS
+
+# Plaintext bytes handed to one SSLStream.send_all: it encrypts all it is given in one synchronous
+# call, so a 64 MB frame would hold the event loop (and a 64 MB ciphertext copy) at once.
+_TLS_SEND_SLICE = 256 * 1024
+# Ciphertext bytes asked of the inner stream per refill of the TLS receive buffer.
+_TLS_READ = 256 * 1024
+# How long a failed handshake's alert may take to leave (it is a few bytes; the socket takes it at once).
+_ALERT_TIMEOUT = 1.0
+
+
+class _TrioSide(trio.abc.Stream):
+    """A pccl :class:`Stream` seen as a ``trio.abc.Stream``, the kind ``trio.SSLStream`` runs over
+    (errors pass through unchanged: :class:`StreamBroken`)."""
+
+    def __init__(self, inner: Stream) -> None:
+        self.inner = inner
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self.inner.receive_some(_TLS_READ if max_bytes is None else max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class TlsStream:
+    """A :class:`Stream` speaking TLS over another stream (``trio.SSLStream``).
+
+    It has no ``socket`` and no ``try_send``: everything goes through the TLS layer, so the P2P pool
+    uses its generic connection path, never the TCP fast path that drives the raw socket.
+
+    Closing does not send a TLS close_notify (``https_compatible``): a close must never wait for the
+    other side (or run a handshake on a connection that never had one, as a refused one), and the
+    framing on top already tells a truncated frame from a clean end between frames.
+
+    Args:
+        inner: the stream the TLS records travel on.
+        context: the SSL context (:func:`pccl._tls.server_context` / :func:`pccl._tls.client_context`).
+        server_side: True on the accepting side.
+        server_hostname: the name to check the other side's certificate against (connecting side, when
+            the context checks names).
+    """
+
+    def __init__(
+        self,
+        inner: Stream,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool,
+        server_hostname: str | None = None,
+    ) -> None:
+        self.inner = inner
+        self._ssl = trio.SSLStream(_TrioSide(inner), context, server_side=server_side,
+                                   server_hostname=server_hostname, https_compatible=True)
+        self._shaken = False
+        self._failed: str | None = None
+        self._lock = trio.Lock()
+        self._server_side = server_side
+        self._received = False  # any data received after the handshake
+        # The SSL object inside trio.SSLStream, for _drain_into (None if a trio version moved it: then
+        # every record takes one SSLStream call, which works, slower).
+        obj = getattr(self._ssl, "_ssl_object", None)
+        self._obj: ssl.SSLObject | None = obj if isinstance(obj, ssl.SSLObject) else None
+
+    @property
+    def peer_address(self) -> Address:
+        return self.inner.peer_address
+
+    @property
+    def local_address(self) -> Address:
+        return self.inner.local_address
+
+    @property
+    def handshake_done(self) -> bool:
+        """True once the TLS handshake has succeeded."""
+        return self._shaken
+
+    def _where(self) -> str:
+        try:
+            host, port = self.inner.peer_address
+        except Exception:  # an exotic stream: the message must not fail
+            return "the other side"
+        return f"{host}:{port}"
+
+    async def handshake(self) -> None:
+        """Run the TLS handshake now (else the first send or receive runs it). The caller bounds it
+        with a timeout. Concurrent callers wait for the one running it; once it failed, every call
+        fails the same way.
+
+        Raises:
+            StreamBroken: the handshake failed (the message says why: untrusted certificate, wrong
+                name, no certificate, not TLS on the other side...).
+        """
+        if self._shaken:
+            await trio.lowlevel.checkpoint()
+            return
+        async with self._lock:
+            if self._failed is not None:
+                raise StreamBroken(self._failed)
+            if self._shaken:
+                return
+            try:
+                await self._ssl.do_handshake()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, StreamBroken) as exc:
+                self._failed = f"TLS handshake with {self._where()} failed: {_tls.reason(exc)}"
+                await self._send_alert()
+                raise StreamBroken(self._failed) from None
+            except BaseException:  # cancelled meanwhile: the SSL stream is unusable now
+                self._failed = f"TLS handshake with {self._where()} was interrupted"
+                raise
+            self._shaken = True
+
+    async def _send_alert(self) -> None:
+        """Send the TLS alert a failed handshake left unsent, so that the other side learns why (an
+        unknown CA, no certificate...) instead of seeing the connection close. trio.SSLStream keeps it
+        in its outgoing buffer when the handshake raises; best effort (skipped if that buffer moved)."""
+        bio = getattr(self._ssl, "_outgoing", None)
+        alert = bio.read() if isinstance(bio, ssl.MemoryBIO) else b""
+        if alert:
+            with trio.move_on_after(_ALERT_TIMEOUT):
+                try:
+                    await self.inner.send_all(alert)
+                except StreamBroken:
+                    pass
+
+    def _broken(self, exc: BaseException, what: str) -> StreamBroken:
+        if isinstance(exc, StreamBroken):
+            return exc
+        return StreamBroken(f"TLS {what} {self._where()} failed: {_tls.reason(exc)}")
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if not self._shaken:
+            await self.handshake()
+        view = memoryview(data).cast("B")
+        try:
+            if len(view) <= _TLS_SEND_SLICE:
+                await self._ssl.send_all(view)
+                return
+            for start in range(0, len(view), _TLS_SEND_SLICE):
+                await self._ssl.send_all(view[start : start + _TLS_SEND_SLICE])
+        except (trio.BrokenResourceError, trio.ClosedResourceError, StreamBroken) as exc:
+            raise self._broken(exc, "send to") from None
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        if not self._shaken:
+            await self.handshake()
+        try:
+            data = bytes(await self._ssl.receive_some(max_bytes))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, StreamBroken) as exc:
+            if self._received or self._server_side or _tls.is_alert(exc):
+                raise self._broken(exc, "receive from") from None
+            data = b""  # reset before any data: said below
+        if not data and not self._received and not self._server_side:
+            # TLS 1.3: a client's handshake ends before the listener has checked its certificate, so
+            # a refusal arrives as an alert or, when it was lost, as a close before any data.
+            raise StreamBroken(
+                f"{self._where()} closed the connection right after the TLS handshake: it may have "
+                "refused this side's certificate (its log says why)"
+            )
+        self._received = True
+        return data
+
+    async def receive_into(self, buf: memoryview) -> int:
+        data = await self.receive_some(len(buf))
+        n = len(data)
+        buf[:n] = data
+        if n and n < len(buf) and self._obj is not None:
+            n += self._drain_into(buf[n:])
+        return n
+
+    def _drain_into(self, buf: memoryview) -> int:
+        """Decrypt, without waiting, what the TLS layer already holds, straight into ``buf``.
+
+        trio.SSLStream returns at most one TLS record (16 KiB) per call, with a scheduler pass each:
+        on bulk data that per-record cost, not the cipher, is most of TLS's price. The records it has
+        already read sit decrypted-to-be in its SSL object; reading them here, in one go, is what its own
+        next calls would do, minus the passes. Only called between SSLStream calls of this (the one)
+        receiving task, so the SSL object is not in use; anything that is not plain data (a close, an
+        error, a want-read) ends the drain and is left for the next SSLStream call to meet again.
+        """
+        obj = self._obj
+        assert obj is not None
+        got = 0
+        while got < len(buf):
+            try:
+                # With a buffer, read returns the byte count (typeshed says bytes).
+                k = cast(int, obj.read(len(buf) - got, buf[got:]))
+            except ssl.SSLWantReadError:
+                break
+            except (ssl.SSLError, OSError):
+                break  # the next receive meets it through SSLStream, which then marks the stream broken
+            if k <= 0:
+                break
+            got += k
+        return got
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            try:
+                await self._ssl.aclose()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, StreamBroken):
+                pass
+
+    def __repr__(self) -> str:
+        return f"<TlsStream over {self.inner!r}{'' if self._shaken else ' (no handshake yet)'}>"
+
+
+class TlsListener:
+    """A :class:`Listener` handing out :class:`TlsStream` s. Their handshake runs on their first receive
+    (or an explicit :meth:`TlsStream.handshake`) in the connection's own task, under its hello timeout,
+    never in the accept loop."""
+
+    def __init__(self, inner: Listener, context: ssl.SSLContext) -> None:
+        self.inner = inner
+        self.context = context
+
+    @property
+    def address(self) -> Address:
+        return self.inner.address
+
+    async def accept(self) -> Stream:
+        return TlsStream(await self.inner.accept(), self.context, server_side=True)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def __repr__(self) -> str:
+        return f"<TlsListener {self.inner!r}>"
+
+
+class TlsTransport:
+    """TLS over another :class:`Transport` (TCP, or ``pccl.testing``'s virtual network).
+
+    Args:
+        inner: the transport the TLS records travel on.
+        server_context: the context of listeners (None: this transport only connects).
+        client_context: the context of outgoing connections (None: this transport only listens).
+        handshake_timeout: bound on an outgoing connection's TLS handshake (after ``inner.connect``).
+        server_name: the name an outgoing connection checks the certificate against when the client
+            context checks names; None: the host dialled.
+    """
+
+    def __init__(
+        self,
+        inner: Transport,
+        *,
+        server_context: ssl.SSLContext | None,
+        client_context: ssl.SSLContext | None,
+        handshake_timeout: float = 5.0,
+        server_name: str | None = None,
+    ) -> None:
+        self.inner = inner
+        self.server_context = server_context
+        self.client_context = client_context
+        self.handshake_timeout = handshake_timeout
+        self.server_name = server_name
+
+    async def connect(self, host: str, port: int) -> Stream:
+        """Connect and run the TLS handshake.
+
+        Raises:
+            ConnectFailed: the connect failed, or the handshake failed or timed out (the message says
+                why).
+        """
+        ctx = self.client_context
+        if ctx is None:
+            raise ConnectFailed("this TLS transport cannot connect (no client context)")
+        stream = await self.inner.connect(host, port)
+        name = (self.server_name or host) if ctx.check_hostname else None
+        tls = TlsStream(stream, ctx, server_side=False, server_hostname=name)
+        try:
+            with trio.fail_after(self.handshake_timeout):
+                await tls.handshake()
+        except trio.TooSlowError:
+            await tls.aclose()
+            raise ConnectFailed(
+                f"TLS handshake with {host}:{port} timed out after {self.handshake_timeout}s"
+            ) from None
+        except StreamBroken as exc:
+            await tls.aclose()
+            raise ConnectFailed(str(exc)) from None
+        except BaseException:
+            await tls.aclose()
+            raise
+        return tls
+
+    async def listen(self, host: str, port: int) -> Listener:
+        """Listen on ``inner``; accepted streams speak TLS.
+
+        Raises:
+            ConnectFailed: the address cannot be bound, or this transport has no server context.
+        """
+        if self.server_context is None:
+            raise ConnectFailed("this TLS transport cannot listen (no server context)")
+        return TlsListener(await self.inner.listen(host, port), self.server_context)
+
+    def __repr__(self) -> str:
+        return f"<TlsTransport over {self.inner!r}>"

@@ -20,12 +20,13 @@ from typing import Any
 
 import trio
 
+from .. import _tls
 from .._accept import HelloDone, accept_loop
 from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError
 from .._exc import sole_exception
-from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, Transport
+from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.admission import HandshakeGate
@@ -65,7 +66,12 @@ class MasterServer:
 
     def __init__(self, *, config: MasterConfig | None = None, transport: Transport | None = None) -> None:
         self.config = config or MasterConfig()
-        self.transport: Transport = transport or TcpTransport()
+        inner: Transport = transport or TcpTransport()
+        tls = self.config.tls
+        if tls is not None:  # docs/security.md "TLS"
+            # The handshake runs in each connection's task under hello_timeout, on its first receive.
+            inner = TlsTransport(inner, server_context=_tls.server_context(tls), client_context=None)
+        self.transport: Transport = inner
         self.state = MasterState(clock=time.perf_counter, quorum=self.config.quorum,
                                  rebuild_grace=self.config.rebuild_grace)
         self._conns: dict[int, _Conn] = {}
@@ -439,6 +445,7 @@ async def serve_master(
 
     Raises:
         pccl.transport.ConnectFailed: the address cannot be bound.
+        InvalidArgumentError: a TLS file of ``config`` cannot be read or is not valid.
     """
     server = MasterServer(config=config, transport=transport)
     await server.serve(host, port, task_status=task_status)
@@ -508,7 +515,8 @@ async def open_master(
         A :class:`MasterHandle` with ``address``, ``connect_address``, ``status_url`` and ``statistics()``.
 
     Raises:
-        InvalidArgumentError: malformed address.
+        InvalidArgumentError: malformed address, or a TLS file of ``config`` cannot be read or is not
+            valid.
         pccl.transport.ConnectFailed: the address (or the status port) cannot be bound.
     """
     host, port = parse_address(address)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import trio
 
-from .. import _env
+from .. import _env, _tls
 from .._address import Addresses, parse_addresses
 from .._config import PeerConfig
 from .._errors import (
@@ -61,7 +61,7 @@ from ..collectives.ring import plan_for, plan_partners, run_collective
 from ..collectives.schedule import chunk_bounds, send_partners
 from ..kernels import backend, reduce
 from ..kernels.buffers import BufferCache
-from ..transport import ConnectFailed, StreamBroken, TcpTransport, Transport
+from ..transport import ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.handshake import HandshakeFailed, offer_hello
@@ -143,7 +143,21 @@ class Communicator:
         self._link_up = trio.Event()  # set when a reconnection succeeded or finally failed
         self.peer_group = int(peer_group)
         self.pool_size = max(1, int(p2p_connection_pool_size))
-        self.transport: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
+        inner: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
+        # P2P connections and the listener; the master connection has its own (it checks names).
+        self.transport: Transport = inner
+        self._master_transport: Transport = inner
+        tls = self.config.tls
+        if tls is not None:  # docs/security.md "TLS"
+            timeout = self.config.connect_timeout
+            self.transport = TlsTransport(
+                inner, server_context=_tls.server_context(tls),
+                client_context=_tls.client_context(tls, check_hostname=False), handshake_timeout=timeout,
+            )
+            self._master_transport = TlsTransport(
+                inner, server_context=None, client_context=_tls.client_context(tls, check_hostname=True),
+                handshake_timeout=timeout, server_name=self.config.tls_server_name,
+            )
         self.p2p_address: tuple[str, int] | None = None
         self._core = PeerState(group=self.peer_group)  # the protocol rules (pure)
         self._ms: MessageStream | None = None
@@ -260,7 +274,7 @@ class Communicator:
             MasterConnectionError: unreachable, refused, or a bad answer.
         """
         try:
-            stream = await self.transport.connect(host, port)
+            stream = await self._master_transport.connect(host, port)
         except ConnectFailed as exc:
             raise MasterConnectionError(str(exc)) from exc
         max_frame = self.config.max_frame_size
@@ -270,7 +284,11 @@ class Communicator:
                 reply = await offer_hello(ms, purpose="master", secret=self.config.secret, peer_id=claim)
         except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
             await ms.aclose()
-            raise MasterConnectionError(f"hello with master {host}:{port} failed: {exc}") from exc
+            hint = ""
+            if isinstance(exc, StreamBroken) and self.config.tls is None:
+                # A master with TLS closes a plain connection at its first bytes (docs/security.md).
+                hint = " (if the master uses TLS, this peer needs PeerConfig.tls_cert, tls_key and tls_ca)"
+            raise MasterConnectionError(f"hello with master {host}:{port} failed: {exc}{hint}") from exc
         except HandshakeFailed as exc:
             await ms.aclose()
             if exc.refused:
@@ -1319,7 +1337,9 @@ async def open_communicator(
         transport: the transport seam (default TCP; pccl.testing provides a virtual network).
 
     Raises:
-        MasterConnectionError: the master cannot be reached, refuses us, or is lost while waiting.
+        MasterConnectionError: the master cannot be reached, refuses us (a TLS certificate it does
+            not accept included), or is lost while waiting.
+        InvalidArgumentError: a TLS file of ``config`` cannot be read or is not valid.
     """
     comm = Communicator(
         address,

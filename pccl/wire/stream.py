@@ -16,6 +16,14 @@ from .limits import HANDSHAKE_TAGS, PRE_AUTH_MAX_FRAME, FrameLimits
 from .messages import Message, decode, encode
 
 _RECV_SIZE = 256 * 1024
+# The first bytes of a TLS record (handshake 0x16 or alert 0x15, version 3.x): what a side that speaks
+# TLS sends to one that does not (docs/security.md "TLS").
+_TLS_RECORD_TYPES = (0x15, 0x16)
+
+
+def looks_like_tls(head: bytes) -> bool:
+    """True when ``head`` (a connection's first bytes) starts like a TLS record, not a pccl frame."""
+    return len(head) >= 3 and head[0] in _TLS_RECORD_TYPES and head[1] == 3 and head[2] <= 4
 
 
 class MessageStream:
@@ -37,6 +45,8 @@ class MessageStream:
             self.set_limits(limits)
         self._send_lock = trio.StrictFIFOLock()
         self._owed: memoryview | None = None  # see send_nowait
+        self._head = b""  # the connection's first bytes, to name a TLS/plain mismatch
+        self._frames = 0  # frames received
 
     def _frame(self, msg: Message) -> bytes:
         limit = self.max_frame_size
@@ -112,8 +122,17 @@ class MessageStream:
             RemoteProtocolError: the peer sent something malformed.
         """
         while True:
-            payload = self._framer.next_frame()
+            try:
+                payload = self._framer.next_frame()
+            except RemoteProtocolError as exc:
+                if self._frames == 0 and looks_like_tls(self._head):
+                    raise RemoteProtocolError(
+                        f"{exc.message} (the other side speaks TLS and this one does not: configure "
+                        "TLS on both sides or on neither)"
+                    ) from None
+                raise
             if payload is not None:
+                self._frames += 1
                 # The framer already ran the limits' size check on the frame's head.
                 if self.limits is None:
                     return decode(payload)
@@ -121,6 +140,8 @@ class MessageStream:
             if self._framer.at_eof:
                 raise StreamBroken("connection closed by the other side")
             data = await self.stream.receive_some(_RECV_SIZE)
+            if len(self._head) < 3:
+                self._head += data[: 3 - len(self._head)]
             self._framer.feed(data)
 
     async def receive_raw_into(self, buf: memoryview) -> None:
