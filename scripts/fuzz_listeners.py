@@ -8,8 +8,10 @@ Runs a master and ``--peers`` peers on pccl's virtual network (``pccl.testing``)
 it is deterministic for a seed. Each round the peers run one exact-checked int64 all-reduce while an
 outsider host opens ``--attacks-per-round`` connections to the master port or a peer's P2P port and sends
 one of: random bytes, a random length prefix, a valid frame with bytes flipped, a truncated frame, a frame
-of nested lists, a valid hello followed by junk, a replayed handshake. Exit status 0 when every all-reduce
-was exact and every member stayed in; 1 otherwise (with the first wrong result). Prints how many
+of nested lists, a valid hello followed by junk, a replayed handshake, and at P2P ports a forged ring hello
+(a member's id, the victim's current credential epoch, a proof it cannot make) followed by well-formed
+data frames with op_seq near the master's counter, or such data frames alone. Exit status 0 when every
+all-reduce was exact and every member stayed in; 1 otherwise (with the first wrong result). Prints how many
 attacks ran and the longest virtual time one all-reduce took while they did.
 """
 
@@ -29,6 +31,7 @@ from pccl._config import PROTOCOL_VERSION
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.transport import StreamBroken
 from pccl.wire import messages as m
+from pccl.wire.data import pack_data_header
 from pccl.wire.handshake import new_nonce
 
 COUNT = 2048
@@ -38,12 +41,27 @@ def _frame(payload: bytes) -> bytes:
     return struct.pack("<I", len(payload)) + payload
 
 
-def attack_bytes(rng: random.Random, purpose: str) -> bytes:
-    """One hostile byte string for a new connection."""
+def data_frames(rng: random.Random, op_seq: int) -> bytes:
+    """Well-formed ring data frames for op_seqs around ``op_seq`` (the master's counter), random tags and
+    lengths, payload 0xFF."""
+    out = b""
+    for _ in range(rng.randrange(1, 6)):
+        length = rng.choice([COUNT * 8 // 3, COUNT * 8 // 3 + 8, rng.randrange(1, 1 << 14)])
+        seq = max(0, op_seq + rng.randrange(-2, 4))
+        out += pack_data_header(rng.randrange(64), seq, rng.randrange(4), length)
+        out += b"\xff" * length
+    return out
+
+
+def attack_bytes(rng: random.Random, purpose: str, cred: tuple[int, int] = (0, -1), op_seq: int = 0) -> bytes:
+    """One hostile byte string for a new connection (``cred``: the victim's current credential
+    ``(generation, epoch)``, which an outsider can guess; ``op_seq``: the master's counter)."""
     channel = "ring" if purpose == "p2p" else ""
+    claimed = cred if purpose == "p2p" and rng.random() < 0.5 else (0, -1)
     hello = m.encode(m.Hello(protocol_version=PROTOCOL_VERSION, purpose=purpose, channel=channel,
-                             peer_id=rng.randrange(8), nonce=new_nonce()))
-    kind = rng.randrange(7)
+                             peer_id=rng.randrange(8), nonce=new_nonce(), generation=claimed[0],
+                             epoch=claimed[1]))
+    kind = rng.randrange(9 if purpose == "p2p" else 7)
     if kind == 0:
         return rng.randbytes(rng.randrange(1, 5000))
     if kind == 1:
@@ -59,7 +77,11 @@ def attack_bytes(rng: random.Random, purpose: str) -> bytes:
         return _frame(bytes([0x92, 1]) + b"\x91" * rng.randrange(10, 1 << 16))[: 1 << 16]
     if kind == 5:
         return _frame(hello) + rng.randbytes(rng.randrange(1, 3000))
-    return _frame(hello) + _frame(m.encode(m.Proof(proof=rng.randbytes(32))))
+    if kind == 6:
+        return _frame(hello) + _frame(m.encode(m.Proof(proof=rng.randbytes(32))))
+    if kind == 7:
+        return _frame(hello) + _frame(m.encode(m.Proof(proof=rng.randbytes(32)))) + data_frames(rng, op_seq)
+    return data_frames(rng, op_seq)
 
 
 async def fuzz(args: argparse.Namespace) -> int:
@@ -80,15 +102,20 @@ async def fuzz(args: argparse.Namespace) -> int:
             async def attack() -> None:
                 nonlocal attacks
                 for _ in range(args.attacks_per_round):
+                    cred = (0, -1)
                     if rng.random() < 0.5:
                         target, purpose = (mhost, int(mport)), "master"
                     else:
-                        addr = cluster.peer(rng.choice(cluster.alive)).p2p_address
+                        victim = cluster.peer(rng.choice(cluster.alive))
+                        addr = victim.p2p_address
                         assert addr is not None
                         target, purpose = addr, "p2p"
+                        held = victim._credentials.current
+                        if held is not None:
+                            cred = held.serial
                     try:
                         stream = await evil.connect(*target)
-                        await stream.send_all(attack_bytes(rng, purpose))
+                        await stream.send_all(attack_bytes(rng, purpose, cred, cluster.master.state._op_seq))
                         with trio.move_on_after(0.05):
                             await stream.receive_some(4096)
                         await stream.aclose()

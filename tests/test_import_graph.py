@@ -24,6 +24,7 @@ PURE_MODULES = [
     "pccl.wire.framing",
     "pccl.wire.data",
     "pccl.wire.hello",
+    "pccl.wire.credentials",
     "pccl.master.state",
     "pccl.master.doubt",
     "pccl.master.election",

@@ -19,6 +19,7 @@ Vote rules (docs/protocol.md sections 2-6):
 from __future__ import annotations
 
 import enum
+import secrets
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any
 
 from .._errors import Result
 from ..wire import messages as m
+from ..wire.credentials import CredentialIssuer
 from . import election as _election
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 from .doubt import Decision, DoubtBook
@@ -244,6 +246,8 @@ class MasterState:
         rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
             many seconds after the rebuild started for the last epoch's members not back yet, even
             once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
+        credential_root: the random key every P2P credential of this master is derived from
+            (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
             (MasterConfig.quorum; docs/concepts.md "No split brain").
     """
@@ -256,6 +260,7 @@ class MasterState:
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
         rebuild_grace: float = 0.0,
+        credential_root: bytes | None = None,
         quorum: str = "auto",
     ) -> None:
         if quorum not in ("auto", "on", "off"):
@@ -299,10 +304,13 @@ class MasterState:
         self.doubts = DoubtBook()
         # At a rebuilt master: the ring each member reported when it re-registered (who its group
         # still lists; see _on_reregister).
-        self._rings: dict[int, set[int]] = {}
+        self._rings: dict[int, tuple[int, set[int]]] = {}  # peer -> (its epoch, its ring)
         # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
         # back yet once a majority returned (0: resume at the majority).
         self.rebuild_grace = rebuild_grace
+        # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
+        # before the epoch's EstablishP2P, and after Reregistered.
+        self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
         # this master holds must be a majority for any vote to complete (when the rule applies);
         # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
@@ -993,6 +1001,7 @@ class MasterState:
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
+        reissue = False  # the rebuild moved to a newer epoch: the members already back need new credentials
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
@@ -1024,6 +1033,7 @@ class MasterState:
                                                 f"{msg.epoch}: join again", Result.KICKED)
                 self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
                 self.base = list(msg.ring)
+                reissue = True
             elif msg.epoch < rb.epoch:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
@@ -1047,13 +1057,16 @@ class MasterState:
             # A peer drops the dead of its own group from its table at every operation: one that a
             # member of its group back here no longer lists was dropped from the group while it was
             # away (the run went on without it). Refused in either order of arrival (KICKED: final).
-            for p, ring in sorted(self._rings.items()):
-                if p in self.peers and self.peers[p].group == msg.peer_group and rec.peer_id not in ring:
+            # (Only a ring of the same or a later epoch counts: an older one may not know newer members.)
+            for p, (e, ring) in sorted(self._rings.items()):
+                if p in self.peers and self.peers[p].group == msg.peer_group and rec.peer_id not in ring \
+                        and e >= msg.epoch:
                     return effects + self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
                                                             "lists this peer: the run went on without it, "
                                                             "join again", Result.KICKED)
             for p in sorted(self._rings):
-                if p in self.peers and self.peers[p].group == msg.peer_group and p not in msg.ring:
+                if p in self.peers and self.peers[p].group == msg.peer_group and p not in msg.ring \
+                        and msg.epoch >= self._rings[p][0]:
                     self._rings.pop(p, None)
                     if rb is not None:
                         rb.returned.discard(p)
@@ -1071,14 +1084,19 @@ class MasterState:
             self._loopback = _is_loopback(rec.host)
         order = {p: i for i, p in enumerate(rb.expected if rb is not None else msg.ring)}
         self.ring = sorted([*self.ring, rec.peer_id], key=lambda p: (order.get(p, len(order)), p))
-        effects += [
-            Send(rec.peer_id,
-                 m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)),
-            Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
-                  f"(group {msg.peer_group})"),
-        ]
+        back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)
+        effects.append(Send(rec.peer_id, back))
+        # After Reregistered (the peer reads that one itself): credentials of this master for every member
+        # of the run and, while rebuilding, every member expected back, so that connections between them
+        # work whoever returns first.
+        members = list(dict.fromkeys([*self.ring, *(rb.expected if rb is not None else [])]))
+        receivers = self.ring if reissue else [rec.peer_id]
+        issued = self._issuer.issue_all(receivers, members, generation=self.generation, epoch=self.epoch)
+        effects += [Send(p, creds) for p, creds in issued.items()]
+        effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
+                             f"(group {msg.peer_group})"))
         if rb is not None or self._rings:
-            self._rings[rec.peer_id] = set(msg.ring)
+            self._rings[rec.peer_id] = (msg.epoch, set(msg.ring))
         was = self.doubts.undecided
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
         effects += self._execute_decisions(decisions, was)
@@ -1151,6 +1169,8 @@ class MasterState:
         if self._fresh:
             self._provisional = {pid}
         self.epoch += 1
+        # No P2P credentials: alone, it connects to nobody and nobody connects to it; the next topology
+        # round issues them.
         return [
             Send(pid, m.Accepted(peers=self.table(self.ring), epoch=self.epoch)),
             Event(f"peer {pid} accepted (world size 1)"),
@@ -1233,10 +1253,14 @@ class MasterState:
         for p in rnd.members:
             by_group.setdefault(self.peers[p].group, []).append(p)
         links = {g: self.link_summary(ps) for g, ps in by_group.items()}
-        return [
-            Send(p, m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[self.peers[p].group]))
-            for p in rnd.members
-        ]
+        creds = self._issuer.issue_all(rnd.members, rnd.members, generation=self.generation, epoch=rnd.epoch)
+        effects: list[Effect] = []
+        for p in rnd.members:
+            # The credentials first: the peer connects as soon as it reads EstablishP2P.
+            effects.append(Send(p, creds[p]))
+            est = m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[self.peers[p].group])
+            effects.append(Send(p, est))
+        return effects
 
     def link_summary(self, members: list[int]) -> list[float]:
         """``[slowest, fastest / slowest]`` of the bandwidths measured between ``members`` (bytes/s),

@@ -82,7 +82,7 @@ async def measure_targets(dialer: Dialer, targets: list[list[Any]], duration: fl
         rate = 0.0
         try:
             with trio.fail_after(max(dialer.connect_timeout, duration * 20)):
-                ms = await dialer.dial(host, port, channel="bench")
+                ms = await dialer.dial(host, port, channel="bench", peer_id=pid)
                 try:
                     rate = await probe(ms, duration)
                 finally:

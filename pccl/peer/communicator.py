@@ -67,6 +67,7 @@ from ..wire import messages as m
 from ..wire.handshake import HandshakeFailed, offer_hello
 from ..wire.stream import MessageStream
 from . import bandwidth, shared_state
+from .credentials import CredentialStore
 from .mailbox import Mailbox, Waiter
 from .p2p import P2PDialer, serve_p2p
 from .pool import P2PPool
@@ -78,6 +79,7 @@ from .state import (
     Effect,
     Establish,
     Forget,
+    InstallCredentials,
     Lost,
     Measure,
     PeerState,
@@ -168,6 +170,9 @@ class Communicator:
         self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
         self._state_server = shared_state.StateServer(plan_timeout=self.config.connect_timeout)
         self._dialer: P2PDialer | None = None
+        # The P2P credentials the master issues per epoch (docs/security.md): the listener accepts only
+        # connections that prove one; a listener waits up to half its hello timeout for a newer set.
+        self._credentials = CredentialStore(wait=self.config.connect_timeout / 2)
         self._nursery: trio.Nursery | None = None
         self._closed = False
         # Ring outputs of CPU ops; GPU ops take their host copy of ``send`` and their ring output from
@@ -313,7 +318,8 @@ class Communicator:
         self._ms = ms
         self._core.peer_id = reply.peer_id
         self._dialer = P2PDialer(
-            self.transport, my_peer_id=self.peer_id, config=self.config, secret=self.config.secret or ""
+            self.transport, my_peer_id=self.peer_id, config=self.config, secret=self.config.secret or "",
+            credentials=self._credentials,
         )
         self.pool = P2PPool(
             transport=self.transport,
@@ -321,13 +327,15 @@ class Communicator:
             pool_size=self.pool_size,
             config=self.config,
             secret=self.config.secret or "",
+            credentials=self._credentials,
         )
         handlers: dict[str, Callable[[MessageStream, m.Hello], Awaitable[None]]] = {
             "ring": self.pool.handle_incoming,
             "state": self._serve_state,
             "bench": self._serve_bench,
         }
-        serve = functools.partial(serve_p2p, config=self.config, secret=self.config.secret or "")
+        serve = functools.partial(serve_p2p, config=self.config, secret=self.config.secret or "",
+                                  credentials=self._credentials)
         try:
             self.p2p_address = await nursery.start(
                 _guard(serve, "P2P listener"),
@@ -661,6 +669,8 @@ class Communicator:
                 for op_seq in effect.op_seqs:
                     if 0 <= op_seq < 2**32:
                         self.pool.forget_op(op_seq)
+        elif isinstance(effect, InstallCredentials):
+            self._credentials.install(effect.message)
 
     def _resolve(self, effect: Resolve) -> None:
         msg, call = effect.message, effect.call

@@ -39,8 +39,10 @@ class Dialer(Protocol):
         """Seconds a connect (and, separately, its handshake) may take."""
         ...
 
-    async def dial(self, host: str, port: int, *, channel: str, index: int = 0) -> MessageStream:
-        """Open a P2P connection on ``channel`` (see :func:`pccl.peer.p2p.open_p2p`).
+    async def dial(
+        self, host: str, port: int, *, channel: str, index: int = 0, peer_id: int = -1
+    ) -> MessageStream:
+        """Open a P2P connection on ``channel`` to ``peer_id`` (see :func:`pccl.peer.p2p.open_p2p`).
 
         Raises:
             RankConnectionFailedError: it could not be opened or was refused.

@@ -1,10 +1,17 @@
 """Peer-to-peer connection set-up: the P2P listener and the outgoing handshake.
 
 Every P2P connection starts with the handshake of :mod:`pccl.wire.handshake` (``Hello(purpose="p2p",
-peer_id, channel, index, nonce)``, ``Challenge``, ``Proof``); the listener answers ``HelloOk`` or
-``Refused`` (then closes). After the
+peer_id, channel, index, nonce, generation, epoch)``, ``Challenge``, ``Proof``); the listener answers
+``HelloOk`` or ``Refused`` (then closes). After the
 handshake the connection belongs to the handler registered for its channel ("ring" for the
 collective data plane, "state" for shared-state transfers, "bench" for bandwidth probes).
+
+Bound to membership: given a :class:`~pccl.peer.credentials.CredentialStore` (the communicator always
+gives one), the listener accepts a connection only when it proves the credential the master issued for
+the claimed peer, that channel and the current epoch, so the Hello's ``peer_id`` (the key every data
+frame is routed by) and ``channel`` are authenticated, not trusted as sent; the dialer presents the
+credential for the peer it dials and checks that the listener can prove it too. Without a store (unit
+tests of the pool and the data plane) the secret alone decides, as before.
 
 A client must not send anything after its Hello until it has read HelloOk: the listener parses
 the Hello through a :class:`MessageStream`, and handlers may switch to raw reads on the
@@ -15,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import trio
 
@@ -27,6 +35,7 @@ from ..wire.handshake import HandshakeFailed, accept_hello, offer_hello
 from ..wire.limits import p2p_inbound, pre_auth, trusted
 from ..wire.messages import Hello, HelloOk, Refused
 from ..wire.stream import MessageStream
+from .credentials import CredentialStore
 
 log = logging.getLogger("pccl.p2p")
 
@@ -42,6 +51,7 @@ async def serve_p2p(
     config: PeerConfig,
     secret: str = "",
     gate: HandshakeGate | None = None,
+    credentials: CredentialStore | None = None,
     task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen for P2P connections and hand each one, after its hello, to its channel's handler.
@@ -59,6 +69,8 @@ async def serve_p2p(
         secret: when non-empty, a Hello must carry exactly this secret.
         gate: the cap on connections in their hello (default: a fresh
             :class:`~pccl.wire.admission.HandshakeGate` with the default caps).
+        credentials: when given, a connection must prove the credential the master issued for the
+            peer, channel and epoch its Hello claims.
         task_status: receives the bound ``(host, port)`` once listening.
 
     Raises:
@@ -73,7 +85,9 @@ async def serve_p2p(
     try:
         async with trio.open_nursery() as nursery:
             task_status.started(listener.address)
-            await _accept_loop(listener, nursery, handlers, config, secret, gate or HandshakeGate())
+            await _accept_loop(
+                listener, nursery, handlers, config, secret, gate or HandshakeGate(), credentials
+            )
     finally:
         with trio.CancelScope(shield=True):
             await listener.aclose()
@@ -86,11 +100,12 @@ async def _accept_loop(
     config: PeerConfig,
     secret: str,
     gate: HandshakeGate,
+    credentials: CredentialStore | None,
 ) -> None:
     async def handle(stream: Stream, hello_done: HelloDone) -> None:
         limits = pre_auth(config.max_frame_size)
         ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=limits)
-        await _serve_connection(ms, handlers, config, secret, hello_done)
+        await _serve_connection(ms, handlers, config, secret, hello_done, credentials)
 
     try:
         await accept_loop(listener, nursery, handle, gate=gate, log=log, what="P2P listener")
@@ -121,7 +136,9 @@ async def _serve_connection(
     config: PeerConfig,
     secret: str,
     hello_done: HelloDone,
+    credentials: CredentialStore | None = None,
 ) -> None:
+    lookup = None if credentials is None else credentials.credential_for
     try:
         done = False
         hello: Hello | None = None
@@ -129,7 +146,8 @@ async def _serve_connection(
         with trio.move_on_after(config.connect_timeout):
             try:
                 hello, refusal = await accept_hello(
-                    ms, purpose="p2p", secret=secret, channels=handlers, listener="this peer"
+                    ms, purpose="p2p", secret=secret, channels=handlers, listener="this peer",
+                    credential_for=lookup,
                 )
             except (StreamBroken, RemoteProtocolError) as exc:
                 log.warning("refused P2P connection from %s: bad hello (%s)", _peer_of(ms), exc)
@@ -174,6 +192,8 @@ async def open_p2p(
     index: int = 0,
     config: PeerConfig,
     secret: str = "",
+    to_peer: int = -1,
+    credentials: CredentialStore | None = None,
 ) -> MessageStream:
     """Open a P2P connection and complete its handshake.
 
@@ -186,15 +206,30 @@ async def open_p2p(
         index: slot of this connection in the caller's pool.
         config: ``connect_timeout`` bounds the connect and, separately, the wait for HelloOk.
         secret: the shared secret, if the group uses one.
+        to_peer: the peer listening there (which credential to present).
+        credentials: when given, present the credential the master issued for ``to_peer`` and
+            ``channel`` (and require the listener to prove it too).
 
     Returns:
         The stream, ready for the channel's traffic.
 
     Raises:
         RankConnectionFailedError: the connection could not be opened, timed out, broke, or was
-            refused (the message carries the other side's reason).
+            refused (the message carries the other side's reason), or this peer holds no credential
+            for ``to_peer``.
     """
-    where = f"{host}:{port}"
+    where = f"{host}:{port}" if to_peer < 0 else f"peer {to_peer} at {host}:{port}"
+    cred_args: dict[str, Any] = {}
+    if credentials is not None:
+        cred = credentials.for_dial(to_peer, channel)
+        if cred is None:
+            await trio.lowlevel.checkpoint()
+            cur = credentials.current
+            held = "none yet" if cur is None else f"epoch {cur.epoch} of generation {cur.generation}"
+            raise RankConnectionFailedError(
+                f"no P2P credential for {where}: the master issued none for it in this peer's set ({held})"
+            )
+        cred_args = {"credential": cred.key, "generation": cred.generation, "epoch": cred.epoch}
     try:
         with trio.fail_after(config.connect_timeout):
             stream = await transport.connect(host, port)
@@ -207,7 +242,7 @@ async def open_p2p(
     try:
         with trio.fail_after(config.connect_timeout):
             await offer_hello(ms, purpose="p2p", secret=secret, peer_id=my_peer_id, channel=channel,
-                              index=index)
+                              index=index, **cred_args)
         ms.set_limits(trusted(config.max_frame_size))
         ok = True
         return ms
@@ -238,23 +273,33 @@ class P2PDialer:
         my_peer_id: this peer's id, presented in every Hello.
         config: timeouts and frame limits.
         secret: the shared secret, if the group uses one.
+        credentials: this peer's P2P credentials (None: none are presented).
     """
 
     def __init__(
-        self, transport: Transport, *, my_peer_id: int, config: PeerConfig, secret: str = ""
+        self,
+        transport: Transport,
+        *,
+        my_peer_id: int,
+        config: PeerConfig,
+        secret: str = "",
+        credentials: CredentialStore | None = None,
     ) -> None:
         self.transport = transport
         self.my_peer_id = my_peer_id
         self.config = config
         self.secret = secret
+        self.credentials = credentials
 
     @property
     def connect_timeout(self) -> float:
         """``config.connect_timeout``."""
         return self.config.connect_timeout
 
-    async def dial(self, host: str, port: int, *, channel: str, index: int = 0) -> MessageStream:
-        """Open and handshake a connection on ``channel`` (see :func:`open_p2p`).
+    async def dial(
+        self, host: str, port: int, *, channel: str, index: int = 0, peer_id: int = -1
+    ) -> MessageStream:
+        """Open and handshake a connection on ``channel`` to ``peer_id`` (see :func:`open_p2p`).
 
         Raises:
             RankConnectionFailedError: see :func:`open_p2p`.
@@ -268,6 +313,8 @@ class P2PDialer:
             index=index,
             config=self.config,
             secret=self.secret,
+            to_peer=peer_id,
+            credentials=self.credentials,
         )
 
     def __repr__(self) -> str:

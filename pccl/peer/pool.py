@@ -59,6 +59,12 @@ sender at most that wait and no exactness or liveness. A member (or any connecti
 data frames) that floods frames nobody will ever receive gets at most ``recv_stash_limit`` bytes of
 this peer's memory and one blocked connection, closed after ``p2p_stall_timeout``.
 
+Binding: a frame is routed by the sender the connection's Hello named (``from_peer``), never by
+anything in the frame, so it can only fill receives registered for that sender. In a communicator the
+listener authenticates that name (the master-issued credential for that peer, the "ring" channel and the
+epoch, :mod:`pccl.peer.p2p`) before the connection reaches :meth:`P2PPool.handle_incoming`: a frame from
+peer X lands only through a connection that proved to be X's, and no other connection can take X's slot.
+
 Safety of the destination: once :meth:`P2PPool.forget_op` (or :meth:`P2PPool.disconnect`)
 returns, no reader writes into a destination of that operation again. On TCP the reader checks
 the receive's state before every ``recv_into`` syscall (trio is single-threaded, so nothing can
@@ -109,6 +115,7 @@ from ..wire.data import (
 )
 from ..wire.messages import Hello
 from ..wire.stream import MessageStream
+from .credentials import CredentialStore
 from .p2p import open_p2p
 
 log = logging.getLogger("pccl.p2p")
@@ -488,6 +495,7 @@ class P2PPool:
         secret: shared secret presented to the other peers' listeners.
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for TCP ring connections; None keeps the
             kernel's autotuning.
+        credentials: this peer's P2P credentials, presented on every connection it opens (None: none).
     """
 
     def __init__(
@@ -499,6 +507,7 @@ class P2PPool:
         config: PeerConfig,
         secret: str = "",
         socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER,
+        credentials: CredentialStore | None = None,
     ) -> None:
         if pool_size < 1:
             raise ValueError("pool_size must be >= 1")
@@ -508,6 +517,7 @@ class P2PPool:
         self.config = config
         self.secret = secret
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.credentials = credentials
         self._closed = False
         self._out: dict[int, list[_Conn | None]] = {}
         self._addr: dict[int, tuple[str, int]] = {}
@@ -597,6 +607,8 @@ class P2PPool:
                 index=index,
                 config=self.config,
                 secret=self.secret,
+                to_peer=peer_id,
+                credentials=self.credentials,
             )
         except RankConnectionFailedError as exc:
             errors.append(exc.message)

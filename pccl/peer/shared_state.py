@@ -453,7 +453,7 @@ async def _fetch_from(
     async def verify(key: str, buf: np.ndarray) -> None:
         await trio.to_thread.run_sync(check, key, buf)
 
-    ms = await dialer.dial(address[0], address[1], channel="state")
+    ms = await dialer.dial(address[0], address[1], channel="state", peer_id=holder)
     try:
         async with trio.open_nursery() as nursery:
             await ms.send(m.StateRequest(sync_seq=seq, keys=keys))

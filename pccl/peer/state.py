@@ -108,6 +108,13 @@ class Establish:
 
 
 @dataclass(frozen=True)
+class InstallCredentials:
+    """Use the master's P2P credentials ``message`` from now on (docs/security.md)."""
+
+    message: m.P2PCredentials
+
+
+@dataclass(frozen=True)
 class Measure:
     """Probe the links of ``request`` and answer ``BandwidthReport``."""
 
@@ -138,7 +145,7 @@ class Dismissed:
     error: PCCLError
 
 
-Effect = Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed
+Effect = Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed | InstallCredentials
 
 #: Reserved op_seqs a peer keeps (per tag, the oldest go first): the master keeps as many per group,
 #: in the same order (pccl.master.state.RESERVATIONS_PER_GROUP).
@@ -740,6 +747,13 @@ class PeerState:
         assert isinstance(msg, m.MeasureBandwidth)
         return [Measure(msg)]
 
+    def _on_credentials(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.P2PCredentials)
+        if msg.peer_id != self.peer_id:
+            why = f"P2P credentials for peer {msg.peer_id} sent to peer {self.peer_id}"
+            return [Lost(MasterConnectionError(f"master protocol error: {why}"))]
+        return [InstallCredentials(msg)]
+
     _DISPATCH: ClassVar[dict[type[m.Message], Callable[[PeerState, m.Message], list[Effect]]]] = {
         m.Heartbeat: _on_heartbeat,
         m.Refused: _on_refused,
@@ -755,6 +769,7 @@ class PeerState:
         m.SharedStatePlan: _on_sync_plan,
         m.SharedStateResult: _on_sync_result,
         m.MeasureBandwidth: _on_measure,
+        m.P2PCredentials: _on_credentials,
     }
 
 
@@ -776,6 +791,7 @@ __all__ = [
     "Effect",
     "Establish",
     "Forget",
+    "InstallCredentials",
     "Lost",
     "Measure",
     "OpRecord",

@@ -8,12 +8,16 @@ bound both with their hello / connect timeout and send ``Refused`` themselves.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Collection
+from collections.abc import Awaitable, Callable, Collection
 
 from .._config import PROTOCOL_VERSION
 from .hello import NONCE_BYTES, HelloRefusal, answer, challenge, check_challenge, check_hello, check_proof
 from .messages import Challenge, Hello, HelloOk, Refused
 from .stream import MessageStream
+
+#: ``credential_for(hello)``: the credential a P2P connection must prove (its HMAC key, with the secret),
+#: or why it is refused; it may wait, bounded, for a set of credentials the master is about to deliver.
+CredentialLookup = Callable[[Hello], Awaitable["bytes | HelloRefusal"]]
 
 
 class HandshakeFailed(Exception):
@@ -38,6 +42,7 @@ async def accept_hello(
     secret: str | None,
     channels: Collection[str] | None = None,
     listener: str = "this listener",
+    credential_for: CredentialLookup | None = None,
 ) -> tuple[Hello | None, HelloRefusal | None]:
     """Run the listener's side: read the Hello, answer a Challenge, check the Proof.
 
@@ -47,6 +52,8 @@ async def accept_hello(
         secret: see :func:`pccl.wire.hello.check_proof`.
         channels: the P2P channels served (None: not checked).
         listener: how refusal reasons name this side.
+        credential_for: P2P listeners bound to membership: the credential the Hello's claimed peer,
+            channel and epoch must prove (None: no credential, the secret alone decides).
 
     Returns:
         ``(hello, None)`` when accepted (the caller answers HelloOk), else ``(None, refusal)`` (the caller
@@ -61,10 +68,16 @@ async def accept_hello(
     if refusal is not None:
         return None, refusal
     assert isinstance(msg, Hello)
+    credential = b""
+    if credential_for is not None:
+        found = await credential_for(msg)
+        if isinstance(found, HelloRefusal):
+            return None, found
+        credential = found
     server_nonce = new_nonce()
-    await ms.send(challenge(msg, secret=secret, server_nonce=server_nonce))
+    await ms.send(challenge(msg, secret=secret, server_nonce=server_nonce, credential=credential))
     reply = await ms.receive()
-    refusal = check_proof(reply, msg, secret=secret, server_nonce=server_nonce)
+    refusal = check_proof(reply, msg, secret=secret, server_nonce=server_nonce, credential=credential)
     return (msg, None) if refusal is None else (None, refusal)
 
 
@@ -77,6 +90,9 @@ async def offer_hello(
     channel: str = "",
     index: int = 0,
     protocol_version: int = PROTOCOL_VERSION,
+    credential: bytes = b"",
+    generation: int = 0,
+    epoch: int = -1,
 ) -> HelloOk:
     """Run the connecting side: Hello, check the listener's Challenge, Proof, read HelloOk.
 
@@ -88,6 +104,10 @@ async def offer_hello(
         channel: for P2P, the channel.
         index: for P2P, the slot in the pool.
         protocol_version: the version to speak (tests speak others).
+        credential: for P2P, the credential the master issued for this connection (b"": none); the
+            listener must prove it too.
+        generation: for P2P, the master generation of the credential's set.
+        epoch: for P2P, the epoch of the credential's set (-1: no credential).
 
     Returns:
         The listener's HelloOk.
@@ -98,16 +118,16 @@ async def offer_hello(
         RemoteProtocolError: a malformed frame.
     """
     hello = Hello(protocol_version=protocol_version, purpose=purpose, peer_id=peer_id, channel=channel,
-                  index=index, nonce=new_nonce())
+                  index=index, nonce=new_nonce(), generation=generation, epoch=epoch)
     await ms.send(hello)
     reply = await ms.receive()
     if isinstance(reply, Refused):
         raise HandshakeFailed(reply.reason, refused=True)
-    problem = check_challenge(reply, hello, secret=secret)
+    problem = check_challenge(reply, hello, secret=secret, credential=credential)
     if problem is not None:
         raise HandshakeFailed(problem)
     assert isinstance(reply, Challenge)
-    await ms.send(answer(reply, hello, secret=secret))
+    await ms.send(answer(reply, hello, secret=secret, credential=credential))
     final = await ms.receive()
     if isinstance(final, Refused):
         raise HandshakeFailed(final.reason, refused=True)
@@ -116,4 +136,4 @@ async def offer_hello(
     return final
 
 
-__all__ = ["HandshakeFailed", "accept_hello", "new_nonce", "offer_hello"]
+__all__ = ["CredentialLookup", "HandshakeFailed", "accept_hello", "new_nonce", "offer_hello"]

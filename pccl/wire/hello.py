@@ -14,6 +14,10 @@ The handshake is a mutual challenge-response; the secret never travels::
 client checks the server's proof before answering, so it never proves itself to a side that does not know
 the secret; a recorded handshake replayed later fails because the listener's nonce is new; the role label
 keeps either side's proof from being reflected as the other's.
+
+On a P2P connection ``K`` also holds the credential the master issued for exactly that connection (its
+peer pair, channel and epoch; :mod:`pccl.wire.credentials`): both sides then prove the credential as well
+as the secret, and the Hello's ``generation`` / ``epoch`` say which set it comes from.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class HelloProblem(enum.Enum):
     PURPOSE = "purpose"
     SECRET = "secret"
     CHANNEL = "channel"
+    CREDENTIAL = "credential"
 
     @property
     def result(self) -> Result:
@@ -59,6 +64,7 @@ _RESULTS = {
     HelloProblem.PURPOSE: Result.INVALID_USAGE,
     HelloProblem.SECRET: Result.INVALID_USAGE,
     HelloProblem.CHANNEL: Result.INVALID_USAGE,
+    HelloProblem.CREDENTIAL: Result.INVALID_USAGE,
 }
 
 
@@ -75,8 +81,24 @@ class HelloRefusal:
         return self.problem.result
 
 
-def proof(secret: str | None, role: str, purpose: str, client_nonce: bytes, server_nonce: bytes) -> bytes:
-    """HMAC-SHA256 over both nonces, keyed with the secret ("" and None: the empty key).
+def _key(secret: str | None, credential: bytes) -> bytes:
+    raw = (secret or "").encode("utf-8")
+    if not credential:
+        return raw
+    # Both, unambiguously: the secret's length first.
+    return len(raw).to_bytes(4, "big") + raw + credential
+
+
+def proof(
+    secret: str | None,
+    role: str,
+    purpose: str,
+    client_nonce: bytes,
+    server_nonce: bytes,
+    credential: bytes = b"",
+) -> bytes:
+    """HMAC-SHA256 over both nonces, keyed with the secret ("" and None: the empty key) and, on a
+    credentialed P2P connection, the credential.
 
     Args:
         secret: the shared secret.
@@ -84,11 +106,12 @@ def proof(secret: str | None, role: str, purpose: str, client_nonce: bytes, serv
         purpose: the connection's purpose ("master", "p2p").
         client_nonce: the Hello's nonce.
         server_nonce: the Challenge's nonce.
+        credential: the connection's P2P credential (b"": none).
 
     Returns:
         The 32-byte proof.
     """
-    key = (secret or "").encode("utf-8")
+    key = _key(secret, credential)
     parts = (_LABEL, role.encode(), purpose.encode(), client_nonce, server_nonce)
     msg = b"".join(len(p).to_bytes(2, "big") + p for p in parts)
     return hmac.new(key, msg, hashlib.sha256).digest()
@@ -139,49 +162,59 @@ def check_hello(
     return None
 
 
-def challenge(hello: Hello, *, secret: str | None, server_nonce: bytes) -> Challenge:
-    """The listener's answer to an accepted :class:`Hello` (``server_nonce``: fresh random bytes)."""
-    mac = proof(secret, "server", hello.purpose, hello.nonce, server_nonce)
+def challenge(hello: Hello, *, secret: str | None, server_nonce: bytes, credential: bytes = b"") -> Challenge:
+    """The listener's answer to an accepted :class:`Hello` (``server_nonce``: fresh random bytes;
+    ``credential``: the one the connection must prove, b"" for none)."""
+    mac = proof(secret, "server", hello.purpose, hello.nonce, server_nonce, credential)
     return Challenge(nonce=server_nonce, proof=mac)
 
 
 def check_proof(
-    msg: Message, hello: Hello, *, secret: str | None, server_nonce: bytes
+    msg: Message, hello: Hello, *, secret: str | None, server_nonce: bytes, credential: bytes = b""
 ) -> HelloRefusal | None:
     """Check the connecting side's :class:`Proof`.
 
     Args:
         msg: the message received after the Challenge.
         hello: the connection's Hello.
-        secret: None: no secret is required (any proof is accepted); a string: the proof must be made
-            with exactly it. The master passes its configured secret (None when unset); a P2P listener
-            always passes a string, "" when the group has no secret.
+        secret: None: no secret is required (any proof is accepted, unless ``credential`` is given); a
+            string: the proof must be made with exactly it. The master passes its configured secret (None
+            when unset); a P2P listener always passes a string, "" when the group has no secret.
         server_nonce: the nonce sent in the Challenge.
+        credential: the P2P credential the connection must prove as well (b"": none).
 
     Returns:
         None to accept (answer HelloOk), else the refusal.
     """
     if not isinstance(msg, Proof):
         return HelloRefusal(HelloProblem.NOT_HELLO, f"expected Proof, got {type(msg).__name__}")
-    if secret is None:
+    if secret is None and not credential:
         return None
-    want = proof(secret, "client", hello.purpose, hello.nonce, server_nonce)
-    if not hmac.compare_digest(msg.proof, want):
+    want = proof(secret, "client", hello.purpose, hello.nonce, server_nonce, credential)
+    if hmac.compare_digest(msg.proof, want):
+        return None
+    if not credential:
         return HelloRefusal(HelloProblem.SECRET, "bad secret: missing or not the shared secret")
-    return None
+    what = (f"the P2P credential the master issued to peer {hello.peer_id} for {hello.channel!r} connections "
+            f"in epoch {hello.epoch} (generation {hello.generation})")
+    if secret:
+        return HelloRefusal(HelloProblem.SECRET, f"bad secret or credential: the proof is not made with the "
+                                                 f"shared secret and {what}")
+    return HelloRefusal(HelloProblem.CREDENTIAL, f"bad credential: the proof is not made with {what}")
 
 
-def check_challenge(msg: Message, hello: Hello, *, secret: str | None) -> str | None:
+def check_challenge(msg: Message, hello: Hello, *, secret: str | None, credential: bytes = b"") -> str | None:
     """The connecting side's check of the listener's answer to its Hello.
 
     Args:
         msg: the answer.
         hello: the Hello this side sent.
         secret: this side's secret (None or "": none).
+        credential: the P2P credential this side proves (b"": none); the listener must prove it too.
 
     Returns:
-        None when ``msg`` is a Challenge whose proof is made with ``secret`` (answer with
-        :func:`answer`), else why the handshake fails (a Refused's reason, quoted).
+        None when ``msg`` is a Challenge whose proof is made with ``secret`` and ``credential`` (answer
+        with :func:`answer`), else why the handshake fails (a Refused's reason, quoted).
     """
     if isinstance(msg, Refused):
         return f"refused: {msg.reason}"
@@ -189,8 +222,13 @@ def check_challenge(msg: Message, hello: Hello, *, secret: str | None) -> str | 
         return f"expected Challenge, got {type(msg).__name__}"
     if not _nonce_ok(msg.nonce):
         return f"challenge without a nonce of {MIN_NONCE_BYTES}-{MAX_NONCE_BYTES} bytes"
-    want = proof(secret, "server", hello.purpose, hello.nonce, msg.nonce)
+    want = proof(secret, "server", hello.purpose, hello.nonce, msg.nonce, credential)
     if not hmac.compare_digest(msg.proof, want):
+        if credential:
+            return (
+                "bad secret or credential: the other side's challenge is not made with this side's secret "
+                "and P2P credential (another secret, or not the peer the master named)"
+            )
         return (
             "bad secret: missing or not the shared secret "
             "(the other side's challenge is not made with this side's)"
@@ -198,9 +236,9 @@ def check_challenge(msg: Message, hello: Hello, *, secret: str | None) -> str | 
     return None
 
 
-def answer(challenge_msg: Challenge, hello: Hello, *, secret: str | None) -> Proof:
+def answer(challenge_msg: Challenge, hello: Hello, *, secret: str | None, credential: bytes = b"") -> Proof:
     """The connecting side's :class:`Proof` for a checked Challenge."""
-    return Proof(proof=proof(secret, "client", hello.purpose, hello.nonce, challenge_msg.nonce))
+    return Proof(proof=proof(secret, "client", hello.purpose, hello.nonce, challenge_msg.nonce, credential))
 
 
 __all__ = [

@@ -34,6 +34,13 @@ class PeerRow(NamedTuple):
     group: int
 
 
+class CredentialRow(NamedTuple):
+    """One dial key of a :class:`P2PCredentials` set: what this peer presents to ``peer_id``'s listener."""
+
+    peer_id: int
+    key: bytes
+
+
 class CollectiveDescriptor(NamedTuple):
     """What a collective does; every participant must vote with an equal descriptor."""
 
@@ -212,7 +219,12 @@ def decode(payload: bytes, *, unpack_limits: typing.Mapping[str, int] | None = N
         raise RemoteProtocolError(f"unknown message type {tag}")
     fields = _fields(cls)
     if not len(fields) - len(_OPTIONAL[cls]) <= len(values) <= len(fields):
-        raise RemoteProtocolError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
+        if cls is not Hello or len(values) < _HELLO_REQUIRED:
+            raise RemoteProtocolError(f"{cls.__name__}: expected {len(fields)} fields, got {len(values)}")
+        # The Hello alone tolerates another version's shape (missing trailing fields take their defaults,
+        # extra ones are ignored), so that a peer of another protocol version is refused with the version
+        # message, naming both versions, rather than as a malformed frame.
+        values = values[: len(fields)]
     kwargs: dict[str, Any] = {}
     for (name, tp), value in zip(fields[: len(values)], values, strict=True):
         try:
@@ -241,7 +253,9 @@ class Hello(Message):
     and ``index`` is its slot in the pool. To the master, ``peer_id`` >= 0 claims the id the peer
     held before it lost its master (it then sends ``Reregister``); the master grants it when free.
     ``nonce``: the connecting side's fresh random challenge (16 to 64 bytes); the secret itself never
-    travels (see :mod:`pccl.wire.hello`).
+    travels (see :mod:`pccl.wire.hello`). For P2P, ``generation`` and ``epoch`` name the
+    :class:`P2PCredentials` set whose credential the connecting side proves it holds (``epoch`` -1: none);
+    the credential itself never travels either.
     """
 
     protocol_version: int
@@ -250,6 +264,12 @@ class Hello(Message):
     channel: str = ""
     index: int = 0
     nonce: bytes = b""
+    generation: int = 0
+    epoch: int = -1
+
+
+# A Hello of another protocol version is decoded as far as its first two fields (see decode).
+_HELLO_REQUIRED = 2
 
 
 @_register(2)
@@ -292,6 +312,25 @@ class Proof(Message):
     """The connecting side's HMAC over both nonces; the listener answers HelloOk or Refused."""
 
     proof: bytes
+
+
+@_register(7)
+@dataclass(frozen=True, kw_only=True)
+class P2PCredentials(Message):
+    """Master -> peer: the P2P credentials of epoch ``epoch`` of master generation ``generation``
+    (docs/security.md "P2P bound to membership"; :mod:`pccl.wire.credentials`).
+
+    ``key`` is this peer's listen key: it derives the credential every other member must prove for a
+    connection to this peer's P2P listener. ``dial`` rows give this peer's dial key for each other member
+    (the credential it proves to that member). Sent before the ``EstablishP2P`` or ``Accepted`` of the
+    epoch, and after ``Reregistered``; a newer set replaces the older one.
+    """
+
+    peer_id: int
+    generation: int
+    epoch: int
+    key: bytes
+    dial: list[CredentialRow]
 
 
 # ============================================================================================

@@ -293,8 +293,9 @@ async def test_unreachable_master_raises_domain_error() -> None:
 async def test_message_over_max_frame_size_evicts_the_peer_not_the_master(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A master whose max_frame_size is too small for a message it must send (here the 50-byte
-    EstablishP2P) evicts that peer with the reason in its log and keeps serving; it used to crash."""
+    """A master whose max_frame_size is too small for a message it must send (here the first topology
+    round's P2PCredentials or 50-byte EstablishP2P) evicts that peer with the reason in its log and keeps
+    serving; it used to crash."""
     caplog.set_level(logging.ERROR, logger="pccl.master")
     net = VirtualNetwork()
     cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, max_frame_size=40)

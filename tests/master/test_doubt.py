@@ -55,7 +55,8 @@ def test_a_peer_that_committed_makes_the_op_commit_for_the_peers_in_doubt() -> N
     assert st.statistics()["in_doubt"] == 0
     # A participant that comes back later in doubt is told at once, right after its Reregistered.
     eff = rereg(st, 3, **in_doubt())
-    assert [type(msg) for _, msg in sends(eff)] == [m.Reregistered, m.CollectiveComplete]
+    kinds = [type(msg) for _, msg in sends(eff) if isinstance(msg, (m.Reregistered, m.CollectiveComplete))]
+    assert kinds == [m.Reregistered, m.CollectiveComplete]  # (its P2P credentials may come between)
     assert sends(eff, m.CollectiveComplete) == [(3, m.CollectiveComplete(tag=TAG, op_seq=OP))]
 
 

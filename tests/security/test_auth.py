@@ -7,6 +7,7 @@ import dataclasses
 import logging
 import struct
 from collections import defaultdict
+from typing import Any
 
 import pytest
 import trio
@@ -86,16 +87,32 @@ async def test_a_wrong_secret_is_refused_and_a_listener_without_it_is_not_answer
     master_cfg, peer_cfg = configs()
     cluster = await pccl_cluster(2, master_config=master_cfg, config=peer_cfg)
     addr = master_port(cluster) if target == "master" else p2p_address(cluster, 0)
-    channel = "ring" if target == "p2p" else ""
+    # P2P connections also need the credential the master issued (issue 17 item 1): here a member's
+    # (peer 1's, for peer 0's listener), so that the secret is what this test varies. On the "bench"
+    # channel: a connection with peer 1's "ring" credential would take the place of its live one.
+    channel = "bench" if target == "p2p" else ""
+    cred: dict[str, Any] = {}
+    if target == "p2p":
+        got = cluster.peer(1)._credentials.for_dial(cluster.peer(0).peer_id, channel)
+        assert got is not None
+        cred = {"peer_id": cluster.peer(1).peer_id, "credential": got.key, "generation": got.generation,
+                "epoch": got.epoch}
     evil = hostile(cluster)
     for guess in ("", "wrong", SECRET[:-1]):
         ms = MessageStream(await evil.connect(*addr), max_frame_size=1 << 20)
         # The client gives up at the listener's challenge, which is not made with its secret: it never
         # sends a proof made with a guess, so a fake listener learns nothing to test guesses against.
         with pytest.raises(HandshakeFailed, match="bad secret"):
-            await offer_hello(ms, purpose=target, secret=guess, channel=channel)
+            await offer_hello(ms, purpose=target, secret=guess, channel=channel, **cred)
+        await ms.aclose()
+    if target == "p2p":
+        # The secret alone no longer opens a P2P connection.
+        ms = MessageStream(await evil.connect(*addr), max_frame_size=1 << 20)
+        with pytest.raises(HandshakeFailed, match="no P2P credential"):
+            await offer_hello(ms, purpose=target, secret=SECRET, channel=channel, peer_id=cred["peer_id"])
         await ms.aclose()
     ms = MessageStream(await evil.connect(*addr), max_frame_size=1 << 20)
-    assert isinstance(await offer_hello(ms, purpose=target, secret=SECRET, channel=channel), m.HelloOk)
+    ok = await offer_hello(ms, purpose=target, secret=SECRET, channel=channel, **cred)
+    assert isinstance(ok, m.HelloOk)
     await ms.aclose()
     await exact_all_reduces(cluster, rounds=1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from typing import Any
 
 import msgpack
 import pytest
@@ -120,7 +121,14 @@ async def test_hostile_pre_auth_msgpack_is_refused_and_the_run_stays_exact(
     stream = await evil.connect(*addr)
     if attack == "post_hello_huge":
         ms = MessageStream(stream, max_frame_size=1 << 20)
-        await offer_hello(ms, purpose=target, secret="", channel="state" if target == "p2p" else "")
+        cred: dict[str, Any] = {}
+        if target == "p2p":
+            # Past a P2P hello only with a member's credential (issue 17 item 1): peer 0's, for peer 1.
+            got = cluster.peer(0)._credentials.for_dial(cluster.peer(1).peer_id, "state")
+            assert got is not None
+            cred = {"peer_id": cluster.peer(0).peer_id, "credential": got.key, "generation": got.generation,
+                    "epoch": got.epoch}
+        await offer_hello(ms, purpose=target, secret="", channel="state" if target == "p2p" else "", **cred)
 
     async def legit() -> None:
         await exact_all_reduces(cluster, rounds=3, tag=10)

@@ -1,0 +1,155 @@
+"""The master issues P2P credentials (issue 17 item 1), message by message: to every member of a topology
+round before its EstablishP2P, fresh per epoch, and again after a re-registration (issue 18's rebuild
+included), always consistent between the two ends of every pair."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from pccl.master.state import MasterState, Send
+from pccl.wire import messages as m
+from pccl.wire.credentials import CredentialSet
+
+CHANNELS = ("ring", "state", "bench")
+
+
+def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
+    return [(e.peer_id, e.message) for e in effects
+            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
+
+
+def join(st: MasterState) -> tuple[int, list[Any]]:
+    pid = st.new_connection("127.0.0.1", 0.0)
+    return pid, st.handle(pid, m.Register(p2p_port=40000 + pid), 0.0)
+
+
+def vote(st: MasterState, voters: list[int]) -> list[Any]:
+    eff: list[Any] = []
+    for p in voters:
+        eff += st.handle(p, m.UpdateTopologyVote(), 0.0)
+    return eff
+
+
+def confirm(st: MasterState, eff: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for pid, msg in sends(eff, m.EstablishP2P):
+        out += st.handle(pid, m.P2PConnectionsDone(epoch=msg.epoch, success=True), 0.0)
+    return out
+
+
+def held(eff: list[Any]) -> dict[int, CredentialSet]:
+    return {p: CredentialSet.from_message(msg) for p, msg in sends(eff, m.P2PCredentials)}
+
+
+def assert_pairs_agree(got: dict[int, CredentialSet], members: list[int]) -> None:
+    for i, j in itertools.permutations(members, 2):
+        for ch in CHANNELS:
+            dial = got[i].for_dial(j, ch)
+            assert dial is not None, (i, j)
+            assert dial.key == got[j].for_accept(i, ch), (i, j, ch)
+
+
+def world(n: int) -> tuple[MasterState, list[int]]:
+    st = MasterState()
+    ids = [join(st)[0] for _ in range(n)]
+    confirm(st, vote(st, ids[:1]))
+    assert st.accepted() == ids
+    return st, ids
+
+
+def test_a_lone_first_peer_gets_no_credentials() -> None:
+    st = MasterState()
+    _, eff = join(st)
+    assert sends(eff, m.Accepted) and not sends(eff, m.P2PCredentials)
+
+
+def test_every_member_gets_its_set_before_its_establish_and_every_pair_agrees() -> None:
+    st = MasterState()
+    first, _ = join(st)
+    a, b = join(st)[0], join(st)[0]
+    eff = vote(st, [first])
+    order = [(p, type(msg)) for p, msg in sends(eff)]
+    for p in (first, a, b):
+        mine = [t for q, t in order if q == p]
+        assert mine == [m.P2PCredentials, m.EstablishP2P], mine  # the credentials first
+    got = held(eff)
+    est = sends(eff, m.EstablishP2P)[0][1]
+    assert all(s.epoch == est.epoch and s.generation == st.generation for s in got.values())
+    assert_pairs_agree(got, [first, a, b])
+
+
+def test_each_epoch_has_fresh_credentials() -> None:
+    st, ids = world(3)
+    new, _ = join(st)
+    first = held(vote(st, ids))
+    # A failed round, then the retry: a new epoch each time, new keys each time.
+    failed = m.P2PConnectionsDone(epoch=first[ids[0]].epoch, success=False, failed_peers=[new])
+    eff = st.handle(ids[0], failed, 0.0)
+    assert sends(eff, m.TopologyResult)
+    second = held(vote(st, ids))
+    assert second[ids[0]].epoch == first[ids[0]].epoch + 1
+    assert_pairs_agree(second, [*ids, new])
+    for i, j in itertools.permutations([*ids, new], 2):
+        old, cur = first[i].for_dial(j, "ring"), second[i].for_dial(j, "ring")
+        assert old is not None and cur is not None and old.key != cur.key
+
+
+def test_two_masters_issue_different_credentials_for_the_same_epoch() -> None:
+    rounds = []
+    for _ in range(2):
+        st, ids = world(2)
+        join(st)
+        rounds.append(held(vote(st, ids)))
+    a, b = rounds
+    assert sorted(a) == sorted(b) and all(a[p].serial == b[p].serial for p in a)
+    for i, j in itertools.permutations(sorted(a), 2):
+        assert a[i].for_dial(j, "ring") != b[i].for_dial(j, "ring")
+
+
+def test_a_dropped_member_taken_back_gets_the_credentials_of_the_current_epoch() -> None:
+    st, ids = world(3)
+    eff = vote(st, ids)  # re-establish (no newcomers): everyone holds this epoch's set
+    before = held(eff)
+    confirm(st, eff)
+    epoch = st.epoch
+    assert all(s.epoch == epoch for s in before.values())
+    st.peer_lost(ids[1], "connection lost")
+    got = st.new_connection("127.0.0.1", 0.0, claim=ids[1])
+    eff = st.handle(got, m.Reregister(peer_id=ids[1], p2p_port=40000 + ids[1], peer_group=0, epoch=epoch,
+                                      ring=list(ids), revision=-1, generation=st.generation), 0.0)
+    kinds = [type(msg) for _, msg in sends(eff)]
+    assert kinds.index(m.Reregistered) < kinds.index(m.P2PCredentials)  # the peer reads Reregistered itself
+    again = held(eff)[ids[1]]
+    assert again == before[ids[1]]  # derived, not drawn: the same set as the others still hold
+    assert_pairs_agree({**before, ids[1]: again}, ids)
+
+
+def rereg(st: MasterState, pid: int, ring: list[int], epoch: int) -> list[Any]:
+    got = st.new_connection("127.0.0.1", 0.0, claim=pid)
+    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch, ring=ring, revision=-1,
+                       generation=1)
+    return st.handle(got, msg, 0.0)
+
+
+def test_a_rebuilt_master_issues_credentials_covering_the_members_still_expected_back() -> None:
+    st = MasterState()  # a restarted master: empty
+    ring = [3, 1, 2]
+    first = held(rereg(st, 3, ring, epoch=7))
+    assert first[3].generation == 2 and first[3].epoch == 7
+    assert sorted(first[3].dial_keys) == [1, 2]  # the others are not back yet
+    second = held(rereg(st, 1, ring, epoch=7))
+    assert list(second) == [1]
+    assert_pairs_agree({**first, **second}, [3, 1])
+    third = held(rereg(st, 2, ring, epoch=7))
+    assert_pairs_agree({**first, **second, **third}, ring)
+
+
+def test_a_rebuild_that_moves_to_a_newer_epoch_reissues_to_the_members_already_back() -> None:
+    st = MasterState()
+    held(rereg(st, 3, [3, 1], epoch=7))
+    eff = rereg(st, 2, [3, 2, 1], epoch=8)  # a member that saw a later epoch
+    got = held(eff)
+    assert sorted(got) == [2, 3] and all(s.epoch == 8 for s in got.values())
+    rest = held(rereg(st, 1, [3, 2, 1], epoch=8))
+    assert_pairs_agree({**got, **rest}, [3, 2, 1])
