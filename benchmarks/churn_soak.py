@@ -10,6 +10,13 @@ The peers are the demo's training peers (``pccl.demo.peer_main``): every step sy
 parameters + Adam moments), all-reduces the gradients (AVG, retried after a lost peer), applies the same
 update and admits pending peers. A newcomer catches up through the shared state.
 
+With ``--master-kill-every S`` the master is SIGKILLed every S seconds on top of the peer churn and a fresh
+``pccl-master`` started on the same port ``--restart-delay`` seconds later (default 1); the peers (default
+``PeerConfig.reconnect_window``) re-register with it (docs/concepts.md "Surviving the master"). Printed as
+well: the longest gap without a completed all-reduce across a master kill (passes when at most
+``--max-master-gap``, default restart delay + 2 s). A peer still waiting to be admitted when the master dies
+has no place to keep: its join fails and it exits; those are counted apart, not as errors.
+
 At the end (``--duration`` seconds) the driver tells the peers to stop; the stop flag rides in the all-reduce
 so every peer stops after the same step and syncs once more. Printed: the churn events, completed steps, the
 longest gap without a completed all-reduce, the catch-up transfers, and whether every survivor ended with the
@@ -19,6 +26,7 @@ Exit code 0 if the survivors' hashes agree, no peer failed with an error, and th
 ``--max-gap``.
 
 usage: python benchmarks/churn_soak.py [--duration 600] [--seed 0] [--max-peers 10] [--min-peers 2]
+       [--master-kill-every 60] [--restart-delay 1]
 """
 
 from __future__ import annotations
@@ -58,6 +66,12 @@ class Stats:
     false_evictions: int = 0
     errors: list[tuple[str, str]] = field(default_factory=list)
     crashes: list[tuple[str, int]] = field(default_factory=list)
+    master_kills: list[float] = field(default_factory=list)
+    master_gap: float = 0.0  # the longest gap without a completed all-reduce across a master kill
+    master_listening: list[float] = field(default_factory=list)  # when each restarted master listened
+    listen_gap: float = 0.0  # the longest time from a restarted master listening to the next completion
+    restart_s: float = 0.0  # the longest time from a kill to the restarted master listening
+    lost_joins: int = 0  # peers not yet admitted when the master died (their join fails)
 
     def at(self, t: float | None = None) -> str:
         return f"[{(time.monotonic() if t is None else t) - self.t0:7.1f}s]"
@@ -66,6 +80,12 @@ class Stats:
         if rev <= self.max_rev:
             return
         self.max_rev = rev
+        last = self.last_completion
+        if last is not None and any(last < k <= t for k in self.master_kills):
+            self.master_gap = max(self.master_gap, t - last)
+        for lt in self.master_listening:
+            if last is not None and last < lt <= t:
+                self.listen_gap = max(self.listen_gap, t - lt)
         if self.last_completion is not None and t - self.last_completion > self.longest_gap:
             self.longest_gap = t - self.last_completion
             self.longest_gap_at = self.last_completion
@@ -108,11 +128,21 @@ async def consume(cluster: c.Cluster, st: Stats, verbose: bool) -> None:
             where = f"{ch.name} (peer {msg.get('peer')}) in {msg.get('phase')} for {msg.get('for_s')}s"
             print(f"{st.at()}   {where}: " + ", ".join(f"{k}={stats.get(k)}" for k in keys), flush=True)
         elif ev == "error":
-            st.errors.append((ch.name, str(msg.get("message"))))
+            text = str(msg.get("message"))
+            # A peer not admitted when the master died, or a newcomer that a restarted master accepted
+            # alone before the run's members came back (they win: docs/concepts.md rule 0).
+            newcomer_first = "join again as a newcomer" in text
+            if st.master_kills and (newcomer_first or not ch.info.get("accepted")) \
+                    and "MASTER_CONNECTION_FAILED" in text:
+                st.lost_joins += 1
+                ch.info["lost_join"] = True
+                print(f"{st.at()} {ch.name} was not admitted yet when the master died: {text}", flush=True)
+                continue
+            st.errors.append((ch.name, text))
             print(f"{st.at()} !! {ch.name} failed: {msg.get('message')}", flush=True)
         elif ev == "exit":
             code = int(msg.get("code", 0))
-            if ch.state == "exited" and code != 0:
+            if ch.state == "exited" and code != 0 and not ch.info.get("lost_join"):
                 st.crashes.append((ch.name, code))
                 print(f"{st.at()} !! {ch.name} exited with code {code}\n{ch.log_tail(8)}", flush=True)
 
@@ -128,6 +158,8 @@ async def run(args: argparse.Namespace) -> int:
     n_spawned = 0
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra)
+        masters = [master]
+        master_port = int(master.address.rsplit(":", 1)[1])
         straggler = f"{args.straggler_timeout:g}s" if args.straggler_timeout > 0 else "off"
         print(f"{st.at()} master at {master.address} (heartbeat timeout {args.heartbeat_timeout:g}s, "
               f"straggler timeout {straggler}, peers heartbeat every {args.peer_heartbeat_interval:g}s)",
@@ -151,9 +183,26 @@ async def run(args: argparse.Namespace) -> int:
             print(f"{st.at()} spawned 2 initial peers", flush=True)
             t_end = time.monotonic() + args.duration
             next_status = time.monotonic() + args.status_every
+            every = args.master_kill_every
+            next_kill = time.monotonic() + every if every > 0 else float("inf")
             while time.monotonic() < t_end:
                 await trio.sleep(rng.uniform(args.event_min, args.event_max))
                 now = time.monotonic()
+                if now >= next_kill and now + args.restart_delay + 5.0 < t_end:
+                    next_kill = now + every
+                    master.proc.kill()
+                    st.master_kills.append(time.monotonic())
+                    print(f"{st.at()} SIGKILL the master; restarting it on port {master_port} in "
+                          f"{args.restart_delay:g}s", flush=True)
+                    await trio.sleep(args.restart_delay)
+                    master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra,
+                                                        port=master_port)
+                    masters.append(master)
+                    st.master_listening.append(master.listening_at)
+                    st.restart_s = max(st.restart_s, master.listening_at - st.master_kills[-1])
+                    master_seen = 0
+                    print(f"{st.at()} master restarted at {master.address}", flush=True)
+                    now = time.monotonic()
                 for t_stop, ch in list(stopped):
                     if now - t_stop > args.heartbeat_timeout + 2.0:
                         ch.kill()
@@ -234,7 +283,7 @@ async def run(args: argparse.Namespace) -> int:
             nursery.cancel_scope.cancel()
         survivors = [ch for ch in cluster.children if "done" in ch.info]
         unfinished = [ch for ch in cluster.live() if ch.info.get("accepted") and "done" not in ch.info]
-        lines = master.membership_lines()
+        lines = [ln for mp in masters for ln in mp.membership_lines()]
     # -- summary
     hashes = {str(ch.info["done"]["hash"]) for ch in survivors}
     revisions = {int(ch.info["done"]["revision"]) for ch in survivors}
@@ -265,9 +314,23 @@ async def run(args: argparse.Namespace) -> int:
         ["accepted peers that did not finish", len(unfinished)],
         ["peer errors / crashes", f"{len(st.errors)} / {len(st.crashes)}"],
     ]
+    master_ok = True
+    if st.master_kills:
+        limit = args.max_master_gap if args.max_master_gap is not None else args.restart_delay + 2.0
+        master_ok = st.master_gap <= limit
+        rows[1:1] = [
+            ["master SIGKILLs (restarted on the same port after s)",
+             f"{len(st.master_kills)} (every {args.master_kill_every:g}s, {args.restart_delay:g}s)"],
+            ["longest gap without a completed all-reduce across a master kill s",
+             f"{st.master_gap:.2f} (limit {limit:.2f})"],
+            ["longest time from a kill to the restarted master listening s", f"{st.restart_s:.2f}"],
+            ["longest time from a restarted master listening to the next all-reduce s",
+             f"{st.listen_gap:.2f}"],
+            ["joins lost to a master kill (not admitted yet)", st.lost_joins],
+        ]
     print(c.format_table(["churn soak", "result"], rows))
     ok = len(hashes) == 1 and len(survivors) >= 2 and len(revisions) == 1 and not st.errors \
-        and not st.crashes and st.longest_gap < args.max_gap
+        and not st.crashes and st.longest_gap < args.max_gap and master_ok
     for ch in unfinished:
         last = dict(ch.info.get("last", {}))
         age = time.monotonic() - float(last.pop("t", st.t0))
@@ -296,6 +359,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=128, help="MLP width of the training peers")
     p.add_argument("--max-gap", type=float, default=60.0,
                    help="fail if no all-reduce completes for this long (s)")
+    p.add_argument("--master-kill-every", type=float, default=0.0,
+                   help="SIGKILL the master every this many seconds, restart it on the same port (0: never)")
+    p.add_argument("--restart-delay", type=float, default=1.0,
+                   help="seconds from the master's SIGKILL to its restart")
+    p.add_argument("--max-master-gap", type=float, default=None,
+                   help="fail if an all-reduce gap across a master kill exceeds this (default: delay + 2)")
     p.add_argument("--stop-timeout", type=float, default=60.0)
     p.add_argument("--status-every", type=float, default=30.0)
     p.add_argument("--verbose", action="store_true", help="also print joins and catch-ups")

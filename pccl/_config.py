@@ -66,6 +66,12 @@ class MasterConfig:
             connection with ``MASTER_CONNECTION_FAILED`` ("look for a newer master"), so its peers
             fail over through their address lists, and it refuses the run's members from then on.
             ``None``: hold forever. Default 30 s.
+        rebuild_grace: a restarted or standby master that rebuilds the run from re-registrations
+            holds every vote until all of the last epoch's members are back, or for at most this many
+            seconds from the first re-registration (a majority is needed in any case; docs/concepts.md
+            "Surviving the master"). Members reconnect with a backoff of up to 1 s, so a few seconds
+            let them all return before the run resumes: one that returned after the others resumed
+            would retry another call than theirs (a deadlock). 0: resume at the majority.
         tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
             no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
         tls_key: PEM private key of ``tls_cert``.
@@ -87,11 +93,14 @@ class MasterConfig:
     status_host: str | None = None
     quorum: str = "auto"
     quorum_hold_timeout: float | None = 30.0
+    rebuild_grace: float = 2.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
 
     def __post_init__(self) -> None:
+        if self.rebuild_grace < 0:
+            raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")
         if self.quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")
@@ -168,9 +177,10 @@ class PeerConfig:
             (default): wait as long as the master is reachable.
         reconnect_window: how long an accepted peer that lost the master keeps trying to reconnect
             (with backoff, to each master address in turn) before giving up: calls made meanwhile
-            wait, then fail with MASTER_CONNECTION_FAILED. 0: no reconnection (the master's loss ends
-            the run for this peer, every call fails at once). See docs/concepts.md "Surviving the
-            master".
+            wait, then fail with MASTER_CONNECTION_FAILED. Default 60 s: a restarted master (or a
+            standby) takes the run back. 0: no reconnection (the master's loss ends the run for this
+            peer, every call fails at once, as in the established library). See docs/concepts.md
+            "Surviving the master".
         tls_cert: PEM certificate chain of this peer (with ``tls_key`` and ``tls_ca``); None (default):
             no TLS (None too: from ``$PCCL_TLS_CERT`` / ``$PCCL_TLS_KEY`` / ``$PCCL_TLS_CA`` when all
             three fields are None). With TLS every connection of this peer speaks TLS: to the master
@@ -195,7 +205,7 @@ class PeerConfig:
     schedule: str = "auto"
     secret: str | None = None
     accept_timeout: float | None = None
-    reconnect_window: float = 0.0
+    reconnect_window: float = 60.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None

@@ -55,6 +55,9 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--deadlock-grace", type=seconds, default=defaults.deadlock_grace,
                    help="fail the calls of a group whose peers wait in calls that cannot complete each other "
                         f"after this many seconds (default {defaults.deadlock_grace:g})")
+    p.add_argument("--rebuild-grace", type=seconds, default=defaults.rebuild_grace,
+                   help="a restarted master waits this long for every member of the run to come back "
+                        f"before it resumes (default {defaults.rebuild_grace:g}; docs/concepts.md)")
     p.add_argument("--quorum", choices=("auto", "on", "off"), default=defaults.quorum,
                    help="complete votes only while a majority of the epoch's members is connected: 'auto' "
                         "once a peer says it can fail over to a standby master, 'on', 'off' "
@@ -93,6 +96,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             heartbeat_timeout=args.heartbeat_timeout,
             straggler_timeout=args.straggler_timeout,
             deadlock_grace=args.deadlock_grace,
+            rebuild_grace=args.rebuild_grace,
             quorum=args.quorum,
             quorum_hold_timeout=args.quorum_hold_timeout,
             secret=secret,

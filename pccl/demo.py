@@ -231,10 +231,13 @@ async def _read_commands(cmds: _Commands) -> None:
 
 async def _admit_pending(comm: Any) -> bool:
     """Membership step of the loop: admit waiting peers when there are any (all peers call this)."""
-    from ._errors import UpdateTopologyFailedError
+    from ._errors import RankConnectionLostError, UpdateTopologyFailedError
 
-    if not await comm.are_peers_pending():
-        return False
+    try:
+        if not await comm.are_peers_pending():
+            return False
+    except RankConnectionLostError:
+        return False  # the master was lost during the query (every peer's failed): ask next step
     while True:
         try:
             await comm.update_topology()

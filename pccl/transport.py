@@ -312,7 +312,13 @@ class TcpTransport:
             raise ConnectFailed(f"connect to {host}:{port} timed out after {self.connect_timeout}s") from exc
         except OSError as exc:
             raise ConnectFailed(f"connect to {host}:{port} failed: {_os_reason(exc)}") from exc
-        return TcpStream(stream.socket)
+        try:
+            return TcpStream(stream.socket)
+        except OSError as exc:
+            # Reset right after the connect (e.g. the master was killed as it accepted): getpeername()
+            # fails with ENOTCONN. A failed connect, not a crash of the caller.
+            stream.socket.close()
+            raise ConnectFailed(f"connect to {host}:{port} failed: {_os_reason(exc)}") from exc
 
     async def listen(self, host: str, port: int) -> Listener:
         family = _stdsocket.AF_INET6 if ":" in host else _stdsocket.AF_INET

@@ -26,6 +26,7 @@ PURE_MODULES = [
     "pccl.wire.hello",
     "pccl.wire.credentials",
     "pccl.master.state",
+    "pccl.master.doubt",
     "pccl.master.election",
     "pccl.master.topology",
     "pccl.collectives.schedule",

@@ -40,7 +40,7 @@ def find_deadlocks(state: MasterState) -> list[Deadlock]:
     # Runs after every batch of messages: a deadlock needs at least two accepted peers of one group that all
     # have a vote in, which almost never holds while a run makes progress, so look at the voters first.
     if not state.resumed:
-        return []  # held (rebuilding, or no quorum): the votes wait for members to come back
+        return []  # held (rebuilding, no quorum, a roll call or an operation in doubt): votes wait
     voting = state.voting_peers()
     if len(voting) < 2 or not any(
         len(members := state.accepted(group)) >= 2 and voting.issuperset(members)

@@ -72,7 +72,8 @@ class MasterServer:
             # The handshake runs in each connection's task under hello_timeout, on its first receive.
             inner = TlsTransport(inner, server_context=_tls.server_context(tls), client_context=None)
         self.transport: Transport = inner
-        self.state = MasterState(clock=time.perf_counter, quorum=self.config.quorum)
+        self.state = MasterState(clock=time.perf_counter, quorum=self.config.quorum,
+                                 rebuild_grace=self.config.rebuild_grace)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
@@ -272,8 +273,14 @@ class MasterServer:
                     conn.scope.cancel()
             setup = self.config.p2p_setup_timeout
             self._execute(self.state.setup_overdue(now, setup))
+            # Operations in doubt after a master's loss wait at most a heartbeat timeout for the
+            # participants to come back (pccl/master/doubt.py).
+            self._execute(self.state.doubts_overdue(now, timeout))
             seen = [p.last_seen for p in self.state.peers.values()]
             deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
+            dd_doubt = self.state.doubt_deadline(timeout)
+            if dd_doubt is not None:
+                deadline = min(deadline, dd_doubt)
             sd_setup = self.state.setup_deadline(setup)
             if sd_setup is not None:
                 deadline = min(deadline, sd_setup)

@@ -31,6 +31,7 @@ from ..wire import messages as m
 from ..wire.credentials import CredentialIssuer
 from . import election as _election
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
+from .doubt import Decision, DoubtBook
 
 # --------------------------------------------------------------------------------------------
 # Effects
@@ -205,6 +206,8 @@ class _Rebuild:
     epoch: int
     expected: list[int]
     returned: set[int] = field(default_factory=set)
+    generations: dict[int, int] = field(default_factory=dict)  # the generation each returned one followed
+    epochs: dict[int, int] = field(default_factory=dict)  # the epoch each returned one reported
 
     @property
     def quorum(self) -> int:
@@ -241,6 +244,9 @@ class MasterState:
         clock: the time source the default solver's budget is measured with (the server passes
             ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
             step and stall limits, deterministically.
+        rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
+            many seconds after the rebuild started for the last epoch's members not back yet, even
+            once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
         credential_root: the random key every P2P credential of this master is derived from
             (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
@@ -254,6 +260,7 @@ class MasterState:
         bandwidth_stale_after: float = 3600.0,
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
+        rebuild_grace: float = 0.0,
         credential_root: bytes | None = None,
         quorum: str = "auto",
     ) -> None:
@@ -296,6 +303,15 @@ class MasterState:
         # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
         self.generation = 1
         self.rebuild: _Rebuild | None = None
+        # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
+        # one is undecided.
+        self.doubts = DoubtBook()
+        # At a rebuilt master: the ring each member reported when it re-registered (who its group
+        # still lists; see _on_reregister).
+        self._rings: dict[int, tuple[int, set[int]]] = {}  # peer -> (its epoch, its ring)
+        # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
+        # back yet once a majority returned (0: resume at the majority).
+        self.rebuild_grace = rebuild_grace
         # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
         # before the epoch's EstablishP2P, and after Reregistered.
         self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
@@ -374,6 +390,7 @@ class MasterState:
             "revisions": dict(self.last_revision),
             "generation": self.generation,
             "rebuilding": self.rebuild is not None,
+            "in_doubt": len(self.doubts.open_doubts()),
             "quorum_enforced": self.enforced,
             "held": not self.resumed,
         }
@@ -436,13 +453,19 @@ class MasterState:
     def resumed(self) -> bool:
         """False while the master is *held* (no vote completes): rebuilding without a majority of the
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
-        a majority of its epoch's members (docs/concepts.md "No split brain")."""
+        a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
+        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py)."""
+        return self._quorum_ok and not self.doubts.undecided
+
+    @property
+    def _quorum_ok(self) -> bool:
+        """The quorum part of :attr:`resumed` (what the hold clock of :meth:`_note_quorum` follows)."""
         return self.rebuild is None and (not self.enforced or self.quorate)
 
     def _note_quorum(self) -> list[Effect]:
         """Start or end the hold after a membership change: a master that became held starts its
         hold clock; one that is no longer held re-checks every pending vote."""
-        held = not self.resumed
+        held = not self._quorum_ok
         if held and self._held_since is None:
             self._held_since = self._now
             if self.rebuild is None:
@@ -490,6 +513,51 @@ class MasterState:
         self._held_since = None
         self._dismissed_generation = self.generation
         self._fresh = True
+        return effects
+
+    def doubt_deadline(self, timeout: float) -> float | None:
+        """When the oldest undecided operation in doubt runs out of time (see :meth:`doubts_overdue`)."""
+        return self.doubts.deadline(timeout)
+
+    def doubts_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Abort, for every peer waiting on it, each operation in doubt left undecided for longer than
+        ``timeout`` (a participant never came back after the master's loss), then resume the votes.
+
+        Args:
+            now: the current time (same clock as ``handle``).
+            timeout: seconds a decision may wait for the participants' re-registrations (the server
+                passes ``MasterConfig.heartbeat_timeout``: a peer silent that long is lost anyway).
+        """
+        self._now = now
+        was = self.doubts.undecided
+        return self._execute_decisions(self.doubts.overdue(now, timeout), was)
+
+    def _execute_decisions(self, decisions: list[Decision], was_undecided: bool) -> list[Effect]:
+        """Tell the waiting peers each decision; resume the votes once none is left open (and the
+        roll call is over)."""
+        effects: list[Effect] = []
+        for d in decisions:
+            kind, group, tag = d.key
+            peers = [p for p in d.peers if p in self.peers]
+            verdict = "committed" if d.commit else "aborted"
+            if kind == "op":
+                lost = int(Result.RANK_CONNECTION_LOST)
+                msg: m.Message = (m.CollectiveComplete(tag=tag, op_seq=d.seq) if d.commit else
+                                  m.CollectiveAbort(tag=tag, op_seq=d.seq, code=lost,
+                                                    reason=f"in doubt after the master's loss: {d.reason}"))
+                what = f"collective tag {tag} (group {group}, op {d.seq})"
+            else:
+                if d.commit and d.revision >= 0:
+                    self.last_revision[group] = max(self.last_revision.get(group, -1), d.revision)
+                msg = (m.SharedStateResult(sync_seq=d.seq, success=True, revision=d.revision) if d.commit else
+                       m.SharedStateResult(sync_seq=d.seq, success=False, revision=d.revision,
+                                           reason=f"in doubt after the master's loss: {d.reason}",
+                                           code=int(Result.RANK_CONNECTION_LOST)))
+                what = f"shared-state sync {d.seq} (group {group})"
+            effects += [Send(p, msg) for p in peers]
+            effects.append(Event(f"{what} in doubt: {verdict} for {peers} ({d.reason})"))
+        if (decisions or was_undecided) and self.resumed:
+            effects += self._recheck_votes()
         return effects
 
     def expired(self, now: float, timeout: float) -> list[int]:
@@ -783,6 +851,10 @@ class MasterState:
     def _remove(self, peer_id: int) -> list[Effect]:
         rec = self.peers.pop(peer_id)
         was_accepted = rec.phase is Phase.ACCEPTED
+        undecided = self.doubts.undecided
+        self.doubts.peer_lost(peer_id)
+        if was_accepted:
+            self.doubts.dropped(peer_id, rec.group)
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
@@ -810,6 +882,8 @@ class MasterState:
             effects += self._note_quorum()
         if was_accepted and not self.ring:
             effects += self._accept_first_if_alone()
+        if undecided and self.resumed:
+            effects += self._recheck_votes()  # the last peer waiting on a decision left
         return effects
 
     # ---------------------------------------------------------------------------------------
@@ -913,17 +987,35 @@ class MasterState:
             return effects + self.kick(
                 rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
                              "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
-        if msg.generation > self.generation and (self.ring or self.rebuild is not None):
-            return self.kick(rec.peer_id, f"this master (generation {self.generation}) is older than "
-                                          f"the peer's (generation {msg.generation})",
-                             Result.MASTER_CONNECTION_FAILED)
+        rb0 = self.rebuild
+        if rb0 is not None and rb0.generations and msg.generation < max(rb0.generations.values()):
+            # It missed a master the others followed: the run went on there without it (final).
+            return effects + self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
+                                                    f"the run went on at generation "
+                                                    f"{max(rb0.generations.values())} without it: join again",
+                                       Result.KICKED)
+        if rb0 is not None and rb0.generations and msg.generation > max(rb0.generations.values()):
+            # Rebuilding from members that had missed a newer master: this one followed it. Those
+            # were away while the run went on at the newer master: they must join again (final), and
+            # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
+            effects += self._newer_generation(msg.generation)
+        elif msg.generation > self.generation and (self.ring or self.rebuild is not None):
+            return effects + self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
+                                                    f"than the peer's (generation {msg.generation})",
+                                       Result.MASTER_CONNECTION_FAILED)
+        conflict = self.doubts.conflict(msg.peer_group, msg)
+        if conflict is not None:
+            return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
         reissue = False  # the rebuild moved to a newer epoch: the members already back need new credentials
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
+            self.doubts.own_from(self._op_seq, self._sync_seq)
             self.epoch = msg.epoch
             self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
+            self._rings = {}
+            self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
             self.base = list(msg.ring)
             self._fresh = False
             self._held_since = self._now
@@ -934,15 +1026,60 @@ class MasterState:
             if msg.epoch > rb.epoch:
                 rb.epoch = self.epoch = msg.epoch
                 rb.expected = list(msg.ring)
+                # Those back with an older epoch that are not members of the newer one are refused as
+                # if they had come after it (the outcome must not depend on the order of arrival).
+                for p, e in sorted(rb.epochs.items()):
+                    if e < msg.epoch and p not in rb.expected:
+                        rb.returned.discard(p)
+                        rb.generations.pop(p, None)
+                        self._rings.pop(p, None)
+                        del rb.epochs[p]
+                        effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
+                                                f"{msg.epoch}: join again", Result.KICKED)
+                self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
                 self.base = list(msg.ring)
                 reissue = True
             elif msg.epoch < rb.epoch:
+                # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
-                return effects + self.kick(rec.peer_id, why, Result.MASTER_CONNECTION_FAILED)
+                return effects + self.kick(rec.peer_id, why, Result.KICKED)
+        elif msg.epoch != self.epoch and set(self.ring) & set(msg.ring):
+            # KICKED (final): the run this master serves (members the peer knows) moved to another
+            # epoch without it. (A master now serving another run refuses it with the retryable code
+            # below: a standby may hold its run.)
+            return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
+                                                    f"epoch {self.epoch}: join again", Result.KICKED)
         elif msg.epoch != self.epoch:
             return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
                                                     f"epoch {self.epoch}: join again",
                                        Result.MASTER_CONNECTION_FAILED)
+        elif self.doubts.moved_on(msg.peer_id, msg.peer_group):
+            # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
+            # standby of the right epoch may not share.
+            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
+                                                    "since it was dropped: join again", Result.KICKED)
+        if self._rings:
+            # A peer drops the dead of its own group from its table at every operation: one that a
+            # member of its group back here no longer lists was dropped from the group while it was
+            # away (the run went on without it). Refused in either order of arrival (KICKED: final).
+            # (Only a ring of the same or a later epoch counts: an older one may not know newer members.)
+            for p, (e, ring) in sorted(self._rings.items()):
+                if p in self.peers and self.peers[p].group == msg.peer_group and rec.peer_id not in ring \
+                        and e >= msg.epoch:
+                    return effects + self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
+                                                            "lists this peer: the run went on without it, "
+                                                            "join again", Result.KICKED)
+            for p in sorted(self._rings):
+                if p in self.peers and self.peers[p].group == msg.peer_group and p not in msg.ring \
+                        and msg.epoch >= self._rings[p][0]:
+                    self._rings.pop(p, None)
+                    if rb is not None:
+                        rb.returned.discard(p)
+                        rb.generations.pop(p, None)
+                        rb.epochs.pop(p, None)
+                    why = (f"peer {rec.peer_id} of group {msg.peer_group} no longer lists this peer: the run "
+                           "went on without it, join again")
+                    effects += self.kick(p, why, Result.KICKED)
         if msg.revision >= 0:
             self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
         rec.phase = Phase.ACCEPTED
@@ -963,8 +1100,15 @@ class MasterState:
         effects += [Send(p, creds) for p, creds in issued.items()]
         effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                              f"(group {msg.peer_group})"))
+        if rb is not None or self._rings:
+            self._rings[rec.peer_id] = (msg.epoch, set(msg.ring))
+        was = self.doubts.undecided
+        decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
+        effects += self._execute_decisions(decisions, was)
         if rb is not None:
             rb.returned.add(rec.peer_id)
+            rb.generations[rec.peer_id] = msg.generation
+            rb.epochs[rec.peer_id] = msg.epoch
             if rb.reached:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
@@ -982,6 +1126,28 @@ class MasterState:
             effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
                                  "now need a majority of the epoch's members"))
         return effects + self._note_quorum()
+
+    def _newer_generation(self, generation: int) -> list[Effect]:
+        """While rebuilding, a member that followed master ``generation`` (newer than what the members
+        back so far followed) re-registers: move to ``generation + 1`` and refuse, for good, the
+        members back so far that followed an older one."""
+        rb = self.rebuild
+        assert rb is not None
+        self.generation = max(self.generation, generation + 1)
+        self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
+        self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
+        self.doubts.own_from(self._op_seq, self._sync_seq)
+        effects: list[Effect] = [Event(f"a member followed master generation {generation}: rebuilding as "
+                                       f"generation {self.generation}")]
+        for p, g in sorted(rb.generations.items()):
+            if g < generation:
+                rb.returned.discard(p)
+                del rb.generations[p]
+                rb.epochs.pop(p, None)
+                self._rings.pop(p, None)
+                effects += self.kick(p, f"this peer followed master generation {g}, the run went on at "
+                                        f"generation {generation} without it: join again", Result.KICKED)
+        return effects
 
     def _recheck_votes(self) -> list[Effect]:
         """Re-check every pending vote (the rebuild ended)."""
@@ -1549,6 +1715,8 @@ class MasterState:
         op = self._ops[key]
         if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
+            self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
+            self.doubts.progressed(op.group)
             nxt = self._reserve(op)
             return [
                 Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=nxt))
@@ -1558,6 +1726,8 @@ class MasterState:
 
     def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:
         op = self._ops.pop(key)
+        if op.running:
+            self.doubts.settle(("op", op.group, op.tag), op.op_seq, False)
         self._take_reservation(key)
         targets = op.participants if op.running else list(op.votes)
         forget = [] if op.running else op.speculative_seqs()
@@ -1718,6 +1888,8 @@ class MasterState:
             return []
         del self._syncs[group]
         self.last_revision[group] = rnd.revision
+        self.doubts.settle(("sync", group, -1), rnd.seq, True)
+        self.doubts.progressed(group)
         return [
             Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision))
             for p in sorted(rnd.participants)
@@ -1725,6 +1897,7 @@ class MasterState:
 
     def _fail_sync(self, group: int, reason: str, code: Result) -> list[Effect]:
         rnd = self._syncs.pop(group)
+        self.doubts.settle(("sync", group, -1), rnd.seq, False)
         return [
             Send(
                 p,

@@ -36,6 +36,7 @@ from .._config import PeerConfig
 from .._errors import (
     InvalidArgumentError,
     InvalidUsageError,
+    KickedError,
     MasterConnectionError,
     PCCLError,
     RankConnectionLostError,
@@ -444,7 +445,8 @@ class Communicator:
             return
         log.warning("peer %d: %s; reconnecting (window %gs)", self.peer_id, error,
                     self.config.reconnect_window)
-        self._fail_calls(RankConnectionLostError(f"{error.message}; reconnecting to the master: retry"))
+        self._fail_calls(RankConnectionLostError(f"{error.message}; reconnecting to the master: retry"),
+                         keep_in_doubt=True)
         self._ms = None
         assert self._nursery is not None
         self._nursery.start_soon(self._close_stream, ms)
@@ -472,6 +474,11 @@ class Communicator:
                     if problem is None:
                         return
                     last = f"{host}:{port}: {problem.message}"
+                    if isinstance(problem, KickedError):
+                        # The run went on without this peer: no master will take it back.
+                        self._fail_all(MasterConnectionError(f"lost the master; {last}"))
+                        self._link_up.set()
+                        return
             if trio.current_time() >= deadline:
                 break
             await trio.sleep_until(min(deadline, trio.current_time() + backoff))
@@ -545,9 +552,14 @@ class Communicator:
         self._fail_calls(error)
         self._link_up.set()  # calls waiting for a reconnection see the loss
 
-    def _fail_calls(self, error: PCCLError) -> None:
+    def _fail_calls(self, error: PCCLError, *, keep_in_doubt: bool = False) -> None:
         """Fail every call waiting on the master with ``error`` (topology calls with their own
-        retryable error when ``error`` is retryable)."""
+        retryable error when ``error`` is retryable).
+
+        ``keep_in_doubt`` (the master is lost and this peer reconnects): collectives and a sync whose
+        part is finished here stay waiting, buffers untouched, for the decision of the master they
+        reconnect to (docs/concepts.md "Operations in doubt"); the window's end fails them.
+        """
         self._accepted.fail(error)
         if self._topology_waiter is not None:
             topo = error
@@ -559,11 +571,15 @@ class Communicator:
         while self._pending_waiters:
             self._pending_waiters.popleft().fail(error)
         for st in self._ops.values():
+            if keep_in_doubt and self._core.in_doubt(st.tag):
+                continue
             st.abort_error = error
             st.commence.fail(error)
             st.complete.fail(error)
             if st.scope is not None:
                 st.scope.cancel()
+        if keep_in_doubt and self._core.sync_in_doubt:
+            return  # and it keeps serving its tensors: the others may still be finishing their part
         if self._sync_inbox is not None:
             self._sync_inbox.fail(error)
         self._state_server.abort(error)
@@ -899,6 +915,7 @@ class Communicator:
             t_commence = time.perf_counter()
             ring = [r.peer_id for r in rows]
             self._core.reconcile_group(rows)
+            self._core.commenced(tag, ring)
             problem = self._core.commence_problem(descriptor, rdesc.count, ring)
             if problem is not None:
                 self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
@@ -947,13 +964,22 @@ class Communicator:
                     await st.complete.wait()
                 raise RankConnectionLostError(reason)
             t_ring = time.perf_counter()
-            await self._send(m.CollectiveDone(tag=tag, success=True, op_seq=st.op_seq))
+            # In doubt from here until the master answers: a master lost now (even while this
+            # report is being sent) leaves the op waiting for the decision of the master this peer
+            # reconnects to, instead of failing it (docs/concepts.md "Operations in doubt").
+            self._core.op_done(tag)
+            try:
+                await self._send(m.CollectiveDone(tag=tag, success=True, op_seq=st.op_seq))
+            except RankConnectionLostError:
+                if not self._core.reconnecting:
+                    raise
             await st.complete.wait()
             t_complete = time.perf_counter()
             st.concluded = True
             # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
             # cannot land half-way.
             self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype)
+            self._core.op_committed(tag, st.op_seq)
             # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
             cache.give_back(work)
             work = None
@@ -1224,7 +1250,7 @@ class Communicator:
         self._sync_inbox = inbox
         try:
             return await shared_state.run_sync(
-                _MasterLink(self._send, inbox),
+                _SyncLink(self, inbox),
                 self._dialer,
                 self._state_server,
                 state,
@@ -1253,11 +1279,16 @@ class Communicator:
             pass
 
 
-class _MasterLink:
-    """The master link of one exchange (a :class:`pccl.peer.links.MasterLink`)."""
+class _SyncLink:
+    """The master link of one shared-state sync (a :class:`pccl.peer.links.MasterLink`).
 
-    def __init__(self, send: Callable[[m.Message], Awaitable[None]], inbox: Mailbox) -> None:
-        self._send = send
+    Its ``SharedStateDone(success)`` puts the sync in doubt (:meth:`PeerState.sync_done`) before it
+    is sent: if the master is lost from then on, the sync waits for the decision of the master this
+    peer reconnects to instead of failing (docs/concepts.md "Operations in doubt").
+    """
+
+    def __init__(self, comm: Communicator, inbox: Mailbox) -> None:
+        self._comm = comm
         self._inbox = inbox
 
     @property
@@ -1265,7 +1296,15 @@ class _MasterLink:
         return self._inbox
 
     async def send(self, msg: m.Message) -> None:
-        await self._send(msg)
+        core = self._comm._core
+        in_doubt = isinstance(msg, m.SharedStateDone) and msg.success
+        if in_doubt:
+            core.sync_done()
+        try:
+            await self._comm._send(msg)
+        except RankConnectionLostError:
+            if not (in_doubt and core.reconnecting):
+                raise
 
 
 def _guard(fn: Callable[..., Awaitable[None]], what: str) -> Callable[..., Awaitable[None]]:

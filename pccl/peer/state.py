@@ -11,9 +11,9 @@ the P2P pool. See docs/protocol.md for the messages.
 from __future__ import annotations
 
 import enum
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from .._errors import (
@@ -170,6 +170,10 @@ class OpRecord:
     tag: int
     op_seq: int = -1  # the master's sequence number, once commenced (or the reserved one, speculating)
     aborted: bool = False
+    # This peer's part is finished (CollectiveDone sent or being sent): from here on the op is in doubt
+    # if the master is lost before it answers (docs/concepts.md "Operations in doubt").
+    done: bool = False
+    participants: list[int] = field(default_factory=list)  # the commenced ring's peer ids
     speculative: bool = False  # running under the reserved op_seq before the master answered
 
 
@@ -180,9 +184,16 @@ class SyncRecord:
     sync_seq: int = -1  # from the plan
     plans: int = 0
     results: int = 0
+    revision: int = -1  # the plan's revision
+    members: list[int] = field(default_factory=list)  # peer ids of the plan's table
+    done: bool = False  # SharedStateDone(success) sent or being sent: in doubt if the master is lost
 
 
 _TOPOLOGY_CALLS = ("update_topology", "optimize_topology")
+
+#: How many tags' last committed op a peer remembers for a re-registration (the tags in use at once;
+#: older ones cannot be in doubt anywhere).
+COMMITTED_TAGS_KEPT = 64
 
 
 class PeerState:
@@ -220,6 +231,12 @@ class PeerState:
         self.generation = 0
         self.revision = -1
         self.reconnecting_until: float | None = None
+        # Operations in doubt (docs/concepts.md "Operations in doubt"): the last committed op_seq per
+        # recently used tag and the last applied sync_seq, and what the master's loss failed here.
+        self.committed_ops: OrderedDict[int, int] = OrderedDict()
+        self.sync_committed = -1
+        self.abandoned_ops: list[list[int]] = []
+        self.sync_abandoned = -1
         # The speculative start (docs/protocol.md section 4): tag -> (op_seq the master reserved for
         # this group's next op with the tag, the epoch it was reserved in), oldest first.
         self.reserved: dict[int, tuple[int, int]] = {}
@@ -266,6 +283,8 @@ class PeerState:
             "master_ok": self.lost is None and self.reconnecting_until is None,
             "reconnecting": self.reconnecting_until is not None,
             "generation": self.generation,
+            "ops_in_doubt": sorted(t for t, op in self.ops.items() if op.done),
+            "sync_in_doubt": self.sync is not None and self.sync.done,
             "reserved_tags": len(self.reserved),
             "speculative_starts": self.speculative_starts,
         }
@@ -333,6 +352,45 @@ class PeerState:
         """Collective ``tag`` returned (or failed)."""
         self.ops.pop(tag, None)
 
+    def commenced(self, tag: int, participants: list[int]) -> None:
+        """Collective ``tag`` commenced with the ring ``participants`` (peer ids)."""
+        op = self.ops.get(tag)
+        if op is not None:
+            op.participants = list(participants)
+
+    def op_done(self, tag: int) -> None:
+        """This peer's part of collective ``tag`` is finished: it reports CollectiveDone(success) now.
+
+        From here on the op is *in doubt* while the master has not answered: a master loss keeps it
+        (reported in :meth:`reregister`) instead of failing it.
+        """
+        op = self.ops.get(tag)
+        if op is not None:
+            op.done = True
+
+    def op_committed(self, tag: int, op_seq: int) -> None:
+        """Collective ``tag`` (``op_seq``) was committed into the caller's buffer here."""
+        self.committed_ops[tag] = op_seq
+        self.committed_ops.move_to_end(tag)
+        while len(self.committed_ops) > COMMITTED_TAGS_KEPT:
+            self.committed_ops.popitem(last=False)
+
+    def in_doubt(self, tag: int) -> bool:
+        """True when collective ``tag`` is finished here and waits for the master's decision."""
+        op = self.ops.get(tag)
+        return op is not None and op.done
+
+    def sync_done(self) -> None:
+        """This peer's part of the running sync is finished: it reports SharedStateDone(success) now
+        (in doubt from here on, like :meth:`op_done`)."""
+        if self.sync is not None and self.sync.sync_seq >= 0:
+            self.sync.done = True
+
+    @property
+    def sync_in_doubt(self) -> bool:
+        """True when the running sync is finished here and waits for the master's result."""
+        return self.sync is not None and self.sync.done
+
     def speculate(self, tag: int, nbytes: int = 0) -> int:
         """Start registered op ``tag`` under its reserved op_seq, if it has one for this epoch and its
         receive buffer (``nbytes``) is at most :data:`SPECULATIVE_MAX_BYTES`.
@@ -350,6 +408,7 @@ class PeerState:
                 or nbytes > SPECULATIVE_MAX_BYTES:
             return -1
         op.op_seq, op.speculative = res[0], True
+        op.participants = self.group_ring  # the ring it runs on (for an in-doubt report)
         self.speculative_starts += 1
         return res[0]
 
@@ -390,6 +449,11 @@ class PeerState:
             return False
         if self.reconnecting_until is None:
             self.reconnecting_until = now + window
+            # What this loss fails here (commenced, unfinished): nobody can have committed it.
+            self.abandoned_ops = [[t, op.op_seq] for t, op in sorted(self.ops.items())
+                                  if op.op_seq >= 0 and not op.done]
+            sync = self.sync
+            self.sync_abandoned = sync.sync_seq if sync is not None and not sync.done else -1
         self.drop_reservations()
         return True
 
@@ -417,6 +481,14 @@ class PeerState:
             ring=list(ring),
             revision=self.revision,
             generation=self.generation,
+            ops_in_doubt=[[t, op.op_seq, list(op.participants)] for t, op in sorted(self.ops.items())
+                          if op.done],
+            ops_abandoned=[list(x) for x in self.abandoned_ops],
+            ops_committed=[[t, seq] for t, seq in self.committed_ops.items()],
+            sync_in_doubt=[self.sync.sync_seq, self.sync.revision, list(self.sync.members)]
+            if self.sync is not None and self.sync.done else [],
+            sync_abandoned=self.sync_abandoned,
+            sync_committed=self.sync_committed,
         )
 
     def reregistered(self, msg: m.Message, now: float) -> PCCLError | None:
@@ -425,8 +497,12 @@ class PeerState:
         Returns:
             None: taken back (the link is up again, generation remembered); else why this master
             is not followed (refused us, names another id, or is of an older generation: fencing).
+            A :class:`KickedError` is final: the run went on without this peer, it must join again.
         """
         if isinstance(msg, m.Refused):
+            if msg.code == int(Result.KICKED):
+                # Final (the run went on without this peer): the caller stops reconnecting.
+                return KickedError(f"the master refused the re-registration: {msg.reason}")
             return MasterConnectionError(f"the master refused the re-registration: {msg.reason}")
         if not isinstance(msg, m.Reregistered):
             return MasterConnectionError(f"unexpected answer to Reregister: {type(msg).__name__}")
@@ -442,6 +518,7 @@ class PeerState:
         self.reconnecting_until = None
         self.drop_reservations()
         self.last_heard = now
+        self.abandoned_ops, self.sync_abandoned = [], -1
         return None
 
     # ---------------------------------------------------------------------------------------
@@ -651,6 +728,8 @@ class PeerState:
             return []
         self.sync.sync_seq = msg.sync_seq
         self.sync.plans += 1
+        self.sync.revision = msg.revision
+        self.sync.members = [r.peer_id for r in msg.peers]
         self.reconcile_group(msg.peers)
         return [Resolve(Call.SYNC, msg)]
 
@@ -661,6 +740,7 @@ class PeerState:
         self.sync.results += 1
         if msg.success:
             self.revision = msg.revision
+            self.sync_committed = msg.sync_seq
         return [Resolve(Call.SYNC, msg)]
 
     def _on_measure(self, msg: m.Message) -> list[Effect]:

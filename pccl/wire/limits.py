@@ -195,6 +195,7 @@ def master_inbound(max_frame: int) -> FrameLimits:
     caps = {
         m.P2PConnectionsDone.TAG: LIST_MAX_FRAME,
         m.BandwidthReport.TAG: LIST_MAX_FRAME,
+        m.Reregister.TAG: LIST_MAX_FRAME,  # the ring and the operations in doubt
         m.SharedStateSync.TAG: STATE_SYNC_MAX_FRAME,
         m.SharedStateEntries.TAG: STATE_SYNC_MAX_FRAME,
     }

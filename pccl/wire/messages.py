@@ -394,6 +394,18 @@ class Reregister(Message):
     What it last knew: the ``epoch`` and ``ring`` (peer ids, ring order) of that epoch's members,
     its group's shared-state ``revision`` (-1: never synced) and the master ``generation`` it
     followed. See docs/concepts.md "Surviving the master" for the rules.
+
+    And the operations the master's loss left undecided here (the commit skew, docs/concepts.md
+    "Operations in doubt"), so the master decides them the same way for every peer:
+
+    * ``ops_in_doubt``: ``[tag, op_seq, [participant ids]]`` per collective whose part this peer
+      finished (CollectiveDone sent, or being sent) without the master's answer;
+    * ``ops_abandoned``: ``[tag, op_seq]`` per commenced collective this peer failed at the loss
+      (so nobody can have committed it);
+    * ``ops_committed``: ``[tag, op_seq]``, the last committed op of each recently used tag;
+    * ``sync_in_doubt``: ``[]`` or ``[sync_seq, revision, [member ids of the plan]]``, a shared-state
+      sync finished here without the master's result; ``sync_abandoned``: the sync_seq of a sync this
+      peer failed at the loss (-1: none); ``sync_committed``: the sync_seq of its last applied sync.
     """
 
     peer_id: int
@@ -403,6 +415,12 @@ class Reregister(Message):
     ring: list[int]
     revision: int
     generation: int
+    ops_in_doubt: list[list[Any]] = dataclasses.field(default_factory=list)
+    ops_abandoned: list[list[int]] = dataclasses.field(default_factory=list)
+    ops_committed: list[list[int]] = dataclasses.field(default_factory=list)
+    sync_in_doubt: list[Any] = dataclasses.field(default_factory=list)
+    sync_abandoned: int = -1
+    sync_committed: int = -1
 
 
 @_register(17)

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from pccl import PeerConfig
 from pccl.blocking import Communicator
 
 T = TypeVar("T")
@@ -65,13 +66,14 @@ def admit(accepted: Sequence[Communicator]) -> None:
     run_threads([lambda c=c: one(c) for c in accepted])
 
 
-def make_cluster(address: str, n: int, groups: Sequence[int] | None = None) -> list[Communicator]:
+def make_cluster(address: str, n: int, groups: Sequence[int] | None = None,
+                 config: PeerConfig | None = None) -> list[Communicator]:
     """Connect ``n`` peers one by one (the first is accepted alone, the others are admitted by a vote)."""
     groups = list(groups) if groups is not None else [0] * n
     comms: list[Communicator] = []
     try:
         for i in range(n):
-            c = Communicator(address, groups[i])
+            c = Communicator(address, groups[i], config=config)
             if comms:
                 connecting = threading.Thread(target=c.connect, daemon=True)
                 connecting.start()

@@ -91,7 +91,9 @@ def _wait_until(cond: Callable[[], bool]) -> None:
 def test_master_lost_inside_a_call_then_every_call_fails_promptly(during: str) -> None:
     master = MasterNode("127.0.0.1:0")
     master.run()
-    comms = make_cluster(master.address, 3)
+    # No reconnection: the master's loss ends the run for these peers (the reconnecting default is
+    # tested by the restart and standby tests below).
+    comms = make_cluster(master.address, 3, config=PeerConfig(reconnect_window=0))
     try:
         call, waiting = _IN_FLIGHT[during]
         inside = comms[:2]  # the third never calls: the master is waiting for it when it goes

@@ -39,6 +39,8 @@ N = 4
 COUNT = 4 * 1000  # int64 elements: 4 chunks of 1000, one 8000-byte frame per ring step
 FRAMES = 2 * (N - 1)  # frames each peer sends per all-reduce (reduce-scatter + all-gather)
 HB_TIMEOUT = 2.0  # DEFAULT_MASTER_CONFIG / DEFAULT_PEER_CONFIG
+# The tests of a final master loss opt out of reconnecting (PeerConfig's default window is 60 s).
+NO_RECONNECT = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=0)
 HB_INTERVAL = 0.2
 # The frame cutters below follow the ring (frames on the victim's stream to its successor); the
 # other schedules' faults at every step: tests/collectives/test_live_schedules.py.
@@ -300,21 +302,21 @@ async def _all_fail_with_master_lost(cluster: TestCluster, lose: Callable[[], No
 
 async def test_master_crash_fails_calls(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(3)
+    cluster = await pccl_cluster(3, config=NO_RECONNECT)
     elapsed = await _all_fail_with_master_lost(cluster, cluster.kill_master)
     assert elapsed < 0.1  # the crash resets the connections: no need to wait for heartbeats
 
 
 async def test_master_hang_fails_calls_within_heartbeat_timeout(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(3)
+    cluster = await pccl_cluster(3, config=NO_RECONNECT)
     elapsed = await _all_fail_with_master_lost(cluster, cluster.hang_master)
     assert HB_TIMEOUT - HB_INTERVAL <= elapsed <= HB_TIMEOUT + HB_INTERVAL + 0.1, elapsed
 
 
 async def test_master_cut_off_fails_calls_within_heartbeat_timeout(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    cluster = await pccl_cluster(3)
+    cluster = await pccl_cluster(3, config=NO_RECONNECT)
     elapsed = await _all_fail_with_master_lost(cluster, lambda: cluster.partition(MASTER))
     assert HB_TIMEOUT - HB_INTERVAL <= elapsed <= HB_TIMEOUT + HB_INTERVAL + 0.1, elapsed
 
@@ -322,7 +324,7 @@ async def test_master_cut_off_fails_calls_within_heartbeat_timeout(
 @pytest.mark.parametrize("cut", ["isolated", "from-master"])
 async def test_partitioned_peer_is_evicted(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, cut: str) -> None:
-    cluster = await pccl_cluster(N)
+    cluster = await pccl_cluster(N, config=NO_RECONNECT)  # the victim's loss of the master is final
     victim = 2
     survivors = [i for i in cluster.alive if i != victim]
     bufs = Buffers(cluster)

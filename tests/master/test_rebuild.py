@@ -128,7 +128,9 @@ def test_live_master_takes_a_dropped_member_back_only_in_the_same_epoch() -> Non
     assert pid == b and sends(eff, m.Reregistered) and hs.st.accepted() == [a, b]
     hs.st.peer_lost(b, "left (connection closed)")
     _, eff = rereg(hs.st, b, epoch=epoch - 1, ring=[a, b], generation=1)
-    assert [k.code for k in kicks(eff)] == [int(Result.MASTER_CONNECTION_FAILED)]
+    # KICKED (final for the peer): the run moved to another epoch without it. It was a retryable
+    # MASTER_CONNECTION_FAILED, which left the peer retrying for its whole window (60 s by default).
+    assert [k.code for k in kicks(eff)] == [int(Result.KICKED)]
     assert hs.st.accepted() == [a]
 
 
@@ -149,3 +151,41 @@ def test_an_older_epoch_than_the_rebuild_is_refused_a_newer_one_replaces_the_rin
     assert sends(eff, m.Reregistered)
     s = st.statistics()
     assert s["epoch"] == EPOCH + 1 and not s["rebuilding"] and st.accepted() == [1, 3]
+
+
+def test_rebuilding_from_a_member_that_missed_a_newer_master_moves_on_to_the_newer_generation() -> None:
+    """Issue 18, found by the chaos test with master restarts: the first member back had been away while
+    the run went on at a newer master (it reports generation 3, the others 5). The rebuild follows the
+    newer one, and the member that missed it must join again (refused for good: KICKED)."""
+    st = MasterState()
+    rereg(st, 1, generation=3)
+    assert st.generation == 4
+    _, eff = rereg(st, 2, generation=5)
+    assert st.generation == 6 and st.statistics()["rebuilding"]
+    (kick,) = kicks(eff)
+    assert kick.peer_id == 1 and kick.code == int(Result.KICKED) and "generation 3" in kick.reason
+    (who, ok), = sends(eff, m.Reregistered)
+    assert who == 2 and ok.generation == 6
+    assert st.accepted() == [2]
+
+
+def test_a_member_that_missed_a_newer_master_is_refused_in_either_order() -> None:
+    st = MasterState()
+    rereg(st, 2, generation=5)
+    _, eff = rereg(st, 1, generation=3)  # after the newer one: the same outcome as before it
+    (kick,) = kicks(eff)
+    assert kick.peer_id == 1 and kick.code == int(Result.KICKED) and st.generation == 6
+    assert st.accepted() == [2]
+
+
+def test_a_member_its_group_no_longer_lists_is_refused_in_either_order() -> None:
+    """Found by the chaos test with master restarts: peer 3 was dropped from the group (peers 1 and 2 ran
+    operations without it, their tables no longer list it) but re-registers with the same epoch."""
+    for order in ([3, 1, 2], [1, 2, 3]):
+        st = MasterState()
+        out: list[Any] = []
+        for pid in order:
+            ring = [1, 2, 3] if pid == 3 else [1, 2]
+            out += rereg(st, pid, ring=ring)[1]
+        assert [k.peer_id for k in kicks(out)] == [3] and kicks(out)[0].code == int(Result.KICKED), order
+        assert sorted(st.accepted()) == [1, 2], order

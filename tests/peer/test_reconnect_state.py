@@ -7,7 +7,7 @@ import pytest
 import pccl
 from pccl._address import parse_addresses
 from pccl._env import master_address
-from pccl.peer.state import PeerState
+from pccl.peer.state import COMMITTED_TAGS_KEPT, AbortOp, Call, PeerState, Resolve
 from pccl.wire import messages as m
 
 
@@ -26,7 +26,7 @@ def test_registered_sets_the_generation_and_reregister_reports_what_the_master_n
     st.end_membership()
     assert st.generation == 3 and st.revision == 9
     want = m.Reregister(peer_id=2, p2p_port=41002, peer_group=0, epoch=5, ring=[3, 2, 1], revision=9,
-                        generation=3)
+                        generation=3, sync_committed=1)  # the last sync it applied (operations in doubt)
     assert st.reregister(41002) == want
 
 
@@ -64,3 +64,90 @@ def test_master_address_lists() -> None:
         parse_addresses([])
     with pytest.raises(pccl.InvalidArgumentError):
         parse_addresses("h1:1,,h2:2")
+
+
+# ---------------------------------------------------------------------------------------------
+# operations in doubt (docs/concepts.md "Operations in doubt")
+
+ROWS = [m.PeerRow(p, "10.0.0.1", 40000 + p, 0) for p in (3, 2, 1)]
+
+
+def commenced(st: PeerState, tag: int, op_seq: int) -> None:
+    st.begin_op(tag)
+    st.handle(m.CollectiveCommence(tag=tag, op_seq=op_seq, peers=ROWS), now=0.0)
+    st.commenced(tag, [3, 2, 1])
+
+
+def test_a_finished_op_stays_in_doubt_and_is_reported_with_what_the_loss_failed() -> None:
+    st = member()
+    commenced(st, 1, 10)
+    st.op_done(1)  # its part is finished: CollectiveDone(success) goes out now
+    commenced(st, 2, 11)  # still in its ring when the master goes
+    st.op_committed(5, 8)  # an earlier op of another tag, committed
+    assert st.in_doubt(1) and not st.in_doubt(2)
+    assert st.link_down(1.0, 60.0)
+    st.end_op(2)  # the loss fails op 2 (its call raises); op 1 waits
+    rr = st.reregister(41002)
+    assert rr.ops_in_doubt == [[1, 10, [3, 2, 1]]]
+    assert rr.ops_abandoned == [[2, 11]]
+    assert rr.ops_committed == [[5, 8]]
+    assert st.statistics()["ops_in_doubt"] == [1]
+    # The master's decision arrives on the new link, with the old op_seq: it completes the waiting call.
+    assert st.reregistered(m.Reregistered(peer_id=2, generation=4, epoch=5), now=2.0) is None
+    assert st.reregister(41002).ops_abandoned == []  # reported once
+    (effect,) = st.handle(m.CollectiveComplete(tag=1, op_seq=10), now=2.1)
+    assert effect == Resolve(Call.COMPLETE, m.CollectiveComplete(tag=1, op_seq=10), 1)
+
+
+def test_an_aborted_in_doubt_op_fails_its_call() -> None:
+    st = member()
+    commenced(st, 1, 10)
+    st.op_done(1)
+    st.link_down(1.0, 60.0)
+    st.reregistered(m.Reregistered(peer_id=2, generation=4, epoch=5), now=2.0)
+    (effect,) = st.handle(m.CollectiveAbort(tag=1, op_seq=10, code=8, reason="in doubt: aborted"), now=2.1)
+    assert isinstance(effect, AbortOp) and effect.tag == 1
+    assert isinstance(effect.error, pccl.RankConnectionLostError)
+
+
+def test_committed_tags_are_bounded() -> None:
+    st = member()
+    for tag in range(COMMITTED_TAGS_KEPT + 10):
+        st.op_committed(tag, tag + 100)
+    st.op_committed(3, 999)  # a reused tag moves to the newest end
+    rr = st.reregister(41002)
+    assert len(rr.ops_committed) == COMMITTED_TAGS_KEPT and rr.ops_committed[-1] == [3, 999]
+
+
+def test_a_finished_sync_stays_in_doubt() -> None:
+    st = member()
+    st.begin_sync()
+    st.handle(m.SharedStatePlan(sync_seq=4, revision=7, fetch=[], peers=ROWS), now=0.0)
+    st.sync_done()
+    assert st.sync_in_doubt
+    st.link_down(1.0, 60.0)
+    rr = st.reregister(41002)
+    assert rr.sync_in_doubt == [4, 7, [3, 2, 1]] and rr.sync_abandoned == -1
+    st.reregistered(m.Reregistered(peer_id=2, generation=4, epoch=5), now=2.0)
+    (effect,) = st.handle(m.SharedStateResult(sync_seq=4, success=True, revision=7), now=2.1)
+    assert effect.call is Call.SYNC and st.revision == 7 and st.sync_committed == 4  # type: ignore[union-attr]
+
+
+def test_an_unfinished_sync_is_reported_abandoned() -> None:
+    st = member()
+    st.begin_sync()
+    st.handle(m.SharedStatePlan(sync_seq=4, revision=7, fetch=[], peers=ROWS), now=0.0)
+    st.link_down(1.0, 60.0)
+    rr = st.reregister(41002)
+    assert rr.sync_in_doubt == [] and rr.sync_abandoned == 4
+
+
+def test_a_refusal_because_the_run_went_on_is_final() -> None:
+    st = member()
+    st.link_down(1.0, 60.0)
+    gone = m.Refused(reason="group 0 went on without this peer", code=int(pccl.Result.KICKED))
+    final = st.reregistered(gone, now=2.0)
+    assert isinstance(final, pccl.KickedError)
+    epoch = m.Refused(reason="epoch", code=int(pccl.Result.MASTER_CONNECTION_FAILED))
+    retry = st.reregistered(epoch, now=2.0)
+    assert retry is not None and not isinstance(retry, pccl.KickedError)

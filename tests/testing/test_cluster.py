@@ -7,6 +7,7 @@ virtual times asserted here are exact consequences of the configuration (2 s hea
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,8 @@ from pccl.testing import (
 from pccl.testing.pytest_plugin import ClusterFactory
 
 HB_TIMEOUT = DEFAULT_MASTER_CONFIG.heartbeat_timeout
+# The tests of a final master loss opt out of reconnecting (PeerConfig's default window is 60 s).
+NO_RECONNECT = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=0)
 HB_INTERVAL = DEFAULT_MASTER_CONFIG.heartbeat_interval
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "testing.md"
 
@@ -155,7 +158,7 @@ async def test_kill_crashes_host_and_cancels_tasks(autojump_clock: trio.testing.
 
 
 async def test_hang_is_evicted_by_heartbeat(autojump_clock: trio.testing.MockClock) -> None:
-    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001)) as cluster:
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=NO_RECONNECT) as cluster:
         cluster.hang(2)
         assert cluster.status(2) is PeerStatus.HUNG and cluster.host(2).hung and cluster.alive == [0, 1]
         waited = await wait_until(lambda: not cluster.is_member(2))
@@ -244,7 +247,7 @@ async def test_leave_is_graceful(autojump_clock: trio.testing.MockClock) -> None
 
 @pytest.mark.parametrize("how", ["kill", "hang"])
 async def test_master_faults(autojump_clock: trio.testing.MockClock, how: str) -> None:
-    async with open_test_cluster(2, network=VirtualNetwork(latency=0.001)) as cluster:
+    async with open_test_cluster(2, network=VirtualNetwork(latency=0.001), config=NO_RECONNECT) as cluster:
         t0 = trio.current_time()
         if how == "kill":
             cluster.kill_master()
