@@ -1092,9 +1092,10 @@ class MasterState:
         back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)
         effects.append(Send(rec.peer_id, back))
         # After Reregistered (the peer reads that one itself): credentials of this master for every member
-        # of the run and, while rebuilding, every member expected back, so that connections between them
-        # work whoever returns first.
-        members = list(dict.fromkeys([*self.ring, *(rb.expected if rb is not None else [])]))
+        # of the run, every member expected back while rebuilding, and every member of the ring this peer
+        # reports (its own group's, which the expected ring, taken from the first peer back, may not be),
+        # so that connections between them work whoever returns first.
+        members = list(dict.fromkeys([*self.ring, *(rb.expected if rb is not None else []), *msg.ring]))
         receivers = self.ring if reissue else [rec.peer_id]
         issued = self._issuer.issue_all(receivers, members, generation=self.generation, epoch=self.epoch)
         effects += [Send(p, creds) for p, creds in issued.items()]

@@ -189,3 +189,16 @@ def test_a_member_its_group_no_longer_lists_is_refused_in_either_order() -> None
             out += rereg(st, pid, ring=ring)[1]
         assert [k.peer_id for k in kicks(out)] == [3] and kicks(out)[0].code == int(Result.KICKED), order
         assert sorted(st.accepted()) == [1, 2], order
+
+
+def test_a_member_of_another_group_gets_credentials_for_its_own_groups_ring_whoever_returned_first() -> None:
+    # Two groups: the rebuild's expected ring comes from the first peer back (group 1). A group-0 member
+    # returning next must still get dial credentials for every member of its own group's ring, including
+    # the ones that are not back yet; without them its first collective fails at connect ("the master
+    # issued none for it") and retries in a loop (found by the chaos test with master restarts).
+    st = MasterState()
+    rereg(st, 5, ring=[5, 6, 7], group=1)
+    _, eff = rereg(st, 1, ring=[1, 2, 3], group=0)
+    ((who, creds),) = sends(eff, m.P2PCredentials)
+    assert who == 1
+    assert {row.peer_id for row in creds.dial} >= {2, 3}
