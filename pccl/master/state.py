@@ -1492,29 +1492,16 @@ class MasterState:
             op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
         if rec.peer_id in op.votes or rec.peer_id in op.participant_set:
             # The running op is unaffected; only this call is refused.
-            return [
-                Send(
-                    rec.peer_id,
-                    m.CollectiveAbort(
-                        tag=msg.tag,
-                        op_seq=msg.op_seq,
-                        code=int(Result.INVALID_USAGE),
-                        reason=f"tag {msg.tag} is already running in this group",
-                    ),
-                )
-            ]
-        if op.running:
-            return [
-                Send(
-                    rec.peer_id,
-                    m.CollectiveAbort(
-                        tag=msg.tag,
-                        op_seq=msg.op_seq,
-                        code=int(Result.INVALID_USAGE),
-                        reason=f"tag {msg.tag} is already running without this peer",
-                    ),
-                )
-            ]
+            where = "in this group"
+        elif op.running:
+            where = "without this peer"
+        else:
+            where = ""
+        if where:
+            reason = f"tag {msg.tag} is already running {where}"
+            refusal = m.CollectiveAbort(tag=msg.tag, op_seq=msg.op_seq, code=int(Result.INVALID_USAGE),
+                                        reason=reason)
+            return [Send(rec.peer_id, refusal)]
         op.votes[rec.peer_id] = msg.descriptor
         if msg.op_seq >= 0:
             op.proposals[rec.peer_id] = msg.op_seq
@@ -1552,35 +1539,12 @@ class MasterState:
         forget = op.speculative_seqs()
         if any(op.votes[p] != first for p in voters):
             reason = describe_mismatch(op.tag, {p: op.votes[p] for p in voters})
-            return [
-                Send(
-                    p,
-                    m.CollectiveAbort(
-                        tag=op.tag,
-                        op_seq=op.proposal(p),
-                        code=int(Result.INVALID_ARGUMENT),
-                        reason=reason,
-                        forget=forget,
-                    ),
-                )
-                for p in voters
-            ]
+            return self._abort_to(op, voters, Result.INVALID_ARGUMENT, reason, forget)
         if len(voters) < 2:
-            return [
-                Send(
-                    p,
-                    m.CollectiveAbort(
-                        tag=op.tag,
-                        op_seq=op.proposal(p),
-                        code=int(Result.TOO_FEW_PEERS),
-                        reason=too_few_peers_reason(
-                            op.group, [r for r in self.registered() if self.peers[r].group == op.group]
-                        ),
-                        forget=forget,
-                    ),
-                )
-                for p in voters
-            ]
+            reason = too_few_peers_reason(
+                op.group, [r for r in self.registered() if self.peers[r].group == op.group]
+            )
+            return self._abort_to(op, voters, Result.TOO_FEW_PEERS, reason, forget)
         # The speculative start holds when the reservation does (same epoch, the ring it was reserved
         # for, nobody lost since: a loss drops it) and no voter started under another number. Voters
         # without the number (they reconnected or cancelled and missed the last confirmation) join it
@@ -1598,38 +1562,16 @@ class MasterState:
             # A speculative attempt failed before the vote completed (and the descriptors agree):
             # the op cannot complete; everyone is aborted, buffers intact.
             p0 = min(op.early_failed)
-            return [
-                Send(
-                    p,
-                    m.CollectiveAbort(
-                        tag=op.tag,
-                        op_seq=op.proposal(p),
-                        code=int(Result.RANK_CONNECTION_LOST),
-                        reason=f"peer {p0} failed: {op.early_failed[p0]}",
-                        forget=forget,
-                    ),
-                )
-                for p in voters
-            ]
+            reason = f"peer {p0} failed: {op.early_failed[p0]}"
+            return self._abort_to(op, voters, Result.RANK_CONNECTION_LOST, reason, forget)
         if op.proposals and not fast:
             # Some voters started speculatively but the start does not hold: their data planes ran on a
             # number (or a ring) the others do not share. All-or-nothing: everyone is aborted with
             # their buffers intact and forgets the speculative numbers; the retry has no reservation
             # and takes the slow path.
             why = self._why_not_fast(res, voters, op.proposals)
-            return [
-                Send(
-                    p,
-                    m.CollectiveAbort(
-                        tag=op.tag,
-                        op_seq=op.proposal(p),
-                        code=int(Result.RANK_CONNECTION_LOST),
-                        reason=f"tag {op.tag}: the speculative start was not confirmed ({why}): retry",
-                        forget=forget,
-                    ),
-                )
-                for p in voters
-            ]
+            reason = f"tag {op.tag}: the speculative start was not confirmed ({why}): retry"
+            return self._abort_to(op, voters, Result.RANK_CONNECTION_LOST, reason, forget)
         op.running = True
         op.participants = voters
         op.participant_set = set(voters)
@@ -1730,13 +1672,18 @@ class MasterState:
         if op.running:
             self.doubts.settle(("op", op.group, op.tag), op.op_seq, False)
         self._take_reservation(key)
-        targets = op.participants if op.running else list(op.votes)
-        forget = [] if op.running else op.speculative_seqs()
+        targets = [p for p in (op.participants if op.running else op.votes) if p in self.peers]
+        return self._abort_to(op, targets, code, reason, [] if op.running else op.speculative_seqs())
+
+    @staticmethod
+    def _abort_to(
+        op: _CollectiveOp, targets: list[int], code: Result, reason: str, forget: list[int]
+    ) -> list[Effect]:
+        """CollectiveAbort of ``op`` to each of ``targets``, each under the op_seq it knows the op by."""
         return [
-            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.proposal(p), reason=reason, code=int(code),
+            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.proposal(p), code=int(code), reason=reason,
                                       forget=forget))
             for p in targets
-            if p in self.peers
         ]
 
     def _op_peer_lost(self, key: tuple[int, int], peer_id: int) -> list[Effect]:
