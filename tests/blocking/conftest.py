@@ -1,4 +1,5 @@
-"""Fixtures for the blocking-API tests: a master on port 0 and clusters of connected peers."""
+"""Fixtures for the blocking-API tests: clusters of connected peers (the ``master`` fixture is in
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,6 @@ import pytest
 from pccl.blocking import Communicator, MasterNode
 
 from ._helpers import make_cluster
-
-
-@pytest.fixture
-def master() -> Iterator[MasterNode]:
-    """A master on 127.0.0.1 with a system-chosen port."""
-    m = MasterNode("127.0.0.1:0")
-    m.run()
-    try:
-        yield m
-    finally:
-        m.interrupt()
 
 
 @pytest.fixture

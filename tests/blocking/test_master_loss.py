@@ -29,7 +29,7 @@ from pccl.blocking import (
     TensorInfo,
 )
 
-from ._helpers import JOIN_TIMEOUT, admit, make_cluster, run_threads
+from ._helpers import JOIN_TIMEOUT, make_cluster, run_threads
 
 _SIZE = 1 << 18  # float32 elements: 1 MB
 
@@ -147,15 +147,11 @@ def test_blocking_peers_survive_a_master_restarted_on_the_same_port() -> None:
     master = MasterNode("127.0.0.1:0")
     master.run()
     port = master.port
-    a = Communicator(master.address, config=config)
-    b = Communicator(master.address, config=config)
     second: MasterNode | None = None
+    comms: list[Communicator] = []
     try:
-        a.connect()
-        joining = threading.Thread(target=b.connect, daemon=True)
-        joining.start()
-        admit([a])
-        joining.join(JOIN_TIMEOUT)
+        comms = make_cluster(master.address, 2, config=config)
+        a, b = comms
         assert b.connected
         assert run_threads([lambda: _retrying_all_reduce(a), lambda: _retrying_all_reduce(b)]) == [2.0, 2.0]
         master.interrupt()
@@ -165,8 +161,8 @@ def test_blocking_peers_survive_a_master_restarted_on_the_same_port() -> None:
         stats = second.statistics()
         assert stats["generation"] == 2 and stats["accepted"] == 2
     finally:
-        a.close()
-        b.close()
+        for c in comms:
+            c.close()
         master.close()
         if second is not None:
             second.close()
@@ -180,14 +176,10 @@ def test_blocking_peers_fail_over_to_a_running_standby() -> None:
     first.run()
     standby.run()
     addresses = f"{first.address},{standby.address}"
-    a = Communicator(addresses, config=config)
-    b = Communicator(addresses, config=config)
+    comms: list[Communicator] = []
     try:
-        a.connect()
-        joining = threading.Thread(target=b.connect, daemon=True)
-        joining.start()
-        admit([a])
-        joining.join(JOIN_TIMEOUT)
+        comms = make_cluster(addresses, 2, config=config)
+        a, b = comms
         assert b.connected and standby.statistics()["connected"] == 0  # the first address is the master
         assert run_threads([lambda: _retrying_all_reduce(a), lambda: _retrying_all_reduce(b)]) == [2.0, 2.0]
         first.interrupt()
@@ -195,7 +187,7 @@ def test_blocking_peers_fail_over_to_a_running_standby() -> None:
         stats = standby.statistics()
         assert stats["generation"] == 2 and stats["accepted"] == 2
     finally:
-        a.close()
-        b.close()
+        for c in comms:
+            c.close()
         first.close()
         standby.close()

@@ -1,4 +1,4 @@
-"""Fixtures for the compatibility tests: a master on a free port, stopped at teardown."""
+"""Fixtures shared by the blocking-API and compatibility tests."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pccl import MasterNode
 
 @pytest.fixture
 def master() -> Iterator[MasterNode]:
-    """A running master on 127.0.0.1 (port chosen by the system)."""
+    """A running master on 127.0.0.1 (port chosen by the system), stopped at teardown."""
     m = MasterNode("127.0.0.1:0")
     m.run()
     try:
