@@ -32,6 +32,7 @@ from ..wire.credentials import CredentialIssuer
 from . import election as _election
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 from .doubt import Decision, DoubtBook
+from .rounds import PendingDecision, RoundBook, TopologyDecision, reported_epoch
 
 # --------------------------------------------------------------------------------------------
 # Effects
@@ -306,6 +307,11 @@ class MasterState:
         # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
         # one is undecided.
         self.doubts = DoubtBook()
+        # Membership rounds in doubt (pccl/master/rounds.py): topology and are_peers_pending rounds the
+        # master's loss split; every vote waits while one is undecided. The count of are_peers_pending
+        # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
+        self.rounds = RoundBook()
+        self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
         # At a rebuilt master: the ring each member reported when it re-registered (who its group
         # still lists; see _on_reregister).
         self._rings: dict[int, tuple[int, set[int]]] = {}  # peer -> (its epoch, its ring)
@@ -455,7 +461,7 @@ class MasterState:
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
         a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
         in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py)."""
-        return self._quorum_ok and not self.doubts.undecided
+        return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided
 
     @property
     def _quorum_ok(self) -> bool:
@@ -517,7 +523,8 @@ class MasterState:
 
     def doubt_deadline(self, timeout: float) -> float | None:
         """When the oldest undecided operation in doubt runs out of time (see :meth:`doubts_overdue`)."""
-        return self.doubts.deadline(timeout)
+        ends = [d for d in (self.doubts.deadline(timeout), self.rounds.deadline(timeout)) if d is not None]
+        return min(ends, default=None)
 
     def doubts_overdue(self, now: float, timeout: float) -> list[Effect]:
         """Abort, for every peer waiting on it, each operation in doubt left undecided for longer than
@@ -530,7 +537,8 @@ class MasterState:
         """
         self._now = now
         was = self.doubts.undecided
-        return self._execute_decisions(self.doubts.overdue(now, timeout), was)
+        effects = self._execute_decisions(self.doubts.overdue(now, timeout), was)
+        return effects + self._execute_rounds(*self.rounds.overdue(now, timeout))
 
     def _execute_decisions(self, decisions: list[Decision], was_undecided: bool) -> list[Effect]:
         """Tell the waiting peers each decision; resume the votes once none is left open (and the
@@ -559,6 +567,66 @@ class MasterState:
         if (decisions or was_undecided) and self.resumed:
             effects += self._recheck_votes()
         return effects
+
+    def _execute_rounds(self, topology: list[TopologyDecision],
+                        pending: list[PendingDecision]) -> list[Effect]:
+        """Tell the waiting peers each round's outcome (pccl/master/rounds.py); resume the votes once none
+        is left open."""
+        effects: list[Effect] = []
+        for d in topology:
+            peers = [p for p in d.peers if p in self.peers]
+            if d.commit:
+                effects += self._adopt_round(d)
+                msg: m.Message = m.TopologyResult(success=True, epoch=d.epoch, peers=[])
+            else:
+                code = (Result.UPDATE_TOPOLOGY_FAILED if d.kind == "update"
+                        else Result.TOPOLOGY_OPTIMIZATION_FAILED)
+                msg = m.TopologyResult(success=False, epoch=self.epoch, peers=[], code=int(code),
+                                       reason=f"in doubt after the master's loss: {d.reason}")
+            effects += [Send(p, msg) for p in peers]
+            verdict = "committed" if d.commit else "aborted"
+            effects.append(Event(f"{d.kind}_topology round of epoch {d.epoch} in doubt: {verdict} for "
+                                 f"{peers} ({d.reason})"))
+        for pd in pending:
+            peers = [p for p in pd.peers if p in self.peers and self.peers[p].phase is Phase.ACCEPTED]
+            if pd.answer is None:
+                if peers and not self._pending_votes:
+                    self._pending_opened = self._now
+                self._pending_votes.update(peers)
+            else:
+                effects += [Send(p, m.PeersPendingResult(pending=pd.answer)) for p in peers]
+            what = "runs here" if pd.answer is None else f"answered {pd.answer}"
+            effects.append(Event(f"are_peers_pending round {pd.key} in doubt: {what} for {peers} "
+                                 f"({pd.reason})"))
+        if (topology or pending) and self.resumed:
+            effects += self._recheck_votes()
+        return effects
+
+    def _adopt_round(self, d: TopologyDecision) -> list[Effect]:
+        """A topology round in doubt committed: its epoch and ring become the run's (the members back so
+        far get the epoch's P2P credentials of this master)."""
+        members = list(d.members)
+        changed = d.epoch != self.epoch
+        self.epoch = max(self.epoch, d.epoch)
+        rb = self.rebuild
+        if rb is not None and d.epoch >= rb.epoch:
+            rb.epoch, rb.expected = d.epoch, list(members)
+        self.base = list(members)
+        order = {p: i for i, p in enumerate(members)}
+        self.ring = sorted(self.ring, key=lambda p: (order.get(p, len(order)), p))
+        for p in d.peers:
+            if p in self._rings:
+                self._rings[p] = (d.epoch, set(members))
+        if not changed:
+            return []
+        known = list(dict.fromkeys([*self.ring, *members, *(rb.expected if rb is not None else [])]))
+        issued = self._issuer.issue_all(self.ring, known, generation=self.generation, epoch=self.epoch)
+        return [Send(p, creds) for p, creds in issued.items()]
+
+    def _counted_pending(self) -> int:
+        """are_peers_pending rounds completed at the current epoch (members count them alike)."""
+        epoch, count = self._pending_count
+        return count if epoch == self.epoch else 0
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
@@ -758,6 +826,7 @@ class MasterState:
             return []
         # The round is taken out first: the late members' removal must not fail it.
         self._topology = None
+        self.rounds.settle(rnd.epoch, False)
         effects: list[Effect] = []
         code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
         for p in late:
@@ -851,8 +920,9 @@ class MasterState:
     def _remove(self, peer_id: int) -> list[Effect]:
         rec = self.peers.pop(peer_id)
         was_accepted = rec.phase is Phase.ACCEPTED
-        undecided = self.doubts.undecided
+        undecided = self.doubts.undecided or self.rounds.undecided
         self.doubts.peer_lost(peer_id)
+        self.rounds.peer_lost(peer_id)
         if was_accepted:
             self.doubts.dropped(peer_id, rec.group)
         if peer_id in self.ring:
@@ -1006,51 +1076,61 @@ class MasterState:
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
+        conflict = self.rounds.conflict(msg)
+        if conflict is not None:
+            return effects + self.kick(rec.peer_id, conflict, Result.KICKED)
+        # The epoch it may be at: a member waiting on a topology round (in doubt, or failed by the loss
+        # after its EstablishP2P) counts at the round's epoch (docs/concepts.md "Rounds in doubt").
+        at = reported_epoch(msg)
         reissue = False  # the rebuild moved to a newer epoch: the members already back need new credentials
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self.doubts.own_from(self._op_seq, self._sync_seq)
-            self.epoch = msg.epoch
-            self.rebuild = _Rebuild(epoch=msg.epoch, expected=list(msg.ring))
+            self.epoch = at
+            self.rebuild = _Rebuild(epoch=at, expected=list(msg.ring))
             self._rings = {}
+            self.rounds = RoundBook()
             self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
             self.base = list(msg.ring)
             self._fresh = False
             self._held_since = self._now
-            effects.append(Event(f"rebuilding the run from re-registrations: epoch {msg.epoch}, "
+            effects.append(Event(f"rebuilding the run from re-registrations: epoch {at}, "
                                  f"{len(msg.ring)} member(s), generation {self.generation}"))
         rb = self.rebuild
+        run_epoch = rb.epoch if rb is not None else self.epoch
+        if at < run_epoch and msg.topology_abandoned >= 0 and self.rounds.round_above(at):
+            at = run_epoch  # it voted in the round in doubt (or aborted) but got no EstablishP2P
         if rb is not None:
-            if msg.epoch > rb.epoch:
-                rb.epoch = self.epoch = msg.epoch
+            if at > rb.epoch:
+                rb.epoch = self.epoch = at
                 rb.expected = list(msg.ring)
                 # Those back with an older epoch that are not members of the newer one are refused as
                 # if they had come after it (the outcome must not depend on the order of arrival).
                 for p, e in sorted(rb.epochs.items()):
-                    if e < msg.epoch and p not in rb.expected:
+                    if e < at and p not in rb.expected:
                         rb.returned.discard(p)
                         rb.generations.pop(p, None)
                         self._rings.pop(p, None)
                         del rb.epochs[p]
                         effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
-                                                f"{msg.epoch}: join again", Result.KICKED)
+                                                f"{at}: join again", Result.KICKED)
                 self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
                 self.base = list(msg.ring)
                 reissue = True
-            elif msg.epoch < rb.epoch:
+            elif at < rb.epoch:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
-                why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
+                why = f"re-registered with epoch {at}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.KICKED)
-        elif msg.epoch != self.epoch and set(self.ring) & set(msg.ring):
+        elif at != self.epoch and set(self.ring) & set(msg.ring):
             # KICKED (final): the run this master serves (members the peer knows) moved to another
             # epoch without it. (A master now serving another run refuses it with the retryable code
             # below: a standby may hold its run.)
-            return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
+            return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
                                                     f"epoch {self.epoch}: join again", Result.KICKED)
-        elif msg.epoch != self.epoch:
-            return effects + self.kick(rec.peer_id, f"re-registered with epoch {msg.epoch}, the run is at "
+        elif at != self.epoch:
+            return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
                                                     f"epoch {self.epoch}: join again",
                                        Result.MASTER_CONNECTION_FAILED)
         elif self.doubts.moved_on(msg.peer_id, msg.peer_group):
@@ -1106,10 +1186,16 @@ class MasterState:
         was = self.doubts.undecided
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
         effects += self._execute_decisions(decisions, was)
+        if len(msg.pending) == 4 and msg.pending[0] == self.epoch:
+            # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
+            # count the members back report (docs/concepts.md "Rounds in doubt").
+            self._pending_count = (self.epoch, max(self._counted_pending(), msg.pending[1]))
+        expected = set(rb.expected) if rb is not None else set(self.base)
+        effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
             rb.returned.add(rec.peer_id)
             rb.generations[rec.peer_id] = msg.generation
-            rb.epochs[rec.peer_id] = msg.epoch
+            rb.epochs[rec.peer_id] = at
             if rb.reached:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
@@ -1206,6 +1292,8 @@ class MasterState:
         pending = bool(self.registered())
         voters = [p for p in self.ring if p in self._pending_votes]
         self._pending_votes.clear()
+        self._pending_count = (self.epoch, self._counted_pending() + 1)
+        self.rounds.answered(self._pending_count, pending)
         return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
 
     def _on_update_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
@@ -1325,7 +1413,9 @@ class MasterState:
                     )
                 )
             effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
+            self.rounds.settle(rnd.epoch, False)
             return effects
+        self.rounds.settle(rnd.epoch, True)
         self.ring = list(rnd.members)
         self.base = list(self.ring)
         self._fresh = False
@@ -1358,6 +1448,7 @@ class MasterState:
             effects = self._check_establish()
             if self._topology is rnd and not any(p in self.ring for p in rnd.members):
                 self._topology = None
+                self.rounds.settle(rnd.epoch, False)
             return effects
         if rnd.measuring or rnd.measure_rounds:
             rnd.measuring.discard(peer_id)

@@ -561,14 +561,16 @@ class Communicator:
         reconnect to (docs/concepts.md "Operations in doubt"); the window's end fails them.
         """
         self._accepted.fail(error)
-        if self._topology_waiter is not None:
+        if self._topology_waiter is not None and not (keep_in_doubt and self._core.topology_in_doubt):
+            # (A topology call that confirmed its setup is in doubt: it waits for the decision of the
+            # master it reconnects to, docs/concepts.md "Rounds in doubt".)
             topo = error
             if isinstance(error, RankConnectionLostError):
                 cls = TopologyOptimizationFailedError if self._core.membership == "optimize_topology" \
                     else UpdateTopologyFailedError
                 topo = cls(error.message)
             self._topology_waiter.fail(topo)
-        while self._pending_waiters:
+        while self._pending_waiters and not keep_in_doubt:  # (votes out: in doubt, like the above)
             self._pending_waiters.popleft().fail(error)
         for st in self._ops.values():
             if keep_in_doubt and self._core.in_doubt(st.tag):
@@ -724,6 +726,7 @@ class Communicator:
         async with trio.open_nursery() as nursery:
             for row in targets:
                 nursery.start_soon(one, row)
+        self._core.setup_done(effect.epoch, ok)  # in doubt from here on, even if the send fails
         try:
             await self._send(
                 m.P2PConnectionsDone(epoch=effect.epoch, success=ok, failed_peers=failed, reason=reason)
@@ -774,10 +777,12 @@ class Communicator:
         await self._await_link()
         waiter: Waiter[m.PeersPendingResult] = Waiter()
         self._pending_waiters.append(waiter)
+        self._core.begin_pending()
         try:
             await self._send(m.PeersPendingVote())
             return (await waiter.wait()).pending
         finally:
+            self._core.end_pending()
             if waiter in self._pending_waiters:
                 self._pending_waiters.remove(waiter)
 

@@ -218,6 +218,7 @@ class PeerState:
         # successful TopologyResult); unlike ``table`` never reconciled with collectives: the set the
         # masters' quorum rule counts, reported in Reregister (docs/concepts.md "No split brain").
         self.members: list[int] = []
+        self.members_epoch = -1  # the epoch ``members`` came from
         self.ops: dict[int, OpRecord] = {}
         self.membership: str | None = None  # the membership call running, by name
         self.sync: SyncRecord | None = None
@@ -241,6 +242,16 @@ class PeerState:
         # this group's next op with the tag, the epoch it was reserved in), oldest first.
         self.reserved: dict[int, tuple[int, int]] = {}
         self.speculative_starts = 0
+        # Membership rounds in doubt (docs/concepts.md "Rounds in doubt"): the last EstablishP2P of the
+        # running topology call (epoch, table) and the epoch whose setup it confirmed; the epoch of a
+        # topology call the master's loss failed here (-1: none); the are_peers_pending answers got at
+        # this epoch, the last one (-1: none) and the votes waiting for one.
+        self.setup: tuple[int, list[m.PeerRow]] | None = None
+        self.setup_confirmed = -1
+        self.topology_abandoned = -1
+        self.pending_answers = 0
+        self.pending_last = -1
+        self.pending_waiting = 0
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -285,6 +296,8 @@ class PeerState:
             "generation": self.generation,
             "ops_in_doubt": sorted(t for t, op in self.ops.items() if op.done),
             "sync_in_doubt": self.sync is not None and self.sync.done,
+            "topology_in_doubt": self.topology_in_doubt,
+            "pending_votes_waiting": self.pending_waiting,
             "reserved_tags": len(self.reserved),
             "speculative_starts": self.speculative_starts,
         }
@@ -333,6 +346,35 @@ class PeerState:
         """The membership call returned (or failed)."""
         self.membership = None
         self.sync = None
+        self.setup, self.setup_confirmed = None, -1
+
+    def setup_done(self, epoch: int, success: bool) -> None:
+        """This peer reports ``P2PConnectionsDone(epoch, success)`` now. A success confirming the running
+        topology call's latest setup puts the call *in doubt* (:attr:`topology_in_doubt`): a master
+        lost before its ``TopologyResult`` may have committed the round at the other members."""
+        if success and self.membership in _TOPOLOGY_CALLS and self.setup is not None \
+                and self.setup[0] == epoch:
+            self.setup_confirmed = epoch
+
+    @property
+    def topology_in_doubt(self) -> bool:
+        """True when the running topology call confirmed its setup and waits for its TopologyResult."""
+        return self.membership in _TOPOLOGY_CALLS and self.setup is not None \
+            and self.setup_confirmed == self.setup[0]
+
+    def begin_pending(self) -> None:
+        """An are_peers_pending vote goes out: until its answer it is in doubt if the master is lost."""
+        self.pending_waiting += 1
+
+    def end_pending(self) -> None:
+        """An are_peers_pending call returned (or failed)."""
+        self.pending_waiting = max(0, self.pending_waiting - 1)
+
+    def _set_epoch(self, epoch: int) -> None:
+        """Move to ``epoch``: the are_peers_pending rounds are counted per epoch (every member alike)."""
+        if epoch != self.epoch:
+            self.pending_answers, self.pending_last = 0, -1
+        self.epoch = epoch
 
     def check_tag_free(self, tag: int) -> None:
         """Raises InvalidUsageError if collective ``tag`` is already running here."""
@@ -454,6 +496,8 @@ class PeerState:
                                   if op.op_seq >= 0 and not op.done]
             sync = self.sync
             self.sync_abandoned = sync.sync_seq if sync is not None and not sync.done else -1
+            if self.membership in _TOPOLOGY_CALLS and not self.topology_in_doubt:
+                self.topology_abandoned = self.setup[0] if self.setup is not None else self.epoch
         self.drop_reservations()
         return True
 
@@ -489,6 +533,12 @@ class PeerState:
             if self.sync is not None and self.sync.done else [],
             sync_abandoned=self.sync_abandoned,
             sync_committed=self.sync_committed,
+            members_epoch=self.members_epoch,
+            topology_in_doubt=[self.setup[0], [r.peer_id for r in self.setup[1]],
+                               "optimize" if self.membership == "optimize_topology" else "update"]
+            if self.setup is not None and self.topology_in_doubt else [],
+            topology_abandoned=self.topology_abandoned,
+            pending=[self.epoch, self.pending_answers, 1 if self.pending_waiting else 0, self.pending_last],
         )
 
     def reregistered(self, msg: m.Message, now: float) -> PCCLError | None:
@@ -514,11 +564,12 @@ class PeerState:
                 f"the master is of generation {msg.generation}, older than the generation {self.generation} "
                 "this peer followed: not following it")
         self.generation = msg.generation
-        self.epoch = msg.epoch
+        self._set_epoch(msg.epoch)
         self.reconnecting_until = None
         self.drop_reservations()
         self.last_heard = now
         self.abandoned_ops, self.sync_abandoned = [], -1
+        self.topology_abandoned = -1
         return None
 
     # ---------------------------------------------------------------------------------------
@@ -659,24 +710,40 @@ class PeerState:
 
     def _on_accepted(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.Accepted)
-        self.table, self.epoch = list(msg.peers), msg.epoch
+        self.table = list(msg.peers)
+        self._set_epoch(msg.epoch)
         self.members = [r.peer_id for r in msg.peers]
+        self.members_epoch = msg.epoch
         self.drop_reservations()
         return [Resolve(Call.ACCEPTED, msg)]
 
     def _on_pending_result(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.PeersPendingResult)
+        self.pending_answers += 1
+        self.pending_last = int(msg.pending)
         return [Resolve(Call.PENDING, msg)]
 
     def _on_establish(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.EstablishP2P)
+        if self.membership in _TOPOLOGY_CALLS:
+            self.setup = (msg.epoch, list(msg.peers))
         group = self.group_rows(msg.peers)
         return [Establish(msg.epoch, ring_neighbours(group, self.peer_id)[0], tuple(group), tuple(msg.links))]
 
     def _on_topology_result(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.TopologyResult)
-        self.table, self.epoch = list(msg.peers), msg.epoch
+        peers = list(msg.peers)
+        if not peers:
+            # The decision on a round in doubt (a rebuilt master): commit means the table of the round's
+            # EstablishP2P, which the other members got in their TopologyResult; abort keeps the table.
+            setup = self.setup
+            peers = list(setup[1]) if msg.success and setup is not None and setup[0] == msg.epoch \
+                else list(self.table)
+        self.table = peers
+        self._set_epoch(msg.epoch)
         if msg.success:
-            self.members = [r.peer_id for r in msg.peers]
+            self.members = [r.peer_id for r in peers]
+            self.members_epoch = msg.epoch
         self.drop_reservations()
         return [Resolve(Call.TOPOLOGY, msg)] if self.membership in _TOPOLOGY_CALLS else []
 

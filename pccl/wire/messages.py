@@ -406,6 +406,19 @@ class Reregister(Message):
     * ``sync_in_doubt``: ``[]`` or ``[sync_seq, revision, [member ids of the plan]]``, a shared-state
       sync finished here without the master's result; ``sync_abandoned``: the sync_seq of a sync this
       peer failed at the loss (-1: none); ``sync_committed``: the sync_seq of its last applied sync.
+
+    And where it is in a membership round (docs/concepts.md "Rounds in doubt"):
+
+    * ``members_epoch``: the epoch of ``ring``'s members as the master established them (its last
+      ``Accepted`` or successful ``TopologyResult``; ``epoch`` also counts failed rounds);
+    * ``topology_in_doubt``: ``[]`` or ``[epoch, [member ids], kind]``: an update_topology
+      (``kind`` "update") or optimize_topology ("optimize") call that confirmed the ``EstablishP2P``
+      of ``epoch`` (``P2PConnectionsDone(success)`` sent) without its ``TopologyResult``;
+    * ``topology_abandoned``: -1, or the epoch of a topology call the loss failed here before it
+      confirmed a setup (the epoch of the last ``EstablishP2P`` it got in the call, else ``epoch``);
+    * ``pending``: ``[epoch, answers, in_doubt, last]``: how many ``PeersPendingResult`` it got at its
+      ``epoch``, whether an are_peers_pending vote of it waits for an answer, and the last answer
+      (1 / 0; -1: none at this epoch).
     """
 
     peer_id: int
@@ -421,6 +434,10 @@ class Reregister(Message):
     sync_in_doubt: list[Any] = dataclasses.field(default_factory=list)
     sync_abandoned: int = -1
     sync_committed: int = -1
+    members_epoch: int = -1
+    topology_in_doubt: list[Any] = dataclasses.field(default_factory=list)
+    topology_abandoned: int = -1
+    pending: list[int] = dataclasses.field(default_factory=list)
 
 
 @_register(17)

@@ -26,7 +26,8 @@ def test_registered_sets_the_generation_and_reregister_reports_what_the_master_n
     st.end_membership()
     assert st.generation == 3 and st.revision == 9
     want = m.Reregister(peer_id=2, p2p_port=41002, peer_group=0, epoch=5, ring=[3, 2, 1], revision=9,
-                        generation=3, sync_committed=1)  # the last sync it applied (operations in doubt)
+                        generation=3, sync_committed=1,  # the last sync it applied (operations in doubt)
+                        members_epoch=5, pending=[5, 0, 0, -1])  # where it is in membership rounds
     assert st.reregister(41002) == want
 
 
@@ -151,3 +152,74 @@ def test_a_refusal_because_the_run_went_on_is_final() -> None:
     epoch = m.Refused(reason="epoch", code=int(pccl.Result.MASTER_CONNECTION_FAILED))
     retry = st.reregistered(epoch, now=2.0)
     assert retry is not None and not isinstance(retry, pccl.KickedError)
+
+
+# ---------------------------------------------------------------------------------------------
+# membership rounds in doubt (docs/concepts.md "Rounds in doubt")
+
+NEW_ROWS = [*ROWS, m.PeerRow(4, "10.0.0.1", 40004, 0)]  # the ring of epoch 6, with a newcomer
+
+
+def topology_call(st: PeerState, *, confirm: bool) -> None:
+    st.begin_topology("update_topology")
+    st.handle(m.EstablishP2P(epoch=6, peers=NEW_ROWS), now=0.0)
+    st.setup_done(6, confirm)
+
+
+def test_a_confirmed_topology_call_is_in_doubt_and_a_commit_takes_the_setup_table() -> None:
+    st = member()
+    topology_call(st, confirm=True)
+    assert st.topology_in_doubt and st.statistics()["topology_in_doubt"]
+    st.link_down(1.0, 60.0)
+    rr = st.reregister(41002)
+    assert rr.topology_in_doubt == [6, [3, 2, 1, 4], "update"] and rr.topology_abandoned == -1
+    assert rr.epoch == 5 and rr.members_epoch == 5 and rr.ring == [3, 2, 1]
+    assert st.reregistered(m.Reregistered(peer_id=2, generation=4, epoch=6), now=2.0) is None
+    (effect,) = st.handle(m.TopologyResult(success=True, epoch=6, peers=[]), now=2.1)
+    assert isinstance(effect, Resolve) and effect.call is Call.TOPOLOGY
+    # the table of the round's EstablishP2P: the one the other members got in their TopologyResult
+    assert st.table == NEW_ROWS and st.members == [3, 2, 1, 4] and st.members_epoch == 6 and st.epoch == 6
+    st.end_membership()
+    assert not st.topology_in_doubt and st.reregister(41002).topology_in_doubt == []
+
+
+def test_an_aborted_topology_call_keeps_the_table() -> None:
+    st = member()
+    topology_call(st, confirm=True)
+    st.link_down(1.0, 60.0)
+    st.reregistered(m.Reregistered(peer_id=2, generation=4, epoch=6), now=2.0)
+    code = int(pccl.Result.UPDATE_TOPOLOGY_FAILED)
+    (effect,) = st.handle(m.TopologyResult(success=False, epoch=6, peers=[], code=code), now=2.1)
+    assert isinstance(effect, Resolve)
+    assert st.table == ROWS and st.members == [3, 2, 1] and st.members_epoch == 5 and st.epoch == 6
+
+
+def test_an_unconfirmed_topology_call_is_reported_abandoned() -> None:
+    st = member()
+    topology_call(st, confirm=False)  # its connections failed: the round fails everywhere
+    assert not st.topology_in_doubt
+    st.link_down(1.0, 60.0)
+    st.end_membership()  # the loss fails the call
+    rr = st.reregister(41002)
+    assert rr.topology_in_doubt == [] and rr.topology_abandoned == 6
+    st2 = member()
+    st2.begin_topology("optimize_topology")  # no EstablishP2P yet
+    st2.link_down(1.0, 60.0)
+    assert st2.reregister(41002).topology_abandoned == 5
+    assert st2.reregistered(m.Reregistered(peer_id=2, generation=4, epoch=5), now=2.0) is None
+    assert st2.reregister(41002).topology_abandoned == -1  # reported once
+
+
+def test_pending_answers_are_counted_per_epoch_and_a_waiting_vote_is_reported() -> None:
+    st = member()
+    for answer in (False, True):
+        st.begin_pending()
+        st.handle(m.PeersPendingResult(pending=answer), now=0.0)
+        st.end_pending()
+    assert st.reregister(41002).pending == [5, 2, 0, 1]
+    st.begin_pending()  # the third vote of epoch 5 waits when the master goes
+    st.link_down(1.0, 60.0)
+    assert st.reregister(41002).pending == [5, 2, 1, 1]
+    # a new epoch starts the count again, at every member alike
+    st.reregistered(m.Reregistered(peer_id=2, generation=4, epoch=6), now=2.0)
+    assert st.reregister(41002).pending == [6, 0, 1, -1]
