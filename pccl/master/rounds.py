@@ -139,6 +139,10 @@ class RoundBook:
         """Whether the topology round of ``epoch`` committed, if known."""
         return self._outcomes.get(epoch)
 
+    def is_open(self, epoch: int) -> bool:
+        """Whether the topology round of ``epoch`` is in doubt here (members wait for its outcome)."""
+        return epoch in self._topology
+
     def round_above(self, epoch: int) -> bool:
         """Whether a topology round of a later epoch than ``epoch`` is in doubt or was aborted: a member
         whose topology call the loss failed before its EstablishP2P arrived (so it reports its older
@@ -198,6 +202,9 @@ class RoundBook:
         self._where[peer_id] = _Where(msg.members_epoch, doubt[0] if doubt is not None else -1)
         if msg.members_epoch >= 0 and msg.members_epoch not in self._outcomes:
             self.settle(msg.members_epoch, True)  # the epoch its members came from was committed
+        if msg.topology_abandoned > msg.epoch and msg.topology_abandoned not in self._outcomes:
+            # It got that round's EstablishP2P and had not confirmed it: the round committed nowhere.
+            self.settle(msg.topology_abandoned, False)
         if doubt is not None:
             epoch, members, kind = doubt
             d = self._topology.get(epoch)

@@ -579,6 +579,11 @@ class MasterState:
                 effects += self._adopt_round(d)
                 msg: m.Message = m.TopologyResult(success=True, epoch=d.epoch, peers=[])
             else:
+                if d.epoch > self.epoch:
+                    # As after a failed round at the old master: every member moves to the round's epoch
+                    # with its table (never reused by a later round here).
+                    self.epoch = d.epoch
+                    effects += self._reissue(list(d.members))
                 code = (Result.UPDATE_TOPOLOGY_FAILED if d.kind == "update"
                         else Result.TOPOLOGY_OPTIMIZATION_FAILED)
                 msg = m.TopologyResult(success=False, epoch=self.epoch, peers=[], code=int(code),
@@ -617,8 +622,12 @@ class MasterState:
         for p in d.peers:
             if p in self._rings:
                 self._rings[p] = (d.epoch, set(members))
-        if not changed:
-            return []
+        return self._reissue(members) if changed else []
+
+    def _reissue(self, members: list[int]) -> list[Effect]:
+        """The epoch changed outside a topology round: every member back gets this master's P2P
+        credentials of the new epoch (for the members back, ``members`` and those expected)."""
+        rb = self.rebuild
         known = list(dict.fromkeys([*self.ring, *members, *(rb.expected if rb is not None else [])]))
         issued = self._issuer.issue_all(self.ring, known, generation=self.generation, epoch=self.epoch)
         return [Send(p, creds) for p, creds in issued.items()]
@@ -1079,8 +1088,8 @@ class MasterState:
         conflict = self.rounds.conflict(msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.KICKED)
-        # The epoch it may be at: a member waiting on a topology round (in doubt, or failed by the loss
-        # after its EstablishP2P) counts at the round's epoch (docs/concepts.md "Rounds in doubt").
+        # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
+        # failed by the loss after its EstablishP2P): docs/concepts.md "Rounds in doubt".
         at = reported_epoch(msg)
         reissue = False  # the rebuild moved to a newer epoch: the members already back need new credentials
         if not self.ring and self.rebuild is None and self._topology is None:
@@ -1088,7 +1097,7 @@ class MasterState:
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self.doubts.own_from(self._op_seq, self._sync_seq)
-            self.epoch = at
+            at = self.epoch = msg.epoch
             self.rebuild = _Rebuild(epoch=at, expected=list(msg.ring))
             self._rings = {}
             self.rounds = RoundBook()
@@ -1100,8 +1109,12 @@ class MasterState:
                                  f"{len(msg.ring)} member(s), generation {self.generation}"))
         rb = self.rebuild
         run_epoch = rb.epoch if rb is not None else self.epoch
-        if at < run_epoch and msg.topology_abandoned >= 0 and self.rounds.round_above(at):
+        if msg.epoch <= run_epoch <= at:
+            at = run_epoch  # the run's epoch is one it may be at: the round it was in decides the rest
+        elif at < run_epoch and msg.topology_abandoned >= 0 and self.rounds.round_above(at):
             at = run_epoch  # it voted in the round in doubt (or aborted) but got no EstablishP2P
+        elif at > run_epoch and rb is None and self.rounds.is_open(at):
+            at = run_epoch  # it committed the round the members here wait on: its report decides it
         if rb is not None:
             if at > rb.epoch:
                 rb.epoch = self.epoch = at

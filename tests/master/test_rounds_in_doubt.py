@@ -59,7 +59,7 @@ def test_a_member_that_committed_makes_the_round_commit_for_those_in_doubt() -> 
     st = MasterState()
     eff = rereg(st, 1, **in_doubt())
     (_, back), = sends(eff, m.Reregistered)
-    assert back.epoch == X  # it may be at X: the rebuild counts it there (not refused as "older")
+    assert back.epoch == E  # its table's epoch: the round decides whether it moves to X
     assert not results(eff) and st.statistics()["held"] and len(st.rounds.open_rounds()) == 1
     eff = rereg(st, 3, **committed())
     assert results(eff) == [(1, m.TopologyResult(success=True, epoch=X, peers=[]))]
@@ -111,8 +111,9 @@ def test_a_newcomer_never_back_aborts_the_round_at_the_timeout_and_is_refused_la
     eff = st.doubts_overdue(6.5, 5.0)
     got = results(eff)
     assert sorted(p for p, _ in got) == [1, 2, 3]
-    for _, r in got:  # retryable, the table unchanged
+    for _, r in got:  # retryable, the table unchanged; the epoch moves on as after any failed round
         assert not r.success and r.peers == [] and r.code == int(Result.UPDATE_TOPOLOGY_FAILED)
+        assert r.epoch == X
     assert not st.statistics()["held"]
     # the newcomer did get its Accepted: it is a step ahead of the others, refused for good
     eff = rereg(st, 4, now=7.0, **committed())
@@ -267,3 +268,15 @@ def test_live_master_answers_a_member_whose_link_broke_with_its_own_answer() -> 
     st.handle(pid, m.Register(p2p_port=40000 + pid), 0.0)
     eff = rereg(st, c, epoch=st.epoch, ring=[a, b, c], pending=[st.epoch, 0, 1, -1])
     assert sends(eff, m.PeersPendingResult) == [(c, m.PeersPendingResult(pending=False))]
+
+
+def test_the_newcomer_that_committed_is_taken_back_after_the_rebuild_ended() -> None:
+    st = MasterState()
+    for p in (1, 2, 3):
+        assert not results(rereg(st, p, **in_doubt()))
+    assert not st.statistics()["rebuilding"]  # a majority back: live, at epoch E, the round in doubt
+    eff = rereg(st, 4, **committed())  # it got its Accepted: the round committed
+    assert not kicks(eff) and sends(eff, m.Reregistered)
+    assert sorted(p for p, _ in results(eff)) == [1, 2, 3]
+    assert all(r.success and r.epoch == X for _, r in results(eff))
+    assert st.epoch == X and st.accepted() == NEW
