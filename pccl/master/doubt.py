@@ -194,6 +194,18 @@ class DoubtBook:
                         "away: it is a step ahead of the others, join again")
         return None
 
+    def behind(self, group: int, msg: m.Reregister) -> str | None:
+        """Why ``msg``'s peer cannot be taken back, if an operation it waits on in doubt was followed by
+        a later one of the same tag that committed without it: its group went on past it (whatever
+        its own op's outcome, taken back it would retry a call the others are past: a deadlock)."""
+        for key, seq, _participants, _revision in _report(group, msg).in_doubt:
+            out = self._outcomes.get(key)
+            if out is not None and out[1] and out[0] > seq:
+                what = f"collective tag {key[2]}" if key[0] == "op" else "shared-state sync"
+                return (f"the group committed a later {what} (sequence {out[0]}) without this peer, whose "
+                        f"sequence {seq} is still in doubt: it went on without it, join again")
+        return None
+
     def report(self, peer_id: int, group: int, msg: m.Reregister, now: float) -> list[Decision]:
         """A member of ``group`` re-registered with ``msg`` at ``now`` (check :meth:`conflict` first).
 

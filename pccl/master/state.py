@@ -1085,7 +1085,7 @@ class MasterState:
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
-        conflict = self.rounds.conflict(msg)
+        conflict = self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.KICKED)
         # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or

@@ -247,3 +247,20 @@ def test_the_roll_call_waits_only_for_members_every_returned_peer_lists() -> Non
                                revision=5, generation=1)
             st.handle(got, msg, 0.0)
         assert st.resumed, order
+
+
+def test_a_member_in_doubt_on_an_op_its_group_went_past_is_refused_for_good() -> None:
+    """Found by the chaos test: a member cut off while its op waited for the master's answer came back
+    after the others had committed that op and later ones of the tag at the rebuilt master. Taken back,
+    its op was aborted by the timeout (nobody else reports it any more) and it retried a step the others
+    were past: a deadlock. It is refused instead (KICKED: join again)."""
+    st = MasterState()
+    for p in (1, 2):
+        rereg(st, p, ops_committed=[[TAG, OP]])
+    st.doubts.settle(("op", 0, TAG), OP + 5, True)  # the group's later ops of the tag committed here
+    got = st.new_connection("127.0.0.1", 0.0, claim=3)
+    eff = st.handle(got, m.Reregister(peer_id=3, p2p_port=40003, peer_group=0, epoch=EPOCH, ring=list(RING),
+                                      revision=5, generation=1, **in_doubt()), 0.0)
+    (k,) = kicks(eff)
+    assert k.code == int(Result.KICKED) and "went on without it" in k.reason
+    assert 3 not in st.accepted()
