@@ -19,6 +19,7 @@ Vote rules (docs/protocol.md sections 2-6):
 from __future__ import annotations
 
 import enum
+import math
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -288,6 +289,8 @@ class MasterState:
         self._sync_seq = 0
         self.last_revision: dict[int, int] = {}
         self.bandwidth: dict[tuple[int, int], tuple[float, float]] = {}  # (a, b) -> (bytes/s, when)
+        # (a, b) -> one-way seconds, measured with the bandwidth of the same pair (reachable pairs only)
+        self.latency: dict[tuple[int, int], float] = {}
         self.bandwidth_probe_seconds = bandwidth_probe_seconds
         self.bandwidth_stale_after = bandwidth_stale_after
         self._solver = solver
@@ -869,6 +872,7 @@ class MasterState:
             revoked = [Send(p, m.ReservationsRevoked(reason=why))
                        for p in self.ring if self.peers[p].group == rec.group]
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
+        self.latency = {k: v for k, v in self.latency.items() if peer_id not in k}
         effects: list[Effect] = revoked
         # Re-check every vote with the peer gone.
         effects += self._topology_peer_lost(peer_id)
@@ -1269,15 +1273,29 @@ class MasterState:
         return effects
 
     def link_summary(self, members: list[int]) -> list[float]:
-        """``[slowest, fastest / slowest]`` of the bandwidths measured between ``members`` (bytes/s),
-        or ``[]`` when none is: what the peers' schedule choice knows of the links (the same for
-        every member of a group, so every member chooses the same schedule)."""
+        """What the peers' schedule choice knows of the links between ``members``: the same for every
+        member of a group, so every member chooses the same schedule (docs/topology.md).
+
+        Returns:
+            ``[slowest bytes/s, fastest / slowest, slowest one-way latency in seconds]`` over the
+            measured reachable pairs of ``members``; without the latency (two entries) when no pair
+            has one (measured by a peer that reports bandwidth only); ``[]`` when nothing is measured
+            (the peers then use the model's defaults).
+        """
         inside = set(members)
-        vals = [bw for (a, b), (bw, _t) in self.bandwidth.items() if a in inside and b in inside and bw > 0]
-        if not vals:
+        pairs = [
+            (k, bw) for k, (bw, _t) in self.bandwidth.items() if k[0] in inside and k[1] in inside and bw > 0
+        ]
+        if not pairs:
             return []
+        vals = [bw for _k, bw in pairs]
         lo = min(vals)
-        return [lo, max(vals) / lo]
+        summary = [lo, max(vals) / lo]
+        lats = [self.latency[k] for k, _bw in pairs if k in self.latency]
+        if lats:
+            # the slowest: a ring step, and a round of the other schedules, waits for its slowest link
+            summary.append(max(lats))
+        return summary
 
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PConnectionsDone)
@@ -1415,8 +1433,18 @@ class MasterState:
         if rnd is None or rec.peer_id not in rnd.measuring:
             return []
         for row in msg.results:
-            if len(row) == 2 and isinstance(row[0], int) and isinstance(row[1], (int, float)):
-                self.bandwidth[(rec.peer_id, row[0])] = (float(row[1]), self._now)
+            # [to, bytes/s] or [to, bytes/s, one-way seconds] (peers before protocol 5: bandwidth only)
+            if len(row) in (2, 3) and isinstance(row[0], int) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[1:]
+            ):
+                key = (rec.peer_id, row[0])
+                bw = float(row[1])
+                self.bandwidth[key] = (bw, self._now)
+                lat = float(row[2]) if len(row) == 3 else -1.0
+                if bw > 0 and math.isfinite(lat) and lat >= 0:
+                    self.latency[key] = lat
+                else:
+                    self.latency.pop(key, None)
         rnd.measuring.discard(rec.peer_id)
         if rnd.measuring:
             return []

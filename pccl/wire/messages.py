@@ -378,7 +378,9 @@ class OptimizeTopologyVote(Message):
 @_register(15)
 @dataclass(frozen=True, kw_only=True)
 class BandwidthReport(Message):
-    """Measured throughput: ``results`` rows are ``[to_peer_id, bytes_per_second]`` (0: unreachable)."""
+    """Measured links: ``results`` rows are ``[to_peer_id, bytes_per_second, one_way_latency_seconds]``
+    (``bytes_per_second`` 0: unreachable); rows of two entries (peers before protocol version 5) carry
+    no latency."""
 
     epoch: int
     results: list[list[Any]]
@@ -469,9 +471,10 @@ class PeersPendingResult(Message):
 class EstablishP2P(Message):
     """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone.
 
-    ``links``: the master's summary of the measured bandwidths within the recipient's group,
-    ``[slowest bytes/s, fastest / slowest]``, or empty when nothing is measured; every member of a
-    group gets the same, and chooses its collectives' schedules with it (docs/topology.md).
+    ``links``: the master's summary of the measured links within the recipient's group,
+    ``[slowest bytes/s, fastest / slowest, slowest one-way latency s]`` (the latency left out when
+    none was measured), or empty when nothing is measured; every member of a group gets the same,
+    and chooses its collectives' schedules with it (docs/topology.md).
     """
 
     epoch: int
