@@ -8,8 +8,9 @@ connection to its P2P listener, and on it
   once), one after another; the link's one-way latency is half the median round trip (the median:
   one slow sample, e.g. a scheduling hiccup, does not move it);
 * a **bandwidth** probe: a short timed transfer whose size grows from 256 KiB until one transfer
-  takes at least a quarter of the probe duration (or 64 MiB), so a probe costs roughly
-  ``duration`` on any link speed, instead of the established library's fixed 10 s per link.
+  takes at least a quarter of the probe duration (or 64 MiB), timed without the round trip the
+  latency probe measured, so a probe costs roughly ``duration`` plus a few round trips on any
+  link, instead of the established library's fixed 10 s per link.
 
 The report row of a target is ``[peer_id, bytes_per_second, one_way_latency_seconds]``
 (``[peer_id, 0, 0]``: unreachable); the master keeps both beside each other and sends its summary
@@ -83,10 +84,25 @@ async def ping(ms: MessageStream, samples: int = PING_SAMPLES) -> float:
     return statistics.median(rtts) / 2
 
 
-async def probe(ms: MessageStream, duration: float) -> float:
-    """Measure the throughput (bytes/s) of an open "bench" connection."""
+async def probe(ms: MessageStream, duration: float, rtt: float = 0.0) -> float:
+    """Measure the sustained throughput (bytes/s) of an open "bench" connection.
+
+    Transfers grow from 256 KiB (x4) until one takes at least ``duration / 4`` (or 64 MiB); the
+    result is that last transfer's rate. A transfer's time is the sender's round trip (request sent
+    to answer read) less ``rtt``, the connection's empty round trip (twice :func:`ping`'s latency):
+    what is left is the time the bytes took, which the link's latency would otherwise swamp (a
+    256 KiB transfer over a 25 ms link is 50 ms of round trip and 0.2 ms of bytes at 10 Gbit/s).
+    It is never taken below the receiver's own timing of the bytes.
+
+    Args:
+        ms: the connection.
+        duration: seconds the probe aims for.
+        rtt: the connection's empty round trip in seconds (0: unknown, the whole round trip counts).
+
+    Raises:
+        StreamBroken: the connection broke or answered something else.
+    """
     nbytes = _START
-    best = 0.0
     while True:
         t0 = trio.current_time()
         await ms.send_with_raw(m.BenchRequest(nbytes=nbytes), _PAYLOAD.data[:nbytes])
@@ -94,11 +110,9 @@ async def probe(ms: MessageStream, duration: float) -> float:
         elapsed = trio.current_time() - t0
         if not isinstance(reply, m.BenchResult):
             raise StreamBroken(f"unexpected probe reply {type(reply).__name__}")
-        # Sender-side round trip includes the reply latency: a conservative estimate.
-        rate = nbytes / max(elapsed, 1e-9)
-        best = max(best, rate)
-        if elapsed >= duration / 4 or nbytes >= _MAX:
-            return best
+        took = max(elapsed - max(rtt, 0.0), reply.seconds, 1e-9)
+        if took >= duration / 4 or nbytes >= _MAX:
+            return nbytes / took
         nbytes = min(nbytes * 4, _MAX)
 
 
@@ -123,7 +137,7 @@ async def measure_targets(dialer: Dialer, targets: list[list[Any]], duration: fl
                 ms = await dialer.dial(host, port, channel="bench", peer_id=pid)
                 try:
                     latency = await ping(ms)
-                    rate = await probe(ms, duration)
+                    rate = await probe(ms, duration, rtt=2 * latency)
                 finally:
                     await ms.aclose()
         except (PCCLError, StreamBroken, trio.TooSlowError) as exc:

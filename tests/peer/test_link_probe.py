@@ -99,3 +99,24 @@ async def test_an_unreachable_target_reports_zeros(autojump_clock: trio.testing.
     await listener.aclose()  # nothing listens there: the connect is refused
     rows = await bandwidth.measure_targets(_Dialer(a), [[3, b.address, port]], 0.05)
     assert rows == [[3, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("latency", [0.0005, 0.025])
+@pytest.mark.parametrize("bw", [125e6, 1.25e9])
+async def test_measured_bandwidth_leaves_the_round_trip_out(
+    autojump_clock: trio.testing.MockClock, latency: float, bw: float
+) -> None:
+    """The probe's bytes are timed without the link's round trip: the measured rate is the link's,
+    or what one connection's window carries per round trip where that is less (25 ms links). With
+    the round trip counted, a 25 ms link measured ~5 MB/s at 1 and at 10 Gbit/s."""
+    net = VirtualNetwork(latency=latency, bandwidth=bw)
+    a, b = net.host("a"), net.host("b")
+    listener = await b.listen("0.0.0.0", 0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_serve, listener)
+        [(_pid, rate, _lat)] = await bandwidth.measure_targets(
+            _Dialer(a), [[1, b.address, listener.address[1]]], 0.05
+        )
+        nursery.cancel_scope.cancel()
+    sustained = min(bw, net.buffer_size / (2 * latency))
+    assert 0.97 * sustained <= rate <= 1.001 * sustained, (rate, sustained)
