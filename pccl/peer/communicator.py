@@ -844,7 +844,17 @@ class Communicator:
         """Overwrite ``tensor`` on every peer with the root's contents.
 
         Args:
-            root: rank of the root in this group's ring (see :attr:`rank`).
+            root: rank of the root in this group's ring (see :attr:`rank`) as this peer sees it when
+                it calls; the operation names that peer by id, so the same peer stays the root when
+                the ring it commences on lost a member this peer did not know of yet.
+            tag: the operation's tag.
+
+        Returns:
+            The operation's :class:`ReduceInfo`.
+
+        Raises:
+            InvalidArgumentError: ``root`` is not a rank of the group.
+            RankConnectionLostError: the root (or another participant) was lost.
         """
         return await self._collective("broadcast", tensor, tensor, op=ReduceOp.SUM, tag=tag, root=root)
 
@@ -921,6 +931,8 @@ class Communicator:
                 self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
                 await self._report_failure(st, problem[0])
                 raise problem[1]
+            # from here on ``root`` is the root's position in this ring, not the caller's rank
+            root = self._core.root_position(descriptor, ring)
             send_np = stage if stage is not None else backend.as_numpy(send)
             cache = self._gpu_cache if on_gpu else self._work_cache
             work = cache.take(send_np.dtype, rdesc.count, recv if on_gpu else None)

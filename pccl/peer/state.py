@@ -626,6 +626,20 @@ class PeerState:
             )
         return None
 
+    @staticmethod
+    def root_position(descriptor: m.CollectiveDescriptor, ring: Sequence[int]) -> int:
+        """The broadcast root's position in the ring the op commenced on (0 for other kinds).
+
+        The descriptor names the root by peer id (equal on every participant: the master checked);
+        the caller's ``root`` rank was of its own view of the group, which a member's loss the
+        caller has not heard of yet shifts against that ring.
+
+        Raises:
+            ValueError: a broadcast whose root is not in ``ring`` (:meth:`commence_problem` says so
+                first).
+        """
+        return ring.index(descriptor.root) if descriptor.kind == "broadcast" else 0
+
     # ---------------------------------------------------------------------------------------
     # messages from the master
 
