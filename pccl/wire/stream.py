@@ -21,6 +21,23 @@ _RECV_SIZE = 256 * 1024
 _TLS_RECORD_TYPES = (0x15, 0x16)
 
 
+# The last message of a SHARED type encoded here (the object itself, so its id stays valid) and its
+# bytes: a master sends the same P2PCredentials object to every member of an epoch, encoded once.
+_shared: tuple[Message, bytes] | None = None
+
+
+def _encode(msg: Message) -> bytes:
+    global _shared
+    if not msg.SHARED:
+        return encode(msg)
+    last = _shared
+    if last is not None and last[0] is msg:
+        return last[1]
+    data = encode(msg)
+    _shared = (msg, data)
+    return data
+
+
 def looks_like_tls(head: bytes) -> bool:
     """True when ``head`` (a connection's first bytes) starts like a TLS record, not a pccl frame."""
     return len(head) >= 3 and head[0] in _TLS_RECORD_TYPES and head[1] == 3 and head[2] <= 4
@@ -52,7 +69,7 @@ class MessageStream:
         limit = self.max_frame_size
         if msg.TAG in HANDSHAKE_TAGS:
             limit = max(limit, PRE_AUTH_MAX_FRAME)  # the handshake fits whatever the configured size
-        return encode_frame(encode(msg), max_frame_size=limit)
+        return encode_frame(_encode(msg), max_frame_size=limit)
 
     def set_limits(self, limits: FrameLimits) -> None:
         """Receive the next frames under ``limits`` (the framer's cap applies to the next length prefix
