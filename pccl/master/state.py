@@ -1295,11 +1295,12 @@ class MasterState:
         self._issued = {p: self.peers[p].public_key for p in rnd.members}
         creds = self._issuer.table(self._issued.items(), generation=self.generation, epoch=rnd.epoch)
         effects: list[Effect] = []
+        # One EstablishP2P per group (the same object for its members: encoded once).
+        ests = {g: m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[g]) for g in by_group}
         for p in rnd.members:
             # The credentials first: the peer connects as soon as it reads EstablishP2P.
             effects.append(Send(p, creds))
-            est = m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[self.peers[p].group])
-            effects.append(Send(p, est))
+            effects.append(Send(p, ests[self.peers[p].group]))
         return effects
 
     def link_summary(self, members: list[int]) -> list[float]:
@@ -1345,19 +1346,9 @@ class MasterState:
         code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
         if rnd.failed:
             table = self.table(self.ring)
-            for p in old:
-                effects.append(
-                    Send(
-                        p,
-                        m.TopologyResult(
-                            success=False,
-                            epoch=self.epoch,
-                            peers=table,
-                            reason=rnd.failure_reason,
-                            code=int(code),
-                        ),
-                    )
-                )
+            failed = m.TopologyResult(success=False, epoch=self.epoch, peers=table, reason=rnd.failure_reason,
+                                      code=int(code))
+            effects += [Send(p, failed) for p in old]  # one object for all: encoded once
             effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
             return effects
         self.ring = list(rnd.members)
@@ -1365,12 +1356,14 @@ class MasterState:
         self._fresh = False
         self._provisional.clear()
         table = self.table(self.ring)
+        # One Accepted and one TopologyResult object for all (SHARED: each encoded once).
+        accepted = m.Accepted(peers=table, epoch=rnd.epoch)
         for p in rnd.newcomers:
             self.peers[p].phase = Phase.ACCEPTED
-            effects.append(Send(p, m.Accepted(peers=table, epoch=rnd.epoch)))
+            effects.append(Send(p, accepted))
             effects.append(Event(f"peer {p} accepted (world size {len(self.ring)})"))
-        for p in old:
-            effects.append(Send(p, m.TopologyResult(success=True, epoch=rnd.epoch, peers=table)))
+        result = m.TopologyResult(success=True, epoch=rnd.epoch, peers=table)
+        effects += [Send(p, result) for p in old]
         if rnd.kind == "optimize":
             effects.append(Event(f"ring optimized: {self.ring}"))
         return effects

@@ -465,6 +465,8 @@ class Registered(Message):
 class Accepted(Message):
     """The peer is accepted; ``peers`` is the ring-ordered table of accepted peers."""
 
+    SHARED: ClassVar[bool] = True  # the same object for every newcomer of a round: encoded once
+
     peers: list[PeerRow]
     epoch: int
 
@@ -487,6 +489,8 @@ class EstablishP2P(Message):
     group gets the same, and chooses its collectives' schedules with it (docs/topology.md).
     """
 
+    SHARED: ClassVar[bool] = True  # one object per group, sent to each of its members: encoded once
+
     epoch: int
     peers: list[PeerRow]
     links: list[float] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
@@ -507,6 +511,8 @@ class Reregistered(Message):
 @dataclass(frozen=True, kw_only=True)
 class TopologyResult(Message):
     """Final answer to update_topology / optimize_topology; ``peers`` is the new ring-ordered table."""
+
+    SHARED: ClassVar[bool] = True  # the same object for every member of the round: encoded once
 
     success: bool
     epoch: int

@@ -21,20 +21,25 @@ _RECV_SIZE = 256 * 1024
 _TLS_RECORD_TYPES = (0x15, 0x16)
 
 
-# The last message of a SHARED type encoded here (the object itself, so its id stays valid) and its
-# bytes: a master sends the same P2PCredentials object to every member of an epoch, encoded once.
-_shared: tuple[Message, bytes] | None = None
+# The last few messages of a SHARED type encoded here (the objects themselves, so that identity stays
+# meaningful) and their bytes: a master sends the same P2PCredentials and EstablishP2P objects to every
+# member of an epoch (interleaved per member), encoded once.
+_SHARED_SLOTS = 8
+_shared: list[tuple[Message, bytes]] = []
 
 
-def _encode(msg: Message) -> bytes:
-    global _shared
+def encode_message(msg: Message) -> bytes:
+    """:func:`~pccl.wire.messages.encode` as every stream sends: a message of a ``SHARED`` type sent
+    again (the same object, to another peer) reuses the bytes of its encoding."""
     if not msg.SHARED:
         return encode(msg)
-    last = _shared
-    if last is not None and last[0] is msg:
-        return last[1]
+    for obj, data in _shared:
+        if obj is msg:
+            return data
     data = encode(msg)
-    _shared = (msg, data)
+    if len(_shared) >= _SHARED_SLOTS:
+        del _shared[0]
+    _shared.append((msg, data))
     return data
 
 
@@ -69,7 +74,7 @@ class MessageStream:
         limit = self.max_frame_size
         if msg.TAG in HANDSHAKE_TAGS:
             limit = max(limit, PRE_AUTH_MAX_FRAME)  # the handshake fits whatever the configured size
-        return encode_frame(_encode(msg), max_frame_size=limit)
+        return encode_frame(encode_message(msg), max_frame_size=limit)
 
     def set_limits(self, limits: FrameLimits) -> None:
         """Receive the next frames under ``limits`` (the framer's cap applies to the next length prefix

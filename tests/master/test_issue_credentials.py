@@ -109,6 +109,19 @@ def test_one_round_at_many_peers_sends_n_rows_not_n_squared() -> None:
     assert_pairs_agree(held(eff), [ids[0], newcomers[0], newcomers[-1]])
 
 
+def test_a_round_sends_one_object_of_each_answer_so_that_each_is_encoded_once() -> None:
+    st, ids = world(2)
+    newcomers = [join(st)[0] for _ in range(3)]
+    eff = vote(st, ids)
+    for cls in (m.P2PCredentials, m.EstablishP2P):
+        objs = {id(msg) for _, msg in sends(eff, cls)}
+        assert len(objs) == 1 and cls.SHARED, cls  # one group: one object for its 5 members
+    done = confirm(st, eff)
+    for cls, who in ((m.Accepted, newcomers), (m.TopologyResult, ids)):
+        got = sends(done, cls)
+        assert [p for p, _ in got] == who and len({id(msg) for _, msg in got}) == 1 and cls.SHARED, cls
+
+
 def test_each_epoch_has_fresh_credentials() -> None:
     st, ids = world(3)
     new, _ = join(st)
