@@ -12,6 +12,8 @@ the way the server would, and times (``time.process_time``, CPU of this process)
   protocol 5 its P2P credentials are one table of ``n`` public keys, the same message for every member;
 * update+encode: the same round with every message the master sends encoded as the server would (the
   shared credential table is encoded once, the ``n`` ``EstablishP2P`` each carry the ``n``-row peer table);
+* rebuild: ``n`` members re-register at a fresh master (a restarted master's rebuild; ``Reregister``
+  and every answer: ``Reregistered``, the P2P credentials);
 * pending: a peers-pending vote round (``n`` votes);
 * collective: one collective's vote round (``n`` ``CollectiveInitiate``) and its completion
   (``n`` ``CollectiveDone``);
@@ -131,6 +133,20 @@ def _join(n: int) -> tuple[Driver, float]:
     return d, dt
 
 
+def _rebuild(n: int) -> float:
+    st = MasterState()
+    ring = list(range(1, n + 1))
+    t0 = time.process_time()
+    for p in ring:
+        got = st.new_connection("10.0.0.1", 0.0, claim=p)
+        msg = m.Reregister(peer_id=p, p2p_port=40000 + p, peer_group=0, epoch=7, ring=ring, revision=-1,
+                           generation=1, **_key(p))
+        st.handle(got, msg, 0.0)
+    dt = time.process_time() - t0
+    assert len(st.accepted()) == n, st.statistics()
+    return dt
+
+
 def _timed(fn: Callable[[], None]) -> float:
     t0 = time.process_time()
     fn()
@@ -149,6 +165,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
     d.encode = True
     out["update+encode"] = statistics.median(_timed(d.update_round) for _ in range(repeats))
     d.encode = False
+    out["rebuild"] = statistics.median(_rebuild(n) for _ in range(repeats))
     out["pending"] = statistics.median(_timed(d.pending_round) for _ in range(repeats))
     tags = iter(range(1, 1 << 30))
     out["collective"] = statistics.median(
@@ -171,7 +188,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
 
 # messages per round, to print a cost per message
 _MESSAGES = {"join": lambda n: 2 * n - 1, "update": lambda n: 2 * n, "update+encode": lambda n: 2 * n,
-             "pending": lambda n: n,
+             "rebuild": lambda n: n, "pending": lambda n: n,
              "collective": lambda n: 2 * n, "+encode": lambda n: 2 * n, "fast": lambda n: 2 * n,
              "fast+encode": lambda n: 2 * n}
 

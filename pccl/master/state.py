@@ -1137,8 +1137,10 @@ class MasterState:
             return [Send(p, full) for p in self.ring]
         holders = [p for p in self._issued if p != peer_id and p in self.peers
                    and self.peers[p].phase is not Phase.CONNECTED]
-        keys = [(p, self.peers[p].public_key) for p in self.ring]
-        new = [(p, k) for p, k in keys if self._issued.get(p) != k]
+        # Within one serial the ring grows only by re-registrations (a topology round or a new epoch
+        # issues a new set), so the returning member's row is the only one the holders can lack.
+        key = self.peers[peer_id].public_key
+        new = [] if self._issued.get(peer_id) == key else [(peer_id, key)]
         self._issued.update(new)
         mine = self._issuer.table(self._issued.items(), generation=self.generation, epoch=self.epoch)
         effects: list[Effect] = [Send(peer_id, mine)]
