@@ -19,7 +19,7 @@ from pccl.peer.credentials import CredentialStore
 from pccl.peer.p2p import open_p2p, serve_p2p
 from pccl.testing.network import VirtualHost, VirtualNetwork
 from pccl.transport import Address
-from pccl.wire.credentials import CredentialIssuer
+from pccl.wire.credentials import CredentialIssuer, CredentialSet
 from pccl.wire.handshake import new_nonce
 from pccl.wire.hello import answer
 from pccl.wire.keys import KeyPair
@@ -234,3 +234,28 @@ async def test_the_listener_waits_for_the_row_of_a_member_back_after_it_then_acc
         with pytest.raises(RankConnectionFailedError, match="did not issue to this peer within 2s"):
             await dial(client, addr, store(OTHER), me=OTHER)
         assert 2.0 <= trio.current_time() - t0 < 2.1
+
+
+async def test_a_removed_member_is_refused_at_the_next_epoch_as_itself_or_as_another(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # OTHER was a member of epoch 5; epoch 6's set lists only LISTENER and DIALER.
+    old = store(OTHER, epoch=5)
+    async with listening(store(LISTENER, members=[LISTENER, DIALER], epoch=6), []) as (client, addr):
+        with pytest.raises(RankConnectionFailedError, match="stale P2P credential"):
+            await dial(client, addr, old, me=OTHER)
+        # It never got epoch 6's binding; with a guessed one, and epoch 6 named, as itself: not listed,
+        # refused after the bounded wait; as DIALER (whose key it lacks): refused at the proof.
+        cur = old.current
+        assert cur is not None
+        guess = CredentialSet(me=OTHER, keys=KEYS[OTHER], generation=1, epoch=6, binding=cur.binding,
+                              table={p: KEYS[p].public for p in MEMBERS})
+        as_itself = guess.for_dial(LISTENER, "ring")
+        posing = CredentialSet(me=DIALER, keys=KEYS[OTHER], generation=1, epoch=6, binding=cur.binding,
+                               table=guess.table).for_dial(LISTENER, "ring")
+        assert as_itself is not None and posing is not None
+        at = {"generation": 1, "epoch": 6}
+        t0 = trio.current_time()
+        reason = await forged(client, addr, peer_id=OTHER, credential=as_itself.key, **at)
+        assert "unknown P2P credential" in reason and trio.current_time() - t0 >= 2.0
+        assert "bad credential" in await forged(client, addr, peer_id=DIALER, credential=posing.key, **at)
