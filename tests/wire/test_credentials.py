@@ -267,3 +267,35 @@ async def test_a_stream_encodes_the_set_every_member_gets_once(
     await stream_mod.MessageStream(a, max_frame_size=1 << 20).send(other)
     assert await stream_mod.MessageStream(b, max_frame_size=1 << 20).receive() == other
     assert calls == [m.P2PCredentials, m.P2PCredentials]
+
+
+class CountingKeys:
+    """A real key pair that counts the Diffie-Hellman values asked of it."""
+
+    def __init__(self, keys: KeyPair) -> None:
+        self.keys, self.asked = keys, 0
+
+    @property
+    def public(self) -> bytes:
+        return self.keys.public
+
+    def shared(self, peer_public: bytes) -> bytes | None:
+        self.asked += 1
+        return self.keys.shared(peer_public)
+
+
+def test_a_pair_key_is_derived_lazily_once_per_peer_direction_and_epoch() -> None:
+    spy = CountingKeys(KEYS[1])
+    one = c.CredentialSet.from_message(message(), me=1, keys=spy)
+    assert spy.asked == 0  # nothing derived on install
+    for _ in range(2):
+        for ch in CHANNELS:
+            assert one.for_dial(4, ch) is not None and one.for_accept(4, ch) is not None
+    assert spy.asked == 2  # one per direction, whatever the channels and repeats
+    grown = one.merged(c.CredentialIssuer(ROOT).table([(9, KEYS[9].public)], generation=1, epoch=5))
+    assert grown.for_dial(4, "ring") == one.for_dial(4, "ring") and spy.asked == 2  # kept across rows
+    assert grown.for_dial(9, "ring") is not None and spy.asked == 3
+    nxt = c.CredentialSet.from_message(message(epoch=6), me=1, keys=spy)
+    assert nxt.for_dial(4, "ring") is not None and spy.asked == 4  # a new epoch: derived again
+    # The exchange itself is the key pair's, cached per public key: the same value every time.
+    assert KEYS[1].shared(KEYS[4].public) is KEYS[1].shared(KEYS[4].public)
