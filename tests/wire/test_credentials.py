@@ -28,6 +28,7 @@ from pccl.wire.hello import (
     check_proof,
 )
 from pccl.wire.keys import KeyPair
+from pccl.wire.limits import PUBLIC_KEY_MAX, master_inbound
 
 ROOT = b"r" * 32
 MEMBERS = [4, 1, 7, 2]
@@ -299,3 +300,11 @@ def test_a_pair_key_is_derived_lazily_once_per_peer_direction_and_epoch() -> Non
     assert nxt.for_dial(4, "ring") is not None and spy.asked == 4  # a new epoch: derived again
     # The exchange itself is the key pair's, cached per public key: the same value every time.
     assert KEYS[1].shared(KEYS[4].public) is KEYS[1].shared(KEYS[4].public)
+
+
+def test_the_master_decodes_a_register_with_its_key_and_no_longer_binary() -> None:
+    limits = master_inbound(1 << 20)
+    reg = m.Register(p2p_port=5000, public_key=KEYS[1].public)
+    assert limits.decode(m.encode(reg)) == reg
+    with pytest.raises(RemoteProtocolError, match="max_bin_len"):
+        limits.decode(m.encode(m.Register(p2p_port=5000, public_key=b"k" * (PUBLIC_KEY_MAX + 1))))
