@@ -352,7 +352,8 @@ class Communicator:
         self._start_link_tasks(ms)
         self._stall.name = f"peer {self.peer_id}"
         nursery.start_soon(self._stall.run)
-        await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
+        await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group,
+                                     public_key=self._credentials.public_key))
         if self._standbys():
             await self._send(m.Standbys(count=self._standbys()))
         deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
@@ -498,7 +499,8 @@ class Communicator:
             return exc
         try:
             with trio.fail_after(self.config.connect_timeout):
-                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0))
+                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0,
+                                                    public_key=self._credentials.public_key))
                 reply = await ms.receive()
                 while isinstance(reply, m.Heartbeat):
                     reply = await ms.receive()
@@ -670,7 +672,7 @@ class Communicator:
                     if 0 <= op_seq < 2**32:
                         self.pool.forget_op(op_seq)
         elif isinstance(effect, InstallCredentials):
-            self._credentials.install(effect.message)
+            self._credentials.install(effect.message, me=self.peer_id)
 
     def _resolve(self, effect: Resolve) -> None:
         msg, call = effect.message, effect.call
