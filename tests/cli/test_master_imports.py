@@ -16,7 +16,8 @@ PEER_ONLY = ["numpy", "pccl.blocking", "pccl.peer.communicator", "pccl.peer.shar
 
 def _loaded_after(code: str) -> list[str]:
     probe = f"{code}; import json, sys; print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         timeout=60)
     loaded: list[str] = json.loads(out.stdout.strip().splitlines()[-1])
     return loaded
 
@@ -36,8 +37,8 @@ def test_public_names_load_on_first_use(name: str) -> None:
 
 
 def test_unknown_attribute_is_an_attribute_error() -> None:
-    code = ("import pccl\ntry:\n    pccl.no_such_name\nexcept AttributeError as e:\n    print(json.dumps(str(e)))"
-            "\nelse:\n    raise SystemExit('no AttributeError')")
+    code = ("import pccl\ntry:\n    pccl.no_such_name\nexcept AttributeError as e:\n"
+            "    print(json.dumps(str(e)))\nelse:\n    raise SystemExit('no AttributeError')")
     out = subprocess.run([sys.executable, "-c", "import json\n" + code], capture_output=True, text=True,
                          check=True, timeout=60)
     assert "no_such_name" in json.loads(out.stdout)
