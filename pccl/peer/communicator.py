@@ -98,8 +98,12 @@ _WAITING_NOTICE_AFTER = 0.25
 
 
 #: Backoff between reconnection rounds (each round tries every master address once): doubles, capped.
+#: The cap bounds how long after a restarted master (or standby) starts listening a peer finds it: a
+#: refused connect costs a fraction of a millisecond, a round every 0.25 s is nothing for a master that
+#: is not there, and the run's gap across a master kill is the restart delay plus at most one cap
+#: (docs/benchmarks.md "With master kills"; it was 1 s).
 _RECONNECT_BACKOFF_START = 0.05
-_RECONNECT_BACKOFF_MAX = 1.0
+_RECONNECT_BACKOFF_MAX = 0.25
 
 
 def _no_limit(seconds: float | None) -> float:
