@@ -3,15 +3,17 @@
 
 usage: python benchmarks/scale.py [--peers 4,16,64,256] [--sizes 4K,1M,64M] [--links all]
                                   [--virtual-max-peers 16] [--virtual-max-bytes 1M] [--model-only]
-                                  [--plans]
+                                  [--plans] [--no-measure]
 
 ``gain`` is ring / chosen: virtual times where both ran, the model's otherwise.
 
 For every link kind (one-way latency 0.5 ms or 25 ms, 10 Gbit/s or 1 Gbit/s, every link alike),
 world size and size it prints:
 
-* ``ring model``: :func:`pccl.collectives.cost.predict` for today's ring, plus the two master round
-  trips every collective costs today (vote, then confirm: ``4 x latency``);
+* ``ring model``: :func:`pccl.collectives.cost.predict` for today's ring, plus the one master round
+  trip a collective costs on the speculative start (the vote goes out as the data plane starts,
+  the confirmation comes back after it: ``2 x latency``; the timed all-reduce is the second of its
+  tag, so it starts speculatively);
 * ``ring virtual``: the same all-reduce run by the real stack (master, communicators, executor) with
   ``PeerConfig.schedule="ring"`` on :class:`pccl.testing.VirtualNetwork` under
   ``trio.testing.MockClock``: virtual seconds of the second all-reduce (the first warms caches and
@@ -19,13 +21,19 @@ world size and size it prints:
   ``peers <= --virtual-max-peers`` and ``size <= --virtual-max-bytes`` (a 256-peer ring moves
   every byte 2 x 255 times through Python);
 * ``chosen``: the schedule :func:`pccl.collectives.cost.choose` picks for the true links, its
-  model time (with the same two round trips), its plan timing (:func:`pccl.testing.plan_times`
+  model time (with the same round trip), its plan timing (:func:`pccl.testing.plan_times`
   over the plans themselves) and its virtual time: the live stack again, with
-  ``PeerConfig.schedule="auto"`` (the peers choose with :func:`pccl.collectives.cost.schedule_for`
-  from the operation and the group size alone, so ``ran`` may differ from ``chosen``: that one
-  knows the true latency), within the virtual limits above. ``--plans`` runs the chosen plans on
-  :func:`pccl.testing.plan_exec.run_plan` instead (P2P pools only, no master, plus the two round
-  trips).
+  ``PeerConfig.schedule="auto"``, within the virtual limits above: the peers first run
+  ``optimize_topology`` (the master measures every link's latency and bandwidth; ``measure`` is the
+  virtual seconds that took) and then choose with :func:`pccl.collectives.cost.schedule_for` from
+  the operation, the group size and the master's link summary: ``measured`` shows the summary's
+  latency and slowest bandwidth, ``ran`` the schedule the peers ran and ``model (meas.)`` the
+  model's prediction for it under the measured summary (plus the round trip), beside ``its
+  virtual``; one simulation runs every size of a world (one measurement, a tag per size), so its
+  wall seconds are printed on the first size's row (``^`` below). ``--no-measure`` skips the
+  measurement (the peers then choose with the model's defaults: 0.5 ms, 1 Gbit/s). ``--plans``
+  runs the chosen plans on :func:`pccl.testing.plan_exec.run_plan` instead (P2P pools only, no
+  master, plus the round trip).
 
 The model is given the virtual network's TCP window (4 MiB per connection, one connection), so
 long fat links are capped at one window per round trip, as they are there.
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -82,36 +91,71 @@ def _fmt_size(n: int) -> str:
     return str(n)
 
 
-async def _virtual_allreduce(n: int, nbytes: int, link: Link, schedule: str) -> tuple[float, str]:
-    """Virtual seconds of one all-reduce of ``nbytes`` float32 on ``n`` peers (the second one) with
-    ``PeerConfig.schedule = schedule``, and the schedule the peers ran."""
+@dataclass(frozen=True)
+class Run:
+    """One live run: the second all-reduce's virtual seconds, the wall seconds of the whole
+    simulation, the schedule the peers ran, and (when they measured first) the master's link
+    summary and the virtual seconds the measurement took."""
+
+    virtual: float
+    wall: float
+    ran: str
+    summary: tuple[float, ...] = ()
+    measure: float = 0.0
+
+
+async def _virtual_allreduce(
+    n: int, sizes: list[int], link: Link, schedule: str, measure: bool
+) -> list[tuple[float, str, tuple[float, ...], float]]:
+    """Per size of ``sizes``: the virtual seconds of one all-reduce of that many bytes of float32
+    on ``n`` peers (the second one, on a tag of its own) with ``PeerConfig.schedule = schedule``,
+    the schedule the peers ran, and with ``measure`` the link summary the master sent after
+    ``optimize_topology`` (run once, before the first size) and the virtual seconds it took."""
     net = VirtualNetwork(latency=link.latency, bandwidth=link.bandwidth)
-    count = nbytes // 4
     config = dataclasses.replace(DEFAULT_PEER_CONFIG, schedule=schedule)
+    out: list[tuple[float, str, tuple[float, ...], float]] = []
     async with open_test_cluster(n, network=net, config=config) as cl:
         comms = cl.peers
-        t = 0.0
-        for _ in range(2):
-            xs = [np.full(count, i + 1, np.float32) for i in range(n)]
+        summary: tuple[float, ...] = ()
+        took = 0.0
+        if measure:
             t0 = trio.current_time()
             async with trio.open_nursery() as nursery:
-                for c, x in zip(comms, xs, strict=True):
-                    nursery.start_soon(c.all_reduce, x)
-            t = trio.current_time() - t0
-            expect = n * (n + 1) / 2
-            assert all((x == expect).all() for x in xs)
-        stats = comms[0].statistics()
-        ran = [s for s in SCHEDULES if stats.get(f"schedule_{s}_ok", 0) == 2]
-        assert len(ran) == 1, stats
-        return t, ran[0]
+                for c in comms:
+                    nursery.start_soon(c.optimize_topology)
+            took = trio.current_time() - t0
+            summary = tuple(cl.master.state.link_summary([c.peer_id for c in comms]))
+        for tag, nbytes in enumerate(sizes):
+            count = nbytes // 4
+            before = comms[0].statistics()
+            t = 0.0
+            for _ in range(2):
+                xs = [np.full(count, i + 1, np.float32) for i in range(n)]
+                t0 = trio.current_time()
+                async with trio.open_nursery() as nursery:
+                    for c, x in zip(comms, xs, strict=True):
+                        nursery.start_soon(functools.partial(c.all_reduce, x, tag=tag))
+                t = trio.current_time() - t0
+                expect = n * (n + 1) / 2
+                assert all((x == expect).all() for x in xs)
+            stats = comms[0].statistics()
+            key = "schedule_{}_ok"
+            ran = [s for s in SCHEDULES if stats.get(key.format(s), 0) - before.get(key.format(s), 0) == 2]
+            assert len(ran) == 1, stats
+            out.append((t, ran[0], summary, took))
+    return out
 
 
-def virtual_allreduce(n: int, nbytes: int, link: Link, schedule: str = "ring") -> tuple[float, float, str]:
-    """``(virtual seconds, wall seconds, schedule run)``."""
+def virtual_allreduce(
+    n: int, sizes: list[int], link: Link, schedule: str = "ring", measure: bool = False
+) -> list[Run]:
+    """One live simulation (:class:`Run` per size; ``wall``: the whole simulation's);
+    ``measure``: ``optimize_topology`` first."""
     w0 = time.perf_counter()
     clock = trio.testing.MockClock(autojump_threshold=0)
-    t, ran = trio.run(_virtual_allreduce, n, nbytes, link, schedule, clock=clock)
-    return t, time.perf_counter() - w0, ran
+    res = trio.run(_virtual_allreduce, n, sizes, link, schedule, measure, clock=clock)
+    wall = time.perf_counter() - w0
+    return [Run(t, wall, ran, summary, took) for t, ran, summary, took in res]
 
 
 async def _virtual_plans(schedule: str, n: int, nbytes: int, link: Link) -> float:
@@ -156,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         "--plans", action="store_true",
         help="run the chosen schedule on plan_exec (pools only, no master) instead of the live stack",
     )
+    ap.add_argument(
+        "--no-measure", action="store_true",
+        help="the live 'auto' run chooses with the model's defaults (no optimize_topology first)",
+    )
     args = ap.parse_args(argv)
     # a 256-peer ring over 25 ms links runs for seconds of virtual time: no stall warnings
     logging.getLogger("pccl").setLevel(logging.ERROR)
@@ -165,40 +213,56 @@ def main(argv: list[str] | None = None) -> int:
     vmax_bytes = _size(args.virtual_max_bytes)
     head = (
         f"{'links':>10} {'peers':>5} {'size':>5} | {'ring model':>10} {'ring virtual':>12} {'(wall s)':>8} "
-        f"| {'chosen':>6} {'its model':>9} {'its plans':>9} {'its virtual':>11} {'(wall s)':>8} {'ran':>4} "
-        f"| {'gain':>5}"
+        f"| {'chosen':>6} {'its model':>9} {'its plans':>9} | {'measured':>16} {'measure':>8} {'ran':>4} "
+        f"{'model (meas.)':>13} {'its virtual':>11} {'(wall s)':>8} | {'gain':>5}"
     )
     print(head)
     print("-" * len(head))
     for link in links:
         lm = LinkModel(latency=link.latency, default_bandwidth=link.bandwidth, window=WINDOW)
-        control = 4 * link.latency  # two master round trips per collective today
+        control = 2 * link.latency  # one master round trip per collective (the speculative start)
         for n in peers:
+            # the live "auto" runs: one simulation for every size of this world (one measurement)
+            live_sizes = [] if args.model_only or args.plans or n > args.virtual_max_peers else [
+                b for b in sizes if b <= vmax_bytes
+            ]
+            lives = dict(zip(live_sizes, virtual_allreduce(
+                n, live_sizes, link, "auto", measure=not args.no_measure
+            ) if live_sizes else [], strict=True))
             for nbytes in sizes:
                 ring = predict("ring", "all_reduce", n, nbytes, lm, block_bytes=BLOCK) + control
                 choice = choose("all_reduce", n, nbytes, lm, block_bytes=BLOCK)
                 chosen = choice.predictions[choice.schedule] + control
-                virt = wall = plans = cvirt = cwall = ran = "-"
+                virt = wall = plans = cvirt = cwall = ran = measured = took = cmodel = "-"
                 gain = ring / chosen
                 if not args.model_only:
                     if n <= args.virtual_max_peers and nbytes <= vmax_bytes:
-                        v, w, _ = virtual_allreduce(n, nbytes, link, "ring")
-                        virt, wall = f"{v * 1e3:.0f} ms", f"{w:.1f}"
+                        base = virtual_allreduce(n, [nbytes], link, "ring")[0]
+                        v = base.virtual
+                        virt, wall = f"{v * 1e3:.0f} ms", f"{base.wall:.1f}"
                         if args.plans:
                             cv, ran = v, "ring"
                             if choice.schedule != "ring":
                                 cv, ran = virtual_plans(choice.schedule, n, nbytes, link) + control, "plan"
                         else:
                             # the live stack, PeerConfig.schedule="auto": what the peers choose
-                            cv, cw, ran = virtual_allreduce(n, nbytes, link, "auto")
-                            cwall = f"{cw:.1f}"
+                            live = lives[nbytes]
+                            cv, ran = live.virtual, live.ran
+                            cwall = f"{live.wall:.1f}" if nbytes == live_sizes[0] else "^"
+                            model = LinkModel.from_summary(list(live.summary))
+                            if len(live.summary) == 3:
+                                measured = f"{live.summary[2] * 1e3:.2f}ms {live.summary[0] / 1e6:.0f}MB/s"
+                                took = f"{live.measure:.2f} s"
+                            pred = predict(ran, "all_reduce", n, nbytes, model, block_bytes=BLOCK)
+                            # the control plane at the latency the peers know of (the default without one)
+                            cmodel = f"{(pred + 2 * (model or LinkModel()).alpha(0, 1)) * 1e3:.0f} ms"
                         cvirt = f"{cv * 1e3:.0f} ms"
                         gain = v / cv
                     plans = f"{(plan_time(choice.schedule, n, nbytes, link, lm) + control) * 1e3:.0f} ms"
                 print(
                     f"{link.name:>10} {n:>5} {_fmt_size(nbytes):>5} | {ring * 1e3:>7.0f} ms {virt:>12} "
-                    f"{wall:>8} | {choice.schedule:>6} {chosen * 1e3:>6.0f} ms {plans:>9} {cvirt:>11} "
-                    f"{cwall:>8} {ran:>4} | {gain:>4.1f}x",
+                    f"{wall:>8} | {choice.schedule:>6} {chosen * 1e3:>6.0f} ms {plans:>9} | {measured:>16} "
+                    f"{took:>8} {ran:>4} {cmodel:>13} {cvirt:>11} {cwall:>8} | {gain:>4.1f}x",
                     flush=True,
                 )
     return 0

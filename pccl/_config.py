@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from ._tls import TlsFiles, check_pairing
 
 DEFAULT_MASTER_PORT = 48148
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 @dataclass(frozen=True, kw_only=True)

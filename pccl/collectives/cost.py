@@ -101,16 +101,31 @@ class LinkModel:
 
     @classmethod
     def from_summary(cls, links: Sequence[float]) -> LinkModel | None:
-        """The model of the master's link summary ``[slowest bytes/s, fastest / slowest]``
-        (``EstablishP2P.links``): every link at the slowest measured bandwidth, the spread kept for
-        the heterogeneity rule of :func:`choose`. None for an empty or malformed summary (the
-        defaults then)."""
-        if len(links) != 2 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in links):
+        """The model of the master's link summary (``EstablishP2P.links``).
+
+        Args:
+            links: ``[slowest bytes/s, fastest / slowest]`` or ``[slowest bytes/s, fastest /
+                slowest, slowest one-way latency in seconds]``.
+
+        Returns:
+            Every link at the slowest measured bandwidth and (when the summary has one) the slowest
+            measured latency, :data:`DEFAULT_LATENCY` otherwise; the spread kept for the
+            heterogeneity rule of :func:`choose`. None for an empty or malformed summary (the
+            defaults then).
+        """
+        if len(links) not in (2, 3) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in links
+        ):
             return None
         lo, spread = float(links[0]), float(links[1])
         if lo <= 0 or spread < 1:
             return None
-        return cls(default_bandwidth=lo, spread=spread)
+        if len(links) == 2:
+            return cls(default_bandwidth=lo, spread=spread)
+        latency = float(links[2])
+        if latency < 0:
+            return None
+        return cls(latency=latency, default_bandwidth=lo, spread=spread)
 
     def alpha(self, i: int, j: int) -> float:
         """Latency term of a transfer ``i -> j``, seconds."""

@@ -19,6 +19,7 @@ Vote rules (docs/protocol.md sections 2-6):
 from __future__ import annotations
 
 import enum
+import math
 import secrets
 from collections import deque
 from collections.abc import Callable
@@ -28,7 +29,7 @@ from typing import Any
 from .._errors import Result
 from ..wire import limits as _limits
 from ..wire import messages as m
-from ..wire.credentials import CredentialIssuer
+from ..wire.credentials import CredentialIssuer, check_public_key
 from . import election as _election
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 from .doubt import Decision, DoubtBook
@@ -92,6 +93,7 @@ class PeerRecord:
     phase: Phase = Phase.CONNECTED
     p2p_port: int = 0
     group: int = 0
+    public_key: bytes = b""  # its X25519 key for P2P credentials (b"": none)
     last_seen: float = 0.0
     # Recent gaps between consecutive messages (heartbeats included): how irregular this peer's
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
@@ -288,6 +290,8 @@ class MasterState:
         self._sync_seq = 0
         self.last_revision: dict[int, int] = {}
         self.bandwidth: dict[tuple[int, int], tuple[float, float]] = {}  # (a, b) -> (bytes/s, when)
+        # (a, b) -> one-way seconds, measured with the bandwidth of the same pair (reachable pairs only)
+        self.latency: dict[tuple[int, int], float] = {}
         self.bandwidth_probe_seconds = bandwidth_probe_seconds
         self.bandwidth_stale_after = bandwidth_stale_after
         self._solver = solver
@@ -315,6 +319,10 @@ class MasterState:
         # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
         # before the epoch's EstablishP2P, and after Reregistered.
         self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
+        # The set issued last: its (generation, epoch) and its table (peer -> public key), so that a
+        # member taken back into it is sent only to those holding it, as one new row.
+        self._issued_serial: tuple[int, int] | None = None
+        self._issued: dict[int, bytes] = {}
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
         # this master holds must be a majority for any vote to complete (when the rule applies);
         # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
@@ -869,6 +877,7 @@ class MasterState:
             revoked = [Send(p, m.ReservationsRevoked(reason=why))
                        for p in self.ring if self.peers[p].group == rec.group]
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
+        self.latency = {k: v for k, v in self.latency.items() if peer_id not in k}
         effects: list[Effect] = revoked
         # Re-check every vote with the peer gone.
         effects += self._topology_peer_lost(peer_id)
@@ -916,6 +925,9 @@ class MasterState:
             return self.kick(rec.peer_id, "duplicate Register")
         if not 0 < msg.p2p_port < 65536:
             return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+        bad_key = check_public_key(msg.public_key)
+        if bad_key is not None:
+            return self.kick(rec.peer_id, f"invalid Register: {bad_key}")
         loop = _is_loopback(rec.host)
         if self._loopback is None:
             self._loopback = loop
@@ -930,6 +942,7 @@ class MasterState:
         rec.phase = Phase.REGISTERED
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
+        rec.public_key = msg.public_key
         effects: list[Effect] = [
             Send(rec.peer_id, m.Registered(peer_id=rec.peer_id, generation=self.generation)),
             Event(f"peer {rec.peer_id} joined from {rec.host}:{msg.p2p_port} (group {msg.peer_group})"),
@@ -982,6 +995,9 @@ class MasterState:
             return effects + self.kick(rec.peer_id, why)
         if not 0 < msg.p2p_port < 65536:
             return effects + self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+        bad_key = check_public_key(msg.public_key)
+        if bad_key is not None:
+            return effects + self.kick(rec.peer_id, f"invalid Reregister: {bad_key}")
         if (not self.ring and self.rebuild is None and self._dismissed_generation is not None
                 and msg.generation <= self._dismissed_generation):
             return effects + self.kick(
@@ -1006,7 +1022,6 @@ class MasterState:
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
-        reissue = False  # the rebuild moved to a newer epoch: the members already back need new credentials
         if not self.ring and self.rebuild is None and self._topology is None:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
@@ -1038,7 +1053,6 @@ class MasterState:
                                                 f"{msg.epoch}: join again", Result.KICKED)
                 self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
                 self.base = list(msg.ring)
-                reissue = True
             elif msg.epoch < rb.epoch:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {msg.epoch}, the run is at epoch {rb.epoch}: join again"
@@ -1085,20 +1099,15 @@ class MasterState:
         rec.phase = Phase.ACCEPTED
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
+        rec.public_key = msg.public_key
         if self._loopback is None:
             self._loopback = _is_loopback(rec.host)
         order = {p: i for i, p in enumerate(rb.expected if rb is not None else msg.ring)}
         self.ring = sorted([*self.ring, rec.peer_id], key=lambda p: (order.get(p, len(order)), p))
         back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)
         effects.append(Send(rec.peer_id, back))
-        # After Reregistered (the peer reads that one itself): credentials of this master for every member
-        # of the run, every member expected back while rebuilding, and every member of the ring this peer
-        # reports (its own group's, which the expected ring, taken from the first peer back, may not be),
-        # so that connections between them work whoever returns first.
-        members = list(dict.fromkeys([*self.ring, *(rb.expected if rb is not None else []), *msg.ring]))
-        receivers = self.ring if reissue else [rec.peer_id]
-        issued = self._issuer.issue_all(receivers, members, generation=self.generation, epoch=self.epoch)
-        effects += [Send(p, creds) for p, creds in issued.items()]
+        # After Reregistered (the peer reads that one itself): this master's set of the epoch.
+        effects += self._issue_on_return(rec.peer_id)
         effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                              f"(group {msg.peer_group})"))
         if rb is not None or self._rings:
@@ -1115,6 +1124,34 @@ class MasterState:
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
         return effects + self._note_quorum()
+
+    def _issue_on_return(self, peer_id: int) -> list[Effect]:
+        """The P2P credentials after ``peer_id``'s ``Reregistered``, O(n).
+
+        A set of this (generation, epoch) already issued: ``peer_id`` gets it, with every accepted member's
+        row, and the members holding it get the rows it lacked (``peer_id``'s, as one shared message), so
+        connections between members work whoever returned first. Otherwise (a restarted master's first
+        member back, or the rebuild moved to a newer epoch) every accepted member gets a new set.
+        """
+        serial = (self.generation, self.epoch)
+        if self._issued_serial != serial:
+            self._issued_serial = serial
+            self._issued = {p: self.peers[p].public_key for p in self.ring}
+            full = self._issuer.table(self._issued.items(), generation=self.generation, epoch=self.epoch)
+            return [Send(p, full) for p in self.ring]
+        holders = [p for p in self._issued if p != peer_id and p in self.peers
+                   and self.peers[p].phase is not Phase.CONNECTED]
+        # Within one serial the ring grows only by re-registrations (a topology round or a new epoch
+        # issues a new set), so the returning member's row is the only one the holders can lack.
+        key = self.peers[peer_id].public_key
+        new = [] if self._issued.get(peer_id) == key else [(peer_id, key)]
+        self._issued.update(new)
+        mine = self._issuer.table(self._issued.items(), generation=self.generation, epoch=self.epoch)
+        effects: list[Effect] = [Send(peer_id, mine)]
+        if new:
+            rows = self._issuer.table(new, generation=self.generation, epoch=self.epoch)
+            effects += [Send(p, rows) for p in holders]
+        return effects
 
     def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
@@ -1259,25 +1296,43 @@ class MasterState:
         for p in rnd.members:
             by_group.setdefault(self.peers[p].group, []).append(p)
         links = {g: self.link_summary(ps) for g, ps in by_group.items()}
-        creds = self._issuer.issue_all(rnd.members, rnd.members, generation=self.generation, epoch=rnd.epoch)
+        # One set for every member (the same object: encoded once), O(n) to build.
+        self._issued_serial = (self.generation, rnd.epoch)
+        self._issued = {p: self.peers[p].public_key for p in rnd.members}
+        creds = self._issuer.table(self._issued.items(), generation=self.generation, epoch=rnd.epoch)
         effects: list[Effect] = []
+        # One EstablishP2P per group (the same object for its members: encoded once).
+        ests = {g: m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[g]) for g in by_group}
         for p in rnd.members:
             # The credentials first: the peer connects as soon as it reads EstablishP2P.
-            effects.append(Send(p, creds[p]))
-            est = m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[self.peers[p].group])
-            effects.append(Send(p, est))
+            effects.append(Send(p, creds))
+            effects.append(Send(p, ests[self.peers[p].group]))
         return effects
 
     def link_summary(self, members: list[int]) -> list[float]:
-        """``[slowest, fastest / slowest]`` of the bandwidths measured between ``members`` (bytes/s),
-        or ``[]`` when none is: what the peers' schedule choice knows of the links (the same for
-        every member of a group, so every member chooses the same schedule)."""
+        """What the peers' schedule choice knows of the links between ``members``: the same for every
+        member of a group, so every member chooses the same schedule (docs/topology.md).
+
+        Returns:
+            ``[slowest bytes/s, fastest / slowest, slowest one-way latency in seconds]`` over the
+            measured reachable pairs of ``members``; without the latency (two entries) when no pair
+            has one (measured by a peer that reports bandwidth only); ``[]`` when nothing is measured
+            (the peers then use the model's defaults).
+        """
         inside = set(members)
-        vals = [bw for (a, b), (bw, _t) in self.bandwidth.items() if a in inside and b in inside and bw > 0]
-        if not vals:
+        pairs = [
+            (k, bw) for k, (bw, _t) in self.bandwidth.items() if k[0] in inside and k[1] in inside and bw > 0
+        ]
+        if not pairs:
             return []
+        vals = [bw for _k, bw in pairs]
         lo = min(vals)
-        return [lo, max(vals) / lo]
+        summary = [lo, max(vals) / lo]
+        lats = [self.latency[k] for k, _bw in pairs if k in self.latency]
+        if lats:
+            # the slowest: a ring step, and a round of the other schedules, waits for its slowest link
+            summary.append(max(lats))
+        return summary
 
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PConnectionsDone)
@@ -1311,19 +1366,9 @@ class MasterState:
         code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
         if rnd.failed:
             table = self.table(self.ring)
-            for p in old:
-                effects.append(
-                    Send(
-                        p,
-                        m.TopologyResult(
-                            success=False,
-                            epoch=self.epoch,
-                            peers=table,
-                            reason=rnd.failure_reason,
-                            code=int(code),
-                        ),
-                    )
-                )
+            failed = m.TopologyResult(success=False, epoch=self.epoch, peers=table, reason=rnd.failure_reason,
+                                      code=int(code))
+            effects += [Send(p, failed) for p in old]  # one object for all: encoded once
             effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
             return effects
         self.ring = list(rnd.members)
@@ -1331,12 +1376,14 @@ class MasterState:
         self._fresh = False
         self._provisional.clear()
         table = self.table(self.ring)
+        # One Accepted and one TopologyResult object for all (SHARED: each encoded once).
+        accepted = m.Accepted(peers=table, epoch=rnd.epoch)
         for p in rnd.newcomers:
             self.peers[p].phase = Phase.ACCEPTED
-            effects.append(Send(p, m.Accepted(peers=table, epoch=rnd.epoch)))
+            effects.append(Send(p, accepted))
             effects.append(Event(f"peer {p} accepted (world size {len(self.ring)})"))
-        for p in old:
-            effects.append(Send(p, m.TopologyResult(success=True, epoch=rnd.epoch, peers=table)))
+        result = m.TopologyResult(success=True, epoch=rnd.epoch, peers=table)
+        effects += [Send(p, result) for p in old]
         if rnd.kind == "optimize":
             effects.append(Event(f"ring optimized: {self.ring}"))
         return effects
@@ -1415,8 +1462,18 @@ class MasterState:
         if rnd is None or rec.peer_id not in rnd.measuring:
             return []
         for row in msg.results:
-            if len(row) == 2 and isinstance(row[0], int) and isinstance(row[1], (int, float)):
-                self.bandwidth[(rec.peer_id, row[0])] = (float(row[1]), self._now)
+            # [to, bytes/s] or [to, bytes/s, one-way seconds] (peers before protocol 5: bandwidth only)
+            if len(row) in (2, 3) and isinstance(row[0], int) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[1:]
+            ):
+                key = (rec.peer_id, row[0])
+                bw = float(row[1])
+                self.bandwidth[key] = (bw, self._now)
+                lat = float(row[2]) if len(row) == 3 else -1.0
+                if bw > 0 and math.isfinite(lat) and lat >= 0:
+                    self.latency[key] = lat
+                else:
+                    self.latency.pop(key, None)
         rnd.measuring.discard(rec.peer_id)
         if rnd.measuring:
             return []

@@ -376,7 +376,8 @@ class Communicator:
         self._start_link_tasks(ms)
         self._stall.name = f"peer {self.peer_id}"
         nursery.start_soon(self._stall.run)
-        await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group))
+        await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group,
+                                     public_key=self._credentials.public_key))
         if self._standbys():
             await self._send(m.Standbys(count=self._standbys()))
         deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
@@ -523,7 +524,8 @@ class Communicator:
             return exc
         try:
             with trio.fail_after(self.config.connect_timeout):
-                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0))
+                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0,
+                                                    public_key=self._credentials.public_key))
                 reply = await ms.receive()
                 while isinstance(reply, m.Heartbeat):
                     reply = await ms.receive()
@@ -699,7 +701,7 @@ class Communicator:
                     if 0 <= op_seq < 2**32:
                         self.pool.forget_op(op_seq)
         elif isinstance(effect, InstallCredentials):
-            self._credentials.install(effect.message)
+            self._credentials.install(effect.message, me=self.peer_id)
 
     def _resolve(self, effect: Resolve) -> None:
         msg, call = effect.message, effect.call
@@ -873,7 +875,17 @@ class Communicator:
         """Overwrite ``tensor`` on every peer with the root's contents.
 
         Args:
-            root: rank of the root in this group's ring (see :attr:`rank`).
+            root: rank of the root in this group's ring (see :attr:`rank`) as this peer sees it when
+                it calls; the operation names that peer by id, so the same peer stays the root when
+                the ring it commences on lost a member this peer did not know of yet.
+            tag: the operation's tag.
+
+        Returns:
+            The operation's :class:`ReduceInfo`.
+
+        Raises:
+            InvalidArgumentError: ``root`` is not a rank of the group.
+            RankConnectionLostError: the root (or another participant) was lost.
         """
         return await self._collective("broadcast", tensor, tensor, op=ReduceOp.SUM, tag=tag, root=root)
 
@@ -950,6 +962,8 @@ class Communicator:
                 self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
                 await self._report_failure(st, problem[0])
                 raise problem[1]
+            # from here on ``root`` is the root's position in this ring, not the caller's rank
+            root = self._core.root_position(descriptor, ring)
             send_np = stage if stage is not None else backend.as_numpy(send)
             cache = self._gpu_cache if on_gpu else self._work_cache
             work = cache.take(send_np.dtype, rdesc.count, recv if on_gpu else None)

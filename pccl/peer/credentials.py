@@ -1,11 +1,11 @@
-"""This peer's P2P credentials: the newest set the master issued (docs/security.md "P2P bound to
-membership").
+"""This peer's P2P credentials: its X25519 key pair and the newest set the master issued
+(docs/security.md "P2P bound to membership").
 
 A thin trio adapter of :mod:`pccl.wire.credentials` (which decides everything): the communicator
 installs each :class:`~pccl.wire.messages.P2PCredentials` it receives; the P2P listener asks which
 credential a Hello must prove (waiting, bounded, when the Hello names a set the master issued but this
-peer has not processed yet: the master's messages to two peers race each other); the dialers ask
-which credential to present to a member.
+peer has not processed yet, or a peer its set does not list yet: the master's messages to two peers race
+each other); the dialers ask which credential to present to a member.
 """
 
 from __future__ import annotations
@@ -14,19 +14,22 @@ import trio
 
 from ..wire.credentials import WAIT, CredentialSet, DialCredential, judge, not_issued
 from ..wire.hello import HelloRefusal
+from ..wire.keys import KeyPair
 from ..wire.messages import Hello, P2PCredentials
 
 
 class CredentialStore:
-    """The newest :class:`~pccl.wire.credentials.CredentialSet` of this peer.
+    """This peer's key pair and its newest :class:`~pccl.wire.credentials.CredentialSet`.
 
     Args:
-        wait: the longest a listener waits for the set a Hello names when it is newer than this peer's
-            (the peer has not processed the master's message yet).
+        wait: the longest a listener waits for the set a Hello names when it is newer than this peer's,
+            or for the claimed peer's row (the peer has not processed the master's message yet).
+        keys: this peer's key pair (default: a fresh one; drawn once per process by the communicator).
     """
 
-    def __init__(self, *, wait: float) -> None:
+    def __init__(self, *, wait: float, keys: KeyPair | None = None) -> None:
         self.wait = wait
+        self.keys = keys if keys is not None else KeyPair.generate()
         self._current: CredentialSet | None = None
         self._changed = trio.Event()
 
@@ -35,16 +38,26 @@ class CredentialStore:
         """The set in use (None: none issued yet)."""
         return self._current
 
-    def install(self, msg: P2PCredentials) -> bool:
-        """Take the master's set; an older one than the current is ignored.
+    @property
+    def public_key(self) -> bytes:
+        """This peer's public key (sent in Register and Reregister)."""
+        return self.keys.public
+
+    def install(self, msg: P2PCredentials, *, me: int) -> bool:
+        """Take the master's set for peer ``me`` (this peer's id); an older one than the current is
+        ignored, one of the same epoch and binding adds its rows to the current set.
 
         Returns:
-            True when it is now the current set.
+            True when it is now (part of) the current set.
         """
-        new = CredentialSet.from_message(msg)
         cur = self._current
-        if cur is not None and new.serial < cur.serial:
+        serial = (msg.generation, msg.epoch)
+        if cur is not None and serial < cur.serial:
             return False
+        if cur is not None and cur.me == me and cur.keys is self.keys:
+            new = cur.merged(msg)
+        else:
+            new = CredentialSet.from_message(msg, me=me, keys=self.keys)
         self._current = new
         changed, self._changed = self._changed, trio.Event()
         changed.set()

@@ -7,10 +7,11 @@ handshake the connection belongs to the handler registered for its channel ("rin
 collective data plane, "state" for shared-state transfers, "bench" for bandwidth probes).
 
 Bound to membership: given a :class:`~pccl.peer.credentials.CredentialStore` (the communicator always
-gives one), the listener accepts a connection only when it proves the credential the master issued for
-the claimed peer, that channel and the current epoch, so the Hello's ``peer_id`` (the key every data
-frame is routed by) and ``channel`` are authenticated, not trusted as sent; the dialer presents the
-credential for the peer it dials and checks that the listener can prove it too. Without a store (unit
+gives one), the listener accepts a connection only when it proves the credential of the claimed peer,
+that channel and the current epoch (derived from the two peers' keys and the set the master issued),
+so the Hello's ``peer_id`` (the key every data frame is routed by) and ``channel`` are authenticated,
+not trusted as sent; the dialer presents the credential for the peer it dials and checks that the
+listener can prove it too. Without a store (unit
 tests of the pool and the data plane) the secret alone decides, as before.
 
 A client must not send anything after its Hello until it has read HelloOk: the listener parses
@@ -69,8 +70,8 @@ async def serve_p2p(
         secret: when non-empty, a Hello must carry exactly this secret.
         gate: the cap on connections in their hello (default: a fresh
             :class:`~pccl.wire.admission.HandshakeGate` with the default caps).
-        credentials: when given, a connection must prove the credential the master issued for the
-            peer, channel and epoch its Hello claims.
+        credentials: when given, a connection must prove the credential (of the master's current set)
+            for the peer, channel and epoch its Hello claims.
         task_status: receives the bound ``(host, port)`` once listening.
 
     Raises:
@@ -207,8 +208,8 @@ async def open_p2p(
         config: ``connect_timeout`` bounds the connect and, separately, the wait for HelloOk.
         secret: the shared secret, if the group uses one.
         to_peer: the peer listening there (which credential to present).
-        credentials: when given, present the credential the master issued for ``to_peer`` and
-            ``channel`` (and require the listener to prove it too).
+        credentials: when given, present the credential (of the master's current set) for ``to_peer``
+            and ``channel`` (and require the listener to prove it too).
 
     Returns:
         The stream, ready for the channel's traffic.

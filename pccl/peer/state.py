@@ -462,11 +462,14 @@ class PeerState:
         """True between the master's loss and the reconnection (or the window's end)."""
         return self.reconnecting_until is not None
 
-    def reregister(self, p2p_port: int, *, epoch_members: bool = True) -> m.Reregister:
+    def reregister(
+        self, p2p_port: int, *, epoch_members: bool = True, public_key: bytes = b""
+    ) -> m.Reregister:
         """What this peer tells a master it reconnects to: everything the master needs to rebuild.
 
         Args:
             p2p_port: this peer's P2P listener port.
+            public_key: this peer's X25519 public key for P2P credentials (docs/security.md).
             epoch_members: report the epoch's members as the master established them (a peer that
                 can fail over to a standby: both masters must count the same list); False: the
                 table as collectives reconciled it (a single-master peer: a restarted master then
@@ -489,6 +492,7 @@ class PeerState:
             if self.sync is not None and self.sync.done else [],
             sync_abandoned=self.sync_abandoned,
             sync_committed=self.sync_committed,
+            public_key=public_key,
         )
 
     def reregistered(self, msg: m.Message, now: float) -> PCCLError | None:
@@ -626,6 +630,20 @@ class PeerState:
             )
         return None
 
+    @staticmethod
+    def root_position(descriptor: m.CollectiveDescriptor, ring: Sequence[int]) -> int:
+        """The broadcast root's position in the ring the op commenced on (0 for other kinds).
+
+        The descriptor names the root by peer id (equal on every participant: the master checked);
+        the caller's ``root`` rank was of its own view of the group, which a member's loss the
+        caller has not heard of yet shifts against that ring.
+
+        Raises:
+            ValueError: a broadcast whose root is not in ``ring`` (:meth:`commence_problem` says so
+                first).
+        """
+        return ring.index(descriptor.root) if descriptor.kind == "broadcast" else 0
+
     # ---------------------------------------------------------------------------------------
     # messages from the master
 
@@ -749,9 +767,6 @@ class PeerState:
 
     def _on_credentials(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PCredentials)
-        if msg.peer_id != self.peer_id:
-            why = f"P2P credentials for peer {msg.peer_id} sent to peer {self.peer_id}"
-            return [Lost(MasterConnectionError(f"master protocol error: {why}"))]
         return [InstallCredentials(msg)]
 
     _DISPATCH: ClassVar[dict[type[m.Message], Callable[[PeerState, m.Message], list[Effect]]]] = {

@@ -104,7 +104,7 @@ async def offer_hello(
         channel: for P2P, the channel.
         index: for P2P, the slot in the pool.
         protocol_version: the version to speak (tests speak others).
-        credential: for P2P, the credential the master issued for this connection (b"": none); the
+        credential: for P2P, the credential of this connection (of the master's set; b"": none); the
             listener must prove it too.
         generation: for P2P, the master generation of the credential's set.
         epoch: for P2P, the epoch of the credential's set (-1: no credential).

@@ -15,8 +15,9 @@ client checks the server's proof before answering, so it never proves itself to 
 the secret; a recorded handshake replayed later fails because the listener's nonce is new; the role label
 keeps either side's proof from being reflected as the other's.
 
-On a P2P connection ``K`` also holds the credential the master issued for exactly that connection (its
-peer pair, channel and epoch; :mod:`pccl.wire.credentials`): both sides then prove the credential as well
+On a P2P connection ``K`` also holds the credential of exactly that connection (its peer pair, channel and
+epoch, derived by both ends from their X25519 keys and the epoch set the master issued;
+:mod:`pccl.wire.credentials`): both sides then prove the credential as well
 as the secret, and the Hello's ``generation`` / ``epoch`` say which set it comes from.
 """
 

@@ -186,6 +186,11 @@ def pre_auth(max_frame: int = PRE_AUTH_MAX_FRAME) -> FrameLimits:
 PRE_AUTH = pre_auth()
 
 
+#: The longest binary a peer sends the master: its P2P public key (32 bytes; a longer one is refused
+#: by the decoder, a shorter one by the master with the reason).
+PUBLIC_KEY_MAX = 64
+
+
 def master_inbound(max_frame: int) -> FrameLimits:
     """Limits on what the master reads from a peer after its hello.
 
@@ -204,7 +209,8 @@ def master_inbound(max_frame: int) -> FrameLimits:
         max_frame=max_frame,
         default_tag_max=min(SMALL_MAX_FRAME, max_frame),
         tag_max=MappingProxyType({t: min(c, max_frame) for t, c in caps.items()}),
-        unpack=_unpack(strings=SMALL_MAX_FRAME, arrays=1 << 17),
+        # binaries: only the 32-byte X25519 key of Register / Reregister (protocol 5)
+        unpack=_unpack(strings=SMALL_MAX_FRAME, arrays=1 << 17, binary=PUBLIC_KEY_MAX),
     )
 
 
@@ -269,7 +275,8 @@ def describe(limits: FrameLimits) -> dict[str, Any]:
 
 
 __all__ = [
-    "LIST_MAX_FRAME", "PRE_AUTH", "PRE_AUTH_MAX_FRAME", "SHARED_STATE_MAX_ENTRIES", "SHARED_STATE_MAX_FRAMES",
+    "LIST_MAX_FRAME", "PRE_AUTH", "PRE_AUTH_MAX_FRAME", "PUBLIC_KEY_MAX", "SHARED_STATE_MAX_ENTRIES",
+    "SHARED_STATE_MAX_FRAMES",
     "SMALL_MAX_FRAME", "STATE_SYNC_MAX_FRAME", "FrameLimits", "describe", "master_inbound", "p2p_inbound",
     "pre_auth", "split_rows", "trusted",
 ]

@@ -34,11 +34,12 @@ class PeerRow(NamedTuple):
     group: int
 
 
-class CredentialRow(NamedTuple):
-    """One dial key of a :class:`P2PCredentials` set: what this peer presents to ``peer_id``'s listener."""
+class PublicKeyRow(NamedTuple):
+    """One row of a :class:`P2PCredentials` table: member ``peer_id``'s X25519 public key (``b""``: it
+    registered none)."""
 
     peer_id: int
-    key: bytes
+    public_key: bytes
 
 
 class CollectiveDescriptor(NamedTuple):
@@ -72,6 +73,9 @@ class Message:
     """Base of every control message."""
 
     TAG: ClassVar[int] = -1
+    #: True: one object of this type is sent to many peers (the same bytes to each); a stream then
+    #: encodes it once (:mod:`pccl.wire.stream`).
+    SHARED: ClassVar[bool] = False
 
 
 _REGISTRY: dict[int, type[Message]] = {}
@@ -317,20 +321,23 @@ class Proof(Message):
 @_register(7)
 @dataclass(frozen=True, kw_only=True)
 class P2PCredentials(Message):
-    """Master -> peer: the P2P credentials of epoch ``epoch`` of master generation ``generation``
-    (docs/security.md "P2P bound to membership"; :mod:`pccl.wire.credentials`).
+    """Master -> members: the P2P credential set of epoch ``epoch`` of master generation ``generation``
+    (docs/security.md "P2P bound to membership"; :mod:`pccl.wire.credentials`), the same message for
+    every member.
 
-    ``key`` is this peer's listen key: it derives the credential every other member must prove for a
-    connection to this peer's P2P listener. ``dial`` rows give this peer's dial key for each other member
-    (the credential it proves to that member). Sent before the ``EstablishP2P`` or ``Accepted`` of the
-    epoch, and after ``Reregistered``; a newer set replaces the older one.
+    ``binding`` is the epoch's random binding (sent to the epoch's members only); ``keys`` lists every
+    member's X25519 public key. Both ends of a connection derive its credential from the two members' keys
+    and the binding. Sent before the ``EstablishP2P`` of the epoch, and after ``Reregistered``; a newer
+    set replaces the older one, a set of the same epoch and binding adds its rows (a rebuilding master
+    sends the row of a member that re-registers to the members back before it).
     """
 
-    peer_id: int
+    SHARED: ClassVar[bool] = True  # the same object goes to many peers: encoded once (wire.stream)
+
     generation: int
     epoch: int
-    key: bytes
-    dial: list[CredentialRow]
+    binding: bytes
+    keys: list[PublicKeyRow]
 
 
 # ============================================================================================
@@ -340,10 +347,13 @@ class P2PCredentials(Message):
 @_register(10)
 @dataclass(frozen=True, kw_only=True)
 class Register(Message):
-    """A peer asks to join; it listens for P2P connections on ``p2p_port``."""
+    """A peer asks to join; it listens for P2P connections on ``p2p_port``. ``public_key``: its X25519
+    public key for P2P credentials (32 bytes; ``b""``: none, then it can open and accept no P2P
+    connection; protocol 5)."""
 
     p2p_port: int
     peer_group: int = 0
+    public_key: bytes = b""
 
 
 @_register(11)
@@ -378,7 +388,9 @@ class OptimizeTopologyVote(Message):
 @_register(15)
 @dataclass(frozen=True, kw_only=True)
 class BandwidthReport(Message):
-    """Measured throughput: ``results`` rows are ``[to_peer_id, bytes_per_second]`` (0: unreachable)."""
+    """Measured links: ``results`` rows are ``[to_peer_id, bytes_per_second, one_way_latency_seconds]``
+    (``bytes_per_second`` 0: unreachable); rows of two entries (peers before protocol version 5) carry
+    no latency."""
 
     epoch: int
     results: list[list[Any]]
@@ -406,6 +418,8 @@ class Reregister(Message):
     * ``sync_in_doubt``: ``[]`` or ``[sync_seq, revision, [member ids of the plan]]``, a shared-state
       sync finished here without the master's result; ``sync_abandoned``: the sync_seq of a sync this
       peer failed at the loss (-1: none); ``sync_committed``: the sync_seq of its last applied sync.
+
+    ``public_key``: as in ``Register`` (the same key as before: it is drawn once per process).
     """
 
     peer_id: int
@@ -421,6 +435,7 @@ class Reregister(Message):
     sync_in_doubt: list[Any] = dataclasses.field(default_factory=list)
     sync_abandoned: int = -1
     sync_committed: int = -1
+    public_key: bytes = b""
 
 
 @_register(17)
@@ -452,6 +467,8 @@ class Registered(Message):
 class Accepted(Message):
     """The peer is accepted; ``peers`` is the ring-ordered table of accepted peers."""
 
+    SHARED: ClassVar[bool] = True  # the same object for every newcomer of a round: encoded once
+
     peers: list[PeerRow]
     epoch: int
 
@@ -469,10 +486,13 @@ class PeersPendingResult(Message):
 class EstablishP2P(Message):
     """Open connections to your ring neighbours in ``peers`` (ring order), then answer P2PConnectionsDone.
 
-    ``links``: the master's summary of the measured bandwidths within the recipient's group,
-    ``[slowest bytes/s, fastest / slowest]``, or empty when nothing is measured; every member of a
-    group gets the same, and chooses its collectives' schedules with it (docs/topology.md).
+    ``links``: the master's summary of the measured links within the recipient's group,
+    ``[slowest bytes/s, fastest / slowest, slowest one-way latency s]`` (the latency left out when
+    none was measured), or empty when nothing is measured; every member of a group gets the same,
+    and chooses its collectives' schedules with it (docs/topology.md).
     """
+
+    SHARED: ClassVar[bool] = True  # one object per group, sent to each of its members: encoded once
 
     epoch: int
     peers: list[PeerRow]
@@ -494,6 +514,8 @@ class Reregistered(Message):
 @dataclass(frozen=True, kw_only=True)
 class TopologyResult(Message):
     """Final answer to update_topology / optimize_topology; ``peers`` is the new ring-ordered table."""
+
+    SHARED: ClassVar[bool] = True  # the same object for every member of the round: encoded once
 
     success: bool
     epoch: int

@@ -21,6 +21,28 @@ _RECV_SIZE = 256 * 1024
 _TLS_RECORD_TYPES = (0x15, 0x16)
 
 
+# The last few messages of a SHARED type encoded here (the objects themselves, so that identity stays
+# meaningful) and their bytes: a master sends the same P2PCredentials and EstablishP2P objects to every
+# member of an epoch (interleaved per member), encoded once.
+_SHARED_SLOTS = 8
+_shared: list[tuple[Message, bytes]] = []
+
+
+def encode_message(msg: Message) -> bytes:
+    """:func:`~pccl.wire.messages.encode` as every stream sends: a message of a ``SHARED`` type sent
+    again (the same object, to another peer) reuses the bytes of its encoding."""
+    if not msg.SHARED:
+        return encode(msg)
+    for obj, data in _shared:
+        if obj is msg:
+            return data
+    data = encode(msg)
+    if len(_shared) >= _SHARED_SLOTS:
+        del _shared[0]
+    _shared.append((msg, data))
+    return data
+
+
 def looks_like_tls(head: bytes) -> bool:
     """True when ``head`` (a connection's first bytes) starts like a TLS record, not a pccl frame."""
     return len(head) >= 3 and head[0] in _TLS_RECORD_TYPES and head[1] == 3 and head[2] <= 4
@@ -52,7 +74,7 @@ class MessageStream:
         limit = self.max_frame_size
         if msg.TAG in HANDSHAKE_TAGS:
             limit = max(limit, PRE_AUTH_MAX_FRAME)  # the handshake fits whatever the configured size
-        return encode_frame(encode(msg), max_frame_size=limit)
+        return encode_frame(encode_message(msg), max_frame_size=limit)
 
     def set_limits(self, limits: FrameLimits) -> None:
         """Receive the next frames under ``limits`` (the framer's cap applies to the next length prefix

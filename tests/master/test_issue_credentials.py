@@ -1,17 +1,27 @@
-"""The master issues P2P credentials (issue 17 item 1), message by message: to every member of a topology
-round before its EstablishP2P, fresh per epoch, and again after a re-registration (issue 18's rebuild
-included), always consistent between the two ends of every pair."""
+"""The master issues P2P credentials (issue 17 item 1; protocol 5, issue 21 item 4), message by message: one
+set per epoch, the same message for every member of a topology round, before its EstablishP2P, fresh per
+epoch, and again after a re-registration (issue 18's rebuild included, where the rows of members coming
+back reach the members back before them), always consistent between the two ends of every pair."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Any
 
-from pccl.master.state import MasterState, Send
+from pccl import Result
+from pccl.master.state import Kick, MasterState, Send
 from pccl.wire import messages as m
 from pccl.wire.credentials import CredentialSet
+from pccl.wire.keys import KeyPair
 
 CHANNELS = ("ring", "state", "bench")
+KEYS: dict[int, KeyPair] = {}  # peer id -> its key pair (one per member process)
+
+
+def key(pid: int) -> bytes:
+    if pid not in KEYS:
+        KEYS[pid] = KeyPair.from_private_bytes(pid.to_bytes(32, "big"))
+    return KEYS[pid].public
 
 
 def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
@@ -21,7 +31,7 @@ def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
 
 def join(st: MasterState) -> tuple[int, list[Any]]:
     pid = st.new_connection("127.0.0.1", 0.0)
-    return pid, st.handle(pid, m.Register(p2p_port=40000 + pid), 0.0)
+    return pid, st.handle(pid, m.Register(p2p_port=40000 + pid, public_key=key(pid)), 0.0)
 
 
 def vote(st: MasterState, voters: list[int]) -> list[Any]:
@@ -38,8 +48,14 @@ def confirm(st: MasterState, eff: list[Any]) -> list[Any]:
     return out
 
 
-def held(eff: list[Any]) -> dict[int, CredentialSet]:
-    return {p: CredentialSet.from_message(msg) for p, msg in sends(eff, m.P2PCredentials)}
+def held(eff: list[Any], before: dict[int, CredentialSet] | None = None) -> dict[int, CredentialSet]:
+    """What each receiver holds after ``eff`` (installing each message as a peer's store does)."""
+    got = dict(before or {})
+    for p, msg in sends(eff, m.P2PCredentials):
+        cur = got.get(p)
+        got[p] = cur.merged(msg) if cur is not None and (msg.generation, msg.epoch) >= cur.serial else \
+            CredentialSet.from_message(msg, me=p, keys=KEYS[p])
+    return got
 
 
 def assert_pairs_agree(got: dict[int, CredentialSet], members: list[int]) -> None:
@@ -64,7 +80,7 @@ def test_a_lone_first_peer_gets_no_credentials() -> None:
     assert sends(eff, m.Accepted) and not sends(eff, m.P2PCredentials)
 
 
-def test_every_member_gets_its_set_before_its_establish_and_every_pair_agrees() -> None:
+def test_every_member_gets_the_same_set_before_its_establish_and_every_pair_agrees() -> None:
     st = MasterState()
     first, _ = join(st)
     a, b = join(st)[0], join(st)[0]
@@ -73,10 +89,37 @@ def test_every_member_gets_its_set_before_its_establish_and_every_pair_agrees() 
     for p in (first, a, b):
         mine = [t for q, t in order if q == p]
         assert mine == [m.P2PCredentials, m.EstablishP2P], mine  # the credentials first
+    msgs = [msg for _, msg in sends(eff, m.P2PCredentials)]
+    # O(n): one message object (encoded once) with one row per member, for every member.
+    assert all(msg is msgs[0] for msg in msgs)
+    assert [(r.peer_id, r.public_key) for r in msgs[0].keys] == [(p, key(p)) for p in (first, a, b)]
     got = held(eff)
     est = sends(eff, m.EstablishP2P)[0][1]
     assert all(s.epoch == est.epoch and s.generation == st.generation for s in got.values())
     assert_pairs_agree(got, [first, a, b])
+
+
+def test_one_round_at_many_peers_sends_n_rows_not_n_squared() -> None:
+    st, ids = world(2)
+    newcomers = [join(st)[0] for _ in range(62)]
+    eff = vote(st, ids)
+    distinct = {id(msg): msg for _, msg in sends(eff, m.P2PCredentials)}
+    assert len(sends(eff, m.P2PCredentials)) == 64
+    assert sum(len(msg.keys) for msg in distinct.values()) == 64
+    assert_pairs_agree(held(eff), [ids[0], newcomers[0], newcomers[-1]])
+
+
+def test_a_round_sends_one_object_of_each_answer_so_that_each_is_encoded_once() -> None:
+    st, ids = world(2)
+    newcomers = [join(st)[0] for _ in range(3)]
+    eff = vote(st, ids)
+    for cls in (m.P2PCredentials, m.EstablishP2P):
+        objs = {id(msg) for _, msg in sends(eff, cls)}
+        assert len(objs) == 1 and cls.SHARED, cls  # one group: one object for its 5 members
+    done = confirm(st, eff)
+    for cls, who in ((m.Accepted, newcomers), (m.TopologyResult, ids)):
+        got = sends(done, cls)
+        assert [p for p, _ in got] == who and len({id(msg) for _, msg in got}) == 1 and cls.SHARED, cls
 
 
 def test_each_epoch_has_fresh_credentials() -> None:
@@ -89,6 +132,7 @@ def test_each_epoch_has_fresh_credentials() -> None:
     assert sends(eff, m.TopologyResult)
     second = held(vote(st, ids))
     assert second[ids[0]].epoch == first[ids[0]].epoch + 1
+    assert second[ids[0]].binding != first[ids[0]].binding
     assert_pairs_agree(second, [*ids, new])
     for i, j in itertools.permutations([*ids, new], 2):
         old, cur = first[i].for_dial(j, "ring"), second[i].for_dial(j, "ring")
@@ -107,6 +151,15 @@ def test_two_masters_issue_different_credentials_for_the_same_epoch() -> None:
         assert a[i].for_dial(j, "ring") != b[i].for_dial(j, "ring")
 
 
+def test_a_register_with_a_malformed_public_key_is_kicked_with_the_reason() -> None:
+    st = MasterState()
+    pid = st.new_connection("127.0.0.1", 0.0)
+    eff = st.handle(pid, m.Register(p2p_port=40001, public_key=b"k" * 31), 0.0)
+    (kick,) = [e for e in eff if isinstance(e, Kick)]
+    assert kick.peer_id == pid and kick.code == int(Result.INVALID_USAGE)
+    assert "public key has 31 bytes" in kick.reason and pid not in st.peers
+
+
 def test_a_dropped_member_taken_back_gets_the_credentials_of_the_current_epoch() -> None:
     st, ids = world(3)
     eff = vote(st, ids)  # re-establish (no newcomers): everyone holds this epoch's set
@@ -117,9 +170,11 @@ def test_a_dropped_member_taken_back_gets_the_credentials_of_the_current_epoch()
     st.peer_lost(ids[1], "connection lost")
     got = st.new_connection("127.0.0.1", 0.0, claim=ids[1])
     eff = st.handle(got, m.Reregister(peer_id=ids[1], p2p_port=40000 + ids[1], peer_group=0, epoch=epoch,
-                                      ring=list(ids), revision=-1, generation=st.generation), 0.0)
+                                      ring=list(ids), revision=-1, generation=st.generation,
+                                      public_key=key(ids[1])), 0.0)
     kinds = [type(msg) for _, msg in sends(eff)]
     assert kinds.index(m.Reregistered) < kinds.index(m.P2PCredentials)  # the peer reads Reregistered itself
+    assert [p for p, _ in sends(eff, m.P2PCredentials)] == [ids[1]]  # the others' sets are unchanged
     again = held(eff)[ids[1]]
     assert again == before[ids[1]]  # derived, not drawn: the same set as the others still hold
     assert_pairs_agree({**before, ids[1]: again}, ids)
@@ -128,28 +183,32 @@ def test_a_dropped_member_taken_back_gets_the_credentials_of_the_current_epoch()
 def rereg(st: MasterState, pid: int, ring: list[int], epoch: int) -> list[Any]:
     got = st.new_connection("127.0.0.1", 0.0, claim=pid)
     msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch, ring=ring, revision=-1,
-                       generation=1)
+                       generation=1, public_key=key(pid))
     return st.handle(got, msg, 0.0)
 
 
-def test_a_rebuilt_master_issues_credentials_covering_the_members_still_expected_back() -> None:
+def test_a_rebuilt_master_sends_each_member_back_the_rows_of_those_back_after_it() -> None:
     st = MasterState()  # a restarted master: empty
     ring = [3, 1, 2]
     first = held(rereg(st, 3, ring, epoch=7))
     assert first[3].generation == 2 and first[3].epoch == 7
-    assert sorted(first[3].dial_keys) == [1, 2]  # the others are not back yet
-    second = held(rereg(st, 1, ring, epoch=7))
-    assert list(second) == [1]
-    assert_pairs_agree({**first, **second}, [3, 1])
-    third = held(rereg(st, 2, ring, epoch=7))
-    assert_pairs_agree({**first, **second, **third}, ring)
+    assert sorted(first[3].table) == [3]  # the others are not back yet: their keys are not known
+    eff = rereg(st, 1, ring, epoch=7)
+    rows = {p: msg for p, msg in sends(eff, m.P2PCredentials)}
+    assert sorted(rows) == [1, 3]
+    assert [r.peer_id for r in rows[3].keys] == [1]  # to the one back before: only the new row
+    both = held(eff, first)
+    assert_pairs_agree(both, [3, 1])
+    third = held(rereg(st, 2, ring, epoch=7), both)
+    assert_pairs_agree(third, ring)
 
 
 def test_a_rebuild_that_moves_to_a_newer_epoch_reissues_to_the_members_already_back() -> None:
     st = MasterState()
-    held(rereg(st, 3, [3, 1], epoch=7))
+    got = held(rereg(st, 3, [3, 1], epoch=7))
     eff = rereg(st, 2, [3, 2, 1], epoch=8)  # a member that saw a later epoch
-    got = held(eff)
+    got = held(eff, got)
+    assert sorted(p for p, _ in sends(eff, m.P2PCredentials)) == [2, 3]
     assert sorted(got) == [2, 3] and all(s.epoch == 8 for s in got.values())
-    rest = held(rereg(st, 1, [3, 2, 1], epoch=8))
-    assert_pairs_agree({**got, **rest}, [3, 2, 1])
+    rest = held(rereg(st, 1, [3, 2, 1], epoch=8), got)
+    assert_pairs_agree(rest, [3, 2, 1])

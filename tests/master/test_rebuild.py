@@ -193,12 +193,19 @@ def test_a_member_its_group_no_longer_lists_is_refused_in_either_order() -> None
 
 def test_a_member_of_another_group_gets_credentials_for_its_own_groups_ring_whoever_returned_first() -> None:
     # Two groups: the rebuild's expected ring comes from the first peer back (group 1). A group-0 member
-    # returning next must still get dial credentials for every member of its own group's ring, including
-    # the ones that are not back yet; without them its first collective fails at connect ("the master
-    # issued none for it") and retries in a loop (found by the chaos test with master restarts).
+    # returning next must hold the P2P keys of every member of its own group's ring once those are back
+    # too, whatever the order; without them its first collective fails at connect ("the master issued
+    # none for it") and retries in a loop (found by the chaos test with master restarts). Since protocol 5
+    # the master knows a member's key only once it is back: each one back gets the table of those back,
+    # and those back before it get its row.
     st = MasterState()
     rereg(st, 5, ring=[5, 6, 7], group=1)
     _, eff = rereg(st, 1, ring=[1, 2, 3], group=0)
-    ((who, creds),) = sends(eff, m.P2PCredentials)
-    assert who == 1
-    assert {row.peer_id for row in creds.dial} >= {2, 3}
+    mine = dict(sends(eff, m.P2PCredentials))
+    assert {row.peer_id for row in mine[1].keys} == {1, 5}
+    assert [row.peer_id for row in mine[5].keys] == [1]
+    for late in (3, 2):
+        _, eff = rereg(st, late, ring=[1, 2, 3], group=0)
+        got = dict(sends(eff, m.P2PCredentials))
+        assert [row.peer_id for row in got[1].keys] == [late]  # 1 learns the key of each one back after it
+        assert {row.peer_id for row in got[late].keys} >= {1, 5}

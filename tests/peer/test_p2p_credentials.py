@@ -19,9 +19,10 @@ from pccl.peer.credentials import CredentialStore
 from pccl.peer.p2p import open_p2p, serve_p2p
 from pccl.testing.network import VirtualHost, VirtualNetwork
 from pccl.transport import Address
-from pccl.wire.credentials import CredentialIssuer
+from pccl.wire.credentials import CredentialIssuer, CredentialSet
 from pccl.wire.handshake import new_nonce
 from pccl.wire.hello import answer
+from pccl.wire.keys import KeyPair
 from pccl.wire.messages import Challenge, Hello, HelloOk, P2PCredentials, Refused
 from pccl.wire.stream import MessageStream
 
@@ -30,13 +31,18 @@ LISTENER, DIALER, OTHER = 1, 2, 3
 MEMBERS = [LISTENER, DIALER, OTHER]
 
 
-def issue(peer: int, epoch: int = 5, generation: int = 1, root: bytes = b"r" * 32) -> P2PCredentials:
-    return CredentialIssuer(root).issue(peer, MEMBERS, generation=generation, epoch=epoch)
+KEYS = {p: KeyPair.generate() for p in MEMBERS}  # one per member process
 
 
-def store(peer: int, **kw: Any) -> CredentialStore:
-    s = CredentialStore(wait=CONFIG.connect_timeout / 2)
-    s.install(issue(peer, **kw))
+def issue(epoch: int = 5, generation: int = 1, root: bytes = b"r" * 32,
+          members: list[int] = MEMBERS) -> P2PCredentials:
+    return CredentialIssuer(root).table([(p, KEYS[p].public) for p in members], generation=generation,
+                                        epoch=epoch)
+
+
+def store(peer: int, *, members: list[int] = MEMBERS, **kw: Any) -> CredentialStore:
+    s = CredentialStore(wait=CONFIG.connect_timeout / 2, keys=KEYS[peer])
+    s.install(issue(members=members, **kw), me=peer)
     return s
 
 
@@ -141,7 +147,7 @@ async def test_the_listener_waits_for_a_newer_set_it_is_about_to_get_then_accept
 
             async def deliver_late() -> None:
                 await trio.sleep(0.5)  # the master's message to the listener arrives after the dial
-                assert listener_creds.install(issue(LISTENER, epoch=6))
+                assert listener_creds.install(issue(epoch=6), me=LISTENER)
 
             nursery.start_soon(deliver_late)
             t0 = trio.current_time()
@@ -179,11 +185,77 @@ async def test_no_credential_for_the_peer_dialed_is_a_local_refusal() -> None:
 
 def test_the_store_keeps_the_newest_set() -> None:
     s = store(DIALER, epoch=5)
-    assert not s.install(issue(DIALER, epoch=4))
+    assert not s.install(issue(epoch=4), me=DIALER)
     cur = s.current
     assert cur is not None and cur.epoch == 5
-    assert s.install(issue(DIALER, generation=2, epoch=1))  # a rebuilt master: a newer generation
+    assert s.install(issue(generation=2, epoch=1), me=DIALER)  # a rebuilt master: a newer generation
     cur = s.current
     assert cur is not None and cur.serial == (2, 1)
-    msg = issue(DIALER, generation=2, epoch=1)
-    assert all(k.hex() not in repr(s) and repr(k) not in repr(s) for k in (msg.key, msg.dial[0].key))
+    assert s.public_key == KEYS[DIALER].public
+    dial = s.for_dial(LISTENER, "ring")
+    assert dial is not None
+    shown = repr(s)
+    assert all(k.hex() not in shown and repr(k) not in shown for k in (cur.binding, dial.key))
+
+
+def test_the_store_adds_rows_of_its_epoch_and_takes_a_new_key_pair_only_by_a_new_set() -> None:
+    s = store(DIALER, members=[LISTENER, DIALER], generation=2, epoch=7)
+    assert s.for_dial(OTHER, "ring") is None
+    assert s.install(issue(generation=2, epoch=7, members=[OTHER]), me=DIALER)  # one row, as a rebuild sends
+    cur = s.current
+    assert cur is not None and sorted(cur.table) == MEMBERS
+    theirs = store(OTHER, generation=2, epoch=7).for_dial(DIALER, "ring")
+    assert theirs is not None and theirs.key == cur.for_accept(OTHER, "ring")
+
+
+async def test_the_listener_waits_for_the_row_of_a_member_back_after_it_then_accepts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # A rebuilding master sends OTHER its table (listing the listener) and the listener OTHER's row; the
+    # row may arrive after OTHER's connection.
+    listener_creds = store(LISTENER, members=[LISTENER, DIALER], generation=2, epoch=7)
+    seen: list[Hello] = []
+    async with listening(listener_creds, seen) as (client, addr):
+        async with trio.open_nursery() as nursery:
+
+            async def deliver_late() -> None:
+                await trio.sleep(0.5)
+                assert listener_creds.install(issue(generation=2, epoch=7, members=[OTHER]), me=LISTENER)
+
+            nursery.start_soon(deliver_late)
+            t0 = trio.current_time()
+            ms = await dial(client, addr, store(OTHER, generation=2, epoch=7), me=OTHER)
+            assert 0.5 <= trio.current_time() - t0 < 0.6
+            await ms.aclose()
+        assert [h.peer_id for h in seen] == [OTHER]
+    # A claimed member whose row never comes: refused after the bounded wait.
+    async with listening(store(LISTENER, members=[LISTENER, DIALER]), seen) as (client, addr):
+        t0 = trio.current_time()
+        with pytest.raises(RankConnectionFailedError, match="did not issue to this peer within 2s"):
+            await dial(client, addr, store(OTHER), me=OTHER)
+        assert 2.0 <= trio.current_time() - t0 < 2.1
+
+
+async def test_a_removed_member_is_refused_at_the_next_epoch_as_itself_or_as_another(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # OTHER was a member of epoch 5; epoch 6's set lists only LISTENER and DIALER.
+    old = store(OTHER, epoch=5)
+    async with listening(store(LISTENER, members=[LISTENER, DIALER], epoch=6), []) as (client, addr):
+        with pytest.raises(RankConnectionFailedError, match="stale P2P credential"):
+            await dial(client, addr, old, me=OTHER)
+        # It never got epoch 6's binding; with a guessed one, and epoch 6 named, as itself: not listed,
+        # refused after the bounded wait; as DIALER (whose key it lacks): refused at the proof.
+        cur = old.current
+        assert cur is not None
+        guess = CredentialSet(me=OTHER, keys=KEYS[OTHER], generation=1, epoch=6, binding=cur.binding,
+                              table={p: KEYS[p].public for p in MEMBERS})
+        as_itself = guess.for_dial(LISTENER, "ring")
+        posing = CredentialSet(me=DIALER, keys=KEYS[OTHER], generation=1, epoch=6, binding=cur.binding,
+                               table=guess.table).for_dial(LISTENER, "ring")
+        assert as_itself is not None and posing is not None
+        at = {"generation": 1, "epoch": 6}
+        t0 = trio.current_time()
+        reason = await forged(client, addr, peer_id=OTHER, credential=as_itself.key, **at)
+        assert "unknown P2P credential" in reason and trio.current_time() - t0 >= 2.0
+        assert "bad credential" in await forged(client, addr, peer_id=DIALER, credential=posing.key, **at)
