@@ -45,6 +45,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as c
 
 _EVICTED_RE = re.compile(r"peer (\d+) \([^)]*\) evicted")
+_REBUILD_RE = re.compile(r"rebuilding the run from re-registrations: epoch \d+, (\d+) member")
+
+
+def kill_timeline(t_kill: float, master: c.MasterProcess, next_completion: float) -> str:
+    """Where the time from a master kill to the next completed all-reduce went, from the restarted
+    master's log: start-up (kill -> listening), the peers' reconnection (-> first re-registration),
+    the rebuild quorum (-> "resuming"), then the roll call and operations in doubt (-> next all-reduce;
+    "in doubt" lines and members that never came back show what it waited for)."""
+    def first(pred: str) -> float | None:
+        return next((t for t, line in master.events if pred in line), None)
+
+    def rel(t: float | None) -> str:
+        return f"+{t - t_kill:.2f}s" if t is not None else "-"
+
+    back = sum(1 for _, line in master.events if " re-registered from " in line)
+    expected = next((int(mt.group(1)) for _, line in master.events if (mt := _REBUILD_RE.search(line))), 0)
+    doubts = sum(1 for _, line in master.events if " in doubt: " in line)
+    reregistered = first(" re-registered from ")
+    return (f"listening {rel(master.listening_at)}, first re-registration {rel(reregistered)}, "
+            f"majority back {rel(first('re-registered: resuming'))}, next all-reduce {rel(next_completion)} "
+            f"({back} of {expected} member(s) back, {doubts} decision(s) in doubt)")
 PEER_CODE = "import sys; from pccl.demo import peer_main; sys.exit(peer_main())"
 
 
@@ -72,6 +93,7 @@ class Stats:
     listen_gap: float = 0.0  # the longest time from a restarted master listening to the next completion
     restart_s: float = 0.0  # the longest time from a kill to the restarted master listening
     lost_joins: int = 0  # peers not yet admitted when the master died (their join fails)
+    completions: list[float] = field(default_factory=list)  # recent completion times (kill timelines)
 
     def at(self, t: float | None = None) -> str:
         return f"[{(time.monotonic() if t is None else t) - self.t0:7.1f}s]"
@@ -95,6 +117,8 @@ class Stats:
         if self.first_completion is None:
             self.first_completion = t
         self.last_completion = t
+        self.completions.append(t)
+        del self.completions[:-256]
 
 
 async def consume(cluster: c.Cluster, st: Stats, verbose: bool) -> None:
@@ -174,6 +198,7 @@ async def run(args: argparse.Namespace) -> int:
                                               *peer_args])
 
         stopped: list[tuple[float, c.Child]] = []
+        timelines: list[tuple[float, c.MasterProcess]] = []  # kills whose next all-reduce is not in yet
         master_seen = 0
         stall_reported: float | None = None
         async with trio.open_nursery() as nursery:
@@ -198,11 +223,19 @@ async def run(args: argparse.Namespace) -> int:
                     master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra,
                                                         port=master_port)
                     masters.append(master)
+                    timelines.append((st.master_kills[-1], master))
                     st.master_listening.append(master.listening_at)
                     st.restart_s = max(st.restart_s, master.listening_at - st.master_kills[-1])
                     master_seen = 0
                     print(f"{st.at()} master restarted at {master.address}", flush=True)
                     now = time.monotonic()
+                for t_kill, mp in list(timelines):
+                    if st.last_completion is not None and st.last_completion > mp.listening_at:
+                        timelines.remove((t_kill, mp))
+                        # the first completion after the restart: the soak's own timestamps
+                        nxt = min((t for t in st.completions if t > t_kill), default=st.last_completion)
+                        print(f"{st.at(t_kill)} master kill timeline: {kill_timeline(t_kill, mp, nxt)}",
+                              flush=True)
                 for t_stop, ch in list(stopped):
                     if now - t_stop > args.heartbeat_timeout + 2.0:
                         ch.kill()

@@ -26,14 +26,38 @@ Targets: SIGKILL recovered within 50 ms with at most one failed call; SIGSTOP wi
 it listening to every peer's next successful all-reduce over the whole world (target 0.5 s), failed calls
 per peer (target at most 1).
 
+``--faults standby``: a second ``pccl-master`` (the standby) runs from the start and the peers are given
+both addresses (the master's first); the master is SIGKILLed. Its connections close at once, so no
+timeout governs the failover: each peer re-registers with the standby within one reconnect round.
+``--faults standby-stop``: the master is SIGSTOPped instead (hung: its connections stay open and
+silent), so the peers' ``PeerConfig.heartbeat_timeout`` (``--peer-heartbeat-timeout``, default the
+library's 3 s) governs: a peer fails over once it heard nothing from the master for that long. (The
+master's own heartbeat timeout plays no part: it evicts peers, and the master is gone.) Reported: the
+time from the fault to the standby's first re-registration ("1st failure" column) and to every peer's
+next successful all-reduce over the whole world (target: the peers' heartbeat timeout + 0.5 s for both),
+failed calls per peer (target at most 1).
+
+After a master fault the peers retry a failed all-reduce directly, whatever ``--retry`` says: the loss
+fails only the calls already voted for and not commenced, while a peer that had not voted yet simply
+waits for the reconnection, so a peer that ran ``update_topology()`` after its failure would wait in it
+while the others wait in the all-reduce (the master's deadlock watch then fails both with
+INVALID_USAGE; seen in 1 of 3 standby trials before this rule).
+
+For the master kinds every peer also chains a hash over its committed all-reduce results (the run's
+state); the trial compares the peers' hashes at the last call count all of them reached ("identical"
+column).
+
 usage: python benchmarks/recovery.py [--trials 3] [--size BYTES] [--retry update_topology|direct]
-       [--faults SIGKILL,SIGSTOP,master]
+       [--faults SIGKILL,SIGSTOP,master,standby,standby-stop]
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import os
+import signal
 import statistics
 import sys
 import time
@@ -60,7 +84,8 @@ async def _peer(cfg: dict[str, Any]) -> None:
     )
     from pccl.peer.communicator import open_communicator
 
-    config = c.peer_config(reconnect_window=cfg.get("reconnect_window", 0.0))
+    extra = {"heartbeat_timeout": cfg["peer_heartbeat_timeout"]} if cfg.get("peer_heartbeat_timeout") else {}
+    config = c.peer_config(reconnect_window=cfg.get("reconnect_window", 0.0), **extra)
     async with open_communicator(cfg["master"], config=config) as comm:
         while comm.world_size < cfg["world"]:
             await c.admit_pending(comm)
@@ -68,8 +93,12 @@ async def _peer(cfg: dict[str, Any]) -> None:
         c.emit("ready", peer=comm.peer_id, world=comm.world_size)
         send = np.ones(cfg["size"] // 4, np.float32)
         recv = np.empty_like(send)
+        # The run's state: a hash chained over every committed result; the n-th call's input depends
+        # on n, so a peer that skipped or repeated a call ends with another hash.
+        n, state = 0, b""
         while True:
             t0 = time.monotonic()
+            send.fill(float(n % 251 + 1))
             try:
                 info = await comm.all_reduce(send, recv, op=ReduceOp.SUM)
             except RankConnectionLostError as exc:
@@ -88,7 +117,14 @@ async def _peer(cfg: dict[str, Any]) -> None:
             except TooFewPeersError:
                 c.emit("alone", peer=comm.peer_id)
                 await trio.sleep_forever()
-            c.emit("ok", peer=comm.peer_id, t0=t0, world=info.local_world_size)
+            n += 1
+            if not cfg.get("hash"):  # the peer-fault kinds: no hashing inside the timed loop
+                c.emit("ok", peer=comm.peer_id, t0=t0, world=info.local_world_size)
+                continue
+            h = hashlib.blake2b(state, digest_size=16)
+            h.update(recv.data)
+            state = h.digest()
+            c.emit("ok", peer=comm.peer_id, t0=t0, world=info.local_world_size, n=n, h=state.hex())
 
 
 def child_main(cfg: dict[str, Any]) -> int:
@@ -124,6 +160,35 @@ async def _count_ok(cluster: Any, seconds: float) -> int:
     return ok
 
 
+class Hashes:
+    """The state hashes the peers report, per peer by call count (``ok`` events)."""
+
+    def __init__(self) -> None:
+        self.by_peer: dict[int, dict[int, str]] = {}
+
+    def note(self, msg: dict[str, Any]) -> None:
+        if msg.get("event") == "ok" and "h" in msg:
+            self.by_peer.setdefault(int(msg["peer"]), {})[int(msg["n"])] = str(msg["h"])
+
+    def identical(self, peers: set[int]) -> float:
+        """1.0 when every one of ``peers`` reported the same hash at the last call count all of them
+        reported, 0.0 when they differ, NaN when there is no common count."""
+        rows = [self.by_peer.get(p, {}) for p in peers]
+        common = set.intersection(*(set(r) for r in rows)) if rows else set()
+        if not common:
+            return float("nan")
+        n = max(common)
+        return 1.0 if len({r[n] for r in rows}) == 1 else 0.0
+
+
+async def _collect(cluster: Any, seconds: float, hashes: Hashes) -> None:
+    """Note the hashes the peers report for ``seconds`` more."""
+    with trio.move_on_after(seconds):
+        while True:
+            _, msg = await cluster.next_event()
+            hashes.note(msg)
+
+
 async def master_trial(args: argparse.Namespace) -> dict[str, float]:
     """SIGKILL the master while 3 peers loop all-reduces, start a fresh one on the same port after
     ``--restart-delay`` s; time from the new master listening to every peer's next success."""
@@ -132,8 +197,8 @@ async def master_trial(args: argparse.Namespace) -> dict[str, float]:
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
         port = int(master.address.rsplit(":", 1)[1])
-        cfg = {"master": master.address, "world": world, "size": args.size, "retry": args.retry,
-               "reconnect_window": args.reconnect_window}
+        cfg = {"master": master.address, "world": world, "size": args.size, "retry": "direct",
+               "reconnect_window": args.reconnect_window, "hash": True}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         ids = await _peers_ready(cluster, world)
@@ -149,22 +214,71 @@ async def master_trial(args: argparse.Namespace) -> dict[str, float]:
                     fails[int(msg["peer"])] += 1
         new = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, port=port)
         recovered: dict[int, float] = {}
+        hashes = Hashes()
         while len(recovered) < world:
             ch, msg = await cluster.wait_for(
                 lambda ch, m: m.get("event") in ("ok", "fail", "exit", "error"),
                 args.reconnect_window + 10, "recovery after the master's restart")
+            hashes.note(msg)
             ev = msg["event"]
             if ev in ("exit", "error"):
-                raise RuntimeError(f"{ch.name} {ev}:\n{ch.log_tail()}")
+                raise RuntimeError(f"{ch.name} {ev}: {msg.get('message')}\n{ch.log_tail()}")
             pid = int(msg["peer"])
             if ev == "fail" and pid not in recovered:
                 fails[pid] += 1
             after_kill = float(msg["t0"]) > t_fault
             if ev == "ok" and pid not in recovered and int(msg["world"]) == world and after_kill:
                 recovered[pid] = float(msg["t"])
+        await _collect(cluster, args.after, hashes)
     return {"steady_calls_per_s": steady / args.steady, "detect_s": new.listening_at - t_fault,
             "recover_s": max(recovered.values()) - new.listening_at,
-            "failed_calls": float(max(fails.values()))}
+            "failed_calls": float(max(fails.values())), "identical": hashes.identical(set(ids.values()))}
+
+
+async def standby_trial(args: argparse.Namespace, hang: bool) -> dict[str, float]:
+    """A standby ``pccl-master`` runs beside the master; the peers know both. SIGKILL (``hang``:
+    SIGSTOP) the master while 3 peers loop all-reduces; time from the fault to every peer's next
+    success over the whole world, at the standby."""
+    script = Path(__file__).resolve()
+    world = 3
+    async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
+        master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
+        standby = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
+        cfg = {"master": [master.address, standby.address], "world": world, "size": args.size,
+               "retry": "direct", "reconnect_window": args.reconnect_window,
+               "peer_heartbeat_timeout": args.peer_heartbeat_timeout, "hash": True}
+        for i in range(world):
+            await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
+        ids = await _peers_ready(cluster, world)
+        steady = await _count_ok(cluster, args.steady)
+        assert master.proc.returncode is None and not standby.events[1:], standby.events
+        t_fault = time.monotonic()
+        os.kill(master.proc.pid, signal.SIGSTOP if hang else signal.SIGKILL)
+        fails: dict[int, int] = dict.fromkeys(ids.values(), 0)
+        recovered: dict[int, float] = {}
+        hashes = Hashes()
+        while len(recovered) < world:
+            ch, msg = await cluster.wait_for(
+                lambda ch, m: m.get("event") in ("ok", "fail", "exit", "error"),
+                args.reconnect_window + 10, "recovery at the standby")
+            hashes.note(msg)
+            ev = msg["event"]
+            if ev in ("exit", "error"):
+                raise RuntimeError(f"{ch.name} {ev}: {msg.get('message')}\n{ch.log_tail()}")
+            pid = int(msg["peer"])
+            if ev == "fail" and pid not in recovered:
+                fails[pid] += 1
+            after_fault = float(msg["t0"]) > t_fault
+            if ev == "ok" and pid not in recovered and int(msg["world"]) == world and after_fault:
+                recovered[pid] = float(msg["t"])
+        await _collect(cluster, args.after, hashes)
+        rebuilt = [t for t, line in standby.events if "rebuilding the run" in line]
+        if hang:
+            master.proc.kill()
+    return {"steady_calls_per_s": steady / args.steady,
+            "detect_s": rebuilt[0] - t_fault if rebuilt else float("nan"),
+            "recover_s": max(recovered.values()) - t_fault, "failed_calls": float(max(fails.values())),
+            "identical": hashes.identical(set(ids.values()))}
 
 
 async def trial(kind: str, args: argparse.Namespace) -> dict[str, float]:
@@ -218,22 +332,40 @@ async def run(args: argparse.Namespace) -> list[list[Any]]:
                 results.append(r)
                 print(f"  master trial {i + 1}: new master listening {r['detect_s'] * 1e3:.0f} ms after the "
                       f"kill, every peer's next success {r['recover_s'] * 1e3:.1f} ms after that, "
-                      f"{int(r['failed_calls'])} failed call(s) per peer at most", flush=True)
+                      f"{int(r['failed_calls'])} failed call(s) per peer at most, states identical: "
+                      f"{_yes(r['identical'])}", flush=True)
+                continue
+            if kind in ("STANDBY", "STANDBY-STOP"):
+                r = await standby_trial(args, hang=kind == "STANDBY-STOP")
+                results.append(r)
+                what = "SIGSTOPped" if kind == "STANDBY-STOP" else "SIGKILLed"
+                print(f"  {kind.lower()} trial {i + 1}: master {what}; the standby's first "
+                      f"re-registration {r['detect_s'] * 1e3:.0f} ms after, every peer's next success "
+                      f"{r['recover_s'] * 1e3:.1f} ms after the fault, {int(r['failed_calls'])} failed "
+                      f"call(s) per peer at most, states identical: {_yes(r['identical'])}", flush=True)
                 continue
             r = await trial(kind, args)
             results.append(r)
             print(f"  {kind} trial {i + 1}: first failed call after {r['detect_s'] * 1e3:.1f} ms, "
                   f"recovered after {r['recover_s'] * 1e3:.1f} ms, {int(r['failed_calls'])} failed call(s) "
                   f"(steady state: {r['steady_calls_per_s']:.0f} all-reduces/s)", flush=True)
-        target = {"SIGKILL": 0.050, "MASTER": 0.500}.get(kind, args.heartbeat_timeout + 0.100)
+        standby_target = args.peer_heartbeat_timeout + 0.500
+        target = {"SIGKILL": 0.050, "MASTER": 0.500, "STANDBY": standby_target,
+                  "STANDBY-STOP": standby_target}.get(kind, args.heartbeat_timeout + 0.100)
         rec = [r["recover_s"] for r in results]
         failed = int(max(r["failed_calls"] for r in results))
-        met = max(rec) <= target and (kind not in ("SIGKILL", "MASTER") or failed <= 1)
+        same = [r.get("identical", float("nan")) for r in results]
+        identical = "-" if kind in ("SIGKILL", "SIGSTOP") else _yes(min(same))
+        met = max(rec) <= target and (kind == "SIGSTOP" or failed <= 1) and identical in ("-", "yes")
         detects = [r["detect_s"] for r in results if r["detect_s"] == r["detect_s"]]  # trials with a failure
         rows.append([kind, len(results), statistics.median(detects) * 1e3 if detects else float("nan"),
-                     statistics.median(rec) * 1e3, max(rec) * 1e3, failed, f"{target * 1e3:.0f}",
+                     statistics.median(rec) * 1e3, max(rec) * 1e3, failed, identical, f"{target * 1e3:.0f}",
                      "yes" if met else "no"])
     return rows
+
+
+def _yes(flag: float) -> str:
+    return "yes" if flag == 1.0 else "NO" if flag == 0.0 else "?"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,7 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart-delay", type=float, default=1.0,
                    help="--faults master: seconds from the master's SIGKILL to its restart on the same port")
     p.add_argument("--reconnect-window", type=float, default=30.0,
-                   help="--faults master: the peers' PeerConfig.reconnect_window")
+                   help="--faults master/standby: the peers' PeerConfig.reconnect_window")
+    p.add_argument("--peer-heartbeat-timeout", type=float, default=3.0,
+                   help="the peers' PeerConfig.heartbeat_timeout (a hung master is lost after it)")
+    p.add_argument("--after", type=float, default=0.5,
+                   help="--faults master/standby: seconds of looping after the recovery before the "
+                        "peers' state hashes are compared")
     args = p.parse_args(argv)
     straggler = f"{args.straggler_timeout:g}s" if args.straggler_timeout > 0 else "off"
     print(f"recovery; {c.machine_line()}; 3 peers looping {c.human_bytes(args.size)} all-reduces; "
@@ -262,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = trio.run(run, args)
     print()
     print(c.format_table(["fault", "trials", "1st failure median ms", "recover median ms", "recover max ms",
-                          "max failed calls", "target ms", "met"], rows))
+                          "max failed calls", "identical", "target ms", "met"], rows))
     return 0
 
 

@@ -69,9 +69,11 @@ class MasterConfig:
         rebuild_grace: a restarted or standby master that rebuilds the run from re-registrations
             holds every vote until all of the last epoch's members are back, or for at most this many
             seconds from the first re-registration (a majority is needed in any case; docs/concepts.md
-            "Surviving the master"). Members reconnect with a backoff of up to 1 s, so a few seconds
-            let them all return before the run resumes: one that returned after the others resumed
-            would retry another call than theirs (a deadlock). 0: resume at the majority.
+            "Surviving the master"). Members reconnect with a backoff of up to 0.25 s, so 1 s (four
+            rounds) lets them all return before the run resumes: one that returned after the others
+            resumed would retry another call than theirs (a deadlock). The grace is also what a member
+            that died with the master costs the run (the roll call waits it out; operations in doubt
+            are then aborted at once). 0: resume at the majority.
         tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
             no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
         tls_key: PEM private key of ``tls_cert``.
@@ -93,7 +95,7 @@ class MasterConfig:
     status_host: str | None = None
     quorum: str = "auto"
     quorum_hold_timeout: float | None = 30.0
-    rebuild_grace: float = 2.0
+    rebuild_grace: float = 1.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None

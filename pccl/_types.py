@@ -6,11 +6,17 @@ import enum
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from ._errors import InvalidBufferError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+def _np() -> Any:
+    """numpy, imported on first use: the master (``pccl-master``) uses these types without numpy."""
+    return importlib.import_module("numpy")
 
 
 class ReduceOp(enum.IntEnum):
@@ -91,7 +97,8 @@ class DataType(enum.IntEnum):
             if bf is None:
                 raise InvalidBufferError("numpy has no bfloat16; install ml_dtypes")
             return bf
-        return np.dtype(_LIB_NAME[self])
+        dtype: np.dtype[Any] = _np().dtype(_LIB_NAME[self])
+        return dtype
 
     @classmethod
     def from_torch_dtype(cls, dtype: Any) -> DataType:
@@ -114,8 +121,9 @@ class DataType(enum.IntEnum):
         Raises:
             InvalidBufferError: unsupported dtype or non-native byte order.
         """
+        numpy = _np()
         try:
-            dt = np.dtype(dtype)
+            dt = numpy.dtype(dtype)
         except TypeError:
             raise InvalidBufferError(f"unsupported dtype: {dtype!r}") from None
         if not dt.isnative:
@@ -124,7 +132,7 @@ class DataType(enum.IntEnum):
         if bf is not None and dt == bf:
             return DataType.BFLOAT16
         for member, name in _LIB_NAME.items():
-            if member is not DataType.BFLOAT16 and dt == np.dtype(name):
+            if member is not DataType.BFLOAT16 and dt == numpy.dtype(name):
                 return member
         raise InvalidBufferError(f"unsupported dtype: {dt}")
 
@@ -153,7 +161,7 @@ def _numpy_bfloat16() -> np.dtype[Any] | None:
         ml_dtypes = importlib.import_module("ml_dtypes")
     except ImportError:
         return None
-    bf: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
+    bf: np.dtype[Any] = _np().dtype(ml_dtypes.bfloat16)
     return bf
 
 

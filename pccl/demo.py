@@ -233,11 +233,17 @@ async def _admit_pending(comm: Any) -> bool:
     """Membership step of the loop: admit waiting peers when there are any (all peers call this)."""
     from ._errors import RankConnectionLostError, UpdateTopologyFailedError
 
-    try:
-        if not await comm.are_peers_pending():
-            return False
-    except RankConnectionLostError:
-        return False  # the master was lost during the query (every peer's failed): ask next step
+    while True:
+        try:
+            if not await comm.are_peers_pending():
+                return False
+            break
+        except RankConnectionLostError:
+            # The master was lost during the query: ask again (the call waits for the reconnection).
+            # Not every peer's query failed: one that had not voted yet waits and asks the next master,
+            # so skipping it would leave that peer in the query while this one syncs (a deadlock;
+            # tests/integration/test_demo_master_loss.py).
+            continue
     while True:
         try:
             await comm.update_topology()

@@ -12,7 +12,9 @@ reports into one outcome per operation (docs/concepts.md "Operations in doubt"):
   (every part is finished, so the result is whole everywhere);
 * **abort** when any participant reports it abandoned (then no peer can have committed it: the old
   master commits only after every participant finished), or when no decision came within the
-  timeout the master passes to :meth:`DoubtBook.overdue` (a participant never came back);
+  timeout the master passes to :meth:`DoubtBook.overdue` (a participant never came back), or, at a
+  rebuilt master, when the roll call below ends first (every member is back or its grace ran out:
+  a participant still silent is absent);
 * an operation of this master's own generation (a peer lost its connection to a master that is still
   alive) is decided by what this master did: committed if it completed it, else aborted.
 
@@ -216,6 +218,7 @@ class DoubtBook:
         # A member is waited for only while every member back lists it: a peer drops the dead of its
         # own group from its table but may still list the dead of other groups, so the rings differ,
         # and the roll call must not depend on whose came first.
+        rolling = self._roll_until is not None
         self._missing &= set(msg.ring)
         self._missing.discard(peer_id)
         if not self._missing:
@@ -242,7 +245,20 @@ class DoubtBook:
             if d is None:
                 d = self._open[(key, seq)] = Doubt(key, seq, participants, revision, opened=now)
             d.waiting.add(peer_id)
-        return decisions + self._decide_open()
+        decisions += self._decide_open()
+        if rolling and self._roll_until is None:
+            # Every member is back: a participant that has not said it finished never will.
+            decisions += self._abort_open()
+        return decisions
+
+    def _abort_open(self) -> list[Decision]:
+        """The roll call is over: abort every open doubt. The participants it still waits for are not
+        back, so they are absent (nothing tells whether they committed), the same outcome as the
+        timeout of :meth:`overdue`, without waiting for it."""
+        decisions = [self._decision(d.key, d.seq, False, tuple(sorted(d.waiting)), d.revision, "timeout")
+                     for d in self._open.values()]
+        self._open.clear()
+        return decisions
 
     def _decide_open(self) -> list[Decision]:
         decisions: list[Decision] = []
@@ -281,10 +297,13 @@ class DoubtBook:
 
     def overdue(self, now: float, timeout: float) -> list[Decision]:
         """Abort every doubt open for more than ``timeout`` seconds: a participant never came back
-        (it died with the master), so nothing tells whether it committed, and the survivors agree."""
+        (it died with the master), so nothing tells whether it committed, and the survivors agree.
+        The roll call's end (its grace ran out, or every member is back) aborts every open doubt at
+        once: whoever it still waits for is absent."""
+        decisions: list[Decision] = []
         if self._roll_until is not None and now >= self._roll_until:
             self._missing, self._roll_until = set(), None  # the latecomers are simply absent
-        decisions: list[Decision] = []
+            decisions += self._abort_open()  # and so are the participants the doubts wait for
         for ks, d in list(self._open.items()):
             if now > d.opened + timeout:
                 del self._open[ks]

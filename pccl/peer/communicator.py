@@ -98,8 +98,32 @@ _WAITING_NOTICE_AFTER = 0.25
 
 
 #: Backoff between reconnection rounds (each round tries every master address once): doubles, capped.
+#: The cap bounds how long after a restarted master (or standby) starts listening a peer finds it: a
+#: refused connect costs a fraction of a millisecond, a round every 0.25 s is nothing for a master that
+#: is not there, and the run's gap across a master kill is the restart delay plus at most one cap
+#: (docs/benchmarks.md "With master kills"; it was 1 s).
 _RECONNECT_BACKOFF_START = 0.05
-_RECONNECT_BACKOFF_MAX = 1.0
+_RECONNECT_BACKOFF_MAX = 0.25
+
+
+def failover_order(addresses: list[tuple[str, int]], lost: tuple[str, int]) -> list[tuple[str, int]]:
+    """The order a peer that lost the master at ``lost`` tries ``addresses`` in each reconnection
+    round: the others first, in list order after it, then ``lost`` itself. A hung master (or its dead
+    host) holds a connect or a hello for up to ``connect_timeout``; trying the standby first keeps a
+    failover at the heartbeat timeout instead of that plus ``connect_timeout``. A master restarted on
+    the same address is still found in the same round.
+
+    Args:
+        addresses: the peer's master addresses, in the order it was given them.
+        lost: the address of the master it lost (need not be in ``addresses``).
+
+    Returns:
+        Every address once.
+    """
+    if lost not in addresses:
+        return list(addresses)
+    i = addresses.index(lost)
+    return [*addresses[i + 1:], *addresses[:i + 1]]
 
 
 def _no_limit(seconds: float | None) -> float:
@@ -466,8 +490,9 @@ class Communicator:
             return
         backoff = _RECONNECT_BACKOFF_START
         last = "no master address answered"
+        order = failover_order(self.master_addresses, (self.master_host, self.master_port))
         while not self._closed and self._core.lost is None:
-            for host, port in self.master_addresses:
+            for host, port in order:
                 if trio.current_time() >= deadline:
                     break
                 with trio.move_on_at(deadline):
@@ -614,11 +639,15 @@ class Communicator:
                 return
 
     async def _watchdog(self, ms: MessageStream) -> None:
-        period = min(self.config.heartbeat_interval, self.config.heartbeat_timeout / 4)
+        """Fail the link once the master has been silent for ``heartbeat_timeout``: sleeps until that
+        deadline (re-read after each wake, as messages move it), so a hung master is noticed within
+        a millisecond of the timeout, not up to a quarter of it later."""
+        timeout = self.config.heartbeat_timeout
         while self._core.lost is None and ms is self._ms:
-            await trio.sleep(period)
             silent = self._core.silence(trio.current_time())
-            if silent > self.config.heartbeat_timeout and ms is self._ms:
+            await trio.sleep(max(timeout - silent, 0.0) + 0.001)
+            silent = self._core.silence(trio.current_time())
+            if silent > timeout and ms is self._ms:
                 limit = self.config.heartbeat_timeout
                 msg = f"master silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
                 self._link_failed(ms, MasterConnectionError(msg))

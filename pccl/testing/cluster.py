@@ -449,11 +449,16 @@ class TestCluster:
             self.network.crash(self._master_host)
         self._master_scope.cancel()
 
-    async def restart_master(self) -> None:
+    async def restart_master(self, *, delay: float = 0.0) -> None:
         """Crash the master (like :meth:`kill_master`, if it still runs) and start a fresh one, with
         empty state, on the same address and port: on a virtual network its host restarts as a new
         incarnation. Peers configured with a ``reconnect_window`` re-register with it and the run
         goes on (docs/concepts.md "Surviving the master"); returns once it listens.
+
+        Args:
+            delay: seconds from the crash to the new master listening. The host is back at once, so
+                meanwhile connects are refused, as when ``pccl-master`` is killed on a running machine
+                and restarted (a crashed host's connects time out instead).
         """
         port = int(self.master_address.rsplit(":", 1)[1])
         self.kill_master()
@@ -461,6 +466,8 @@ class TestCluster:
             await self._master_done.wait()
         if self.network is not None and self._master_host is not None:
             self._master_host = self.network.restart(self._master_host)
+        if delay > 0:
+            await trio.sleep(delay)
         self._master_scope = trio.CancelScope()
         self._master_down = False
         await self._nursery.start(self._start_master, port)

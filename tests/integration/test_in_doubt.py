@@ -195,7 +195,7 @@ async def test_nobody_answered_every_participant_done_commits(autojump_clock: tr
 async def test_a_participant_lost_with_the_master_aborts_for_the_others(
         autojump_clock: trio.testing.MockClock) -> None:
     """The crash splits an all-reduce and the one peer that committed dies with the master: nothing
-    tells the others whether it committed, so after the master's heartbeat timeout the op is aborted
+    tells the others whether it committed, so when the roll call gives up on it the op is aborted
     for both (their buffers unchanged), and they retry it as a world of 2, identically."""
     async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG) as cluster:
         splitter = SplitAnswer(cluster.host(MASTER).name, m.CollectiveComplete)

@@ -264,3 +264,44 @@ def test_a_member_in_doubt_on_an_op_its_group_went_past_is_refused_for_good() ->
     (k,) = kicks(eff)
     assert k.code == int(Result.KICKED) and "went on without it" in k.reason
     assert 3 not in st.accepted()
+
+
+def test_the_roll_calls_grace_aborts_the_doubts_without_waiting_for_the_timeout() -> None:
+    """Peer 3 died with the master: the roll call waits its grace for it, and when the grace runs out
+    the doubt it was a participant of is aborted at once (3 is absent), not a heartbeat timeout
+    after the doubt opened."""
+    st = MasterState(rebuild_grace=1.0)
+    rereg(st, 1, now=10.0, **in_doubt())
+    rereg(st, 2, now=10.1, **in_doubt())
+    st.handle(1, m.CollectiveInitiate(tag=1, descriptor=DESC), 10.2)
+    st.handle(2, m.CollectiveInitiate(tag=1, descriptor=DESC), 10.2)
+    assert st.doubt_deadline(3.0) == 11.0  # the roll call's end, before the doubt's 13.0
+    assert not sends(st.doubts_overdue(10.9, 3.0))
+    eff = st.doubts_overdue(11.0, 3.0)
+    aborts = sends(eff, m.CollectiveAbort)
+    assert sorted(p for p, _ in aborts) == [1, 2] and all(a.op_seq == OP for _, a in aborts)
+    assert sorted(p for p, _ in sends(eff, m.CollectiveCommence)) == [1, 2]
+    assert st.resumed and st.doubts.open_doubts() == []
+
+
+def test_the_last_member_back_aborts_a_doubt_whose_participant_is_no_member() -> None:
+    """Participant 4 was dropped from every table before the crash (it is no member the roll call
+    waits for): once members 1-3 are back, nothing will ever report for it, so the doubt is aborted
+    at once instead of after the timeout."""
+    st = MasterState(rebuild_grace=2.0)
+    doubt = in_doubt(participants=[1, 2, 4])
+    rereg(st, 1, now=10.0, **doubt)
+    rereg(st, 2, now=10.1, **doubt)
+    assert not st.resumed and len(st.doubts.open_doubts()) == 1
+    eff = rereg(st, 3, now=10.2)
+    aborts = sends(eff, m.CollectiveAbort)
+    assert sorted(p for p, _ in aborts) == [1, 2] and st.resumed and st.doubts.open_doubts() == []
+
+
+def test_every_participant_in_doubt_still_commits_when_the_roll_call_completes() -> None:
+    st = MasterState(rebuild_grace=2.0)
+    rereg(st, 1, now=10.0, **in_doubt())
+    rereg(st, 2, now=10.1, **in_doubt())
+    eff = rereg(st, 3, now=10.2, **in_doubt())
+    assert sorted(p for p, _ in sends(eff, m.CollectiveComplete)) == [1, 2, 3]
+    assert not sends(eff, m.CollectiveAbort) and st.resumed
