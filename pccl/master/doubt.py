@@ -84,7 +84,7 @@ def _report(group: int, msg: m.Reregister) -> _Report:
     s = msg.sync_in_doubt
     if len(s) == 3 and isinstance(s[0], int) and isinstance(s[1], int) and isinstance(s[2], list):
         in_doubt.append((("sync", group, -1), s[0], frozenset(int(p) for p in s[2]), s[1]))
-    abandoned = [(("op", group, r[0]), r[1]) for r in msg.ops_abandoned if len(r) == 2]
+    abandoned = [(("op", group, r[0]), r[1]) for r in msg.ops_abandoned if len(r) == 2 and r[1] >= 0]
     if msg.sync_abandoned >= 0:
         abandoned.append((("sync", group, -1), msg.sync_abandoned))
     committed = [(("op", group, r[0]), r[1]) for r in msg.ops_committed if len(r) == 2]

@@ -33,6 +33,8 @@ from ..wire.credentials import CredentialIssuer, check_public_key
 from . import election as _election
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 from .doubt import Decision, DoubtBook
+from .lost import REASON as LOST_REASON
+from .lost import LostBook
 from .rounds import PendingDecision, RoundBook, TopologyDecision, reported_epoch
 
 # --------------------------------------------------------------------------------------------
@@ -311,6 +313,9 @@ class MasterState:
         # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
         # one is undecided.
         self.doubts = DoubtBook()
+        # Operations a member reported failed at the master's loss (pccl/master/lost.py): every other
+        # member's vote for one fails once, so all of them fail it alike.
+        self.lost = LostBook()
         # Membership rounds in doubt (pccl/master/rounds.py): topology and are_peers_pending rounds the
         # master's loss split; every vote waits while one is undecided. The count of are_peers_pending
         # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
@@ -940,6 +945,7 @@ class MasterState:
         undecided = self.doubts.undecided or self.rounds.undecided
         self.doubts.peer_lost(peer_id)
         self.rounds.peer_lost(peer_id)
+        self.lost.peer_lost(peer_id)
         if was_accepted:
             self.doubts.dropped(peer_id, rec.group)
         if peer_id in self.ring:
@@ -1208,6 +1214,7 @@ class MasterState:
         was = self.doubts.undecided
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
         effects += self._execute_decisions(decisions, was)
+        effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome))
         if len(msg.pending) == 4 and msg.pending[0] == self.epoch:
             # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
             # count the members back report (docs/concepts.md "Rounds in doubt").
@@ -1663,10 +1670,49 @@ class MasterState:
             refusal = m.CollectiveAbort(tag=msg.tag, op_seq=msg.op_seq, code=int(Result.INVALID_USAGE),
                                         reason=reason)
             return [Send(rec.peer_id, refusal)]
+        if self.lost.owes(rec.peer_id, ("op", rec.group, msg.tag)):
+            if not op.votes:
+                del self._ops[key]
+            return [Send(rec.peer_id, self._lost_abort(msg.tag, msg.op_seq))]
         op.votes[rec.peer_id] = msg.descriptor
         if msg.op_seq >= 0:
             op.proposals[rec.peer_id] = msg.op_seq
         return self._check_op_vote(key)
+
+    @staticmethod
+    def _lost_abort(tag: int, op_seq: int) -> m.CollectiveAbort:
+        return m.CollectiveAbort(tag=tag, op_seq=op_seq, code=int(Result.RANK_CONNECTION_LOST),
+                                 reason=LOST_REASON)
+
+    @staticmethod
+    def _lost_sync_result(revision: int) -> m.SharedStateResult:
+        return m.SharedStateResult(sync_seq=-1, success=False, revision=revision, reason=LOST_REASON,
+                                   code=int(Result.RANK_CONNECTION_LOST))
+
+    def _fail_lost(self, keys: list[tuple[str, int, int]]) -> list[Effect]:
+        """A re-registration named ``keys`` lost with the master: fail the votes for them already
+        waiting here (members that voted at this master before the report came), once each."""
+        effects: list[Effect] = []
+        for key in keys:
+            kind, group, tag = key
+            if kind == "op":
+                op = self._ops.get((group, tag))
+                if op is None or op.running:
+                    continue
+                for p in [p for p in op.votes if self.lost.owes(p, key)]:
+                    effects.append(Send(p, self._lost_abort(tag, op.proposal(p))))
+                    op.drop_voter(p)
+                if not op.votes:
+                    del self._ops[(group, tag)]
+            else:
+                rnd = self._syncs.get(group)
+                if rnd is None or rnd.running:
+                    continue
+                for p in [p for p in rnd.votes if self.lost.owes(p, key)]:
+                    effects.append(Send(p, self._lost_sync_result(rnd.votes.pop(p).revision)))
+                if not rnd.votes:
+                    del self._syncs[group]
+        return effects
 
     def _reserve(self, op: _CollectiveOp) -> int:
         """Reserve the op_seq of ``op``'s group's next operation with ``op``'s tag (at its completion)."""
@@ -1820,6 +1866,7 @@ class MasterState:
         if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
             self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
+            self.lost.settled(("op", op.group, op.tag))
             self.doubts.progressed(op.group)
             nxt = self._reserve(op)
             return [
@@ -1924,6 +1971,8 @@ class MasterState:
                     ),
                 )
             ]
+        if self.lost.owes(rec.peer_id, ("sync", rec.group, -1)):
+            return [Send(rec.peer_id, self._lost_sync_result(msg.revision))]
         rnd = self._syncs.get(rec.group)
         if rnd is None:
             rnd = self._syncs[rec.group] = _SyncRound(group=rec.group, opened=self._now)
@@ -1998,6 +2047,7 @@ class MasterState:
         del self._syncs[group]
         self.last_revision[group] = rnd.revision
         self.doubts.settle(("sync", group, -1), rnd.seq, True)
+        self.lost.settled(("sync", group, -1))
         self.doubts.progressed(group)
         return [
             Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision))

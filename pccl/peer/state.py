@@ -491,11 +491,13 @@ class PeerState:
             return False
         if self.reconnecting_until is None:
             self.reconnecting_until = now + window
-            # What this loss fails here (commenced, unfinished): nobody can have committed it.
-            self.abandoned_ops = [[t, op.op_seq] for t, op in sorted(self.ops.items())
-                                  if op.op_seq >= 0 and not op.done]
+            # What this loss fails here (unfinished): nobody can have committed it. Also a call that
+            # voted but was not commenced (op_seq -1, a sync without its plan), so that the master fails
+            # the others' votes for it alike (docs/concepts.md "Operations lost with the master").
+            self.abandoned_ops = [[t, op.op_seq] for t, op in sorted(self.ops.items()) if not op.done]
             sync = self.sync
-            self.sync_abandoned = sync.sync_seq if sync is not None and not sync.done else -1
+            self.sync_abandoned = -1 if sync is None or sync.done else \
+                sync.sync_seq if sync.sync_seq >= 0 else m.SYNC_ABANDONED_VOTED
             if self.membership in _TOPOLOGY_CALLS and not self.topology_in_doubt:
                 self.topology_abandoned = self.setup[0] if self.setup is not None else self.epoch
         self.drop_reservations()

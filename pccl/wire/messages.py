@@ -396,6 +396,11 @@ class BandwidthReport(Message):
     results: list[list[Any]]
 
 
+#: ``Reregister.sync_abandoned`` of a peer whose shared-state sync vote was out, with no plan yet, when
+#: the master was lost (its call failed there).
+SYNC_ABANDONED_VOTED = -2
+
+
 @_register(16)
 @dataclass(frozen=True, kw_only=True)
 class Reregister(Message):
@@ -412,12 +417,13 @@ class Reregister(Message):
 
     * ``ops_in_doubt``: ``[tag, op_seq, [participant ids]]`` per collective whose part this peer
       finished (CollectiveDone sent, or being sent) without the master's answer;
-    * ``ops_abandoned``: ``[tag, op_seq]`` per commenced collective this peer failed at the loss
-      (so nobody can have committed it);
+    * ``ops_abandoned``: ``[tag, op_seq]`` per collective this peer failed at the loss (so nobody can
+      have committed it); op_seq -1: it had voted, not commenced;
     * ``ops_committed``: ``[tag, op_seq]``, the last committed op of each recently used tag;
     * ``sync_in_doubt``: ``[]`` or ``[sync_seq, revision, [member ids of the plan]]``, a shared-state
       sync finished here without the master's result; ``sync_abandoned``: the sync_seq of a sync this
-      peer failed at the loss (-1: none); ``sync_committed``: the sync_seq of its last applied sync.
+      peer failed at the loss (-1: none; :data:`SYNC_ABANDONED_VOTED`: its vote was out, no plan yet);
+      ``sync_committed``: the sync_seq of its last applied sync.
 
     ``public_key``: as in ``Register`` (the same key as before: it is drawn once per process).
 
