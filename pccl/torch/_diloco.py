@@ -166,8 +166,8 @@ class DiLoCoCore:
                             self._apply()
                         yield UpdateTopology()
                 except Exception as exc:
-                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED"):
-                        raise
+                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
+                        raise  # (RANK_CONNECTION_LOST: are_peers_pending's vote lost with the master)
                     continue
             core.rank, core.world_size = yield Members()
             if core.world_size >= core.min_world_size:

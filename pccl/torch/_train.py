@@ -116,8 +116,8 @@ class TrainCore:
                     if (yield PeersPending()):
                         yield UpdateTopology()
                 except Exception as exc:
-                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED"):
-                        raise
+                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
+                        raise  # (RANK_CONNECTION_LOST: are_peers_pending's vote lost with the master)
                     continue  # every peer saw it: vote again
             self.rank, self.world_size = yield Members()
             if self.world_size >= self.min_world_size:
