@@ -37,11 +37,11 @@ time from the fault to the standby's first re-registration ("1st failure" column
 next successful all-reduce over the whole world (target: the peers' heartbeat timeout + 0.5 s for both),
 failed calls per peer (target at most 1).
 
-After a master fault the peers retry a failed all-reduce directly, whatever ``--retry`` says: the loss
-fails only the calls already voted for and not commenced, while a peer that had not voted yet simply
-waits for the reconnection, so a peer that ran ``update_topology()`` after its failure would wait in it
-while the others wait in the all-reduce (the master's deadlock watch then fails both with
-INVALID_USAGE; seen in 1 of 3 standby trials before this rule).
+After a master fault the peers retry as ``--retry`` says, like after a peer fault. (Until the rebuilt
+master failed, for every member, an operation the loss failed at some of them, docs/concepts.md
+"Operations lost with the master", the master kinds retried directly: a peer that had not voted yet
+waited in the all-reduce while those that ran ``update_topology()`` after their failure waited in it,
+and the master's deadlock watch failed both with INVALID_USAGE, in 1 of 3 standby trials.)
 
 For the master kinds every peer also chains a hash over its committed all-reduce results (the run's
 state); the trial compares the peers' hashes at the last call count all of them reached ("identical"
@@ -197,7 +197,7 @@ async def master_trial(args: argparse.Namespace) -> dict[str, float]:
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
         port = int(master.address.rsplit(":", 1)[1])
-        cfg = {"master": master.address, "world": world, "size": args.size, "retry": "direct",
+        cfg = {"master": master.address, "world": world, "size": args.size, "retry": args.retry,
                "reconnect_window": args.reconnect_window, "hash": True}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
@@ -245,7 +245,7 @@ async def standby_trial(args: argparse.Namespace, hang: bool) -> dict[str, float
         master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
         standby = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout)
         cfg = {"master": [master.address, standby.address], "world": world, "size": args.size,
-               "retry": "direct", "reconnect_window": args.reconnect_window,
+               "retry": args.retry, "reconnect_window": args.reconnect_window,
                "peer_heartbeat_timeout": args.peer_heartbeat_timeout, "hash": True}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
