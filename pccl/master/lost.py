@@ -11,8 +11,8 @@ failed at the loss (``Reregister.ops_abandoned`` / ``sync_abandoned``), and the 
 through: every member's call of that operation failed the same way (docs/concepts.md "Operations lost
 with the master"). :class:`LostBook` keeps those operations and who already failed them:
 
-* a member that reported the operation abandoned, or in doubt (its decision, an abort, fails it), owes
-  nothing;
+* a member that reported the operation abandoned, or in doubt on it (its decision, an abort, fails it),
+  owes nothing (one in doubt on the operation before it owes the failure of the lost one);
 * a member that re-registered and whose last committed sequence number of that tag (``ops_committed``,
   ``sync_committed``) is below the lost one (or, for one that was voted but never commenced, sequence -1,
   at most the reporter's last committed one) votes for that very operation: its vote is failed, once;
@@ -47,7 +47,7 @@ class _Lost:
 @dataclass
 class _Seen:
     committed: dict[Key, int]  # the last committed sequence number per key, as re-registered
-    in_doubt: set[Key]  # keys it reported in doubt (the doubt's decision ends its call)
+    in_doubt: dict[Key, int]  # the seq it reported in doubt per key (that doubt's decision ends its call)
 
 
 class LostBook:
@@ -77,9 +77,10 @@ class LostBook:
         committed: dict[Key, int] = {("op", group, r[0]): r[1] for r in msg.ops_committed if len(r) == 2}
         if msg.sync_committed >= 0:
             committed[("sync", group, -1)] = msg.sync_committed
-        in_doubt = {("op", group, r[0]) for r in msg.ops_in_doubt if len(r) == 3 and isinstance(r[0], int)}
-        if len(msg.sync_in_doubt) == 3:
-            in_doubt.add(("sync", group, -1))
+        in_doubt = {("op", group, r[0]): r[1] for r in msg.ops_in_doubt
+                    if len(r) == 3 and isinstance(r[0], int) and isinstance(r[1], int)}
+        if len(msg.sync_in_doubt) == 3 and isinstance(msg.sync_in_doubt[0], int):
+            in_doubt[("sync", group, -1)] = msg.sync_in_doubt[0]
         self._seen[peer_id] = _Seen(committed, in_doubt)
         rows: list[tuple[Key, int]] = [(("op", group, r[0]), r[1]) for r in msg.ops_abandoned if len(r) == 2]
         if msg.sync_abandoned >= 0 or msg.sync_abandoned == SYNC_VOTED:
@@ -104,8 +105,13 @@ class LostBook:
         it is counted as failed: each member's call fails once)."""
         rec = self._lost.get(key)
         seen = self._seen.get(peer_id)
-        if rec is None or seen is None or peer_id in rec.failed or key in seen.in_doubt:
+        if rec is None or seen is None or peer_id in rec.failed:
             return False
+        doubt = seen.in_doubt.get(key)
+        if doubt is not None and (doubt == rec.seq if rec.seq >= 0 else doubt > rec.base):
+            return False  # in doubt on that very operation: its abort ends the call
+        # (In doubt on the one before it: that one commits, the reporter went past it, and its next
+        # vote is for the lost one.)
         mine = seen.committed.get(key, -1)
         if not (mine < rec.seq if rec.seq >= 0 else mine <= rec.base):
             return False  # it went past it: this vote is for a later operation

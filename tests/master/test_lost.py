@@ -156,3 +156,18 @@ def test_a_sync_vote_waiting_when_the_abandoning_member_comes_back_fails_then() 
     eff = rereg(st, 1, now=10.2, sync_abandoned=SYNC + 1, sync_committed=SYNC)  # planned, cut
     (who, res), = sends(eff, m.SharedStateResult)
     assert who == 3 and res.reason == REASON and not res.success
+
+
+def test_a_member_in_doubt_on_the_op_before_the_lost_one_fails_its_vote_for_the_lost_one() -> None:
+    st = MasterState()
+    # Member 1 committed op LAST + 1 and had voted for the next one (no commence); 2 and 3 finished
+    # their part of LAST + 1 and wait for its decision.
+    rereg(st, 2, ops_in_doubt=[[TAG, LAST + 1, list(RING)]])
+    eff = rereg(st, 1, ops_committed=[[TAG, LAST + 1]], ops_abandoned=[[TAG, -1]])
+    assert [p for p, _ in sends(eff, m.CollectiveComplete)] == [2]  # the doubt commits
+    eff = rereg(st, 3, ops_in_doubt=[[TAG, LAST + 1, list(RING)]])
+    assert [p for p, _ in sends(eff, m.CollectiveComplete)] == [3]
+    # Their next vote is for the op member 1 lost: it fails, once.
+    assert lost_aborts(vote(st, 2)) == [2]
+    assert lost_aborts(vote(st, 3)) == [3]
+    assert not sends(vote(st, 2))
