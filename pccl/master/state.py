@@ -1680,9 +1680,9 @@ class MasterState:
         return self._check_op_vote(key)
 
     @staticmethod
-    def _lost_abort(tag: int, op_seq: int) -> m.CollectiveAbort:
+    def _lost_abort(tag: int, op_seq: int, forget: list[int] | None = None) -> m.CollectiveAbort:
         return m.CollectiveAbort(tag=tag, op_seq=op_seq, code=int(Result.RANK_CONNECTION_LOST),
-                                 reason=LOST_REASON)
+                                 reason=LOST_REASON, forget=forget or [])
 
     @staticmethod
     def _lost_sync_result(revision: int) -> m.SharedStateResult:
@@ -1700,8 +1700,10 @@ class MasterState:
                 if op is None or op.running:
                     continue
                 for p in [p for p in op.votes if self.lost.owes(p, key)]:
-                    effects.append(Send(p, self._lost_abort(tag, op.proposal(p))))
-                    op.drop_voter(p)
+                    seq = op.drop_voter(p)
+                    if seq >= 0:
+                        self._take_reservation((group, tag))  # (as fail_votes: it never runs again)
+                    effects.append(Send(p, self._lost_abort(tag, seq, op.speculative_seqs())))
                 if not op.votes:
                     del self._ops[(group, tag)]
             else:
