@@ -103,6 +103,10 @@ class DoubtBook:
     def __init__(self, keep: int = OUTCOMES_KEPT) -> None:
         self._keep = keep
         self._outcomes: OrderedDict[Key, tuple[int, bool]] = OrderedDict()
+        # Every committed (key, seq) remembered, not only each key's last outcome: a member that
+        # committed op k and lost op k + 1 with the master reports both, and a member still in doubt on
+        # k must then learn that k committed (the last outcome of the key says "k + 1 aborted").
+        self._commits: OrderedDict[tuple[Key, int], None] = OrderedDict()
         self._open: dict[tuple[Key, int], Doubt] = {}
         # Sequence numbers above these were handed out by this master (see own_from()).
         self._own_op_from = 0
@@ -164,6 +168,18 @@ class DoubtBook:
         self._outcomes.move_to_end(key)
         while len(self._outcomes) > self._keep:
             self._outcomes.popitem(last=False)
+        if commit:
+            self._remember_commit(key, seq)
+
+    def _remember_commit(self, key: Key, seq: int) -> None:
+        self._commits[(key, seq)] = None
+        self._commits.move_to_end((key, seq))
+        while len(self._commits) > self._keep:
+            self._commits.popitem(last=False)
+
+    def committed(self, key: Key, seq: int) -> bool:
+        """True when ``seq`` of ``key`` is known committed (reported or decided), if remembered."""
+        return (key, seq) in self._commits
 
     def progressed(self, group: int) -> None:
         """The master completed a collective or sync of ``group``."""
@@ -227,12 +243,17 @@ class DoubtBook:
             out = self._outcomes.get(key)
             if out is None or out[0] < seq:
                 self.settle(key, seq, True)
+            else:
+                self._remember_commit(key, seq)  # the key's last outcome is a later one
         for key, seq in rep.abandoned:
             out = self._outcomes.get(key)
             if out is None or out[0] < seq:
                 self.settle(key, seq, False)
         decisions: list[Decision] = []
         for key, seq, participants, revision in rep.in_doubt:
+            if self.committed(key, seq):
+                decisions.append(self._decision(key, seq, True, (peer_id,), revision, "reported"))
+                continue
             out = self._outcomes.get(key)
             if out is not None and out[0] == seq:
                 decisions.append(self._decision(key, seq, out[1], (peer_id,), revision, "reported"))
@@ -264,7 +285,9 @@ class DoubtBook:
         decisions: list[Decision] = []
         for ks, d in list(self._open.items()):
             out = self._outcomes.get(d.key)
-            if out is not None and out[0] == d.seq:
+            if self.committed(d.key, d.seq):
+                commit, why = True, "reported"
+            elif out is not None and out[0] == d.seq:
                 commit, why = out[1], "reported"
             elif d.participants and d.participants <= d.waiting:
                 commit, why = True, "all done"

@@ -239,6 +239,18 @@ def _frozen_clock() -> float:
     return 0.0
 
 
+
+def _reregister_report(msg: m.Reregister) -> str:
+    """What a re-registration says about operations across the master's loss, for the log line."""
+    parts = [f"{name} {val}" for name, val in (
+        ("in doubt", [r[:2] for r in msg.ops_in_doubt]), ("abandoned", msg.ops_abandoned),
+        ("committed", msg.ops_committed)) if val]
+    if msg.sync_in_doubt:
+        parts.append(f"sync in doubt {msg.sync_in_doubt[:1]}")
+    if msg.sync_abandoned != -1:
+        parts.append(f"sync abandoned {msg.sync_abandoned}")
+    return f": ops {'; '.join(parts)}" if parts else ""
+
 class MasterState:
     """Pure master state machine.
 
@@ -1214,7 +1226,7 @@ class MasterState:
         # After Reregistered (the peer reads that one itself): this master's set of the epoch.
         effects += self._issue_on_return(rec.peer_id)
         effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
-                             f"(group {msg.peer_group})"))
+                             f"(group {msg.peer_group}){_reregister_report(msg)}"))
         if rb is not None or self._rings:
             self._rings[rec.peer_id] = (msg.epoch, set(msg.ring))
         was = self.doubts.undecided
