@@ -189,6 +189,30 @@ async def _collect(cluster: Any, seconds: float, hashes: Hashes) -> None:
             hashes.note(msg)
 
 
+async def _recovery(cluster: Any, args: argparse.Namespace, world: int, t_fault: float, fails: dict[int, int],
+                    what: str) -> tuple[dict[int, float], Hashes]:
+    """Wait until every peer completed an all-reduce over the whole ``world`` that it started after
+    ``t_fault``; count the failed calls before (into ``fails``), then note the state hashes for
+    ``--after`` s more. Returns each peer's first such success time and the hashes."""
+    recovered: dict[int, float] = {}
+    hashes = Hashes()
+    while len(recovered) < world:
+        ch, msg = await cluster.wait_for(
+            lambda ch, m: m.get("event") in ("ok", "fail", "exit", "error"), args.reconnect_window + 10, what)
+        hashes.note(msg)
+        ev = msg["event"]
+        if ev in ("exit", "error"):
+            raise RuntimeError(f"{ch.name} {ev}: {msg.get('message')}\n{ch.log_tail()}")
+        pid = int(msg["peer"])
+        if ev == "fail" and pid not in recovered:
+            fails[pid] += 1
+        after_fault = float(msg["t0"]) > t_fault
+        if ev == "ok" and pid not in recovered and int(msg["world"]) == world and after_fault:
+            recovered[pid] = float(msg["t"])
+    await _collect(cluster, args.after, hashes)
+    return recovered, hashes
+
+
 async def master_trial(args: argparse.Namespace) -> dict[str, float]:
     """SIGKILL the master while 3 peers loop all-reduces, start a fresh one on the same port after
     ``--restart-delay`` s; time from the new master listening to every peer's next success."""
@@ -213,23 +237,8 @@ async def master_trial(args: argparse.Namespace) -> dict[str, float]:
                 if msg.get("event") == "fail":
                     fails[int(msg["peer"])] += 1
         new = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, port=port)
-        recovered: dict[int, float] = {}
-        hashes = Hashes()
-        while len(recovered) < world:
-            ch, msg = await cluster.wait_for(
-                lambda ch, m: m.get("event") in ("ok", "fail", "exit", "error"),
-                args.reconnect_window + 10, "recovery after the master's restart")
-            hashes.note(msg)
-            ev = msg["event"]
-            if ev in ("exit", "error"):
-                raise RuntimeError(f"{ch.name} {ev}: {msg.get('message')}\n{ch.log_tail()}")
-            pid = int(msg["peer"])
-            if ev == "fail" and pid not in recovered:
-                fails[pid] += 1
-            after_kill = float(msg["t0"]) > t_fault
-            if ev == "ok" and pid not in recovered and int(msg["world"]) == world and after_kill:
-                recovered[pid] = float(msg["t"])
-        await _collect(cluster, args.after, hashes)
+        recovered, hashes = await _recovery(cluster, args, world, t_fault, fails,
+                                            "recovery after the master's restart")
     return {"steady_calls_per_s": steady / args.steady, "detect_s": new.listening_at - t_fault,
             "recover_s": max(recovered.values()) - new.listening_at,
             "failed_calls": float(max(fails.values())), "identical": hashes.identical(set(ids.values()))}
@@ -255,23 +264,7 @@ async def standby_trial(args: argparse.Namespace, hang: bool) -> dict[str, float
         t_fault = time.monotonic()
         os.kill(master.proc.pid, signal.SIGSTOP if hang else signal.SIGKILL)
         fails: dict[int, int] = dict.fromkeys(ids.values(), 0)
-        recovered: dict[int, float] = {}
-        hashes = Hashes()
-        while len(recovered) < world:
-            ch, msg = await cluster.wait_for(
-                lambda ch, m: m.get("event") in ("ok", "fail", "exit", "error"),
-                args.reconnect_window + 10, "recovery at the standby")
-            hashes.note(msg)
-            ev = msg["event"]
-            if ev in ("exit", "error"):
-                raise RuntimeError(f"{ch.name} {ev}: {msg.get('message')}\n{ch.log_tail()}")
-            pid = int(msg["peer"])
-            if ev == "fail" and pid not in recovered:
-                fails[pid] += 1
-            after_fault = float(msg["t0"]) > t_fault
-            if ev == "ok" and pid not in recovered and int(msg["world"]) == world and after_fault:
-                recovered[pid] = float(msg["t"])
-        await _collect(cluster, args.after, hashes)
+        recovered, hashes = await _recovery(cluster, args, world, t_fault, fails, "recovery at the standby")
         rebuilt = [t for t, line in standby.events if "rebuilding the run" in line]
         if hang:
             master.proc.kill()
