@@ -289,18 +289,25 @@ class RoundBook:
             if not pd.waiting:
                 del self._pending[key]
 
-    def overdue(self, now: float, timeout: float) -> tuple[list[TopologyDecision], list[PendingDecision]]:
-        """Decide every round open for more than ``timeout`` seconds: a topology round aborts (a member
-        never came back, nothing tells whether it committed), a pending round runs here."""
+    def give_up(self) -> tuple[list[TopologyDecision], list[PendingDecision]]:
+        """The roll call is over: whoever an open round still waits for is absent, so decide every open
+        round now, as :meth:`overdue` does at the timeout."""
+        return self.overdue(0.0, 0.0, everyone=True)
+
+    def overdue(self, now: float, timeout: float,
+                everyone: bool = False) -> tuple[list[TopologyDecision], list[PendingDecision]]:
+        """Decide every round open for more than ``timeout`` seconds (``everyone``: every open round): a
+        topology round aborts (a member never came back, nothing tells whether it committed), a pending
+        round runs here."""
         topo: list[TopologyDecision] = []
         for epoch, d in list(self._topology.items()):
-            if now > d.opened + timeout:
+            if everyone or now > d.opened + timeout:
                 del self._topology[epoch]
                 topo.append(self._topology_decision(
                     d, False, "not every member came back after the master was lost: aborted for all, retry"))
         pending: list[PendingDecision] = []
         for key, pd in list(self._pending.items()):
-            if now > pd.opened + timeout:
+            if everyone or now > pd.opened + timeout:
                 del self._pending[key]
                 pending.append(PendingDecision(key, None, tuple(sorted(pd.waiting)),
                                                "not every member came back: the round runs here"))

@@ -568,7 +568,7 @@ class MasterState:
         # round still waiting for their reports is decided now (as at the timeout), not ``timeout``
         # seconds after it opened: the decision cannot change any more (docs/concepts.md "Rounds in doubt").
         if rolling and not self.doubts.missing:
-            return effects + self._execute_rounds(*self.rounds.overdue(now, -1.0))
+            return effects + self._execute_rounds(*self.rounds.give_up())
         return effects + self._execute_rounds(*self.rounds.overdue(now, timeout))
 
     def _execute_decisions(self, decisions: list[Decision], was_undecided: bool) -> list[Effect]:
