@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -193,10 +194,17 @@ class MasterServer:
         except StreamBroken:
             pass
         finally:
+            # Cancelled from outside this connection (its own scope is closed by now): the master
+            # itself stops, and its connections close because of it, not because their peers left.
+            # A stopping master decides nothing: a vote the departure would complete (a pending
+            # query, a topology round) must fail for its voters with the master's loss, not be
+            # answered over a connection that has not closed yet.
+            stopping = trio.current_effective_deadline() == -math.inf
             self._conns.pop(pid, None)
             with trio.CancelScope(shield=True):
                 await ms.aclose()
-            self._execute(self.state.peer_lost(pid, "left (connection closed)", trio.current_time()))
+            if not stopping:
+                self._execute(self.state.peer_lost(pid, "left (connection closed)", trio.current_time()))
 
     async def _reader(self, conn: _Conn) -> None:
         while True:

@@ -413,6 +413,8 @@ class MasterState:
             "groups": dict(sorted(groups.items())),
             "epoch": self.epoch,
             "topology_round": self._topology.kind if self._topology else None,
+            "topology_votes": len(self._topology.votes) if self._topology else 0,
+            "pending_votes": len(self._pending_votes),
             "collectives_running": sum(1 for o in self._ops.values() if o.running),
             "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
             "collectives_fast": self.fast_starts,
