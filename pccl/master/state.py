@@ -333,6 +333,9 @@ class MasterState:
         # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
         self.rounds = RoundBook()
         self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
+        # DoubtBook.total_progress when that count last changed: a member that comes back waiting in
+        # the last counted round after the run completed an operation since is behind (_behind_pending).
+        self._pending_mark = 0
         # At a rebuilt master: the ring each member reported when it re-registered (who its group
         # still lists; see _on_reregister).
         self._rings: dict[int, tuple[int, set[int]]] = {}  # peer -> (its epoch, its ring)
@@ -1127,7 +1130,8 @@ class MasterState:
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
-        conflict = self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
+        conflict = (self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
+                    or self._behind_pending(msg))
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.KICKED)
         # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
@@ -1186,7 +1190,7 @@ class MasterState:
             return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
                                                     f"epoch {self.epoch}: join again",
                                        Result.MASTER_CONNECTION_FAILED)
-        elif self.doubts.moved_on(msg.peer_id, msg.peer_group):
+        elif self.doubts.moved_on(msg.peer_id, msg.peer_group, absent=not self.enforced):
             # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
             # standby of the right epoch may not share.
             return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
@@ -1238,7 +1242,9 @@ class MasterState:
         if len(msg.pending) == 4 and msg.pending[0] == self.epoch:
             # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
             # count the members back report (docs/concepts.md "Rounds in doubt").
-            self._pending_count = (self.epoch, max(self._counted_pending(), msg.pending[1]))
+            count = max(self._counted_pending(), msg.pending[1])
+            if (self.epoch, count) != self._pending_count:
+                self._pending_count, self._pending_mark = (self.epoch, count), self.doubts.total_progress
         expected = set(rb.expected) if rb is not None else set(self.base)
         effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
@@ -1250,6 +1256,22 @@ class MasterState:
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
         return effects + self._note_quorum()
+
+    def _behind_pending(self, msg: m.Reregister) -> str | None:
+        """Why ``msg``'s peer cannot be taken back, if it waits in an are_peers_pending round that the
+        run answered without it and went on past: a later round was answered at this epoch, or a
+        collective or sync completed since the round's answer. (A member back after the roll call
+        ended: given the round's answer, it would go on to the call after it while the others are
+        further on, a deadlock until ``vote_timeout``.) While the run has not gone on, it gets the
+        round's answer (RoundBook) and makes the next call with the others."""
+        p = msg.pending
+        if len(p) != 4 or not p[2] or p[0] != self.epoch:
+            return None
+        waits_in, count = p[1] + 1, self._counted_pending()
+        if count > waits_in or (count == waits_in and self.doubts.total_progress > self._pending_mark):
+            return (f"the run answered the are_peers_pending round this peer waits in ({p[0]}, {waits_in}) "
+                    "without it and went on: join again")
+        return None
 
     def _issue_on_return(self, peer_id: int) -> list[Effect]:
         """The P2P credentials after ``peer_id``'s ``Reregistered``, O(n).
@@ -1370,6 +1392,7 @@ class MasterState:
         voters = [p for p in self.ring if p in self._pending_votes]
         self._pending_votes.clear()
         self._pending_count = (self.epoch, self._counted_pending() + 1)
+        self._pending_mark = self.doubts.total_progress
         self.rounds.answered(self._pending_count, pending)
         return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
 
