@@ -74,6 +74,13 @@ class MasterConfig:
             resumed would retry another call than theirs (a deadlock). The grace is also what a member
             that died with the master costs the run (the roll call waits it out; operations in doubt
             are then aborted at once). 0: resume at the majority.
+        rebuild_quiet: the roll call ends sooner once a majority of the last epoch's members is back
+            and no member came back for this many seconds (every arrival restarts the wait; the grace
+            still bounds it). Live members find a restarted master within one reconnect backoff step
+            (0.25 s at most) of it listening, and of each other, so 0.5 s (two steps) leaves a member
+            that died with the master costing the run about that instead of the whole grace. A member
+            back after the roll call ended is taken back as any member this master never had
+            (docs/concepts.md "Surviving the master"). ``None``: only the grace ends it.
         tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
             no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
         tls_key: PEM private key of ``tls_cert``.
@@ -96,6 +103,7 @@ class MasterConfig:
     quorum: str = "auto"
     quorum_hold_timeout: float | None = 30.0
     rebuild_grace: float = 1.0
+    rebuild_quiet: float | None = 0.5
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -103,6 +111,8 @@ class MasterConfig:
     def __post_init__(self) -> None:
         if self.rebuild_grace < 0:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
+        if self.rebuild_quiet is not None and self.rebuild_quiet <= 0:
+            raise ValueError(f"rebuild_quiet ({self.rebuild_quiet}) must be > 0 or None")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")
         if self.quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")

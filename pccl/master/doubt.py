@@ -115,6 +115,10 @@ class DoubtBook:
         # the votes wait for them (None: no roll call).
         self._missing: set[int] = set()
         self._roll_until: float | None = None
+        # Once a majority is back: the roll call also ends when nobody new came back for a quiet
+        # period (see quiet()); None: no such end yet.
+        self._quiet_until: float | None = None
+        self.roll_call_end = ""  # why the last roll call ended early: "grace" or "quiet" (log lines)
         # The roll call's members and those back (its absentees, when it ends, are those not back).
         self._called: set[int] = set()
         self._back: set[int] = set()
@@ -143,7 +147,16 @@ class DoubtBook:
         re-registration narrows ``members`` to those its ring lists (see :meth:`report`)."""
         self._missing = set(members) - returned
         self._roll_until = now + grace if self._missing and grace > 0 else None
+        self._quiet_until = None
         self._called, self._back = set(members), set(returned)
+
+    def quiet(self, now: float, seconds: float) -> None:
+        """A member came back at ``now`` with a majority of the roll call's members back: the roll call
+        ends ``seconds`` after the latest such return if nobody else returns meanwhile (and at its grace
+        at the latest). Live members reconnect within one backoff step of each other, so a member not
+        back a quiet period after the last one is absent. No roll call running: nothing."""
+        if self._roll_until is not None:
+            self._quiet_until = now + seconds
 
     def open_doubts(self) -> list[Doubt]:
         """The open doubts, oldest first (status and tests)."""
@@ -158,6 +171,8 @@ class DoubtBook:
         ends = [d.opened + timeout for d in self._open.values()]
         if self._roll_until is not None:
             ends.append(self._roll_until)
+            if self._quiet_until is not None:
+                ends.append(self._quiet_until)
         return min(ends, default=None)
 
     # -- what the master itself did ---------------------------------------------------------------
@@ -217,7 +232,7 @@ class DoubtBook:
         as if dropped now (:meth:`moved_on`)."""
         for p in self._called - self._back:
             self._absent_at[p] = dict(self._progress)
-        self._missing, self._roll_until = set(), None
+        self._missing, self._roll_until, self._quiet_until = set(), None, None
         self._called, self._back = set(), set()
 
     def _own(self, key: Key, seq: int) -> bool:
@@ -349,7 +364,9 @@ class DoubtBook:
         The roll call's end (its grace ran out, or every member is back) aborts every open doubt at
         once: whoever it still waits for is absent."""
         decisions: list[Decision] = []
-        if self._roll_until is not None and now >= self._roll_until:
+        quiet = self._quiet_until is not None and now >= self._quiet_until
+        if self._roll_until is not None and (now >= self._roll_until or quiet):
+            self.roll_call_end = "grace" if now >= self._roll_until else "quiet"
             self._end_roll_call()  # the latecomers are absent
             decisions += self._abort_open()  # and so are the participants the doubts wait for
         for ks, d in list(self._open.items()):

@@ -74,7 +74,8 @@ class MasterServer:
             inner = TlsTransport(inner, server_context=_tls.server_context(tls), client_context=None)
         self.transport: Transport = inner
         self.state = MasterState(clock=time.perf_counter, quorum=self.config.quorum,
-                                 rebuild_grace=self.config.rebuild_grace)
+                                 rebuild_grace=self.config.rebuild_grace,
+                                 rebuild_quiet=self.config.rebuild_quiet)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0

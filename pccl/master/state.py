@@ -264,6 +264,8 @@ class MasterState:
         rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
             many seconds after the rebuild started for the last epoch's members not back yet, even
             once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
+        rebuild_quiet: the roll call also ends once a majority is back and no member came back for
+            this many seconds (``MasterConfig.rebuild_quiet``; None: only the grace ends it).
         credential_root: the random key every P2P credential of this master is derived from
             (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
@@ -278,6 +280,7 @@ class MasterState:
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
         rebuild_grace: float = 0.0,
+        rebuild_quiet: float | None = None,
         credential_root: bytes | None = None,
         quorum: str = "auto",
     ) -> None:
@@ -342,6 +345,7 @@ class MasterState:
         # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
         # back yet once a majority returned (0: resume at the majority).
         self.rebuild_grace = rebuild_grace
+        self.rebuild_quiet = rebuild_quiet
         # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
         # before the epoch's EstablishP2P, and after Reregistered.
         self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
@@ -567,12 +571,16 @@ class MasterState:
         """
         self._now = now
         was = self.doubts.undecided
-        rolling = bool(self.doubts.missing)
+        missing = self.doubts.missing
         effects = self._execute_decisions(self.doubts.overdue(now, timeout), was)
-        # The roll call's grace ran out: the members it waited for are absent, so a topology or pending
-        # round still waiting for their reports is decided now (as at the timeout), not ``timeout``
-        # seconds after it opened: the decision cannot change any more (docs/concepts.md "Rounds in doubt").
-        if rolling and not self.doubts.missing:
+        # The roll call's grace ran out (or its quiet period): the members it waited for are absent, so a
+        # topology or pending round still waiting for their reports is decided now (as at the timeout),
+        # not ``timeout`` seconds after it opened: the decision cannot change any more (docs/concepts.md
+        # "Rounds in doubt").
+        if missing and not self.doubts.missing:
+            why = (f"nobody came back for {self.rebuild_quiet:g}s" if self.doubts.roll_call_end == "quiet"
+                   else f"its grace of {self.rebuild_grace:g}s ran out")
+            effects.insert(0, Event(f"roll call over ({why}): absent {sorted(missing)}"))
             return effects + self._execute_rounds(*self.rounds.give_up())
         return effects + self._execute_rounds(*self.rounds.overdue(now, timeout))
 
@@ -1236,7 +1244,10 @@ class MasterState:
         if rb is not None or self._rings:
             self._rings[rec.peer_id] = (msg.epoch, set(msg.ring))
         was = self.doubts.undecided
+        missing = self.doubts.missing
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
+        if missing and not self.doubts.missing:
+            effects.append(Event("roll call over: every member is back"))
         effects += self._execute_decisions(decisions, was)
         effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome))
         if len(msg.pending) == 4 and msg.pending[0] == self.epoch:
@@ -1255,6 +1266,9 @@ class MasterState:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
+        if self.rebuild is None and self.rebuild_quiet is not None:
+            # A majority is back: the roll call waits for the others only while they keep coming.
+            self.doubts.quiet(self._now, self.rebuild_quiet)
         return effects + self._note_quorum()
 
     def _behind_pending(self, msg: m.Reregister) -> str | None:

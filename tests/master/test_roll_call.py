@@ -2,9 +2,9 @@
 
 The pure MasterState driven message by message (pccl/master/doubt.py, docs/concepts.md "Surviving the
 master", roll call). The roll call holds every vote until the last epoch's members are back, for at most
-``rebuild_grace`` after the first re-registration. A member the roll call gave up on that comes back
-after its group went on is refused (``KICKED``: join again), as a member a live master dropped is;
-before that, it is taken back.
+``rebuild_grace`` after the first re-registration; once a majority is back it also ends when nobody came
+back for ``rebuild_quiet``. A member the roll call gave up on that comes back after its group went on is
+refused (``KICKED``: join again), as a member a live master dropped is; before that, it is taken back.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from pccl import Result
-from pccl.master.state import Kick, MasterState, Send
+from pccl.master.state import Event, Kick, MasterState, Send
 from pccl.wire import messages as m
 
 RING = [1, 2, 3, 4, 5]  # the last epoch's members
@@ -27,6 +27,10 @@ def sends(effects: list[Any], cls: type) -> list[tuple[int, Any]]:
 
 def kicks(effects: list[Any]) -> list[Kick]:
     return [e for e in effects if isinstance(e, Kick)]
+
+
+def events(effects: list[Any]) -> list[str]:
+    return [e.text for e in effects if isinstance(e, Event)]
 
 
 def rereg(st: MasterState, pid: int, now: float, ring: list[int] = RING, **fields: Any) -> list[Any]:
@@ -47,6 +51,49 @@ def all_reduce(st: MasterState, peers: list[int], now: float) -> None:
     for p in peers:
         eff += st.handle(p, m.CollectiveDone(tag=TAG, success=True), now)
     assert sorted(p for p, _ in sends(eff, m.CollectiveComplete)) == sorted(peers)
+
+
+def test_the_roll_call_ends_a_quiet_period_after_the_last_return_once_a_majority_is_back() -> None:
+    st = MasterState(rebuild_grace=1.0, rebuild_quiet=0.25)
+    for p, t in ((1, 10.0), (2, 10.0), (3, 10.125)):  # the third is the majority of five
+        rereg(st, p, t)
+    assert st.doubts.missing == {4, 5} and not st.resumed
+    assert st.doubt_deadline(3.0) == 10.375  # 0.25 s after the last return, before the grace (11.0)
+    eff = rereg(st, 4, 10.25)  # back within the quiet period: it restarts
+    assert not kicks(eff) and st.doubt_deadline(3.0) == 10.5
+    assert not st.doubts_overdue(10.49, 3.0) and not st.resumed
+    eff = st.doubts_overdue(10.5, 3.0)
+    assert st.resumed and st.doubts.missing == set()
+    assert "roll call over (nobody came back for 0.25s): absent [5]" in events(eff)
+
+
+def test_the_quiet_period_starts_only_with_a_majority_and_the_grace_still_bounds_it() -> None:
+    st = MasterState(rebuild_grace=1.0, rebuild_quiet=0.25)
+    rereg(st, 1, 10.0)
+    rereg(st, 2, 10.25)
+    assert st.doubt_deadline(3.0) == 11.0  # two of five: no quiet end yet, only the grace
+    assert not st.doubts_overdue(10.9, 3.0)
+    for p, t in ((3, 10.5), (4, 10.875)):  # the majority, and one more just before the grace
+        rereg(st, p, t)
+    assert st.doubt_deadline(3.0) == 11.0  # the grace comes before 10.875 + 0.25
+    eff = st.doubts_overdue(11.0, 3.0)
+    assert st.resumed and "roll call over (its grace of 1s ran out): absent [5]" in events(eff)
+
+
+def test_without_a_quiet_period_the_roll_call_waits_its_whole_grace() -> None:
+    st = MasterState(rebuild_grace=1.0)
+    for p in (1, 2, 3, 4):
+        rereg(st, p, 10.0)
+    assert st.doubt_deadline(3.0) == 11.0 and not st.doubts_overdue(10.99, 3.0) and not st.resumed
+    assert st.doubts_overdue(11.0, 3.0) is not None and st.resumed
+
+
+def test_every_member_back_ends_the_roll_call_at_once() -> None:
+    st = MasterState(rebuild_grace=1.0, rebuild_quiet=0.3)
+    for p in RING[:-1]:
+        rereg(st, p, 10.0)
+    eff = rereg(st, 5, 10.1)
+    assert st.resumed and "roll call over: every member is back" in events(eff)
 
 
 def test_a_member_absent_at_the_roll_calls_end_is_refused_once_its_group_went_on() -> None:
