@@ -266,6 +266,10 @@ class MasterState:
             once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
         rebuild_quiet: the roll call also ends once a majority is back and no member came back for
             this many seconds (``MasterConfig.rebuild_quiet``; None: only the grace ends it).
+        failover_quiet: the least quiet period in a run whose peers can fail over (:attr:`enforced`):
+            members that give a hung master up do so at their own heartbeat silence, up to one
+            heartbeat interval of that master apart (the server passes its ``heartbeat_interval`` plus
+            the reconnect backoff cap).
         credential_root: the random key every P2P credential of this master is derived from
             (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
@@ -281,6 +285,7 @@ class MasterState:
         clock: Callable[[], float] | None = None,
         rebuild_grace: float = 0.0,
         rebuild_quiet: float | None = None,
+        failover_quiet: float = 0.0,
         credential_root: bytes | None = None,
         quorum: str = "auto",
     ) -> None:
@@ -346,6 +351,7 @@ class MasterState:
         # back yet once a majority returned (0: resume at the majority).
         self.rebuild_grace = rebuild_grace
         self.rebuild_quiet = rebuild_quiet
+        self.failover_quiet = failover_quiet
         # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
         # before the epoch's EstablishP2P, and after Reregistered.
         self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
@@ -578,7 +584,7 @@ class MasterState:
         # not ``timeout`` seconds after it opened: the decision cannot change any more (docs/concepts.md
         # "Rounds in doubt").
         if missing and not self.doubts.missing:
-            why = (f"nobody came back for {self.rebuild_quiet:g}s" if self.doubts.roll_call_end == "quiet"
+            why = (f"nobody came back for {self._quiet_period():g}s" if self.doubts.roll_call_end == "quiet"
                    else f"its grace of {self.rebuild_grace:g}s ran out")
             effects.insert(0, Event(f"roll call over ({why}): absent {sorted(missing)}"))
             return effects + self._execute_rounds(*self.rounds.give_up())
@@ -1268,8 +1274,14 @@ class MasterState:
                                      "re-registered: resuming"))
         if self.rebuild is None and self.rebuild_quiet is not None:
             # A majority is back: the roll call waits for the others only while they keep coming.
-            self.doubts.quiet(self._now, self.rebuild_quiet)
+            self.doubts.quiet(self._now, self._quiet_period())
         return effects + self._note_quorum()
+
+    def _quiet_period(self) -> float:
+        """The roll call's quiet period (``rebuild_quiet``; at least ``failover_quiet`` when the run's
+        peers can fail over)."""
+        quiet = self.rebuild_quiet or 0.0
+        return max(quiet, self.failover_quiet) if self.enforced else quiet
 
     def _behind_pending(self, msg: m.Reregister) -> str | None:
         """Why ``msg``'s peer cannot be taken back, if it waits in an are_peers_pending round that the

@@ -85,7 +85,7 @@ async def train(comm: Communicator, rank: int, synced: dict[int, str], out: dict
 
 
 @pytest.mark.parametrize("phase", ["sync", "all_reduce", "compute", "are_peers_pending"])
-@pytest.mark.parametrize("quiet", [None, 0.5], ids=["grace", "quiet"])
+@pytest.mark.parametrize("quiet", [None, MasterConfig().rebuild_quiet], ids=["grace", "quiet"])
 async def test_a_member_back_after_the_roll_call_is_refused_cleanly(
         autojump_clock: trio.testing.MockClock, quiet: float | None, phase: str) -> None:
     master_config: MasterConfig = dataclasses.replace(DEFAULT_MASTER_CONFIG, rebuild_grace=1.0,

@@ -80,6 +80,19 @@ def test_the_quiet_period_starts_only_with_a_majority_and_the_grace_still_bounds
     assert st.resumed and "roll call over (its grace of 1s ran out): absent [5]" in events(eff)
 
 
+def test_a_run_that_can_fail_over_gets_at_least_the_failover_quiet_period() -> None:
+    """Members that give a hung master up for a standby do so at their own heartbeat silence, up to a
+    heartbeat interval apart: the quiet period is then at least ``failover_quiet``."""
+    st = MasterState(rebuild_grace=2.0, rebuild_quiet=0.25, failover_quiet=0.75)
+    rereg(st, 1, 10.0)
+    st.handle(1, m.Standbys(count=1), 10.0)
+    for p in (2, 3):
+        rereg(st, p, 10.0)
+    assert st.enforced and st.doubt_deadline(3.0) == 10.75
+    eff = st.doubts_overdue(10.75, 3.0)
+    assert st.resumed and "roll call over (nobody came back for 0.75s): absent [4, 5]" in events(eff)
+
+
 def test_without_a_quiet_period_the_roll_call_waits_its_whole_grace() -> None:
     st = MasterState(rebuild_grace=1.0)
     for p in (1, 2, 3, 4):
