@@ -30,7 +30,9 @@ from .._errors import Result
 from ..wire import limits as _limits
 from ..wire import messages as m
 from ..wire.credentials import CredentialIssuer, check_public_key
+from . import away as _away
 from . import election as _election
+from .away import AwayBook
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 from .doubt import Decision, DoubtBook
 from .lost import REASON as LOST_REASON
@@ -280,6 +282,7 @@ class MasterState:
         rebuild_grace: float = 0.0,
         credential_root: bytes | None = None,
         quorum: str = "auto",
+        rejoin_grace: float = 0.0,
     ) -> None:
         if quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
@@ -328,6 +331,11 @@ class MasterState:
         # Operations a member reported failed at the master's loss (pccl/master/lost.py): every other
         # member's vote for one fails once, so all of them fail it alike.
         self.lost = LostBook()
+        # Members whose connection to this (live) master broke: every vote waits for them to
+        # re-register, for at most ``rejoin_grace`` seconds (pccl/master/away.py; 0: no hold); and
+        # where their group's vote rounds stood when each member was dropped.
+        self.away = AwayBook()
+        self.rejoin_grace = rejoin_grace
         # Membership rounds in doubt (pccl/master/rounds.py): topology and are_peers_pending rounds the
         # master's loss split; every vote waits while one is undecided. The count of are_peers_pending
         # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
@@ -487,8 +495,9 @@ class MasterState:
         """False while the master is *held* (no vote completes): rebuilding without a majority of the
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
         a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
-        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py)."""
-        return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided
+        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py); or while a
+        member whose connection broke may still re-register (pccl/master/away.py)."""
+        return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided and not self.away
 
     @property
     def _quorum_ok(self) -> bool:
@@ -938,17 +947,45 @@ class MasterState:
             effects += self.kick(p, reason)
         return effects
 
-    def peer_lost(self, peer_id: int, reason: str, now: float | None = None) -> list[Effect]:
+    def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
+                  broken: bool = False) -> list[Effect]:
         """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored.
 
-        ``now`` (optional): when; it starts the hold clock if the loss costs the quorum."""
+        Args:
+            now: when (optional); it starts the hold clock if the loss costs the quorum.
+            broken: the connection itself closed (not an eviction): an accepted member may be back
+                in a moment (its link broke, the peer lives), so every vote waits up to
+                ``rejoin_grace`` for its re-registration (pccl/master/away.py).
+        """
         if now is not None:
             self._now = now
         rec = self.peers.get(peer_id)
         if rec is None:
             return []
         effects: list[Effect] = [Event(f"peer {peer_id} ({rec.host}) {reason}")]
+        if broken and rec.phase is Phase.ACCEPTED and self.away.left(peer_id, self._now, self.rejoin_grace):
+            effects.append(Event(f"votes wait up to {self.rejoin_grace:g}s for peer {peer_id} to come back"))
         effects += self._remove(peer_id)
+        return effects
+
+    def rejoin_deadline(self) -> float | None:
+        """When the earliest hold for a member whose connection broke runs out (see
+        :meth:`rejoin_overdue`)."""
+        return self.away.deadline()
+
+    def rejoin_overdue(self, now: float) -> list[Effect]:
+        """End the holds whose ``rejoin_grace`` ran out: those members are absent, and the votes go on
+        without them (one that comes back later finds its group gone on: refused, join again)."""
+        self._now = now
+        gone = self.away.overdue(now)
+        if not gone:
+            return []
+        effects: list[Effect] = [Event(f"peer(s) {gone} did not re-register within {self.rejoin_grace:g}s: "
+                                       "the votes go on without them")]
+        if self.resumed:
+            effects += self._recheck_votes()
+            if not self.ring:
+                effects += self._accept_first_if_alone()
         return effects
 
     def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]:
@@ -956,7 +993,11 @@ class MasterState:
         if peer_id not in self.peers:
             return []
         effects: list[Effect] = [Kick(peer_id, reason, int(code)), Event(f"peer {peer_id} kicked: {reason}")]
+        # A member refused for good (KICKED) will not come back: its place is not held any more.
+        unheld = code is Result.KICKED and self.away.back(peer_id)
         effects += self._remove(peer_id)
+        if unheld and self.resumed:
+            effects += self._recheck_votes()
         return effects
 
     def _remove(self, peer_id: int) -> list[Effect]:
@@ -968,6 +1009,7 @@ class MasterState:
         self.lost.peer_lost(peer_id)
         if was_accepted:
             self.doubts.dropped(peer_id, rec.group)
+            self.away.dropped(peer_id, rec.group, self._rounds_of(rec.group))
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
@@ -1191,6 +1233,11 @@ class MasterState:
             # standby of the right epoch may not share.
             return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
                                                     "since it was dropped: join again", Result.KICKED)
+        elif self._runs_without(msg.peer_id, msg.peer_group):
+            # An operation its group started after dropping it may still complete (then the group went
+            # on without it) or fail (then it is taken back): it tries again once that is decided.
+            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
+                                                    "this peer: retry later", Result.MASTER_CONNECTION_FAILED)
         if self._rings:
             # A peer drops the dead of its own group from its table at every operation: one that a
             # member of its group back here no longer lists was dropped from the group while it was
@@ -1216,6 +1263,7 @@ class MasterState:
         if msg.revision >= 0:
             self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
         rec.phase = Phase.ACCEPTED
+        was_away = self.away.back(rec.peer_id)
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
         rec.public_key = msg.public_key
@@ -1234,7 +1282,12 @@ class MasterState:
         was = self.doubts.undecided
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
         effects += self._execute_decisions(decisions, was)
-        effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome))
+        # At a live master, the members that never left vote next for what the returning one reports
+        # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
+        live = [p for p in self.accepted(msg.peer_group) if p != rec.peer_id]
+        effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome,
+                                                    live=live, kept=lambda k: self._kept(rec.peer_id, k)))
+        self.away.forget(rec.peer_id)
         if len(msg.pending) == 4 and msg.pending[0] == self.epoch:
             # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
             # count the members back report (docs/concepts.md "Rounds in doubt").
@@ -1249,7 +1302,41 @@ class MasterState:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
+        if was_away and self.resumed:
+            effects += self._recheck_votes()  # the last member the votes waited for is back
         return effects + self._note_quorum()
+
+    def _runs_without(self, peer_id: int, group: int) -> bool:
+        """True when ``group`` runs a collective or sync, or a topology round sets up, without member
+        ``peer_id``, which this (live) master dropped: its outcome decides whether to take it back."""
+        if not self.doubts.was_dropped(peer_id):
+            return False
+        if any(op.running and g == group for (g, _), op in self._ops.items()):
+            return True
+        sync = self._syncs.get(group)
+        topology = self._topology
+        return (sync is not None and sync.running) or (topology is not None and topology.establishing)
+
+    def _round_state(self, key: tuple[str, int, int]) -> str:
+        """The vote round of ``key`` now: none, open (votes, not started) or running."""
+        kind, group, tag = key
+        rnd: _CollectiveOp | _SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
+            else self._syncs.get(group)
+        return _away.NONE if rnd is None else _away.RUNNING if rnd.running else _away.OPEN
+
+    def _kept(self, peer_id: int, key: tuple[str, int, int]) -> bool | None:
+        """Whether the others still vote for the call of ``key`` that ``peer_id`` abandoned (see
+        :meth:`AwayBook.kept_votes`)."""
+        return self.away.kept_votes(peer_id, key, self._round_state(key))
+
+    def _rounds_of(self, group: int) -> dict[tuple[str, int, int], str]:
+        """``group``'s collective and sync rounds now, by key (open or running)."""
+        rounds = {("op", g, t): _away.RUNNING if op.running else _away.OPEN
+                  for (g, t), op in self._ops.items() if g == group}
+        sync = self._syncs.get(group)
+        if sync is not None:
+            rounds[("sync", group, -1)] = _away.RUNNING if sync.running else _away.OPEN
+        return rounds
 
     def _issue_on_return(self, peer_id: int) -> list[Effect]:
         """The P2P credentials after ``peer_id``'s ``Reregistered``, O(n).
@@ -1678,6 +1765,7 @@ class MasterState:
         op = self._ops.get(key)
         if op is None:
             op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
+            self.away.opened(("op", rec.group, msg.tag))
         if rec.peer_id in op.votes or rec.peer_id in op.participant_set:
             # The running op is unaffected; only this call is refused.
             where = "in this group"
@@ -1998,6 +2086,7 @@ class MasterState:
         rnd = self._syncs.get(rec.group)
         if rnd is None:
             rnd = self._syncs[rec.group] = _SyncRound(group=rec.group, opened=self._now)
+            self.away.opened(("sync", rec.group, -1))
         rnd.votes[rec.peer_id] = vote
         return self._check_sync_vote(rec.group)
 
