@@ -75,9 +75,9 @@ class AwayBook:
             return count == n and now == OPEN
         return (count == n and now == NONE) or (count == n + 1 and now == OPEN)
 
-    def forget(self, peer_id: int) -> None:
-        """``peer_id`` is back (its report was matched) or gone for good."""
-        self._snaps.pop(peer_id, None)
+    def forget(self, peer_id: int) -> bool:
+        """``peer_id`` is back (its report was matched) or gone for good: True when it was dropped here."""
+        return self._snaps.pop(peer_id, None) is not None
 
     def __bool__(self) -> bool:
         return bool(self._until)

@@ -23,7 +23,7 @@ import math
 import secrets
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import Result
@@ -134,6 +134,8 @@ class _TopologyRound:
     measuring: set[int] = field(default_factory=set)
     establishing: bool = False
     establish_started: float = 0.0  # ``now`` when EstablishP2P went out (the P2P setup deadline's start)
+    # the members' epoch while the round sets up (they move at its TopologyResult; -1: not set up yet)
+    from_epoch: int = -1
 
 
 @dataclass
@@ -675,9 +677,16 @@ class MasterState:
         return [Send(p, full) for p in self.ring]
 
     def _counted_pending(self) -> int:
-        """are_peers_pending rounds completed at the current epoch (members count them alike)."""
+        """are_peers_pending rounds completed at the members' epoch (members count them alike)."""
         epoch, count = self._pending_count
-        return count if epoch == self.epoch else 0
+        return count if epoch == self._pending_epoch() else 0
+
+    def _pending_epoch(self) -> int:
+        """The epoch the members count are_peers_pending answers at: the master's, except while a
+        topology round sets up (the master moved to its epoch at the EstablishP2P, the members move at
+        its TopologyResult, and an answer sent before that one reaches them at their old epoch)."""
+        rnd = self._topology
+        return rnd.from_epoch if rnd is not None and rnd.establishing and rnd.from_epoch >= 0 else self.epoch
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
@@ -887,7 +896,7 @@ class MasterState:
             return effects  # the kicks started something else (world of one): nothing to re-run
         members = [p for p in rnd.members if p in self.peers]
         newcomers = rnd.newcomers & set(members)
-        retry = _TopologyRound(kind=rnd.kind, votes=set(self.ring))
+        retry = _TopologyRound(kind=rnd.kind, votes=set(self.ring), from_epoch=rnd.from_epoch)
         self._topology = retry
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self._start_establish(retry, members, newcomers)
@@ -1287,11 +1296,19 @@ class MasterState:
         live = [p for p in self.accepted(msg.peer_group) if p != rec.peer_id]
         effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome,
                                                     live=live, kept=lambda k: self._kept(rec.peer_id, k)))
-        self.away.forget(rec.peer_id)
-        if len(msg.pending) == 4 and msg.pending[0] == self.epoch:
+        was_dropped = self.away.forget(rec.peer_id)
+        pend = msg.pending
+        if len(pend) == 4 and pend[0] == self._pending_epoch():
             # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
             # count the members back report (docs/concepts.md "Rounds in doubt").
-            self._pending_count = (self.epoch, max(self._counted_pending(), msg.pending[1]))
+            if rb is None and pend[2] and pend[1] == self._counted_pending() and was_dropped:
+                # At a live master: it waits in the round still open here (its link broke while it
+                # voted): its vote counts again at once (docs/concepts.md "A member's link breaks").
+                self._pending_votes.add(rec.peer_id)
+                msg = replace(msg, pending=[])
+                effects += self._check_pending_vote()
+            else:
+                self._pending_count = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
         expected = set(rb.expected) if rb is not None else set(self.base)
         effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
@@ -1456,7 +1473,7 @@ class MasterState:
         pending = bool(self.registered())
         voters = [p for p in self.ring if p in self._pending_votes]
         self._pending_votes.clear()
-        self._pending_count = (self.epoch, self._counted_pending() + 1)
+        self._pending_count = (self._pending_epoch(), self._counted_pending() + 1)
         self.rounds.answered(self._pending_count, pending)
         return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
 
@@ -1499,6 +1516,8 @@ class MasterState:
         return self._next_measure_round(rnd)
 
     def _start_establish(self, rnd: _TopologyRound, members: list[int], newcomers: set[int]) -> list[Effect]:
+        if rnd.from_epoch < 0:
+            rnd.from_epoch = self.epoch
         self.epoch += 1
         rnd.epoch = self.epoch
         rnd.members = list(members)

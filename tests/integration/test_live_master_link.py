@@ -111,6 +111,9 @@ POINTS = {
     "sync_before_vote": ("sync", m.SharedStateSync, True),
     "sync_after_vote": ("sync", m.SharedStateSync, False),
     "sync_before_result": ("sync", m.SharedStateResult, True),
+    "pending_before_vote": ("pending", m.PeersPendingVote, True),
+    "pending_after_vote": ("pending", m.PeersPendingVote, False),
+    "pending_before_result": ("pending", m.PeersPendingResult, True),
 }
 
 
@@ -166,9 +169,19 @@ async def train(cluster: TestCluster, point: str, cut_step: int, *, late: int | 
                 run.failures[i].append((step, what))
             await membership(i)  # the loop goes back to its membership phase first
 
+    async def pending(i: int) -> None:
+        if await cluster.peer(i).are_peers_pending():
+            await cluster.peer(i).update_topology()
+
     async def loop(i: int) -> None:
         comm = cluster.peer(i)
         for step in range(STEPS):
+            if step == cut_step and call == "pending":
+                if i == CUT:
+                    cutter.armed = True
+                elif i == late:
+                    await back.wait()
+            await retried(i, step, "pending", lambda: pending(i))  # the membership phase
             if step == cut_step and call == "sync":
                 if i == CUT:
                     cutter.armed = True
@@ -288,3 +301,46 @@ async def test_without_a_hold_the_group_goes_on_and_refuses_the_member_loudly(
         assert "join again" in str(run.ended[CUT])
     else:
         assert run.results[CUT] == everyone
+
+
+async def test_a_pending_round_answered_during_a_topology_setup_counts_alike(
+        autojump_clock: trio.testing.MockClock) -> None:
+    # The async API: each member calls are_peers_pending() while its own update_topology() sets up its
+    # P2P connections (the master moved to the round's epoch, the members move at its TopologyResult).
+    # The answer reaches them at their old epoch; the master counts it there too. Then member CUT's
+    # link breaks right after its vote of the next pending round: it comes back waiting in that round,
+    # and the master counts its vote in it, instead of answering it with the setup's round (which it
+    # would have named round 1 of the new epoch): every member gets the same answer and goes on.
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG) as cluster:
+        state = cluster.master.state
+
+        async def both(i: int) -> None:
+            comm = cluster.peer(i)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(comm.update_topology)
+                while not any("P2P setup" in what for what, _, _ in state.pending_rounds()):
+                    await trio.sleep(0.0005)
+                assert not await comm.are_peers_pending()
+                assert comm.statistics()["topology_call_waiting"]  # answered during the setup
+
+        epoch = state.epoch
+        await cluster.run_all(lambda i, comm: both(i))
+        assert state.epoch == epoch + 1
+        cutter = CutAt(cluster.host(CUT).name, cluster.host(MASTER).name, m.PeersPendingVote, before=False)
+        cluster.network.add_hook(cutter)
+        cutter.armed = True
+        first = state.peers[cluster.peer(CUT).peer_id]
+
+        async def query(i: int) -> bool:
+            if i != CUT:  # the others vote once the cut member is back, waiting in the round
+                while (rec := state.peers.get(cluster.peer(CUT).peer_id)) is None or rec is first \
+                        or rec.phase is not Phase.ACCEPTED:
+                    await trio.sleep(0.0005)
+            return await cluster.peer(i).are_peers_pending()
+
+        got = await cluster.run_all(lambda i, comm: query(i))
+        assert got == [False, False, False] and cutter.fired.is_set()
+        x = [np.full(WORDS, 1 << c.peer_id, np.int64) for c in cluster.peers]
+        done = await cluster.run_all(lambda i, comm: comm.all_reduce(x[i], op=ReduceOp.SUM))
+        assert not [r for r in done if isinstance(r, pccl.PCCLError)], done
+        assert all(int(v[0]) == sum(1 << c.peer_id for c in cluster.peers) for v in x)

@@ -32,8 +32,9 @@ def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
 
 def rereg(st: MasterState, pid: int, now: float = 0.0, **fields: Any) -> list[Any]:
     assert st.new_connection("127.0.0.1", now, claim=pid) == pid
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=EPOCH, ring=list(RING),
-                       revision=5, generation=1, **fields)
+    fields.setdefault("epoch", EPOCH)
+    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, ring=list(RING), revision=5,
+                       generation=1, **fields)
     return st.handle(pid, msg, now)
 
 
@@ -169,3 +170,47 @@ def test_away_book_matches_a_report_with_the_round_at_the_drop() -> None:
     assert not book.left(5, 0.0, 0.0) and not book
     assert book.left(5, 1.0, 2.0) and book.deadline() == 3.0
     assert book.overdue(2.9) == [] and book.overdue(3.0) == [5] and not book
+
+
+def pending_vote(st: MasterState, pid: int, now: float = 0.0) -> list[Any]:
+    return st.handle(pid, m.PeersPendingVote(), now)
+
+
+def answered(effects: list[Any]) -> list[int]:
+    return sorted(p for p, _ in sends(effects, m.PeersPendingResult))
+
+
+def test_a_member_whose_link_broke_in_a_pending_round_is_counted_in_it_at_once() -> None:
+    st = live()
+    pending_vote(st, 1)
+    pending_vote(st, 3)
+    st.peer_lost(3, "left (connection closed)", 1.0, broken=True)
+    eff = rereg(st, 3, now=1.1, pending=[EPOCH, 0, 1, -1])  # it waits in the round: first at this epoch
+    assert not answered(eff) and st.resumed and not st.rounds.undecided  # no doubt: the round is open here
+    assert answered(pending_vote(st, 2, now=1.2)) == RING  # one answer for all three, at once
+
+
+def test_pending_rounds_answered_while_a_topology_round_sets_up_count_at_the_members_epoch() -> None:
+    # The async API lets a member call are_peers_pending() while its own update_topology() runs. An
+    # answer sent while the round sets up reaches the members before their TopologyResult, at their old
+    # epoch: the master counts it there too, so that the members and the master name every round alike.
+    st = live()
+    eff = []
+    for p in RING:
+        eff += st.handle(p, m.UpdateTopologyVote(), 0.0)
+    (_, establish), *_ = sends(eff, m.EstablishP2P)
+    new = establish.epoch
+    assert new == EPOCH + 1 and st.epoch == new
+    for p in RING:
+        eff = pending_vote(st, p)
+    assert answered(eff) == RING  # answered during the setup: round 1 of EPOCH, as the members count it
+    for p in RING:
+        eff = st.handle(p, m.P2PConnectionsDone(epoch=new, success=True), 0.0)
+    assert sorted(p for p, r in sends(eff, m.TopologyResult) if r.success) == RING
+    # Round 1 of the new epoch: member 3 votes, its link breaks, and it comes back waiting in it.
+    pending_vote(st, 3)
+    st.peer_lost(3, "left (connection closed)", 1.0, broken=True)
+    eff = rereg(st, 3, now=1.1, pending=[new, 0, 1, -1], epoch=new, members_epoch=new)
+    assert not answered(eff)  # (counted at the new epoch, the setup's answer would have been its answer)
+    pending_vote(st, 1, now=1.2)
+    assert answered(pending_vote(st, 2, now=1.2)) == RING
