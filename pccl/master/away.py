@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-#: ``(kind, group, tag)``: kind "op" (a collective, by tag) or "sync" (tag -1), as in pccl/master/doubt.py.
+#: ``(kind, group, tag)``: kind "op" (a collective, by tag) or "sync" (tag -1), as in pccl/master/doubt.py,
+#: or ``("topology", -1, -1)``: the ring-wide topology round.
 Key = tuple[str, int, int]
 
 #: A vote round's state at one instant: no round, votes open (not started), or running.
@@ -45,7 +46,7 @@ class AwayBook:
     def dropped(self, peer_id: int, group: int, rounds: dict[Key, str]) -> None:
         """Member ``peer_id`` of ``group`` was dropped; ``rounds`` are its group's vote rounds then
         (:data:`OPEN` or :data:`RUNNING`), before the drop changed any of them."""
-        counts = {k: (n, rounds.get(k, NONE)) for k, n in self._opened.items() if k[1] == group}
+        counts = {k: (n, rounds.get(k, NONE)) for k, n in self._opened.items() if k[1] in (group, -1)}
         for k, what in rounds.items():
             counts.setdefault(k, (self._opened.get(k, 0), what))
         self._snaps[peer_id] = (group, counts)

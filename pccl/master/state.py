@@ -228,6 +228,9 @@ class _Rebuild:
         return len(self.returned & set(self.expected)) >= self.quorum
 
 
+#: The key of the (ring-wide) topology round in :class:`~pccl.master.away.AwayBook`.
+_TOPOLOGY_KEY = ("topology", -1, -1)
+
 #: op_seq and sync_seq values of master generation g start at ``g << _SEQ_SHIFT``: a restarted master
 #: never hands out a sequence number a peer saw from an older generation (stale stashed frames); data
 #: frames carry op_seq as a u32, so this leaves 2**24 operations per generation, 255 generations.
@@ -338,6 +341,7 @@ class MasterState:
         # where their group's vote rounds stood when each member was dropped.
         self.away = AwayBook()
         self.rejoin_grace = rejoin_grace
+        self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
         # Membership rounds in doubt (pccl/master/rounds.py): topology and are_peers_pending rounds the
         # master's loss split; every vote waits while one is undecided. The count of are_peers_pending
         # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
@@ -1022,6 +1026,7 @@ class MasterState:
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
+        self._topology_owed.discard(peer_id)
         self._sync_rows.pop(peer_id, None)
         revoked: list[Effect] = []
         voided = self._reserved.pop(rec.group, {}) if was_accepted else {}
@@ -1227,6 +1232,11 @@ class MasterState:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {at}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.KICKED)
+        elif self._runs_without(msg.peer_id, msg.peer_group):
+            # An operation its group started after dropping it may still complete (then the group went
+            # on without it) or fail (then it is taken back): it tries again once that is decided.
+            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
+                                                    "this peer: retry later", Result.MASTER_CONNECTION_FAILED)
         elif at != self.epoch and set(self.ring) & set(msg.ring):
             # KICKED (final): the run this master serves (members the peer knows) moved to another
             # epoch without it. (A master now serving another run refuses it with the retryable code
@@ -1242,11 +1252,6 @@ class MasterState:
             # standby of the right epoch may not share.
             return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
                                                     "since it was dropped: join again", Result.KICKED)
-        elif self._runs_without(msg.peer_id, msg.peer_group):
-            # An operation its group started after dropping it may still complete (then the group went
-            # on without it) or fail (then it is taken back): it tries again once that is decided.
-            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
-                                                    "this peer: retry later", Result.MASTER_CONNECTION_FAILED)
         if self._rings:
             # A peer drops the dead of its own group from its table at every operation: one that a
             # member of its group back here no longer lists was dropped from the group while it was
@@ -1296,6 +1301,8 @@ class MasterState:
         live = [p for p in self.accepted(msg.peer_group) if p != rec.peer_id]
         effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome,
                                                     live=live, kept=lambda k: self._kept(rec.peer_id, k)))
+        if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
+            effects += self._fail_lost_topology(rec.peer_id, [p for p in self.ring if p != rec.peer_id])
         was_dropped = self.away.forget(rec.peer_id)
         pend = msg.pending
         if len(pend) == 4 and pend[0] == self._pending_epoch():
@@ -1337,6 +1344,12 @@ class MasterState:
     def _round_state(self, key: tuple[str, int, int]) -> str:
         """The vote round of ``key`` now: none, open (votes, not started) or running."""
         kind, group, tag = key
+        if kind == "topology":
+            topology = self._topology
+            if topology is None:
+                return _away.NONE
+            voting = topology.epoch < 0 and not topology.measuring and not topology.measure_rounds
+            return _away.OPEN if voting else _away.RUNNING
         rnd: _CollectiveOp | _SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
             else self._syncs.get(group)
         return _away.NONE if rnd is None else _away.RUNNING if rnd.running else _away.OPEN
@@ -1353,6 +1366,8 @@ class MasterState:
         sync = self._syncs.get(group)
         if sync is not None:
             rounds[("sync", group, -1)] = _away.RUNNING if sync.running else _away.OPEN
+        if self._topology is not None:
+            rounds[_TOPOLOGY_KEY] = self._round_state(_TOPOLOGY_KEY)
         return rounds
 
     def _issue_on_return(self, peer_id: int) -> list[Effect]:
@@ -1487,15 +1502,42 @@ class MasterState:
         bad = self._require_accepted(rec, f"{kind} topology vote")
         if bad is not None:
             return bad
+        if rec.peer_id in self._topology_owed:
+            # Another member's topology call failed when its link to this master broke: this member's
+            # call of that round fails too, once (docs/concepts.md "A member's link breaks").
+            self._topology_owed.discard(rec.peer_id)
+            return [Send(rec.peer_id, self._lost_topology_result(kind))]
         rnd = self._topology
         if rnd is None:
             rnd = self._topology = _TopologyRound(kind=kind, opened=self._now)
+            self.away.opened(_TOPOLOGY_KEY)
         elif rnd.kind != kind:
             return self.kick(rec.peer_id, f"{kind}_topology while the others run {rnd.kind}_topology")
         if rec.peer_id in rnd.votes or rnd.epoch >= 0 or rnd.measure_rounds or rnd.measuring:
             return self.kick(rec.peer_id, f"duplicate {kind} topology vote")
         rnd.votes.add(rec.peer_id)
         return self._check_topology_vote()
+
+    def _lost_topology_result(self, kind: str) -> m.TopologyResult:
+        code = Result.UPDATE_TOPOLOGY_FAILED if kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
+        return m.TopologyResult(success=False, epoch=self.epoch, peers=self.table(self.ring),
+                                reason=LOST_REASON, code=int(code))
+
+    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
+        """Member ``peer_id`` re-registered at this live master reporting the topology call its broken
+        link failed: the others' calls of that round fail too, once each (the votes waiting here now,
+        the others' next topology vote), unless that round ended for everybody since its drop."""
+        if not self._kept(peer_id, _TOPOLOGY_KEY):
+            return []
+        rnd = self._topology
+        failed: list[Effect] = []
+        if rnd is not None and rnd.votes and rnd.epoch < 0 and not rnd.measuring and not rnd.measure_rounds:
+            result = self._lost_topology_result(rnd.kind)
+            failed = [Send(p, result) for p in sorted(rnd.votes)]
+            self._topology = None
+        voted = {e.peer_id for e in failed if isinstance(e, Send)}
+        self._topology_owed |= {p for p in others if p not in voted}
+        return failed
 
     def _check_topology_vote(self) -> list[Effect]:
         rnd = self._topology
@@ -1607,6 +1649,10 @@ class MasterState:
             self.rounds.settle(rnd.epoch, False)
             return effects
         self.rounds.settle(rnd.epoch, True)
+        self._topology_owed.clear()
+        for group in {self.peers[p].group for p in rnd.members if p in self.peers}:
+            # Its members went on: one dropped before it is refused when it comes back (moved_on).
+            self.doubts.progressed(group)
         self.ring = list(rnd.members)
         self.base = list(self.ring)
         self._fresh = False

@@ -114,6 +114,10 @@ POINTS = {
     "pending_before_vote": ("pending", m.PeersPendingVote, True),
     "pending_after_vote": ("pending", m.PeersPendingVote, False),
     "pending_before_result": ("pending", m.PeersPendingResult, True),
+    "topology_before_vote": ("topology", m.UpdateTopologyVote, True),
+    "topology_after_vote": ("topology", m.UpdateTopologyVote, False),
+    "topology_after_establish": ("topology", m.EstablishP2P, False),
+    "topology_before_result": ("topology", m.TopologyResult, True),
 }
 
 
@@ -182,6 +186,12 @@ async def train(cluster: TestCluster, point: str, cut_step: int, *, late: int | 
                 elif i == late:
                     await back.wait()
             await retried(i, step, "pending", lambda: pending(i))  # the membership phase
+            if step == cut_step and call == "topology":
+                if i == CUT:
+                    cutter.armed = True
+                elif i == late:
+                    await back.wait()
+                await retried(i, step, "topology", comm.update_topology)
             if step == cut_step and call == "sync":
                 if i == CUT:
                     cutter.armed = True

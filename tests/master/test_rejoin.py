@@ -214,3 +214,38 @@ def test_pending_rounds_answered_while_a_topology_round_sets_up_count_at_the_mem
     assert not answered(eff)  # (counted at the new epoch, the setup's answer would have been its answer)
     pending_vote(st, 1, now=1.2)
     assert answered(pending_vote(st, 2, now=1.2)) == RING
+
+
+def topo_vote(st: MasterState, pid: int, now: float = 0.0) -> list[Any]:
+    return st.handle(pid, m.UpdateTopologyVote(), now)
+
+
+def test_a_topology_call_its_broken_link_failed_fails_for_every_member_once() -> None:
+    st = live(rejoin_grace=1.0)
+    topo_vote(st, 1)
+    st.peer_lost(3, "left (connection closed)", 1.0, broken=True)  # its vote never arrived
+    eff = rereg(st, 3, now=1.1, topology_abandoned=EPOCH)  # its update_topology() failed
+    failed = sends(eff, m.TopologyResult)
+    assert [(p, r.success, r.code, r.reason) for p, r in failed] == \
+        [(1, False, int(Result.UPDATE_TOPOLOGY_FAILED), REASON)]  # the vote waiting here
+    (_, r2), = sends(topo_vote(st, 2, now=1.2), m.TopologyResult)  # not voted then: fails once
+    assert not r2.success and r2.reason == REASON
+    eff = []
+    for p in RING:
+        eff += topo_vote(st, p, now=1.3)  # the retries go through, with every member
+    (_, establish), *_ = sends(eff, m.EstablishP2P)
+    assert sorted(p for p, _ in sends(eff, m.EstablishP2P)) == RING and establish.epoch == EPOCH + 1
+
+
+def test_a_member_is_refused_after_a_topology_round_went_on_without_it() -> None:
+    st = live()
+    st.peer_lost(3, "left (connection closed)", 1.0, broken=True)
+    eff = topo_vote(st, 1) + topo_vote(st, 2)
+    assert sorted(p for p, _ in sends(eff, m.EstablishP2P)) == [1, 2]  # no hold: it sets up without 3
+    kicks = [e for e in rereg(st, 3, now=1.1, topology_abandoned=EPOCH) if isinstance(e, Kick)]
+    assert [(k.peer_id, k.code) for k in kicks] == [(3, int(Result.MASTER_CONNECTION_FAILED))]  # later
+    for p in (1, 2):
+        eff = st.handle(p, m.P2PConnectionsDone(epoch=EPOCH + 1, success=True), 1.2)
+    assert sorted(p for p, r in sends(eff, m.TopologyResult) if r.success) == [1, 2]
+    kicks = [e for e in rereg(st, 3, now=1.3, topology_abandoned=EPOCH) if isinstance(e, Kick)]
+    assert [(k.peer_id, k.code) for k in kicks] == [(3, int(Result.KICKED))]  # it went on: join again
