@@ -1165,18 +1165,28 @@ class MasterState:
                 rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
                              "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
         rb0 = self.rebuild
-        if rb0 is not None and rb0.generations and msg.generation < max(rb0.generations.values()):
+        gen = msg.generation
+        if rb0 is not None and rec.peer_id in rb0.generations:
+            # Back once already during this rebuild, and it left since: this report replaces that one.
+            # If this master took it back, the generation it reports is this master's own, not a newer
+            # master's: it counts as the one it had followed then.
+            before = rb0.generations.pop(rec.peer_id)
+            rb0.epochs.pop(rec.peer_id, None)
+            rb0.returned.discard(rec.peer_id)
+            if gen == self.generation:
+                gen = before
+        if rb0 is not None and rb0.generations and gen < max(rb0.generations.values()):
             # It missed a master the others followed: the run went on there without it (final).
             return effects + self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
                                                     f"the run went on at generation "
                                                     f"{max(rb0.generations.values())} without it: join again",
                                        Result.KICKED)
-        if rb0 is not None and rb0.generations and msg.generation > max(rb0.generations.values()):
+        if rb0 is not None and rb0.generations and gen > max(rb0.generations.values()):
             # Rebuilding from members that had missed a newer master: this one followed it. Those
             # were away while the run went on at the newer master: they must join again (final), and
             # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
-            effects += self._newer_generation(msg.generation)
-        elif msg.generation > self.generation and (self.ring or self.rebuild is not None):
+            effects += self._newer_generation(gen)
+        elif gen > self.generation and (self.ring or self.rebuild is not None):
             return effects + self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
                                                     f"than the peer's (generation {msg.generation})",
                                        Result.MASTER_CONNECTION_FAILED)
@@ -1320,7 +1330,7 @@ class MasterState:
         effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
             rb.returned.add(rec.peer_id)
-            rb.generations[rec.peer_id] = msg.generation
+            rb.generations[rec.peer_id] = gen
             rb.epochs[rec.peer_id] = at
             if rb.reached:
                 self.rebuild = None
