@@ -1199,7 +1199,10 @@ class MasterState:
         # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
         # failed by the loss after its EstablishP2P): docs/concepts.md "Rounds in doubt".
         at = reported_epoch(msg)
-        if not self.ring and self.rebuild is None and self._topology is None:
+        # (A master that lost every member's link while it lived is not a restarted one: a member it
+        # dropped that followed it last is taken back by the live rules, no rebuild.)
+        own = not self._fresh and msg.generation == self.generation and self.doubts.was_dropped(msg.peer_id)
+        if not self.ring and self.rebuild is None and self._topology is None and not own:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)

@@ -33,8 +33,9 @@ def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
 def rereg(st: MasterState, pid: int, now: float = 0.0, **fields: Any) -> list[Any]:
     assert st.new_connection("127.0.0.1", now, claim=pid) == pid
     fields.setdefault("epoch", EPOCH)
+    fields.setdefault("generation", 1)
     msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, ring=list(RING), revision=5,
-                       generation=1, **fields)
+                       **fields)
     return st.handle(pid, msg, now)
 
 
@@ -249,3 +250,16 @@ def test_a_member_is_refused_after_a_topology_round_went_on_without_it() -> None
     assert sorted(p for p, r in sends(eff, m.TopologyResult) if r.success) == [1, 2]
     kicks = [e for e in rereg(st, 3, now=1.3, topology_abandoned=EPOCH) if isinstance(e, Kick)]
     assert [(k.peer_id, k.code) for k in kicks] == [(3, int(Result.KICKED))]  # it went on: join again
+
+
+def test_a_live_master_that_lost_every_members_link_takes_them_back_without_a_rebuild() -> None:
+    st = live(rejoin_grace=1.0)
+    gen = st.generation
+    for p in RING:
+        st.peer_lost(p, "left (connection closed)", 1.0, broken=True)
+    assert st.accepted() == [] and st.away.members == set(RING)
+    for p in RING:
+        (who, ok), = sends(rereg(st, p, now=1.1, generation=gen), m.Reregistered)  # it followed this one
+        assert who == p and ok.generation == gen
+    assert st.rebuild is None and st.generation == gen and st.accepted() == RING and st.resumed
+    assert commenced(vote(st, 1) + vote(st, 2) + vote(st, 3)) == RING
