@@ -48,7 +48,7 @@ state); the trial compares the peers' hashes at the last call count all of them 
 column).
 
 usage: python benchmarks/recovery.py [--trials 3] [--size BYTES] [--retry update_topology|direct]
-       [--faults SIGKILL,SIGSTOP,master,standby,standby-stop]
+       [--faults SIGKILL,SIGSTOP,master,standby,standby-stop] [--rejoin-grace S]
 """
 
 from __future__ import annotations
