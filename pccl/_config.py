@@ -92,6 +92,13 @@ class MasterConfig:
             back after the roll call ended is refused (``KICKED``: join again) once its group completed
             an operation without it, unless the run's peers can fail over (docs/concepts.md "Surviving
             the master"). ``None``: only the grace ends it.
+        rejoin_grace: a *live* master whose connection to an accepted member breaks (the link flapped,
+            a middlebox reset it, or the peer crashed: the master cannot tell) holds every vote for at
+            most this many seconds, until the member re-registers (docs/concepts.md "A member's link
+            breaks"). Without it, the others' next vote completes without the member and it is
+            refused when it comes back (``KICKED``: join again). The cost: a crashed (or closed)
+            member delays the survivors' next vote by the grace. 0 (default): no hold. A member
+            reconnects at once, then with a backoff of up to 0.1 s: 1 s covers a reset link.
         tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
             no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
         tls_key: PEM private key of ``tls_cert``.
@@ -115,6 +122,7 @@ class MasterConfig:
     quorum_hold_timeout: float | None = 30.0
     rebuild_grace: float = 1.0
     rebuild_quiet: float | None = 0.3
+    rejoin_grace: float = 0.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -124,6 +132,8 @@ class MasterConfig:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
         if self.rebuild_quiet is not None and self.rebuild_quiet <= 0:
             raise ValueError(f"rebuild_quiet ({self.rebuild_quiet}) must be > 0 or None")
+        if self.rejoin_grace < 0:
+            raise ValueError(f"rejoin_grace ({self.rejoin_grace}) must be >= 0")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")
         if self.quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")

@@ -62,6 +62,10 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
                    help="once most of the run's members are back, a restarted master stops waiting for "
                         "the others when nobody came back for this long "
                         f"(default {defaults.rebuild_quiet or 0:g}; 0: wait the whole --rebuild-grace)")
+    p.add_argument("--rejoin-grace", type=seconds, default=defaults.rejoin_grace,
+                   help="hold the votes this long for a member whose connection broke to re-register "
+                        "(a reset link), at the cost of that much per crashed member "
+                        f"(default {defaults.rejoin_grace:g}: off; docs/concepts.md)")
     p.add_argument("--quorum", choices=("auto", "on", "off"), default=defaults.quorum,
                    help="complete votes only while a majority of the epoch's members is connected: 'auto' "
                         "once a peer says it can fail over to a standby master, 'on', 'off' "
@@ -102,6 +106,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             deadlock_grace=args.deadlock_grace,
             rebuild_grace=args.rebuild_grace,
             rebuild_quiet=args.rebuild_quiet or None,
+            rejoin_grace=args.rejoin_grace,
             quorum=args.quorum,
             quorum_hold_timeout=args.quorum_hold_timeout,
             secret=secret,

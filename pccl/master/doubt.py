@@ -215,6 +215,10 @@ class DoubtBook:
         """Member ``peer_id`` of ``group`` left this master (connection lost, evicted)."""
         self._dropped_at[peer_id] = self._progress.get(group, 0)
 
+    def was_dropped(self, peer_id: int) -> bool:
+        """True when this master had ``peer_id`` as a member and dropped it."""
+        return peer_id in self._dropped_at
+
     def moved_on(self, peer_id: int, group: int, absent: bool = True) -> bool:
         """True when ``group`` completed an operation at this master since this master dropped
         ``peer_id``, or (``absent``) since a roll call ended without it: taken back, it would retry
