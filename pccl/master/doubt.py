@@ -23,10 +23,11 @@ A peer that reports as committed an operation the book decided to abort is refus
 
 The master holds every vote while a decision is open, so the run resumes only once every peer agrees
 on what happened. A rebuilt master also holds the votes for a *roll call* (:meth:`DoubtBook.roll_call`):
-until every member of the last epoch has re-registered, or a grace period has passed. A member not back
-yet has not said what it holds, and one that returns after the others resumed finds them in another call
-than the one it retries (a deadlock); the grace lets the members that reconnect a backoff step later
-return first.
+until every member of the last epoch has re-registered, or a grace period has passed, or (a majority
+back) nobody came back for a quiet period (:meth:`DoubtBook.quiet`). A member not back yet has not said
+what it holds, and one that returns after the others resumed finds them in another call than the one it
+retries (a deadlock); the roll call lets the members that reconnect a backoff step later return first,
+and one back after it ended is refused once its group went on (:meth:`DoubtBook.moved_on`).
 """
 
 from __future__ import annotations
@@ -365,8 +366,8 @@ class DoubtBook:
     def overdue(self, now: float, timeout: float) -> list[Decision]:
         """Abort every doubt open for more than ``timeout`` seconds: a participant never came back
         (it died with the master), so nothing tells whether it committed, and the survivors agree.
-        The roll call's end (its grace ran out, or every member is back) aborts every open doubt at
-        once: whoever it still waits for is absent."""
+        The roll call's end (its grace or its quiet period ran out, or every member is back) aborts
+        every open doubt at once: whoever it still waits for is absent."""
         decisions: list[Decision] = []
         quiet = self._quiet_until is not None and now >= self._quiet_until
         if self._roll_until is not None and (now >= self._roll_until or quiet):
