@@ -48,7 +48,7 @@ state); the trial compares the peers' hashes at the last call count all of them 
 column).
 
 usage: python benchmarks/recovery.py [--trials 3] [--size BYTES] [--retry update_topology|direct]
-       [--faults SIGKILL,SIGSTOP,master,standby,standby-stop]
+       [--faults SIGKILL,SIGSTOP,master,standby,standby-stop] [--rejoin-grace S]
 """
 
 from __future__ import annotations
@@ -279,6 +279,8 @@ async def trial(kind: str, args: argparse.Namespace) -> dict[str, float]:
     world = 3
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         extra = ["--straggler-timeout", str(args.straggler_timeout)] if args.straggler_timeout > 0 else []
+        if args.rejoin_grace > 0:
+            extra += ["--rejoin-grace", str(args.rejoin_grace)]
         master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra)
         cfg = {"master": master.address, "world": world, "size": args.size, "retry": args.retry}
         peers = [await cluster.spawn(f"peer{i}", c.script_argv(script, cfg)) for i in range(world)]
@@ -373,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heartbeat-timeout", type=float, default=3.0, help="master's heartbeat timeout")
     p.add_argument("--straggler-timeout", type=float, default=0.0,
                    help="master's straggler timeout (default 0: off)")
+    p.add_argument("--rejoin-grace", type=float, default=0.0,
+                   help="peer faults: the master's rejoin_grace, which a crashed peer then costs "
+                        "(docs/concepts.md)")
     p.add_argument("--steady", type=float, default=1.0, help="seconds of fault-free looping before the fault")
     p.add_argument("--keep-logs", action="store_true")
     p.add_argument("--restart-delay", type=float, default=1.0,

@@ -74,6 +74,13 @@ class MasterConfig:
             resumed would retry another call than theirs (a deadlock). The grace is also what a member
             that died with the master costs the run (the roll call waits it out; operations in doubt
             are then aborted at once). 0: resume at the majority.
+        rejoin_grace: a *live* master whose connection to an accepted member breaks (the link flapped,
+            a middlebox reset it, or the peer crashed: the master cannot tell) holds every vote for at
+            most this many seconds, until the member re-registers (docs/concepts.md "A member's link
+            breaks"). Without it, the others' next vote completes without the member and it is
+            refused when it comes back (``KICKED``: join again). The cost: a crashed (or closed)
+            member delays the survivors' next vote by the grace. 0 (default): no hold. A member
+            reconnects at once, then with a backoff of up to 0.25 s: 1 s covers a reset link.
         tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
             no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
         tls_key: PEM private key of ``tls_cert``.
@@ -103,6 +110,7 @@ class MasterConfig:
     quorum: str = "auto"
     quorum_hold_timeout: float | None = 30.0
     rebuild_grace: float = 1.0
+    rejoin_grace: float = 0.0
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
@@ -113,6 +121,8 @@ class MasterConfig:
             raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
         if self.rebuild_grace < 0:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
+        if self.rejoin_grace < 0:
+            raise ValueError(f"rejoin_grace ({self.rejoin_grace}) must be >= 0")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")
         if self.quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {self.quorum!r}")

@@ -58,6 +58,10 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--rebuild-grace", type=seconds, default=defaults.rebuild_grace,
                    help="a restarted master waits this long for every member of the run to come back "
                         f"before it resumes (default {defaults.rebuild_grace:g}; docs/concepts.md)")
+    p.add_argument("--rejoin-grace", type=seconds, default=defaults.rejoin_grace,
+                   help="hold the votes this long for a member whose connection broke to re-register "
+                        "(a reset link), at the cost of that much per crashed member "
+                        f"(default {defaults.rejoin_grace:g}: off; docs/concepts.md)")
     p.add_argument("--quorum", choices=("auto", "on", "off"), default=defaults.quorum,
                    help="complete votes only while a majority of the epoch's members is connected: 'auto' "
                         "once a peer says it can fail over to a standby master, 'on', 'off' "
@@ -101,6 +105,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             straggler_timeout=args.straggler_timeout,
             deadlock_grace=args.deadlock_grace,
             rebuild_grace=args.rebuild_grace,
+            rejoin_grace=args.rejoin_grace,
             quorum=args.quorum,
             quorum_hold_timeout=args.quorum_hold_timeout,
             speculative_go_delay=args.speculative_go_delay,

@@ -189,6 +189,10 @@ class DoubtBook:
         """Member ``peer_id`` of ``group`` left this master (connection lost, evicted)."""
         self._dropped_at[peer_id] = self._progress.get(group, 0)
 
+    def was_dropped(self, peer_id: int) -> bool:
+        """True when this master had ``peer_id`` as a member and dropped it."""
+        return peer_id in self._dropped_at
+
     def moved_on(self, peer_id: int, group: int) -> bool:
         """True when ``group`` completed an operation at this master since this master dropped
         ``peer_id``: taken back, it would retry a call the others are past (a deadlock), so it must

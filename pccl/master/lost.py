@@ -18,11 +18,18 @@ with the master"). :class:`LostBook` keeps those operations and who already fail
   at most the reporter's last committed one) votes for that very operation: its vote is failed, once;
 * a newcomer (it never re-registered) or a member that has gone past it owes nothing;
 * the operation's next completion at this master (the retry went through) ends it.
+
+The same holds at a *live* master, for a member whose own connection broke (docs/concepts.md "A
+member's link breaks"): the others never left, so they did not re-register, and each of them still
+connected when the report arrives owes one failure of the operation (``live``: they are where the
+reporter was, or the reporter, behind, would have been refused), unless that call ended for everybody
+at this master meanwhile (``kept``: the master aborted it for every participant, or a later round of
+the same key ended: they failed it, or went past it already).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..wire import messages as m
@@ -42,6 +49,7 @@ class _Lost:
     seq: int  # the lost op_seq / sync_seq (-1: only voted, never commenced)
     base: int  # the reporter's last committed sequence number of the key (-1: none)
     failed: set[int] = field(default_factory=set)  # members whose call of it failed already
+    live: set[int] = field(default_factory=set)  # members that never left this master (they owe it)
 
 
 @dataclass
@@ -63,12 +71,18 @@ class LostBook:
         return None if rec is None else (rec.seq, frozenset(rec.failed))
 
     def report(self, peer_id: int, group: int, msg: m.Reregister,
-               outcome: Callable[[Key], tuple[int, bool] | None]) -> list[Key]:
+               outcome: Callable[[Key], tuple[int, bool] | None], *, live: Iterable[int] = (),
+               kept: Callable[[Key], bool | None] | None = None) -> list[Key]:
         """Member ``peer_id`` of ``group`` re-registered with ``msg``.
 
         Args:
             outcome: the last settled ``(seq, committed)`` of a key (``DoubtBook.outcome``): a lost
                 operation that the group went on past (a later one committed) is not lost any more.
+            live: the other members of ``group`` connected to this master; those that never
+                re-registered here owe the failure of what this report names lost.
+            kept: ``kept(key)`` is False when the call of ``key`` the reporter abandoned ended for
+                everybody at this (live) master (nothing is lost: they all failed it, or went past
+                it); None or True: it is lost.
 
         Returns:
             The keys this report names lost: the votes already waiting for them must be re-checked
@@ -86,17 +100,21 @@ class LostBook:
         if msg.sync_abandoned >= 0 or msg.sync_abandoned == SYNC_VOTED:
             rows.append((("sync", group, -1), max(msg.sync_abandoned, -1)))
         keys: list[Key] = []
+        stayed = {p for p in live if p != peer_id and p not in self._seen}
         for key, seq in rows:
             base = committed.get(key, -1)
             out = outcome(key)
             if out is not None and out[1] and out[0] > max(seq, base):
                 continue  # the group committed a later one of this key here: it went on past it
+            if kept is not None and kept(key) is False:
+                continue  # it ended here for everybody: every member's call failed (or went past) it
             rec = self._lost.get(key)
             if rec is None:
                 rec = self._lost[key] = _Lost(seq, base)
             else:
                 rec.seq, rec.base = max(rec.seq, seq), max(rec.base, base)
             rec.failed.add(peer_id)
+            rec.live |= stayed - rec.failed
             keys.append(key)
         return keys
 
@@ -104,9 +122,14 @@ class LostBook:
         """True when ``peer_id``'s vote for ``key`` is its vote for the lost operation and must fail (then
         it is counted as failed: each member's call fails once)."""
         rec = self._lost.get(key)
-        seen = self._seen.get(peer_id)
-        if rec is None or seen is None or peer_id in rec.failed:
+        if rec is None or peer_id in rec.failed:
             return False
+        seen = self._seen.get(peer_id)
+        if seen is None:
+            if peer_id not in rec.live:
+                return False  # a newcomer: it never was in that operation
+            rec.failed.add(peer_id)
+            return True
         doubt = seen.in_doubt.get(key)
         if doubt is not None and (doubt == rec.seq if rec.seq >= 0 else doubt > rec.base):
             return False  # in doubt on that very operation: its abort ends the call
@@ -125,6 +148,8 @@ class LostBook:
     def peer_lost(self, peer_id: int) -> None:
         """``peer_id`` left this master (back, it re-registers and reports again)."""
         self._seen.pop(peer_id, None)
+        for rec in self._lost.values():
+            rec.live.discard(peer_id)
 
 
 __all__ = ["REASON", "SYNC_VOTED", "Key", "LostBook"]

@@ -75,6 +75,7 @@ class MasterServer:
         self.transport: Transport = inner
         self.state = MasterState(clock=time.perf_counter, quorum=self.config.quorum,
                                  rebuild_grace=self.config.rebuild_grace,
+                                 rejoin_grace=self.config.rejoin_grace,
                                  go_delay=self.config.speculative_go_delay)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
@@ -84,6 +85,7 @@ class MasterServer:
         grace = self.config.deadlock_grace
         self.deadlocks = DeadlockWatch(grace) if grace is not None else None
         self._deadlock_deadline: float | None = None
+        self._rejoin_deadline: float | None = None
         self._wake_monitor: trio.Event | None = None
         self._wake_go = trio.Event()  # set when a held-back tableless commence is first due
         self.status: StatusService | None = None  # observes the master once it serves
@@ -208,7 +210,8 @@ class MasterServer:
             with trio.CancelScope(shield=True):
                 await ms.aclose()
             if not stopping:
-                self._execute(self.state.peer_lost(pid, "left (connection closed)", trio.current_time()))
+                self._execute(self.state.peer_lost(pid, "left (connection closed)", trio.current_time(),
+                                                   broken=True))
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
@@ -288,8 +291,13 @@ class MasterServer:
             # Operations in doubt after a master's loss wait at most a heartbeat timeout for the
             # participants to come back (pccl/master/doubt.py).
             self._execute(self.state.doubts_overdue(now, timeout))
+            # A member whose connection broke holds the votes for at most rejoin_grace.
+            self._execute(self.state.rejoin_overdue(now))
+            rd = self.state.rejoin_deadline()
             seen = [p.last_seen for p in self.state.peers.values()]
             deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
+            if rd is not None:
+                deadline = min(deadline, rd)
             dd_doubt = self.state.doubt_deadline(timeout)
             if dd_doubt is not None:
                 deadline = min(deadline, dd_doubt)
@@ -427,6 +435,11 @@ class MasterServer:
                 self._deadlock_deadline = deadline
                 if deadline is not None and self._wake_monitor is not None:
                     self._wake_monitor.set()
+        rejoin = self.state.rejoin_deadline()
+        if rejoin != self._rejoin_deadline:
+            self._rejoin_deadline = rejoin  # a member's hold started or ended: the monitor ends it on time
+            if rejoin is not None and self._wake_monitor is not None:
+                self._wake_monitor.set()
         if self.state.go_waiting and not self._wake_go.is_set():
             self._wake_go.set()
         job = self.state.take_improvement_job()

@@ -23,14 +23,16 @@ import math
 import secrets
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._errors import Result
 from ..wire import limits as _limits
 from ..wire import messages as m
 from ..wire.credentials import CredentialIssuer, check_public_key
+from . import away as _away
 from . import election as _election
+from .away import AwayBook
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 from .doubt import Decision, DoubtBook
 from .lost import REASON as LOST_REASON
@@ -132,6 +134,8 @@ class _TopologyRound:
     measuring: set[int] = field(default_factory=set)
     establishing: bool = False
     establish_started: float = 0.0  # ``now`` when EstablishP2P went out (the P2P setup deadline's start)
+    # the members' epoch while the round sets up (they move at its TopologyResult; -1: not set up yet)
+    from_epoch: int = -1
 
 
 @dataclass
@@ -226,6 +230,9 @@ class _Rebuild:
         return len(self.returned & set(self.expected)) >= self.quorum
 
 
+#: The key of the (ring-wide) topology round in :class:`~pccl.master.away.AwayBook`.
+_TOPOLOGY_KEY = ("topology", -1, -1)
+
 #: op_seq and sync_seq values of master generation g start at ``g << _SEQ_SHIFT``: a restarted master
 #: never hands out a sequence number a peer saw from an older generation (stale stashed frames); data
 #: frames carry op_seq as a u32, so this leaves 2**24 operations per generation, 255 generations.
@@ -286,6 +293,7 @@ class MasterState:
         rebuild_grace: float = 0.0,
         credential_root: bytes | None = None,
         quorum: str = "auto",
+        rejoin_grace: float = 0.0,
         go_delay: float = 0.0,
     ) -> None:
         if quorum not in ("auto", "on", "off"):
@@ -339,6 +347,12 @@ class MasterState:
         # Operations a member reported failed at the master's loss (pccl/master/lost.py): every other
         # member's vote for one fails once, so all of them fail it alike.
         self.lost = LostBook()
+        # Members whose connection to this (live) master broke: every vote waits for them to
+        # re-register, for at most ``rejoin_grace`` seconds (pccl/master/away.py; 0: no hold); and
+        # where their group's vote rounds stood when each member was dropped.
+        self.away = AwayBook()
+        self.rejoin_grace = rejoin_grace
+        self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
         # Membership rounds in doubt (pccl/master/rounds.py): topology and are_peers_pending rounds the
         # master's loss split; every vote waits while one is undecided. The count of are_peers_pending
         # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
@@ -499,8 +513,9 @@ class MasterState:
         """False while the master is *held* (no vote completes): rebuilding without a majority of the
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
         a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
-        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py)."""
-        return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided
+        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py); or while a
+        member whose connection broke may still re-register (pccl/master/away.py)."""
+        return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided and not self.away
 
     @property
     def _quorum_ok(self) -> bool:
@@ -678,9 +693,16 @@ class MasterState:
         return [Send(p, full) for p in self.ring]
 
     def _counted_pending(self) -> int:
-        """are_peers_pending rounds completed at the current epoch (members count them alike)."""
+        """are_peers_pending rounds completed at the members' epoch (members count them alike)."""
         epoch, count = self._pending_count
-        return count if epoch == self.epoch else 0
+        return count if epoch == self._pending_epoch() else 0
+
+    def _pending_epoch(self) -> int:
+        """The epoch the members count are_peers_pending answers at: the master's, except while a
+        topology round sets up (the master moved to its epoch at the EstablishP2P, the members move at
+        its TopologyResult, and an answer sent before that one reaches them at their old epoch)."""
+        rnd = self._topology
+        return rnd.from_epoch if rnd is not None and rnd.establishing and rnd.from_epoch >= 0 else self.epoch
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
@@ -890,7 +912,7 @@ class MasterState:
             return effects  # the kicks started something else (world of one): nothing to re-run
         members = [p for p in rnd.members if p in self.peers]
         newcomers = rnd.newcomers & set(members)
-        retry = _TopologyRound(kind=rnd.kind, votes=set(self.ring))
+        retry = _TopologyRound(kind=rnd.kind, votes=set(self.ring), from_epoch=rnd.from_epoch)
         self._topology = retry
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self._start_establish(retry, members, newcomers)
@@ -950,17 +972,45 @@ class MasterState:
             effects += self.kick(p, reason)
         return effects
 
-    def peer_lost(self, peer_id: int, reason: str, now: float | None = None) -> list[Effect]:
+    def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
+                  broken: bool = False) -> list[Effect]:
         """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored.
 
-        ``now`` (optional): when; it starts the hold clock if the loss costs the quorum."""
+        Args:
+            now: when (optional); it starts the hold clock if the loss costs the quorum.
+            broken: the connection itself closed (not an eviction): an accepted member may be back
+                in a moment (its link broke, the peer lives), so every vote waits up to
+                ``rejoin_grace`` for its re-registration (pccl/master/away.py).
+        """
         if now is not None:
             self._now = now
         rec = self.peers.get(peer_id)
         if rec is None:
             return []
         effects: list[Effect] = [Event(f"peer {peer_id} ({rec.host}) {reason}")]
+        if broken and rec.phase is Phase.ACCEPTED and self.away.left(peer_id, self._now, self.rejoin_grace):
+            effects.append(Event(f"votes wait up to {self.rejoin_grace:g}s for peer {peer_id} to come back"))
         effects += self._remove(peer_id)
+        return effects
+
+    def rejoin_deadline(self) -> float | None:
+        """When the earliest hold for a member whose connection broke runs out (see
+        :meth:`rejoin_overdue`)."""
+        return self.away.deadline()
+
+    def rejoin_overdue(self, now: float) -> list[Effect]:
+        """End the holds whose ``rejoin_grace`` ran out: those members are absent, and the votes go on
+        without them (one that comes back later finds its group gone on: refused, join again)."""
+        self._now = now
+        gone = self.away.overdue(now)
+        if not gone:
+            return []
+        effects: list[Effect] = [Event(f"peer(s) {gone} did not re-register within {self.rejoin_grace:g}s: "
+                                       "the votes go on without them")]
+        if self.resumed:
+            effects += self._recheck_votes()
+            if not self.ring:
+                effects += self._accept_first_if_alone()
         return effects
 
     def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]:
@@ -968,7 +1018,11 @@ class MasterState:
         if peer_id not in self.peers:
             return []
         effects: list[Effect] = [Kick(peer_id, reason, int(code)), Event(f"peer {peer_id} kicked: {reason}")]
+        # A member refused for good (KICKED) will not come back: its place is not held any more.
+        unheld = code is Result.KICKED and self.away.back(peer_id)
         effects += self._remove(peer_id)
+        if unheld and self.resumed:
+            effects += self._recheck_votes()
         return effects
 
     def _remove(self, peer_id: int) -> list[Effect]:
@@ -980,9 +1034,11 @@ class MasterState:
         self.lost.peer_lost(peer_id)
         if was_accepted:
             self.doubts.dropped(peer_id, rec.group)
+            self.away.dropped(peer_id, rec.group, self._rounds_of(rec.group))
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
         self._pending_votes.discard(peer_id)
+        self._topology_owed.discard(peer_id)
         self._sync_rows.pop(peer_id, None)
         revoked: list[Effect] = []
         voided = self._reserved.pop(rec.group, {}) if was_accepted else {}
@@ -1121,18 +1177,28 @@ class MasterState:
                 rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
                              "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
         rb0 = self.rebuild
-        if rb0 is not None and rb0.generations and msg.generation < max(rb0.generations.values()):
+        gen = msg.generation
+        if rb0 is not None and rec.peer_id in rb0.generations:
+            # Back once already during this rebuild, and it left since: this report replaces that one.
+            # If this master took it back, the generation it reports is this master's own, not a newer
+            # master's: it counts as the one it had followed then.
+            before = rb0.generations.pop(rec.peer_id)
+            rb0.epochs.pop(rec.peer_id, None)
+            rb0.returned.discard(rec.peer_id)
+            if gen == self.generation:
+                gen = before
+        if rb0 is not None and rb0.generations and gen < max(rb0.generations.values()):
             # It missed a master the others followed: the run went on there without it (final).
             return effects + self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
                                                     f"the run went on at generation "
                                                     f"{max(rb0.generations.values())} without it: join again",
                                        Result.KICKED)
-        if rb0 is not None and rb0.generations and msg.generation > max(rb0.generations.values()):
+        if rb0 is not None and rb0.generations and gen > max(rb0.generations.values()):
             # Rebuilding from members that had missed a newer master: this one followed it. Those
             # were away while the run went on at the newer master: they must join again (final), and
             # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
-            effects += self._newer_generation(msg.generation)
-        elif msg.generation > self.generation and (self.ring or self.rebuild is not None):
+            effects += self._newer_generation(gen)
+        elif gen > self.generation and (self.ring or self.rebuild is not None):
             return effects + self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
                                                     f"than the peer's (generation {msg.generation})",
                                        Result.MASTER_CONNECTION_FAILED)
@@ -1145,7 +1211,10 @@ class MasterState:
         # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
         # failed by the loss after its EstablishP2P): docs/concepts.md "Rounds in doubt".
         at = reported_epoch(msg)
-        if not self.ring and self.rebuild is None and self._topology is None:
+        # (A master that lost every member's link while it lived is not a restarted one: a member it
+        # dropped that followed it last is taken back by the live rules, no rebuild.)
+        own = not self._fresh and msg.generation == self.generation and self.doubts.was_dropped(msg.peer_id)
+        if not self.ring and self.rebuild is None and self._topology is None and not own:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
             self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
@@ -1188,6 +1257,11 @@ class MasterState:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = f"re-registered with epoch {at}, the run is at epoch {rb.epoch}: join again"
                 return effects + self.kick(rec.peer_id, why, Result.KICKED)
+        elif self._runs_without(msg.peer_id, msg.peer_group):
+            # An operation its group started after dropping it may still complete (then the group went
+            # on without it) or fail (then it is taken back): it tries again once that is decided.
+            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
+                                                    "this peer: retry later", Result.MASTER_CONNECTION_FAILED)
         elif at != self.epoch and set(self.ring) & set(msg.ring):
             # KICKED (final): the run this master serves (members the peer knows) moved to another
             # epoch without it. (A master now serving another run refuses it with the retryable code
@@ -1228,6 +1302,7 @@ class MasterState:
         if msg.revision >= 0:
             self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
         rec.phase = Phase.ACCEPTED
+        was_away = self.away.back(rec.peer_id)
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
         rec.public_key = msg.public_key
@@ -1246,22 +1321,79 @@ class MasterState:
         was = self.doubts.undecided
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
         effects += self._execute_decisions(decisions, was)
-        effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome))
-        if len(msg.pending) == 4 and msg.pending[0] == self.epoch:
+        # At a live master, the members that never left vote next for what the returning one reports
+        # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
+        live = [p for p in self.accepted(msg.peer_group) if p != rec.peer_id]
+        effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome,
+                                                    live=live, kept=lambda k: self._kept(rec.peer_id, k)))
+        if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
+            effects += self._fail_lost_topology(rec.peer_id, [p for p in self.ring if p != rec.peer_id])
+        was_dropped = self.away.forget(rec.peer_id)
+        pend = msg.pending
+        if len(pend) == 4 and pend[0] == self._pending_epoch():
             # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
             # count the members back report (docs/concepts.md "Rounds in doubt").
-            self._pending_count = (self.epoch, max(self._counted_pending(), msg.pending[1]))
+            if rb is None and pend[2] and pend[1] == self._counted_pending() and was_dropped:
+                # At a live master: it waits in the round still open here (its link broke while it
+                # voted): its vote counts again at once (docs/concepts.md "A member's link breaks").
+                self._pending_votes.add(rec.peer_id)
+                msg = replace(msg, pending=[])
+                effects += self._check_pending_vote()
+            else:
+                self._pending_count = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
         expected = set(rb.expected) if rb is not None else set(self.base)
         effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
             rb.returned.add(rec.peer_id)
-            rb.generations[rec.peer_id] = msg.generation
+            rb.generations[rec.peer_id] = gen
             rb.epochs[rec.peer_id] = at
             if rb.reached:
                 self.rebuild = None
                 effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
                                      "re-registered: resuming"))
+        if was_away and self.resumed:
+            effects += self._recheck_votes()  # the last member the votes waited for is back
         return effects + self._note_quorum()
+
+    def _runs_without(self, peer_id: int, group: int) -> bool:
+        """True when ``group`` runs a collective or sync, or a topology round sets up, without member
+        ``peer_id``, which this (live) master dropped: its outcome decides whether to take it back."""
+        if not self.doubts.was_dropped(peer_id):
+            return False
+        if any(op.running and g == group for (g, _), op in self._ops.items()):
+            return True
+        sync = self._syncs.get(group)
+        topology = self._topology
+        return (sync is not None and sync.running) or (topology is not None and topology.establishing)
+
+    def _round_state(self, key: tuple[str, int, int]) -> str:
+        """The vote round of ``key`` now: none, open (votes, not started) or running."""
+        kind, group, tag = key
+        if kind == "topology":
+            topology = self._topology
+            if topology is None:
+                return _away.NONE
+            voting = topology.epoch < 0 and not topology.measuring and not topology.measure_rounds
+            return _away.OPEN if voting else _away.RUNNING
+        rnd: _CollectiveOp | _SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
+            else self._syncs.get(group)
+        return _away.NONE if rnd is None else _away.RUNNING if rnd.running else _away.OPEN
+
+    def _kept(self, peer_id: int, key: tuple[str, int, int]) -> bool | None:
+        """Whether the others still vote for the call of ``key`` that ``peer_id`` abandoned (see
+        :meth:`AwayBook.kept_votes`)."""
+        return self.away.kept_votes(peer_id, key, self._round_state(key))
+
+    def _rounds_of(self, group: int) -> dict[tuple[str, int, int], str]:
+        """``group``'s collective and sync rounds now, by key (open or running)."""
+        rounds = {("op", g, t): _away.RUNNING if op.running else _away.OPEN
+                  for (g, t), op in self._ops.items() if g == group}
+        sync = self._syncs.get(group)
+        if sync is not None:
+            rounds[("sync", group, -1)] = _away.RUNNING if sync.running else _away.OPEN
+        if self._topology is not None:
+            rounds[_TOPOLOGY_KEY] = self._round_state(_TOPOLOGY_KEY)
+        return rounds
 
     def _issue_on_return(self, peer_id: int) -> list[Effect]:
         """The P2P credentials after ``peer_id``'s ``Reregistered``, O(n).
@@ -1381,7 +1513,7 @@ class MasterState:
         pending = bool(self.registered())
         voters = [p for p in self.ring if p in self._pending_votes]
         self._pending_votes.clear()
-        self._pending_count = (self.epoch, self._counted_pending() + 1)
+        self._pending_count = (self._pending_epoch(), self._counted_pending() + 1)
         self.rounds.answered(self._pending_count, pending)
         return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
 
@@ -1395,15 +1527,42 @@ class MasterState:
         bad = self._require_accepted(rec, f"{kind} topology vote")
         if bad is not None:
             return bad
+        if rec.peer_id in self._topology_owed:
+            # Another member's topology call failed when its link to this master broke: this member's
+            # call of that round fails too, once (docs/concepts.md "A member's link breaks").
+            self._topology_owed.discard(rec.peer_id)
+            return [Send(rec.peer_id, self._lost_topology_result(kind))]
         rnd = self._topology
         if rnd is None:
             rnd = self._topology = _TopologyRound(kind=kind, opened=self._now)
+            self.away.opened(_TOPOLOGY_KEY)
         elif rnd.kind != kind:
             return self.kick(rec.peer_id, f"{kind}_topology while the others run {rnd.kind}_topology")
         if rec.peer_id in rnd.votes or rnd.epoch >= 0 or rnd.measure_rounds or rnd.measuring:
             return self.kick(rec.peer_id, f"duplicate {kind} topology vote")
         rnd.votes.add(rec.peer_id)
         return self._check_topology_vote()
+
+    def _lost_topology_result(self, kind: str) -> m.TopologyResult:
+        code = Result.UPDATE_TOPOLOGY_FAILED if kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
+        return m.TopologyResult(success=False, epoch=self.epoch, peers=self.table(self.ring),
+                                reason=LOST_REASON, code=int(code))
+
+    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
+        """Member ``peer_id`` re-registered at this live master reporting the topology call its broken
+        link failed: the others' calls of that round fail too, once each (the votes waiting here now,
+        the others' next topology vote), unless that round ended for everybody since its drop."""
+        if not self._kept(peer_id, _TOPOLOGY_KEY):
+            return []
+        rnd = self._topology
+        failed: list[Effect] = []
+        if rnd is not None and rnd.votes and rnd.epoch < 0 and not rnd.measuring and not rnd.measure_rounds:
+            result = self._lost_topology_result(rnd.kind)
+            failed = [Send(p, result) for p in sorted(rnd.votes)]
+            self._topology = None
+        voted = {e.peer_id for e in failed if isinstance(e, Send)}
+        self._topology_owed |= {p for p in others if p not in voted}
+        return failed
 
     def _check_topology_vote(self) -> list[Effect]:
         rnd = self._topology
@@ -1424,6 +1583,8 @@ class MasterState:
         return self._next_measure_round(rnd)
 
     def _start_establish(self, rnd: _TopologyRound, members: list[int], newcomers: set[int]) -> list[Effect]:
+        if rnd.from_epoch < 0:
+            rnd.from_epoch = self.epoch
         self.epoch += 1
         rnd.epoch = self.epoch
         rnd.members = list(members)
@@ -1513,6 +1674,10 @@ class MasterState:
             self.rounds.settle(rnd.epoch, False)
             return effects
         self.rounds.settle(rnd.epoch, True)
+        self._topology_owed.clear()
+        for group in {self.peers[p].group for p in rnd.members if p in self.peers}:
+            # Its members went on: one dropped before it is refused when it comes back (moved_on).
+            self.doubts.progressed(group)
         self.ring = list(rnd.members)
         self.base = list(self.ring)
         self._fresh = False
@@ -1690,6 +1855,7 @@ class MasterState:
         op = self._ops.get(key)
         if op is None:
             op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
+            self.away.opened(("op", rec.group, msg.tag))
         if rec.peer_id in op.votes or rec.peer_id in op.participant_set:
             # The running op is unaffected; only this call is refused.
             where = "in this group"
@@ -2051,6 +2217,7 @@ class MasterState:
         rnd = self._syncs.get(rec.group)
         if rnd is None:
             rnd = self._syncs[rec.group] = _SyncRound(group=rec.group, opened=self._now)
+            self.away.opened(("sync", rec.group, -1))
         rnd.votes[rec.peer_id] = vote
         return self._check_sync_vote(rec.group)
 

@@ -837,7 +837,14 @@ class Communicator:
         self._pending_waiters.append(waiter)
         self._core.begin_pending()
         try:
-            await self._send(m.PeersPendingVote())
+            try:
+                await self._send(m.PeersPendingVote())
+            except RankConnectionLostError:
+                if not self._core.reconnecting:
+                    raise
+                # The link broke as the vote went out: it waits like a vote that went out. The
+                # re-registration reports it waiting, and the master it reconnects to counts it
+                # (docs/concepts.md "A member's link breaks", "Rounds in doubt").
             return (await waiter.wait()).pending
         finally:
             self._core.end_pending()

@@ -440,6 +440,20 @@ class TestCluster:
         else:
             net.heal(ha, self.host(b))
 
+    def cut_master_link(self, index: int) -> int:
+        """Reset peer ``index``'s connection to the master now (both ends fail at once, as when a
+        middlebox drops it); the master and the peer stay up, so a peer with a ``reconnect_window``
+        re-registers with the same, live master (docs/concepts.md "A member's link breaks").
+
+        Returns:
+            How many connections were reset (0: the peer held none to the master at that instant).
+
+        Raises:
+            UnsupportedFault: the cluster runs over TCP.
+        """
+        net = self._require_network("cut_master_link()")
+        return net.reset(self.host(index), self.host(MASTER))
+
     def kill_master(self) -> None:
         """Crash the master's host (over TCP: cancel the master, closing its connections). Idempotent."""
         if self._master_down:

@@ -1022,6 +1022,23 @@ class VirtualNetwork:
         """Whether traffic a -> b is currently blocked."""
         return (self._name(a), self._name(b)) in self._blocked
 
+    def reset(self, a: HostRef, b: HostRef) -> int:
+        """Reset every connection between hosts ``a`` and ``b`` now, as a middlebox that drops its
+        state would: both ends fail at once (pending and later operations raise StreamBroken), data
+        still in flight between them is lost, and both hosts stay up (new connects work).
+
+        Returns:
+            How many connections were reset.
+        """
+        ha, hb = self._incarnation(a), self._incarnation(b)
+        conns = {end._conn.id: end._conn for end in list(ha._ends)
+                 if (end._conn.b if end._conn.a is end else end._conn.a)._host is hb}
+        for conn in conns.values():
+            self._kill_end(conn.a, "connection reset by the network", _RST)
+            self._kill_end(conn.b, "connection reset by the network", _RST)
+        self._topology.fire()
+        return len(conns)
+
     def hang(self, host: HostRef) -> None:
         """Freeze a host's application: its I/O calls block until :meth:`unhang`.
 

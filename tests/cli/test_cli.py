@@ -179,6 +179,16 @@ def test_quorum_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert line.startswith("pccl-master: error: argument --quorum: invalid choice")
 
 
+def test_rejoin_grace_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl.cli import _master_config, _master_parser
+
+    assert _master_config(_master_parser().parse_args(["--rejoin-grace", "1.5"])).rejoin_grace == 1.5
+    assert _master_config(_master_parser().parse_args([])).rejoin_grace == 0.0  # off by default
+    assert master_main(["--rejoin-grace", "-1"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.startswith("pccl-master: error:") and "rejoin" in line
+
+
 def test_speculative_go_delay_option(capsys: pytest.CaptureFixture[str]) -> None:
     from pccl.cli import _master_config, _master_parser
 

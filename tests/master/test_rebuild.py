@@ -209,3 +209,23 @@ def test_a_member_of_another_group_gets_credentials_for_its_own_groups_ring_whoe
         got = dict(sends(eff, m.P2PCredentials))
         assert [row.peer_id for row in got[1].keys] == [late]  # 1 learns the key of each one back after it
         assert {row.peer_id for row in got[late].keys} >= {1, 5}
+
+
+def test_a_member_taken_back_during_the_rebuild_that_leaves_and_returns_is_taken_back_again() -> None:
+    """Found by tests/integration/test_live_master_link.py (links reset at random): a member back during
+    the rebuild (generation 1, taken back into this master's generation 2) loses its link before a
+    majority is back and re-registers reporting generation 2, this master's own. That is not a newer
+    master: before, the rebuild moved on to generation 3, refused the members back so far as having
+    missed it, and the master crashed (KeyError) refusing the member's own earlier entry."""
+    ring = [1, 2, 3, 4, 5]
+    st = MasterState()
+    rereg(st, 1, ring=ring)
+    rereg(st, 2, ring=ring)
+    assert st.generation == 2 and st.statistics()["rebuilding"]  # 2 of 5: no majority yet
+    st.peer_lost(1, "left (connection closed)", 0.0, broken=True)
+    _, eff = rereg(st, 1, ring=ring, generation=2)
+    assert not kicks(eff) and st.generation == 2
+    (who, ok), = sends(eff, m.Reregistered)
+    assert who == 1 and ok.generation == 2
+    _, eff = rereg(st, 3, ring=ring)  # the majority: the rebuild ends with the three of them
+    assert not kicks(eff) and not st.statistics()["rebuilding"] and sorted(st.accepted()) == [1, 2, 3]

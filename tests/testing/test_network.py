@@ -404,6 +404,34 @@ async def test_crash_breaks_both_ends(autojump_clock: trio.testing.MockClock) ->
     assert await recv_exactly(s2, 2) == b"ok"
 
 
+async def test_reset_breaks_the_connections_between_two_hosts_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = VirtualNetwork(latency=0.02)
+    c, s = await open_pair(net, "a", "b")
+    c2, s2 = await open_pair(net, "a", "c", port=6000)
+    await c.send_all(b"lost in flight")
+    async with trio.open_nursery() as nursery:
+
+        async def expect_broken(fn: object) -> None:
+            with pytest.raises(StreamBroken):
+                await fn()  # type: ignore[operator]
+
+        nursery.start_soon(expect_broken, s.receive_some)  # a pending receive fails at once
+        await trio.sleep(0)
+        assert net.reset("a", "b") == 1
+    for end in (c, s):
+        with pytest.raises(StreamBroken):
+            await end.send_all(b"x")
+    # Both hosts stay up: the other connection works, and so does a new one between them.
+    await c2.send_all(b"still here")
+    assert await recv_exactly(s2, 10) == b"still here"
+    c3, s3 = await open_pair(net, "a", "b", port=7000)
+    await c3.send_all(b"again")
+    assert await recv_exactly(s3, 5) == b"again"
+    assert net.reset("b", "c") == 0
+
+
 async def test_crash_reset_reaches_a_pending_remote_receive(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
