@@ -1998,26 +1998,24 @@ class MasterState:
             # needs none, its Complete or Abort follows; a longer one gets it from go_overdue().
             go = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=[])
             late = [p for p in voters if p not in op.proposals]
-            table = self.table(voters) if late else []
+            table = (m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=self.table(voters)) if late
+                     else go)  # the late voters' commence, with the table (one object for all of them)
             held = self.go_delay > 0
             if held:
                 op.go_to = [p for p in voters if p in op.proposals]
                 self._go_due[key] = (self._now + self.go_delay, op.op_seq)
             return [
                 FastStart(op.group, op.tag, op.op_seq),
-                *(Send(p, go if p in op.proposals else
-                       m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters
+                *(Send(p, go if p in op.proposals else table) for p in voters
                   if not (held and p in op.proposals)),
                 *self._check_op_done(key),
             ]
         self._op_seq += 1
         op.op_seq = self._op_seq
         op.done = set()
-        table = self.table(voters)
-        return [
-            Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table, forget=forget))
-            for p in voters
-        ]
+        # one object for every voter: the server's streams encode its n-row table once (SHARED)
+        commence = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=self.table(voters), forget=forget)
+        return [Send(p, commence) for p in voters]
 
     def _why_not_fast(self, res: _Reservation | None, voters: list[int], proposals: dict[int, int]) -> str:
         """Why the voters' speculative start does not hold (for the abort's reason)."""
@@ -2109,11 +2107,8 @@ class MasterState:
             self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
             self.lost.settled(("op", op.group, op.tag))
             self.doubts.progressed(op.group)
-            nxt = self._reserve(op)
-            return [
-                Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=nxt))
-                for p in op.participants
-            ]
+            complete = m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=self._reserve(op))
+            return [Send(p, complete) for p in op.participants]  # one object: encoded once (SHARED)
         return []
 
     def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:

@@ -655,6 +655,8 @@ class CollectiveCommence(Message):
     or withdrawn meanwhile, whose frames the receivers drop.
     """
 
+    SHARED: ClassVar[bool] = True  # one object per round, sent to every voter: encoded once (wire.stream)
+
     tag: int
     op_seq: int
     peers: list[PeerRow]
@@ -670,6 +672,8 @@ class CollectiveComplete(Message):
     none); while the epoch and the group stay as they are, every participant starts it under that
     number on its own vote (the speculative start, docs/protocol.md section 4).
     """
+
+    SHARED: ClassVar[bool] = True  # one object per operation, sent to every participant: encoded once
 
     tag: int
     op_seq: int
