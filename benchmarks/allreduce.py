@@ -28,7 +28,7 @@ handshake, no TLS: it runs only at connection set-up, so once connected it shoul
 ``pccl.testing.tls``, which needs ``trustme``). The table gives the median over the rounds and the ratios.
 
 usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
-                                      [--schedule auto|ring|hd|tree]
+                                      [--schedule auto|ring|hd|tree] [--master-arg ARG ...]
        python benchmarks/allreduce.py --tls [--rounds 3] [--sizes 64K,1M,16M,64M] [--iters 20]
 """
 
@@ -141,7 +141,7 @@ def child_main(cfg: dict[str, Any]) -> int:
 async def run_ours(world: int, sizes: list[int], args: argparse.Namespace,
                    setting: Setting | None = None) -> dict[int, float]:
     script = Path(__file__).resolve()
-    setting = setting or Setting("plain")
+    setting = setting or Setting("plain", master_argv=list(args.master_arg or []))
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         master = await cluster.start_master(extra=setting.master_argv)
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
@@ -362,6 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: all-reduce torch CUDA tensors on both sides (needs a GPU)")
     p.add_argument("--keep-logs", action="store_true")
+    p.add_argument("--master-arg", action="append", metavar="ARG",
+                   help="an extra pccl-master argument for our side, repeated per word "
+                        "(--master-arg=--speculative-go-delay --master-arg=0)")
     p.add_argument("--samples", action="store_true",
                    help="also print every rank's distribution of our per-call times, its CPU time per "
                         "call and the median of each phase (statistics()[\"last_op_phases\"])")

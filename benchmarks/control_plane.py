@@ -18,12 +18,13 @@ the way the server would, and times (``time.process_time``, CPU of this process)
 * collective: one collective's vote round (``n`` ``CollectiveInitiate``) and its completion
   (``n`` ``CollectiveDone``);
 * +encode: the same collective round with every message the master sends encoded as the server
-  would (``wire.messages.encode``): on this slow path the ``n`` ``CollectiveCommence`` each carry the
-  ``n``-row peer table, O(n^2) bytes per round;
+  would (``wire.stream.encode_message``): on this slow path the ``n`` ``CollectiveCommence`` each carry
+  the ``n``-row peer table, O(n^2) bytes per round, but they are one shared object, encoded once;
 * fast / fast+encode: a collective round on the speculative start (issue 21 item 3: every peer votes
   with the op_seq the tag's last ``CollectiveComplete`` reserved): no table is sent, the master answers
-  each peer with a tableless ``CollectiveCommence`` (off the peers' critical path) and the
-  ``CollectiveComplete``, O(n) bytes per round.
+  each peer with the ``CollectiveComplete`` (and, for an operation still running after
+  ``MasterConfig.speculative_go_delay``, a tableless ``CollectiveCommence``; this pure-core round sends
+  it at once), O(n) bytes per round.
 
 It prints the median over ``--repeats`` rounds and the cost per message; O(n) rounds keep the cost
 per message flat as ``n`` grows. Target (issue 21): one vote round at 256 peers <= 50 ms.

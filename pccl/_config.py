@@ -104,6 +104,13 @@ class MasterConfig:
         tls_key: PEM private key of ``tls_cert``.
         tls_ca: PEM CA certificates; when given, every connection must present a client certificate
             signed by one of them (mutual TLS). Needs ``tls_cert``.
+        speculative_go_delay: seconds the master holds back the tableless ``CollectiveCommence`` of
+            a speculatively started collective (docs/protocol.md section 4). That message only starts
+            the participants' stall clocks (``PeerConfig.p2p_stall_timeout``); an operation that
+            completes or aborts within this delay, every small one, gets its ``CollectiveComplete``
+            or ``CollectiveAbort`` alone: one message per peer and operation instead of two. The
+            cost: a stalled speculative data plane is noticed up to this much later. 0: send it as
+            soon as the vote completes. Default 0.01 s.
     """
 
     heartbeat_interval: float = 0.5
@@ -126,8 +133,11 @@ class MasterConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     tls_ca: str | None = None
+    speculative_go_delay: float = 0.01
 
     def __post_init__(self) -> None:
+        if self.speculative_go_delay < 0:
+            raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
         if self.rebuild_grace < 0:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
         if self.rebuild_quiet is not None and self.rebuild_quiet <= 0:

@@ -73,6 +73,10 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--quorum-hold-timeout", type=seconds, default=defaults.quorum_hold_timeout,
                    help="seconds a master without its quorum holds votes before it tells its peers to look "
                         f"for a newer master (default {defaults.quorum_hold_timeout:g})")
+    p.add_argument("--speculative-go-delay", type=seconds, default=defaults.speculative_go_delay,
+                   help="hold the 'everyone voted' message of a speculatively started collective back this "
+                        "long; an operation that ends sooner gets only its completion (0: at once; "
+                        f"default {defaults.speculative_go_delay:g}; docs/protocol.md section 4)")
     p.add_argument("--secret", default=None,
                    help="shared secret peers must know (optional; visible in the process list: "
                         "prefer --secret-file or $PCCL_SECRET)")
@@ -109,6 +113,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             rejoin_grace=args.rejoin_grace,
             quorum=args.quorum,
             quorum_hold_timeout=args.quorum_hold_timeout,
+            speculative_go_delay=args.speculative_go_delay,
             secret=secret,
             status_port=args.status_port,
             status_host=args.status_host,

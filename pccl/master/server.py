@@ -77,7 +77,8 @@ class MasterServer:
                                  rebuild_grace=self.config.rebuild_grace,
                                  rebuild_quiet=self.config.rebuild_quiet,
                                  failover_quiet=self.config.heartbeat_interval + RECONNECT_BACKOFF_MAX,
-                                 rejoin_grace=self.config.rejoin_grace)
+                                 rejoin_grace=self.config.rejoin_grace,
+                                 go_delay=self.config.speculative_go_delay)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
@@ -88,6 +89,7 @@ class MasterServer:
         self._deadlock_deadline: float | None = None
         self._rejoin_deadline: float | None = None
         self._wake_monitor: trio.Event | None = None
+        self._wake_go = trio.Event()  # set when a held-back tableless commence is first due
         self.status: StatusService | None = None  # observes the master once it serves
         self.status_address: Address | None = None  # where /status is served (status_port set)
         self.gate = HandshakeGate()  # the cap on connections in their hello (docs/security.md)
@@ -123,6 +125,8 @@ class MasterServer:
                 if http is not None:
                     nursery.start_soon(serve_http, http, self._route)
                 nursery.start_soon(self._monitor)
+                if self.config.speculative_go_delay > 0:
+                    nursery.start_soon(self._speculative_go)
                 task_status.started(listener.address)
                 try:
                     await accept_loop(listener, nursery, self._connection, gate=self.gate, log=log,
@@ -332,6 +336,19 @@ class MasterServer:
                 await self._wake_monitor.wait()
             self._wake_monitor = trio.Event()
 
+    async def _speculative_go(self) -> None:
+        """Send the tableless commences the state held back (MasterConfig.speculative_go_delay) once
+        they are due and their ops still run. Sleeps while none is held: an op that completes within
+        the delay costs this task one wake-up (at the delay's end), no message."""
+        while True:
+            due = self.state.go_deadline()
+            if due is None:
+                await self._wake_go.wait()
+                self._wake_go = trio.Event()
+                continue
+            await trio.sleep_until(due)
+            self._execute(self.state.go_overdue(trio.current_time()))
+
     def _log_stalls(self, now: float, since: dict[str, float], logged: dict[str, float]) -> None:
         """Log a warning for every vote or round that has waited on the same peers for
         ``STALL_LOG_AFTER`` seconds (and again every ``STALL_LOG_AFTER`` while it lasts)."""
@@ -425,6 +442,8 @@ class MasterServer:
             self._rejoin_deadline = rejoin  # a member's hold started or ended: the monitor ends it on time
             if rejoin is not None and self._wake_monitor is not None:
                 self._wake_monitor.set()
+        if self.state.go_waiting and not self._wake_go.is_set():
+            self._wake_go.set()
         job = self.state.take_improvement_job()
         if job is not None and self._nursery is not None:
             self._nursery.start_soon(self._improve_ring, job)

@@ -157,6 +157,8 @@ class _CollectiveOp:
     early_failed: dict[int, str] = field(default_factory=dict)  # ... or failure, with its reason
     retired: set[int] = field(default_factory=set)  # proposals of voters that withdrew or were lost
     fast: bool = False  # running under the reserved op_seq (no CollectiveCommence was sent)
+    # the speculating voters still owed the tableless commence (held back by ``go_delay``)
+    go_to: list[int] = field(default_factory=list)
 
     def proposal(self, peer_id: int) -> int:
         """The op_seq ``peer_id`` runs this op under as far as it knows (its proposal, or -1)."""
@@ -281,6 +283,10 @@ class MasterState:
             (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
             (MasterConfig.quorum; docs/concepts.md "No split brain").
+        go_delay: seconds the tableless ``CollectiveCommence`` of a speculative start is held back
+            (MasterConfig.speculative_go_delay; 0, the default here: sent with the vote's last
+            ballot). An op that completes or aborts sooner never gets it (its Complete or Abort says
+            more); the others get it from :meth:`go_overdue`.
     """
 
     def __init__(
@@ -296,6 +302,7 @@ class MasterState:
         credential_root: bytes | None = None,
         quorum: str = "auto",
         rejoin_grace: float = 0.0,
+        go_delay: float = 0.0,
     ) -> None:
         if quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
@@ -314,6 +321,10 @@ class MasterState:
         # group -> tag -> the op_seq reserved for the next op (the speculative start), oldest first
         self._reserved: dict[int, dict[int, _Reservation]] = {}
         self.fast_starts = 0  # collectives that ran on the speculative start (statistics)
+        self.go_delay = go_delay
+        # (group, tag) -> (when, op_seq): the tableless commence held back for that running op
+        self._go_due: dict[tuple[int, int], tuple[float, int]] = {}
+        self.go_held = 0  # held-back commences the op's end made unnecessary (statistics)
         self._syncs: dict[int, _SyncRound] = {}
         # Per peer: the rows of its next SharedStateSync received so far in SharedStateEntries frames
         # (the rows, then how many frames brought them); dropped with the peer or consumed by its vote.
@@ -445,6 +456,7 @@ class MasterState:
             "collectives_running": sum(1 for o in self._ops.values() if o.running),
             "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
             "collectives_fast": self.fast_starts,
+            "speculative_go_held": self.go_held,
             "reservations": sum(len(r) for r in self._reserved.values()),
             "syncs_in_progress": len(self._syncs),
             "revisions": dict(self.last_revision),
@@ -2031,23 +2043,28 @@ class MasterState:
             # Off the critical path, the speculating voters hear that everyone voted (a commence
             # without a table: their data planes already run; it starts their stall clocks); voters
             # that did not have the number get the table and run under it.
+            # With ``go_delay`` the tableless commence waits: an op that ends sooner (every small one)
+            # needs none, its Complete or Abort follows; a longer one gets it from go_overdue().
             go = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=[])
             late = [p for p in voters if p not in op.proposals]
-            table = self.table(voters) if late else []
+            table = (m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=self.table(voters)) if late
+                     else go)  # the late voters' commence, with the table (one object for all of them)
+            held = self.go_delay > 0
+            if held:
+                op.go_to = [p for p in voters if p in op.proposals]
+                self._go_due[key] = (self._now + self.go_delay, op.op_seq)
             return [
                 FastStart(op.group, op.tag, op.op_seq),
-                *(Send(p, go if p in op.proposals else
-                       m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table)) for p in voters),
+                *(Send(p, go if p in op.proposals else table) for p in voters
+                  if not (held and p in op.proposals)),
                 *self._check_op_done(key),
             ]
         self._op_seq += 1
         op.op_seq = self._op_seq
         op.done = set()
-        table = self.table(voters)
-        return [
-            Send(p, m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=table, forget=forget))
-            for p in voters
-        ]
+        # one object for every voter: the server's streams encode its n-row table once (SHARED)
+        commence = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=self.table(voters), forget=forget)
+        return [Send(p, commence) for p in voters]
 
     def _why_not_fast(self, res: _Reservation | None, voters: list[int], proposals: dict[int, int]) -> str:
         """Why the voters' speculative start does not hold (for the abort's reason)."""
@@ -2061,6 +2078,38 @@ class MasterState:
         if odd:
             return f"peer(s) {odd} started under another op_seq than the reserved {res.seq}"
         return f"a voter withdrew after starting under the reserved op_seq {res.seq}"
+
+    @property
+    def go_waiting(self) -> bool:
+        """True while a held-back tableless commence may still be due (:meth:`go_deadline`)."""
+        return bool(self._go_due)
+
+    def go_deadline(self) -> float | None:
+        """When the earliest held-back tableless commence is due (None: none is held)."""
+        return min((due for due, _ in self._go_due.values()), default=None)
+
+    def go_overdue(self, now: float) -> list[Effect]:
+        """The tableless commences held back until ``now`` (``go_delay``) for ops still running: to
+        their speculating participants whose data plane has not reported yet (it starts their stall
+        clocks). Ops that ended or were replaced meanwhile get nothing.
+
+        Returns:
+            The effects to execute.
+        """
+        self._now = now
+        effects: list[Effect] = []
+        for key, (due, seq) in list(self._go_due.items()):
+            if due > now:
+                continue
+            del self._go_due[key]
+            op = self._ops.get(key)
+            if op is None or not op.running or not op.fast or op.op_seq != seq:
+                self.go_held += 1  # it ended (aborted) meanwhile
+                continue
+            go = m.CollectiveCommence(tag=op.tag, op_seq=seq, peers=[])
+            effects += [Send(p, go) for p in op.go_to if p in op.participant_set and p not in op.done]
+            op.go_to = []
+        return effects
 
     def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveDone)
@@ -2102,14 +2151,13 @@ class MasterState:
         op = self._ops[key]
         if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
             del self._ops[key]
+            if op.go_to and self._go_due.pop(key, None) is not None:
+                self.go_held += 1
             self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
             self.lost.settled(("op", op.group, op.tag))
             self.doubts.progressed(op.group)
-            nxt = self._reserve(op)
-            return [
-                Send(p, m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=nxt))
-                for p in op.participants
-            ]
+            complete = m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=self._reserve(op))
+            return [Send(p, complete) for p in op.participants]  # one object: encoded once (SHARED)
         return []
 
     def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:

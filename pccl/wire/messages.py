@@ -81,6 +81,8 @@ class Message:
 _REGISTRY: dict[int, type[Message]] = {}
 _FIELDS: dict[type[Message], tuple[tuple[str, Any], ...]] = {}
 _OPTIONAL: dict[type[Message], tuple[Any, ...]] = {}  # defaults of the trailing optional fields
+# each field's name and parser (:func:`_parser`), in declaration order
+_PARSE_FIELDS: dict[type[Message], tuple[tuple[str, typing.Callable[[Any], Any]], ...]] = {}
 
 #: ``dataclasses.field(metadata=OPTIONAL, ...)`` marks a field added to a message after its first
 #: version: trailing optional fields at their default are not sent, and may be missing when decoding
@@ -114,6 +116,7 @@ def _fields(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
             factory = fld.default_factory
             optional.insert(0, factory() if factory is not dataclasses.MISSING else fld.default)
         _OPTIONAL[cls] = tuple(optional)
+        _PARSE_FIELDS[cls] = tuple((name, _parser(tp)) for name, tp in f)
         _FIELDS[cls] = f
     return f
 
@@ -122,65 +125,113 @@ class _Bad(Exception):
     """Internal: a value does not match its field type."""
 
 
-def _parse(value: Any, tp: Any) -> Any:
-    """``value`` checked against ``tp``, rows converted to their named tuples.
+def _parser(tp: Any) -> typing.Callable[[Any], Any]:
+    """The parser of field type ``tp``, built once per type (:data:`_PARSERS`): a function of the
+    value that returns it checked, rows converted to their named tuples, or raises :class:`_Bad`.
 
-    Raises:
-        _Bad: it does not match.
+    Decoding runs for every control message on the per-operation path (votes, reports, the master's
+    answers), so the annotations are walked once here instead of once per value.
     """
+    f = _PARSERS.get(tp)
+    if f is None:
+        f = _PARSERS[tp] = _build_parser(tp)
+    return f
+
+
+def _build_parser(tp: Any) -> typing.Callable[[Any], Any]:
     row = _row_fields(tp)
     if row is not None:
         # trailing fields with a default may be missing (rows of peers from before they were added)
         required = len(row) - len(getattr(tp, "_field_defaults", {}))
-        if not isinstance(value, (list, tuple)) or not required <= len(value) <= len(row) or not all(
-            _check(v, t) for v, t in zip(value, row[: len(value)], strict=True)
-        ):
-            raise _Bad
-        return tp(*value)
+        most = len(row)
+        checks = tuple(_checker(t) for t in row)
+
+        def parse_row(value: Any) -> Any:
+            if not isinstance(value, (list, tuple)) or not required <= len(value) <= most:
+                raise _Bad
+            for v, check in zip(value, checks, strict=False):  # (len(value) <= len(checks))
+                if not check(v):
+                    raise _Bad
+            return tp(*value)
+
+        return parse_row
     if get_origin(tp) is list:
         (arg,) = get_args(tp) or (Any,)
         if _row_fields(arg) is not None:
-            if not isinstance(value, list):
-                raise _Bad
-            return [_parse(v, arg) for v in value]
-    if not _check(value, tp):
-        raise _Bad
-    return value
+            item = _parser(arg)
+
+            def parse_rows(value: Any) -> Any:
+                if not isinstance(value, list):
+                    raise _Bad
+                return [item(v) for v in value]
+
+            return parse_rows
+    check = _checker(tp)
+
+    def parse(value: Any) -> Any:
+        if not check(value):
+            raise _Bad
+        return value
+
+    return parse
 
 
-def _check(value: Any, tp: Any) -> bool:
+_PARSERS: dict[Any, typing.Callable[[Any], Any]] = {}
+_CHECKERS: dict[Any, typing.Callable[[Any], bool]] = {}
+
+
+def _checker(tp: Any) -> typing.Callable[[Any], bool]:
+    """The type check of ``tp`` (a function of the value), built once per type."""
+    f = _CHECKERS.get(tp)
+    if f is None:
+        f = _CHECKERS[tp] = _build_checker(tp)
+    return f
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_float(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _build_checker(tp: Any) -> typing.Callable[[Any], bool]:
     if tp is Any:
-        return True
+        return lambda v: True
     origin = get_origin(tp)
     if origin is typing.Union or origin is types.UnionType:
-        return any(_check(value, a) for a in get_args(tp))
+        options = get_args(tp)
+        return lambda v: any(_checker(a)(v) for a in options)
     if tp is type(None):
-        return value is None
+        return lambda v: v is None
     if tp is bool:
-        return isinstance(value, bool)
+        return lambda v: isinstance(v, bool)
     if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+        return _is_int
     if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return _is_float
     if tp is str:
-        return isinstance(value, str)
+        return lambda v: isinstance(v, str)
     if tp is bytes:
-        return isinstance(value, bytes)
+        return lambda v: isinstance(v, bytes)
     if origin is list:
-        if not isinstance(value, list):
-            return False
         (arg,) = get_args(tp) or (Any,)
         if arg is Any:
-            return True
+            return lambda v: isinstance(v, list)
         if arg is list or (get_origin(arg) is list and get_args(arg) in ((), (Any,))):
-            return all(isinstance(v, list) for v in value)
-        return all(_check(v, arg) for v in value)
+            return lambda v: isinstance(v, list) and all(isinstance(x, list) for x in v)
+        item = _checker(arg)
+        return lambda v: isinstance(v, list) and all(item(x) for x in v)
     if origin is dict:
-        if not isinstance(value, dict):
-            return False
         ka, va = get_args(tp) or (Any, Any)
-        return all(_check(k, ka) and _check(v, va) for k, v in value.items())
-    raise TypeError(f"unsupported field type {tp!r}")  # pragma: no cover - programming error
+        kc, vc = _checker(ka), _checker(va)
+        return lambda v: isinstance(v, dict) and all(kc(k) and vc(x) for k, x in v.items())
+
+    def unsupported(v: Any) -> bool:  # pragma: no cover - programming error
+        raise TypeError(f"unsupported field type {tp!r}")
+
+    return unsupported
 
 
 def encode(msg: Message) -> bytes:
@@ -230,9 +281,9 @@ def decode(payload: bytes, *, unpack_limits: typing.Mapping[str, int] | None = N
         # message, naming both versions, rather than as a malformed frame.
         values = values[: len(fields)]
     kwargs: dict[str, Any] = {}
-    for (name, tp), value in zip(fields[: len(values)], values, strict=True):
+    for (name, parse), value in zip(_PARSE_FIELDS[cls], values, strict=False):  # (values may be fewer)
         try:
-            kwargs[name] = _parse(value, tp)
+            kwargs[name] = parse(value)
         except _Bad:
             raise RemoteProtocolError(f"{cls.__name__}.{name}: bad value {reprlib.repr(value):.80}") from None
     return cls(**kwargs)
@@ -604,6 +655,8 @@ class CollectiveCommence(Message):
     or withdrawn meanwhile, whose frames the receivers drop.
     """
 
+    SHARED: ClassVar[bool] = True  # one object per round, sent to every voter: encoded once (wire.stream)
+
     tag: int
     op_seq: int
     peers: list[PeerRow]
@@ -619,6 +672,8 @@ class CollectiveComplete(Message):
     none); while the epoch and the group stay as they are, every participant starts it under that
     number on its own vote (the speculative start, docs/protocol.md section 4).
     """
+
+    SHARED: ClassVar[bool] = True  # one object per operation, sent to every participant: encoded once
 
     tag: int
     op_seq: int

@@ -187,3 +187,14 @@ def test_rejoin_grace_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert master_main(["--rejoin-grace", "-1"]) == 2
     (line,) = _err_lines(capsys)
     assert line.startswith("pccl-master: error:") and "rejoin" in line
+
+
+def test_speculative_go_delay_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl.cli import _master_config, _master_parser
+
+    assert _master_config(_master_parser().parse_args([])).speculative_go_delay == 0.01
+    config = _master_config(_master_parser().parse_args(["--speculative-go-delay", "0"]))
+    assert config.speculative_go_delay == 0.0
+    assert master_main(["--speculative-go-delay", "-1"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.startswith("pccl-master: error: argument --speculative-go-delay: -1 must not be negative")

@@ -40,6 +40,14 @@ from pccl.wire import messages as m
 
 CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 HOLD: MasterConfig = dataclasses.replace(DEFAULT_MASTER_CONFIG, rejoin_grace=1.0)
+
+
+def master_config(point: str, hold: bool) -> MasterConfig:
+    """The master's config for a cut at ``point``: with the hold (``rejoin_grace``) or without. The cut
+    point "after_commence" of a speculative step is the tableless commence, which the master holds back
+    (``speculative_go_delay``) past the end of an operation as short as these: there it goes at once."""
+    base = HOLD if hold else DEFAULT_MASTER_CONFIG
+    return dataclasses.replace(base, speculative_go_delay=0.0) if point == "after_commence" else base
 STEPS = 5
 WORDS = 32
 CUT = 2  # the index of the member whose master link breaks
@@ -269,7 +277,7 @@ async def test_a_member_whose_master_link_breaks_fails_with_every_member(
     # speculatively under the reserved one. The master holds the votes while the member is away
     # (rejoin_grace): it re-registers within a few round trips, and every member's calls go on.
     async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG,
-                                 master_config=HOLD) as cluster:
+                                 master_config=master_config(point, hold=True)) as cluster:
         run = await train(cluster, point, cut_step)
         assert cluster.master.statistics()["accepted"] == 3
     assert_every_step_exact(run)
@@ -297,7 +305,8 @@ async def test_without_a_hold_the_group_goes_on_and_refuses_the_member_loudly(
     # No hold: the others' votes complete without the member while it reconnects. It is then refused
     # for good with a clear error (it must join again), never left in another call than theirs; the
     # others go on with exact results.
-    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG) as cluster:
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG,
+                                 master_config=master_config(point, hold=False)) as cluster:
         run = await train(cluster, point, 2)
     others = [i for i in range(3) if i != CUT]
     for i in others:

@@ -18,9 +18,13 @@ import trio.testing
 import pccl
 from pccl.peer.communicator import Communicator
 from pccl.peer.state import SPECULATIVE_MAX_BYTES
-from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.testing.cluster import TestCluster
 from pccl.wire import messages as m
+
+#: The tableless commence at once (MasterConfig.speculative_go_delay 0), for the tests that count it on
+#: ops shorter than the default delay (tests/integration/test_speculative_go.py tests the delay).
+GO_AT_ONCE = dataclasses.replace(DEFAULT_MASTER_CONFIG, speculative_go_delay=0.0)
 
 _COLLECTIVE = (m.CollectiveInitiate, m.CollectiveCommence, m.CollectiveDone, m.CollectiveComplete,
                m.CollectiveAbort)
@@ -108,7 +112,7 @@ async def test_a_steady_4k_all_reduce_costs_one_master_round_trip_instead_of_two
 async def test_a_member_leaving_during_a_speculative_op_aborts_it_buffers_intact_and_the_retry_is_exact(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with open_test_cluster(3, network=VirtualNetwork(latency=0.005)) as cl:
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.005), master_config=GO_AT_ONCE) as cl:
         bufs = fresh(3)
         await all_reduce_all(cl, bufs)  # reserves the next number of tag 1
         got = [count_received(c) for c in cl.peers]
@@ -147,7 +151,7 @@ async def test_a_member_leaving_during_a_speculative_op_aborts_it_buffers_intact
 async def test_a_newcomer_during_a_speculative_op_waits_and_its_admission_resets_to_the_slow_path(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with open_test_cluster(3, network=VirtualNetwork(latency=0.005)) as cl:
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.005), master_config=GO_AT_ONCE) as cl:
         bufs = fresh(3)
         await all_reduce_all(cl, bufs)
         got = [count_received(c) for c in cl.peers]
