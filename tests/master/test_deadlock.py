@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from test_state import Harness, sends
-
 from pccl import Result
 from pccl.master.deadlock import DeadlockWatch, find_deadlocks
 from pccl.master.describe import describe_mismatch
 from pccl.wire import messages as m
+
+from ._effects import sends
+from .test_state import Harness
 
 AR = ["all_reduce", 10, 8, 0, -1, 0, 0]  # float32 x 8, SUM
 ENTRY = [["w", 10, [8], 32, 123, False]]

@@ -11,8 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 from pccl import Result
-from pccl.master.state import Kick, MasterState, Send
+from pccl.master.state import MasterState
 from pccl.wire import messages as m
+
+from ._effects import kicks, sends
 
 RING = [1, 2, 3]
 EPOCH = 4
@@ -20,15 +22,6 @@ TAG = 7
 OP = 42  # the old master's op_seq of the split operation
 SYNC = 9  # the old master's sync_seq of a split sync
 DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
-
-
-def kicks(effects: list[Any]) -> list[Kick]:
-    return [e for e in effects if isinstance(e, Kick)]
 
 
 def rereg(st: MasterState, pid: int, now: float = 0.0, **fields: Any) -> list[Any]:

@@ -9,10 +9,12 @@ import itertools
 from typing import Any
 
 from pccl import Result
-from pccl.master.state import Kick, MasterState, Send
+from pccl.master.state import Kick, MasterState
 from pccl.wire import messages as m
 from pccl.wire.credentials import CredentialSet
 from pccl.wire.keys import KeyPair
+
+from ._effects import sends
 
 CHANNELS = ("ring", "state", "bench")
 KEYS: dict[int, KeyPair] = {}  # peer id -> its key pair (one per member process)
@@ -22,11 +24,6 @@ def key(pid: int) -> bytes:
     if pid not in KEYS:
         KEYS[pid] = KeyPair.from_private_bytes(pid.to_bytes(32, "big"))
     return KEYS[pid].public
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
 
 
 def join(st: MasterState) -> tuple[int, list[Any]]:

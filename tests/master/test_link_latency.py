@@ -7,12 +7,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from pccl.master.state import MasterState, Send
+from pccl.master.state import MasterState
 from pccl.wire import messages as m
 
-
-def _sends(effects: list[Any], cls: type) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects if isinstance(e, Send) and isinstance(e.message, cls)]
+from ._effects import sends as _sends
 
 
 def _cluster(n: int) -> tuple[MasterState, list[int]]:

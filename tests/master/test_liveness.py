@@ -7,14 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from pccl import Result
-from pccl.master.state import Event, Kick, MasterState, Send
+from pccl.master.state import Event, Kick, MasterState
 from pccl.wire import messages as m
 
+from ._effects import sends
+
 TIMEOUT = 15.0
-
-
-def sends(effects: list[Any], cls: type) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects if isinstance(e, Send) and isinstance(e.message, cls)]
 
 
 class Harness:

@@ -12,8 +12,10 @@ from typing import Any
 
 from pccl import Result
 from pccl.master.lost import REASON
-from pccl.master.state import MasterState, Send
+from pccl.master.state import MasterState
 from pccl.wire import messages as m
+
+from ._effects import sends
 
 RING = [1, 2, 3]
 EPOCH = 4
@@ -23,11 +25,6 @@ LAST = 40  # the last committed op_seq of TAG before it
 SYNC = 9
 DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
 ENTRY = [["w", 10, [8], 32, 123, False]]
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
 
 
 def rereg(st: MasterState, pid: int, now: float = 0.0, **fields: Any) -> list[Any]:

@@ -11,19 +11,12 @@ import pytest
 
 from pccl import Result
 from pccl.master.deadlock import DeadlockWatch, find_deadlocks
-from pccl.master.state import Kick, MasterState, Send
+from pccl.master.state import MasterState
 from pccl.wire import messages as m
 
+from ._effects import kicks, sends
+
 DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
-
-
-def kicks(effects: list[Any]) -> list[Kick]:
-    return [e for e in effects if isinstance(e, Kick)]
 
 
 def join(st: MasterState, now: float = 0.0) -> tuple[int, list[Any]]:

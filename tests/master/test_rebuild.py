@@ -11,14 +11,7 @@ from pccl import Result
 from pccl.master.state import Kick, MasterState, Send
 from pccl.wire import messages as m
 
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
-
-
-def kicks(effects: list[Any]) -> list[Kick]:
-    return [e for e in effects if isinstance(e, Kick)]
+from ._effects import kicks, sends
 
 
 class Harness:

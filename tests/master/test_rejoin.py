@@ -15,19 +15,16 @@ from pccl import Result
 from pccl.master.away import NONE, OPEN, RUNNING, AwayBook
 from pccl.master.deadlock import find_deadlocks
 from pccl.master.lost import REASON
-from pccl.master.state import Kick, MasterState, Send
+from pccl.master.state import Kick, MasterState
 from pccl.wire import messages as m
+
+from ._effects import sends
 
 RING = [1, 2, 3]
 EPOCH = 4
 TAG = 7
 DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
 KEY = ("op", 0, TAG)
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
 
 
 def rereg(st: MasterState, pid: int, now: float = 0.0, **fields: Any) -> list[Any]:

@@ -12,23 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 from pccl import Result
-from pccl.master.state import Kick, MasterState, Send
+from pccl.master.state import MasterState
 from pccl.wire import messages as m
+
+from ._effects import kicks, sends
 
 OLD = [3, 1, 2]  # the members at epoch E, ring order
 E = 7
 X = 8  # the epoch of the split topology round
 NEW = [3, 1, 2, 4]  # its ring: peer 4 is the newcomer it admits
 DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
-
-
-def kicks(effects: list[Any]) -> list[Kick]:
-    return [e for e in effects if isinstance(e, Kick)]
 
 
 def rereg(st: MasterState, pid: int, *, epoch: int = E, ring: list[int] | None = None, now: float = 0.0,

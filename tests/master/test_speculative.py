@@ -12,15 +12,12 @@ from typing import Any
 from pccl import Result
 from pccl.master.deadlock import DeadlockWatch
 from pccl.master.metrics import MasterObserver
-from pccl.master.state import RESERVATIONS_PER_GROUP, FastStart, MasterState, Send
+from pccl.master.state import RESERVATIONS_PER_GROUP, FastStart, MasterState
 from pccl.wire import messages as m
 
+from ._effects import sends
+
 DESC = m.CollectiveDescriptor("all_reduce", 10, 4, 0, -1, 0, 0)
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
 
 
 def go_only(effects: list[Any], op_seq: int) -> list[int]:

@@ -9,16 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from pccl import Result
-from pccl.master.state import FastStart, MasterState, Send
+from pccl.master.state import FastStart, MasterState
 from pccl.wire import messages as m
+
+from ._effects import sends
 
 DESC = m.CollectiveDescriptor("all_reduce", 10, 4, 0, -1, 0, 0)
 DELAY = 0.01
-
-
-def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects
-            if isinstance(e, Send) and (cls is None or isinstance(e.message, cls))]
 
 
 class Harness:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from test_state import Harness, kicks, sends
-
 from pccl import Result
 from pccl.wire import limits
 from pccl.wire import messages as m
+
+from ._effects import kicks, sends
+from .test_state import Harness
 
 
 def rows(n: int, prefix: str = "k") -> list[list[Any]]:

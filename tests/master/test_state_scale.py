@@ -9,10 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from test_state import Harness, sends
 
 from pccl.master.state import MasterState
 from pccl.wire import messages as m
+
+from ._effects import sends
+from .test_state import Harness
 
 DESCRIPTOR: list[Any] = ["all_reduce", 6, 8, 0, 0, 0, 0]
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
-from test_state import Harness, sends
 
 from pccl.master.metrics import MasterObserver, eviction_kind
 from pccl.master.status import EventLog, build_status, render_html, render_text
 from pccl.wire import messages as m
+
+from ._effects import sends
+from .test_state import Harness
 
 AR = ["all_reduce", 10, 8, 0, -1, 0, 0]
 

@@ -1,0 +1,1 @@
+"""Tests of the master's pure core and its server."""
