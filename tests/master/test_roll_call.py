@@ -12,21 +12,15 @@ from __future__ import annotations
 from typing import Any
 
 from pccl import Result
-from pccl.master.state import Event, Kick, MasterState, Send
+from pccl.master.state import Event, MasterState
 from pccl.wire import messages as m
+
+from ._effects import kicks, sends
 
 RING = [1, 2, 3, 4, 5]  # the last epoch's members
 EPOCH = 4
 TAG = 7
 DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
-
-
-def sends(effects: list[Any], cls: type) -> list[tuple[int, Any]]:
-    return [(e.peer_id, e.message) for e in effects if isinstance(e, Send) and isinstance(e.message, cls)]
-
-
-def kicks(effects: list[Any]) -> list[Kick]:
-    return [e for e in effects if isinstance(e, Kick)]
 
 
 def events(effects: list[Any]) -> list[str]:
