@@ -26,7 +26,7 @@ Exit code 0 if the survivors' hashes agree, no peer failed with an error, and th
 ``--max-gap``.
 
 usage: python benchmarks/churn_soak.py [--duration 600] [--seed 0] [--max-peers 10] [--min-peers 2]
-       [--master-kill-every 60] [--restart-delay 1]
+       [--master-kill-every 60] [--restart-delay 1] [--rebuild-grace S] [--rebuild-quiet S]
 """
 
 from __future__ import annotations
@@ -179,6 +179,10 @@ async def run(args: argparse.Namespace) -> int:
     if args.peer_stall_timeout is not None:
         peer_args += ["--p2p-stall-timeout", str(args.peer_stall_timeout)]
     extra = ["--straggler-timeout", str(args.straggler_timeout)] if args.straggler_timeout > 0 else []
+    if args.rebuild_grace is not None:
+        extra += ["--rebuild-grace", str(args.rebuild_grace)]
+    if args.rebuild_quiet is not None:
+        extra += ["--rebuild-quiet", str(args.rebuild_quiet)]
     n_spawned = 0
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
         master = await cluster.start_master(heartbeat_timeout=args.heartbeat_timeout, extra=extra)
@@ -396,6 +400,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="SIGKILL the master every this many seconds, restart it on the same port (0: never)")
     p.add_argument("--restart-delay", type=float, default=1.0,
                    help="seconds from the master's SIGKILL to its restart")
+    p.add_argument("--rebuild-grace", type=float, default=None,
+                   help="the restarted master's --rebuild-grace (default: pccl-master's)")
+    p.add_argument("--rebuild-quiet", type=float, default=None,
+                   help="the restarted master's --rebuild-quiet (default: pccl-master's; 0: off)")
     p.add_argument("--max-master-gap", type=float, default=None,
                    help="fail if an all-reduce gap across a master kill exceeds this (default: delay + 2)")
     p.add_argument("--stop-timeout", type=float, default=60.0)

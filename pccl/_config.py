@@ -9,6 +9,12 @@ from ._tls import TlsFiles, check_pairing
 DEFAULT_MASTER_PORT = 48148
 PROTOCOL_VERSION = 5
 
+#: The longest pause between a reconnecting peer's rounds over its master addresses (the backoff
+#: starts at 0.05 s and doubles up to this). It bounds how long after a restarted master (or a standby)
+#: listens the peers find it, and so the spread of their re-registrations, which the roll call's quiet
+#: period covers (MasterConfig.rebuild_quiet). A refused connect costs a fraction of a millisecond.
+RECONNECT_BACKOFF_MAX = 0.1
+
 
 @dataclass(frozen=True, kw_only=True)
 class MasterConfig:
@@ -69,18 +75,30 @@ class MasterConfig:
         rebuild_grace: a restarted or standby master that rebuilds the run from re-registrations
             holds every vote until all of the last epoch's members are back, or for at most this many
             seconds from the first re-registration (a majority is needed in any case; docs/concepts.md
-            "Surviving the master"). Members reconnect with a backoff of up to 0.25 s, so 1 s (four
+            "Surviving the master"). Members reconnect with a backoff of up to 0.1 s, so 1 s (ten
             rounds) lets them all return before the run resumes: one that returned after the others
-            resumed would retry another call than theirs (a deadlock). The grace is also what a member
-            that died with the master costs the run (the roll call waits it out; operations in doubt
-            are then aborted at once). 0: resume at the majority.
+            resumed would retry another call than theirs (a deadlock). The grace is also the most a
+            member that died with the master costs the run (the roll call waits for it; operations in
+            doubt are then aborted at once; ``rebuild_quiet`` usually ends it sooner). 0: resume at the
+            majority.
+        rebuild_quiet: the roll call ends sooner once a majority of the last epoch's members is back
+            and no member came back for this many seconds (every arrival restarts the wait; the grace
+            still bounds it). Live members find a restarted master within one reconnect backoff step
+            (0.1 s at most) of it listening, and of each other (within 50 ms in the churn soak), so
+            0.3 s leaves a member that died with the master costing the run about that instead of the
+            whole grace. In a run whose peers can fail over (the quorum rule applies) it is at least
+            ``heartbeat_interval`` + 0.1 s: members that give a hung master up for a standby do so at
+            their own heartbeat silence, up to one heartbeat interval apart. A member
+            back after the roll call ended is refused (``KICKED``: join again) once its group completed
+            an operation without it, unless the run's peers can fail over (docs/concepts.md "Surviving
+            the master"). ``None``: only the grace ends it.
         rejoin_grace: a *live* master whose connection to an accepted member breaks (the link flapped,
             a middlebox reset it, or the peer crashed: the master cannot tell) holds every vote for at
             most this many seconds, until the member re-registers (docs/concepts.md "A member's link
             breaks"). Without it, the others' next vote completes without the member and it is
             refused when it comes back (``KICKED``: join again). The cost: a crashed (or closed)
             member delays the survivors' next vote by the grace. 0 (default): no hold. A member
-            reconnects at once, then with a backoff of up to 0.25 s: 1 s covers a reset link.
+            reconnects at once, then with a backoff of up to 0.1 s: 1 s covers a reset link.
         tls_cert: PEM certificate chain the master serves TLS with (with ``tls_key``); None (default):
             no TLS. Peers then need TLS too (``PeerConfig.tls_*``); see docs/security.md "TLS".
         tls_key: PEM private key of ``tls_cert``.
@@ -110,6 +128,7 @@ class MasterConfig:
     quorum: str = "auto"
     quorum_hold_timeout: float | None = 30.0
     rebuild_grace: float = 1.0
+    rebuild_quiet: float | None = 0.3
     rejoin_grace: float = 0.0
     tls_cert: str | None = None
     tls_key: str | None = None
@@ -121,6 +140,8 @@ class MasterConfig:
             raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
         if self.rebuild_grace < 0:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
+        if self.rebuild_quiet is not None and self.rebuild_quiet <= 0:
+            raise ValueError(f"rebuild_quiet ({self.rebuild_quiet}) must be > 0 or None")
         if self.rejoin_grace < 0:
             raise ValueError(f"rejoin_grace ({self.rejoin_grace}) must be >= 0")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=False, who="MasterConfig")

@@ -58,6 +58,10 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--rebuild-grace", type=seconds, default=defaults.rebuild_grace,
                    help="a restarted master waits this long for every member of the run to come back "
                         f"before it resumes (default {defaults.rebuild_grace:g}; docs/concepts.md)")
+    p.add_argument("--rebuild-quiet", type=seconds, default=defaults.rebuild_quiet,
+                   help="once most of the run's members are back, a restarted master stops waiting for "
+                        "the others when nobody came back for this long "
+                        f"(default {defaults.rebuild_quiet or 0:g}; 0: wait the whole --rebuild-grace)")
     p.add_argument("--rejoin-grace", type=seconds, default=defaults.rejoin_grace,
                    help="hold the votes this long for a member whose connection broke to re-register "
                         "(a reset link), at the cost of that much per crashed member "
@@ -105,6 +109,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             straggler_timeout=args.straggler_timeout,
             deadlock_grace=args.deadlock_grace,
             rebuild_grace=args.rebuild_grace,
+            rebuild_quiet=args.rebuild_quiet or None,
             rejoin_grace=args.rejoin_grace,
             quorum=args.quorum,
             quorum_hold_timeout=args.quorum_hold_timeout,

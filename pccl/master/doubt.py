@@ -23,10 +23,11 @@ A peer that reports as committed an operation the book decided to abort is refus
 
 The master holds every vote while a decision is open, so the run resumes only once every peer agrees
 on what happened. A rebuilt master also holds the votes for a *roll call* (:meth:`DoubtBook.roll_call`):
-until every member of the last epoch has re-registered, or a grace period has passed. A member not back
-yet has not said what it holds, and one that returns after the others resumed finds them in another call
-than the one it retries (a deadlock); the grace lets the members that reconnect a backoff step later
-return first.
+until every member of the last epoch has re-registered, or a grace period has passed, or (a majority
+back) nobody came back for a quiet period (:meth:`DoubtBook.quiet`). A member not back yet has not said
+what it holds, and one that returns after the others resumed finds them in another call than the one it
+retries (a deadlock); the roll call lets the members that reconnect a backoff step later return first,
+and one back after it ended is refused once its group went on (:meth:`DoubtBook.moved_on`).
 """
 
 from __future__ import annotations
@@ -115,6 +116,15 @@ class DoubtBook:
         # the votes wait for them (None: no roll call).
         self._missing: set[int] = set()
         self._roll_until: float | None = None
+        # Once a majority is back: the roll call also ends when nobody new came back for a quiet
+        # period (see quiet()); None: no such end yet.
+        self._quiet_until: float | None = None
+        self.roll_call_end = ""  # why the last roll call ended early: "grace" or "quiet" (log lines)
+        # The roll call's members and those back (its absentees, when it ends, are those not back).
+        self._called: set[int] = set()
+        self._back: set[int] = set()
+        # Members absent when a roll call ended: every group's progress at that moment (moved_on()).
+        self._absent_at: dict[int, dict[int, int]] = {}
         # Operations this master completed per group, and the count when each member was dropped:
         # a member that comes back after its group went on without it is behind (moved_on()).
         self._progress: dict[int, int] = {}
@@ -138,6 +148,16 @@ class DoubtBook:
         re-registration narrows ``members`` to those its ring lists (see :meth:`report`)."""
         self._missing = set(members) - returned
         self._roll_until = now + grace if self._missing and grace > 0 else None
+        self._quiet_until = None
+        self._called, self._back = set(members), set(returned)
+
+    def quiet(self, now: float, seconds: float) -> None:
+        """A member came back at ``now`` with a majority of the roll call's members back: the roll call
+        ends ``seconds`` after the latest such return if nobody else returns meanwhile (and at its grace
+        at the latest). Live members reconnect within one backoff step of each other, so a member not
+        back a quiet period after the last one is absent. No roll call running: nothing."""
+        if self._roll_until is not None:
+            self._quiet_until = now + seconds
 
     def open_doubts(self) -> list[Doubt]:
         """The open doubts, oldest first (status and tests)."""
@@ -152,6 +172,8 @@ class DoubtBook:
         ends = [d.opened + timeout for d in self._open.values()]
         if self._roll_until is not None:
             ends.append(self._roll_until)
+            if self._quiet_until is not None:
+                ends.append(self._quiet_until)
         return min(ends, default=None)
 
     # -- what the master itself did ---------------------------------------------------------------
@@ -185,6 +207,11 @@ class DoubtBook:
         """The master completed a collective or sync of ``group``."""
         self._progress[group] = self._progress.get(group, 0) + 1
 
+    @property
+    def total_progress(self) -> int:
+        """Collectives and syncs this master completed, every group together."""
+        return sum(self._progress.values())
+
     def dropped(self, peer_id: int, group: int) -> None:
         """Member ``peer_id`` of ``group`` left this master (connection lost, evicted)."""
         self._dropped_at[peer_id] = self._progress.get(group, 0)
@@ -193,13 +220,25 @@ class DoubtBook:
         """True when this master had ``peer_id`` as a member and dropped it."""
         return peer_id in self._dropped_at
 
-    def moved_on(self, peer_id: int, group: int) -> bool:
+    def moved_on(self, peer_id: int, group: int, absent: bool = True) -> bool:
         """True when ``group`` completed an operation at this master since this master dropped
-        ``peer_id``: taken back, it would retry a call the others are past (a deadlock), so it must
-        join again and sync instead. (A member this master never had, such as a minority failing
-        over to a standby that went on, is taken back: it syncs at its next step, docs/concepts.md
-        "No split brain".)"""
-        return peer_id in self._dropped_at and self._progress.get(group, 0) > self._dropped_at[peer_id]
+        ``peer_id``, or (``absent``) since a roll call ended without it: taken back, it would retry
+        a call the others are past (a deadlock), so it must join again and sync instead. (The master
+        passes ``absent=False`` where a second master may exist: then a member it never had, such as
+        a minority failing over to a standby that went on, is taken back and syncs at its next step,
+        docs/concepts.md "No split brain".)"""
+        if peer_id in self._dropped_at and self._progress.get(group, 0) > self._dropped_at[peer_id]:
+            return True
+        at = self._absent_at.get(peer_id) if absent else None
+        return at is not None and self._progress.get(group, 0) > at.get(group, 0)
+
+    def _end_roll_call(self) -> None:
+        """The roll call is over: the members it called that are not back are absent from here on,
+        as if dropped now (:meth:`moved_on`)."""
+        for p in self._called - self._back:
+            self._absent_at[p] = dict(self._progress)
+        self._missing, self._roll_until, self._quiet_until = set(), None, None
+        self._called, self._back = set(), set()
 
     def _own(self, key: Key, seq: int) -> bool:
         return seq > (self._own_op_from if key[0] == "op" else self._own_sync_from)
@@ -239,10 +278,12 @@ class DoubtBook:
         # own group from its table but may still list the dead of other groups, so the rings differ,
         # and the roll call must not depend on whose came first.
         rolling = self._roll_until is not None
+        self._absent_at.pop(peer_id, None)
+        self._back.add(peer_id)
         self._missing &= set(msg.ring)
         self._missing.discard(peer_id)
-        if not self._missing:
-            self._roll_until = None
+        if rolling and not self._missing:
+            self._end_roll_call()
         for key, seq in rep.committed:
             out = self._outcomes.get(key)
             if out is None or out[0] < seq:
@@ -325,11 +366,13 @@ class DoubtBook:
     def overdue(self, now: float, timeout: float) -> list[Decision]:
         """Abort every doubt open for more than ``timeout`` seconds: a participant never came back
         (it died with the master), so nothing tells whether it committed, and the survivors agree.
-        The roll call's end (its grace ran out, or every member is back) aborts every open doubt at
-        once: whoever it still waits for is absent."""
+        The roll call's end (its grace or its quiet period ran out, or every member is back) aborts
+        every open doubt at once: whoever it still waits for is absent."""
         decisions: list[Decision] = []
-        if self._roll_until is not None and now >= self._roll_until:
-            self._missing, self._roll_until = set(), None  # the latecomers are simply absent
+        quiet = self._quiet_until is not None and now >= self._quiet_until
+        if self._roll_until is not None and (now >= self._roll_until or quiet):
+            self.roll_call_end = "grace" if now >= self._roll_until else "quiet"
+            self._end_roll_call()  # the latecomers are absent
             decisions += self._abort_open()  # and so are the participants the doubts wait for
         for ks, d in list(self._open.items()):
             if now > d.opened + timeout:

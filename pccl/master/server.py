@@ -24,7 +24,7 @@ import trio
 from .. import _tls
 from .._accept import HelloDone, accept_loop
 from .._address import parse_address
-from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig
+from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, RECONNECT_BACKOFF_MAX, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError
 from .._exc import sole_exception
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
@@ -75,6 +75,8 @@ class MasterServer:
         self.transport: Transport = inner
         self.state = MasterState(clock=time.perf_counter, quorum=self.config.quorum,
                                  rebuild_grace=self.config.rebuild_grace,
+                                 rebuild_quiet=self.config.rebuild_quiet,
+                                 failover_quiet=self.config.heartbeat_interval + RECONNECT_BACKOFF_MAX,
                                  rejoin_grace=self.config.rejoin_grace,
                                  go_delay=self.config.speculative_go_delay)
         self._conns: dict[int, _Conn] = {}

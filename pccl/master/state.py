@@ -273,6 +273,12 @@ class MasterState:
         rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
             many seconds after the rebuild started for the last epoch's members not back yet, even
             once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
+        rebuild_quiet: the roll call also ends once a majority is back and no member came back for
+            this many seconds (``MasterConfig.rebuild_quiet``; None: only the grace ends it).
+        failover_quiet: the least quiet period in a run whose peers can fail over (:attr:`enforced`):
+            members that give a hung master up do so at their own heartbeat silence, up to one
+            heartbeat interval of that master apart (the server passes its ``heartbeat_interval`` plus
+            the reconnect backoff cap).
         credential_root: the random key every P2P credential of this master is derived from
             (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
@@ -291,6 +297,8 @@ class MasterState:
         solver: Callable[[list[list[float | None]]], list[int]] | None = None,
         clock: Callable[[], float] | None = None,
         rebuild_grace: float = 0.0,
+        rebuild_quiet: float | None = None,
+        failover_quiet: float = 0.0,
         credential_root: bytes | None = None,
         quorum: str = "auto",
         rejoin_grace: float = 0.0,
@@ -358,12 +366,17 @@ class MasterState:
         # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
         self.rounds = RoundBook()
         self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
+        # DoubtBook.total_progress when that count last changed: a member that comes back waiting in
+        # the last counted round after the run completed an operation since is behind (_behind_pending).
+        self._pending_mark = 0
         # At a rebuilt master: the ring each member reported when it re-registered (who its group
         # still lists; see _on_reregister).
         self._rings: dict[int, tuple[int, set[int]]] = {}  # peer -> (its epoch, its ring)
         # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
         # back yet once a majority returned (0: resume at the majority).
         self.rebuild_grace = rebuild_grace
+        self.rebuild_quiet = rebuild_quiet
+        self.failover_quiet = failover_quiet
         # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
         # before the epoch's EstablishP2P, and after Reregistered.
         self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
@@ -591,12 +604,16 @@ class MasterState:
         """
         self._now = now
         was = self.doubts.undecided
-        rolling = bool(self.doubts.missing)
+        missing = self.doubts.missing
         effects = self._execute_decisions(self.doubts.overdue(now, timeout), was)
-        # The roll call's grace ran out: the members it waited for are absent, so a topology or pending
-        # round still waiting for their reports is decided now (as at the timeout), not ``timeout``
-        # seconds after it opened: the decision cannot change any more (docs/concepts.md "Rounds in doubt").
-        if rolling and not self.doubts.missing:
+        # The roll call's grace ran out (or its quiet period): the members it waited for are absent, so a
+        # topology or pending round still waiting for their reports is decided now (as at the timeout),
+        # not ``timeout`` seconds after it opened: the decision cannot change any more (docs/concepts.md
+        # "Rounds in doubt").
+        if missing and not self.doubts.missing:
+            why = (f"nobody came back for {self._quiet_period():g}s" if self.doubts.roll_call_end == "quiet"
+                   else f"its grace of {self.rebuild_grace:g}s ran out")
+            effects.insert(0, Event(f"roll call over ({why}): absent {sorted(missing)}"))
             return effects + self._execute_rounds(*self.rounds.give_up())
         return effects + self._execute_rounds(*self.rounds.overdue(now, timeout))
 
@@ -1205,7 +1222,8 @@ class MasterState:
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
-        conflict = self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
+        conflict = (self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
+                    or self._behind_pending(msg))
         if conflict is not None:
             return effects + self.kick(rec.peer_id, conflict, Result.KICKED)
         # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
@@ -1272,7 +1290,7 @@ class MasterState:
             return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
                                                     f"epoch {self.epoch}: join again",
                                        Result.MASTER_CONNECTION_FAILED)
-        elif self.doubts.moved_on(msg.peer_id, msg.peer_group):
+        elif self.doubts.moved_on(msg.peer_id, msg.peer_group, absent=not self.enforced):
             # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
             # standby of the right epoch may not share.
             return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
@@ -1319,7 +1337,10 @@ class MasterState:
         if rb is not None or self._rings:
             self._rings[rec.peer_id] = (msg.epoch, set(msg.ring))
         was = self.doubts.undecided
+        missing = self.doubts.missing
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
+        if missing and not self.doubts.missing:
+            effects.append(Event("roll call over: every member is back"))
         effects += self._execute_decisions(decisions, was)
         # At a live master, the members that never left vote next for what the returning one reports
         # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
@@ -1340,7 +1361,9 @@ class MasterState:
                 msg = replace(msg, pending=[])
                 effects += self._check_pending_vote()
             else:
-                self._pending_count = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
+                counted = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
+                if counted != self._pending_count:
+                    self._pending_count, self._pending_mark = counted, self.doubts.total_progress
         expected = set(rb.expected) if rb is not None else set(self.base)
         effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
@@ -1353,7 +1376,32 @@ class MasterState:
                                      "re-registered: resuming"))
         if was_away and self.resumed:
             effects += self._recheck_votes()  # the last member the votes waited for is back
+        if self.rebuild is None and self.rebuild_quiet is not None:
+            # A majority is back: the roll call waits for the others only while they keep coming.
+            self.doubts.quiet(self._now, self._quiet_period())
         return effects + self._note_quorum()
+
+    def _quiet_period(self) -> float:
+        """The roll call's quiet period (``rebuild_quiet``; at least ``failover_quiet`` when the run's
+        peers can fail over)."""
+        quiet = self.rebuild_quiet or 0.0
+        return max(quiet, self.failover_quiet) if self.enforced else quiet
+
+    def _behind_pending(self, msg: m.Reregister) -> str | None:
+        """Why ``msg``'s peer cannot be taken back, if it waits in an are_peers_pending round that the
+        run answered without it and went on past: a later round was answered at this epoch, or a
+        collective or sync completed since the round's answer. (A member back after the roll call
+        ended: given the round's answer, it would go on to the call after it while the others are
+        further on, a deadlock until ``vote_timeout``.) While the run has not gone on, it gets the
+        round's answer (RoundBook) and makes the next call with the others."""
+        p = msg.pending
+        if len(p) != 4 or not p[2] or p[0] != self._pending_epoch():
+            return None
+        waits_in, count = p[1] + 1, self._counted_pending()
+        if count > waits_in or (count == waits_in and self.doubts.total_progress > self._pending_mark):
+            return (f"the run answered the are_peers_pending round this peer waits in ({p[0]}, {waits_in}) "
+                    "without it and went on: join again")
+        return None
 
     def _runs_without(self, peer_id: int, group: int) -> bool:
         """True when ``group`` runs a collective or sync, or a topology round sets up, without member
@@ -1514,6 +1562,7 @@ class MasterState:
         voters = [p for p in self.ring if p in self._pending_votes]
         self._pending_votes.clear()
         self._pending_count = (self._pending_epoch(), self._counted_pending() + 1)
+        self._pending_mark = self.doubts.total_progress
         self.rounds.answered(self._pending_count, pending)
         return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
 

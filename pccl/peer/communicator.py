@@ -32,7 +32,7 @@ import trio
 
 from .. import _env, _tls
 from .._address import Addresses, parse_addresses
-from .._config import PeerConfig
+from .._config import RECONNECT_BACKOFF_MAX, PeerConfig
 from .._errors import (
     InvalidArgumentError,
     InvalidUsageError,
@@ -99,11 +99,11 @@ _WAITING_NOTICE_AFTER = 0.25
 
 #: Backoff between reconnection rounds (each round tries every master address once): doubles, capped.
 #: The cap bounds how long after a restarted master (or standby) starts listening a peer finds it: a
-#: refused connect costs a fraction of a millisecond, a round every 0.25 s is nothing for a master that
+#: refused connect costs a fraction of a millisecond, a round every 0.1 s is nothing for a master that
 #: is not there, and the run's gap across a master kill is the restart delay plus at most one cap
-#: (docs/benchmarks.md "With master kills"; it was 1 s).
+#: (docs/benchmarks.md "With master kills"; it was 1 s, then 0.25 s).
 _RECONNECT_BACKOFF_START = 0.05
-_RECONNECT_BACKOFF_MAX = 0.25
+_RECONNECT_BACKOFF_MAX = RECONNECT_BACKOFF_MAX
 
 
 def failover_order(addresses: list[tuple[str, int]], lost: tuple[str, int]) -> list[tuple[str, int]]:
