@@ -88,3 +88,13 @@ def make_cluster(address: str, n: int, groups: Sequence[int] | None = None,
             c.close()
         raise
     return comms
+
+
+def wait_until(cond: Callable[[], bool]) -> None:
+    """Block until ``cond()`` holds (bounded by JOIN_TIMEOUT); an event, not a timing."""
+    done = threading.Event()
+    for _ in range(int(JOIN_TIMEOUT / 0.002)):
+        if cond():
+            return
+        done.wait(0.002)
+    pytest.fail("the condition never held")

@@ -15,15 +15,13 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from collections.abc import Callable
 
 import numpy as np
-import pytest
 
 from pccl import PeerConfig
 from pccl.blocking import Communicator, MasterNode, PCCLError, ReduceOp, Result
 
-from ._helpers import JOIN_TIMEOUT, admit, run_threads
+from ._helpers import JOIN_TIMEOUT, admit, run_threads, wait_until
 
 STEPS = 4
 CUT_STEP = 1
@@ -75,16 +73,6 @@ class Relay:
     def close(self) -> None:
         self.server.close()
         self.cut()
-
-
-def _wait_until(cond: Callable[[], bool]) -> None:
-    """Block until ``cond()`` holds (bounded by JOIN_TIMEOUT); an event, not a timing."""
-    done = threading.Event()
-    for _ in range(int(JOIN_TIMEOUT / 0.002)):
-        if cond():
-            return
-        done.wait(0.002)
-    pytest.fail("the condition never held")
 
 
 def test_a_member_whose_master_link_breaks_fails_with_every_member_blocking() -> None:
@@ -144,12 +132,12 @@ def test_a_member_whose_master_link_breaks_fails_with_every_member_blocking() ->
 
         def driver() -> None:
             # Peers 0 and 2 are in the cut step's all-reduce (their votes at the master), peer 1 is not.
-            _wait_until(lambda: in_call[0].is_set() and in_call[2].is_set() and in_call[1].is_set())
-            _wait_until(lambda: all(comms[i].statistics()["ops"] for i in (0, 2)))
+            wait_until(lambda: in_call[0].is_set() and in_call[2].is_set() and in_call[1].is_set())
+            wait_until(lambda: all(comms[i].statistics()["ops"] for i in (0, 2)))
             before = relay.accepted
             relay.cut()
             # Peer 2 is back (a new connection through the relay) and votes for a topology round.
-            _wait_until(lambda: relay.accepted > before and master.statistics()["topology_votes"] >= 1)
+            wait_until(lambda: relay.accepted > before and master.statistics()["topology_votes"] >= 1)
             go.set()
 
         run_threads([lambda i=i: loop(i) for i in range(3)] + [driver])

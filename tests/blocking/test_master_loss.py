@@ -29,7 +29,7 @@ from pccl.blocking import (
     TensorInfo,
 )
 
-from ._helpers import JOIN_TIMEOUT, make_cluster, run_threads
+from ._helpers import JOIN_TIMEOUT, make_cluster, run_threads, wait_until
 
 _SIZE = 1 << 18  # float32 elements: 1 MB
 
@@ -77,16 +77,6 @@ def _raises_master_lost(fn: Callable[[], Any]) -> Callable[[], PCCLError]:
     return call
 
 
-def _wait_until(cond: Callable[[], bool]) -> None:
-    """Block until ``cond()`` holds (bounded by JOIN_TIMEOUT); an event, not a timing."""
-    done = threading.Event()
-    for _ in range(int(JOIN_TIMEOUT / 0.002)):
-        if cond():
-            return
-        done.wait(0.002)
-    pytest.fail("the condition never held")
-
-
 @pytest.mark.parametrize("during", sorted(_IN_FLIGHT))
 def test_master_lost_inside_a_call_then_every_call_fails_promptly(during: str) -> None:
     master = MasterNode("127.0.0.1:0")
@@ -105,7 +95,7 @@ def test_master_lost_inside_a_call_then_every_call_fails_promptly(during: str) -
         threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(2)]
         for t in threads:
             t.start()
-        _wait_until(lambda: all(waiting(c.statistics()) for c in inside))
+        wait_until(lambda: all(waiting(c.statistics()) for c in inside))
         master.interrupt()
         for t in threads:
             t.join(JOIN_TIMEOUT)
