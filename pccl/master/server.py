@@ -25,7 +25,7 @@ from .. import _tls
 from .._accept import HelloDone, accept_loop
 from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, RECONNECT_BACKOFF_MAX, MasterConfig
-from .._errors import LocalProtocolError, RemoteProtocolError
+from .._errors import LocalProtocolError, RemoteProtocolError, Result
 from .._exc import sole_exception
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
@@ -228,7 +228,17 @@ class MasterServer:
             now = trio.current_time()
             if self.status is not None:
                 self.status.observer.on_message(self.state, conn.peer_id, msg, now)
-            self._execute(self.state.handle(conn.peer_id, msg, now))
+            try:
+                effects = self.state.handle(conn.peer_id, msg, now)
+            except Exception:
+                # A bug of the master's core on this message must not take the master, and with it
+                # every other peer's run, down: it is logged with its traceback and the sender, who
+                # cannot know what the master made of its message, is refused; the master serves on.
+                what = type(msg).__name__
+                log.exception("internal error handling a %s from peer %d: kicking it", what, conn.peer_id)
+                effects = self.state.kick(conn.peer_id, f"internal error of the master handling its {what}",
+                                          Result.INTERNAL_ERROR)
+            self._execute(effects)
             if conn.closing:
                 return
 
