@@ -12,7 +12,6 @@ aborts it for everybody), and the loop goes on with identical states and no lost
 from __future__ import annotations
 
 import dataclasses
-import struct
 
 import numpy as np
 import pytest
@@ -33,11 +32,12 @@ from pccl.testing import (
 )
 from pccl.wire import messages as m
 
+from ._traffic import ControlFrames, grad
+
 CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 STEPS = 8
 CRASH_STEP = 3  # the step whose all-reduce (or sync) is split by the crash
 WORDS = 32
-_LEN = struct.Struct("<I")
 
 
 class SplitAnswer:
@@ -56,7 +56,7 @@ class SplitAnswer:
         self.fired = trio.Event()
         self.delivered_to: int | None = None  # the connection that got the one answer
         self.answer: m.Message | None = None
-        self._carry: dict[int, bytes] = {}
+        self._frames = ControlFrames()
 
     def _is_answer(self, msg: m.Message) -> bool:
         if not isinstance(msg, self.kind):
@@ -68,22 +68,13 @@ class SplitAnswer:
             return None
         if self.fired.is_set():
             return Reset(0)  # the master is crashing: nothing else leaves it
-        carry = self._carry.get(ev.connection, b"")
-        data = carry + ev.data
-        pos = 0
-        while len(data) - pos >= _LEN.size:
-            (n,) = _LEN.unpack_from(data, pos)
-            if len(data) - pos - _LEN.size < n:
-                break
-            msg = m.decode(bytes(data[pos + _LEN.size : pos + _LEN.size + n]))
+        for start, _end, msg in self._frames.messages(ev.connection, ev.data):
             if self.armed and self._is_answer(msg):
                 if self.delivered_to is None:
                     self.delivered_to, self.answer = ev.connection, msg
                 elif ev.connection != self.delivered_to:
                     self.fired.set()
-                    return Reset(max(0, pos - len(carry)))
-            pos += _LEN.size + n
-        self._carry[ev.connection] = bytes(data[pos:])
+                    return Reset(max(0, start))
         return None
 
 
@@ -92,13 +83,6 @@ async def crash_and_restart(cluster: TestCluster, splitter: SplitAnswer) -> None
     cluster.kill_master()
     cluster.network.remove_hook(splitter)
     await cluster.restart_master()
-
-
-def grad(peer_id: int, step: int) -> np.ndarray:
-    """A contribution that names its peer and step: the SUM tells who took part."""
-    g = np.random.default_rng([peer_id, step]).integers(-1000, 1000, WORDS).astype(np.int64)
-    g[0] = 1 << peer_id
-    return g
 
 
 async def train(cluster: TestCluster, splitter: SplitAnswer, at: str) -> dict[str, object]:

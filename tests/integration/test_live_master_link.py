@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import struct
 
 import numpy as np
 import pytest
@@ -38,6 +37,8 @@ from pccl.testing import (
 )
 from pccl.wire import messages as m
 
+from ._traffic import ControlFrames, grad
+
 CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 HOLD: MasterConfig = dataclasses.replace(DEFAULT_MASTER_CONFIG, rejoin_grace=1.0)
 
@@ -51,7 +52,6 @@ def master_config(point: str, hold: bool) -> MasterConfig:
 STEPS = 5
 WORDS = 32
 CUT = 2  # the index of the member whose master link breaks
-_LEN = struct.Struct("<I")
 
 RETRYABLE = (pccl.RankConnectionLostError, pccl.UpdateTopologyFailedError)
 
@@ -66,26 +66,15 @@ class CutAt:
         self.peer, self.master, self.kind, self.before = peer, master, kind, before
         self.armed = False
         self.fired = trio.Event()
-        self._carry: dict[tuple[int, str], bytes] = {}
+        self._frames = ControlFrames()
 
     def __call__(self, ev: TrafficEvent) -> HookAction | None:
         if {ev.src, ev.dst} != {self.peer, self.master} or self.fired.is_set():
             return None
-        key = (ev.connection, ev.src)
-        carry = self._carry.get(key, b"")
-        data = carry + ev.data
-        pos = 0
-        while len(data) - pos >= _LEN.size:
-            (n,) = _LEN.unpack_from(data, pos)
-            if len(data) - pos - _LEN.size < n:
-                break
-            msg = m.decode(bytes(data[pos + _LEN.size : pos + _LEN.size + n]))
-            end = pos + _LEN.size + n
+        for start, end, msg in self._frames.messages((ev.connection, ev.src), ev.data):
             if self.armed and isinstance(msg, self.kind):
                 self.fired.set()
-                return Reset(max(0, (pos if self.before else end) - len(carry)))
-            pos = end
-        self._carry[key] = bytes(data[pos:])
+                return Reset(max(0, start if self.before else end))
         return None
 
 
@@ -101,13 +90,6 @@ class DataPlane:
         if self.armed and ev.src == self.peer and ev.dst != self.master:
             self.started.set()
         return None
-
-
-def grad(peer_id: int, step: int) -> np.ndarray:
-    """A contribution that names its peer and step: the SUM tells who took part."""
-    g = np.random.default_rng([peer_id, step]).integers(-1000, 1000, WORDS).astype(np.int64)
-    g[0] = 1 << peer_id
-    return g
 
 
 # (where, call, message type, before): where the cut member's master link breaks.

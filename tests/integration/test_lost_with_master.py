@@ -23,16 +23,11 @@ from pccl import PeerConfig, ReduceOp, SharedState, TensorInfo
 from pccl.master.lost import REASON
 from pccl.testing import DEFAULT_PEER_CONFIG, TestCluster, VirtualNetwork, open_test_cluster
 
+from ._traffic import grad
+
 CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 STEPS = 5
 WORDS = 32
-
-
-def grad(peer_id: int, step: int) -> np.ndarray:
-    """A contribution that names its peer and step: the SUM tells who took part."""
-    g = np.random.default_rng([peer_id, step]).integers(-1000, 1000, WORDS).astype(np.int64)
-    g[0] = 1 << peer_id
-    return g
 
 
 async def voted(cluster: TestCluster, ids: set[int], kind: str) -> None:

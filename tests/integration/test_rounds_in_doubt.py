@@ -18,7 +18,6 @@ member that ran it, with identical states at the end.
 from __future__ import annotations
 
 import dataclasses
-import struct
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -41,11 +40,12 @@ from pccl.testing import (
 )
 from pccl.wire import messages as m
 
+from ._traffic import ControlFrames, grad
+
 CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 STEPS = 6
 CRASH_STEP = 2
 WORDS = 16
-_LEN = struct.Struct("<I")
 T = TypeVar("T")
 
 
@@ -61,36 +61,20 @@ class CrashAt:
         self.armed = False
         self.fired = trio.Event()
         self.delivered: list[m.Message] = []
-        self._carry: dict[int, bytes] = {}
+        self._frames = ControlFrames()
 
     def __call__(self, ev: TrafficEvent) -> HookAction | None:
         if ev.src != self.master:
             return None
         if self.fired.is_set():
             return Reset(0)
-        carry = self._carry.get(ev.connection, b"")
-        data = carry + ev.data
-        pos = 0
-        while len(data) - pos >= _LEN.size:
-            (n,) = _LEN.unpack_from(data, pos)
-            if len(data) - pos - _LEN.size < n:
-                break
-            msg = m.decode(bytes(data[pos + _LEN.size : pos + _LEN.size + n]))
+        for start, _end, msg in self._frames.messages(ev.connection, ev.data):
             if self.armed and isinstance(msg, self.kinds):
                 if len(self.delivered) >= self.deliver:
                     self.fired.set()
-                    return Reset(max(0, pos - len(carry)))
+                    return Reset(max(0, start))
                 self.delivered.append(msg)
-            pos += _LEN.size + n
-        self._carry[ev.connection] = bytes(data[pos:])
         return None
-
-
-def grad(peer_id: int, step: int) -> np.ndarray:
-    """A contribution that names its peer and step: element 0 of the SUM tells who took part."""
-    g = np.random.default_rng([peer_id, step]).integers(-1000, 1000, WORDS).astype(np.int64)
-    g[0] = 1 << peer_id
-    return g
 
 
 async def retry(call: Callable[[], Awaitable[T]], *errors: type[pccl.PCCLError], log: list[str],
@@ -120,7 +104,7 @@ class Run:
     async def reduce(self, comm: pccl.Communicator, state: SharedState, w: np.ndarray, step: int) -> None:
         """The all-reduce of ``step`` (retried; a failed one leaves its output as it was)."""
         pid = comm.peer_id
-        g, out = grad(pid, step), np.zeros(WORDS, np.int64)
+        g, out = grad(pid, step, WORDS), np.zeros(WORDS, np.int64)
 
         async def once() -> object:
             try:
@@ -202,7 +186,7 @@ class Run:
             assert sorted(self.ran[p]) == list(range(STEPS)), (p, sorted(self.ran[p]))
         for step in range(STEPS):
             who = sorted(p for p, steps in self.ran.items() if step in steps)
-            want = sum(grad(p, step) for p in who)
+            want = sum(grad(p, step, WORDS) for p in who)
             for p in who:
                 got = np.frombuffer(self.ran[p][step], np.int64)
                 assert got.tobytes() == want.tobytes(), \
