@@ -30,10 +30,12 @@ def go_only(effects: list[Any], op_seq: int) -> list[int]:
 
 
 class Harness:
-    """A master with ``n`` accepted peers in group 0."""
+    """A master with ``n`` accepted peers in group 0; ``t`` is its clock, ``go_delay`` its
+    MasterConfig.speculative_go_delay (0: the tableless commence goes with the vote's last message)."""
 
-    def __init__(self, n: int) -> None:
-        self.st = MasterState()
+    def __init__(self, n: int, go_delay: float = 0.0) -> None:
+        self.st = MasterState(go_delay=go_delay)
+        self.t = 0.0
         self.peers: list[int] = []
         for _ in range(n):
             self.join()
@@ -51,7 +53,7 @@ class Harness:
         return pid
 
     def h(self, pid: int, msg: m.Message) -> list[Any]:
-        return self.st.handle(pid, msg, 0.0)
+        return self.st.handle(pid, msg, self.t)
 
     def vote(self, proposals: dict[int, int], tag: int = 1, desc: m.CollectiveDescriptor = DESC) -> list[Any]:
         eff: list[Any] = []
@@ -69,7 +71,7 @@ class Harness:
         """One op on the slow path; returns the op_seq its completion reserved for the tag."""
         eff = self.vote(dict.fromkeys(self.peers, -1), tag)
         com = sends(eff, m.CollectiveCommence)
-        assert sorted(p for p, _ in com) == sorted(self.peers)
+        assert sorted(p for p, c in com if c.peers) == sorted(self.peers)  # each with the table, at once
         comp = sends(self.done(self.peers, com[0][1].op_seq, tag), m.CollectiveComplete)
         assert sorted(p for p, _ in comp) == sorted(self.peers)
         nxt = {c.next_op_seq for _, c in comp}

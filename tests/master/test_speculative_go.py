@@ -6,55 +6,21 @@ data plane has not reported yet; an op that completes or aborts sooner gets its 
 
 from __future__ import annotations
 
-from typing import Any
-
 from pccl import Result
-from pccl.master.state import FastStart, MasterState
+from pccl.master.state import FastStart
 from pccl.wire import messages as m
 
 from ._effects import sends
+from .test_speculative import Harness as BaseHarness
 
-DESC = m.CollectiveDescriptor("all_reduce", 10, 4, 0, -1, 0, 0)
 DELAY = 0.01
 
 
-class Harness:
+class Harness(BaseHarness):
     """A master holding the go back for ``DELAY`` with ``n`` accepted peers; ``t`` is its clock."""
 
     def __init__(self, n: int, delay: float = DELAY) -> None:
-        self.st = MasterState(go_delay=delay)
-        self.t = 0.0
-        self.peers: list[int] = []
-        for _ in range(n):
-            pid = self.st.new_connection("127.0.0.1", 0.0)
-            self.st.handle(pid, m.Register(p2p_port=40000 + pid, peer_group=0), 0.0)
-            self.peers.append(pid)
-        eff = self.h(self.peers[0], m.UpdateTopologyVote())
-        for pid, msg in sends(eff, m.EstablishP2P):
-            self.h(pid, m.P2PConnectionsDone(epoch=msg.epoch, success=True))
-        assert self.st.accepted() == self.peers
-
-    def h(self, pid: int, msg: m.Message) -> list[Any]:
-        return self.st.handle(pid, msg, self.t)
-
-    def vote(self, proposals: dict[int, int], tag: int = 1) -> list[Any]:
-        eff: list[Any] = []
-        for p, seq in proposals.items():
-            eff += self.h(p, m.CollectiveInitiate(tag=tag, descriptor=DESC, op_seq=seq))
-        return eff
-
-    def done(self, peers: list[int], op_seq: int, tag: int = 1) -> list[Any]:
-        eff: list[Any] = []
-        for p in peers:
-            eff += self.h(p, m.CollectiveDone(tag=tag, success=True, op_seq=op_seq))
-        return eff
-
-    def slow_op(self, tag: int = 1) -> int:
-        """One op on the slow path (its commence has the table, at once); returns the next number."""
-        com = sends(self.vote(dict.fromkeys(self.peers, -1), tag), m.CollectiveCommence)
-        assert sorted(p for p, c in com if c.peers) == self.peers
-        comp = sends(self.done(self.peers, com[0][1].op_seq, tag), m.CollectiveComplete)
-        return int(comp[0][1].next_op_seq)
+        super().__init__(n, go_delay=delay)
 
 
 def test_an_op_that_completes_within_the_delay_gets_only_its_complete() -> None:
