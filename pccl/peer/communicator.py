@@ -102,8 +102,7 @@ _WAITING_NOTICE_AFTER = 0.25
 #: refused connect costs a fraction of a millisecond, a round every 0.1 s is nothing for a master that
 #: is not there, and the run's gap across a master kill is the restart delay plus at most one cap
 #: (docs/benchmarks.md "With master kills"; it was 1 s, then 0.25 s).
-_RECONNECT_BACKOFF_START = 0.05
-_RECONNECT_BACKOFF_MAX = RECONNECT_BACKOFF_MAX
+_RECONNECT_BACKOFF_START = 0.05  # ... capped at pccl._config.RECONNECT_BACKOFF_MAX (the master reads it too)
 
 
 def failover_order(addresses: list[tuple[str, int]], lost: tuple[str, int]) -> list[tuple[str, int]]:
@@ -427,18 +426,29 @@ class Communicator:
         self._nursery.start_soon(self._heartbeat, ms)
         self._nursery.start_soon(self._watchdog, ms)
 
-    async def _send(self, msg: m.Message) -> None:
+    def _sending_link(self) -> MessageStream:
+        """The master link to send on. Raises RankConnectionLostError while reconnecting (retry),
+        MasterConnectionError once the master is lost for good."""
         self._core.check_usable()
         ms = self._ms
         if self._core.reconnecting or ms is None:
             raise RankConnectionLostError("lost the master; reconnecting: retry")
+        return ms
+
+    def _send_broke(self, ms: MessageStream, exc: StreamBroken) -> RankConnectionLostError:
+        """The link broke under a send: fail it (reconnection starts) and return the error to raise
+        (raises MasterConnectionError instead when the master is lost for good)."""
+        err = MasterConnectionError(f"lost the master while sending: {exc}")
+        self._link_failed(ms, err)
+        self._core.check_usable()
+        return RankConnectionLostError(f"{err.message}; reconnecting: retry")
+
+    async def _send(self, msg: m.Message) -> None:
+        ms = self._sending_link()
         try:
             await ms.send(msg)
         except StreamBroken as exc:
-            err = MasterConnectionError(f"lost the master while sending: {exc}")
-            self._link_failed(ms, err)
-            self._core.check_usable()
-            raise RankConnectionLostError(f"{err.message}; reconnecting: retry") from exc
+            raise self._send_broke(ms, exc) from exc
 
     async def _send_now(self, msg: m.Message) -> None:
         """:meth:`_send` for the collective path's votes and reports: written straight into the
@@ -451,20 +461,14 @@ class Communicator:
             RankConnectionLostError: the master link is down or broke while sending (reconnecting).
             MasterConnectionError: the master is lost for good.
         """
-        self._core.check_usable()
-        ms = self._ms
-        if self._core.reconnecting or ms is None:
-            raise RankConnectionLostError("lost the master; reconnecting: retry")
+        ms = self._sending_link()
         try:
             if ms.send_nowait(msg):
                 if ms.owes:
                     await ms.flush()
                 return
         except StreamBroken as exc:
-            err = MasterConnectionError(f"lost the master while sending: {exc}")
-            self._link_failed(ms, err)
-            self._core.check_usable()
-            raise RankConnectionLostError(f"{err.message}; reconnecting: retry") from exc
+            raise self._send_broke(ms, exc) from exc
         await self._send(msg)
 
     async def _await_link(self) -> None:
@@ -535,7 +539,7 @@ class Communicator:
             if trio.current_time() >= deadline:
                 break
             await trio.sleep_until(min(deadline, trio.current_time() + backoff))
-            backoff = min(backoff * 2, _RECONNECT_BACKOFF_MAX)
+            backoff = min(backoff * 2, RECONNECT_BACKOFF_MAX)
         if not self._closed:
             window = self.config.reconnect_window
             self._fail_all(MasterConnectionError(
