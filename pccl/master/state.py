@@ -134,6 +134,12 @@ class _TopologyRound:
     measuring: set[int] = field(default_factory=set)
     establishing: bool = False
     establish_started: float = 0.0  # ``now`` when EstablishP2P went out (the P2P setup deadline's start)
+
+    @property
+    def voting(self) -> bool:
+        """Still collecting votes: neither measuring bandwidth (optimize) nor setting up the P2P
+        connections of its epoch (``epoch`` >= 0 exactly while ``establishing``)."""
+        return not self.establishing and not self.measuring and not self.measure_rounds
     # the members' epoch while the round sets up (they move at its TopologyResult; -1: not set up yet)
     from_epoch: int = -1
 
@@ -779,7 +785,7 @@ class MasterState:
         for p in sorted(self._pending_votes):
             out.setdefault(p, []).append(VoteWait("peers_pending"))
         rnd = self._topology
-        if rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds:
+        if rnd is not None and rnd.voting:
             for p in sorted(rnd.votes):
                 out.setdefault(p, []).append(VoteWait(f"{rnd.kind}_topology"))
         for (_, tag), op in sorted(self._ops.items()):
@@ -797,7 +803,7 @@ class MasterState:
         the cheap test the deadlock check makes after every batch of messages."""
         out = set(self._pending_votes)
         rnd = self._topology
-        if rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds:
+        if rnd is not None and rnd.voting:
             out |= rnd.votes
         for op in self._ops.values():
             if not op.running:
@@ -811,7 +817,7 @@ class MasterState:
         """Peers taking part in a running collective, sync or topology round (not just voting)."""
         out: set[int] = set()
         rnd = self._topology
-        if rnd is not None and (rnd.establishing or rnd.measuring or rnd.measure_rounds):
+        if rnd is not None and not rnd.voting:
             out |= set(rnd.members) | set(rnd.measuring) | set(self.ring)
         for op in self._ops.values():
             if op.running:
@@ -849,7 +855,7 @@ class MasterState:
             if not sync.votes:
                 del self._syncs[group]
         rnd = self._topology
-        if rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds:
+        if rnd is not None and rnd.voting:
             table = self.table(self.ring)
             for p in sorted(peer_ids & rnd.votes):
                 rnd.votes.discard(p)
@@ -945,7 +951,7 @@ class MasterState:
             out.append(("are_peers_pending vote", self._pending_opened, ring - self._pending_votes,
                         sorted(self._pending_votes)))
         rnd = self._topology
-        voting = rnd is not None and not rnd.establishing and not rnd.measuring and not rnd.measure_rounds
+        voting = rnd is not None and rnd.voting
         if rnd is not None and voting and rnd.votes:
             out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes)))
         for (group, tag), op in sorted(self._ops.items()):
@@ -1421,7 +1427,7 @@ class MasterState:
             topology = self._topology
             if topology is None:
                 return _away.NONE
-            voting = topology.epoch < 0 and not topology.measuring and not topology.measure_rounds
+            voting = topology.voting
             return _away.OPEN if voting else _away.RUNNING
         rnd: _CollectiveOp | _SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
             else self._syncs.get(group)
@@ -1587,7 +1593,7 @@ class MasterState:
             self.away.opened(_TOPOLOGY_KEY)
         elif rnd.kind != kind:
             return self.kick(rec.peer_id, f"{kind}_topology while the others run {rnd.kind}_topology")
-        if rec.peer_id in rnd.votes or rnd.epoch >= 0 or rnd.measure_rounds or rnd.measuring:
+        if rec.peer_id in rnd.votes or not rnd.voting:
             return self.kick(rec.peer_id, f"duplicate {kind} topology vote")
         rnd.votes.add(rec.peer_id)
         return self._check_topology_vote()
@@ -1605,7 +1611,7 @@ class MasterState:
             return []
         rnd = self._topology
         failed: list[Effect] = []
-        if rnd is not None and rnd.votes and rnd.epoch < 0 and not rnd.measuring and not rnd.measure_rounds:
+        if rnd is not None and rnd.votes and rnd.voting:
             result = self._lost_topology_result(rnd.kind)
             failed = [Send(p, result) for p in sorted(rnd.votes)]
             self._topology = None
@@ -1615,7 +1621,7 @@ class MasterState:
 
     def _check_topology_vote(self) -> list[Effect]:
         rnd = self._topology
-        if rnd is None or rnd.epoch >= 0 or rnd.measuring or rnd.measure_rounds or not self.resumed:
+        if rnd is None or not rnd.voting or not self.resumed:
             return []
         if not rnd.votes or len(rnd.votes) < len(self.ring) or not set(self.ring) <= rnd.votes:
             return []
