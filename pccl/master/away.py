@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-#: ``(kind, group, tag)``: kind "op" (a collective, by tag) or "sync" (tag -1), as in pccl/master/doubt.py,
-#: or ``("topology", -1, -1)``: the ring-wide topology round.
-Key = tuple[str, int, int]
+# Key: ``(kind, group, tag)`` as in doubt.py, or ``("topology", -1, -1)``: the ring-wide topology round.
+from .doubt import Key
 
 #: A vote round's state at one instant: no round, votes open (not started), or running.
 NONE, OPEN, RUNNING = "none", "open", "running"

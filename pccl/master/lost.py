@@ -33,9 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..wire import messages as m
-
-#: ``(kind, group, tag)``: kind "op" (a collective, by tag) or "sync" (tag -1), as in pccl/master/doubt.py.
-Key = tuple[str, int, int]
+from .doubt import Key
 
 #: The reason every member's failed vote carries.
 REASON = "failed at the master's loss on other members; retry"

@@ -34,7 +34,7 @@ from . import away as _away
 from . import election as _election
 from .away import AwayBook
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
-from .doubt import Decision, DoubtBook
+from .doubt import Decision, DoubtBook, Key
 from .lost import REASON as LOST_REASON
 from .lost import LostBook
 from .rounds import PendingDecision, RoundBook, TopologyDecision, reported_epoch
@@ -1420,7 +1420,7 @@ class MasterState:
         topology = self._topology
         return (sync is not None and sync.running) or (topology is not None and topology.establishing)
 
-    def _round_state(self, key: tuple[str, int, int]) -> str:
+    def _round_state(self, key: Key) -> str:
         """The vote round of ``key`` now: none, open (votes, not started) or running."""
         kind, group, tag = key
         if kind == "topology":
@@ -1433,12 +1433,12 @@ class MasterState:
             else self._syncs.get(group)
         return _away.NONE if rnd is None else _away.RUNNING if rnd.running else _away.OPEN
 
-    def _kept(self, peer_id: int, key: tuple[str, int, int]) -> bool | None:
+    def _kept(self, peer_id: int, key: Key) -> bool | None:
         """Whether the others still vote for the call of ``key`` that ``peer_id`` abandoned (see
         :meth:`AwayBook.kept_votes`)."""
         return self.away.kept_votes(peer_id, key, self._round_state(key))
 
-    def _rounds_of(self, group: int) -> dict[tuple[str, int, int], str]:
+    def _rounds_of(self, group: int) -> dict[Key, str]:
         """``group``'s collective and sync rounds now, by key (open or running)."""
         rounds = {("op", g, t): _away.RUNNING if op.running else _away.OPEN
                   for (g, t), op in self._ops.items() if g == group}
@@ -1942,7 +1942,7 @@ class MasterState:
         return m.SharedStateResult(sync_seq=-1, success=False, revision=revision, reason=LOST_REASON,
                                    code=int(Result.RANK_CONNECTION_LOST))
 
-    def _fail_lost(self, keys: list[tuple[str, int, int]]) -> list[Effect]:
+    def _fail_lost(self, keys: list[Key]) -> list[Effect]:
         """A re-registration named ``keys`` lost with the master: fail the votes for them already
         waiting here (members that voted at this master before the report came), once each."""
         effects: list[Effect] = []
