@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 from ._tls import TlsFiles, check_pairing
@@ -14,6 +16,15 @@ PROTOCOL_VERSION = 5
 #: listens the peers find it, and so the spread of their re-registrations, which the roll call's quiet
 #: period covers (MasterConfig.rebuild_quiet). A refused connect costs a fraction of a millisecond.
 RECONNECT_BACKOFF_MAX = 0.1
+
+
+def _reject_nan(config: object) -> None:
+    """Raise ValueError for a NaN field: it passes every range check (each comparison is False) and then
+    never fires (a timeout of NaN never expires)."""
+    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+        value = getattr(config, f.name)
+        if isinstance(value, float) and math.isnan(value):
+            raise ValueError(f"{type(config).__name__}.{f.name} must be a number, not NaN")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +147,7 @@ class MasterConfig:
     speculative_go_delay: float = 0.01
 
     def __post_init__(self) -> None:
+        _reject_nan(self)
         if self.speculative_go_delay < 0:
             raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
         if self.rebuild_grace < 0:
@@ -255,6 +267,7 @@ class PeerConfig:
     tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
+        _reject_nan(self)
         if self.recv_stash_limit < 0:
             raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
         if not self.p2p_stall_timeout > 0:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from pccl import Communicator, MasterConfig
+from pccl import Communicator, MasterConfig, PeerConfig
 from pccl.cli import VERSION, main, master_main
 from pccl.master.server import MasterHandle, open_master
 
@@ -198,3 +198,18 @@ def test_speculative_go_delay_option(capsys: pytest.CaptureFixture[str]) -> None
     assert master_main(["--speculative-go-delay", "-1"]) == 2
     (line,) = _err_lines(capsys)
     assert line.startswith("pccl-master: error: argument --speculative-go-delay: -1 must not be negative")
+
+
+@pytest.mark.parametrize("option", ["--rebuild-grace", "--rebuild-quiet", "--rejoin-grace",
+                                    "--speculative-go-delay", "--heartbeat-timeout"])
+def test_a_seconds_option_refuses_nan(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # NaN passes every range check (each comparison is False) and a NaN timeout never expires.
+    assert master_main([option, "nan"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.startswith(f"pccl-master: error: argument {option}: 'nan' is not a number of seconds")
+
+
+@pytest.mark.parametrize("config", [MasterConfig, PeerConfig])
+def test_configs_refuse_a_nan_field(config: type) -> None:
+    with pytest.raises(ValueError, match="heartbeat_timeout must be a number, not NaN"):
+        config(heartbeat_timeout=float("nan"))
