@@ -17,8 +17,10 @@ only), written like ``gloo_bench.py`` (barrier, then ``dist.all_reduce``) plus a
 ``torch.cuda.synchronize()`` inside the timed region, since Gloo's CUDA all-reduce returns before its
 copy back to the device has finished. Our call returns with the result in device memory.
 
-``--schedule`` sets our peers' ``PeerConfig.schedule`` (default: the PeerConfig default, "auto": the cost
-model picks the ring, halving-doubling or the tree per operation, docs/topology.md).
+``--spin-seconds`` sets our peers' ``PeerConfig.spin_seconds`` (how long a collective polls instead of
+sleeping; 0 turns polling off, for A/B runs). ``--schedule`` sets our peers' ``PeerConfig.schedule``
+(default: the PeerConfig default, "auto": the cost model picks the ring, halving-doubling or the tree
+per operation, docs/topology.md).
 
 ``--tls``: the cost of security instead of the Gloo comparison. At each world size (default 2) our side
 runs in three settings, interleaved over ``--rounds`` rounds (the order rotates each round, so a busy
@@ -29,6 +31,7 @@ handshake, no TLS: it runs only at connection set-up, so once connected it shoul
 
 usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
                                       [--schedule auto|ring|hd|tree] [--master-arg ARG ...]
+                                      [--spin-seconds S]
        python benchmarks/allreduce.py --tls [--rounds 3] [--sizes 64K,1M,16M,64M] [--iters 20]
 """
 
@@ -72,6 +75,8 @@ async def _peer(cfg: dict[str, Any]) -> None:
         overrides["recv_stash_limit"] = cfg["stash_limit"]
     if cfg.get("schedule"):
         overrides["schedule"] = cfg["schedule"]
+    if cfg.get("spin") is not None:
+        overrides["spin_seconds"] = cfg["spin"]
     async with open_communicator(cfg["master"], config=c.peer_config(**overrides),
                                  p2p_connection_pool_size=cfg["pool_size"]) as comm:
         while comm.world_size < cfg["world"]:
@@ -147,7 +152,7 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace,
         cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
                "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device,
                "samples": args.samples, "stash_limit": args.recv_stash_limit, "schedule": args.schedule,
-               "peer": setting.peer}
+               "spin": args.spin_seconds, "peer": setting.peer}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
         results: dict[int, dict[str, Any]] = {}
@@ -359,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-gloo", action="store_true", help="only our side")
     p.add_argument("--schedule", default=None, choices=("auto", "ring", "hd", "tree"),
                    help="PeerConfig.schedule of our peers (default: the PeerConfig default, auto)")
+    p.add_argument("--spin-seconds", type=float, default=None,
+                   help="PeerConfig.spin_seconds of our peers (default: PeerConfig's; 0: block in every "
+                        "wait, as before polling existed)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: all-reduce torch CUDA tensors on both sides (needs a GPU)")
     p.add_argument("--keep-logs", action="store_true")

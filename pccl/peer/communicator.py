@@ -71,6 +71,7 @@ from .credentials import CredentialStore
 from .mailbox import Mailbox, Waiter
 from .p2p import P2PDialer, serve_p2p
 from .pool import P2PPool
+from .spin import Spinner
 from .stall import StallWatch
 from .state import (
     AbortOp,
@@ -209,6 +210,7 @@ class Communicator:
         self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
         self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
+        self._spinner = Spinner(self.config.spin_seconds)
         self.pool: Any = None
         # What the schedule choice knows of the links: the master's summary from the last
         # EstablishP2P (the same on every member of the group), None: the cost model's defaults.
@@ -270,7 +272,8 @@ class Communicator:
         ``membership_call``, ``topology_call_waiting``, ``master_ok``), then ``sync_call_waiting``,
         ``sync`` (the running sync, see :meth:`pccl.peer.shared_state.StateServer.statistics`),
         ``pending_queries_waiting``, ``data_planes_running``, ``pool``, ``phase_seconds``,
-        ``last_op_phases``, the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters and
+        ``last_op_phases``, ``spin_passes`` (polling passes while collectives ran, see
+        ``PeerConfig.spin_seconds``), the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters and
         ``schedule_<name>_ok`` (successful collectives per schedule: ring, hd, tree).
         """
         return {
@@ -282,6 +285,7 @@ class Communicator:
             "pool": self.pool.statistics() if self.pool is not None else None,
             "phase_seconds": dict(self._phase_seconds),
             "last_op_phases": dict(self._last_phases),
+            "spin_passes": self._spinner.passes,
             **dict(self._stats),
         }
 
@@ -375,6 +379,7 @@ class Communicator:
         self._start_link_tasks(ms)
         self._stall.name = f"peer {self.peer_id}"
         nursery.start_soon(self._stall.run)
+        nursery.start_soon(self._spinner.run)
         await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group,
                                      public_key=self._credentials.public_key))
         if self._standbys():
@@ -979,6 +984,7 @@ class Communicator:
         t_start = time.perf_counter()
         st = _OpState(tag=tag, commence=Waiter(), complete=Waiter())
         self._core.begin_op(tag)
+        self._spinner.begin()  # poll instead of sleeping while it runs (pccl/peer/spin.py)
         self._ops[tag] = st
         work: np.ndarray | None = None
         partners: list[int] = []  # every peer this op's plan sends to or receives from
@@ -1094,6 +1100,7 @@ class Communicator:
                 self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
             self._ops.pop(tag, None)
             self._core.end_op(tag)
+            self._spinner.end()
 
     def _record_phases(self, *t: float) -> None:
         """Record a successful collective's phases from the ``len(_PHASES) + 1`` instants between them."""

@@ -24,9 +24,11 @@ class LoopbackCluster:
     """A master and peers in one trio run; each peer lives in its own cancel scope (kill = cancel)."""
 
     def __init__(
-        self, master: MasterHandle, nursery: trio.Nursery, pool_size: int, transport: Transport | None = None
+        self, master: MasterHandle, nursery: trio.Nursery, pool_size: int, transport: Transport | None = None,
+        peer_config: PeerConfig = FAST_PEER,
     ) -> None:
         self.master = master
+        self.peer_config = peer_config
         self.nursery = nursery
         self.pool_size = pool_size
         self.transport = transport
@@ -45,7 +47,7 @@ class LoopbackCluster:
                     self.master.connect_address,
                     peer_group=group,
                     p2p_connection_pool_size=self.pool_size,
-                    config=FAST_PEER,
+                    config=self.peer_config,
                     transport=self.transport,
                 ) as c:
                     ready.append(c)
@@ -85,10 +87,11 @@ async def loopback_cluster(
     pool_size: int = 1,
     transport: Transport | None = None,
     master_config: MasterConfig = FAST_MASTER,
+    peer_config: PeerConfig = FAST_PEER,
 ) -> AsyncIterator[LoopbackCluster]:
     async with open_master(config=master_config, transport=transport) as master:
         async with trio.open_nursery() as nursery:
-            cl = LoopbackCluster(master, nursery, pool_size, transport)
+            cl = LoopbackCluster(master, nursery, pool_size, transport, peer_config)
             for i in range(n_peers):
                 await cl.add_peer(groups[i] if groups else 0)
             await cl.update_all()  # everyone has the same table
