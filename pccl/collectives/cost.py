@@ -43,6 +43,9 @@ __all__ = [
     "DEFAULT_LATENCY",
     "DEFAULT_MARGIN",
     "HETEROGENEOUS_RATIO",
+    "SAME_HOST",
+    "SAME_HOST_BANDWIDTH",
+    "SAME_HOST_LATENCY",
     "SCHEDULE_REQUESTS",
     "Choice",
     "LinkModel",
@@ -58,6 +61,17 @@ per-frame software cost (scheduling, wake-ups)."""
 
 DEFAULT_BANDWIDTH = 125e6
 """Bytes/s of an unmeasured link (1 Gbit/s)."""
+
+SAME_HOST_LATENCY = 0.2e-3
+"""Seconds per dependent step between peers of one host (every address in the group the same)
+when nothing was measured: no wire to cross, so what a step costs is this implementation's
+per-frame work and the wake-ups between the processes (measured on a 2-vCPU VM; docs/topology.md
+"Peers on one host")."""
+
+SAME_HOST_BANDWIDTH = 1e9
+"""Bytes/s between peers of one host when nothing was measured: what the executor moves through
+loopback TCP including its copies and reductions (the 4 MB ring all-reduce at 3 peers on that VM),
+not the loopback's raw rate."""
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 """The executor's pipelining block (``pccl.collectives.ring.DEFAULT_BLOCK_BYTES``; repeated here so
@@ -159,6 +173,14 @@ class Choice:
 
     schedule: str
     predictions: dict[str, float] = field(default_factory=dict)
+
+
+SAME_HOST = LinkModel(
+    latency=SAME_HOST_LATENCY, default_latency=SAME_HOST_LATENCY, default_bandwidth=SAME_HOST_BANDWIDTH
+)
+"""The model of an unmeasured group whose peers all run on one host (see
+:func:`pccl.collectives.cost.schedule_for`'s callers): the LAN defaults would price every byte ten
+times too high there and keep the ring where a tree or halving-doubling is faster."""
 
 
 def _check(kind: str, n: int, nbytes: float) -> None:

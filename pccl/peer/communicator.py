@@ -56,7 +56,7 @@ from .._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
-from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel, schedule_for
+from ..collectives.cost import SAME_HOST, SCHEDULE_REQUESTS, LinkModel, schedule_for
 from ..collectives.ring import plan_for, plan_partners, run_collective
 from ..collectives.schedule import chunk_bounds, send_partners
 from ..kernels import backend, reduce
@@ -1025,7 +1025,7 @@ class Communicator:
                     # failure path below forgets the op's stashed frames and raises the abort).
                     scope.cancel()
                 try:
-                    schedule = self._schedule(descriptor, ring, sdesc.dtype, root)
+                    schedule = self._schedule(descriptor, rows, sdesc.dtype, root)
                     try:
                         partners = await self._connect_partners(
                             kind, rows, descriptor, sdesc.dtype, schedule, root
@@ -1122,17 +1122,23 @@ class Communicator:
         return (stats["tx_bytes"], stats["rx_bytes"])
 
     def _schedule(
-        self, descriptor: m.CollectiveDescriptor, ring: list[int], dtype: DataType, root: int
+        self, descriptor: m.CollectiveDescriptor, rows: list[m.PeerRow], dtype: DataType, root: int
     ) -> str:
         """The schedule this operation runs: from the descriptor (equal on every participant, the
-        master checked) and the commenced group's size only, so every participant picks the same."""
+        master checked), the operation's group (its table, the same on every participant) and the
+        link summary the master sent every member, so every participant picks the same. Without a
+        summary, a group whose members all have one address (one host) is priced with
+        :data:`~pccl.collectives.cost.SAME_HOST`, any other with the LAN defaults."""
+        links = self._links
+        if links is None and len({r.host for r in rows}) == 1:
+            links = SAME_HOST
         return schedule_for(
             descriptor.schedule,
             descriptor.kind,
-            len(ring),
+            len(rows),
             descriptor.element_count * backend.dtype_to_numpy(dtype).itemsize,
             quantized=descriptor.quantization != int(QuantizationAlgorithm.NONE),
-            links=self._links,
+            links=links,
             root=root,
         )
 
