@@ -110,4 +110,5 @@ class Spinner:
                     self.passes += 1
                     await trio.lowlevel.checkpoint()
             finally:
-                _holder = None
+                if _holder is self:  # communicators in other threads' trio loops race for it, harmlessly
+                    _holder = None
