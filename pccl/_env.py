@@ -1,14 +1,15 @@
 """Environment variables for the common settings (documented in docs/cli.md).
 
-=================== ======================================================================
-``PCCL_MASTER``      the master's ``HOST:PORT`` when a communicator is given no address
-``PCCL_SECRET_FILE`` a file whose content (stripped) is the shared secret, for peers and master
-``PCCL_SECRET``      the shared secret itself (``PCCL_SECRET_FILE`` wins when both are set)
-``PCCL_TLS_CERT``    PEM certificate chain for TLS (peers, ``pccl-master``, ``pccl run``'s master)
-``PCCL_TLS_KEY``     its private key (default: the ``PCCL_TLS_CERT`` file)
-``PCCL_TLS_CA``      PEM CA certificates the other side's certificate must chain to
-``PCCL_LOG_LEVEL``   DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
-=================== ======================================================================
+===================== ======================================================================
+``PCCL_MASTER``       the master's ``HOST:PORT`` when a communicator is given no address
+``PCCL_SECRET_FILE``  a file whose content (stripped) is the shared secret, for peers and master
+``PCCL_SECRET``       the shared secret itself (``PCCL_SECRET_FILE`` wins when both are set)
+``PCCL_TLS_CERT``     PEM certificate chain for TLS (peers, ``pccl-master``, ``pccl run``'s master)
+``PCCL_TLS_KEY``      its private key (default: the ``PCCL_TLS_CERT`` file)
+``PCCL_TLS_CA``       PEM CA certificates the other side's certificate must chain to
+``PCCL_LOG_LEVEL``    DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
+``PCCL_SPIN_SECONDS`` ``PeerConfig.spin_seconds`` of a communicator given no ``PeerConfig``
+===================== ======================================================================
 
 Explicit arguments always win over the environment.
 """
@@ -30,6 +31,7 @@ ENV_MASTER = "PCCL_MASTER"
 ENV_SECRET = "PCCL_SECRET"
 ENV_SECRET_FILE = "PCCL_SECRET_FILE"
 ENV_LOG_LEVEL = "PCCL_LOG_LEVEL"
+ENV_SPIN_SECONDS = "PCCL_SPIN_SECONDS"
 ENV_TLS_CERT = "PCCL_TLS_CERT"
 ENV_TLS_KEY = "PCCL_TLS_KEY"
 ENV_TLS_CA = "PCCL_TLS_CA"
@@ -101,11 +103,23 @@ def peer_config(config: PeerConfig | None, environ: Mapping[str, str] | None = N
     """``config`` (default :class:`PeerConfig`) with its secret from the environment when it has none, and
     its TLS files from ``$PCCL_TLS_CERT`` / ``$PCCL_TLS_KEY`` / ``$PCCL_TLS_CA`` when it names none.
 
+    Without ``config``, ``spin_seconds`` comes from ``$PCCL_SPIN_SECONDS`` when it is set (the
+    blocking API's communicators take no config).
+
     Raises:
-        InvalidArgumentError: ``PCCL_SECRET_FILE`` cannot be read, or the TLS variables are incomplete
-            (a peer needs a certificate and a CA).
+        InvalidArgumentError: ``PCCL_SECRET_FILE`` cannot be read, the TLS variables are incomplete
+            (a peer needs a certificate and a CA), or ``PCCL_SPIN_SECONDS`` is not a number >= 0.
     """
     cfg = config or PeerConfig()
+    env = os.environ if environ is None else environ
+    spin = env.get(ENV_SPIN_SECONDS, "").strip()
+    if config is None and spin:
+        try:
+            cfg = dataclasses.replace(cfg, spin_seconds=float(spin))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"${ENV_SPIN_SECONDS} must be a number of seconds >= 0, not {spin!r}"
+            ) from None
     if cfg.secret is None:
         found = secret(None, environ)
         if found is not None:

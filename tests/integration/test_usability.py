@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 import pccl
-from pccl import _env
+from pccl import PeerConfig, _env
 from pccl._address import parse_address
 from pccl.master.server import open_master
 from pccl.peer.communicator import open_communicator
@@ -114,6 +114,20 @@ def test_parse_address_rejects_with_the_expected_form(address: object, why: str)
         f"invalid address {address!r}: {why}; expected \"HOST:PORT\" (e.g. \"127.0.0.1:48148\", "
         "\"[::1]:48148\") or a (host, port) tuple"
     )
+
+
+def test_spin_seconds_from_the_environment() -> None:
+    """PCCL_SPIN_SECONDS sets the polling budget of a communicator given no PeerConfig (the blocking
+    API's); an explicit PeerConfig wins; a bad value is refused naming the variable."""
+    assert _env.peer_config(None, {"PCCL_SPIN_SECONDS": "0"}).spin_seconds == 0.0
+    assert _env.peer_config(None, {"PCCL_SPIN_SECONDS": " 0.004 "}).spin_seconds == 0.004
+    assert _env.peer_config(None, {}).spin_seconds == PeerConfig().spin_seconds
+    given = PeerConfig(spin_seconds=0.002)
+    assert _env.peer_config(given, {"PCCL_SPIN_SECONDS": "0"}).spin_seconds == 0.002
+    for bad in ("-1", "nan", "fast"):
+        with pytest.raises(pccl.PCCLError) as info:
+            _env.peer_config(None, {"PCCL_SPIN_SECONDS": bad})
+        assert "PCCL_SPIN_SECONDS" in info.value.message
 
 
 def test_environment_helpers(tmp_path: object) -> None:
