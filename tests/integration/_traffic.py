@@ -1,18 +1,26 @@
-"""What the master-crash and link-break tests share: the control messages read out of the virtual
-network's traffic (to cut a connection exactly at one message) and a gradient that names its sender."""
+"""What the master-crash and link-break tests share: the peer configuration that keeps reconnecting, the
+control messages read out of the virtual network's traffic (to cut a connection exactly at one message)
+and a gradient that names its sender."""
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Hashable, Iterator
 
 import numpy as np
 
+from pccl import PeerConfig
+from pccl.testing import DEFAULT_PEER_CONFIG
 from pccl.wire import messages as m
 from pccl.wire.framing import HEADER_SIZE
 
 _LEN = struct.Struct("<I")  # the frame's length prefix (pccl/wire/framing.py)
 assert _LEN.size == HEADER_SIZE
+
+RECONNECTING_PEER: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
+"""The test clusters' peer configuration with a reconnect window far longer than any outage the tests
+make (virtual time): a peer that loses its master keeps reconnecting instead of giving up."""
 
 
 class ControlFrames:

@@ -10,16 +10,13 @@ meet at the new master.
 
 from __future__ import annotations
 
-import dataclasses
-
 import trio
 import trio.testing
 
-from pccl import PeerConfig
 from pccl.demo import _admit_pending
-from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+from pccl.testing import VirtualNetwork, open_test_cluster
 
-CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
+from ._traffic import RECONNECTING_PEER as CONFIG
 
 
 async def test_a_query_failed_by_the_master_loss_is_asked_again_at_the_new_master(

@@ -12,9 +12,9 @@ import trio.testing
 from pccl import MasterConfig, PeerConfig
 from pccl.master.server import MasterHandle, open_master
 from pccl.peer.communicator import Communicator, failover_order, open_communicator
-from pccl.testing import DEFAULT_PEER_CONFIG, TestCluster, VirtualHost, VirtualNetwork, open_test_cluster
+from pccl.testing import TestCluster, VirtualHost, VirtualNetwork, open_test_cluster
 
-CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
+from ._traffic import RECONNECTING_PEER as CONFIG
 
 
 async def _reconnected_after(cluster: TestCluster, n: int) -> float:

@@ -11,17 +11,14 @@ aborts it for everybody), and the loop goes on with identical states and no lost
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
 import pccl
-from pccl import PeerConfig, ReduceOp, SharedState, TensorInfo
+from pccl import ReduceOp, SharedState, TensorInfo
 from pccl.testing import (
-    DEFAULT_PEER_CONFIG,
     MASTER,
     HookAction,
     Reset,
@@ -32,9 +29,9 @@ from pccl.testing import (
 )
 from pccl.wire import messages as m
 
+from ._traffic import RECONNECTING_PEER as CONFIG
 from ._traffic import ControlFrames, grad
 
-CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 STEPS = 8
 CRASH_STEP = 3  # the step whose all-reduce (or sync) is split by the crash
 WORDS = 32

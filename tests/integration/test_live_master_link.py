@@ -22,11 +22,10 @@ import trio
 import trio.testing
 
 import pccl
-from pccl import MasterConfig, PeerConfig, ReduceOp, SharedState, TensorInfo
+from pccl import MasterConfig, ReduceOp, SharedState, TensorInfo
 from pccl.master.state import Phase
 from pccl.testing import (
     DEFAULT_MASTER_CONFIG,
-    DEFAULT_PEER_CONFIG,
     MASTER,
     HookAction,
     Reset,
@@ -37,9 +36,9 @@ from pccl.testing import (
 )
 from pccl.wire import messages as m
 
+from ._traffic import RECONNECTING_PEER as CONFIG
 from ._traffic import ControlFrames, grad
 
-CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 HOLD: MasterConfig = dataclasses.replace(DEFAULT_MASTER_CONFIG, rejoin_grace=1.0)
 
 

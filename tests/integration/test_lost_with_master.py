@@ -11,21 +11,19 @@ the same retryable error, and every step completes exactly.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import trio
 import trio.testing
 
 import pccl
-from pccl import PeerConfig, ReduceOp, SharedState, TensorInfo
+from pccl import ReduceOp, SharedState, TensorInfo
 from pccl.master.lost import REASON
-from pccl.testing import DEFAULT_PEER_CONFIG, TestCluster, VirtualNetwork, open_test_cluster
+from pccl.testing import TestCluster, VirtualNetwork, open_test_cluster
 
+from ._traffic import RECONNECTING_PEER as CONFIG
 from ._traffic import grad
 
-CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 STEPS = 5
 WORDS = 32
 

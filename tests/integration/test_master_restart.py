@@ -16,11 +16,12 @@ import trio
 import trio.testing
 
 import pccl
-from pccl import PeerConfig, ReduceOp, SharedState, TensorInfo
-from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+from pccl import ReduceOp, SharedState, TensorInfo
+from pccl.testing import VirtualNetwork, open_test_cluster
+
+from ._traffic import RECONNECTING_PEER as CONFIG
 
 BEFORE = AFTER = 3  # all-reduces every peer completes before the restart, and after it
-CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 
 
 async def _sync_all(cluster: pccl.testing.TestCluster, states: list[SharedState]) -> None:

@@ -17,7 +17,6 @@ member that ran it, with identical states at the end.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -27,9 +26,8 @@ import trio
 import trio.testing
 
 import pccl
-from pccl import PeerConfig, ReduceOp, SharedState, TensorInfo
+from pccl import ReduceOp, SharedState, TensorInfo
 from pccl.testing import (
-    DEFAULT_PEER_CONFIG,
     MASTER,
     HookAction,
     Reset,
@@ -40,9 +38,9 @@ from pccl.testing import (
 )
 from pccl.wire import messages as m
 
+from ._traffic import RECONNECTING_PEER as CONFIG
 from ._traffic import ControlFrames, grad
 
-CONFIG: PeerConfig = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
 STEPS = 6
 CRASH_STEP = 2
 WORDS = 16
