@@ -1,4 +1,5 @@
-"""Fixtures shared by the blocking-API and compatibility tests."""
+"""Fixtures shared across the test packages (the blocking-API and compatibility tests' master, the
+encoding counter of the shared-message tests)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from collections.abc import Iterator
 import pytest
 
 from pccl import MasterNode
+from pccl.wire import messages as m
+from pccl.wire import stream as stream_mod
 
 
 @pytest.fixture
@@ -18,3 +21,17 @@ def master() -> Iterator[MasterNode]:
         yield m
     finally:
         m.interrupt()
+
+
+@pytest.fixture
+def encoded_types(monkeypatch: pytest.MonkeyPatch) -> list[type]:
+    """The type of every message the streams encode from now on, in order (``pccl.wire.stream``'s
+    ``encode`` wrapped): tests of messages shared by many receivers count that each is encoded once."""
+    calls: list[type] = []
+
+    def counting(msg: m.Message) -> bytes:
+        calls.append(type(msg))
+        return m.encode(msg)
+
+    monkeypatch.setattr(stream_mod, "encode", counting)
+    return calls

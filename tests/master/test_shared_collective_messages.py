@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import pytest
-
 from pccl.master.state import MasterState, Send
 from pccl.wire import messages as m
 from pccl.wire import stream as stream_mod
@@ -34,15 +32,9 @@ def sent(effects: list[Any], cls: type) -> list[tuple[int, Any]]:
 
 
 def test_every_voter_gets_the_same_commence_and_complete_object_and_each_is_encoded_once(
-    monkeypatch: pytest.MonkeyPatch,
+    encoded_types: list[type],
 ) -> None:
-    calls: list[type] = []
-
-    def counting(msg: m.Message) -> bytes:
-        calls.append(type(msg))
-        return m.encode(msg)
-
-    monkeypatch.setattr(stream_mod, "encode", counting)
+    calls = encoded_types
     st, peers = setup(5)
     eff: list[Any] = []
     for p in peers:

@@ -241,15 +241,9 @@ def test_a_hello_of_another_version_is_decoded_so_that_the_version_is_what_is_re
 
 
 async def test_a_stream_encodes_the_set_every_member_gets_once(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    autojump_clock: trio.testing.MockClock, encoded_types: list[type]
 ) -> None:
-    calls: list[type] = []
-
-    def counting(msg: m.Message) -> bytes:
-        calls.append(type(msg))
-        return m.encode(msg)
-
-    monkeypatch.setattr(stream_mod, "encode", counting)
+    calls = encoded_types
     net = VirtualNetwork()
 
     async def pair() -> tuple[Stream, Stream]:
