@@ -442,21 +442,21 @@ class MasterServer:
             failed = self.deadlocks.check(self.state, trio.current_time())
             if failed:
                 self._execute(failed)
-            deadline = self.deadlocks.deadline()
-            if deadline != self._deadlock_deadline:
-                self._deadlock_deadline = deadline
-                if deadline is not None and self._wake_monitor is not None:
-                    self._wake_monitor.set()
-        rejoin = self.state.rejoin_deadline()
-        if rejoin != self._rejoin_deadline:
-            self._rejoin_deadline = rejoin  # a member's hold started or ended: the monitor ends it on time
-            if rejoin is not None and self._wake_monitor is not None:
-                self._wake_monitor.set()
+            self._deadlock_deadline = self._rearm(self._deadlock_deadline, self.deadlocks.deadline())
+        # a member's hold started or ended: the monitor ends it on time
+        self._rejoin_deadline = self._rearm(self._rejoin_deadline, self.state.rejoin_deadline())
         if self.state.go_waiting and not self._wake_go.is_set():
             self._wake_go.set()
         job = self.state.take_improvement_job()
         if job is not None and self._nursery is not None:
             self._nursery.start_soon(self._improve_ring, job)
+
+    def _rearm(self, known: float | None, deadline: float | None) -> float | None:
+        """``deadline``, a time the monitor must wake at; wakes the monitor now when it differs from the
+        ``known`` one (the monitor recomputes its sleep from the state)."""
+        if deadline != known and deadline is not None and self._wake_monitor is not None:
+            self._wake_monitor.set()
+        return deadline
 
     async def _improve_ring(self, job: tuple[list[int], list[list[float | None]]]) -> None:
         """Run the ATSP local search in a worker thread; the state adopts it at the next change."""
