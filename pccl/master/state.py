@@ -134,14 +134,14 @@ class _TopologyRound:
     measuring: set[int] = field(default_factory=set)
     establishing: bool = False
     establish_started: float = 0.0  # ``now`` when EstablishP2P went out (the P2P setup deadline's start)
+    # the members' epoch while the round sets up (they move at its TopologyResult; -1: not set up yet)
+    from_epoch: int = -1
 
     @property
     def voting(self) -> bool:
         """Still collecting votes: neither measuring bandwidth (optimize) nor setting up the P2P
         connections of its epoch (``epoch`` >= 0 exactly while ``establishing``)."""
         return not self.establishing and not self.measuring and not self.measure_rounds
-    # the members' epoch while the round sets up (they move at its TopologyResult; -1: not set up yet)
-    from_epoch: int = -1
 
 
 @dataclass
