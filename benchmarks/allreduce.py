@@ -29,15 +29,21 @@ handshake, no TLS: it runs only at connection set-up, so once connected it shoul
 ``tls`` (mutual TLS on master and P2P connections, throw-away certificates from
 ``pccl.testing.tls``, which needs ``trustme``). The table gives the median over the rounds and the ratios.
 
+``--master-in-rank0``: our master runs inside the first peer's process, in its event loop, instead of as
+a process of its own. That is the shape of the Gloo side, whose rendezvous store (torch.distributed's
+TCPStore) is a thread of rank 0's process: on a host with fewer cores than processes it shows what the
+master's own process costs each operation (docs/benchmarks.md "Where a small operation's time goes").
+
 usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
                                       [--schedule auto|ring|hd|tree] [--master-arg ARG ...]
-                                      [--spin-seconds S]
+                                      [--spin-seconds S] [--master-in-rank0]
        python benchmarks/allreduce.py --tls [--rounds 3] [--sizes 64K,1M,16M,64M] [--iters 20]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -59,9 +65,6 @@ import _common as c
 
 
 async def _peer(cfg: dict[str, Any]) -> None:
-    from pccl import ReduceOp
-    from pccl.peer.communicator import open_communicator
-
     if cfg.get("device", "cpu") == "cuda":
         import torch
 
@@ -77,7 +80,25 @@ async def _peer(cfg: dict[str, Any]) -> None:
         overrides["schedule"] = cfg["schedule"]
     if cfg.get("spin") is not None:
         overrides["spin_seconds"] = cfg["spin"]
-    async with open_communicator(cfg["master"], config=c.peer_config(**overrides),
+    async with contextlib.AsyncExitStack() as stack:
+        address = cfg.get("master")
+        if address is None:
+            # --master-in-rank0: this peer hosts the master in its own event loop (as torch.distributed
+            # keeps its TCPStore in rank 0's process); the others learn its address from the parent.
+            from pccl.master.server import open_master
+
+            master = await stack.enter_async_context(open_master("127.0.0.1:0"))
+            address = master.connect_address
+            c.emit("master", address=address)
+        await _time_peer(cfg, address, overrides)
+
+
+async def _time_peer(cfg: dict[str, Any], address: str, overrides: dict[str, Any]) -> None:
+    from pccl import ReduceOp
+    from pccl.peer.communicator import open_communicator
+
+    cuda = cfg.get("device", "cpu") == "cuda"
+    async with open_communicator(address, config=c.peer_config(**overrides),
                                  p2p_connection_pool_size=cfg["pool_size"]) as comm:
         while comm.world_size < cfg["world"]:
             await c.admit_pending(comm)
@@ -89,7 +110,6 @@ async def _peer(cfg: dict[str, Any]) -> None:
         cpu_medians: dict[str, float] = {}
         phase_medians: dict[str, dict[str, float]] = {}
         rng = np.random.default_rng(comm.rank)
-        cuda = cfg.get("device", "cpu") == "cuda"
         if cuda:
             import torch
         for nbytes in cfg["sizes"]:
@@ -148,13 +168,21 @@ async def run_ours(world: int, sizes: list[int], args: argparse.Namespace,
     script = Path(__file__).resolve()
     setting = setting or Setting("plain", master_argv=list(args.master_arg or []))
     async with c.open_cluster(keep_logs=args.keep_logs) as cluster:
-        master = await cluster.start_master(extra=setting.master_argv)
-        cfg = {"master": master.address, "world": world, "sizes": sizes, "iters": args.iters,
+        address: str | None = None
+        if not args.master_in_rank0:
+            address = (await cluster.start_master(extra=setting.master_argv)).address
+        cfg = {"master": address, "world": world, "sizes": sizes, "iters": args.iters,
                "warmup": args.warmup, "pool_size": args.pool_size, "device": args.device,
                "samples": args.samples, "stash_limit": args.recv_stash_limit, "schedule": args.schedule,
                "spin": args.spin_seconds, "peer": setting.peer}
         for i in range(world):
             await cluster.spawn(f"peer{i}", c.script_argv(script, cfg))
+            if cfg["master"] is None:  # --master-in-rank0: the first peer hosts it
+                _, msg = await cluster.wait_for(lambda ch, m: m.get("event") in ("master", "exit"), 60,
+                                                "the master address of peer0")
+                if msg["event"] == "exit":
+                    raise RuntimeError(f"peer0 exited before hosting the master (code {msg.get('code')})")
+                cfg = dict(cfg, master=msg["address"])
         results: dict[int, dict[str, Any]] = {}
         reported: set[str] = set()
         budget = 60 + world * sum(sizes) * (args.iters + args.warmup) / 5e7
@@ -376,10 +404,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--samples", action="store_true",
                    help="also print every rank's distribution of our per-call times, its CPU time per "
                         "call and the median of each phase (statistics()[\"last_op_phases\"])")
+    p.add_argument("--master-in-rank0", action="store_true",
+                   help="run our master inside the first peer's process and event loop (the shape "
+                        "torch.distributed's TCPStore has in Gloo's run) instead of as its own process")
     p.add_argument("--tls", action="store_true",
                    help="instead of Gloo: plain vs secret vs mutual TLS, interleaved (see the module doc)")
     p.add_argument("--rounds", type=int, default=3, help="with --tls: interleaved rounds (default 3)")
     args = p.parse_args(argv)
+    if args.master_in_rank0 and (args.tls or args.master_arg):
+        p.error("--master-in-rank0 runs the master with its defaults: not with --tls or --master-arg")
     t0 = time.monotonic()
     if args.tls:
         print("all-reduce float32 SUM, in place, cpu tensors, plain / secret / mutual TLS; "
