@@ -423,13 +423,17 @@ class MasterState:
 
     def _group_size(self, group: int) -> int:
         """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
+        return self._sizes_by_group().get(group, 0)
+
+    def _sizes_by_group(self) -> dict[int, int]:
+        """Accepted peers per group (cached until the ring changes)."""
         if self._group_sizes is None:
             sizes: dict[int, int] = {}
             for p in self._ring:
                 g = self.peers[p].group
                 sizes[g] = sizes.get(g, 0) + 1
             self._group_sizes = sizes
-        return self._group_sizes.get(group, 0)
+        return self._group_sizes
 
     def accepted(self, group: int | None = None) -> list[int]:
         """Accepted peers in ring order (optionally of one group)."""
@@ -812,6 +816,29 @@ class MasterState:
             if not sync.running:
                 out.update(sync.votes)
         return out
+
+    def deadlock_candidates(self) -> list[int]:
+        """The groups of at least 2 accepted peers in which every member *could* have a vote in.
+
+        An upper bound counted from the open votes' sizes alone: a peer voting in two calls counts
+        twice, and a ring-wide vote (topology, are_peers_pending) counts for every group. It costs
+        O(open votes + groups), where :meth:`voting_peers` costs O(voters): the deadlock check runs
+        after every message, and with :meth:`voting_peers` alone a vote round of n peers cost the
+        master O(n^2) (docs/benchmarks.md "Control plane at many peers").
+        """
+        counts: dict[int, int] = {}
+        for (group, _), op in self._ops.items():
+            if not op.running:
+                counts[group] = counts.get(group, 0) + len(op.votes)
+        for group, sync in self._syncs.items():
+            if not sync.running:
+                counts[group] = counts.get(group, 0) + len(sync.votes)
+        ring_wide = len(self._pending_votes)
+        rnd = self._topology
+        if rnd is not None and rnd.voting:
+            ring_wide += len(rnd.votes)
+        return [g for g, size in self._sizes_by_group().items()
+                if size >= 2 and counts.get(g, 0) + ring_wide >= size]
 
     def busy_peers(self) -> set[int]:
         """Peers taking part in a running collective, sync or topology round (not just voting)."""
@@ -1312,8 +1339,9 @@ class MasterState:
                     return effects + self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
                                                             "lists this peer: the run went on without it, "
                                                             "join again", Result.KICKED)
+            listed = set(msg.ring)  # (a set: a rebuild of n members checks n rings here, O(n) each)
             for p in sorted(self._rings):
-                if p in self.peers and self.peers[p].group == msg.peer_group and p not in msg.ring \
+                if p in self.peers and self.peers[p].group == msg.peer_group and p not in listed \
                         and msg.epoch >= self._rings[p][0]:
                     self._rings.pop(p, None)
                     if rb is not None:

@@ -171,3 +171,49 @@ def test_voting_peers_is_the_set_of_peers_vote_waits_lists() -> None:
     assert hs2.st.voting_peers() == set(hs2.st.vote_waits()) == set()
     hs2.h(x, m.PeersPendingVote())
     assert hs2.st.voting_peers() == set(hs2.st.vote_waits()) == {x}
+
+
+def test_the_candidate_bound_counts_open_votes_per_group_and_ring_wide_votes_for_all() -> None:
+    hs = Harness()
+    a, b, c = (hs.join(group=0)[0] for _ in range(3))
+    x, y = (hs.join(group=1)[0] for _ in range(2))
+    hs.update([a])
+    assert hs.st.accepted() == [a, b, c, x, y]
+    assert hs.st.deadlock_candidates() == []
+    hs.h(a, m.CollectiveInitiate(tag=0, descriptor=AR))
+    hs.h(b, m.CollectiveInitiate(tag=1, descriptor=AR))
+    assert hs.st.deadlock_candidates() == []  # 2 votes open in group 0, of 3 members
+    hs.h(x, m.SharedStateSync(revision=1, strategy=0, entries=ENTRY))
+    assert hs.st.deadlock_candidates() == []  # 1 of group 1's 2
+    hs.h(c, m.PeersPendingVote())  # ring-wide: it may count for either group
+    assert sorted(hs.st.deadlock_candidates()) == [0, 1]
+    # the bound is not the answer: group 1's y has no vote, and group 0 waits in a ring-wide vote that
+    # group 1 can still join
+    assert find_deadlocks(hs.st) == []
+    hs.h(y, m.CollectiveInitiate(tag=5, descriptor=AR))  # x in a sync, y in tag 5: group 1 is stuck
+    assert [d.group for d in find_deadlocks(hs.st)] == [1]
+
+
+def test_a_large_group_voting_never_builds_the_voter_set(monkeypatch: Any) -> None:
+    # The check runs after every message: with the voter set built each time, a vote round of n
+    # peers cost the master O(n^2). While no group can have every member voting, it must not be built.
+    hs, ids = _group_of(64)
+    calls = []
+    real = type(hs.st).voting_peers
+    monkeypatch.setattr(type(hs.st), "voting_peers", lambda self: calls.append(1) or real(self))
+    watch = DeadlockWatch(grace=0.0)
+    for p in ids[:-1]:
+        assert not hs.h(p, m.CollectiveInitiate(tag=0, descriptor=AR))
+        assert watch.check(hs.st, now=0.0) == []
+    assert sends(hs.h(ids[-1], m.CollectiveInitiate(tag=0, descriptor=AR)), m.CollectiveCommence)
+    assert watch.check(hs.st, now=0.0) == []
+    for p in ids:
+        hs.h(p, m.CollectiveDone(tag=0, success=True))
+        assert watch.check(hs.st, now=0.0) == []
+    assert calls == []
+    # the same group split over two tags is found as before, with the voter set built once
+    for p in ids[:-1]:
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=AR))
+    hs.h(ids[-1], m.CollectiveInitiate(tag=2, descriptor=AR))
+    assert len(sends(watch.check(hs.st, now=0.0), m.CollectiveAbort)) == 64
+    assert calls == [1]

@@ -109,3 +109,29 @@ def test_topology_and_pending_rounds_finish_on_the_last_message() -> None:
     assert len(res) == 40 and all(r.success for _, r in res)
     # a confirmation from a peer outside the round is ignored, as before
     assert hs.h(ids[0], m.P2PConnectionsDone(epoch=msg.epoch, success=True)) == []
+
+
+class _Ring(list):  # type: ignore[type-arg]
+    """A reported ring that counts the membership tests made on it."""
+
+    tests = 0
+
+    def __contains__(self, item: object) -> bool:
+        _Ring.tests += 1
+        return super().__contains__(item)
+
+
+def test_a_rebuild_tests_each_reported_ring_a_bounded_number_of_times() -> None:
+    # Each member back is checked against the rings the others reported, and theirs against its: with a
+    # membership test on its reported list per earlier member, a rebuild of n members cost O(n^3) (2 s
+    # of master CPU at 1024 members, benchmarks/control_plane.py "rebuild").
+    st = MasterState()
+    ring = list(range(1, 49))
+    _Ring.tests = 0
+    for p in ring:
+        got = st.new_connection("127.0.0.1", 0.0, claim=p)
+        msg = m.Reregister(peer_id=p, p2p_port=40000 + p, peer_group=0, epoch=5, ring=_Ring(ring),
+                           revision=-1, generation=1)
+        assert sends(st.handle(got, msg, 0.0), m.Reregistered)
+    assert st.accepted() == ring
+    assert _Ring.tests <= 2 * len(ring)
