@@ -52,13 +52,13 @@ try:  # as the server's streams encode (a message sent to many peers, encoded on
 except ImportError:  # pragma: no cover - measuring an older tree
     _encode = m.encode
 
-_DESCRIPTOR: list[Any] = ["all_reduce", 6, 1024, 0, 0, [0, 0], 0]
+_DESCRIPTOR = m.CollectiveDescriptor("all_reduce", 6, 1024, 0, -1, 0, 0)
 # Peers register an X25519 public key since protocol 5 (32 bytes; the master only relays it). Trees
 # before it have no such field: then none is sent.
 _KEYED = "public_key" in getattr(m.Register, "__dataclass_fields__", {})
 
 
-def _key(pid: int) -> dict[str, bytes]:
+def _key(pid: int) -> dict[str, Any]:  # keyword arguments, by protocol version
     return {"public_key": pid.to_bytes(32, "big")} if _KEYED else {}
 
 

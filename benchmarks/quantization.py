@@ -15,6 +15,7 @@ quantization must win by close to 4x.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import os
 import statistics
@@ -47,7 +48,7 @@ def virtual(mb: int, iters: int, gbit: float) -> dict[str, float]:
                     t0 = time.perf_counter()
                     async with trio.open_nursery() as n:
                         for c, x in zip(cl.peers, xs, strict=True):
-                            n.start_soon(lambda c=c, x=x: c.all_reduce(x, quantization=q))
+                            n.start_soon(functools.partial(c.all_reduce, x, quantization=q))
                     times.append(time.perf_counter() - t0)
                 res[name] = statistics.median(times[1:])
 

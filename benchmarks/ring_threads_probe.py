@@ -67,20 +67,20 @@ def all_reduce(
                 with cond:
                     while done[0] <= dep:
                         cond.wait()
-                snd.sendall(memoryview(buf[lo:hi]).cast("B"))
+                snd.sendall(buf[lo:hi].data.cast("B"))
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
 
     thread = threading.Thread(target=sender)
     thread.start()
-    tview = memoryview(tmp).cast("B")
+    tview = tmp.data.cast("B")
     for i, f in enumerate(plan.recvs):
         lo, hi = f.start, f.end
         if f.reduce:
             _recv_exact(rcv, tview[: (hi - lo) * x.itemsize])
             np.add(x[lo:hi], tmp[: hi - lo], out=work[lo:hi])
         else:
-            _recv_exact(rcv, memoryview(work[lo:hi]).cast("B"))
+            _recv_exact(rcv, work[lo:hi].data.cast("B"))
         with cond:
             done[0] = i + 1
             cond.notify()

@@ -99,7 +99,7 @@ async def _raw_recv(cfg: dict[str, Any]) -> None:
     c.emit("listening", port=sock.getsockname()[1])
     conn, _ = await sock.accept()
     buf = np.empty(cfg["state_bytes"], np.uint8)
-    view = memoryview(buf)
+    view = buf.data
     step = 4 << 20
     for r in range(cfg["rounds"]):
         got = await conn.recv_into(view, step)
@@ -117,7 +117,7 @@ async def _raw_send(cfg: dict[str, Any]) -> None:
     sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     await sock.connect((c.PEER_HOST, cfg["port"]))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    data = memoryview(np.ones(cfg["state_bytes"], np.uint8))
+    data = np.ones(cfg["state_bytes"], np.uint8).data
     step = 4 << 20
     for _ in range(cfg["rounds"]):
         sent = 0

@@ -1,3 +1,5 @@
+# mypy: disallow-untyped-calls=False
+# (torch's Tensor.backward has no annotations)
 """A character-level transformer language model trained fault-tolerantly with pccl.torch.
 
 Run it (the master, the peers and a single-process baseline are all started by this one command)::
@@ -81,7 +83,8 @@ def build_model(seed: int) -> Any:
             q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
             y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
             x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-            return x + self.mlp(self.ln2(x))
+            out: torch.Tensor = x + self.mlp(self.ln2(x))
+            return out
 
     class CharGPT(nn.Module):
         def __init__(self, dim: int = 64, layers: int = 2, heads: int = 4) -> None:
@@ -94,7 +97,8 @@ def build_model(seed: int) -> Any:
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
             x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            return self.head(self.ln(self.blocks(x)))
+            logits: torch.Tensor = self.head(self.ln(self.blocks(x)))
+            return logits
 
     torch.manual_seed(seed)
     return CharGPT()
