@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import ml_dtypes
 import numpy as np
@@ -15,7 +15,7 @@ from _ring_harness import open_ring, run_ranks, wait_until
 from pccl import InvalidArgumentError, RankConnectionLostError, ReduceOp, TooFewPeersError
 from pccl.collectives import ring as ring_mod
 from pccl.collectives.ring import owned_range, run_collective
-from pccl.collectives.schedule import chunk_range
+from pccl.collectives.schedule import cached_plan, chunk_range
 from pccl.testing import BareTransport
 
 DTYPES: list[Any] = [
@@ -149,7 +149,7 @@ async def test_two_peers_agree_bit_for_bit_where_op_order_matters(
     payload), so both peers must evaluate the same operand order."""
     use_algorithm(monkeypatch, algorithm)
     spy: list[bool] = []
-    real = ring_mod.cached_plan
+    real = cached_plan  # the function ring_mod imported (which it does not re-export)
 
     def recording(*args: Any, exchange: bool = False, **kw: Any) -> Any:
         spy.append(exchange)
@@ -238,8 +238,9 @@ async def test_concurrent_tags_are_independent_and_exact(pool_size: int, path: s
             jobs.append((tag, sends, outs, op, next(_seq)))
         async with trio.open_nursery() as nursery:
             for tag, sends, outs, op, seq in jobs:
-                nursery.start_soon(lambda t=tag, s=sends, o=outs, p=op, q=seq: run_ranks(
-                    ring, kind="all_reduce", sends=s, outs=o, tag=t, op_seq=q, op=p, block_bytes=32 * 1024))
+                nursery.start_soon(functools.partial(
+                    run_ranks, ring, kind="all_reduce", sends=sends, outs=outs, tag=tag, op_seq=seq, op=op,
+                    block_bytes=32 * 1024))
         for _tag, sends, outs, op, _ in jobs:
             ref = reference(sends, op)
             assert all(same_bits(o, ref) for o in outs)
@@ -490,7 +491,7 @@ async def test_quantized_all_reduce_is_bit_identical_and_close(n: int) -> None:
                         for i in range(n):
                             nursery.start_soon(one, i)
                     assert all(same_bits(o, outs[0]) for o in outs), (dtype, alg, qdt)
-                    ref = sum(s.astype(np.float64) for s in sends)
+                    ref = cast("np.ndarray[Any, Any]", sum(s.astype(np.float64) for s in sends))
                     err = np.abs(outs[0].astype(np.float64) - ref).max()
                     spread = 12 * n  # generous: every hop re-quantizes a partial sum
                     assert err <= spread * (ref.max() - ref.min()) / qmax + 0.05 * (dtype != np.float64), err
@@ -524,7 +525,7 @@ async def test_quantized_multi_block_and_reduce_scatter(path: str) -> None:
             async with trio.open_nursery() as nursery:
                 for i in range(n):
                     nursery.start_soon(one, i)
-            ref = sum(s.astype(np.float64) for s in sends)
+            ref = cast("np.ndarray[Any, Any]", sum(s.astype(np.float64) for s in sends))
             for r in range(n):
                 a, e = (0, count) if kind == "all_reduce" else chunk_range(count, n, r)
                 assert np.abs(outs[r][a:e] - ref[a:e]).max() < 1e-3

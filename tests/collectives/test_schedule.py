@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 from pccl.collectives.schedule import (
     KINDS,
     SRC_SEND,
+    RecvFrame,
+    SendFrame,
     cached_plan,
     chunk_bounds,
     chunk_range,
@@ -227,7 +229,8 @@ def test_blocks_respect_block_size_and_lanes_stripe() -> None:
 def test_count_zero_and_tiny_counts_have_no_empty_frames() -> None:
     assert plan_ring("all_reduce", 4, 1, 0, 8).sends == ()
     p = plan_ring("all_reduce", 4, 1, 2, 8)  # chunks 1,1,0,0
-    assert all(f.end > f.start for f in (*p.sends, *p.recvs))
+    frames: tuple[SendFrame | RecvFrame, ...] = (*p.sends, *p.recvs)
+    assert all(f.end > f.start for f in frames)
 
 
 def test_cached_plan_is_reused() -> None:
@@ -248,7 +251,7 @@ def test_cached_plan_is_reused() -> None:
 def test_pure_modules_import_neither_trio_nor_socket(path: str) -> None:
     root = pathlib.Path(__file__).resolve().parents[2]
     tree = ast.parse((root / path).read_text())
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(a.name.split(".")[0] for a in node.names)

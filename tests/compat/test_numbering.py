@@ -80,13 +80,18 @@ def test_result_codes_are_upstreams_then_ours() -> None:
 
 def test_attribute_numbering_and_aliases() -> None:
     _assert_table(Attribute, UPSTREAM_ATTRIBUTE)
-    assert Attribute.PEER_GROUP_WORLD_SIZE == Attribute.LOCAL_WORLD_SIZE == 2
-    assert Attribute.CURRENT_WORLD_SIZE == Attribute.GLOBAL_WORLD_SIZE == 1
+    # (the aliases annotated as the enum: mypy types each name as a literal of its own, aliases too)
+    local: Attribute = Attribute.LOCAL_WORLD_SIZE
+    current: Attribute = Attribute.CURRENT_WORLD_SIZE
+    assert Attribute.PEER_GROUP_WORLD_SIZE == local == 2
+    assert Attribute.GLOBAL_WORLD_SIZE == current == 1
 
 
 def test_datatype_numbering_matches_the_header() -> None:
     _assert_table(DataType, UPSTREAM_DATATYPE)
-    assert DataType.FLOAT is DataType.FLOAT32 and DataType.DOUBLE is DataType.FLOAT64
+    float_alias: DataType = DataType.FLOAT  # (annotated: see test_attribute_numbering_and_aliases)
+    double_alias: DataType = DataType.DOUBLE
+    assert float_alias is DataType.FLOAT32 and double_alias is DataType.FLOAT64
 
 
 def test_other_enums() -> None:

@@ -18,8 +18,10 @@ cuda_torch = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 
 HASH_SIZES = [0, 1, 7, 8, 9, 4096 * 8 - 1, 4096 * 8, 3 * 4096 * 8 + 5, (20 << 20) + 3]
 OPS = [ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX]
-INT_NP = [np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64]
-FLOAT_NP = [np.float16, np.float32, np.float64]
+INT_NP: list[type[np.generic]] = [
+    np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,
+]
+FLOAT_NP: list[type[np.generic]] = [np.float16, np.float32, np.float64]
 
 
 _cupy = require_cupy

@@ -189,7 +189,7 @@ def test_non_finite_chunk_dequantizes_to_nan(alg: QuantizationAlgorithm, dt: Dat
 @pytest.mark.parametrize("alg", ALGS)
 def test_extreme_ranges(alg: QuantizationAlgorithm) -> None:
     f32max = float(np.finfo(np.float32).max)
-    cases = [
+    cases: list[np.ndarray[Any, Any]] = [
         np.array([-f32max, f32max, 0.0, 1e38], dtype=np.float32),  # max - min overflows float32
         np.array([1e-45, 2e-45, 3e-45, 0.0], dtype=np.float32),  # subnormal spread
         np.array([1e6, 1e6 + 0.0625, 1e6 + 0.125], dtype=np.float32),  # tiny spread, large mean

@@ -90,7 +90,8 @@ TORCH_OF = {
 def _np_float(values: np.ndarray[Any, Any], dt: DataType) -> np.ndarray[Any, Any]:
     t = torch.from_numpy(values).to(TORCH_OF[dt])
     if dt == DataType.BFLOAT16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        bf16: np.ndarray[Any, Any] = t.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        return bf16
     return t.numpy().copy()
 
 

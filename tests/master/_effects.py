@@ -1,10 +1,12 @@
-"""What the master's pure core asked for: the effects tests look for (shared by tests/master)."""
+"""What the master's pure core asked for: the effects tests look for, and the votes they feed it
+(shared by tests/master)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from pccl.master.state import Kick, Send
+from pccl.wire import messages as m
 
 
 def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
@@ -16,3 +18,10 @@ def sends(effects: list[Any], cls: type | None = None) -> list[tuple[int, Any]]:
 def kicks(effects: list[Any]) -> list[Kick]:
     """Every Kick among ``effects``."""
     return [e for e in effects if isinstance(e, Kick)]
+
+
+def opaque_descriptor(*fields: object) -> m.CollectiveDescriptor:
+    """A vote's descriptor made of arbitrary fields (too few, or not a real operation's). The decoder
+    refuses such a one from a peer, but the state machine only compares the votes and shows their
+    fields, so its tests vote with any sequence: a list, typed as the descriptor it stands in for."""
+    return cast(m.CollectiveDescriptor, list(fields))

@@ -7,12 +7,13 @@ from typing import Any
 from pccl import Result
 from pccl.master.deadlock import DeadlockWatch, find_deadlocks
 from pccl.master.describe import describe_mismatch
+from pccl.master.state import MasterState
 from pccl.wire import messages as m
 
 from ._effects import sends
 from .test_state import Harness
 
-AR = ["all_reduce", 10, 8, 0, -1, 0, 0]  # float32 x 8, SUM
+AR = m.CollectiveDescriptor("all_reduce", 10, 8, 0, -1, 0, 0)  # float32 x 8, SUM
 ENTRY = [["w", 10, [8], 32, 123, False]]
 
 
@@ -64,7 +65,7 @@ def test_different_tags_deadlock_and_grace_zero_declares_at_once() -> None:
     hs2, (x, y) = _group_of(2)
     watch = DeadlockWatch(grace=0.0)
     hs2.h(x, m.CollectiveInitiate(tag=3, descriptor=AR))
-    hs2.h(y, m.CollectiveInitiate(tag=4, descriptor=["all_gather", 5, 2, 0, -1, 0, 0]))
+    hs2.h(y, m.CollectiveInitiate(tag=4, descriptor=m.CollectiveDescriptor("all_gather", 5, 2, 0, -1, 0, 0)))
     eff = watch.check(hs2.st, now=0.0)
     aborts = sends(eff, m.CollectiveAbort)
     assert [(p, ab.tag) for p, ab in aborts] == [(x, 3), (y, 4)]
@@ -115,8 +116,9 @@ def test_other_groups_and_topology_votes() -> None:
 
 def test_mismatched_descriptors_name_fields_and_dtypes() -> None:
     hs, (a, b) = _group_of(2)
-    hs.h(a, m.CollectiveInitiate(tag=0, descriptor=["all_reduce", 11, 8, 0, -1, 0, 0]))
-    eff = hs.h(b, m.CollectiveInitiate(tag=0, descriptor=["all_reduce", 10, 9, 1, -1, 0, 0]))
+    desc = m.CollectiveDescriptor
+    hs.h(a, m.CollectiveInitiate(tag=0, descriptor=desc("all_reduce", 11, 8, 0, -1, 0, 0)))
+    eff = hs.h(b, m.CollectiveInitiate(tag=0, descriptor=desc("all_reduce", 10, 9, 1, -1, 0, 0)))
     reasons = {ab.reason for _, ab in sends(eff, m.CollectiveAbort)}
     assert reasons == {
         "peers disagree on the operation with tag 0: dtype: float64 on peer 1, float32 on peer 2; "
@@ -198,9 +200,14 @@ def test_a_large_group_voting_never_builds_the_voter_set(monkeypatch: Any) -> No
     # The check runs after every message: with the voter set built each time, a vote round of n
     # peers cost the master O(n^2). While no group can have every member voting, it must not be built.
     hs, ids = _group_of(64)
-    calls = []
+    calls: list[int] = []
     real = type(hs.st).voting_peers
-    monkeypatch.setattr(type(hs.st), "voting_peers", lambda self: calls.append(1) or real(self))
+
+    def counted(self: MasterState) -> set[int]:
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(type(hs.st), "voting_peers", counted)
     watch = DeadlockWatch(grace=0.0)
     for p in ids[:-1]:
         assert not hs.h(p, m.CollectiveInitiate(tag=0, descriptor=AR))

@@ -110,6 +110,7 @@ def test_a_round_sends_one_object_of_each_answer_so_that_each_is_encoded_once() 
     st, ids = world(2)
     newcomers = [join(st)[0] for _ in range(3)]
     eff = vote(st, ids)
+    cls: type[m.Message]
     for cls in (m.P2PCredentials, m.EstablishP2P):
         objs = {id(msg) for _, msg in sends(eff, cls)}
         assert len(objs) == 1 and cls.SHARED, cls  # one group: one object for its 5 members

@@ -128,7 +128,7 @@ def test_no_setup_in_progress_is_never_overdue() -> None:
 # vote deadline (MasterConfig.vote_timeout)
 
 VOTE_TIMEOUT = 60.0
-DESC = ["all_reduce", 10, 4, 0, -1, 0, 0]
+DESC = m.CollectiveDescriptor("all_reduce", 10, 4, 0, -1, 0, 0)
 
 
 def _three_accepted(hs: Harness) -> tuple[int, int, int]:

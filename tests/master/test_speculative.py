@@ -74,7 +74,7 @@ class Harness:
         assert sorted(p for p, c in com if c.peers) == sorted(self.peers)  # each with the table, at once
         comp = sends(self.done(self.peers, com[0][1].op_seq, tag), m.CollectiveComplete)
         assert sorted(p for p, _ in comp) == sorted(self.peers)
-        nxt = {c.next_op_seq for _, c in comp}
+        nxt: set[int] = {c.next_op_seq for _, c in comp}
         assert len(nxt) == 1
         return nxt.pop()
 

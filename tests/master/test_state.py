@@ -10,7 +10,9 @@ from pccl import Result
 from pccl.master.state import Event, MasterState
 from pccl.wire import messages as m
 
-from ._effects import kicks, sends
+from ._effects import kicks, opaque_descriptor, sends
+
+DESC = m.CollectiveDescriptor("all_reduce", 10, 4, 0, -1, 0, 0)
 
 
 class Harness:
@@ -122,7 +124,7 @@ def test_illegal_message_kicks_only_sender() -> None:
     a, _ = hs.join()
     b, _ = hs.join()
     # b is registered, not accepted: a collective vote from it is illegal
-    eff = hs.h(b, m.CollectiveInitiate(tag=1, descriptor=[]))
+    eff = hs.h(b, m.CollectiveInitiate(tag=1, descriptor=opaque_descriptor()))
     assert [k.peer_id for k in kicks(eff)] == [b]
     assert hs.st.accepted() == [a] and b not in hs.st.peers
     # a message the master never accepts from peers
@@ -172,7 +174,7 @@ def test_groups_and_attributes_table() -> None:
 def _running_op(hs: Harness, peers: list[int], tag: int = 7) -> int:
     eff: list[Any] = []
     for p in peers:
-        eff += hs.h(p, m.CollectiveInitiate(tag=tag, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+        eff += hs.h(p, m.CollectiveInitiate(tag=tag, descriptor=DESC))
     com = sends(eff, m.CollectiveCommence)
     assert {p for p, _ in com} == set(peers)
     return int(com[0][1].op_seq)
@@ -195,7 +197,7 @@ def test_collective_duplicate_tag_refused_running_unaffected() -> None:
     b, _ = hs.join()
     hs.update([a])
     _running_op(hs, [a, b])
-    eff = hs.h(a, m.CollectiveInitiate(tag=7, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    eff = hs.h(a, m.CollectiveInitiate(tag=7, descriptor=DESC))
     ((p, ab),) = sends(eff, m.CollectiveAbort)
     assert p == a and ab.code == Result.INVALID_USAGE and ab.op_seq == -1
     hs.h(a, m.CollectiveDone(tag=7, success=True))
@@ -224,7 +226,7 @@ def test_collective_voting_peer_lost_commences_without_it() -> None:
     c, _ = hs.join()
     hs.update([a])
     for p in (a, b):
-        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["x"]))
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=opaque_descriptor("x")))
     eff = hs.st.peer_lost(c, "evicted")
     com = sends(eff, m.CollectiveCommence)
     assert {p for p, _ in com} == {a, b} and len(com[0][1].peers) == 2
@@ -235,8 +237,8 @@ def test_collective_descriptor_mismatch_refused() -> None:
     a, _ = hs.join()
     b, _ = hs.join()
     hs.update([a])
-    hs.h(a, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4]))
-    eff = hs.h(b, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 5]))
+    hs.h(a, m.CollectiveInitiate(tag=1, descriptor=opaque_descriptor("all_reduce", 10, 4)))
+    eff = hs.h(b, m.CollectiveInitiate(tag=1, descriptor=opaque_descriptor("all_reduce", 10, 5)))
     ab = sends(eff, m.CollectiveAbort)
     assert {p for p, _ in ab} == {a, b} and all(x.code == Result.INVALID_ARGUMENT for _, x in ab)
 
@@ -247,8 +249,8 @@ def test_collective_withdrawn_vote_aborts_voters() -> None:
     b, _ = hs.join()
     hs.join()
     hs.update([a])
-    hs.h(a, m.CollectiveInitiate(tag=1, descriptor=["x"]))
-    hs.h(b, m.CollectiveInitiate(tag=1, descriptor=["x"]))
+    hs.h(a, m.CollectiveInitiate(tag=1, descriptor=opaque_descriptor("x")))
+    hs.h(b, m.CollectiveInitiate(tag=1, descriptor=opaque_descriptor("x")))
     eff = hs.h(b, m.CollectiveDone(tag=1, success=False, reason="cancelled"))
     assert {p for p, _ in sends(eff, m.CollectiveAbort)} == {a, b}
     assert hs.st.statistics()["collectives_voting"] == 0
@@ -408,9 +410,9 @@ def test_waited_on_follows_every_kind_of_vote_and_round() -> None:
     assert hs.st.waited_on() == set()  # idle: nobody waits for anybody
     # collective vote: a and b voted, c is the one they wait for
     for p in (a, b):
-        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=DESC))
     assert hs.st.waited_on() == {c}
-    hs.h(c, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    hs.h(c, m.CollectiveInitiate(tag=1, descriptor=DESC))
     # running: everyone until it reports done
     assert hs.st.waited_on() == {a, b, c}
     hs.h(a, m.CollectiveDone(tag=1, success=True))
@@ -456,7 +458,7 @@ def test_straggler_only_when_waited_on_and_silent_past_its_limit() -> None:
     assert hs.st.stragglers(2.5, minimum=0.5, cap=3.0) == []
     hs.now = 2.5
     for p in (a, b):
-        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=DESC))
     # now a and b wait for c, silent for 1.5 s > max(0.5, 2 x 0.25)
     assert hs.st.stragglers(2.5, minimum=0.5, cap=3.0) == [(c, 1.5)]
     assert hs.st.straggler_deadline(minimum=0.5, cap=3.0) == pytest.approx(1.5)
@@ -482,7 +484,7 @@ def test_straggler_limit_adapts_to_a_peers_usual_gaps_and_is_capped() -> None:
     assert hs.st.peers[c].straggler_limit(0.5, 1.0) == 1.0  # never beyond the cap
     last_c = hs.st.peers[c].last_seen
     for p in (a, b):
-        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+        hs.h(p, m.CollectiveInitiate(tag=1, descriptor=DESC))
     # 1.2 s of silence is usual for c: not a straggler; 1.9 s is not
     assert hs.st.stragglers(last_c + 1.2, minimum=0.5, cap=3.0) == []
     assert [p for p, _ in hs.st.stragglers(last_c + 1.9, minimum=0.5, cap=3.0)] == [c]
@@ -492,13 +494,13 @@ def test_pending_summary_names_whom_each_vote_waits_for() -> None:
     hs = Harness()
     a, b, c = _three(hs)
     assert hs.st.pending_summary() == []
-    hs.h(a, m.CollectiveInitiate(tag=4, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    hs.h(a, m.CollectiveInitiate(tag=4, descriptor=DESC))
     hs.h(b, m.PeersPendingVote())
     lines = hs.st.pending_summary()
     assert f"peers-pending vote waits for {[a, c]}" in lines
     assert f"collective tag 4 (group 0) vote waits for {[b, c]}; voted {[a]}" in lines
-    hs.h(b, m.CollectiveInitiate(tag=4, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
-    hs.h(c, m.CollectiveInitiate(tag=4, descriptor=["all_reduce", 10, 4, 0, -1, 0, 0]))
+    hs.h(b, m.CollectiveInitiate(tag=4, descriptor=DESC))
+    hs.h(c, m.CollectiveInitiate(tag=4, descriptor=DESC))
     hs.h(c, m.CollectiveDone(tag=4, success=True))
     running = [ln for ln in hs.st.pending_summary() if ln.startswith("collective")]
     assert len(running) == 1 and running[0].endswith(f"waits for {[a, b]} to finish")

@@ -16,7 +16,7 @@ from pccl.wire import messages as m
 from ._effects import sends
 from .test_state import Harness
 
-DESCRIPTOR: list[Any] = ["all_reduce", 6, 8, 0, 0, 0, 0]
+DESCRIPTOR = m.CollectiveDescriptor("all_reduce", 6, 8, 0, 0, 0, 0)
 
 
 def _world(n: int, group_of: Any = lambda i: 0) -> tuple[Harness, list[int]]:

@@ -11,7 +11,7 @@ from pccl.wire import messages as m
 from ._effects import sends
 from .test_state import Harness
 
-AR = ["all_reduce", 10, 8, 0, -1, 0, 0]
+AR = m.CollectiveDescriptor("all_reduce", 10, 8, 0, -1, 0, 0)
 
 
 def _value(text: str, name: str, **labels: str) -> float:
@@ -65,7 +65,7 @@ def test_collective_counts_vote_waits_and_failures() -> None:
     # a mismatch fails in the vote, a lost participant while running
     hs.h(a, m.CollectiveInitiate(tag=2, descriptor=AR))
     hs.h(b, m.CollectiveInitiate(tag=2, descriptor=AR))
-    hs.h(c, m.CollectiveInitiate(tag=2, descriptor=["all_reduce", 11, 8, 0, -1, 0, 0]))
+    hs.h(c, m.CollectiveInitiate(tag=2, descriptor=m.CollectiveDescriptor("all_reduce", 11, 8, 0, -1, 0, 0)))
     for p in (a, b, c):
         hs.h(p, m.CollectiveInitiate(tag=3, descriptor=AR))
     hs.lose(c, "evicted: silent for more than 2s")

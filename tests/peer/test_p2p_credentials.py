@@ -8,7 +8,7 @@ import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Required, TypedDict
 
 import pytest
 import trio
@@ -84,6 +84,22 @@ async def test_a_member_with_its_credential_gets_in_and_its_identity_reaches_the
     assert [(h.peer_id, h.channel, h.epoch) for h in seen] == [(DIALER, "ring", 5), (DIALER, "state", 5)]
 
 
+class _Binding(TypedDict):
+    """The membership a forged Hello names (:func:`forged`'s ``generation`` and ``epoch``)."""
+
+    generation: int
+    epoch: int
+
+
+class _Forgery(TypedDict, total=False):
+    """:func:`forged`'s keywords, as a case lists them."""
+
+    peer_id: Required[int]
+    credential: bytes
+    generation: int
+    epoch: int
+
+
 async def forged(client: VirtualHost, addr: Address, *, peer_id: int, credential: bytes = b"",
                  generation: int = 0, epoch: int = -1, channel: str = "ring") -> str:
     """What an attacker does: a Hello, then (it cannot check the Challenge) a Proof made with
@@ -115,9 +131,9 @@ async def test_every_forgery_is_refused_with_its_reason_logged(
     bench = mine.for_dial(LISTENER, "bench")
     wrong_master = store(DIALER, root=b"x" * 32).for_dial(LISTENER, "ring")
     assert other is not None and bench is not None and wrong_master is not None
-    at = {"generation": 1, "epoch": 5}
+    at: _Binding = {"generation": 1, "epoch": 5}
     async with listening(store(LISTENER), seen) as (client, addr):
-        cases = [
+        cases: list[tuple[_Forgery, str]] = [
             ({"peer_id": DIALER}, "no P2P credential"),  # the right id and index guessed, no credential
             ({"peer_id": DIALER, "credential": b"g" * 32, **at}, "bad credential"),  # a guessed one
             ({"peer_id": DIALER, "credential": other.key, **at}, "bad credential"),  # another member's
@@ -254,7 +270,7 @@ async def test_a_removed_member_is_refused_at_the_next_epoch_as_itself_or_as_ano
         posing = CredentialSet(me=DIALER, keys=KEYS[OTHER], generation=1, epoch=6, binding=cur.binding,
                                table=guess.table).for_dial(LISTENER, "ring")
         assert as_itself is not None and posing is not None
-        at = {"generation": 1, "epoch": 6}
+        at: _Binding = {"generation": 1, "epoch": 6}
         t0 = trio.current_time()
         reason = await forged(client, addr, peer_id=OTHER, credential=as_itself.key, **at)
         assert "unknown P2P credential" in reason and trio.current_time() - t0 >= 2.0

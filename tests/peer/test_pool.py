@@ -20,7 +20,7 @@ from pccl import (
 )
 from pccl._errors import LocalProtocolError, RemoteProtocolError
 from pccl.peer.p2p import open_p2p, serve_p2p
-from pccl.peer.pool import P2PPool
+from pccl.peer.pool import P2PPool, _SocketConn
 from pccl.testing import BareTransport
 from pccl.transport import Address, TcpTransport, Transport
 from pccl.wire.data import (
@@ -148,7 +148,7 @@ async def test_reader_lets_a_runnable_op_register_before_stashing(monkeypatch: p
     import pccl.peer.pool as pool_module
 
     header_seen = trio.Event()
-    real_unpack = pool_module.unpack_data_header_fields
+    real_unpack = unpack_data_header_fields  # the function pool_module imported (not re-exported)
 
     def unpack(buf: Any) -> Any:
         fields = real_unpack(buf)
@@ -369,6 +369,6 @@ async def test_tcp_ring_sockets_are_tuned_for_bulk_frames() -> None:
     async with pools([1, 2]) as ((a, b), (_, b_addr)):
         await connected_pair(a, b, b_addr)
         (conn,) = a._out[2]
-        assert conn is not None and conn.sock is not None
+        assert isinstance(conn, _SocketConn) and conn.sock is not None
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) >= 1 << 30
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)

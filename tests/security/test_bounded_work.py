@@ -84,8 +84,8 @@ def test_master_inbound_caps_follow_the_schema() -> None:
         p2p.decode(m.encode(m.StateRequest(sync_seq=1, keys=keys)))
     key_chunks = limits.split_rows(keys)
     assert [k for c in key_chunks for k in c] == keys
-    for chunk in key_chunks:
-        req = m.encode(m.StateRequest(sync_seq=2**63 - 1, keys=chunk))
+    for key_chunk in key_chunks:
+        req = m.encode(m.StateRequest(sync_seq=2**63 - 1, keys=key_chunk))
         assert p2p.decode(req) == m.decode(req)
     assert limits.split_rows([]) == [[]]
     with pytest.raises(InvalidArgumentError, match="does not fit"):

@@ -216,7 +216,9 @@ def test_the_handshake_keyed_with_a_credential_needs_both_the_secret_and_the_cre
         wrong = answer(ch, h, secret="", credential=dial.key)
         assert check_proof(wrong, h, secret=secret, server_nonce=NS, credential=cred) is not None
     # The dialer refuses a listener that cannot prove the credential (another listener, or a fake one).
-    fake = challenge(h, secret=secret, server_nonce=NS, credential=got[7].for_accept(1, "ring"))
+    elsewhere = got[7].for_accept(1, "ring")
+    assert elsewhere is not None
+    fake = challenge(h, secret=secret, server_nonce=NS, credential=elsewhere)
     problem = check_challenge(fake, h, secret=secret, credential=dial.key)
     assert problem is not None and "bad secret or credential" in problem
 
