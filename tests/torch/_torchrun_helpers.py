@@ -74,7 +74,8 @@ def single_process(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     for s in range(steps):
         idx = torch.from_numpy(global_batch_indices(s, global_batch, len(x)))
         optimizer.zero_grad(set_to_none=False)
-        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        # torch's Tensor.backward is unannotated
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     return shared
 
