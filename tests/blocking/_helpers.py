@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
@@ -17,12 +17,24 @@ from pccl import PeerConfig
 from pccl.blocking import Communicator
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class Thunk(Protocol[T_co]):
+    """Anything callable with no arguments, ``lambda r=r: ...`` included.
+
+    Such a lambda's default only binds a loop value; mypy cannot infer it against ``Callable[[], T]``
+    (the parameter counts differ), but it can against this protocol's ``__call__``.
+    """
+
+    def __call__(self) -> T_co: ...
+
 
 #: Upper bound on any thread a test waits for: a hang fails the test instead of blocking the suite.
 JOIN_TIMEOUT = 30.0
 
 
-def run_threads(fns: Sequence[Callable[[], T]], timeout: float = JOIN_TIMEOUT) -> list[T]:
+def run_threads(fns: Sequence[Thunk[T]], timeout: float = JOIN_TIMEOUT) -> list[T]:
     """Run each callable in its own thread, concurrently; return their results in order.
 
     The first exception raised by any of them is re-raised here; a thread still running after ``timeout``

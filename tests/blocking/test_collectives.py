@@ -125,7 +125,7 @@ def test_quantized_all_reduce_is_close_and_bit_identical(pair: list[Communicator
 def test_all_reduce_argument_errors(pair: list[Communicator]) -> None:
     comm = pair[0]
     a = np.zeros(8, dtype=np.float32)
-    cases = [
+    cases: list[Callable[[], object]] = [
         lambda: comm.all_reduce(a, torch.zeros(8), op=ReduceOp.SUM),  # numpy with torch
         lambda: comm.all_reduce(a, np.zeros(8, dtype=np.float64), op=ReduceOp.SUM),  # dtype mismatch
         lambda: comm.all_reduce(a, np.zeros(9, dtype=np.float32), op=ReduceOp.SUM),  # size mismatch
@@ -323,7 +323,7 @@ def test_all_reduce_multiple_with_retry_alone_raises_too_few_peers(cluster_facto
 def test_reduce_op_descriptor_validation() -> None:
     rd = ReduceDescriptor(count=4, op=ReduceOp.SUM, tag=0,
                           operand_descriptor=ReduceOperandDescriptor(DataType.FLOAT32))
-    bad = [
+    bad: list[Callable[[], object]] = [
         lambda: ReduceOpDescriptor.from_torch(torch.zeros(4), torch.zeros(4, dtype=torch.float64), rd),
         lambda: ReduceOpDescriptor.from_torch(torch.zeros(4, 4).T, torch.zeros(4, 4).T, rd),
         lambda: ReduceOpDescriptor.from_torch(np.zeros(4), np.zeros(4), rd),

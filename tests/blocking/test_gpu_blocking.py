@@ -8,6 +8,7 @@ behind a long GPU sleep on a side stream). Skipped without a CUDA device (torch)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -136,9 +137,11 @@ def test_caller_side_stream_is_synchronized_before_the_core_copies(pair: list[Co
     torch.cuda.synchronize()
 
     def one(r: int) -> bool:
-        side, other = torch.cuda.Stream(), torch.cuda.Stream()
+        # torch.cuda.Stream's constructor and torch.cuda._sleep carry no annotations
+        side, other = torch.cuda.Stream(), torch.cuda.Stream()  # type: ignore[no-untyped-call]
         with torch.cuda.stream(side):
-            torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write below runs
+            # ~0.1 s of GPU time before the write below runs
+            torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
             xs[r].fill_(float(r + 1))
             pair[r].all_reduce(xs[r], xs[r], op=ReduceOp.SUM)
         with torch.cuda.stream(other):
@@ -183,7 +186,7 @@ def test_cupy_argument_errors(cp: Any, pair: list[Communicator]) -> None:
     a = cp.zeros(8, cp.float32)
     rd = ReduceDescriptor(count=8, op=ReduceOp.SUM, tag=0,
                           operand_descriptor=ReduceOperandDescriptor(DataType.FLOAT32))
-    cases = [
+    cases: list[Callable[[], object]] = [
         lambda: comm.all_reduce(a, np.zeros(8, np.float32), op=ReduceOp.SUM),  # cupy with numpy
         lambda: comm.all_reduce(a, cp.zeros(8, cp.float64), op=ReduceOp.SUM),  # dtype mismatch
         lambda: ReduceOpDescriptor.from_cupy(np.zeros(8, np.float32), np.zeros(8, np.float32), rd),

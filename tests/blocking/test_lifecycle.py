@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import socket
 import threading
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -116,7 +117,7 @@ def test_communicator_created_and_destroyed_without_connect(master: MasterNode) 
 def test_calls_before_connect_raise_pccl_error(master: MasterNode) -> None:
     comm = Communicator(master.address)
     x = np.zeros(4, dtype=np.float32)
-    calls = [
+    calls: list[Callable[[], object]] = [
         comm.update_topology,
         comm.are_peers_pending,
         comm.optimize_topology,

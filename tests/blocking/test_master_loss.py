@@ -29,7 +29,7 @@ from pccl.blocking import (
     TensorInfo,
 )
 
-from ._helpers import JOIN_TIMEOUT, make_cluster, run_threads, wait_until
+from ._helpers import JOIN_TIMEOUT, Thunk, make_cluster, run_threads, wait_until
 
 _SIZE = 1 << 18  # float32 elements: 1 MB
 
@@ -68,7 +68,7 @@ _AFTER: dict[str, Callable[[Communicator], Any]] = {
 }
 
 
-def _raises_master_lost(fn: Callable[[], Any]) -> Callable[[], PCCLError]:
+def _raises_master_lost(fn: Thunk[object]) -> Callable[[], PCCLError]:
     def call() -> PCCLError:
         with pytest.raises(PCCLError) as info:
             fn()

@@ -13,6 +13,7 @@ from pccl.blocking import (
     Attribute,
     Communicator,
     PCCLError,
+    ReduceOp,
     Result,
     SharedState,
     SharedStateSyncInfo,
@@ -161,7 +162,7 @@ def test_attributes_with_peer_groups(cluster_factory: Cluster) -> None:
     # collectives and shared state stay within a group: the lone peer of group 1 has nobody to reduce with
     x = np.ones(4, dtype=np.float32)
     with pytest.raises(PCCLError) as info:
-        comms[1].all_reduce(x, x, op=0)
+        comms[1].all_reduce(x, x, op=ReduceOp.SUM)
     assert info.value.result == Result.TOO_FEW_PEERS
 
 

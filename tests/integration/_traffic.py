@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 
 import numpy as np
 
@@ -55,3 +55,10 @@ def grad(peer_id: int, step: int, words: int = 32) -> np.ndarray:
     g = np.random.default_rng([peer_id, step]).integers(-1000, 1000, words).astype(np.int64)
     g[0] = 1 << peer_id
     return g
+
+
+def array_sum(arrays: Iterable[np.ndarray]) -> np.ndarray:
+    """``sum(arrays)`` of one or more arrays, typed as the array it is (``sum`` of none is the int 0)."""
+    total = sum(arrays)
+    assert isinstance(total, np.ndarray), "no arrays to sum"
+    return total

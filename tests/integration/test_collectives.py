@@ -58,7 +58,7 @@ async def test_statistics_report_where_collectives_spent_their_time() -> None:
             t0 = trio.current_time()
             await c.all_reduce(xs[i], op=ReduceOp.SUM, tag=1)
             elapsed = trio.current_time() - t0
-            first = c.statistics()["last_op_phases"]
+            first: dict[str, float] = c.statistics()["last_op_phases"]
             assert set(first) == {"vote", "ring", "confirm", "commit"}
             assert all(v >= 0 for v in first.values())
             # the phases are consecutive slices of the call

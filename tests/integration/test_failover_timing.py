@@ -4,6 +4,7 @@ backoff bounds the gap across a master kill (docs/benchmarks.md "With master kil
 from __future__ import annotations
 
 import dataclasses
+from typing import cast
 
 import numpy as np
 import trio
@@ -125,6 +126,8 @@ async def _hung_master_run(clock: trio.testing.MockClock) -> None:
 
 async def _peer(addresses: list[str], config: PeerConfig, host: VirtualHost,
                 boxes: list[Communicator]) -> None:
-    async with open_communicator(addresses, config=config, transport=host) as comm:
+    # open_communicator reads the list but takes list[str | tuple[str, int]], which a list[str] is not
+    async with open_communicator(cast("list[str | tuple[str, int]]", addresses), config=config,
+                                 transport=host) as comm:
         boxes.append(comm)
         await trio.sleep_forever()

@@ -258,14 +258,16 @@ async def test_pending_work_on_the_current_stream_is_ordered_before_the_copy() -
     if not hasattr(torch.cuda, "_sleep"):
         pytest.skip("this torch has no torch.cuda._sleep")
     async with loopback_cluster(2) as cl:
-        side, other = torch.cuda.Stream(), torch.cuda.Stream()
+        # torch.cuda.Stream's constructor and torch.cuda._sleep carry no annotations
+        side, other = torch.cuda.Stream(), torch.cuda.Stream()  # type: ignore[no-untyped-call]
         xs = [torch.zeros(1 << 16, device="cuda"), torch.full((1 << 16,), 2.0, device="cuda")]
         torch.cuda.synchronize()
 
         async def run(i: int, c: Communicator) -> pccl.ReduceInfo:
             if i == 0:
                 with torch.cuda.stream(side):
-                    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write below runs
+                    # ~0.1 s of GPU time before the write below runs
+                    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
                     xs[0].fill_(1.0)
                     return await c.all_reduce(xs[0])
             return await c.all_reduce(xs[1])

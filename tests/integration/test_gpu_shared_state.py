@@ -9,7 +9,7 @@ Skipped without a CUDA device (torch) or without cupy and a device (cupy).
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -54,9 +54,9 @@ def _state(tensors: dict[str, Any], revision: int = 1) -> SharedState:
 async def test_cpu_peer_and_gpu_peer_with_equal_content_move_nothing(lib: str) -> None:
     async with loopback_cluster(2) as cl:
         content = _tensors(lib, seed=1)
-        cpu = {k: v.clone() for k, v in content.items()}
+        cpu: dict[str, torch.Tensor | np.ndarray] = {k: v.clone() for k, v in content.items()}
         gpu = {k: _to_gpu(lib, v) for k, v in content.items()}
-        cpu["w"] = cpu["w"].numpy()  # the CPU peer mixes numpy and torch tensors
+        cpu["w"] = cast(torch.Tensor, cpu["w"]).numpy()  # the CPU peer mixes numpy and torch tensors
         states = [_state(cpu), _state(gpu)]
         infos = await sync_all(cl.comms, states)
         assert all(i.tx_bytes == 0 and i.rx_bytes == 0 for i in infos), infos

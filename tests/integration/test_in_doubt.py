@@ -30,7 +30,7 @@ from pccl.testing import (
 from pccl.wire import messages as m
 
 from ._traffic import RECONNECTING_PEER as CONFIG
-from ._traffic import ControlFrames, grad
+from ._traffic import ControlFrames, array_sum, grad
 
 STEPS = 8
 CRASH_STEP = 3  # the step whose all-reduce (or sync) is split by the crash
@@ -78,6 +78,7 @@ class SplitAnswer:
 async def crash_and_restart(cluster: TestCluster, splitter: SplitAnswer) -> None:
     """Crash the master (what it still held back is lost), then start a fresh one on its address."""
     cluster.kill_master()
+    assert cluster.network is not None
     cluster.network.remove_hook(splitter)
     await cluster.restart_master()
 
@@ -135,7 +136,7 @@ async def train(cluster: TestCluster, splitter: SplitAnswer, at: str) -> dict[st
                     peers.start_soon(loop, i)
             nursery.cancel_scope.cancel()
     assert splitter.fired.is_set(), "the crash never happened"
-    want = [sum(grad(p, s) for p in ids).tobytes() for s in range(STEPS)]
+    want = [array_sum(grad(p, s) for p in ids).tobytes() for s in range(STEPS)]
     for i in range(n):
         assert results[i] == want, f"peer {i}: the committed all-reduces are not every peer's SUM"
         assert synced[i] == list(range(STEPS)), f"peer {i}: revisions after the syncs: {synced[i]}"
@@ -149,6 +150,7 @@ async def test_master_crash_between_the_answers_of_one_operation(
     async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG) as cluster:
         kind: type[m.Message] = m.CollectiveComplete if at == "all_reduce" else m.SharedStateResult
         splitter = SplitAnswer(cluster.host(MASTER).name, kind)
+        assert cluster.network is not None
         cluster.network.add_hook(splitter)
         out = await train(cluster, splitter, at)
         stats = out["master"]
@@ -168,6 +170,7 @@ async def test_nobody_answered_every_participant_done_commits(autojump_clock: tr
     async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG) as cluster:
         splitter = SplitAnswer(cluster.host(MASTER).name, m.CollectiveComplete)
         splitter.delivered_to = -1  # no connection has id -1: the first answer already fires
+        assert cluster.network is not None
         cluster.network.add_hook(splitter)
         out = await train(cluster, splitter, "all_reduce")
         assert out["failures"] == [[], [], []], out  # nobody had moved on, nobody retried
@@ -180,6 +183,7 @@ async def test_a_participant_lost_with_the_master_aborts_for_the_others(
     for both (their buffers unchanged), and they retry it as a world of 2, identically."""
     async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG) as cluster:
         splitter = SplitAnswer(cluster.host(MASTER).name, m.CollectiveComplete)
+        assert cluster.network is not None
         cluster.network.add_hook(splitter)
         x = [np.full(WORDS, 1 << c.peer_id, np.int64) for c in cluster.peers]
         outs = [np.zeros(WORDS, np.int64) for _ in x]
@@ -218,5 +222,5 @@ async def test_a_participant_lost_with_the_master_aborts_for_the_others(
         async with trio.open_nursery() as nursery:
             for i in others:
                 nursery.start_soon(one, i)
-        want = sum(x[i] for i in others)
+        want = array_sum(x[i] for i in others)
         assert all(outs[i].tobytes() == want.tobytes() for i in others)

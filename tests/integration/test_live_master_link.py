@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -37,7 +38,7 @@ from pccl.testing import (
 from pccl.wire import messages as m
 
 from ._traffic import RECONNECTING_PEER as CONFIG
-from ._traffic import ControlFrames, grad
+from ._traffic import ControlFrames, array_sum, grad
 
 HOLD: MasterConfig = dataclasses.replace(DEFAULT_MASTER_CONFIG, rejoin_grace=1.0)
 
@@ -152,11 +153,11 @@ async def train(cluster: TestCluster, point: str, cut_step: int, *, late: int | 
             except RETRYABLE:
                 run.failures[i].append((-1, "update_topology"))
 
-    async def retried(i: int, step: int, what: str, fn: object) -> None:
+    async def retried(i: int, step: int, what: str, fn: Callable[[], Awaitable[object]]) -> None:
         while True:
             before_call = (weights[i].tobytes(), states[i].revision)
             try:
-                await fn()  # type: ignore[operator]
+                await fn()
                 return
             except RETRYABLE:
                 assert (weights[i].tobytes(), states[i].revision) == before_call  # nothing changed
@@ -233,7 +234,7 @@ async def train(cluster: TestCluster, point: str, cut_step: int, *, late: int | 
 
 def assert_every_step_exact(run: Run) -> None:
     """Every member ran every step with every member: the SUM of all, the syncs' revisions in order."""
-    want = [sum(grad(p, s) for p in run.ids).tobytes() for s in range(STEPS)]
+    want = [array_sum(grad(p, s) for p in run.ids).tobytes() for s in range(STEPS)]
     for i in range(len(run.ids)):
         assert run.ended[i] is None, (i, run.ended[i])
         assert run.results[i] == want, f"peer {i}: the committed all-reduces are not every member's SUM"
@@ -295,8 +296,8 @@ async def test_without_a_hold_the_group_goes_on_and_refuses_the_member_loudly(
         assert run.synced[i] == list(range(STEPS))
         assert run.results[i] == run.results[others[0]]
         assert run.weights[i].tobytes() == run.weights[others[0]].tobytes()
-    everyone = [sum(grad(p, s) for p in run.ids).tobytes() for s in range(STEPS)]
-    without = [sum(grad(run.ids[p], s) for p in others).tobytes() for s in range(STEPS)]
+    everyone = [array_sum(grad(p, s) for p in run.ids).tobytes() for s in range(STEPS)]
+    without = [array_sum(grad(run.ids[p], s) for p in others).tobytes() for s in range(STEPS)]
     assert all(r in (everyone[s], without[s]) for s, r in enumerate(run.results[others[0]]))
     if run.ended[CUT] is not None:
         assert "join again" in str(run.ended[CUT])
@@ -328,6 +329,7 @@ async def test_a_pending_round_answered_during_a_topology_setup_counts_alike(
         await cluster.run_all(lambda i, comm: both(i))
         assert state.epoch == epoch + 1
         cutter = CutAt(cluster.host(CUT).name, cluster.host(MASTER).name, m.PeersPendingVote, before=False)
+        assert cluster.network is not None
         cluster.network.add_hook(cutter)
         cutter.armed = True
         first = state.peers[cluster.peer(CUT).peer_id]
@@ -371,11 +373,11 @@ async def test_links_that_break_at_random_points_never_split_the_run(
         finished = [False] * n
         cuts = 0
 
-        async def retried(i: int, fn: object) -> None:
+        async def retried(i: int, fn: Callable[[], Awaitable[object]]) -> None:
             comm = cluster.peer(i)
             while True:
                 try:
-                    await fn()  # type: ignore[operator]
+                    await fn()
                     return
                 except RETRYABLE:
                     pass
@@ -424,5 +426,5 @@ async def test_links_that_break_at_random_points_never_split_the_run(
         assert results[i] == results[done[0]] and weights[i].tobytes() == weights[done[0]].tobytes()
         assert states[i].revision == steps
     if hold and gap >= 0.05:
-        want = [sum(grad(p, s) for p in ids).tobytes() for s in range(steps)]
+        want = [array_sum(grad(p, s) for p in ids).tobytes() for s in range(steps)]
         assert done == list(range(n)) and results[0] == want, "not every member's SUM at every step"

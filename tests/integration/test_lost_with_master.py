@@ -11,6 +11,8 @@ the same retryable error, and every step completes exactly.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import numpy as np
 import pytest
 import trio
@@ -22,7 +24,7 @@ from pccl.master.lost import REASON
 from pccl.testing import TestCluster, VirtualNetwork, open_test_cluster
 
 from ._traffic import RECONNECTING_PEER as CONFIG
-from ._traffic import grad
+from ._traffic import array_sum, grad
 
 STEPS = 5
 WORDS = 32
@@ -57,12 +59,12 @@ async def train(cluster: TestCluster, at: str, crash_step: int) -> list[list[tup
     gate = trio.Event()  # peer 2 holds back before the split call
     go = trio.Event()  # peer 2 may make the split call
 
-    async def retried(i: int, step: int, what: str, call: object) -> None:
+    async def retried(i: int, step: int, what: str, call: Callable[[], Awaitable[object]]) -> None:
         comm = cluster.peer(i)
         while True:
             before = (weights[i].tobytes(), states[i].revision)
             try:
-                await call()  # type: ignore[operator]
+                await call()
                 return
             except pccl.RankConnectionLostError as exc:
                 assert (weights[i].tobytes(), states[i].revision) == before  # the failure changed nothing
@@ -101,7 +103,7 @@ async def train(cluster: TestCluster, at: str, crash_step: int) -> list[list[tup
             nursery.start_soon(crash)
             for i in range(len(ids)):
                 nursery.start_soon(loop, i)
-    want = [sum(grad(p, s) for p in ids).tobytes() for s in range(STEPS)]
+    want = [array_sum(grad(p, s) for p in ids).tobytes() for s in range(STEPS)]
     for i in range(len(ids)):
         assert results[i] == want, f"peer {i}: the committed all-reduces are not every peer's SUM"
         assert synced[i] == list(range(STEPS)), f"peer {i}: revisions after the syncs: {synced[i]}"

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import pytest
 import trio
@@ -23,6 +23,14 @@ import trio
 pytestmark = pytest.mark.slow
 
 WAIT = 15.0  # bound on any single wait; the whole file normally runs in a few seconds
+
+
+class EventTest(Protocol):
+    """A test of one JSON event line: also ``lambda e, n=n: ...`` (a default binding a loop value, which
+    mypy cannot infer against ``Callable[[dict[str, Any]], bool]``)."""
+
+    def __call__(self, event: dict[str, Any], /) -> bool: ...
+
 
 MASTER_CODE = "import sys; from pccl.cli import master_main; sys.exit(master_main())"
 
@@ -108,7 +116,7 @@ class Proc:
     def events(self) -> list[dict[str, Any]]:
         return [json.loads(ln) for ln in self.lines if ln.startswith("{")]
 
-    async def wait_event(self, pred: Callable[[dict[str, Any]], bool], what: str) -> dict[str, Any]:
+    async def wait_event(self, pred: EventTest, what: str) -> dict[str, Any]:
         line = await self.wait_line(lambda ln: ln.startswith("{") and pred(json.loads(ln)), what)
         return dict(json.loads(line))
 

@@ -39,7 +39,7 @@ from pccl.testing import (
 from pccl.wire import messages as m
 
 from ._traffic import RECONNECTING_PEER as CONFIG
-from ._traffic import ControlFrames, grad
+from ._traffic import ControlFrames, array_sum, grad
 
 STEPS = 6
 CRASH_STEP = 2
@@ -99,7 +99,8 @@ class Run:
         self.newcomer_id: int | None = None
         self.done = trio.Event()  # the newcomer finished its steps
 
-    async def reduce(self, comm: pccl.Communicator, state: SharedState, w: np.ndarray, step: int) -> None:
+    async def reduce(self, comm: pccl.AsyncCommunicator, state: SharedState, w: np.ndarray,
+                     step: int) -> None:
         """The all-reduce of ``step`` (retried; a failed one leaves its output as it was)."""
         pid = comm.peer_id
         g, out = grad(pid, step, WORDS), np.zeros(WORDS, np.int64)
@@ -117,11 +118,11 @@ class Run:
         w += out
         state.revision += 1
 
-    async def sync(self, comm: pccl.Communicator, state: SharedState, what: str) -> None:
+    async def sync(self, comm: pccl.AsyncCommunicator, state: SharedState, what: str) -> None:
         await retry(lambda: comm.sync_shared_state(state), pccl.RankConnectionLostError,
                     log=self.failures.setdefault(comm.peer_id, []), what=what)
 
-    async def membership(self, comm: pccl.Communicator, step: int) -> None:
+    async def membership(self, comm: pccl.AsyncCommunicator, step: int) -> None:
         log = self.failures.setdefault(comm.peer_id, [])
         if step == CRASH_STEP and not self.newcomer_started:
             self.newcomer_started = True
@@ -184,7 +185,7 @@ class Run:
             assert sorted(self.ran[p]) == list(range(STEPS)), (p, sorted(self.ran[p]))
         for step in range(STEPS):
             who = sorted(p for p, steps in self.ran.items() if step in steps)
-            want = sum(grad(p, step, WORDS) for p in who)
+            want = array_sum(grad(p, step, WORDS) for p in who)
             for p in who:
                 got = np.frombuffer(self.ran[p][step], np.int64)
                 assert got.tobytes() == want.tobytes(), \
@@ -194,15 +195,16 @@ class Run:
 
 
 async def run(at: str, kinds: tuple[type[m.Message], ...], deliver: int) -> Run:
-    async with open_test_cluster(3, network=VirtualNetwork(latency=0.001), config=CONFIG) as cluster:
+    network = VirtualNetwork(latency=0.001)
+    async with open_test_cluster(3, network=network, config=CONFIG) as cluster:
         hook = CrashAt(cluster.host(MASTER).name, kinds, deliver)
-        cluster.network.add_hook(hook)
+        network.add_hook(hook)
         r = Run(cluster, hook, at)
 
         async def crash_when_fired() -> None:
             await hook.fired.wait()
             cluster.kill_master()
-            cluster.network.remove_hook(hook)
+            network.remove_hook(hook)
             await cluster.restart_master()
 
         with trio.fail_after(300):  # no call hangs

@@ -70,7 +70,8 @@ def fresh(n: int, count: int = 1024) -> list[np.ndarray]:
     return [np.arange(count, dtype=np.int64) * (i + 1) for i in range(n)]
 
 
-async def all_reduce_all(cl: TestCluster, bufs: list[np.ndarray], tag: int = 1) -> list[object]:
+async def all_reduce_all(cl: TestCluster, bufs: list[np.ndarray],
+                         tag: int = 1) -> list[pccl.ReduceInfo | pccl.PCCLError]:
     return await cl.run_all(lambda i, c: c.all_reduce(bufs[i], tag=tag), indexes=list(range(len(bufs))))
 
 

@@ -61,7 +61,7 @@ class Run:
         self.masters.append(await self.nursery.start(serve))
 
     async def start_peers(self) -> None:
-        addresses = [m.connect_address for m in self.masters]
+        addresses: list[str | tuple[str, int]] = [m.connect_address for m in self.masters]
         boxes: list[Communicator | None] = [None] * N
         self.hosts = [self.net.host(f"peer{i}") for i in range(N)]
 

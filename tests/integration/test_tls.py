@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import trio
 
+from pccl import SharedStateSyncInfo
 from pccl import SharedStateSyncStrategy as S
 from pccl._errors import MasterConnectionError
 from pccl.blocking import Communicator as BlockingCommunicator
@@ -21,7 +22,7 @@ from pccl.blocking import MasterNode, ReduceOp
 from pccl.peer.communicator import Communicator, open_communicator
 from pccl.peer.pool import _SocketConn
 from pccl.peer.shared_state import SharedState, TensorInfo
-from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG
+from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.testing.tls import Certs
 from pccl.transport import TlsStream
@@ -34,16 +35,17 @@ def certs(tmp_path: Path) -> Certs:
     return Certs(tmp_path)
 
 
-async def _all_reduce_exact(cluster: object, n: int = N, tag: int = 0) -> None:
+async def _all_reduce_exact(cluster: TestCluster, n: int = N, tag: int = 0) -> None:
     async def one(i: int, comm: Communicator) -> np.ndarray:
         x = np.arange(n, dtype=np.float32) % 251 + comm.peer_id
         await comm.all_reduce(x, tag=tag)
         return x
 
-    results = await cluster.run_all(one)  # type: ignore[attr-defined]
-    ids = [c.peer_id for c in cluster.live_peers]  # type: ignore[attr-defined]
+    results = await cluster.run_all(one)
+    ids = [c.peer_id for c in cluster.live_peers]
     want = (np.arange(n, dtype=np.float32) % 251) * len(ids) + sum(ids)
     for x in results:
+        assert isinstance(x, np.ndarray), x
         assert x.tobytes() == want.tobytes()
 
 
@@ -63,6 +65,7 @@ async def test_all_reduce_exact_over_tls_on_loopback_without_the_fast_path(
         assert len(conns) == 4  # two to the successor, two from the predecessor
         # Under TLS every byte goes through the SSL stream: never the raw-socket fast path.
         assert all(isinstance(c.stream, TlsStream) and not isinstance(c, _SocketConn) for c in conns)
+        assert comm._ms is not None
         assert isinstance(comm._ms.stream, TlsStream) and comm._ms.stream.handshake_done
         assert pool.statistics()["connections_lost"] == 0
 
@@ -80,11 +83,12 @@ async def test_shared_state_sync_and_bandwidth_measurement_over_tls(
 
     states = [state(3), state(3), state(9)]  # the popular state wins; peer 2 fetches it over TLS
 
-    async def sync(i: int, comm: Communicator) -> object:
+    async def sync(i: int, comm: Communicator) -> SharedStateSyncInfo:
         return await comm.sync_shared_state(states[i], S.ENFORCE_POPULAR)
 
     infos = await cluster.run_all(sync)
-    assert infos[2].rx_bytes == n + 4 * n  # type: ignore[attr-defined]
+    assert isinstance(infos[2], SharedStateSyncInfo), infos[2]
+    assert infos[2].rx_bytes == n + 4 * n
     ref = [t.tensor.tobytes() for t in states[0].tensor_infos]
     assert all([t.tensor.tobytes() for t in s.tensor_infos] == ref for s in states)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +53,7 @@ def float_data(n: int = 96, d: int = 6, dtype: torch.dtype = torch.float32, seed
 
 
 def mse_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, global_batch: int,
-                 seen: list[tuple[int, int, int]] | None = None) -> Callable[[Step], Any]:
+                 seen: list[tuple[int, int, int]] | None = None) -> Callable[[Step], float]:
     """The user's callback: MSE on this peer's shard of the step's global batch."""
 
     def backward(step: Step) -> float:
@@ -62,7 +61,7 @@ def mse_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, global_batc
         if seen is not None:
             seen.append((step.index, step.world_size, step.attempt))
         loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         return float(loss.detach())
 
     return backward
@@ -75,7 +74,8 @@ def single_process(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.
     for s in range(steps):
         idx = torch.from_numpy(global_batch_indices(s, global_batch, len(x)))
         optimizer.zero_grad(set_to_none=False)
-        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        # torch's Tensor.backward is unannotated
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     return shared
 

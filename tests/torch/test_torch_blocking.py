@@ -7,7 +7,8 @@ import copy
 import subprocess
 import sys
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -19,9 +20,11 @@ import pccl
 from pccl.blocking import MasterNode
 from pccl.torch import DiLoCo, SharedModel, TrainingRun, global_batch_indices, shard_indices
 
+T = TypeVar("T")
 
-def run_threads(target: Any, n: int) -> dict[int, Any]:
-    out: dict[int, Any] = {}
+
+def run_threads(target: Callable[[int], T], n: int) -> dict[int, T]:
+    out: dict[int, T] = {}
     errors: list[BaseException] = []
 
     def body(i: int) -> None:

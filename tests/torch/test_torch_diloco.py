@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,7 @@ async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, delayed:
             on_step(step)
         idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
         loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         return float(loss.detach())
 
     results: list[StepResult] = []
@@ -76,7 +77,7 @@ async def test_diloco_converges_and_outer_states_stay_identical(
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as peers:
             for i in cluster.alive:
-                peers.start_soon(lambda i=i: train(cluster, i, nursery, delayed=delayed,
+                peers.start_soon(functools.partial(train, cluster, i, nursery, delayed=delayed,
                                                    outer_steps=outer_steps,
                                                    quantization=quantization, out=out))
     states = [state_bytes(out[i][0].shared) for i in range(3)]
@@ -98,7 +99,7 @@ async def test_delayed_diloco_admits_a_newcomer_with_the_pipeline_drained(
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as peers:
             for i in cluster.alive:
-                peers.start_soon(lambda i=i: train(cluster, i, nursery, delayed=True, outer_steps=10,
+                peers.start_soon(functools.partial(train, cluster, i, nursery, delayed=True, outer_steps=10,
                                                    quantization=None, out=out))
             await trio.sleep(0.05)
             newcomer = await cluster.add_peer(admit=False)
