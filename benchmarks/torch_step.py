@@ -1,5 +1,3 @@
-# mypy: disallow-untyped-calls=False
-# (torch's Tensor.backward has no annotations)
 """Per-step cost of pccl.torch's TrainingRun against a hand-written blocking loop on the same model.
 
     python benchmarks/torch_step.py                       # 2 peers, MLP 4 x 512, 40 timed steps, 3 rounds

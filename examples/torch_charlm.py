@@ -1,5 +1,3 @@
-# mypy: disallow-untyped-calls=False
-# (torch's Tensor.backward has no annotations)
 """A character-level transformer language model trained fault-tolerantly with pccl.torch.
 
 Run it (the master, the peers and a single-process baseline are all started by this one command)::

@@ -138,10 +138,10 @@ def test_caller_side_stream_is_synchronized_before_the_core_copies(pair: list[Co
 
     def one(r: int) -> bool:
         # torch.cuda.Stream's constructor and torch.cuda._sleep carry no annotations
-        side, other = torch.cuda.Stream(), torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side, other = torch.cuda.Stream(), torch.cuda.Stream()
         with torch.cuda.stream(side):
             # ~0.1 s of GPU time before the write below runs
-            torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+            torch.cuda._sleep(200_000_000)
             xs[r].fill_(float(r + 1))
             pair[r].all_reduce(xs[r], xs[r], op=ReduceOp.SUM)
         with torch.cuda.stream(other):

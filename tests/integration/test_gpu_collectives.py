@@ -259,7 +259,7 @@ async def test_pending_work_on_the_current_stream_is_ordered_before_the_copy() -
         pytest.skip("this torch has no torch.cuda._sleep")
     async with loopback_cluster(2) as cl:
         # torch.cuda.Stream's constructor and torch.cuda._sleep carry no annotations
-        side, other = torch.cuda.Stream(), torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side, other = torch.cuda.Stream(), torch.cuda.Stream()
         xs = [torch.zeros(1 << 16, device="cuda"), torch.full((1 << 16,), 2.0, device="cuda")]
         torch.cuda.synchronize()
 
@@ -267,7 +267,7 @@ async def test_pending_work_on_the_current_stream_is_ordered_before_the_copy() -
             if i == 0:
                 with torch.cuda.stream(side):
                     # ~0.1 s of GPU time before the write below runs
-                    torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]
+                    torch.cuda._sleep(200_000_000)
                     xs[0].fill_(1.0)
                     return await c.all_reduce(xs[0])
             return await c.all_reduce(xs[1])

@@ -61,7 +61,7 @@ def mse_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, global_batc
         if seen is not None:
             seen.append((step.index, step.world_size, step.attempt))
         loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        loss.backward()
         return float(loss.detach())
 
     return backward
@@ -75,7 +75,7 @@ def single_process(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.
         idx = torch.from_numpy(global_batch_indices(s, global_batch, len(x)))
         optimizer.zero_grad(set_to_none=False)
         # torch's Tensor.backward is unannotated
-        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()  # type: ignore[no-untyped-call]
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
         optimizer.step()
     return shared
 

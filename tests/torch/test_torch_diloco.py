@@ -56,7 +56,7 @@ async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, delayed:
             on_step(step)
         idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
         loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+        loss.backward()
         return float(loss.detach())
 
     results: list[StepResult] = []
