@@ -30,12 +30,13 @@ fixed one) into the one the executor runs for one operation.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .schedule import KINDS, SCHEDULES, chunk_sizes, schedule_kinds, tree_children, tree_subtree
+from .schedule import KINDS, SCHEDULES, all_plans, chunk_sizes, schedule_kinds, tree_children, tree_subtree
 
 __all__ = [
     "DEFAULT_BANDWIDTH",
@@ -45,13 +46,16 @@ __all__ = [
     "HETEROGENEOUS_RATIO",
     "SAME_HOST",
     "SAME_HOST_BANDWIDTH",
+    "SAME_HOST_FRAME_CPU",
     "SAME_HOST_LATENCY",
     "SCHEDULE_REQUESTS",
     "Choice",
     "LinkModel",
     "choose",
+    "frames",
     "heterogeneity",
     "predict",
+    "same_host",
     "schedule_for",
 ]
 
@@ -72,6 +76,14 @@ SAME_HOST_BANDWIDTH = 1e9
 """Bytes/s between peers of one host when nothing was measured: what the executor moves through
 loopback TCP including its copies and reductions (the 4 MB ring all-reduce at 3 peers on that VM),
 not the loopback's raw rate."""
+
+SAME_HOST_FRAME_CPU = 60e-6
+"""CPU seconds one frame costs its sender and receiver together on one host (framing, the socket
+calls, the wake-ups): with more peers than cores, every frame of an operation comes out of the same
+few cores, so an operation takes at least ``frames x SAME_HOST_FRAME_CPU / cores`` however its steps
+overlap (calibrated on a 2-vCPU VM: four peers there run the 6-frame tree faster than the 24-frame
+halving-doubling up to 256 KB although the latter has fewer bytes per step; docs/topology.md
+"Peers on one host")."""
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 """The executor's pipelining block (``pccl.collectives.ring.DEFAULT_BLOCK_BYTES``; repeated here so
@@ -104,6 +116,10 @@ class LinkModel:
             (``min(bw, window / (2 alpha))``). None: unlimited.
         spread: fastest over slowest measured link, for a model without a ``bandwidth`` matrix
             (the master's summary, :meth:`from_summary`); see :func:`heterogeneity`.
+        cores: the cores the ranks share when they all run on one host (0: not known to share
+            any). With more ranks than cores, :func:`predict` adds ``frame_cpu`` per frame of the
+            whole operation, divided by ``cores``.
+        frame_cpu: CPU seconds per frame on a shared host (see ``cores``).
     """
 
     latency: float | Matrix = DEFAULT_LATENCY
@@ -112,6 +128,8 @@ class LinkModel:
     default_bandwidth: float = DEFAULT_BANDWIDTH
     window: float | None = None
     spread: float = 1.0
+    cores: int = 0
+    frame_cpu: float = 0.0
 
     @classmethod
     def from_summary(cls, links: Sequence[float]) -> LinkModel | None:
@@ -180,7 +198,34 @@ SAME_HOST = LinkModel(
 )
 """The model of an unmeasured group whose peers all run on one host (see
 :func:`pccl.collectives.cost.schedule_for`'s callers): the LAN defaults would price every byte ten
-times too high there and keep the ring where a tree or halving-doubling is faster."""
+times too high there and keep the ring where a tree or halving-doubling is faster. Without the
+host's core count; :func:`same_host` adds it."""
+
+
+def same_host(cores: int) -> LinkModel:
+    """:data:`SAME_HOST` on a host of ``cores`` cores (``os.cpu_count()``: equal for every peer of
+    the host, so their choices agree): with more peers than cores the frames' CPU is priced too
+    (:data:`SAME_HOST_FRAME_CPU`).
+
+    Raises:
+        ValueError: ``cores`` < 1.
+    """
+    if cores < 1:
+        raise ValueError(f"cores must be at least 1, got {cores}")
+    return dataclasses.replace(SAME_HOST, cores=cores, frame_cpu=SAME_HOST_FRAME_CPU)
+
+
+@functools.lru_cache(maxsize=256)
+def frames(schedule: str, kind: str, n: int, nbytes: int, block_bytes: int = DEFAULT_BLOCK_BYTES,
+           root: int = 0) -> int:
+    """How many frames one operation sends, all ranks together (from the plans themselves, byte
+    for element: the same chunking as any dtype's up to rounding).
+
+    Raises:
+        ValueError: bad arguments, or a kind the schedule has no plan for.
+    """
+    plans = all_plans(schedule, kind, n, int(nbytes), max(1, block_bytes), root)
+    return sum(len(p.sends) for p in plans)
 
 
 def _check(kind: str, n: int, nbytes: float) -> None:
@@ -222,10 +267,15 @@ def predict(
         return math.inf
     lm = links or LinkModel()
     if schedule == "ring":
-        return _ring(kind, n, nbytes, lm, block_bytes, root)
-    if schedule == "hd":
-        return _hd(kind, n, nbytes, lm)
-    return _tree(kind, n, nbytes, lm, block_bytes, root)
+        t = _ring(kind, n, nbytes, lm, block_bytes, root)
+    elif schedule == "hd":
+        t = _hd(kind, n, nbytes, lm)
+    else:
+        t = _tree(kind, n, nbytes, lm, block_bytes, root)
+    if 0 < lm.cores < n and lm.frame_cpu > 0:
+        # more ranks than cores on one host: every frame's CPU comes out of the same cores
+        t += lm.frame_cpu * frames(schedule, kind, n, int(nbytes), block_bytes, root) / lm.cores
+    return t
 
 
 def choose(

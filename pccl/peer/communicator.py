@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -56,7 +57,7 @@ from .._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
-from ..collectives.cost import SAME_HOST, SCHEDULE_REQUESTS, LinkModel, schedule_for
+from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel, same_host, schedule_for
 from ..collectives.ring import plan_for, plan_partners, run_collective
 from ..collectives.schedule import chunk_bounds, send_partners
 from ..kernels import backend, reduce
@@ -91,6 +92,9 @@ from .state import (
 log = logging.getLogger("pccl.peer")
 
 # The phases of a collective that statistics() reports, in call order (see _record_phases).
+#: The one-host link model (pccl.collectives.cost.same_host) for this machine's cores.
+_SAME_HOST = same_host(os.cpu_count() or 1)
+
 _PHASES = ("vote", "ring", "confirm", "commit")
 
 #: A peer not accepted this soon after registering says at INFO that it waits (the first peer of a run
@@ -1128,10 +1132,11 @@ class Communicator:
         master checked), the operation's group (its table, the same on every participant) and the
         link summary the master sent every member, so every participant picks the same. Without a
         summary, a group whose members all have one address (one host) is priced with
-        :data:`~pccl.collectives.cost.SAME_HOST`, any other with the LAN defaults."""
+        :func:`~pccl.collectives.cost.same_host` for this host's cores (one host: the same count on
+        every member), any other with the LAN defaults."""
         links = self._links
         if links is None and len({r.host for r in rows}) == 1:
-            links = SAME_HOST
+            links = _SAME_HOST
         return schedule_for(
             descriptor.schedule,
             descriptor.kind,

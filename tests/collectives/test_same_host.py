@@ -9,8 +9,9 @@ import pytest
 import trio.testing
 
 import pccl
-from pccl.collectives.cost import SAME_HOST, predict, schedule_for
+from pccl.collectives.cost import SAME_HOST, SAME_HOST_FRAME_CPU, frames, predict, same_host, schedule_for
 from pccl.collectives.schedule import SCHEDULES
+from pccl.peer import communicator
 from pccl.testing import VirtualNetwork
 from pccl.testing.pytest_plugin import ClusterFactory
 
@@ -46,6 +47,63 @@ async def test_one_host_runs_the_same_host_choice(
     assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
     for i in cluster.alive:
         assert (xs[i] == 6).all()
+        stats = cluster.peer(i).statistics()
+        assert {s: stats.get(f"schedule_{s}_ok", 0) for s in SCHEDULES} == {
+            s: int(s == want) for s in SCHEDULES
+        }
+
+
+def test_frames_are_counted_from_the_plans() -> None:
+    # one block per transfer: the ring sends 2(n-1) frames per rank, the binomial tree 2(n-1) in all,
+    # halving-doubling one frame per virtual chunk of each round (2 + 1, then 1 + 2, per rank at 4)
+    assert frames("ring", "all_reduce", 4, 64 * KB) == 4 * 6
+    assert frames("tree", "all_reduce", 4, 64 * KB) == 6
+    assert frames("hd", "all_reduce", 4, 64 * KB) == 4 * 6
+    assert frames("tree", "all_reduce", 3, 64 * KB) == 4
+    # a transfer larger than a block is several frames
+    assert frames("tree", "all_reduce", 4, 8 * MB, block_bytes=4 * MB) == 12
+
+
+def test_frame_cpu_counts_only_with_more_peers_than_cores() -> None:
+    with pytest.raises(ValueError):
+        same_host(0)
+    for s in SCHEDULES:
+        base = predict(s, "all_reduce", 4, 64 * KB, SAME_HOST)
+        assert predict(s, "all_reduce", 4, 64 * KB, same_host(4)) == base  # a core per peer
+        extra = predict(s, "all_reduce", 4, 64 * KB, same_host(2)) - base
+        assert extra == pytest.approx(frames(s, "all_reduce", 4, 64 * KB) * SAME_HOST_FRAME_CPU / 2)
+
+
+def test_four_peers_on_two_cores_take_the_tree_for_small_operations() -> None:
+    """What the 2-vCPU VM measured (docs/topology.md "Peers on one host"): four peers there run the
+    6-frame tree faster than the 24-frame halving-doubling up to 256 KB; with a core per peer the
+    frame count does not decide, and three peers choose as before."""
+    two, many = same_host(2), same_host(16)
+    assert [schedule_for("auto", "all_reduce", 4, b, links=two) for b in (4 * KB, 64 * KB, MB)] == \
+        ["tree", "tree", "hd"]
+    assert [schedule_for("auto", "all_reduce", 4, b, links=many) for b in (4 * KB, 64 * KB, MB)] == \
+        ["hd", "hd", "hd"]
+    for links in (two, many):
+        assert schedule_for("auto", "all_reduce", 3, 64 * KB, links=links) == "tree"
+        assert schedule_for("auto", "all_reduce", 3, MB, links=links) == "ring"
+        assert schedule_for("auto", "all_reduce", 2, 64 * KB, links=links) == "ring"
+
+
+@pytest.mark.parametrize(("cores", "want"), [(2, "tree"), (16, "hd")])
+async def test_a_live_one_host_group_prices_this_hosts_cores(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch,
+    cores: int, want: str
+) -> None:
+    """Four peers on one host, a 64 KB all-reduce, nothing measured: the communicator prices the
+    host's cores (pinned here: the test must not depend on the machine running it)."""
+    monkeypatch.setattr(communicator, "_SAME_HOST", same_host(cores))
+    n, count = 4, 16 * KB
+    cluster = await pccl_cluster(n, network=VirtualNetwork(latency=0.0002, bandwidth=1e9, loopback=True))
+    xs = {i: np.full(count, i + 1, np.float32) for i in cluster.alive}
+    infos = await cluster.run_all(lambda i, c: c.all_reduce(xs[i]))
+    assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
+    for i in cluster.alive:
+        assert (xs[i] == 10).all()
         stats = cluster.peer(i).statistics()
         assert {s: stats.get(f"schedule_{s}_ok", 0) for s in SCHEDULES} == {
             s: int(s == want) for s in SCHEDULES
