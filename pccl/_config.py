@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 from ._tls import TlsFiles, check_pairing
 
@@ -18,10 +22,10 @@ PROTOCOL_VERSION = 5
 RECONNECT_BACKOFF_MAX = 0.1
 
 
-def _reject_nan(config: object) -> None:
+def _reject_nan(config: DataclassInstance) -> None:
     """Raise ValueError for a NaN field: it passes every range check (each comparison is False) and then
     never fires (a timeout of NaN never expires)."""
-    for f in dataclasses.fields(config):  # type: ignore[arg-type]
+    for f in dataclasses.fields(config):
         value = getattr(config, f.name)
         if isinstance(value, float) and math.isnan(value):
             raise ValueError(f"{type(config).__name__}.{f.name} must be a number, not NaN")

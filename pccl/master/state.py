@@ -22,7 +22,7 @@ import enum
 import math
 import secrets
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -802,19 +802,28 @@ class MasterState:
                     out.setdefault(p, []).append(VoteWait("sync"))
         return out
 
-    def voting_peers(self) -> set[int]:
-        """The peers that :meth:`vote_waits` lists (``set(vote_waits())``), without building the waits:
-        the cheap test the deadlock check makes after every batch of messages."""
-        out = set(self._pending_votes)
+    def _vote_sets(self) -> Iterator[tuple[int | None, Collection[int]]]:
+        """Every vote still open, as ``(group, voters)``: ``None`` for a ring-wide vote (topology,
+        are_peers_pending), without the work :meth:`_open_votes` does for the vote timeout (who is
+        missing, when it opened). The one walk :meth:`voting_peers` and :meth:`deadlock_candidates`
+        share, so that the bound can never miss a kind of vote the voter set has."""
+        yield None, self._pending_votes
         rnd = self._topology
         if rnd is not None and rnd.voting:
-            out |= rnd.votes
-        for op in self._ops.values():
+            yield None, rnd.votes
+        for (group, _), op in self._ops.items():
             if not op.running:
-                out.update(op.votes)
-        for sync in self._syncs.values():
+                yield group, op.votes.keys()
+        for group, sync in self._syncs.items():
             if not sync.running:
-                out.update(sync.votes)
+                yield group, sync.votes.keys()
+
+    def voting_peers(self) -> set[int]:
+        """The peers that :meth:`vote_waits` lists (``set(vote_waits())``), without building the waits:
+        the test the deadlock check makes once :meth:`deadlock_candidates` names a group."""
+        out: set[int] = set()
+        for _, voters in self._vote_sets():
+            out.update(voters)
         return out
 
     def deadlock_candidates(self) -> list[int]:
@@ -826,17 +835,10 @@ class MasterState:
         after every message, and with :meth:`voting_peers` alone a vote round of n peers cost the
         master O(n^2) (docs/benchmarks.md "Control plane at many peers").
         """
-        counts: dict[int, int] = {}
-        for (group, _), op in self._ops.items():
-            if not op.running:
-                counts[group] = counts.get(group, 0) + len(op.votes)
-        for group, sync in self._syncs.items():
-            if not sync.running:
-                counts[group] = counts.get(group, 0) + len(sync.votes)
-        ring_wide = len(self._pending_votes)
-        rnd = self._topology
-        if rnd is not None and rnd.voting:
-            ring_wide += len(rnd.votes)
+        counts: dict[int | None, int] = {}
+        for group, voters in self._vote_sets():
+            counts[group] = counts.get(group, 0) + len(voters)
+        ring_wide = counts.get(None, 0)
         return [g for g, size in self._sizes_by_group().items()
                 if size >= 2 and counts.get(g, 0) + ring_wide >= size]
 

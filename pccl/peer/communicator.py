@@ -91,10 +91,10 @@ from .state import (
 
 log = logging.getLogger("pccl.peer")
 
-# The phases of a collective that statistics() reports, in call order (see _record_phases).
 #: The one-host link model (pccl.collectives.cost.same_host) for this machine's cores.
 _SAME_HOST = same_host(os.cpu_count() or 1)
 
+# The phases of a collective that statistics() reports, in call order (see _record_phases).
 _PHASES = ("vote", "ring", "confirm", "commit")
 
 #: A peer not accepted this soon after registering says at INFO that it waits (the first peer of a run

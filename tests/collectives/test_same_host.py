@@ -33,24 +33,29 @@ def test_same_host_choices() -> None:
         assert predict(s, "all_reduce", 4, MB, SAME_HOST) < predict(s, "all_reduce", 4, MB)
 
 
+async def _all_reduce_64k_runs(pccl_cluster: ClusterFactory, n: int, *, loopback: bool, want: str) -> None:
+    """``n`` peers with nothing measured (on one host with ``loopback``) all-reduce 64 KB of float32:
+    the results are exact and every peer ran ``want`` and no other schedule."""
+    cluster = await pccl_cluster(n, network=VirtualNetwork(latency=0.0002, bandwidth=1e9, loopback=loopback))
+    assert all(cluster.peer(i)._links is None for i in cluster.alive)  # nothing measured
+    xs = {i: np.full(16 * KB, i + 1, np.float32) for i in cluster.alive}
+    infos = await cluster.run_all(lambda i, c: c.all_reduce(xs[i]))
+    assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
+    for i in cluster.alive:
+        assert (xs[i] == n * (n + 1) // 2).all()
+        stats = cluster.peer(i).statistics()
+        assert {s: stats.get(f"schedule_{s}_ok", 0) for s in SCHEDULES} == {
+            s: int(s == want) for s in SCHEDULES
+        }
+
+
 @pytest.mark.parametrize(("loopback", "want"), [(True, "tree"), (False, "ring")])
 async def test_one_host_runs_the_same_host_choice(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, loopback: bool, want: str
 ) -> None:
     """Three peers, a 64 KB all-reduce, nothing measured: on one host (every address 127.0.0.1)
     each peer runs the tree, on three hosts the ring, and the results are exact either way."""
-    n, count = 3, 16 * KB  # float32: 64 KB
-    cluster = await pccl_cluster(n, network=VirtualNetwork(latency=0.0002, bandwidth=1e9, loopback=loopback))
-    assert all(cluster.peer(i)._links is None for i in cluster.alive)  # nothing measured
-    xs = {i: np.full(count, i + 1, np.float32) for i in cluster.alive}
-    infos = await cluster.run_all(lambda i, c: c.all_reduce(xs[i]))
-    assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
-    for i in cluster.alive:
-        assert (xs[i] == 6).all()
-        stats = cluster.peer(i).statistics()
-        assert {s: stats.get(f"schedule_{s}_ok", 0) for s in SCHEDULES} == {
-            s: int(s == want) for s in SCHEDULES
-        }
+    await _all_reduce_64k_runs(pccl_cluster, 3, loopback=loopback, want=want)
 
 
 def test_frames_are_counted_from_the_plans() -> None:
@@ -97,14 +102,4 @@ async def test_a_live_one_host_group_prices_this_hosts_cores(
     """Four peers on one host, a 64 KB all-reduce, nothing measured: the communicator prices the
     host's cores (pinned here: the test must not depend on the machine running it)."""
     monkeypatch.setattr(communicator, "_SAME_HOST", same_host(cores))
-    n, count = 4, 16 * KB
-    cluster = await pccl_cluster(n, network=VirtualNetwork(latency=0.0002, bandwidth=1e9, loopback=True))
-    xs = {i: np.full(count, i + 1, np.float32) for i in cluster.alive}
-    infos = await cluster.run_all(lambda i, c: c.all_reduce(xs[i]))
-    assert all(isinstance(r, pccl.ReduceInfo) for r in infos), infos
-    for i in cluster.alive:
-        assert (xs[i] == 10).all()
-        stats = cluster.peer(i).statistics()
-        assert {s: stats.get(f"schedule_{s}_ok", 0) for s in SCHEDULES} == {
-            s: int(s == want) for s in SCHEDULES
-        }
+    await _all_reduce_64k_runs(pccl_cluster, 4, loopback=True, want=want)
