@@ -13,7 +13,14 @@ the way the server would, and times (``time.process_time``, CPU of this process)
 * update+encode: the same round with every message the master sends encoded as the server would (the
   shared credential table is encoded once, the ``n`` ``EstablishP2P`` each carry the ``n``-row peer table);
 * rebuild: ``n`` members re-register at a fresh master (a restarted master's rebuild; ``Reregister``
-  and every answer: ``Reregistered``, the P2P credentials);
+  and every answer: ``Reregistered``, the P2P credentials), as the server runs it: the rows of the
+  members back go to the members holding the set in batches while the master is held
+  (``MasterConfig.credentials_batch_delay``; here the roll call holds it until the last return, which
+  sends the one batch);
+* rebuild unbatched: the same with the rows sent at each return (delay 0), as before batching:
+  ``n (n - 1) / 2`` messages. Before the reported rings were kept by distinct ring
+  (pccl/master/reported.py) and the ring and the credential table grew by insertion, every return
+  also walked every member back in Python: 68 ms at 256 members, 980 ms at 1024;
 * pending: a peers-pending vote round (``n`` votes);
 * collective: one collective's vote round (``n`` ``CollectiveInitiate``) and its completion
   (``n`` ``CollectiveDone``);
@@ -31,8 +38,9 @@ the way the server would, and times (``time.process_time``, CPU of this process)
   bound from the open votes' sizes (``MasterState.deadlock_candidates``) it built the set of voters
   after every message, which made each vote round O(n^2) (6.2 ms at 256 peers, 64 ms at 1024).
 
-It prints the median over ``--repeats`` rounds and the cost per message; O(n) rounds keep the cost
-per message flat as ``n`` grows. Target (issue 21): one vote round at 256 peers <= 50 ms.
+It prints the median over ``--repeats`` rounds, the cost per message received and the messages the
+master sends in the round; O(n) rounds keep the cost per message flat as ``n`` grows. Target (issue
+21): one vote round at 256 peers <= 50 ms.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pccl import MasterConfig
 from pccl.master.deadlock import DeadlockWatch
 from pccl.master.state import MasterState, Send
 from pccl.wire import messages as m
@@ -78,9 +87,12 @@ class Driver:
     encode = False
     watch: DeadlockWatch | None = None  # set: also run the server's checks after every message
 
+    sends = 0  # Send effects so far
+
     def h(self, pid: int, msg: m.Message) -> list[Any]:
         self.now += 1e-6
         effects = self.st.handle(pid, msg, self.now)
+        self.sends += sum(1 for e in effects if isinstance(e, Send))
         if self.encode:
             for e in effects:
                 if isinstance(e, Send):
@@ -146,61 +158,84 @@ def _join(n: int) -> tuple[Driver, float]:
     return d, dt
 
 
-def _rebuild(n: int) -> float:
-    st = MasterState()
+def _rebuild(n: int, delay: float | None) -> tuple[float, int]:
+    """CPU seconds and messages sent for ``n`` re-registrations, credential rows batched over ``delay``
+    seconds (None: the server's default; a tree without batching sends them at each return)."""
+    cfg = MasterConfig()
+    if delay is None:
+        delay = getattr(cfg, "credentials_batch_delay", 0.0)
+    # As the server builds it: the roll call holds the votes until every member is back (rows are
+    # batched only while the master is held).
+    kwargs: dict[str, Any] = {"rebuild_grace": cfg.rebuild_grace, "rebuild_quiet": cfg.rebuild_quiet}
+    if delay > 0:
+        kwargs["credentials_delay"] = delay
+    st = MasterState(**kwargs)
     ring = list(range(1, n + 1))
+    sends = 0
     t0 = time.process_time()
     for p in ring:
         got = st.new_connection("10.0.0.1", 0.0, claim=p)
         msg = m.Reregister(peer_id=p, p2p_port=40000 + p, peer_group=0, epoch=7, ring=ring, revision=-1,
                            generation=1, **_key(p))
-        st.handle(got, msg, 0.0)
+        sends += sum(1 for e in st.handle(got, msg, 0.0) if isinstance(e, Send))
+    if delay > 0:
+        sends += sum(1 for e in st.credentials_overdue(delay) if isinstance(e, Send))
     dt = time.process_time() - t0
     assert len(st.accepted()) == n, st.statistics()
-    return dt
+    return dt, sends
 
 
-def _timed(fn: Callable[[], None]) -> float:
-    t0 = time.process_time()
-    fn()
-    return time.process_time() - t0
+class _Timer:
+    """Times rounds of one driver: the median CPU seconds of ``repeats`` runs, and the messages the
+    master sent per run."""
+
+    def __init__(self, d: Driver, repeats: int) -> None:
+        self.d = d
+        self.repeats = repeats
+
+    def __call__(self, fn: Callable[[], None]) -> tuple[float, int]:
+        times, sends = [], []
+        for _ in range(self.repeats):
+            before = self.d.sends
+            t0 = time.process_time()
+            fn()
+            times.append(time.process_time() - t0)
+            sends.append(self.d.sends - before)
+        return statistics.median(times), sends[-1]
 
 
-def measure(n: int, repeats: int) -> dict[str, float]:
-    """Median CPU seconds per round of each kind at world size ``n``."""
+def measure(n: int, repeats: int) -> dict[str, tuple[float, int]]:
+    """Median CPU seconds per round of each kind at world size ``n``, and the messages it sends."""
     joins = []
     d = Driver()
     for _ in range(repeats):
         d, dt = _join(n)
         joins.append(dt)
-    out = {"join": statistics.median(joins)}
-    out["update"] = statistics.median(_timed(d.update_round) for _ in range(repeats))
+    out = {"join": (statistics.median(joins), d.sends)}
+    timed = _Timer(d, repeats)
+    out["update"] = timed(d.update_round)
     d.encode = True
-    out["update+encode"] = statistics.median(_timed(d.update_round) for _ in range(repeats))
+    out["update+encode"] = timed(d.update_round)
     d.encode = False
-    out["rebuild"] = statistics.median(_rebuild(n) for _ in range(repeats))
-    out["pending"] = statistics.median(_timed(d.pending_round) for _ in range(repeats))
+    for kind, delay in (("rebuild", None), ("rebuild unbatched", 0.0)):
+        runs = [_rebuild(n, delay) for _ in range(repeats)]
+        out[kind] = (statistics.median(t for t, _ in runs), runs[-1][1])
+    out["pending"] = timed(d.pending_round)
     tags = iter(range(1, 1 << 30))
-    out["collective"] = statistics.median(
-        _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
-    )
+    out["collective"] = timed(lambda: d.collective_round(next(tags)))
     d.encode = True
-    out["+encode"] = statistics.median(
-        _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
-    )
+    out["+encode"] = timed(lambda: d.collective_round(next(tags)))
     d.encode = False
     fast_tag = next(tags)
     d.collective_round(fast_tag)  # reserves the tag's first speculative op_seq
-    out["fast"] = statistics.median(_timed(lambda: d.fast_round(fast_tag)) for _ in range(repeats))
+    out["fast"] = timed(lambda: d.fast_round(fast_tag))
     d.encode = True
-    out["fast+encode"] = statistics.median(_timed(lambda: d.fast_round(fast_tag)) for _ in range(repeats))
+    out["fast+encode"] = timed(lambda: d.fast_round(fast_tag))
     d.watch = DeadlockWatch(grace=1.0)
-    out["update+checks"] = statistics.median(_timed(d.update_round) for _ in range(repeats))
-    out["collective+checks"] = statistics.median(
-        _timed(lambda: d.collective_round(next(tags))) for _ in range(repeats)
-    )
+    out["update+checks"] = timed(d.update_round)
+    out["collective+checks"] = timed(lambda: d.collective_round(next(tags)))
     d.collective_round(fast_tag)  # the update round voided the tag's reservation: reserve it again
-    out["fast+checks"] = statistics.median(_timed(lambda: d.fast_round(fast_tag)) for _ in range(repeats))
+    out["fast+checks"] = timed(lambda: d.fast_round(fast_tag))
     d.watch = None
     assert d.st.statistics()["collectives_running"] == 0
     assert d.st.statistics()["collectives_fast"] == 3 * repeats
@@ -209,7 +244,7 @@ def measure(n: int, repeats: int) -> dict[str, float]:
 
 # messages per round, to print a cost per message
 _MESSAGES = {"join": lambda n: 2 * n - 1, "update": lambda n: 2 * n, "update+encode": lambda n: 2 * n,
-             "rebuild": lambda n: n, "pending": lambda n: n,
+             "rebuild": lambda n: n, "rebuild unbatched": lambda n: n, "pending": lambda n: n,
              "collective": lambda n: 2 * n, "+encode": lambda n: 2 * n, "fast": lambda n: 2 * n,
              "fast+encode": lambda n: 2 * n, "update+checks": lambda n: 2 * n,
              "collective+checks": lambda n: 2 * n, "fast+checks": lambda n: 2 * n}
@@ -221,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     worlds = [int(x) for x in args.worlds.split(",")]
-    print(f"{'peers':>6} {'round':>17} {'master CPU ms':>14} {'us/message':>11}")
+    print(f"{'peers':>6} {'round':>17} {'master CPU ms':>14} {'us/message':>11} {'sent':>8}")
     for n in worlds:
         res = measure(n, args.repeats)
-        for kind, secs in res.items():
+        for kind, (secs, sent) in res.items():
             per = secs / _MESSAGES[kind](n) * 1e6
-            print(f"{n:>6} {kind:>17} {secs * 1e3:>14.2f} {per:>11.1f}")
+            print(f"{n:>6} {kind:>17} {secs * 1e3:>14.2f} {per:>11.1f} {sent:>8}")
     return 0
 
 

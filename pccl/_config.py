@@ -126,6 +126,12 @@ class MasterConfig:
             or ``CollectiveAbort`` alone: one message per peer and operation instead of two. The
             cost: a stalled speculative data plane is noticed up to this much later. 0: send it as
             soon as the vote completes. Default 0.01 s.
+        credentials_batch_delay: seconds the master batches the P2P credential rows of members it
+            takes back (a re-registration) before sending them to the members holding the set: a
+            restarted master's members return within moments, and a message to every holder at every
+            return would cost ``n (n - 1) / 2`` messages at ``n`` members (pccl/master/issued.py).
+            The cost: a holder accepts a P2P connection from a member back less than this long ago up
+            to this much later. 0: at each return. Default 0.01 s.
     """
 
     heartbeat_interval: float = 0.5
@@ -149,11 +155,14 @@ class MasterConfig:
     tls_key: str | None = None
     tls_ca: str | None = None
     speculative_go_delay: float = 0.01
+    credentials_batch_delay: float = 0.01
 
     def __post_init__(self) -> None:
         _reject_nan(self)
         if self.speculative_go_delay < 0:
             raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
+        if self.credentials_batch_delay < 0:
+            raise ValueError(f"credentials_batch_delay ({self.credentials_batch_delay}) must be >= 0")
         if self.rebuild_grace < 0:
             raise ValueError(f"rebuild_grace ({self.rebuild_grace}) must be >= 0")
         if self.rebuild_quiet is not None and self.rebuild_quiet <= 0:

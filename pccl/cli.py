@@ -77,6 +77,11 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
                    help="hold the 'everyone voted' message of a speculatively started collective back this "
                         "long; an operation that ends sooner gets only its completion (0: at once; "
                         f"default {defaults.speculative_go_delay:g}; docs/protocol.md section 4)")
+    p.add_argument("--credentials-batch-delay", type=seconds, default=defaults.credentials_batch_delay,
+                   help="send the P2P credentials of members that re-register to the other members in "
+                        "batches this long apart: a restarted master's n members cost n messages per "
+                        f"batch instead of n per return (0: at each return; default "
+                        f"{defaults.credentials_batch_delay:g}; docs/security.md)")
     p.add_argument("--secret", default=None,
                    help="shared secret peers must know (optional; visible in the process list: "
                         "prefer --secret-file or $PCCL_SECRET)")
@@ -114,6 +119,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             quorum=args.quorum,
             quorum_hold_timeout=args.quorum_hold_timeout,
             speculative_go_delay=args.speculative_go_delay,
+            credentials_batch_delay=args.credentials_batch_delay,
             secret=secret,
             status_port=args.status_port,
             status_host=args.status_host,

@@ -97,6 +97,8 @@ class LostBook:
         rows: list[tuple[Key, int]] = [(("op", group, r[0]), r[1]) for r in msg.ops_abandoned if len(r) == 2]
         if msg.sync_abandoned >= 0 or msg.sync_abandoned == SYNC_VOTED:
             rows.append((("sync", group, -1), max(msg.sync_abandoned, -1)))
+        if not rows:
+            return []  # (``live`` is not walked: at a rebuild, most reports name nothing lost)
         keys: list[Key] = []
         stayed = {p for p in live if p != peer_id and p not in self._seen}
         for key, seq in rows:

@@ -36,6 +36,7 @@ A member that reports as committed a round the book aborted is a step ahead: it 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Set
 from dataclasses import dataclass, field
 
 from ..wire import messages as m
@@ -188,7 +189,7 @@ class RoundBook:
         return None
 
     def report(self, peer_id: int, msg: m.Reregister, now: float,
-               expected: set[int]) -> tuple[list[TopologyDecision], list[PendingDecision]]:
+               expected: Set[int]) -> tuple[list[TopologyDecision], list[PendingDecision]]:
         """Member ``peer_id`` re-registered with ``msg`` at ``now`` (check :meth:`conflict` first).
 
         Args:
@@ -261,7 +262,7 @@ class RoundBook:
         self.settle(d.epoch, commit)
         return TopologyDecision(d.epoch, commit, tuple(sorted(d.waiting)), d.members, d.kind, reason)
 
-    def _decide_pending(self, expected: set[int]) -> list[PendingDecision]:
+    def _decide_pending(self, expected: Set[int]) -> list[PendingDecision]:
         decisions: list[PendingDecision] = []
         for key, d in list(self._pending.items()):
             if key in self._answers:

@@ -78,7 +78,8 @@ class MasterServer:
                                  rebuild_quiet=self.config.rebuild_quiet,
                                  failover_quiet=self.config.heartbeat_interval + RECONNECT_BACKOFF_MAX,
                                  rejoin_grace=self.config.rejoin_grace,
-                                 go_delay=self.config.speculative_go_delay)
+                                 go_delay=self.config.speculative_go_delay,
+                                 credentials_delay=self.config.credentials_batch_delay)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
@@ -88,6 +89,7 @@ class MasterServer:
         self.deadlocks = DeadlockWatch(grace) if grace is not None else None
         self._deadlock_deadline: float | None = None
         self._rejoin_deadline: float | None = None
+        self._credentials_deadline: float | None = None
         self._wake_monitor: trio.Event | None = None
         self._wake_go = trio.Event()  # set when a held-back tableless commence is first due
         self.status: StatusService | None = None  # observes the master once it serves
@@ -305,11 +307,16 @@ class MasterServer:
             self._execute(self.state.doubts_overdue(now, timeout))
             # A member whose connection broke holds the votes for at most rejoin_grace.
             self._execute(self.state.rejoin_overdue(now))
+            # The credential rows of members taken back go to the holders in batches.
+            self._execute(self.state.credentials_overdue(now))
             rd = self.state.rejoin_deadline()
             seen = [p.last_seen for p in self.state.peers.values()]
             deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
             if rd is not None:
                 deadline = min(deadline, rd)
+            cd = self.state.credentials_deadline()
+            if cd is not None:
+                deadline = min(deadline, cd)
             dd_doubt = self.state.doubt_deadline(timeout)
             if dd_doubt is not None:
                 deadline = min(deadline, dd_doubt)
@@ -445,6 +452,9 @@ class MasterServer:
             self._deadlock_deadline = self._rearm(self._deadlock_deadline, self.deadlocks.deadline())
         # a member's hold started or ended: the monitor ends it on time
         self._rejoin_deadline = self._rearm(self._rejoin_deadline, self.state.rejoin_deadline())
+        # rows owed since the monitor last slept: it sends them on time
+        self._credentials_deadline = self._rearm(self._credentials_deadline,
+                                                 self.state.credentials_deadline())
         if self.state.go_waiting and not self._wake_go.is_set():
             self._wake_go.set()
         job = self.state.take_improvement_job()

@@ -18,6 +18,7 @@ Vote rules (docs/protocol.md sections 2-6):
 
 from __future__ import annotations
 
+import bisect
 import enum
 import math
 import secrets
@@ -35,8 +36,10 @@ from . import election as _election
 from .away import AwayBook
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 from .doubt import Decision, DoubtBook, Key
+from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .lost import LostBook
+from .reported import ReportedRings
 from .rounds import PendingDecision, RoundBook, TopologyDecision, reported_epoch
 
 # --------------------------------------------------------------------------------------------
@@ -225,6 +228,14 @@ class _Rebuild:
     returned: set[int] = field(default_factory=set)
     generations: dict[int, int] = field(default_factory=dict)  # the generation each returned one followed
     epochs: dict[int, int] = field(default_factory=dict)  # the epoch each returned one reported
+    _members: tuple[list[int], frozenset[int]] | None = field(default=None, repr=False, compare=False)
+
+    def expected_set(self) -> frozenset[int]:
+        """``expected`` as a set, made again only when ``expected`` is replaced (not per return)."""
+        got = self._members
+        if got is None or got[0] is not self.expected:
+            got = self._members = (self.expected, frozenset(self.expected))
+        return got[1]
 
     @property
     def quorum(self) -> int:
@@ -233,7 +244,7 @@ class _Rebuild:
 
     @property
     def reached(self) -> bool:
-        return len(self.returned & set(self.expected)) >= self.quorum
+        return len(self.returned & self.expected_set()) >= self.quorum
 
 
 #: The key of the (ring-wide) topology round in :class:`~pccl.master.away.AwayBook`.
@@ -309,12 +320,16 @@ class MasterState:
         quorum: str = "auto",
         rejoin_grace: float = 0.0,
         go_delay: float = 0.0,
+        credentials_delay: float = 0.0,
     ) -> None:
         if quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
         self.peers: dict[int, PeerRecord] = {}
         self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
         self._ring: list[int] = []
+        # The list the ring was last sorted by (None: not known to be sorted), and that list's index.
+        self._ring_sorted_by: list[int] | None = None
+        self._ring_order: tuple[list[int] | None, dict[int, int]] = (None, {})
         self.ring = []  # accepted peers, ring order
         self._next_peer_id = 1
         self._loopback: bool | None = None
@@ -377,7 +392,7 @@ class MasterState:
         self._pending_mark = 0
         # At a rebuilt master: the ring each member reported when it re-registered (who its group
         # still lists; see _on_reregister).
-        self._rings: dict[int, tuple[int, set[int]]] = {}  # peer -> (its epoch, its ring)
+        self._rings = ReportedRings()
         # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
         # back yet once a majority returned (0: resume at the majority).
         self.rebuild_grace = rebuild_grace
@@ -385,11 +400,10 @@ class MasterState:
         self.failover_quiet = failover_quiet
         # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
         # before the epoch's EstablishP2P, and after Reregistered.
-        self._issuer = CredentialIssuer(credential_root or secrets.token_bytes(32))
-        # The set issued last: its (generation, epoch) and its table (peer -> public key), so that a
-        # member taken back into it is sent only to those holding it, as one new row.
-        self._issued_serial: tuple[int, int] | None = None
-        self._issued: dict[int, bytes] = {}
+        # The set issued last, so that a member taken back into it is sent to those holding it as one
+        # new row, batched over ``credentials_delay`` (pccl/master/issued.py).
+        self._issued = IssuedSet(CredentialIssuer(credential_root or secrets.token_bytes(32)),
+                                 delay=credentials_delay)
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
         # this master holds must be a majority for any vote to complete (when the rule applies);
         # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
@@ -420,6 +434,27 @@ class MasterState:
         self._ring = value
         self._group_sizes = None
         self._base_held = None
+        self._ring_sorted_by = None
+
+    def _take_into_ring(self, peer_id: int, order_of: list[int]) -> None:
+        """Add ``peer_id`` to the ring, kept in ``order_of``'s order (ids it does not name after those it
+        does, ascending). While the ring stays sorted by the same list (every return of a rebuild,
+        ordered by its expected ring), an insertion: O(log n) comparisons and a copy, not a sort."""
+        if self._ring_order[0] is not order_of:
+            self._ring_order = (order_of, {p: i for i, p in enumerate(order_of)})
+        order = self._ring_order[1]
+        last = len(order)
+
+        def place(p: int) -> tuple[int, int]:
+            return (order.get(p, last), p)
+
+        if self._ring_sorted_by is order_of:
+            ring = list(self._ring)
+            bisect.insort(ring, peer_id, key=place)
+        else:
+            ring = sorted([*self._ring, peer_id], key=place)
+        self.ring = ring
+        self._ring_sorted_by = order_of
 
     def _group_size(self, group: int) -> int:
         """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
@@ -472,6 +507,7 @@ class MasterState:
             "revisions": dict(self.last_revision),
             "generation": self.generation,
             "rebuilding": self.rebuild is not None,
+            "credential_batches": self._issued.batches,
             "in_doubt": len(self.doubts.open_doubts()),
             "quorum_enforced": self.enforced,
             "held": not self.resumed,
@@ -706,17 +742,17 @@ class MasterState:
         self.base = list(members)
         order = {p: i for i, p in enumerate(members)}
         self.ring = sorted(self.ring, key=lambda p: (order.get(p, len(order)), p))
+        ring = frozenset(members)
         for p in d.peers:
             if p in self._rings:
-                self._rings[p] = (d.epoch, set(members))
+                self._rings.put(p, d.epoch, ring)
         return self._reissue() if changed else []
 
     def _reissue(self) -> list[Effect]:
         """The epoch changed outside a topology round: a new credential set of this (generation, epoch)
         for every accepted member (the members back later get it at their return)."""
-        self._issued_serial = (self.generation, self.epoch)
-        self._issued = {p: self.peers[p].public_key for p in self.ring}
-        full = self._issuer.table(self._issued.items(), generation=self.generation, epoch=self.epoch)
+        full = self._issued.issue(self.generation, self.epoch,
+                                  ((p, self.peers[p].public_key) for p in self.ring))
         return [Send(p, full) for p in self.ring]
 
     def _counted_pending(self) -> int:
@@ -1214,7 +1250,8 @@ class MasterState:
                                         "join again as a newcomer", Result.KICKED)
             self._yielding = False
             self._provisional.clear()
-        if rec.peer_id != msg.peer_id or msg.peer_id not in msg.ring:
+        listed = frozenset(msg.ring)  # (once: a rebuild's n returns each carry the n-member ring)
+        if rec.peer_id != msg.peer_id or msg.peer_id not in listed:
             why = (f"Reregister as peer {msg.peer_id}: that id is still held by a connected peer or was "
                    "not claimed in the hello (retry later)")
             return effects + self.kick(rec.peer_id, why)
@@ -1274,7 +1311,7 @@ class MasterState:
             self.doubts.own_from(self._op_seq, self._sync_seq)
             at = self.epoch = msg.epoch
             self.rebuild = _Rebuild(epoch=at, expected=list(msg.ring))
-            self._rings = {}
+            self._rings = ReportedRings()
             self.rounds = RoundBook()
             self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
             self.base = list(msg.ring)
@@ -1300,7 +1337,7 @@ class MasterState:
                     if e < at and p not in rb.expected:
                         rb.returned.discard(p)
                         rb.generations.pop(p, None)
-                        self._rings.pop(p, None)
+                        self._rings.pop(p)
                         del rb.epochs[p]
                         effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
                                                 f"{at}: join again", Result.KICKED)
@@ -1335,17 +1372,14 @@ class MasterState:
             # member of its group back here no longer lists was dropped from the group while it was
             # away (the run went on without it). Refused in either order of arrival (KICKED: final).
             # (Only a ring of the same or a later epoch counts: an older one may not know newer members.)
-            for p, (e, ring) in sorted(self._rings.items()):
-                if p in self.peers and self.peers[p].group == msg.peer_group and rec.peer_id not in ring \
-                        and e >= msg.epoch:
+            for p in self._rings.not_listing(rec.peer_id, msg.epoch):
+                if p in self.peers and self.peers[p].group == msg.peer_group:
                     return effects + self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
                                                             "lists this peer: the run went on without it, "
                                                             "join again", Result.KICKED)
-            listed = set(msg.ring)  # (a set: a rebuild of n members checks n rings here, O(n) each)
-            for p in sorted(self._rings):
-                if p in self.peers and self.peers[p].group == msg.peer_group and p not in listed \
-                        and msg.epoch >= self._rings[p][0]:
-                    self._rings.pop(p, None)
+            for p in self._rings.not_in(listed, msg.epoch):
+                if p in self.peers and self.peers[p].group == msg.peer_group:
+                    self._rings.pop(p)
                     if rb is not None:
                         rb.returned.discard(p)
                         rb.generations.pop(p, None)
@@ -1362,8 +1396,7 @@ class MasterState:
         rec.public_key = msg.public_key
         if self._loopback is None:
             self._loopback = _is_loopback(rec.host)
-        order = {p: i for i, p in enumerate(rb.expected if rb is not None else msg.ring)}
-        self.ring = sorted([*self.ring, rec.peer_id], key=lambda p: (order.get(p, len(order)), p))
+        self._take_into_ring(rec.peer_id, rb.expected if rb is not None else msg.ring)
         back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)
         effects.append(Send(rec.peer_id, back))
         # After Reregistered (the peer reads that one itself): this master's set of the epoch.
@@ -1371,7 +1404,7 @@ class MasterState:
         effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                              f"(group {msg.peer_group}){_reregister_report(msg)}"))
         if rb is not None or self._rings:
-            self._rings[rec.peer_id] = (msg.epoch, set(msg.ring))
+            self._rings.put(rec.peer_id, msg.epoch, listed)
         was = self.doubts.undecided
         missing = self.doubts.missing
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
@@ -1380,7 +1413,8 @@ class MasterState:
         effects += self._execute_decisions(decisions, was)
         # At a live master, the members that never left vote next for what the returning one reports
         # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
-        live = [p for p in self.accepted(msg.peer_group) if p != rec.peer_id]
+        group = msg.peer_group
+        live = (p for p in self.ring if p != rec.peer_id and self.peers[p].group == group)  # walked if needed
         effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome,
                                                     live=live, kept=lambda k: self._kept(rec.peer_id, k)))
         if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
@@ -1400,7 +1434,7 @@ class MasterState:
                 counted = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
                 if counted != self._pending_count:
                     self._pending_count, self._pending_mark = counted, self.doubts.total_progress
-        expected = set(rb.expected) if rb is not None else set(self.base)
+        expected = rb.expected_set() if rb is not None else frozenset(self.base)
         effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
             rb.returned.add(rec.peer_id)
@@ -1487,25 +1521,40 @@ class MasterState:
         connections between members work whoever returned first. Otherwise (a restarted master's first
         member back, or the rebuild moved to a newer epoch) every accepted member gets a new set.
         """
-        serial = (self.generation, self.epoch)
-        if self._issued_serial != serial:
-            self._issued_serial = serial
-            self._issued = {p: self.peers[p].public_key for p in self.ring}
-            full = self._issuer.table(self._issued.items(), generation=self.generation, epoch=self.epoch)
+        if self._issued.serial != (self.generation, self.epoch):
+            full = self._issued.issue(self.generation, self.epoch,
+                                      ((p, self.peers[p].public_key) for p in self.ring))
             return [Send(p, full) for p in self.ring]
-        holders = [p for p in self._issued if p != peer_id and p in self.peers
-                   and self.peers[p].phase is not Phase.CONNECTED]
         # Within one serial the ring grows only by re-registrations (a topology round or a new epoch
-        # issues a new set), so the returning member's row is the only one the holders can lack.
-        key = self.peers[peer_id].public_key
-        new = [] if self._issued.get(peer_id) == key else [(peer_id, key)]
-        self._issued.update(new)
-        mine = self._issuer.table(self._issued.items(), generation=self.generation, epoch=self.epoch)
+        # issues a new set), so the rows of the members back since are the only ones holders lack.
+        mine, owed = self._issued.take_back(peer_id, self.peers[peer_id].public_key, self._now)
         effects: list[Effect] = [Send(peer_id, mine)]
-        if new:
-            rows = self._issuer.table(new, generation=self.generation, epoch=self.epoch)
-            effects += [Send(p, rows) for p in holders]
+        if owed and (self._issued.delay <= 0 or self.resumed):
+            # Batched only while the master is held (a rebuild, its roll call): a live master's votes
+            # complete, and members may connect to this one at once. A return that ends the hold pays
+            # them from _recheck_votes.
+            effects += self._pay_rows()
         return effects
+
+    def _pay_rows(self) -> list[Effect]:
+        """The owed rows of the set issued last, one message for every member holding it."""
+        paid = self._issued.pay()
+        if paid is None:
+            return []
+        rows, last = paid
+        return [Send(p, rows) for p in self._issued.members() if p != last and p in self.peers
+                and self.peers[p].phase is not Phase.CONNECTED]
+
+    def credentials_deadline(self) -> float | None:
+        """When the rows of members taken back must go to the members holding the set (None: none is
+        owed); :meth:`credentials_overdue` then sends them (``credentials_delay``)."""
+        return self._issued.deadline()
+
+    def credentials_overdue(self, now: float) -> list[Effect]:
+        """The rows owed the holders of the set issued last, once their delay ran out by ``now``: one
+        message for each holder with the rows of every member taken back since the last one."""
+        self._now = now
+        return self._pay_rows() if self._issued.due(now) else []
 
     def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
@@ -1536,14 +1585,17 @@ class MasterState:
                 rb.returned.discard(p)
                 del rb.generations[p]
                 rb.epochs.pop(p, None)
-                self._rings.pop(p, None)
+                self._rings.pop(p)
                 effects += self.kick(p, f"this peer followed master generation {g}, the run went on at "
                                         f"generation {generation} without it: join again", Result.KICKED)
         return effects
 
     def _recheck_votes(self) -> list[Effect]:
-        """Re-check every pending vote (the rebuild ended)."""
-        effects = self._check_pending_vote()
+        """Re-check every pending vote (the rebuild ended). Credential rows still owed go out first:
+        they are batched only while the master is held (no vote completes, so no P2P connection is
+        due), and the members must hold them before a vote sends them to work together."""
+        effects = self._pay_rows() if self._issued.owed and self.resumed else []
+        effects += self._check_pending_vote()
         effects += self._check_topology_vote()
         for key in list(self._ops):
             effects += self._check_op_vote(key)
@@ -1683,9 +1735,8 @@ class MasterState:
             by_group.setdefault(self.peers[p].group, []).append(p)
         links = {g: self.link_summary(ps) for g, ps in by_group.items()}
         # One set for every member (the same object: encoded once), O(n) to build.
-        self._issued_serial = (self.generation, rnd.epoch)
-        self._issued = {p: self.peers[p].public_key for p in rnd.members}
-        creds = self._issuer.table(self._issued.items(), generation=self.generation, epoch=rnd.epoch)
+        creds = self._issued.issue(self.generation, rnd.epoch,
+                                   ((p, self.peers[p].public_key) for p in rnd.members))
         effects: list[Effect] = []
         # One EstablishP2P per group (the same object for its members: encoded once).
         ests = {g: m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[g]) for g in by_group}

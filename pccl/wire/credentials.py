@@ -120,9 +120,14 @@ class CredentialIssuer:
         Returns:
             One message for every member (encode it once).
         """
-        keys = [PublicKeyRow(p, k) for p, k in dict(rows).items()]
+        return self.message([PublicKeyRow(p, k) for p, k in dict(rows).items()], generation=generation,
+                            epoch=epoch)
+
+    def message(self, rows: list[PublicKeyRow], *, generation: int, epoch: int) -> P2PCredentials:
+        """The set of ``epoch`` with ``rows`` as they are (one per peer: the caller keeps them unique),
+        for a caller that keeps its rows between messages (:mod:`pccl.master.issued`)."""
         return P2PCredentials(generation=generation, epoch=epoch, binding=self.binding(generation, epoch),
-                              keys=keys)
+                              keys=rows)
 
 
 class KeyAgreement(Protocol):

@@ -200,8 +200,23 @@ def test_speculative_go_delay_option(capsys: pytest.CaptureFixture[str]) -> None
     assert line.startswith("pccl-master: error: argument --speculative-go-delay: -1 must not be negative")
 
 
+def test_credentials_batch_delay_option(capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl import MasterConfig
+    from pccl.cli import _master_config, _master_parser
+
+    assert _master_config(_master_parser().parse_args([])).credentials_batch_delay == 0.01
+    config = _master_config(_master_parser().parse_args(["--credentials-batch-delay", "0.05"]))
+    assert config.credentials_batch_delay == 0.05
+    assert master_main(["--credentials-batch-delay", "-1"]) == 2
+    (line,) = _err_lines(capsys)
+    assert line.startswith("pccl-master: error: argument --credentials-batch-delay: -1 must not be negative")
+    with pytest.raises(ValueError, match="credentials_batch_delay"):
+        MasterConfig(credentials_batch_delay=-0.5)
+
+
 @pytest.mark.parametrize("option", ["--rebuild-grace", "--rebuild-quiet", "--rejoin-grace",
-                                    "--speculative-go-delay", "--heartbeat-timeout"])
+                                    "--speculative-go-delay", "--credentials-batch-delay",
+                                    "--heartbeat-timeout"])
 def test_a_seconds_option_refuses_nan(option: str, capsys: pytest.CaptureFixture[str]) -> None:
     # NaN passes every range check (each comparison is False) and a NaN timeout never expires.
     assert master_main([option, "nan"]) == 2

@@ -8,10 +8,13 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import pytest
+
 from pccl import Result
+from pccl.master.issued import IssuedSet
 from pccl.master.state import Kick, MasterState
 from pccl.wire import messages as m
-from pccl.wire.credentials import CredentialSet
+from pccl.wire.credentials import CredentialIssuer, CredentialSet
 from pccl.wire.keys import KeyPair
 
 from ._effects import sends
@@ -210,3 +213,95 @@ def test_a_rebuild_that_moves_to_a_newer_epoch_reissues_to_the_members_already_b
     assert sorted(got) == [2, 3] and all(s.epoch == 8 for s in got.values())
     rest = held(rereg(st, 1, [3, 2, 1], epoch=8), got)
     assert_pairs_agree(rest, [3, 2, 1])
+
+
+def rereg_at(st: MasterState, pid: int, ring: list[int], now: float) -> list[Any]:
+    got = st.new_connection("127.0.0.1", now, claim=pid)
+    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=7, ring=ring, revision=-1,
+                       generation=1, public_key=key(pid))
+    return st.handle(got, msg, now)
+
+
+def test_with_a_delay_the_rows_of_members_back_go_to_the_holders_in_one_batch() -> None:
+    # As the server runs it: the rows are batched while the roll call holds the votes (rebuild_grace).
+    st = MasterState(credentials_delay=0.01, rebuild_grace=1.0)
+    ring = [4, 1, 2, 3]
+    got = held(rereg_at(st, 4, ring, 0.0))
+    assert st.credentials_deadline() is None  # the first one back starts the set: nobody lacks a row
+    for i, pid in enumerate([1, 2], start=1):
+        eff = rereg_at(st, pid, ring, 0.001 * i)
+        # Each one back gets the whole table at once; nobody else hears of it yet.
+        assert [p for p, _ in sends(eff, m.P2PCredentials)] == [pid]
+        got = held(eff, got)
+        assert sorted(got[pid].table) == sorted(ring[:i + 1])
+    assert st.statistics()["held"]  # 3 is not back: the roll call waits for it
+    assert st.credentials_deadline() == 0.011  # the first owed row's time + the delay
+    assert st.credentials_overdue(0.0105) == []  # not due yet
+    eff = st.credentials_overdue(0.011)
+    rows = dict(sends(eff, m.P2PCredentials))
+    # One message for every holder but the one back last (its table had them all), all the rows in it.
+    assert sorted(rows) == [1, 4]
+    assert len({id(msg) for msg in rows.values()}) == 1  # one object: encoded once
+    assert sorted(r.peer_id for r in rows[4].keys) == [1, 2]
+    got = held(eff, got)
+    assert st.credentials_deadline() is None and st.credentials_overdue(1.0) == []
+    # The last one back ends the roll call: its row goes out before the votes resume, in the same step.
+    eff = rereg_at(st, 3, ring, 0.02)
+    assert not st.statistics()["held"]
+    rows = dict(sends(eff, m.P2PCredentials))
+    assert sorted(rows) == [1, 2, 3, 4] and [r.peer_id for r in rows[4].keys] == [3]
+    assert_pairs_agree(held(eff, got), ring)
+    assert st.credentials_deadline() is None
+
+
+def test_a_return_at_a_master_that_is_not_held_goes_to_the_holders_at_once() -> None:
+    st = MasterState(credentials_delay=0.01, rebuild_grace=1.0)
+    ring = [3, 1, 2, 4]
+    for i, pid in enumerate(ring[:3]):
+        rereg_at(st, pid, ring, 0.001 * i)
+    st.doubts_overdue(1.5, 3.0)  # the roll call's grace ran out without 4: the votes resume
+    assert not st.statistics()["held"] and st.credentials_deadline() is None  # the batch went out
+    eff = rereg_at(st, 4, ring, 1.6)  # 4 comes back late, nothing moved on: taken back
+    assert sends(eff, m.Reregistered)
+    assert sorted(p for p, _ in sends(eff, m.P2PCredentials)) == [1, 2, 3, 4]  # its table; its row, now
+    assert st.credentials_deadline() is None
+
+
+def test_batched_rows_are_void_once_a_new_set_goes_to_everyone() -> None:
+    st = MasterState(credentials_delay=0.01)
+    ring = [3, 1, 2, 4, 5]  # a quorum is 3: the rebuild still runs when 2 comes
+    got = held(rereg_at(st, 3, ring, 0.0))
+    got = held(rereg_at(st, 1, ring, 0.001), got)
+    assert st.credentials_deadline() is not None
+    # A member that saw a later epoch: the rebuild moves there and everyone back gets a new set.
+    late = st.new_connection("127.0.0.1", 0.002, claim=2)
+    eff = st.handle(late, m.Reregister(peer_id=2, p2p_port=40002, peer_group=0, epoch=8, ring=ring,
+                                       revision=-1, generation=1, public_key=key(2)), 0.002)
+    assert sorted(p for p, _ in sends(eff, m.P2PCredentials)) == [1, 2, 3]
+    assert st.credentials_deadline() is None  # nothing owed under the new set
+    assert_pairs_agree(held(eff, got), [3, 1, 2])
+
+
+def test_without_a_delay_the_holders_hear_of_each_return_at_once() -> None:
+    st = MasterState()  # credentials_delay 0 (the pure core's default)
+    rereg_at(st, 3, [3, 1, 2], 0.0)
+    eff = rereg_at(st, 1, [3, 1, 2], 0.0)
+    assert sorted(p for p, _ in sends(eff, m.P2PCredentials)) == [1, 3]
+    assert st.credentials_deadline() is None
+
+
+def test_a_holder_that_left_is_not_sent_the_batch() -> None:
+    st = MasterState(credentials_delay=0.01, rebuild_grace=1.0)
+    ring = [3, 1, 2, 4]  # 4 does not come back (yet): the roll call holds the votes
+    rereg_at(st, 3, ring, 0.0)
+    rereg_at(st, 1, ring, 0.001)
+    rereg_at(st, 2, ring, 0.002)
+    st.peer_lost(3, "left", 0.003)
+    rows = dict(sends(st.credentials_overdue(0.02), m.P2PCredentials))
+    assert sorted(rows) == [1]  # 3 is gone; 2 came back last and holds every row
+    assert sorted(r.peer_id for r in rows[1].keys) == [1, 2]
+
+
+def test_a_negative_batch_delay_is_refused() -> None:
+    with pytest.raises(ValueError, match="batch delay"):
+        IssuedSet(CredentialIssuer(b"r" * 32), delay=-0.1)
