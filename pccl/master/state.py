@@ -1172,7 +1172,13 @@ class MasterState:
             return self.kick(peer_id, f"message {type(msg).__name__} is not allowed from a peer")
         if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Reregister, m.Heartbeat)):
             return self.kick(peer_id, f"{type(msg).__name__} before Register")
-        return handler(self, rec, msg)
+        effects = handler(self, rec, msg)
+        if self._issued.owed and self.resumed:
+            # Credential rows are batched only while the master is held (pccl/master/issued.py): the
+            # votes resume with this message, and every member must hold them first (_recheck_votes
+            # pays them on each path that resumes; this is the net under a path that does not).
+            effects[:0] = self._pay_rows()
+        return effects
 
     def _on_heartbeat(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         return []
