@@ -209,7 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("pccl").setLevel(logging.ERROR)
     peers = [int(x) for x in args.peers.split(",")]
     sizes = [_size(x) for x in args.sizes.split(",")]
-    links = list(LINKS.values()) if args.links == "all" else [LINKS[x] for x in args.links.split(",")]
+    names = list(LINKS) if args.links == "all" else args.links.split(",")
+    unknown = [x for x in names if x not in LINKS]
+    if unknown:
+        ap.error(f"--links: unknown {', '.join(unknown)} (choose from {', '.join(sorted(LINKS))} or 'all')")
+    links = [LINKS[x] for x in names]
     vmax_bytes = _size(args.virtual_max_bytes)
     head = (
         f"{'links':>10} {'peers':>5} {'size':>5} | {'ring model':>10} {'ring virtual':>12} {'(wall s)':>8} "

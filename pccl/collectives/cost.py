@@ -81,9 +81,9 @@ SAME_HOST_FRAME_CPU = 60e-6
 """CPU seconds one frame costs its sender and receiver together on one host (framing, the socket
 calls, the wake-ups): with more peers than cores, every frame of an operation comes out of the same
 few cores, so an operation takes at least ``frames x SAME_HOST_FRAME_CPU / cores`` however its steps
-overlap (calibrated on a 2-vCPU VM: four peers there run the 6-frame tree faster than the 24-frame
-halving-doubling up to 256 KB although the latter has fewer bytes per step; docs/topology.md
-"Peers on one host")."""
+overlap (calibrated on a 2-vCPU VM: four peers there ran the 6-frame tree faster than the
+halving-doubling, then 24 frames (16 since a round's adjacent chunks go as one), up to 256 KB although
+the latter has fewer bytes per step; docs/topology.md "Peers on one host")."""
 
 DEFAULT_BLOCK_BYTES = 4 << 20
 """The executor's pipelining block (``pccl.collectives.ring.DEFAULT_BLOCK_BYTES``; repeated here so

@@ -465,8 +465,16 @@ class _Builder:
 
 
 def _same(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Pieces that land where they are read from."""
-    return [(a, e, a) for a, e in ranges if e > a]
+    """Pieces that land where they are read from, ascending, adjacent ranges merged: one frame
+    (per block) for what a rank sends one partner in one step, not one per chunk (a halving round
+    of ``p`` ranks gives up to ``p / 2`` chunks: ``p - 1`` frames per phase, now ``log2 p``)."""
+    out: list[tuple[int, int, int]] = []
+    for a, e in sorted(r for r in ranges if r[1] > r[0]):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], e, out[-1][0])
+        else:
+            out.append((a, e, a))
+    return out
 
 
 def _hd_plans(kind: str, n: int, count: int, block_elems: int) -> tuple[Plan, ...]:

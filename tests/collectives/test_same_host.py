@@ -60,10 +60,12 @@ async def test_one_host_runs_the_same_host_choice(
 
 def test_frames_are_counted_from_the_plans() -> None:
     # one block per transfer: the ring sends 2(n-1) frames per rank, the binomial tree 2(n-1) in all,
-    # halving-doubling one frame per virtual chunk of each round (2 + 1, then 1 + 2, per rank at 4)
+    # halving-doubling one frame per round (the adjacent chunks a rank gives its partner in one
+    # round are one range): 2 log2(p) per rank, 4 at 4 peers, 12 at 64 (not 2(p - 1): 6 and 126)
     assert frames("ring", "all_reduce", 4, 64 * KB) == 4 * 6
     assert frames("tree", "all_reduce", 4, 64 * KB) == 6
-    assert frames("hd", "all_reduce", 4, 64 * KB) == 4 * 6
+    assert frames("hd", "all_reduce", 4, 64 * KB) == 4 * 4
+    assert frames("hd", "all_reduce", 64, 4 * KB) == 64 * 12
     assert frames("tree", "all_reduce", 3, 64 * KB) == 4
     # a transfer larger than a block is several frames
     assert frames("tree", "all_reduce", 4, 8 * MB, block_bytes=4 * MB) == 12
@@ -81,8 +83,9 @@ def test_frame_cpu_counts_only_with_more_peers_than_cores() -> None:
 
 def test_four_peers_on_two_cores_take_the_tree_for_small_operations() -> None:
     """What the 2-vCPU VM measured (docs/topology.md "Peers on one host"): four peers there run the
-    6-frame tree faster than the 24-frame halving-doubling up to 256 KB; with a core per peer the
-    frame count does not decide, and three peers choose as before."""
+    6-frame tree faster than the halving-doubling up to 256 KB (24 frames then; 16 since a round's
+    adjacent chunks go as one frame); with a core per peer the frame count does not decide, and three
+    peers choose as before."""
     two, many = same_host(2), same_host(16)
     assert [schedule_for("auto", "all_reduce", 4, b, links=two) for b in (4 * KB, 64 * KB, MB)] == \
         ["tree", "tree", "hd"]
