@@ -380,7 +380,8 @@ class P2PCredentials(Message):
     member's X25519 public key. Both ends of a connection derive its credential from the two members' keys
     and the binding. Sent before the ``EstablishP2P`` of the epoch, and after ``Reregistered``; a newer
     set replaces the older one, a set of the same epoch and binding adds its rows (a rebuilding master
-    sends the row of a member that re-registers to the members back before it).
+    sends the rows of the members that re-register to the members back before them, batched:
+    pccl/master/issued.py).
     """
 
     SHARED: ClassVar[bool] = True  # the same object goes to many peers: encoded once (wire.stream)
