@@ -521,6 +521,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="--faults master/standby: seconds of looping after the recovery before the "
                         "peers' state hashes are compared")
     args = p.parse_args(argv)
+    known = ("SIGKILL", "SIGSTOP", "MASTER", "STANDBY", "STANDBY-STOP", "MASTER-DOUBLE")
+    unknown = [k for k in (k.strip().upper() for k in args.faults.split(",")) if k not in known]
+    if unknown:
+        p.error(f"--faults: unknown {', '.join(unknown)} (choose from {', '.join(known)})")
     straggler = f"{args.straggler_timeout:g}s" if args.straggler_timeout > 0 else "off"
     print(f"recovery; {c.machine_line()}; 3 peers looping {c.human_bytes(args.size)} all-reduces; "
           f"retry after {args.retry}; master heartbeat timeout {args.heartbeat_timeout:g}s, "

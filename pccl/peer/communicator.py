@@ -804,6 +804,12 @@ class Communicator:
             )
         except PCCLError:
             pass
+        if not self._ops:
+            # The peers no plan of the new ring sends to lose this peer's connections (kept, every
+            # membership change of a long run would add some until this peer held one to each).
+            # Never under an operation, whose frames may be on them; an operation that starts
+            # meanwhile sends only to the peers kept.
+            await self.pool.retire({row.peer_id for row in targets})
 
     # ------------------------------------------------------------------------------------------
     # membership calls

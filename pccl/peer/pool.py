@@ -148,6 +148,15 @@ class _Broken(Exception):
     """Internal: this connection is unusable (closed locally, EOF, reset)."""
 
 
+class _Eof(_Broken):
+    """Internal: the other side closed the connection (end of stream)."""
+
+
+class _Retired(_Broken):
+    """Internal: the other side closed the connection between two frames (:meth:`P2PPool.retire`:
+    it no longer sends to this peer), which loses nothing."""
+
+
 class _Blocked(Exception):
     """Internal: a frame waited longer than the bound for a receive or stash room (backpressure)."""
 
@@ -271,7 +280,7 @@ class _Conn:
         self.waited = True
         k = await self.stream.receive_into(view)
         if k == 0:
-            raise _Broken("connection closed by the other side")
+            raise _Eof("connection closed by the other side")
         return k
 
     async def _send_parts(self, header: memoryview, data: memoryview, total: int) -> None:
@@ -389,7 +398,7 @@ class _SocketConn(_Conn):
             except BlockingIOError:
                 k = -1
             if k == 0:
-                raise _Broken("connection closed by the other side")
+                raise _Eof("connection closed by the other side")
             if k > 0:
                 self.drained = k < len(view)
                 return k
@@ -544,6 +553,8 @@ class P2PPool:
         self._frames_stashed = 0
         self._bytes_discarded = 0
         self._connections_lost = 0
+        self._retired = 0  # outgoing peers whose connections retire() closed
+        self._closed_by_peer = 0  # incoming connections the other side closed between two frames
         self._stash_peak = 0  # most bytes the stash ever held (reserved included)
         self._reader_blocks = 0  # times a reader stopped reading because the stash was full
         self._blocked_drops = 0  # connections closed because a frame stayed blocked too long
@@ -625,6 +636,31 @@ class P2PPool:
         """True if all ``pool_size`` outgoing connections to ``peer_id`` are open and healthy."""
         conns = self._out.get(peer_id)
         return conns is not None and all(c is not None and c.alive() for c in conns)
+
+    async def retire(self, keep: set[int]) -> list[int]:
+        """Close the outgoing connections to every peer not in ``keep``: after a topology change the
+        peers no plan of this one sends to any more (the ring successor and the halving-doubling and
+        tree partners of the new ring are kept). Without it, every membership change of a long run
+        would leave each peer holding connections to every peer it ever sent to: ``n`` of each kind
+        per peer, twice that in file descriptors with the incoming side, at hundreds of peers beyond
+        a process's usual limit. The other side sees a clean close between two frames, not a loss.
+
+        Call it only with no operation of this pool in flight (its frames could be on one of them).
+        A later :meth:`connect` reopens a retired peer's connections.
+
+        Returns:
+            The peers whose connections were closed.
+        """
+        gone = [p for p in self._out if p not in keep]
+        conns: list[_Conn] = []
+        for p in gone:
+            conns += [c for c in self._out.pop(p) if c is not None]
+            self._addr.pop(p, None)
+        self._retired += len(gone)
+        with trio.CancelScope(shield=True):
+            for c in conns:
+                await c.aclose()
+        return gone
 
     async def disconnect(self, peer_id: int) -> None:
         """Close every connection with ``peer_id``, both directions.
@@ -812,9 +848,12 @@ class P2PPool:
             await old.aclose()
             self._wake()
         reason = "closed"
+        retired = False
         try:
             # The first header may already be buffered in the message stream behind the Hello.
-            await ms.receive_raw_into(conn.hdr_view)
+            pre = ms.take_buffered(DATA_HEADER_SIZE)
+            conn.hdr_view[: len(pre)] = pre
+            await self._read_header(conn, len(pre))
             unyielded = 0
             while True:
                 if await self._read_frame(conn):
@@ -827,6 +866,9 @@ class P2PPool:
                         unyielded = 0
                         await trio.lowlevel.checkpoint()
                 await self._read_header(conn)
+        except _Retired:
+            reason = f"peer {conn.peer_id} closed its connection (it sends to this peer no more)"
+            retired = True
         except (_Broken, StreamBroken, trio.ClosedResourceError, trio.BrokenResourceError, OSError) as exc:
             reason = f"connection from peer {conn.peer_id} lost: {exc or type(exc).__name__}"
         except RemoteProtocolError as exc:
@@ -847,15 +889,27 @@ class P2PPool:
             await conn.aclose()
             if self._in.get(key) is conn:
                 del self._in[key]
-                if not was_closed:
+                if retired:
+                    self._closed_by_peer += 1
+                elif not was_closed:
                     self._connections_lost += 1
                 self._fail_peer(conn.peer_id, reason)
 
-    async def _read_header(self, conn: _Conn) -> None:
+    async def _read_header(self, conn: _Conn, got: int = 0) -> None:
+        """Read a frame's header into ``conn.hdr_view`` (``got`` bytes of it are there already).
+
+        Raises:
+            _Retired: the other side closed the connection before the header's first byte.
+            _Broken: the connection broke, or closed within the header.
+        """
         view = conn.hdr_view
-        got = 0
         while got < DATA_HEADER_SIZE:
-            got += await conn.receive_into(view[got:] if got else view, DATA_HEADER_SIZE - got)
+            try:
+                got += await conn.receive_into(view[got:] if got else view, DATA_HEADER_SIZE - got)
+            except _Eof:
+                if got == 0:
+                    raise _Retired from None  # between two frames: nothing was cut off
+                raise
 
     async def _read_frame(self, conn: _Conn) -> bool:
         """Read the payload of the frame whose header is in ``conn.hdr``; True if it had to wait."""
@@ -1028,6 +1082,8 @@ class P2PPool:
             "frames_stashed_total": self._frames_stashed,
             "bytes_discarded": self._bytes_discarded,
             "connections_lost": self._connections_lost,
+            "connections_retired": self._retired,
+            "connections_closed_by_peer": self._closed_by_peer,
             "recv_waits": self._recv_waits + sum(c.recv_waits for c in self._in.values()),
             "send_waits": sum(c.send_waits for cs in self._out.values() for c in cs if c is not None),
         }

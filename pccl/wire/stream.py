@@ -166,6 +166,12 @@ class MessageStream:
                 self._head += data[: 3 - len(self._head)]
             self._framer.feed(data)
 
+    def take_buffered(self, n: int) -> bytes:
+        """Up to ``n`` raw bytes after the last frame that this stream already read off the
+        transport (the rest is still in the transport): for a reader that takes the raw bytes
+        from here on itself."""
+        return self._framer.take_buffered(n)
+
     async def receive_raw_into(self, buf: memoryview) -> None:
         """Fill ``buf`` with raw bytes that follow the last frame."""
         pre = self._framer.take_buffered(len(buf))

@@ -372,3 +372,47 @@ async def test_tcp_ring_sockets_are_tuned_for_bulk_frames() -> None:
         assert isinstance(conn, _SocketConn) and conn.sock is not None
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) >= 1 << 30
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_retire_closes_the_outgoing_connections_to_peers_not_kept(
+        transport: Callable[[], Transport]) -> None:
+    async with pools([1, 2, 3], pool_size=2, transport=transport) as ((a, b, c), (a_addr, b_addr, c_addr)):
+        await connected_pair(a, b, b_addr)
+        await connected_pair(a, c, c_addr)
+        await connected_pair(b, a, a_addr)  # b sends to a
+        # A frame to 3 on connection 1; connection 0 never carries one (closed before its first header).
+        slot = c.expect(1, 5, 1, 0, memoryview(bytearray(3)))
+        await a.send(3, 5, 1, 0, memoryview(b"abc"), conn_index=1)
+        await slot.wait()
+        pending = c.expect(1, 5, 2, 0, memoryview(bytearray(3)))  # a receive that can never complete now
+        assert await a.retire({2}) == [3]
+        s = a.statistics()
+        assert s["outgoing"] == {2: 2} and s["connections_retired"] == 1
+        assert incoming(a, 2) == 2  # its incoming side is not touched
+        await wait_until(lambda: incoming(c, 1) == 0)
+        s = c.statistics()
+        # A clean close between frames: not a lost connection, but what was expected from 1 fails.
+        assert s["connections_lost"] == 0 and s["connections_closed_by_peer"] == 2
+        with pytest.raises(RankConnectionLostError, match="closed its connection"):
+            await pending.wait()
+        # The kept peer is unaffected, and a retired one is reconnected on demand.
+        slot = b.expect(1, 5, 3, 0, memoryview(bytearray(3)))
+        await a.send(2, 5, 3, 0, memoryview(b"def"), conn_index=0)
+        await slot.wait()
+        await connected_pair(a, c, c_addr)
+        slot = c.expect(1, 5, 4, 0, memoryview(bytearray(3)))
+        await a.send(3, 5, 4, 0, memoryview(b"xyz"), conn_index=0)
+        await slot.wait()
+        assert c.statistics()["connections_lost"] == 0
+
+
+async def test_a_close_within_a_frame_header_is_a_lost_connection() -> None:
+    async with pools([2]) as ((b,), (b_addr,)):
+        ms = await open_p2p(TcpTransport(), *b_addr, my_peer_id=1, channel="ring", config=CONFIG)
+        await wait_until(lambda: incoming(b, 1) == 1)
+        await ms.stream.send_all(pack_data_header(1, 1, 0, 8)[:10])  # a header cut off
+        await ms.aclose()
+        await wait_until(lambda: incoming(b, 1) == 0)
+        s = b.statistics()
+        assert s["connections_lost"] == 1 and s["connections_closed_by_peer"] == 0
