@@ -69,15 +69,17 @@ class LostBook:
         return None if rec is None else (rec.seq, frozenset(rec.failed))
 
     def report(self, peer_id: int, group: int, msg: m.Reregister,
-               outcome: Callable[[Key], tuple[int, bool] | None], *, live: Iterable[int] = (),
+               outcome: Callable[[Key], tuple[int, bool] | None], *,
+               live: Callable[[], Iterable[int]] = tuple,
                kept: Callable[[Key], bool | None] | None = None) -> list[Key]:
         """Member ``peer_id`` of ``group`` re-registered with ``msg``.
 
         Args:
             outcome: the last settled ``(seq, committed)`` of a key (``DoubtBook.outcome``): a lost
                 operation that the group went on past (a later one committed) is not lost any more.
-            live: the other members of ``group`` connected to this master; those that never
-                re-registered here owe the failure of what this report names lost.
+            live: the members of ``group`` connected to this master (called only when this report
+                names something lost: most reports of a rebuild do not); those, besides the
+                reporter, that never re-registered here owe the failure of what it names lost.
             kept: ``kept(key)`` is False when the call of ``key`` the reporter abandoned ended for
                 everybody at this (live) master (nothing is lost: they all failed it, or went past
                 it); None or True: it is lost.
@@ -98,9 +100,9 @@ class LostBook:
         if msg.sync_abandoned >= 0 or msg.sync_abandoned == SYNC_VOTED:
             rows.append((("sync", group, -1), max(msg.sync_abandoned, -1)))
         if not rows:
-            return []  # (``live`` is not walked: at a rebuild, most reports name nothing lost)
+            return []
         keys: list[Key] = []
-        stayed = {p for p in live if p != peer_id and p not in self._seen}
+        stayed = {p for p in live() if p != peer_id and p not in self._seen}
         for key, seq in rows:
             base = committed.get(key, -1)
             out = outcome(key)

@@ -1173,11 +1173,7 @@ class MasterState:
         if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Reregister, m.Heartbeat)):
             return self.kick(peer_id, f"{type(msg).__name__} before Register")
         effects = handler(self, rec, msg)
-        if self._issued.owed and self.resumed:
-            # Credential rows are batched only while the master is held (pccl/master/issued.py): the
-            # votes resume with this message, and every member must hold them first (_recheck_votes
-            # pays them on each path that resumes; this is the net under a path that does not).
-            effects[:0] = self._pay_rows()
+        effects[:0] = self._rows_due()  # first: before anything this message lets the members do
         return effects
 
     def _on_heartbeat(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
@@ -1420,9 +1416,9 @@ class MasterState:
         # At a live master, the members that never left vote next for what the returning one reports
         # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
         group = msg.peer_group
-        live = (p for p in self.ring if p != rec.peer_id and self.peers[p].group == group)  # walked if needed
-        effects += self._fail_lost(self.lost.report(rec.peer_id, msg.peer_group, msg, self.doubts.outcome,
-                                                    live=live, kept=lambda k: self._kept(rec.peer_id, k)))
+        effects += self._fail_lost(self.lost.report(rec.peer_id, group, msg, self.doubts.outcome,
+                                                    live=lambda: self.accepted(group),
+                                                    kept=lambda k: self._kept(rec.peer_id, k)))
         if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
             effects += self._fail_lost_topology(rec.peer_id, [p for p in self.ring if p != rec.peer_id])
         was_dropped = self.away.forget(rec.peer_id)
@@ -1535,12 +1531,17 @@ class MasterState:
         # issues a new set), so the rows of the members back since are the only ones holders lack.
         mine, owed = self._issued.take_back(peer_id, self.peers[peer_id].public_key, self._now)
         effects: list[Effect] = [Send(peer_id, mine)]
-        if owed and (self._issued.delay <= 0 or self.resumed):
-            # Batched only while the master is held (a rebuild, its roll call): a live master's votes
-            # complete, and members may connect to this one at once. A return that ends the hold pays
-            # them from _recheck_votes.
+        if owed and self._issued.delay <= 0:
             effects += self._pay_rows()
-        return effects
+        return effects  # (batched: paid by _rows_due, by the delay at the latest)
+
+    def _rows_due(self) -> list[Effect]:
+        """The owed credential rows, if the master is not held. They are batched only while it is
+        (rebuilding, its roll call: no vote completes, so no P2P connection is due); once votes
+        complete, every member must hold them before a vote sends it to work with the others. Paid
+        after every message (:meth:`handle`) and when the votes resume on a timer
+        (:meth:`_recheck_votes`)."""
+        return self._pay_rows() if self._issued.owed and self.resumed else []
 
     def _pay_rows(self) -> list[Effect]:
         """The owed rows of the set issued last, one message for every member holding it."""
@@ -1597,10 +1598,9 @@ class MasterState:
         return effects
 
     def _recheck_votes(self) -> list[Effect]:
-        """Re-check every pending vote (the rebuild ended). Credential rows still owed go out first:
-        they are batched only while the master is held (no vote completes, so no P2P connection is
-        due), and the members must hold them before a vote sends them to work together."""
-        effects = self._pay_rows() if self._issued.owed and self.resumed else []
+        """Re-check every pending vote (the rebuild ended); credential rows still owed go out first
+        (:meth:`_rows_due`)."""
+        effects = self._rows_due()
         effects += self._check_pending_vote()
         effects += self._check_topology_vote()
         for key in list(self._ops):

@@ -189,29 +189,24 @@ def test_rejoin_grace_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert line.startswith("pccl-master: error:") and "rejoin" in line
 
 
-def test_speculative_go_delay_option(capsys: pytest.CaptureFixture[str]) -> None:
-    from pccl.cli import _master_config, _master_parser
-
-    assert _master_config(_master_parser().parse_args([])).speculative_go_delay == 0.01
-    config = _master_config(_master_parser().parse_args(["--speculative-go-delay", "0"]))
-    assert config.speculative_go_delay == 0.0
-    assert master_main(["--speculative-go-delay", "-1"]) == 2
-    (line,) = _err_lines(capsys)
-    assert line.startswith("pccl-master: error: argument --speculative-go-delay: -1 must not be negative")
-
-
-def test_credentials_batch_delay_option(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("option", "field", "value"), [
+    ("--speculative-go-delay", "speculative_go_delay", 0.0),
+    ("--credentials-batch-delay", "credentials_batch_delay", 0.05),
+])
+def test_a_master_delay_option(option: str, field: str, value: float,
+                               capsys: pytest.CaptureFixture[str]) -> None:
     from pccl import MasterConfig
     from pccl.cli import _master_config, _master_parser
 
-    assert _master_config(_master_parser().parse_args([])).credentials_batch_delay == 0.01
-    config = _master_config(_master_parser().parse_args(["--credentials-batch-delay", "0.05"]))
-    assert config.credentials_batch_delay == 0.05
-    assert master_main(["--credentials-batch-delay", "-1"]) == 2
+    assert getattr(_master_config(_master_parser().parse_args([])), field) == 0.01
+    config = _master_config(_master_parser().parse_args([option, f"{value:g}"]))
+    assert getattr(config, field) == value
+    assert master_main([option, "-1"]) == 2
     (line,) = _err_lines(capsys)
-    assert line.startswith("pccl-master: error: argument --credentials-batch-delay: -1 must not be negative")
-    with pytest.raises(ValueError, match="credentials_batch_delay"):
-        MasterConfig(credentials_batch_delay=-0.5)
+    assert line.startswith(f"pccl-master: error: argument {option}: -1 must not be negative")
+    negative: dict[str, Any] = {field: -0.5}
+    with pytest.raises(ValueError, match=field):
+        MasterConfig(**negative)
 
 
 @pytest.mark.parametrize("option", ["--rebuild-grace", "--rebuild-quiet", "--rejoin-grace",
