@@ -1,15 +1,17 @@
 """Environment variables for the common settings (documented in docs/cli.md).
 
-===================== ======================================================================
-``PCCL_MASTER``       the master's ``HOST:PORT`` when a communicator is given no address
-``PCCL_SECRET_FILE``  a file whose content (stripped) is the shared secret, for peers and master
-``PCCL_SECRET``       the shared secret itself (``PCCL_SECRET_FILE`` wins when both are set)
-``PCCL_TLS_CERT``     PEM certificate chain for TLS (peers, ``pccl-master``, ``pccl run``'s master)
-``PCCL_TLS_KEY``      its private key (default: the ``PCCL_TLS_CERT`` file)
-``PCCL_TLS_CA``       PEM CA certificates the other side's certificate must chain to
-``PCCL_LOG_LEVEL``    DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
-``PCCL_SPIN_SECONDS`` ``PeerConfig.spin_seconds`` of a communicator given no ``PeerConfig``
-===================== ======================================================================
+====================== ======================================================================
+``PCCL_MASTER``        the master's ``HOST:PORT`` when a communicator is given no address
+``PCCL_SECRET_FILE``   a file whose content (stripped) is the shared secret, for peers and master
+``PCCL_SECRET``        the shared secret itself (``PCCL_SECRET_FILE`` wins when both are set)
+``PCCL_TLS_CERT``      PEM certificate chain for TLS (peers, ``pccl-master``, ``pccl run``'s master)
+``PCCL_TLS_KEY``       its private key (default: the ``PCCL_TLS_CERT`` file)
+``PCCL_TLS_CA``        PEM CA certificates the other side's certificate must chain to
+``PCCL_LOG_LEVEL``     DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
+``PCCL_SPIN_SECONDS``  ``PeerConfig.spin_seconds`` of a communicator given no ``PeerConfig``
+``PCCL_LOCAL_SOCKETS`` ``0`` turns off the same-host shortcut of ``TcpTransport`` (read there:
+                       :func:`pccl.transport.local_sockets_enabled`)
+====================== ======================================================================
 
 Explicit arguments always win over the environment.
 """

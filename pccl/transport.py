@@ -1,8 +1,10 @@
 """The transport seam: everything that opens or accepts a connection goes through here.
 
 Production uses :class:`TcpTransport` (trio sockets, TCP_NODELAY, ``recv_into`` for zero-copy
-receives). ``pccl.testing`` provides an in-memory network implementing the same
-:class:`Transport` protocol, driven by trio's clock.
+receives). Between processes of one host it takes a shortcut: every TCP listener also listens on a Unix
+socket named after its address, and a connection to an address of this host goes there (the same bytes,
+half the kernel's work; docs/transport.md "Same-host connections"). ``pccl.testing`` provides an
+in-memory network implementing the same :class:`Transport` protocol, driven by trio's clock.
 
 Every I/O failure surfaces as :class:`StreamBroken` (or its subclass :class:`ConnectFailed`), so
 layers above never see raw ``OSError`` / ``trio.BrokenResourceError``.
@@ -14,22 +16,30 @@ contexts and docs/security.md "TLS").
 from __future__ import annotations
 
 import errno
+import ipaddress
+import logging
 import os as _os
 import socket as _stdsocket
 import ssl
-from collections.abc import Callable
+import struct
+import sys
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import trio
 
 from . import _tls
+from ._errors import InvalidArgumentError
 
 Address = tuple[str, int]
+
+log = logging.getLogger("pccl.transport")
 
 # Largest slice handed to one send()/recv_into() syscall: big enough to amortize the syscall,
 # small enough that trio gets to schedule other tasks between slices.
 _IO_SLICE = 4 * 1024 * 1024
 _MSG_NOSIGNAL = getattr(_stdsocket, "MSG_NOSIGNAL", 0)
+_MSG_PEEK_DONTWAIT = _stdsocket.MSG_PEEK | getattr(_stdsocket, "MSG_DONTWAIT", 0)
 _R = TypeVar("_R")
 
 
@@ -154,18 +164,35 @@ def _addr(sockaddr: object) -> Address:
 
 
 class TcpStream:
-    """A :class:`Stream` over a connected trio TCP socket."""
+    """A :class:`Stream` over a connected trio socket: TCP, or the Unix socket of the same-host shortcut
+    (:class:`TcpTransport`), which then reports the TCP addresses it stands for.
 
-    def __init__(self, sock: trio.socket.SocketType) -> None:
+    Args:
+        sock: the connected socket.
+        peer: the other side's address (default: the socket's own, for TCP).
+        local: this side's address (default: the socket's own, for TCP).
+    """
+
+    def __init__(
+        self, sock: trio.socket.SocketType, *, peer: Address | None = None, local: Address | None = None
+    ) -> None:
         self._sock = sock
-        try:
-            sock.setsockopt(_stdsocket.IPPROTO_TCP, _stdsocket.TCP_NODELAY, 1)
-        except OSError:  # pragma: no cover - platform dependent
-            pass
-        self._peer = _addr(sock.getpeername())
-        self._local = _addr(sock.getsockname())
+        self._unix = _AF_UNIX is not None and getattr(sock, "family", None) == _AF_UNIX
+        if not self._unix:
+            try:
+                sock.setsockopt(_stdsocket.IPPROTO_TCP, _stdsocket.TCP_NODELAY, 1)
+            except OSError:  # pragma: no cover - platform dependent
+                pass
+        elif _LOCAL_SNDBUF:
+            try:
+                sock.setsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_SNDBUF, _LOCAL_SNDBUF)
+            except OSError:  # pragma: no cover - platform dependent
+                pass
+        self._peer = peer if peer is not None else _addr(sock.getpeername())
+        self._local = local if local is not None else _addr(sock.getsockname())
         self._closed = False
         self._raw: _stdsocket.socket | None = None  # created by the first try_send
+        self._peer_gone = False  # a send met the other side's close (Unix sockets: _last_words_pending)
 
     @property
     def peer_address(self) -> Address:
@@ -180,6 +207,11 @@ class TcpStream:
         """The underlying trio socket (for socket options such as SO_RCVLOWAT)."""
         return self._sock
 
+    @property
+    def same_host(self) -> bool:
+        """True when this connection takes the same-host shortcut (a Unix socket, not TCP)."""
+        return self._unix
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         view = memoryview(data).cast("B")
         total = len(view)
@@ -190,7 +222,11 @@ class TcpStream:
                 return
             while sent < total:
                 sent += await self._sock.send(view[sent : sent + _IO_SLICE])
-        except (OSError, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+        except OSError as exc:
+            if self._last_words_pending(exc):
+                return
+            raise StreamBroken(f"send to {self._peer} failed: {exc}") from exc
+        except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
             raise StreamBroken(f"send to {self._peer} failed: {exc}") from exc
 
     def try_send(self, data: bytes | bytearray | memoryview) -> int:
@@ -201,7 +237,24 @@ class TcpStream:
         except BlockingIOError:
             return 0
         except OSError as exc:
+            if self._last_words_pending(exc):
+                return len(memoryview(data).cast("B"))
             raise StreamBroken(f"send to {self._peer} failed: {exc}") from exc
+
+    def _last_words_pending(self, exc: OSError) -> bool:
+        """Whether a failed send should look sent, once, as over TCP: a Unix socket fails a send at
+        once (EPIPE) when the other side has closed, while TCP takes that first send and fails later
+        ones. Over TCP the other side's last words (a ``Refused`` with its reason, a TLS alert) are then
+        read by the receive that follows; over a Unix socket they are still queued, so the first send
+        that meets the close is taken as sent when something is left to read, and the receive reads
+        it, then the end of the stream."""
+        if not self._unix or self._peer_gone or exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+            return False
+        self._peer_gone = True
+        try:
+            return bool(self._raw_socket().recv(1, _MSG_PEEK_DONTWAIT))
+        except OSError:
+            return False
 
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
         return await self._receive(_stdsocket.socket.recv, max_bytes)
@@ -255,56 +308,115 @@ class TcpStream:
         await trio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:
-        return f"<TcpStream {self._local} -> {self._peer}{' closed' if self._closed else ''}>"
+        via = " (unix)" if self._unix else ""
+        return f"<TcpStream {self._local} -> {self._peer}{via}{' closed' if self._closed else ''}>"
 
 
 class TcpListener:
-    """A :class:`Listener` over a trio TCP listening socket."""
+    """A :class:`Listener` over a trio TCP listening socket and, when the transport takes the same-host
+    shortcut, the Unix socket named after its address (:func:`local_socket_name`)."""
 
-    def __init__(self, sock: trio.socket.SocketType) -> None:
+    def __init__(self, sock: trio.socket.SocketType, local: trio.socket.SocketType | None = None) -> None:
         self._sock = sock
         self._address = _addr(sock.getsockname())
+        self._local = local
+        # What a same-host connection reports as its source: the address it dialled, which is the one a
+        # TCP connection to it would have come from (only 127.0.0.1 reaches a wildcard listener's name).
+        ip = self._address[0]
+        self._local_peer: Address = (_LOOPBACK if ip == _WILDCARD else ip, 0)
 
     @property
     def address(self) -> Address:
         return self._address
 
+    @property
+    def same_host(self) -> bool:
+        """True when this listener also accepts the same-host shortcut's Unix connections."""
+        return self._local is not None
+
     async def accept(self) -> Stream:
         while True:
+            sock = self._sock if self._local is None else await self._readable(self._local)
             try:
-                sock, _ = await self._sock.accept()
+                conn, _ = await sock.accept()
             except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
                 raise StreamBroken("listener closed") from exc
             except OSError as exc:
                 # Transient per-connection errors (e.g. the client reset before we accepted) must not
                 # kill the accept loop.
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.ECONNRESET):
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.ECONNRESET, errno.EAGAIN):
                     continue
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     raise AcceptExhausted(f"accept failed: {exc}") from exc
                 raise StreamBroken(f"accept failed: {exc}") from exc
             try:
-                return TcpStream(sock)
+                if sock is self._local:
+                    return TcpStream(conn, peer=self._local_peer, local=self._address)
+                return TcpStream(conn)
             except OSError:
-                sock.close()
+                conn.close()
                 continue
+
+    async def _readable(self, local: trio.socket.SocketType) -> trio.socket.SocketType:
+        """The first of the two listening sockets with a connection waiting (or closed: its accept
+        then says so)."""
+        ready: list[trio.socket.SocketType] = []
+        async with trio.open_nursery() as nursery:
+
+            async def wait(sock: trio.socket.SocketType) -> None:
+                try:
+                    await trio.lowlevel.wait_readable(sock)
+                except (trio.ClosedResourceError, OSError):
+                    pass  # closed: accept() reports it
+                ready.append(sock)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(wait, self._sock)
+            nursery.start_soon(wait, local)
+        return ready[0]
 
     async def aclose(self) -> None:
         self._sock.close()
+        if self._local is not None:
+            self._local.close()
         await trio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:
-        return f"<TcpListener {self._address}>"
+        return f"<TcpListener {self._address}{' (+unix)' if self._local is not None else ''}>"
 
 
 class TcpTransport:
-    """Real TCP via trio sockets."""
+    """Real TCP via trio sockets, with a shortcut between processes of one host.
 
-    def __init__(self, *, connect_timeout: float = 5.0, backlog: int = 1024) -> None:
+    The shortcut (Linux): every listener on an IPv4 address also listens on the Unix socket
+    :func:`local_socket_name` names after that address, in the abstract namespace (no file; it goes
+    with the socket and, like the port, belongs to the network namespace). A connection to an
+    address of this host goes to that socket when a listener of this user holds it (checked with
+    ``SO_PEERCRED``), and over TCP otherwise. The bytes are the same (handshake, secret, TLS,
+    frames); the kernel's work per byte and per wake-up is about half of loopback TCP's
+    (docs/transport.md "Same-host connections").
+
+    Args:
+        connect_timeout: bound on a TCP connect.
+        backlog: listen backlog.
+        same_host: take the shortcut; None: unless ``$PCCL_LOCAL_SOCKETS`` is ``0``.
+    """
+
+    def __init__(
+        self, *, connect_timeout: float = 5.0, backlog: int = 1024, same_host: bool | None = None
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.backlog = backlog
+        self.same_host = local_sockets_enabled() if same_host is None else same_host
+        if not _LOCAL_SOCKETS:
+            self.same_host = False
 
     async def connect(self, host: str, port: int) -> Stream:
+        if self.same_host:
+            local = self._connect_local(host, port)
+            if local is not None:
+                await trio.lowlevel.checkpoint()
+                return local
         try:
             with trio.fail_after(self.connect_timeout):
                 stream = await trio.open_tcp_stream(host, port)
@@ -320,6 +432,32 @@ class TcpTransport:
             stream.socket.close()
             raise ConnectFailed(f"connect to {host}:{port} failed: {_os_reason(exc)}") from exc
 
+    def _connect_local(self, host: str, port: int) -> TcpStream | None:
+        """A connected same-host stream to the listener of ``host:port``, or None (not this host, no
+        such listener, its backlog full, or a listener of another user: TCP decides then)."""
+        ip = _local_ip(host)
+        if ip is None:
+            return None
+        names = [local_socket_name(ip, port)]
+        if ip == _LOOPBACK:
+            names.append(local_socket_name(_WILDCARD, port))
+        assert _AF_UNIX is not None
+        for name in names:
+            sock = _stdsocket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
+            try:
+                sock.setblocking(False)
+                sock.connect(name)  # immediate on a Unix socket: refused, EAGAIN (backlog full) or done
+                if not _same_user(sock):
+                    log.warning("not taking the same-host shortcut to %s:%d: its Unix socket belongs to "
+                                "another user (connecting over TCP)", host, port)
+                    sock.close()
+                    continue
+                log.debug("connected to %s:%d over the same-host shortcut", host, port)
+                return TcpStream(trio.socket.from_stdlib_socket(sock), peer=(ip, port), local=(ip, 0))
+            except OSError:
+                sock.close()
+        return None
+
     async def listen(self, host: str, port: int) -> Listener:
         family = _stdsocket.AF_INET6 if ":" in host else _stdsocket.AF_INET
         sock = trio.socket.socket(family, _stdsocket.SOCK_STREAM)
@@ -330,10 +468,105 @@ class TcpTransport:
         except OSError as exc:
             sock.close()
             raise ConnectFailed(f"cannot listen on {host}:{port}: {exc}") from exc
-        return TcpListener(sock)
+        local = await self._listen_local(sock) if self.same_host and family == _stdsocket.AF_INET else None
+        return TcpListener(sock, local)
+
+    async def _listen_local(self, tcp: trio.socket.SocketType) -> trio.socket.SocketType | None:
+        """The Unix listening socket named after ``tcp``'s address, or None when the name is taken (it
+        is logged: connections then come over TCP, except from processes that reach the name's holder)."""
+        ip, port = _addr(tcp.getsockname())
+        assert _AF_UNIX is not None
+        sock = trio.socket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
+        try:
+            await sock.bind(local_socket_name(ip, port))  # abstract name: no file in the file system
+            sock.listen(self.backlog)
+        except OSError as exc:
+            sock.close()
+            log.warning("no same-host shortcut for the listener on %s:%d (%s): same-host peers connect "
+                        "over TCP", ip, port, exc.strerror or exc)
+            return None
+        return sock
 
     def __repr__(self) -> str:
-        return "<TcpTransport>"
+        return f"<TcpTransport{' (same-host shortcut)' if self.same_host else ''}>"
+
+
+# --------------------------------------------------------------------------------------------
+# Same-host shortcut
+
+ENV_LOCAL_SOCKETS = "PCCL_LOCAL_SOCKETS"
+_AF_UNIX: Any = getattr(_stdsocket, "AF_UNIX", None)
+# Abstract Unix socket names and SO_PEERCRED are Linux's.
+_LOCAL_SOCKETS = (
+    _AF_UNIX is not None and sys.platform.startswith("linux") and hasattr(_stdsocket, "SO_PEERCRED")
+)
+_UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_WILDCARD = "0.0.0.0"
+_LOOPBACK = "127.0.0.1"
+# SO_SNDBUF of a same-host connection. A Unix socket's sender may queue only this much (the kernel's
+# default, 208 KiB, means five wake-ups per MiB frame) and epoll ignores SO_RCVLOWAT on it; 1 MiB measured
+# best on loopback (docs/transport.md "Same-host connections"). The kernel caps it at net.core.wmem_max.
+_LOCAL_SNDBUF = 1 << 20
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+_local_addresses: dict[str, bool] = {}
+
+
+def local_socket_name(ip: str, port: int) -> bytes:
+    """The abstract Unix socket name of the same-host shortcut of a TCP listener on ``ip:port``."""
+    return f"\0pccl-tcp/{ip}/{port}".encode()
+
+
+def local_sockets_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``$PCCL_LOCAL_SOCKETS`` lets :class:`TcpTransport` take the same-host shortcut (default:
+    yes).
+
+    Raises:
+        InvalidArgumentError: the variable is set to something else than 1/0 (true/false, yes/no,
+            on/off).
+    """
+    value = (_os.environ if environ is None else environ).get(ENV_LOCAL_SOCKETS, "").strip().lower()
+    if value in _FALSE:
+        return False
+    if value in _TRUE or not value:
+        return True
+    raise InvalidArgumentError(f"{ENV_LOCAL_SOCKETS} must be 1 or 0, not {value!r}")
+
+
+def _local_ip(host: str) -> str | None:
+    """``host`` as an IPv4 address of this host (its network namespace), or None."""
+    if host == "localhost":
+        return _LOOPBACK
+    try:
+        ip = ipaddress.IPv4Address(host)
+    except ValueError:
+        return None  # a name (resolved by TCP) or IPv6: no shortcut
+    text = str(ip)
+    if ip.is_loopback:
+        return text
+    known = _local_addresses.get(text)
+    if known is None:
+        # An address of this host's own interfaces is one a socket can bind to.
+        probe = _stdsocket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_DGRAM)
+        try:
+            probe.bind((text, 0))
+            known = True
+        except OSError:
+            known = False
+        finally:
+            probe.close()
+        _local_addresses[text] = known
+    return text if known else None
+
+
+def _same_user(sock: _stdsocket.socket) -> bool:
+    """Whether the process holding the other end of a connected Unix socket runs as this user."""
+    try:
+        _pid, uid, _gid = _UCRED.unpack(sock.getsockopt(_stdsocket.SOL_SOCKET, _stdsocket.SO_PEERCRED,
+                                                        _UCRED.size))
+    except OSError:
+        return False
+    return bool(uid == _os.geteuid())
 
 
 # --------------------------------------------------------------------------------------------

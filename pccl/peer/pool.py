@@ -75,7 +75,8 @@ One read path and one write path: the pool's logic (headers, routing, stash, dis
 once against a connection's ``receive_into`` / ``send_frame``; how the bytes move is a property of the
 connection (``_Conn`` for any stream, ``_SocketConn`` for TCP).
 
-Fast path: on :class:`~pccl.transport.TcpStream` the connection drives a private ``dup`` of the socket
+Fast path: on :class:`~pccl.transport.TcpStream` (TCP, or the Unix socket of its same-host shortcut,
+docs/transport.md) the connection drives a private ``dup`` of the socket
 with non-blocking ``sendmsg``/``recv_into`` and waits with ``trio.lowlevel.wait_readable`` /
 ``wait_writable`` only when the kernel says EAGAIN (or a short read/write says the same). This
 skips the two scheduler round trips per syscall that trio's socket methods spend on checkpoints.
@@ -179,7 +180,7 @@ def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | No
     except OSError:
         return None
     notsent = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    if notsent is not None:
+    if notsent is not None and sock.family != getattr(socket, "AF_UNIX", None):
         # trio.SocketStream (used by trio.open_tcp_stream) sets TCP_NOTSENT_LOWAT to 16 KiB for
         # interactive latency. For bulk frames it caps every send() at a few 64 KiB segments and
         # makes the socket "writable" again after each: ~300 scheduler round trips per 64 MB
@@ -338,7 +339,10 @@ class _SocketConn(_Conn):
         super().__init__(stream, peer_id, index, outgoing=outgoing)
         self.sock = sock
         self.lowat = 1  # current SO_RCVLOWAT (incoming connections)
-        self.lowat_cap = DEFAULT_RCVLOWAT  # 1 once the kernel refused SO_RCVLOWAT
+        # 1 once the kernel refused SO_RCVLOWAT, and on a Unix socket (the same-host shortcut of
+        # pccl.transport), whose epoll ignores it: setting it would only cost a syscall per frame.
+        unix = sock.family == getattr(socket, "AF_UNIX", None)
+        self.lowat_cap = 1 if unix else DEFAULT_RCVLOWAT
         self.drained = False  # the last read was short: the socket is empty, wait before the next
 
     def alive(self) -> bool:

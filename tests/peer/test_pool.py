@@ -18,11 +18,12 @@ from pccl import (
     RankConnectionFailedError,
     RankConnectionLostError,
 )
+from pccl import transport as transport_module
 from pccl._errors import LocalProtocolError, RemoteProtocolError
 from pccl.peer.p2p import open_p2p, serve_p2p
 from pccl.peer.pool import P2PPool, _SocketConn
 from pccl.testing import BareTransport
-from pccl.transport import Address, TcpTransport, Transport
+from pccl.transport import Address, StreamBroken, TcpStream, TcpTransport, Transport
 from pccl.wire.data import (
     DATA_HEADER_SIZE,
     MAX_DATA_FRAME_LENGTH,
@@ -74,7 +75,13 @@ def test_header_validation() -> None:
 
 
 # BareTransport hides the TCP socket, so the pool uses its generic stream path.
-TRANSPORTS: list[Callable[[], Transport]] = [TcpTransport, BareTransport]
+def tcp_only() -> TcpTransport:
+    """Loopback TCP: the TcpTransport without its same-host shortcut (the default now takes it)."""
+    return TcpTransport(same_host=False)
+
+
+# Both fast paths (TCP, and the same-host shortcut's Unix socket) and the generic stream path.
+TRANSPORTS: list[Callable[[], Transport]] = [tcp_only, TcpTransport, BareTransport]
 
 
 @asynccontextmanager
@@ -283,7 +290,12 @@ async def test_protocol_violations_close_the_connection(frame: bytes, reason: st
                 await slot.wait()
             await wait_until(lambda: incoming(b, 1) == 0)
         assert any(reason in r.getMessage() for r in caplog.records)
-        assert await ms.stream.receive_some() == b""
+        try:
+            assert await ms.stream.receive_some() == b""
+        except StreamBroken:
+            # A reset: the pool closed with the rest of the bad frame unread, which a Unix socket (the
+            # same-host shortcut) reports to the other side as a reset; TCP here as an end of stream.
+            assert isinstance(ms.stream, TcpStream) and ms.stream.same_host
         await ms.aclose()
 
 
@@ -366,12 +378,36 @@ async def test_tcp_ring_sockets_are_tuned_for_bulk_frames() -> None:
     """trio's TCP_NOTSENT_LOWAT (16 KiB) would cap every send at a few segments; the pool lifts it."""
     import socket
 
-    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+    async with pools([1, 2], transport=tcp_only) as ((a, b), (_, b_addr)):
         await connected_pair(a, b, b_addr)
         (conn,) = a._out[2]
         assert isinstance(conn, _SocketConn) and conn.sock is not None
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) >= 1 << 30
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+
+
+@pytest.mark.skipif(not transport_module._LOCAL_SOCKETS, reason="the same-host shortcut is Linux's")
+async def test_same_host_ring_sockets_take_the_fast_path_with_a_large_send_buffer() -> None:
+    """Over the shortcut's Unix socket the fast path runs too; epoll ignores SO_RCVLOWAT there, so the
+    reader does not set it, and the send buffer is 1 MiB (the kernel reports twice what was set)."""
+    import socket
+
+    async with pools([1, 2]) as ((a, b), (_, b_addr)):
+        await connected_pair(a, b, b_addr)
+        (conn,) = a._out[2]
+        assert isinstance(conn, _SocketConn) and conn.sock.family == socket.AF_UNIX
+        assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(
+            1 << 20, int(open("/proc/sys/net/core/wmem_max").read()))
+        await wait_until(lambda: incoming(b, 1) == 1)
+        (inc,) = [c for (peer, _), c in b._in.items() if peer == 1]
+        assert isinstance(inc, _SocketConn) and inc.lowat_cap == 1
+        dest = bytearray(3 << 20)
+        payload = bytes(range(256)) * (3 << 12)
+        slot = b.expect(1, 4, 1, 0, memoryview(dest))
+        await a.send(2, 4, 1, 0, memoryview(payload), conn_index=0)
+        await slot.wait()
+        assert dest == payload
+        assert inc.lowat == 1  # never raised: no setsockopt per frame
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

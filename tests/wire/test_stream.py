@@ -26,11 +26,17 @@ from pccl.wire.handshake import offer_hello
 from pccl.wire.stream import MessageStream
 
 
-async def tcp_pair() -> tuple[TcpStream, TcpStream]:
-    tcp = TcpTransport()
+async def tcp_pair(same_host: bool = False) -> tuple[TcpStream, TcpStream]:
+    """A connected pair over loopback TCP, or over the same-host shortcut's Unix socket."""
+    tcp = TcpTransport(same_host=same_host)
     a, b = await open_stream_pair(tcp, tcp, connect_host="127.0.0.1", listen_host="127.0.0.1")
     assert isinstance(a, TcpStream) and isinstance(b, TcpStream)
+    assert a.same_host is same_host and b.same_host is same_host
     return a, b
+
+
+# The stream behaviours that hold over both ways a TcpTransport connects.
+either_way = pytest.mark.parametrize("same_host", [False, True], ids=["tcp", "unix"])
 
 
 async def message_pair(net: VirtualNetwork) -> tuple[VirtualStream, MessageStream, MessageStream]:
@@ -52,8 +58,9 @@ HEARTBEAT_FRAME = 7  # bytes of one framed Heartbeat (checked below); 256 is not
 # TcpStream
 
 
-async def test_tcp_try_send_sends_at_once_until_the_buffer_is_full() -> None:
-    a, b = await tcp_pair()
+@either_way
+async def test_tcp_try_send_sends_at_once_until_the_buffer_is_full(same_host: bool) -> None:
+    a, b = await tcp_pair(same_host)
     assert a.try_send(b"hello") == 5
     assert await read_exactly(b, 5) == b"hello"
     # Nobody reads: the socket buffers fill and try_send reports a short count, then 0 - never waits.
@@ -87,8 +94,9 @@ async def test_tcp_try_send_to_a_reset_peer_raises_stream_broken() -> None:
     await a.aclose()
 
 
-async def test_tcp_receive_is_a_checkpoint_and_returns_data_that_arrives_later() -> None:
-    a, b = await tcp_pair()
+@either_way
+async def test_tcp_receive_is_a_checkpoint_and_returns_data_that_arrives_later(same_host: bool) -> None:
+    a, b = await tcp_pair(same_host)
     await a.send_all(b"ready")
     with trio.testing.assert_checkpoints():  # data already there: still a schedule point
         assert await b.receive_some(5) == b"ready"
@@ -111,8 +119,9 @@ async def test_tcp_receive_is_a_checkpoint_and_returns_data_that_arrives_later()
     await b.aclose()
 
 
-async def test_tcp_receive_cancelled_or_closed_underneath() -> None:
-    a, b = await tcp_pair()
+@either_way
+async def test_tcp_receive_cancelled_or_closed_underneath(same_host: bool) -> None:
+    a, b = await tcp_pair(same_host)
     async with trio.open_nursery() as nursery:
         waiting = trio.CancelScope()
 
