@@ -388,6 +388,17 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def parse_size(s: str) -> int:
+    """``64``, ``64K``, ``1M``, ``2G`` (binary multiples) as a byte count.
+
+    Raises:
+        ValueError: not a size.
+    """
+    s = s.strip().upper()
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
+
+
 def human_bytes(n: int) -> str:
     for unit, size in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
         if n >= size:
@@ -400,8 +411,13 @@ def machine_line() -> str:
     """One line describing where the numbers were taken."""
     import platform
 
+    from pccl.transport import TcpTransport
+
+    # Our connections between processes of this host: Unix sockets unless PCCL_LOCAL_SOCKETS=0
+    # (docs/transport.md "Same-host connections"); Gloo's are loopback TCP either way.
+    wire = "same-host Unix sockets" if TcpTransport().same_host else "loopback TCP (PCCL_LOCAL_SOCKETS=0)"
     return (f"{os.cpu_count()} CPU cores, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}, loopback TCP")
+            f"Python {platform.python_version()}, {wire}")
 
 
 class HostSteal:

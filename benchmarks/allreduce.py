@@ -312,7 +312,7 @@ def security_settings(root: Path) -> list[Setting]:
 
 async def run_security(args: argparse.Namespace) -> list[list[Any]]:
     """``--tls``: plain / secret / tls interleaved over ``args.rounds`` rounds at each world size."""
-    sizes = [parse_size(x) for x in args.sizes.split(",")]
+    sizes = [c.parse_size(x) for x in args.sizes.split(",")]
     worlds = [int(x) for x in (args.worlds or "2").split(",")]
     rows: list[list[Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -341,18 +341,12 @@ async def run_security(args: argparse.Namespace) -> list[list[Any]]:
     return rows
 
 
-def parse_size(s: str) -> int:
-    s = s.strip().upper()
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
-    return int(float(s[:-1] if s[-1:] in "KMG" else s) * mult)
-
-
 def _pct(v: float) -> str:
     return "-" if math.isnan(v) else f"{v:.0f}"
 
 
 async def run(args: argparse.Namespace) -> list[list[Any]]:
-    sizes = [parse_size(x) for x in args.sizes.split(",")]
+    sizes = [c.parse_size(x) for x in args.sizes.split(",")]
     worlds = [int(x) for x in args.worlds.split(",")]
     rows: list[list[Any]] = []
     for world in worlds:
