@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import itertools
 import logging
 import os as _os
 import socket as _stdsocket
 import ssl
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import trio
@@ -314,16 +315,21 @@ class TcpStream:
 
 class TcpListener:
     """A :class:`Listener` over a trio TCP listening socket and, when the transport takes the same-host
-    shortcut, the Unix socket named after its address (:func:`local_socket_name`)."""
+    shortcut, the Unix sockets named after the addresses it is reached at (:func:`local_socket_name`).
 
-    def __init__(self, sock: trio.socket.SocketType, local: trio.socket.SocketType | None = None) -> None:
+    Args:
+        sock: the TCP listening socket.
+        local: the shortcut's listening Unix sockets, each with the IPv4 address it is named after:
+            the one a same-host connection to it dialled, and so where a TCP connection would have come
+            from.
+    """
+
+    def __init__(
+        self, sock: trio.socket.SocketType, local: Sequence[tuple[trio.socket.SocketType, str]] = ()
+    ) -> None:
         self._sock = sock
         self._address = _addr(sock.getsockname())
-        self._local = local
-        # What a same-host connection reports as its source: the address it dialled, which is the one a
-        # TCP connection to it would have come from (only 127.0.0.1 reaches a wildcard listener's name).
-        ip = self._address[0]
-        self._local_peer: Address = (_LOOPBACK if ip == _WILDCARD else ip, 0)
+        self._local = {unix: ip for unix, ip in local}
 
     @property
     def address(self) -> Address:
@@ -332,11 +338,16 @@ class TcpListener:
     @property
     def same_host(self) -> bool:
         """True when this listener also accepts the same-host shortcut's Unix connections."""
-        return self._local is not None
+        return bool(self._local)
+
+    @property
+    def same_host_addresses(self) -> list[str]:
+        """The addresses whose same-host connections this listener accepts over a Unix socket."""
+        return sorted(self._local.values())
 
     async def accept(self) -> Stream:
         while True:
-            sock = self._sock if self._local is None else await self._readable(self._local)
+            sock = await self._readable() if self._local else self._sock
             try:
                 conn, _ = await sock.accept()
             except (trio.ClosedResourceError, trio.BrokenResourceError) as exc:
@@ -350,16 +361,16 @@ class TcpListener:
                     raise AcceptExhausted(f"accept failed: {exc}") from exc
                 raise StreamBroken(f"accept failed: {exc}") from exc
             try:
-                if sock is self._local:
-                    return TcpStream(conn, peer=self._local_peer, local=self._address)
+                ip = self._local.get(sock)
+                if ip is not None:
+                    return TcpStream(conn, peer=(ip, 0), local=(ip, self._address[1]))
                 return TcpStream(conn)
             except OSError:
                 conn.close()
                 continue
 
-    async def _readable(self, local: trio.socket.SocketType) -> trio.socket.SocketType:
-        """The first of the two listening sockets with a connection waiting (or closed: its accept
-        then says so)."""
+    async def _readable(self) -> trio.socket.SocketType:
+        """The first listening socket with a connection waiting (or closed: its accept then says so)."""
         ready: list[trio.socket.SocketType] = []
         async with trio.open_nursery() as nursery:
 
@@ -372,17 +383,18 @@ class TcpListener:
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(wait, self._sock)
-            nursery.start_soon(wait, local)
+            for unix in self._local:
+                nursery.start_soon(wait, unix)
         return ready[0]
 
     async def aclose(self) -> None:
         self._sock.close()
-        if self._local is not None:
-            self._local.close()
+        for unix in self._local:
+            unix.close()
         await trio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:
-        return f"<TcpListener {self._address}{' (+unix)' if self._local is not None else ''}>"
+        return f"<TcpListener {self._address}{' (+unix)' if self._local else ''}>"
 
 
 class TcpTransport:
@@ -438,25 +450,22 @@ class TcpTransport:
         ip = _local_ip(host)
         if ip is None:
             return None
-        names = [local_socket_name(ip, port)]
-        if ip == _LOOPBACK:
-            names.append(local_socket_name(_WILDCARD, port))
         assert _AF_UNIX is not None
-        for name in names:
-            sock = _stdsocket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
-            try:
-                sock.setblocking(False)
-                sock.connect(name)  # immediate on a Unix socket: refused, EAGAIN (backlog full) or done
-                if not _same_user(sock):
-                    log.warning("not taking the same-host shortcut to %s:%d: its Unix socket belongs to "
-                                "another user (connecting over TCP)", host, port)
-                    sock.close()
-                    continue
-                log.debug("connected to %s:%d over the same-host shortcut", host, port)
-                return TcpStream(trio.socket.from_stdlib_socket(sock), peer=(ip, port), local=(ip, 0))
-            except OSError:
+        sock = _stdsocket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
+        try:
+            sock.setblocking(False)
+            # Immediate on a Unix socket: refused (no such listener), EAGAIN (its backlog is full) or done.
+            sock.connect(local_socket_name(ip, port))
+            if not _same_user(sock):
+                log.warning("not taking the same-host shortcut to %s:%d: its Unix socket belongs to another "
+                            "user (connecting over TCP)", host, port)
                 sock.close()
-        return None
+                return None
+            log.debug("connected to %s:%d over the same-host shortcut", host, port)
+            return TcpStream(trio.socket.from_stdlib_socket(sock), peer=(ip, port), local=(ip, 0))
+        except OSError:
+            sock.close()
+            return None
 
     async def listen(self, host: str, port: int) -> Listener:
         family = _stdsocket.AF_INET6 if ":" in host else _stdsocket.AF_INET
@@ -468,24 +477,28 @@ class TcpTransport:
         except OSError as exc:
             sock.close()
             raise ConnectFailed(f"cannot listen on {host}:{port}: {exc}") from exc
-        local = await self._listen_local(sock) if self.same_host and family == _stdsocket.AF_INET else None
+        local = await self._listen_local(sock) if self.same_host and family == _stdsocket.AF_INET else []
         return TcpListener(sock, local)
 
-    async def _listen_local(self, tcp: trio.socket.SocketType) -> trio.socket.SocketType | None:
-        """The Unix listening socket named after ``tcp``'s address, or None when the name is taken (it
-        is logged: connections then come over TCP, except from processes that reach the name's holder)."""
+    async def _listen_local(self, tcp: trio.socket.SocketType) -> list[tuple[trio.socket.SocketType, str]]:
+        """The Unix listening sockets of ``tcp``'s shortcut: one named after its address, or for a
+        wildcard listener one per IPv4 address of this host. A name already taken is logged and left
+        out (connections to that address then come over TCP)."""
         ip, port = _addr(tcp.getsockname())
         assert _AF_UNIX is not None
-        sock = trio.socket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
-        try:
-            await sock.bind(local_socket_name(ip, port))  # abstract name: no file in the file system
-            sock.listen(self.backlog)
-        except OSError as exc:
-            sock.close()
-            log.warning("no same-host shortcut for the listener on %s:%d (%s): same-host peers connect "
-                        "over TCP", ip, port, exc.strerror or exc)
-            return None
-        return sock
+        local: list[tuple[trio.socket.SocketType, str]] = []
+        for address in host_addresses() if ip == _WILDCARD else [ip]:
+            sock = trio.socket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
+            try:
+                await sock.bind(local_socket_name(address, port))  # abstract: no file in the file system
+                sock.listen(self.backlog)
+            except OSError as exc:
+                sock.close()
+                log.warning("no same-host shortcut for the listener on %s:%d through %s (%s): connections "
+                            "to %s:%d come over TCP", ip, port, address, exc.strerror or exc, address, port)
+                continue
+            local.append((sock, address))
+        return local
 
     def __repr__(self) -> str:
         return f"<TcpTransport{' (same-host shortcut)' if self.same_host else ''}>"
@@ -501,7 +514,7 @@ _LOCAL_SOCKETS = (
     _AF_UNIX is not None and sys.platform.startswith("linux") and hasattr(_stdsocket, "SO_PEERCRED")
 )
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
-_WILDCARD = "0.0.0.0"
+_WILDCARD = "0.0.0.0"  # a listener on every address: one Unix socket per address of the host
 _LOOPBACK = "127.0.0.1"
 # SO_SNDBUF of a same-host connection. A Unix socket's sender may queue only this much (the kernel's
 # default, 208 KiB, means five wake-ups per MiB frame) and epoll ignores SO_RCVLOWAT on it; 1 MiB measured
@@ -531,6 +544,25 @@ def local_sockets_enabled(environ: Mapping[str, str] | None = None) -> bool:
     if value in _TRUE or not value:
         return True
     raise InvalidArgumentError(f"{ENV_LOCAL_SOCKETS} must be 1 or 0, not {value!r}")
+
+
+def host_addresses() -> list[str]:
+    """This host's IPv4 addresses (its network namespace's, from the kernel's local routes in
+    ``/proc/net/fib_trie``), 127.0.0.1 always among them: what a wildcard listener is reached at."""
+    found = {_LOOPBACK}
+    try:
+        with open("/proc/net/fib_trie", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return sorted(found)
+    for before, line in itertools.pairwise(lines):
+        # "  |-- 192.0.2.2" then "     /32 host LOCAL": an address of one of this host's interfaces
+        if line.strip() == "/32 host LOCAL" and "-- " in before:
+            try:
+                found.add(str(ipaddress.IPv4Address(before.rsplit("-- ", 1)[1].strip())))
+            except ValueError:
+                continue
+    return sorted(found)
 
 
 def _local_ip(host: str) -> str | None:

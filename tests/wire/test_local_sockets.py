@@ -72,7 +72,7 @@ async def test_a_connection_on_this_host_takes_the_unix_socket(bind: str, dial: 
     # the addresses a TCP connection to 127.0.0.1 would report (the master records the source host)
     assert client.peer_address == ("127.0.0.1", port)
     assert server.peer_address[0] == "127.0.0.1"
-    assert server.local_address == listener.address
+    assert server.local_address == client.peer_address  # the address dialled, as TCP's getsockname()
     await client.aclose()
     assert await server.receive_some(10) == b""  # a clean close reads as EOF, as over TCP
     await server.aclose()
@@ -122,7 +122,7 @@ async def test_a_closed_listener_is_refused_over_tcp_too() -> None:
 
 
 async def test_an_address_of_another_host_or_a_name_is_not_taken_for_this_host() -> None:
-    assert transport._local_ip("192.0.2.1") is None  # TEST-NET-1: no interface of a test machine has it
+    assert transport._local_ip("203.0.113.77") is None  # TEST-NET-3: no interface of a test machine has it
     assert transport._local_ip("example.invalid") is None
     assert transport._local_ip("::1") is None  # IPv6: TCP
     assert transport._local_ip("127.0.0.5") == "127.0.0.5"
@@ -132,12 +132,18 @@ async def test_an_address_of_another_host_or_a_name_is_not_taken_for_this_host()
         await listener.aclose()
 
 
-async def test_a_non_loopback_address_of_this_host_takes_the_shortcut_when_bound_to_it() -> None:
+@pytest.mark.parametrize("bind", ["address", "0.0.0.0"])
+async def test_a_non_loopback_address_of_this_host_takes_the_shortcut(bind: str) -> None:
+    """Dialled at the host's own address (how peers on one machine reach each other when the master saw
+    them there): the listener bound to that address, or to every address, takes it over its Unix socket,
+    and reports the address dialled as the source, as TCP would."""
     ip = _local_address()
     if ip is None:
         pytest.skip("no non-loopback IPv4 address")
     assert transport._local_ip(ip) == ip
-    listener = await TcpTransport().listen(ip, 0)
+    listener = await TcpTransport().listen(ip if bind == "address" else bind, 0)
+    assert isinstance(listener, TcpListener)
+    assert ip in listener.same_host_addresses
     accepted: list[Stream] = []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_echo_once, listener, accepted)
@@ -145,8 +151,26 @@ async def test_a_non_loopback_address_of_this_host_takes_the_shortcut_when_bound
         assert await _round_trip(client) == b"fedcba"
     assert isinstance(client, TcpStream) and client.same_host
     assert accepted[0].peer_address[0] == ip  # where a TCP connection to ip comes from
+    assert accepted[0].local_address == (ip, listener.address[1])
     await client.aclose()
     await accepted[0].aclose()
+    await listener.aclose()
+
+
+def test_the_host_addresses_are_this_hosts() -> None:
+    addresses = transport.host_addresses()
+    assert "127.0.0.1" in addresses
+    ip = _local_address()
+    if ip is not None:
+        assert ip in addresses
+    # each one is an address a socket can bind to here (the check a connecting side makes)
+    assert all(transport._local_ip(a) == a for a in addresses)
+
+
+async def test_a_wildcard_listener_has_a_name_for_every_address_of_the_host() -> None:
+    listener = await TcpTransport().listen("0.0.0.0", 0)
+    assert isinstance(listener, TcpListener)
+    assert listener.same_host_addresses == transport.host_addresses()
     await listener.aclose()
 
 
