@@ -276,3 +276,42 @@ def test_kernels_import_neither_trio_nor_socket() -> None:
             for name in names:
                 top = name.split(".")[0]
                 assert top not in {"trio", "socket", "asyncio", "selectors"}, f"{f.name} imports {name}"
+
+
+_NUMPY_ONLY_RUN = """
+import sys
+import numpy as np
+import trio
+from pccl.testing import VirtualNetwork, open_test_cluster
+
+
+async def main():
+    async with open_test_cluster(2, network=VirtualNetwork()) as cluster:
+        xs = [np.arange(8, dtype=dt) for dt in (np.float32, np.int64, np.float16) for _ in range(2)]
+        for i in range(0, len(xs), 2):
+            async with trio.open_nursery() as nursery:
+                for comm, x in zip(cluster.peers, xs[i:i + 2]):
+                    nursery.start_soon(comm.all_reduce, x)
+            assert (xs[i] == 2 * np.arange(8)).all()
+    print("ml_dtypes imported:", "ml_dtypes" in sys.modules)
+
+
+trio.run(main)
+"""
+
+
+def test_numpy_collectives_do_not_import_ml_dtypes() -> None:
+    """Regression: the dtype lookup imported ml_dtypes (0.6-0.9 s of extension start-up) for every
+    dtype, so a numpy user's first collective took about a second. Only bfloat16 needs it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _NUMPY_ONLY_RUN], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "ml_dtypes imported: False" in out.stdout
+
+
+def test_bfloat16_numpy_arrays_are_still_recognized() -> None:
+    assert backend.numpy_to_dtype(np.dtype(ml_dtypes.bfloat16)) == DataType.BFLOAT16
+    assert backend.dtype_to_numpy(DataType.BFLOAT16) == np.dtype(ml_dtypes.bfloat16)
