@@ -108,7 +108,7 @@ class TestCluster:
     """A running master plus peers. Create it with :func:`open_test_cluster`.
 
     Attributes:
-        network: the virtual network, or None for loopback TCP.
+        network: the virtual network, or None for real sockets on 127.0.0.1.
         master: the master's :class:`~pccl.master.server.MasterHandle` (``statistics()``, ``state``).
         master_address: ``"HOST:PORT"`` peers connect to.
         master_config: the master's configuration.
@@ -660,7 +660,8 @@ async def open_test_cluster(
     Args:
         n_peers: peers to start (0 is allowed; add more with :meth:`TestCluster.add_peer`).
         network: a :class:`~pccl.testing.VirtualNetwork` (each peer on its own host, the master on
-            host :data:`MASTER`), or None for real TCP on 127.0.0.1.
+            host :data:`MASTER`), or None for real sockets on 127.0.0.1 (``TcpTransport``: its same-host
+            shortcut unless ``PCCL_LOCAL_SOCKETS=0``).
         config: every peer's :class:`~pccl.PeerConfig` (default :data:`DEFAULT_PEER_CONFIG`);
             ``p2p_listen_host`` is overridden (the peer's host address, or 127.0.0.1 over TCP).
         master_config: the master's :class:`~pccl.MasterConfig` (default :data:`DEFAULT_MASTER_CONFIG`).
