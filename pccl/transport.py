@@ -451,7 +451,10 @@ class TcpTransport:
         if ip is None:
             return None
         assert _AF_UNIX is not None
-        sock = _stdsocket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
+        try:
+            sock = _unix_socket()
+        except OSError:  # no descriptor left, or Unix sockets forbidden here: TCP says what it can
+            return None
         try:
             sock.setblocking(False)
             # Immediate on a Unix socket: refused (no such listener), EAGAIN (its backlog is full) or done.
@@ -488,7 +491,12 @@ class TcpTransport:
         assert _AF_UNIX is not None
         local: list[tuple[trio.socket.SocketType, str]] = []
         for address in host_addresses() if ip == _WILDCARD else [ip]:
-            sock = trio.socket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
+            try:
+                sock = trio.socket.from_stdlib_socket(_unix_socket())
+            except OSError as exc:
+                log.warning("no same-host shortcut for the listener on %s:%d (%s): connections come over "
+                            "TCP", ip, port, exc.strerror or exc)
+                break
             try:
                 await sock.bind(local_socket_name(address, port))  # abstract: no file in the file system
                 sock.listen(self.backlog)
@@ -589,6 +597,11 @@ def _local_ip(host: str) -> str | None:
             probe.close()
         _local_addresses[text] = known
     return text if known else None
+
+
+def _unix_socket() -> _stdsocket.socket:
+    """A new Unix stream socket. Raises OSError (no descriptor left, or Unix sockets not allowed here)."""
+    return _stdsocket.socket(_AF_UNIX, _stdsocket.SOCK_STREAM)
 
 
 def _same_user(sock: _stdsocket.socket) -> bool:

@@ -289,3 +289,25 @@ async def test_a_send_to_a_closed_side_with_nothing_left_to_read_fails() -> None
         await client.send_all(b"hello")
     await client.aclose()
     await listener.aclose()
+
+
+async def test_no_unix_socket_to_be_had_means_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unix sockets that cannot be created (no descriptor left, or forbidden by a sandbox) leave both
+    sides on TCP instead of raising a raw OSError."""
+    real = transport._unix_socket
+
+    def none_left() -> socket.socket:
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(transport, "_unix_socket", none_left)
+    listener = await TcpTransport().listen("127.0.0.1", 0)
+    assert isinstance(listener, TcpListener) and not listener.same_host
+    monkeypatch.setattr(transport, "_unix_socket", real)
+    other = await TcpTransport().listen("127.0.0.1", 0)  # this one has its Unix socket
+    assert isinstance(other, TcpListener) and other.same_host
+    monkeypatch.setattr(transport, "_unix_socket", none_left)
+    client = await TcpTransport().connect("127.0.0.1", other.address[1])
+    assert isinstance(client, TcpStream) and not client.same_host
+    await client.aclose()
+    await other.aclose()
+    await listener.aclose()
