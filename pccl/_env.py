@@ -9,8 +9,8 @@
 ``PCCL_TLS_CA``        PEM CA certificates the other side's certificate must chain to
 ``PCCL_LOG_LEVEL``     DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
 ``PCCL_SPIN_SECONDS``  ``PeerConfig.spin_seconds`` of a communicator given no ``PeerConfig``
-``PCCL_LOCAL_SOCKETS`` ``0`` turns off the same-host shortcut of ``TcpTransport`` (read there:
-                       :func:`pccl.transport.local_sockets_enabled`)
+``PCCL_LOCAL_SOCKETS`` ``0`` turns off the same-host shortcut of ``TcpTransport`` (which reads it
+                       with :func:`local_sockets_enabled`)
 ====================== ======================================================================
 
 Explicit arguments always win over the environment.
@@ -34,6 +34,7 @@ ENV_SECRET = "PCCL_SECRET"
 ENV_SECRET_FILE = "PCCL_SECRET_FILE"
 ENV_LOG_LEVEL = "PCCL_LOG_LEVEL"
 ENV_SPIN_SECONDS = "PCCL_SPIN_SECONDS"
+ENV_LOCAL_SOCKETS = "PCCL_LOCAL_SOCKETS"
 ENV_TLS_CERT = "PCCL_TLS_CERT"
 ENV_TLS_KEY = "PCCL_TLS_KEY"
 ENV_TLS_CA = "PCCL_TLS_CA"
@@ -56,6 +57,23 @@ def master_address(address: Addresses | None, environ: Mapping[str, str] | None 
     if not value:
         raise InvalidArgumentError(f"no master address: pass one ({EXPECTED_FORM}) or set {ENV_MASTER}")
     return value
+
+
+def local_sockets_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``$PCCL_LOCAL_SOCKETS`` lets :class:`~pccl.transport.TcpTransport` take the same-host
+    shortcut (default: yes).
+
+    Raises:
+        InvalidArgumentError: the variable is set to something else than 1/0 (true/false, yes/no,
+            on/off).
+    """
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_LOCAL_SOCKETS, "").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    raise InvalidArgumentError(f"{ENV_LOCAL_SOCKETS} must be 1 or 0, not {value!r}")
 
 
 def secret(explicit: str | None, environ: Mapping[str, str] | None = None) -> str | None:

@@ -24,13 +24,13 @@ import socket as _stdsocket
 import ssl
 import struct
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar, cast, runtime_checkable
 
 import trio
 
 from . import _tls
-from ._errors import InvalidArgumentError
+from ._env import local_sockets_enabled
 
 Address = tuple[str, int]
 
@@ -355,7 +355,7 @@ class TcpListener:
             except OSError as exc:
                 # Transient per-connection errors (e.g. the client reset before we accepted) must not
                 # kill the accept loop.
-                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.ECONNRESET, errno.EAGAIN):
+                if exc.errno in (errno.ECONNABORTED, errno.EPROTO, errno.ECONNRESET):
                     continue
                 if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     raise AcceptExhausted(f"accept failed: {exc}") from exc
@@ -419,9 +419,8 @@ class TcpTransport:
     ) -> None:
         self.connect_timeout = connect_timeout
         self.backlog = backlog
-        self.same_host = local_sockets_enabled() if same_host is None else same_host
-        if not _LOCAL_SOCKETS:
-            self.same_host = False
+        wanted = local_sockets_enabled() if same_host is None else same_host
+        self.same_host = wanted and _LOCAL_SOCKETS
 
     async def connect(self, host: str, port: int) -> Stream:
         if self.same_host:
@@ -515,7 +514,6 @@ class TcpTransport:
 # --------------------------------------------------------------------------------------------
 # Same-host shortcut
 
-ENV_LOCAL_SOCKETS = "PCCL_LOCAL_SOCKETS"
 _AF_UNIX: Any = getattr(_stdsocket, "AF_UNIX", None)
 # Abstract Unix socket names and SO_PEERCRED are Linux's.
 _LOCAL_SOCKETS = (
@@ -528,8 +526,6 @@ _LOOPBACK = "127.0.0.1"
 # default, 208 KiB, means five wake-ups per MiB frame) and epoll ignores SO_RCVLOWAT on it; 1 MiB measured
 # best on loopback (docs/transport.md "Same-host connections"). The kernel caps it at net.core.wmem_max.
 _LOCAL_SNDBUF = 1 << 20
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("0", "false", "no", "off")
 _local_addresses: dict[str, bool] = {}
 
 
@@ -538,27 +534,12 @@ def local_socket_name(ip: str, port: int) -> bytes:
     return f"\0pccl-tcp/{ip}/{port}".encode()
 
 
-def local_sockets_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``$PCCL_LOCAL_SOCKETS`` lets :class:`TcpTransport` take the same-host shortcut (default:
-    yes).
-
-    Raises:
-        InvalidArgumentError: the variable is set to something else than 1/0 (true/false, yes/no,
-            on/off).
-    """
-    value = (_os.environ if environ is None else environ).get(ENV_LOCAL_SOCKETS, "").strip().lower()
-    if value in _FALSE:
-        return False
-    if value in _TRUE or not value:
-        return True
-    raise InvalidArgumentError(f"{ENV_LOCAL_SOCKETS} must be 1 or 0, not {value!r}")
-
-
 def host_addresses() -> list[str]:
     """This host's IPv4 addresses (its network namespace's, from the kernel's local routes in
     ``/proc/net/fib_trie``), 127.0.0.1 always among them: what a wildcard listener is reached at."""
     found = {_LOOPBACK}
     try:
+        # procfs is generated in memory: this read never waits on a disk (called once per listen).
         with open("/proc/net/fib_trie", encoding="ascii", errors="replace") as f:
             lines = f.read().splitlines()
     except OSError:
@@ -587,7 +568,10 @@ def _local_ip(host: str) -> str | None:
     known = _local_addresses.get(text)
     if known is None:
         # An address of this host's own interfaces is one a socket can bind to.
-        probe = _stdsocket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_DGRAM)
+        try:
+            probe = _stdsocket.socket(_stdsocket.AF_INET, _stdsocket.SOCK_DGRAM)
+        except OSError:  # no descriptor left: TCP decides (and the next connect asks again)
+            return None
         try:
             probe.bind((text, 0))
             known = True

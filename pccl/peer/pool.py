@@ -133,6 +133,7 @@ _REGISTER_PASSES = 16
 _REGISTER_WAIT_MIN_BYTES = 256 * 1024
 _MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
 _MSG_PEEK_DONTWAIT = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+_AF_UNIX = getattr(socket, "AF_UNIX", None)  # the same-host shortcut's sockets (pccl.transport)
 
 # SO_SNDBUF/SO_RCVBUF for ring connections; None leaves the kernel's autotuning alone, which
 # measured best on loopback (it grows the receive side well past what a fixed SO_RCVBUF may).
@@ -180,7 +181,7 @@ def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | No
     except OSError:
         return None
     notsent = getattr(socket, "TCP_NOTSENT_LOWAT", None)
-    if notsent is not None and sock.family != getattr(socket, "AF_UNIX", None):
+    if notsent is not None and sock.family != _AF_UNIX:
         # trio.SocketStream (used by trio.open_tcp_stream) sets TCP_NOTSENT_LOWAT to 16 KiB for
         # interactive latency. For bulk frames it caps every send() at a few 64 KiB segments and
         # makes the socket "writable" again after each: ~300 scheduler round trips per 64 MB
@@ -341,8 +342,7 @@ class _SocketConn(_Conn):
         self.lowat = 1  # current SO_RCVLOWAT (incoming connections)
         # 1 once the kernel refused SO_RCVLOWAT, and on a Unix socket (the same-host shortcut of
         # pccl.transport), whose epoll ignores it: setting it would only cost a syscall per frame.
-        unix = sock.family == getattr(socket, "AF_UNIX", None)
-        self.lowat_cap = 1 if unix else DEFAULT_RCVLOWAT
+        self.lowat_cap = 1 if sock.family == _AF_UNIX else DEFAULT_RCVLOWAT
         self.drained = False  # the last read was short: the socket is empty, wait before the next
 
     def alive(self) -> bool:

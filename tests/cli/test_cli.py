@@ -66,6 +66,17 @@ def test_port_in_use_is_one_line_and_exit_1(capsys: pytest.CaptureFixture[str], 
     ]
 
 
+def test_a_bad_local_sockets_variable_is_one_line_and_exit_1(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PCCL_LOCAL_SOCKETS", "maybe")
+    code = master_main(["--host", "127.0.0.1", "--port", "0"])
+    assert code == 1
+    assert _err_lines(capsys) == [
+        "pccl-master: error: INVALID_ARGUMENT: PCCL_LOCAL_SOCKETS must be 1 or 0, not 'maybe'"
+    ]
+
+
 def test_status_port_in_use(capsys: pytest.CaptureFixture[str]) -> None:
     sock, port = _busy_port()
     with sock:

@@ -14,6 +14,7 @@ import pytest
 import trio
 
 from pccl import transport
+from pccl._env import ENV_LOCAL_SOCKETS
 from pccl._errors import InvalidArgumentError
 from pccl.transport import (
     ConnectFailed,
@@ -105,10 +106,10 @@ async def test_the_shortcut_off_on_either_side_means_tcp(monkeypatch: pytest.Mon
     assert client.socket.family == socket.AF_INET
     await client.aclose()
     await listener.aclose()
-    monkeypatch.setenv(transport.ENV_LOCAL_SOCKETS, "0")
+    monkeypatch.setenv(ENV_LOCAL_SOCKETS, "0")
     assert not TcpTransport().same_host
     assert TcpTransport(same_host=True).same_host  # an explicit argument wins over the environment
-    monkeypatch.setenv(transport.ENV_LOCAL_SOCKETS, "maybe")
+    monkeypatch.setenv(ENV_LOCAL_SOCKETS, "maybe")
     with pytest.raises(InvalidArgumentError, match="PCCL_LOCAL_SOCKETS must be 1 or 0, not 'maybe'"):
         TcpTransport()
 
