@@ -40,6 +40,7 @@ from .._errors import (
     KickedError,
     MasterConnectionError,
     PCCLError,
+    RankConnectionFailedError,
     RankConnectionLostError,
     RemoteProtocolError,
     Result,
@@ -93,6 +94,11 @@ log = logging.getLogger("pccl.peer")
 
 #: The one-host link model (pccl.collectives.cost.same_host) for this machine's cores.
 _SAME_HOST = same_host(os.cpu_count() or 1)
+
+# Between two attempts to open a partner connection inside an operation (_connect_riding_out):
+# doubling from the first to the last.
+_PARTNER_BACKOFF = 0.05
+_PARTNER_BACKOFF_MAX = 1.0
 
 # The phases of a collective that statistics() reports, in call order (see _record_phases).
 _PHASES = ("vote", "ring", "confirm", "commit")
@@ -1190,23 +1196,54 @@ class Communicator:
         if not targets:
             await trio.lowlevel.checkpoint()
             return partners
-        if len(targets) == 1:
-            await self.pool.connect(targets[0].peer_id, targets[0].host, targets[0].port)
-            return partners
         errors: list[PCCLError] = []
 
         async def one(row: m.PeerRow) -> None:
             try:
-                await self.pool.connect(row.peer_id, row.host, row.port)
+                await self._connect_riding_out(row)
             except PCCLError as exc:  # reported once, as itself (not as an exception group)
                 errors.append(exc)
 
-        async with trio.open_nursery() as nursery:
-            for row in targets:
-                nursery.start_soon(one, row)
-        if errors:
-            raise errors[0]
+        try:
+            if len(targets) == 1:
+                await self._connect_riding_out(targets[0])
+            else:
+                async with trio.open_nursery() as nursery:
+                    for row in targets:
+                        nursery.start_soon(one, row)
+            if errors:
+                raise errors[0]
+        except BaseException:
+            # The operation fails here, before its data plane: the partners whose data planes did
+            # start fail too and close their connections with this peer (run_collective's failure
+            # path). Close ours with every partner as well, as that path would have, so that the
+            # retry opens fresh ones instead of writing into one a partner gave up.
+            with trio.CancelScope(shield=True):
+                for peer_id in partners:
+                    await self.pool.disconnect(peer_id)
+            raise
         return partners
+
+    async def _connect_riding_out(self, row: m.PeerRow) -> None:
+        """``pool.connect`` to a partner, tried again while it fails for up to ``p2p_stall_timeout``:
+        an operation rides out a partitioned link while it opens a connection, as its data plane
+        does while it sends (docs/concepts.md "Partitioned P2P link"). A partner that died is
+        evicted by the master meanwhile, whose abort cancels this.
+
+        Raises:
+            RankConnectionFailedError: still failing at the deadline.
+        """
+        deadline = trio.current_time() + self.config.p2p_stall_timeout
+        backoff = _PARTNER_BACKOFF
+        while True:
+            try:
+                await self.pool.connect(row.peer_id, row.host, row.port)
+                return
+            except RankConnectionFailedError:
+                if self._closed or trio.current_time() + backoff >= deadline:
+                    raise
+            await trio.sleep(backoff)  # a back-off between attempts, not a synchronization
+            backoff = min(2 * backoff, _PARTNER_BACKOFF_MAX)
 
     async def _run_dataplane(
         self,
