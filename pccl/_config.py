@@ -230,7 +230,9 @@ class PeerConfig:
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
-            Also the bound on how long a P2P reader waits for stash room (see ``recv_stash_limit``).
+            Also the bound on how long a P2P reader waits for stash room (see ``recv_stash_limit``),
+            and on how long a collective keeps trying to open a connection its plan needs
+            (docs/topology.md "Connections").
         schedule: how collectives move data: "auto" (default: per operation, the cost model picks
             the ring, recursive halving-doubling or a binomial tree from the operation's kind and
             size and the group size; docs/topology.md "Running them live"), or "ring", "hd",
