@@ -4,6 +4,7 @@ runs on. :class:`pccl.peer.pool.P2PPool` implements it; the collectives never im
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 
@@ -44,6 +45,11 @@ class DataPool(Protocol):
 
     async def disconnect(self, peer_id: int) -> None:
         """Close every connection with ``peer_id`` (its stream state is unknown after a failure)."""
+        ...
+
+    async def disconnect_all(self, peer_ids: Iterable[int]) -> None:
+        """:meth:`disconnect` each of ``peer_ids``, shielded from cancellation (a failed
+        operation's partners: it runs while that operation is being cancelled)."""
         ...
 
 

@@ -329,9 +329,7 @@ async def run_collective(
             ex.release()
         else:
             # Every partner the plan names: the stream state of each is unknown now.
-            with trio.CancelScope(shield=True):
-                for peer_id in partners:
-                    await pool.disconnect(peer_id)
+            await pool.disconnect_all(partners)
 
 
 def owned_range(kind: str, n: int, rank: int, count: int) -> tuple[int, int]:

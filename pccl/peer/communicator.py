@@ -1104,9 +1104,7 @@ class Communicator:
                 # failed closed its connections with us. Close ours too, so that the retry opens
                 # fresh ones instead of writing into one the partner gave up (a generic stream
                 # cannot tell that without a failed send).
-                with trio.CancelScope(shield=True):
-                    for peer_id in partners:
-                        await self.pool.disconnect(peer_id)
+                await self.pool.disconnect_all(partners)
             raise
         finally:
             if not st.concluded and st.abort_error is None and self._core.lost is None \
@@ -1218,9 +1216,7 @@ class Communicator:
             # start fail too and close their connections with this peer (run_collective's failure
             # path). Close ours with every partner as well, as that path would have, so that the
             # retry opens fresh ones instead of writing into one a partner gave up.
-            with trio.CancelScope(shield=True):
-                for peer_id in partners:
-                    await self.pool.disconnect(peer_id)
+            await self.pool.disconnect_all(partners)
             raise
         return partners
 

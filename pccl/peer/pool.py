@@ -94,6 +94,7 @@ from __future__ import annotations
 import logging
 import socket
 from collections import OrderedDict
+from collections.abc import Iterable
 from typing import Any
 
 import trio
@@ -683,6 +684,13 @@ class P2PPool:
             for c in conns:
                 await c.aclose()
         self._wake()  # readers of those connections parked on a full stash see them closed
+
+    async def disconnect_all(self, peer_ids: Iterable[int]) -> None:
+        """:meth:`disconnect` each of ``peer_ids``, shielded from cancellation: the partners of a
+        failed operation, closed while that operation is being cancelled."""
+        with trio.CancelScope(shield=True):
+            for peer_id in peer_ids:
+                await self.disconnect(peer_id)
 
     async def aclose(self) -> None:
         """Close every connection; pending receives fail; the pool cannot be used again."""

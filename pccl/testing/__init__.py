@@ -39,6 +39,7 @@ from .network import (
 from .plans import PlanError, check_pairing, plan_times, run_plans
 from .streams import BareListener, BareStream, BareTransport, open_stream_pair
 from .tensors import tensor_bytes
+from .waiting import wait_until
 
 __all__ = [
     "DEFAULT_MASTER_CONFIG",
@@ -76,4 +77,5 @@ __all__ = [
     "stall_after",
     "tensor_bytes",
     "trickle",
+    "wait_until",
 ]

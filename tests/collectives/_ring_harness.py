@@ -105,13 +105,3 @@ async def run_ranks(
         for i in ranks if ranks is not None else range(len(ring.ids)):
             nursery.start_soon(one, i)
     return results
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, interval: float = 0.0005) -> None:
-    """Poll a condition on the pools' state (used for 'frames have been stashed', never as a delay).
-
-    ``interval=0`` checks on every scheduling pass, to act right after the event.
-    """
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(interval)

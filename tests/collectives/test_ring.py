@@ -10,13 +10,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 import trio
-from _ring_harness import open_ring, run_ranks, wait_until
+from _ring_harness import open_ring, run_ranks
 
 from pccl import InvalidArgumentError, RankConnectionLostError, ReduceOp, TooFewPeersError
 from pccl.collectives import ring as ring_mod
 from pccl.collectives.ring import owned_range, run_collective
 from pccl.collectives.schedule import cached_plan, chunk_range
-from pccl.testing import BareTransport
+from pccl.testing import BareTransport, wait_until
 
 DTYPES: list[Any] = [
     np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32, np.uint64, np.int64,

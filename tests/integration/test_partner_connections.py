@@ -22,7 +22,7 @@ import trio.testing
 import pccl
 from pccl.collectives.schedule import send_partners
 from pccl.peer.communicator import Communicator
-from pccl.testing import DEFAULT_PEER_CONFIG, TestCluster, VirtualNetwork, open_test_cluster
+from pccl.testing import DEFAULT_PEER_CONFIG, TestCluster, VirtualNetwork, open_test_cluster, wait_until
 
 HD = dataclasses.replace(DEFAULT_PEER_CONFIG, schedule="hd")
 
@@ -60,9 +60,9 @@ async def test_reconnect_rides_out_a_partition(autojump_clock: trio.testing.Mock
         # a's outgoing connection to c closes (cleanly, as when a retires it): a must open it again
         closed = cluster.peer(c).pool.statistics()["connections_closed_by_peer"]
         assert await cluster.peer(a).pool.retire(set(ring) - {ring[2]}) == [ring[2]]
-        with trio.fail_after(1.0):  # c sees the close (never under an operation, as retire requires)
-            while cluster.peer(c).pool.statistics()["connections_closed_by_peer"] == closed:
-                await trio.sleep(0.001)
+        # c sees the close first (never under an operation, as retire requires)
+        await wait_until(lambda: cluster.peer(c).pool.statistics()["connections_closed_by_peer"] > closed,
+                         timeout=1.0)
         cluster.partition(a, c)
         t0 = trio.current_time()
         async with trio.open_nursery() as nursery:

@@ -22,7 +22,7 @@ from pccl import transport as transport_module
 from pccl._errors import LocalProtocolError, RemoteProtocolError
 from pccl.peer.p2p import open_p2p, serve_p2p
 from pccl.peer.pool import P2PPool, _SocketConn
-from pccl.testing import BareTransport
+from pccl.testing import BareTransport, wait_until
 from pccl.transport import Address, StreamBroken, TcpStream, TcpTransport, Transport
 from pccl.wire.data import (
     DATA_HEADER_SIZE,
@@ -101,13 +101,6 @@ async def pools(
             for p in ps:
                 await p.aclose()
             nursery.cancel_scope.cancel()
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    """Poll pool state until a condition holds (a condition, not a delay)."""
-    with trio.fail_after(10):
-        while not predicate():
-            await trio.sleep(0.0005)
 
 
 def incoming(pool: P2PPool, peer: int) -> int:

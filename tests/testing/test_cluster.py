@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +28,7 @@ from pccl.testing import (
     UnsupportedFault,
     VirtualNetwork,
     open_test_cluster,
+    wait_until,
 )
 from pccl.testing.pytest_plugin import ClusterFactory
 
@@ -56,15 +56,6 @@ async def sum_all(
 def worlds(results: dict[int, tuple[int, int] | pccl.PCCLError]) -> set[int]:
     """The world sizes the calls ran with (an error counts as -1)."""
     return {r[0] if isinstance(r, tuple) else -1 for r in results.values()}
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0, step: float = 0.001) -> float:
-    """Poll ``predicate`` (virtual time under a MockClock); return the time it took."""
-    t0 = trio.current_time()
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(step)
-    return trio.current_time() - t0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -119,7 +110,7 @@ async def test_loopback_tcp_cluster() -> None:
                 fault()
         assert isinstance(UnsupportedFault("x"), NotImplementedError)
         cluster.kill(2)
-        await wait_until(lambda: not cluster.is_member(2), step=0.01)
+        await wait_until(lambda: not cluster.is_member(2), interval=0.01)
         results = await sum_all(cluster)
         assert set(results.values()) == {(2, ids[0] + ids[1])}
 
