@@ -207,6 +207,11 @@ class MasterConfig:
 #: failing, so the stash only saves the sender a wait; see docs/security.md "Early data frames".
 DEFAULT_RECV_STASH_LIMIT = 64 << 20
 
+#: Default ``PeerConfig.recv_stash_frames``: the most early frames the stash holds, whatever their size
+#: (a frame of length 0 costs no payload bytes but ~350 bytes of bookkeeping). An honest frame that finds
+#: it full waits for its receive like one over ``recv_stash_limit``; see docs/security.md.
+DEFAULT_RECV_STASH_FRAMES = 4096
+
 
 @dataclass(frozen=True, kw_only=True)
 class PeerConfig:
@@ -227,6 +232,10 @@ class PeerConfig:
             registered, its operation ends or room frees; a connection blocked so for
             ``p2p_stall_timeout`` is closed with a logged reason. 0: never stash, every early frame
             waits for its receive (see ``pccl/peer/pool.py`` and docs/security.md).
+        recv_stash_frames: the most early frames the stash holds, whatever their size (default
+            4096): frames of length 0 cost no payload bytes, but their bookkeeping does. A frame
+            that finds the stash full by count waits like one over ``recv_stash_limit``. What a
+            connection stashed is released when it ends.
         p2p_stall_timeout: a collective whose ring moves no data for this long fails with
             RANK_CONNECTION_LOST (catches partitioned P2P links between peers that still reach the
             master; progress is counted per frame, so keep it well above one frame's transfer time).
@@ -278,6 +287,7 @@ class PeerConfig:
     p2p_listen_port: int = 0
     max_frame_size: int = 16 * 1024 * 1024
     recv_stash_limit: int = DEFAULT_RECV_STASH_LIMIT
+    recv_stash_frames: int = DEFAULT_RECV_STASH_FRAMES
     p2p_stall_timeout: float = 30.0
     schedule: str = "auto"
     secret: str | None = None
@@ -295,6 +305,8 @@ class PeerConfig:
             raise ValueError(f"spin_seconds must be >= 0, not {self.spin_seconds}")
         if self.recv_stash_limit < 0:
             raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
+        if self.recv_stash_frames < 1:
+            raise ValueError(f"recv_stash_frames must be >= 1, not {self.recv_stash_frames}")
         if not self.p2p_stall_timeout > 0:
             raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=True, who="PeerConfig")

@@ -543,6 +543,7 @@ class P2PPool:
         self._stashing: set[SlotKey] = set()
         self._stash_bytes = 0
         self._stash_limit = config.recv_stash_limit
+        self._stash_frames_limit = config.recv_stash_frames
         # Backpressure (see the module docstring): readers whose frame neither has a receive nor fits
         # in the stash park here; everything that registers a receive, forgets an operation, frees
         # stash space or closes connections wakes them to look again.
@@ -805,7 +806,10 @@ class P2PPool:
             self._room.unpark_all()
 
     def _fits(self, length: int) -> bool:
-        return self._stash_bytes + length <= self._stash_limit
+        # Counted in bytes and in frames: a frame of length 0 costs no payload but ~350 bytes of
+        # bookkeeping (its key, its buffer object, two dict slots), so frames are capped on their own.
+        return (self._stash_bytes + length <= self._stash_limit
+                and len(self._stash) + len(self._stashing) < self._stash_frames_limit)
 
     def _deliver_stash(self, slot: ReceiveSlot, buf: bytearray) -> None:
         if len(buf) != slot.nbytes:
@@ -891,10 +895,14 @@ class P2PPool:
             log.warning("closing ring connection %d from peer %d: %s", conn.index, conn.peer_id, exc)
             self._blocked_drops += 1
             # What this connection stashed is suspect (nothing claimed it while it was blocked, see
-            # the module docstring): give its budget back to the other connections.
-            for skey in [k for k, c in self._stash_conn.items() if c is conn]:
-                self._unstash(skey)
+            # the module docstring): its budget goes back to the other connections (below).
         finally:
+            # A connection leaves nothing behind when it ends, however it ends: had an operation
+            # still needed its frames, it fails with the lost connection anyway; a sender retires
+            # its connections (closes them between two frames) only after a topology change, which
+            # every member votes for only with its own operations ended (their frames claimed or
+            # forgotten). So a member cannot park frames here and walk away.
+            self._drop_stash_of(conn)
             was_closed = conn.closed
             self._recv_waits += conn.recv_waits
             conn.recv_waits = 0
@@ -906,6 +914,12 @@ class P2PPool:
                 elif not was_closed:
                     self._connections_lost += 1
                 self._fail_peer(conn.peer_id, reason)
+
+    def _drop_stash_of(self, conn: _Conn) -> None:
+        """Release every stashed frame that came on ``conn``."""
+        if self._stash_conn:
+            for skey in [k for k, c in self._stash_conn.items() if c is conn]:
+                self._unstash(skey)
 
     async def _read_header(self, conn: _Conn, got: int = 0) -> None:
         """Read a frame's header into ``conn.hdr_view`` (``got`` bytes of it are there already).
@@ -1026,7 +1040,8 @@ class P2PPool:
         raise _Blocked(
             f"{length}-byte frame {key} waited {self._block_limit:g}s (p2p_stall_timeout) for its receive "
             f"while the stash is full ({self._stash_bytes} of {self._stash_limit} bytes, "
-            f"{conn.stashed} of them from this connection)"
+            f"{conn.stashed} of them from this connection; {len(self._stash)} of "
+            f"{self._stash_frames_limit} frames)"
         )
 
     async def _fill(self, conn: _Conn, view: memoryview, slot: ReceiveSlot | None) -> bool:
@@ -1083,6 +1098,7 @@ class P2PPool:
             "stashed_frames": len(self._stash),
             "stashed_bytes": self._stash_bytes,
             "stash_limit": self._stash_limit,
+            "stash_frames_limit": self._stash_frames_limit,
             "stash_peak_bytes": self._stash_peak,
             "readers_blocked": len(self._room),
             "reader_blocks_total": self._reader_blocks,
