@@ -1078,6 +1078,8 @@ class MasterState:
         effects: list[Effect] = [Event(f"peer {peer_id} ({rec.host}) {reason}")]
         if broken and rec.phase is Phase.ACCEPTED and self.away.left(peer_id, self._now, self.rejoin_grace):
             effects.append(Event(f"votes wait up to {self.rejoin_grace:g}s for peer {peer_id} to come back"))
+        if not broken:
+            effects += self._removal_notices(rec, reason)
         effects += self._remove(peer_id)
         return effects
 
@@ -1108,10 +1110,20 @@ class MasterState:
         effects: list[Effect] = [Kick(peer_id, reason, int(code)), Event(f"peer {peer_id} kicked: {reason}")]
         # A member refused for good (KICKED) will not come back: its place is not held any more.
         unheld = code is Result.KICKED and self.away.back(peer_id)
+        effects += self._removal_notices(self.peers[peer_id], reason)
         effects += self._remove(peer_id)
         if unheld and self.resumed:
             effects += self._recheck_votes()
         return effects
+
+    def _removal_notices(self, rec: PeerRecord, reason: str) -> list[Effect]:
+        """An evicted or kicked member's P2P credentials stop working at every other member at once
+        (issue 33 item 5), not at the next epoch. Not for a broken connection: that member may
+        re-register within ``rejoin_grace`` under its id and epoch."""
+        if rec.phase is not Phase.ACCEPTED:
+            return []
+        notice = m.MemberRemoved(peer_id=rec.peer_id, reason=reason[:200])
+        return [Send(p, notice) for p in self.ring if p != rec.peer_id]
 
     def _remove(self, peer_id: int) -> list[Effect]:
         rec = self.peers.pop(peer_id)

@@ -71,7 +71,7 @@ from ..wire.stream import MessageStream
 from . import bandwidth, shared_state
 from .credentials import CredentialStore
 from .mailbox import Mailbox, Waiter
-from .p2p import P2PDialer, serve_p2p
+from .p2p import P2PConnections, P2PDialer, serve_p2p
 from .pool import P2PPool
 from .spin import Spinner
 from .stall import StallWatch
@@ -86,6 +86,7 @@ from .state import (
     Lost,
     Measure,
     PeerState,
+    RemoveMember,
     Resolve,
     error_from_code,
 )
@@ -207,6 +208,8 @@ class Communicator:
         # The P2P credentials the master issues per epoch (docs/security.md): the listener accepts only
         # connections that prove one; a listener waits up to half its hello timeout for a newer set.
         self._credentials = CredentialStore(wait=self.config.connect_timeout / 2)
+        #: The connections past their hello at this peer's P2P listener, capped per peer and channel.
+        self.p2p_connections = P2PConnections()
         self._nursery: trio.Nursery | None = None
         self._closed = False
         # Ring outputs of CPU ops; GPU ops take their host copy of ``send`` and their ring output from
@@ -372,7 +375,7 @@ class Communicator:
             "bench": self._serve_bench,
         }
         serve = functools.partial(serve_p2p, config=self.config, secret=self.config.secret or "",
-                                  credentials=self._credentials)
+                                  credentials=self._credentials, connections=self.p2p_connections)
         try:
             self.p2p_address = await nursery.start(
                 _guard(serve, "P2P listener"),
@@ -750,6 +753,15 @@ class Communicator:
                         self.pool.forget_op(op_seq)
         elif isinstance(effect, InstallCredentials):
             self._credentials.install(effect.message, me=self.peer_id)
+        elif isinstance(effect, RemoveMember):
+            # Its credential stops working here at once, and what it holds here is closed and freed
+            # (its ring connections and their stash, its state and bench connections).
+            self._credentials.revoke(effect.peer_id)
+            closed = self.p2p_connections.drop_peer(effect.peer_id)
+            log.info("peer %d was removed from the run (%s): its P2P credential is revoked here, %d of its "
+                     "connections closed", effect.peer_id, effect.reason, closed)
+            if self.pool is not None and self._nursery is not None:
+                self._nursery.start_soon(self.pool.disconnect, effect.peer_id)
 
     def _resolve(self, effect: Resolve) -> None:
         msg, call = effect.message, effect.call

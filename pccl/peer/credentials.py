@@ -13,7 +13,7 @@ from __future__ import annotations
 import trio
 
 from ..wire.credentials import WAIT, CredentialSet, DialCredential, judge, not_issued
-from ..wire.hello import HelloRefusal
+from ..wire.hello import HelloProblem, HelloRefusal
 from ..wire.keys import KeyPair
 from ..wire.messages import Hello, P2PCredentials
 
@@ -32,6 +32,9 @@ class CredentialStore:
         self.keys = keys if keys is not None else KeyPair.generate()
         self._current: CredentialSet | None = None
         self._changed = trio.Event()
+        # Members the master removed since the current set was issued: refused at once, not at the
+        # next epoch (a set that lists one again, when it re-joins, lifts it).
+        self._revoked: set[int] = set()
 
     @property
     def current(self) -> CredentialSet | None:
@@ -58,15 +61,32 @@ class CredentialStore:
             new = cur.merged(msg)
         else:
             new = CredentialSet.from_message(msg, me=me, keys=self.keys)
+        if new.serial != (cur.serial if cur is not None else None):
+            self._revoked.clear()
+        else:
+            self._revoked -= {r.peer_id for r in msg.keys}
         self._current = new
         changed, self._changed = self._changed, trio.Event()
         changed.set()
         return True
 
+    def revoke(self, peer_id: int) -> None:
+        """The master removed ``peer_id``: its connections are refused from now on (until a set of the
+        master lists it again)."""
+        self._revoked.add(peer_id)
+
+    @property
+    def revoked(self) -> frozenset[int]:
+        """The members removed since the current set was issued."""
+        return frozenset(self._revoked)
+
     def for_dial(self, to_peer: int, channel: str) -> DialCredential | None:
-        """The credential for a connection to ``to_peer`` on ``channel`` (None: not in the current set)."""
+        """The credential for a connection to ``to_peer`` on ``channel`` (None: not in the current set,
+        or removed since)."""
         cur = self._current
-        return None if cur is None else cur.for_dial(to_peer, channel)
+        if cur is None or to_peer in self._revoked:
+            return None
+        return cur.for_dial(to_peer, channel)
 
     async def credential_for(self, hello: Hello) -> bytes | HelloRefusal:
         """The credential a connection with ``hello`` must prove, or why it is refused (a
@@ -76,6 +96,9 @@ class CredentialStore:
         """
         with trio.move_on_after(self.wait):
             while True:
+                if hello.peer_id in self._revoked:
+                    why = f"revoked P2P credential: peer {hello.peer_id} was removed from the run"
+                    return HelloRefusal(HelloProblem.CREDENTIAL, why)
                 decision = judge(self._current, hello)
                 if decision is not WAIT:
                     assert isinstance(decision, (bytes, HelloRefusal))

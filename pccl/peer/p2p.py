@@ -42,6 +42,73 @@ log = logging.getLogger("pccl.p2p")
 
 P2PHandler = Callable[[MessageStream, Hello], Awaitable[None]]
 
+#: The most connections one peer may hold open at this peer's listener on each channel, after its hello
+#: (issue 33 item 5): the ring pool (``p2p_connection_pool_size`` per neighbour; twice 64 leaves room for
+#: a pool of 64 being replaced), shared-state transfers (one per sync and holder) and bandwidth probes
+#: (one per measurement; each holds a 4 MiB receive buffer). A channel not named here: 4.
+CHANNEL_CAPS: Mapping[str, int] = {"ring": 128, "state": 4, "bench": 2}
+DEFAULT_CHANNEL_CAP = 4
+
+
+class P2PConnections:
+    """The connections past their hello at one P2P listener, by peer and channel: each peer's count per
+    channel is capped (:data:`CHANNEL_CAPS`), and :meth:`drop_peer` closes every connection of a peer
+    the run removed, at once.
+
+    Args:
+        caps: channel -> most connections of one peer on it (default :data:`CHANNEL_CAPS`).
+    """
+
+    def __init__(self, caps: Mapping[str, int] | None = None) -> None:
+        self.caps = dict(CHANNEL_CAPS if caps is None else caps)
+        self._open: dict[tuple[int, str], set[trio.CancelScope]] = {}
+        self.refused_total = 0
+        self.dropped_total = 0
+
+    def cap(self, channel: str) -> int:
+        """The most connections one peer may hold on ``channel``."""
+        return self.caps.get(channel, DEFAULT_CHANNEL_CAP)
+
+    def enter(self, peer_id: int, channel: str, scope: trio.CancelScope) -> str | None:
+        """Count a connection of ``peer_id`` on ``channel`` (its handler runs in ``scope``), or say why
+        not (call :meth:`leave` when it ends)."""
+        held = self._open.setdefault((peer_id, channel), set())
+        if len(held) >= self.cap(channel):
+            self.refused_total += 1
+            return (f"peer {peer_id} holds {len(held)} {channel!r} connections to this peer "
+                    f"(the cap per peer is {self.cap(channel)})")
+        held.add(scope)
+        return None
+
+    def leave(self, peer_id: int, channel: str, scope: trio.CancelScope) -> None:
+        """The connection counted by :meth:`enter` ended."""
+        held = self._open.get((peer_id, channel))
+        if held is not None:
+            held.discard(scope)
+            if not held:
+                del self._open[(peer_id, channel)]
+
+    def drop_peer(self, peer_id: int) -> int:
+        """Close every connection of ``peer_id`` (its handlers are cancelled); returns how many."""
+        n = 0
+        for (pid, _channel), held in self._open.items():
+            if pid == peer_id:
+                for scope in held:
+                    scope.cancel()
+                    n += 1
+        self.dropped_total += n
+        return n
+
+    def count(self, peer_id: int | None = None, channel: str | None = None) -> int:
+        """Connections open (of ``peer_id`` and on ``channel``; None: any)."""
+        return sum(len(h) for (p, c), h in self._open.items()
+                   if (peer_id is None or p == peer_id) and (channel is None or c == channel))
+
+    def statistics(self) -> dict[str, int]:
+        """Open connections, refusals over the cap and connections closed by :meth:`drop_peer`."""
+        return {"open": self.count(), "refused_over_cap": self.refused_total,
+                "dropped_removed": self.dropped_total}
+
 
 async def serve_p2p(
     transport: Transport,
@@ -53,6 +120,7 @@ async def serve_p2p(
     secret: str = "",
     gate: HandshakeGate | None = None,
     credentials: CredentialStore | None = None,
+    connections: P2PConnections | None = None,
     task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Listen for P2P connections and hand each one, after its hello, to its channel's handler.
@@ -72,6 +140,8 @@ async def serve_p2p(
             :class:`~pccl.wire.admission.HandshakeGate` with the default caps).
         credentials: when given, a connection must prove the credential (of the master's current set)
             for the peer, channel and epoch its Hello claims.
+        connections: counts the connections past their hello per peer and channel and refuses one
+            over the cap (default: a fresh :class:`P2PConnections`).
         task_status: receives the bound ``(host, port)`` once listening.
 
     Raises:
@@ -87,7 +157,8 @@ async def serve_p2p(
         async with trio.open_nursery() as nursery:
             task_status.started(listener.address)
             await _accept_loop(
-                listener, nursery, handlers, config, secret, gate or HandshakeGate(), credentials
+                listener, nursery, handlers, config, secret, gate or HandshakeGate(), credentials,
+                connections or P2PConnections(),
             )
     finally:
         with trio.CancelScope(shield=True):
@@ -102,11 +173,12 @@ async def _accept_loop(
     secret: str,
     gate: HandshakeGate,
     credentials: CredentialStore | None,
+    connections: P2PConnections,
 ) -> None:
     async def handle(stream: Stream, hello_done: HelloDone) -> None:
         limits = pre_auth(config.max_frame_size)
         ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=limits)
-        await _serve_connection(ms, handlers, config, secret, hello_done, credentials)
+        await _serve_connection(ms, handlers, config, secret, hello_done, credentials, connections)
 
     try:
         await accept_loop(listener, nursery, handle, gate=gate, log=log, what="P2P listener")
@@ -138,8 +210,12 @@ async def _serve_connection(
     secret: str,
     hello_done: HelloDone,
     credentials: CredentialStore | None = None,
+    connections: P2PConnections | None = None,
 ) -> None:
     lookup = None if credentials is None else credentials.credential_for
+    table = connections if connections is not None else P2PConnections()
+    removal = trio.CancelScope()  # cancelled by P2PConnections.drop_peer
+    counted: tuple[int, str] | None = None
     try:
         done = False
         hello: Hello | None = None
@@ -162,6 +238,13 @@ async def _serve_connection(
             await _refuse(ms, refusal.reason, refusal.result, config.connect_timeout)
             return
         assert hello is not None
+        # Counted once its proof holds (a stranger cannot spend a member's places); over the cap,
+        # refused like a bad credential.
+        over = table.enter(hello.peer_id, hello.channel, removal)
+        if over is not None:
+            await _refuse(ms, over, Result.RANK_CONNECTION_FAILED, config.connect_timeout)
+            return
+        counted = (hello.peer_id, hello.channel)
         ms.set_limits(p2p_inbound(config.max_frame_size))
         with trio.move_on_after(config.connect_timeout) as scope:
             try:
@@ -171,11 +254,17 @@ async def _serve_connection(
         if scope.cancelled_caught:
             return
         hello_done()
-        await handlers[hello.channel](ms, hello)
+        with removal:
+            await handlers[hello.channel](ms, hello)
+        if removal.cancelled_caught:
+            log.warning("closed the %r connection from peer %d: the run removed it", hello.channel,
+                        hello.peer_id)
     except Exception as exc:
         # Contain everything: one connection's failure must never kill the listener.
         log.warning("P2P connection from %s ended with an error: %r", _peer_of(ms), exc)
     finally:
+        if counted is not None:
+            table.leave(*counted, removal)
         with trio.CancelScope(shield=True):
             try:
                 await ms.aclose()

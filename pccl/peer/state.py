@@ -115,6 +115,14 @@ class InstallCredentials:
 
 
 @dataclass(frozen=True)
+class RemoveMember:
+    """The master removed member ``peer_id``: revoke its P2P credential and close its connections."""
+
+    peer_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class Measure:
     """Probe the links of ``request`` and answer ``BandwidthReport``."""
 
@@ -145,7 +153,8 @@ class Dismissed:
     error: PCCLError
 
 
-Effect = Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed | InstallCredentials
+Effect = (Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed | InstallCredentials
+          | RemoveMember)
 
 #: Reserved op_seqs a peer keeps (per tag, the oldest go first): the master keeps as many per group,
 #: in the same order (pccl.master.state.RESERVATIONS_PER_GROUP).
@@ -834,6 +843,12 @@ class PeerState:
         assert isinstance(msg, m.MeasureBandwidth)
         return [Measure(msg)]
 
+    def _on_member_removed(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.MemberRemoved)
+        if msg.peer_id == self.peer_id:
+            return []
+        return [RemoveMember(msg.peer_id, msg.reason)]
+
     def _on_credentials(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PCredentials)
         return [InstallCredentials(msg)]
@@ -854,6 +869,7 @@ class PeerState:
         m.SharedStateResult: _on_sync_result,
         m.MeasureBandwidth: _on_measure,
         m.P2PCredentials: _on_credentials,
+        m.MemberRemoved: _on_member_removed,
     }
 
 

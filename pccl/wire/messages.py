@@ -585,6 +585,16 @@ class Reregistered(Message):
     epoch: int
 
 
+@_register(29)
+@dataclass(frozen=True, kw_only=True)
+class MemberRemoved(Message):
+    """The master evicted or kicked member ``peer_id``: its P2P credentials stop working at the
+    receiver at once (not at the next epoch) and its connections there are closed."""
+
+    peer_id: int
+    reason: str = ""
+
+
 @_register(24)
 @dataclass(frozen=True, kw_only=True)
 class TopologyResult(Message):

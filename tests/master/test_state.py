@@ -375,7 +375,9 @@ def test_sync_two_losses_in_one_batch() -> None:
         assert not sends(hs.h(p, m.SharedStateSync(revision=1, strategy=0, entries=entry)))
     eff = hs.st.peer_lost(c, "evicted") + hs.st.peer_lost(d, "evicted")
     for p in (a, b):
-        msgs = [msg for q, msg in sends(eff) if q == p]
+        removed = [msg.peer_id for q, msg in sends(eff, m.MemberRemoved) if q == p]
+        assert removed == [c, d]  # evicted: their P2P credentials stop working at once (issue 33)
+        msgs = [msg for q, msg in sends(eff) if q == p and not isinstance(msg, m.MemberRemoved)]
         assert [type(x) for x in msgs] == [m.SharedStatePlan, m.SharedStateResult], msgs
         assert not msgs[1].success and msgs[1].code == Result.RANK_CONNECTION_LOST
     assert hs.st.statistics()["syncs_in_progress"] == 0 and hs.st.statistics()["revisions"] == {}
