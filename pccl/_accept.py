@@ -1,7 +1,8 @@
 """The accept loop every listener runs (the master's and each peer's P2P listener).
 
-It admits each accepted connection through a :class:`~pccl.wire.admission.HandshakeGate` (a connection
-over the cap on unfinished hellos is closed at once, unread; the first refusal of a flood is logged),
+It admits each accepted connection through a :class:`~pccl.wire.admission.HandshakeGate` (over the cap
+on unfinished hellos, the oldest connection in its hello is closed to make room; the first of a flood is
+logged),
 and survives a listener that runs out of descriptors or memory (:class:`~pccl.transport.AcceptExhausted`:
 EMFILE and the like): it backs off, doubling from :data:`BACKOFF_MIN` to :data:`BACKOFF_MAX` seconds,
 logs once until accepting works again, and carries on.
@@ -75,32 +76,31 @@ async def accept_loop(
             log.warning("%s accepts connections again after %d failed accepts", what, failures)
             failures, backoff = 0, 0.0
         host = source_host(stream)
-        reason, first = gate.enter(host)
-        if reason is not None:
+        scope = trio.CancelScope()
+        evicted, reason, first = gate.enter(host, scope)
+        if evicted is not None:
+            assert isinstance(evicted, trio.CancelScope)
+            evicted.cancel()  # its task closes its stream
             if first:
-                log.warning("%s refuses connections: %s (logged once per flood)", what, reason)
+                log.warning("%s is flooded: %s (logged once per flood)", what, reason)
             else:
-                log.debug("%s refused a connection from %s: %s", what, host, reason)
+                log.debug("%s closed a connection in its hello: %s", what, reason)
+        nursery.start_soon(_run, handle, stream, gate, scope)
+
+
+async def _run(handle: Handler, stream: Stream, gate: HandshakeGate, scope: trio.CancelScope) -> None:
+    def hello_done() -> None:
+        gate.leave(scope)
+
+    try:
+        with scope:
+            await handle(stream, hello_done)
+        if scope.cancelled_caught:  # evicted in its hello: the handler may not have closed it
             with trio.CancelScope(shield=True):
                 try:
                     await stream.aclose()
-                except Exception:  # closing a fresh stream may fail; nothing else to do
+                except Exception:  # closing a half-open stream may fail; nothing else to do
                     pass
-            continue
-        nursery.start_soon(_run, handle, stream, gate, host)
-
-
-async def _run(handle: Handler, stream: Stream, gate: HandshakeGate, host: str) -> None:
-    left = False
-
-    def hello_done() -> None:
-        nonlocal left
-        if not left:
-            left = True
-            gate.leave(host)
-
-    try:
-        await handle(stream, hello_done)
     finally:
         hello_done()
 

@@ -33,9 +33,10 @@ from ..wire import messages as m
 from ..wire.admission import HandshakeGate
 from ..wire.handshake import accept_hello
 from ..wire.stream import MessageStream
+from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
-from .http import Response, bound_address, open_http_listeners, serve_http
-from .state import Effect, Event, Kick, MasterState, Send
+from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
+from .state import Effect, Event, Kick, MasterState, Phase, Send
 from .status_server import StatusService
 
 log = logging.getLogger("pccl.master")
@@ -95,6 +96,11 @@ class MasterServer:
         self.status: StatusService | None = None  # observes the master once it serves
         self.status_address: Address | None = None  # where /status is served (status_port set)
         self.gate = HandshakeGate()  # the cap on connections in their hello (docs/security.md)
+        # After the hello: descriptors and per-source caps for peers not yet admitted, and the bytes of
+        # their unfinished large frames (pccl/master/budget.py, docs/security.md "Members").
+        self.budget = ConnectionBudget()
+        self.frames = FrameBudget()
+        self.http = HttpStats()  # the status page's connections
 
     def statistics(self) -> dict[str, Any]:
         """Master summary: the state's statistics plus connection counts."""
@@ -125,7 +131,7 @@ class MasterServer:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 if http is not None:
-                    nursery.start_soon(serve_http, http, self._route)
+                    nursery.start_soon(serve_http, http, self._route, self.http)
                 nursery.start_soon(self._monitor)
                 if self.config.speculative_go_delay > 0:
                     nursery.start_soon(self._speculative_go)
@@ -185,7 +191,15 @@ class MasterServer:
             # The id's previous connection is still closing (its peer was just kicked or dropped):
             # never two connections under one id; the member's Reregister is refused and it retries.
             claim = -1
+        over = self._over_budget(host, claim)
+        if over is not None:
+            log.warning("refused connection from %s after its hello: %s", host, over)
+            with trio.move_on_after(1.0):
+                await ms.send(m.Refused(reason=over, code=int(Result.MASTER_CONNECTION_FAILED)))
+            await ms.aclose()
+            return
         pid = self.state.new_connection(host, now, claim=claim)
+        ms.set_guard(_GuestFrames(self.frames, self.state, pid))
         send, recv = trio.open_memory_channel[Any](self.config.send_queue_size)
         conn = _Conn(peer_id=pid, ms=ms, send=send, recv=recv)
         self._conns[pid] = conn
@@ -216,6 +230,16 @@ class MasterServer:
             if not stopping:
                 self._execute(self.state.peer_lost(pid, "left (connection closed)", trio.current_time(),
                                                    broken=True))
+
+    def _over_budget(self, host: str, claim: int) -> str | None:
+        """Why a connection past its hello may not stay (None: it may), see pccl/master/budget.py."""
+        peers = self.state.peers
+        guests = [c for c in self._conns.values()
+                  if (rec := peers.get(c.peer_id)) is None or rec.phase is not Phase.ACCEPTED]
+        from_host = sum(1 for c in guests if (rec := peers.get(c.peer_id)) is not None and rec.host == host)
+        open_fds = len(self._conns) + self.gate.in_hello + 1 + self.http.open
+        return self.budget.admit(host, open_fds=open_fds, members=len(self.state.ring),
+                                 guests_from_host=from_host, away_claim=claim in self.state.away.members)
 
     async def _reader(self, conn: _Conn) -> None:
         while True:
@@ -487,6 +511,29 @@ class MasterServer:
             log.warning("background ring improvement failed: %s", exc)
             return
         self._execute(self.state.offer_ring([ids[i] for i in sol.order]))
+
+
+class _GuestFrames:
+    """A connection's :class:`~pccl.wire.stream.LargeFrameGuard`: its large frames count against the
+    master's :class:`~pccl.master.budget.FrameBudget` while its peer is not an accepted member."""
+
+    threshold = LARGE_FRAME
+
+    def __init__(self, budget: FrameBudget, state: MasterState, peer_id: int) -> None:
+        self.budget = budget
+        self.state = state
+        self.peer_id = peer_id
+        self.deadline = budget.deadline
+
+    def reserve(self, n: int) -> int | str:
+        rec = self.state.peers.get(self.peer_id)
+        if rec is not None and rec.phase is Phase.ACCEPTED:
+            return 0
+        why = self.budget.take(n)
+        return n if why is None else why
+
+    def release(self, n: int) -> None:
+        self.budget.give(n)
 
 
 async def serve_master(

@@ -101,6 +101,14 @@ class Framer:
             raise RemoteProtocolError(f"stream ended inside a frame ({avail} bytes pending)")
         return None
 
+    def pending_length(self) -> int | None:
+        """The length of the frame under way (its prefix is in, its payload not whole), or None."""
+        avail = len(self._buf) - self._pos
+        if avail < HEADER_SIZE:
+            return None
+        (length,) = _LEN.unpack_from(self._buf, self._pos)
+        return int(length) if avail < HEADER_SIZE + length else None
+
     def take_buffered(self, n: int) -> bytes:
         """Consume up to ``n`` raw bytes already buffered (for raw payloads following a frame)."""
         k = min(n, len(self._buf) - self._pos)

@@ -7,6 +7,8 @@ a control frame on the same stream via :meth:`MessageStream.receive_raw_into`.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import trio
 
 from .._errors import RemoteProtocolError
@@ -48,6 +50,20 @@ def looks_like_tls(head: bytes) -> bool:
     return len(head) >= 3 and head[0] in _TLS_RECORD_TYPES and head[1] == 3 and head[2] <= 4
 
 
+class LargeFrameGuard(Protocol):
+    """What a frame larger than :attr:`threshold` may cost (the master's budget for peers not yet
+    admitted, :mod:`pccl.master.budget`)."""
+
+    threshold: int
+    deadline: float  # seconds the frame may take to arrive whole once reserved
+
+    def reserve(self, n: int) -> int | str:
+        """Bytes reserved for an ``n``-byte frame under way (0: not counted), or why it is refused."""
+
+    def release(self, n: int) -> None:
+        """Give back bytes :meth:`reserve` returned."""
+
+
 class MessageStream:
     """Send and receive control messages on one stream.
 
@@ -69,6 +85,9 @@ class MessageStream:
         self._owed: memoryview | None = None  # see send_nowait
         self._head = b""  # the connection's first bytes, to name a TLS/plain mismatch
         self._frames = 0  # frames received
+        self.guard: LargeFrameGuard | None = None  # see set_guard
+        self._reserved = 0  # bytes the guard reserved for the frame under way
+        self._reserved_until = 0.0
 
     def _frame(self, msg: Message) -> bytes:
         limit = self.max_frame_size
@@ -82,6 +101,31 @@ class MessageStream:
         self.limits = limits
         self._framer.max_frame_size = limits.max_frame
         self._framer.check_head = limits.check_head
+
+    def set_guard(self, guard: LargeFrameGuard | None) -> None:
+        """Ask ``guard`` before buffering a frame larger than its threshold (None: never ask)."""
+        self._release()
+        self.guard = guard
+
+    def _release(self) -> None:
+        if self._reserved and self.guard is not None:
+            self.guard.release(self._reserved)
+        self._reserved = 0
+
+    def _check_large(self) -> None:
+        """Reserve the frame under way with the guard, once (its length prefix is in)."""
+        guard = self.guard
+        if guard is None or self._reserved:
+            return
+        n = self._framer.pending_length()
+        if n is None or n <= guard.threshold:
+            return
+        got = guard.reserve(n)
+        if isinstance(got, str):
+            raise RemoteProtocolError(got)
+        if got:
+            self._reserved = got
+            self._reserved_until = trio.current_time() + guard.deadline
 
     async def send(self, msg: Message) -> None:
         """Send one message. Raises StreamBroken."""
@@ -155,12 +199,23 @@ class MessageStream:
                 raise
             if payload is not None:
                 self._frames += 1
+                self._release()
                 # The framer already ran the limits' size check on the frame's head.
                 if self.limits is None:
                     return decode(payload)
                 return decode(payload, unpack_limits=self.limits.unpack_for(payload[1]))
             if self._framer.at_eof:
                 raise StreamBroken("connection closed by the other side")
+            self._check_large()
+            if self._reserved:
+                with trio.move_on_at(self._reserved_until):
+                    data = await self.stream.receive_some(_RECV_SIZE)
+                    self._framer.feed(data)
+                    continue
+                assert self.guard is not None
+                raise RemoteProtocolError(
+                    f"a {self._reserved}-byte frame did not arrive whole within {self.guard.deadline:g}s"
+                )
             data = await self.stream.receive_some(_RECV_SIZE)
             if len(self._head) < 3:
                 self._head += data[: 3 - len(self._head)]
@@ -181,7 +236,8 @@ class MessageStream:
             await receive_exactly_into(self.stream, buf[len(pre) :])
 
     async def aclose(self) -> None:
-        """Close the underlying stream."""
+        """Close the underlying stream (and give back what the guard reserved)."""
+        self._release()
         await self.stream.aclose()
 
 

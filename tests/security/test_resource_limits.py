@@ -19,22 +19,22 @@ from pccl.wire.admission import HandshakeGate
 from ._helpers import exact_all_reduces, hostile, master_port, p2p_address
 
 
-def test_gate_caps_total_and_per_host_and_logs_the_first_refusal_of_a_flood() -> None:
+def test_gate_caps_total_and_per_host_by_closing_the_oldest_and_logs_the_first_of_a_flood() -> None:
     gate = HandshakeGate(max_total=3, max_per_host=2)
-    assert gate.enter("a") == (None, False)
-    assert gate.enter("a") == (None, False)
-    reason, first = gate.enter("a")
-    assert reason is not None and "from a" in reason and "per host is 2" in reason and first
-    reason, first = gate.enter("a")
-    assert reason is not None and not first  # same flood: not logged again
-    assert gate.enter("b") == (None, False)  # another host still gets in
-    reason, _ = gate.enter("c")
-    assert reason is not None and "the cap is 3" in reason
-    gate.leave("a")
-    assert gate.enter("c") == (None, False)
-    assert gate.in_hello == 3 and gate.refused_total == 3
-    with pytest.raises(ValueError):
-        gate.leave("zzz")
+    assert gate.enter("a", "a1") == (None, None, False)
+    assert gate.enter("a", "a2") == (None, None, False)
+    evicted, reason, first = gate.enter("a", "a3")  # the host's cap: its oldest makes room
+    assert evicted == "a1" and reason is not None and first
+    assert "from a" in reason and "per host is 2" in reason
+    evicted, reason, first = gate.enter("a", "a4")
+    assert evicted == "a2" and not first  # same flood: not logged again
+    assert gate.enter("b", "b1") == (None, None, False)  # another host gets in
+    evicted, reason, _ = gate.enter("c", "c1")  # the total cap: the oldest of all makes room
+    assert evicted == "a3" and reason is not None and "the cap is 3" in reason
+    gate.leave("a4")
+    gate.leave("a4")  # idempotent (a connection evicted, then its task ending)
+    assert gate.enter("c", "c2") == (None, None, False)
+    assert gate.in_hello == 3 and gate.evicted_total == 3
 
 
 class _FullSocket:
@@ -87,10 +87,10 @@ async def test_connection_flood_is_capped_and_legitimate_peers_carry_on(
     async with trio.open_nursery() as nursery:
         for i in range(len(flood)):
             nursery.start_soon(probe, i)
-    # The first 64 (the per-host cap) wait for their hello; the others were closed unread.
-    assert closed.count(True) == 100 - 64
-    assert caplog.text.count("refuses connections") == 1
-    assert "are in their hello (the cap per host is 64)" in caplog.text
+    # 64 (the per-host cap) wait for their hello; each one over it closed the oldest to make room.
+    assert closed.count(True) == 100 - 64 and closed[: 100 - 64] == [True] * (100 - 64)
+    assert caplog.text.count("is flooded") == 1
+    assert "are in their hello (the cap per host is 64): the oldest is closed" in caplog.text
     # While the flood holds its places, a newcomer joins and everyone's results are exact.
     t0 = trio.current_time()
     await cluster.add_peer()
