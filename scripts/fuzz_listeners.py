@@ -2,7 +2,7 @@
 """Throw random and mutated frames at a master and a P2P listener while peers all-reduce (issue 17).
 
 usage: python scripts/fuzz_listeners.py [--rounds 50] [--attacks-per-round 20] [--peers 3] [--seed 0]
-                                        [--secret S]
+                                        [--secret S] [--member]
 
 Runs a master and ``--peers`` peers on pccl's virtual network (``pccl.testing``) under trio's MockClock, so
 it is deterministic for a seed. Each round the peers run one exact-checked int64 all-reduce while an
@@ -13,6 +13,14 @@ of nested lists, a valid hello followed by junk, a replayed handshake, and at P2
 data frames with op_seq near the master's counter, or such data frames alone. Exit status 0 when every
 all-reduce was exact and every member stayed in; 1 otherwise (with the first wrong result). Prints how many
 attacks ran and the longest virtual time one all-reduce took while they did.
+
+``--member`` (issue 33) adds an insider: one more peer that is a member of the run, takes part in every
+all-reduce honestly, and meanwhile attacks the other members' P2P listeners *with its own credentials*:
+fresh ring connections (any pool index) carrying data frames of length 0 to 16 KiB for random (tag, op_seq)
+in a range the master never hands out, junk after a valid hello, bench probes of random sizes and junk
+requests, state requests for keys nobody holds, more connections per channel than its share. Besides the
+exact results it checks that every victim's stash stays within ``recv_stash_frames`` frames and
+``recv_stash_limit`` bytes and its connections per peer and channel within ``CHANNEL_CAPS``.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ import dataclasses
 import random
 import struct
 import sys
+from typing import Any
 
 import numpy as np
 import trio
 import trio.testing
 
 from pccl._config import PROTOCOL_VERSION
+from pccl._errors import PCCLError
+from pccl.peer.p2p import CHANNEL_CAPS, open_p2p
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.transport import StreamBroken
 from pccl.wire import messages as m
@@ -84,6 +95,61 @@ def attack_bytes(rng: random.Random, purpose: str, cred: tuple[int, int] = (0, -
     return data_frames(rng, op_seq)
 
 
+JUNK_OP_SEQ = 1 << 31  # insider frames use op_seqs from here: the master never hands these out
+
+
+async def member_attack(rng: random.Random, evil: Any, victim: Any, config: Any) -> str:
+    """One attack by member ``evil`` on member ``victim``'s P2P listener, with ``evil``'s own credentials;
+    returns its name."""
+    host, port = victim.p2p_address
+    kind = rng.choice(["frames", "junk", "bench", "state", "flood"])
+    channel = {"frames": "ring", "junk": "ring", "bench": "bench", "state": "state", "flood": "bench"}[kind]
+    opened = []
+    try:
+        for _ in range(CHANNEL_CAPS["bench"] + 2 if kind == "flood" else 1):
+            opened.append(await open_p2p(evil.transport, host, port, my_peer_id=evil.peer_id, channel=channel,
+                                         index=rng.randrange(1, 200), config=config, to_peer=victim.peer_id,
+                                         credentials=evil._credentials, secret=config.secret or ""))
+        ms = opened[0]
+        if kind == "frames":
+            out = b""
+            for _ in range(rng.randrange(1, 400)):
+                length = rng.choice([0, 0, 0, rng.randrange(1, 1 << 14)])
+                out += pack_data_header(rng.randrange(1 << 16), JUNK_OP_SEQ + rng.randrange(1 << 30),
+                                        rng.randrange(1 << 16), length) + b"\xee" * length
+            await ms.stream.send_all(out)
+        elif kind == "junk":
+            await ms.stream.send_all(rng.randbytes(rng.randrange(1, 3000)))
+        elif kind == "bench":
+            nbytes = rng.choice([-1, 0, 1 << 20, 1 << 40, rng.randrange(1 << 16)])
+            await ms.stream.send_all(_frame(m.encode(m.BenchRequest(nbytes=nbytes))) + rng.randbytes(4096))
+        elif kind == "state":
+            keys = [rng.randbytes(8).hex() for _ in range(rng.randrange(1, 50))]
+            request = m.StateRequest(sync_seq=rng.randrange(1 << 20), keys=keys)
+            await ms.stream.send_all(_frame(m.encode(request)))
+        with trio.move_on_after(0.05):
+            await ms.stream.receive_some(4096)
+    except (PCCLError, StreamBroken):
+        pass  # refused (over its share, or a bad request): what is expected
+    finally:
+        for ms in opened:
+            await ms.aclose()
+    return kind
+
+
+def bounds_broken(victim: Any) -> str | None:
+    """What of ``victim``'s per-peer bounds an insider broke, if anything."""
+    s = victim.pool.statistics()
+    cfg = victim.config
+    if s["stashed_frames"] > cfg.recv_stash_frames or s["stash_peak_bytes"] > cfg.recv_stash_limit:
+        return f"peer {victim.peer_id}'s stash is over its bounds: {s}"
+    for channel, cap in CHANNEL_CAPS.items():
+        for pid in {p for p, _i in victim.pool._in} | {-1}:
+            if victim.p2p_connections.count(pid, channel) > cap:
+                return f"peer {pid} holds more than {cap} {channel!r} connections at peer {victim.peer_id}"
+    return None
+
+
 async def fuzz(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     net = VirtualNetwork(latency=0.001)
@@ -91,7 +157,9 @@ async def fuzz(args: argparse.Namespace) -> int:
     peer_cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, secret=args.secret)
     attacks = 0
     worst = 0.0
-    cluster_cm = open_test_cluster(args.peers, network=net, master_config=master_cfg, config=peer_cfg)
+    members = args.peers + (1 if args.member else 0)
+    cluster_cm = open_test_cluster(members, network=net, master_config=master_cfg, config=peer_cfg)
+    kinds: dict[str, int] = {}
     async with cluster_cm as cluster:
         evil = net.host("fuzzer")
         mhost, mport = cluster.master_address.rsplit(":", 1)
@@ -123,6 +191,13 @@ async def fuzz(args: argparse.Namespace) -> int:
                         pass
                     attacks += 1
 
+            async def insider() -> None:
+                evil = cluster.peer(cluster.alive[-1])
+                for _ in range(args.attacks_per_round):
+                    victim = cluster.peer(rng.choice(cluster.alive[:-1]))
+                    kind = await member_attack(rng, evil, victim, peer_cfg)
+                    kinds[kind] = kinds.get(kind, 0) + 1
+
             async def one(i: int, comm: object, r: int = r) -> bytes:
                 out = np.zeros(COUNT, np.int64)
                 src = (np.arange(COUNT, dtype=np.int64) + 1) * (comm.peer_id + 1)  # type: ignore[attr-defined]
@@ -134,17 +209,28 @@ async def fuzz(args: argparse.Namespace) -> int:
             t0 = trio.current_time()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(attack)
+                if args.member:
+                    nursery.start_soon(insider)
                 results = await cluster.run_all(one)
             worst = max(worst, max(ends, default=t0) - t0)
             for i, res in enumerate(results):
                 if res != want.tobytes():
                     print(f"round {r}: peer {i} got a wrong result or an error: {res!r:.200}")
                     return 1
-            if len(cluster.alive) != args.peers:
+            if len(cluster.alive) != members or len(cluster.master.state.accepted()) != members:
                 print(f"round {r}: a member was lost ({cluster.alive})")
                 return 1
+            for i in cluster.alive:
+                broken = bounds_broken(cluster.peer(i))
+                if broken is not None:
+                    print(f"round {r}: {broken}")
+                    return 1
+    insiders = sum(kinds.values())
     print(f"{args.rounds} rounds, {attacks} attacks, every all-reduce exact; "
           f"longest all-reduce {worst * 1e3:.1f} ms of virtual time")
+    if args.member:
+        print(f"{insiders} insider attacks ({', '.join(f'{k} {v}' for k, v in sorted(kinds.items()))}), "
+              "every member's stash and connections within their bounds")
     return 0
 
 
@@ -156,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peers", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--secret", default=None)
+    p.add_argument("--member", action="store_true", help="add an insider attacking with its own credentials")
     args = p.parse_args(argv)
     status: int = trio.run(fuzz, args, clock=trio.testing.MockClock(autojump_threshold=0))
     return status

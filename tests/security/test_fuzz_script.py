@@ -32,3 +32,15 @@ def test_short_fuzz_run_keeps_every_all_reduce_exact(
     assert load().main(argv) == 0
     assert "48 attacks, every all-reduce exact" in capsys.readouterr().out
     assert "refused" in caplog.text or "dropped during hello" in caplog.text
+
+
+def test_short_insider_run_keeps_results_exact_and_bounds_held(
+    capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 33: a member attacks the others' P2P listeners with its own credentials while it takes part
+    in every all-reduce; results stay exact and every stash and per-peer connection count in bounds."""
+    caplog.set_level(logging.WARNING, logger="pccl")
+    assert load().main(["--rounds", "4", "--attacks-per-round", "12", "--seed", "7", "--member"]) == 0
+    out = capsys.readouterr().out
+    assert "48 insider attacks" in out and "within their bounds" in out
+    assert "the cap per peer is 2" in caplog.text  # its flood of bench connections was refused
