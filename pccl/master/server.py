@@ -33,6 +33,7 @@ from ..wire import messages as m
 from ..wire.admission import HandshakeGate
 from ..wire.handshake import accept_hello
 from ..wire.stream import MessageStream
+from .blame import StallBlame
 from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
 from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
@@ -101,6 +102,7 @@ class MasterServer:
         self.budget = ConnectionBudget()
         self.frames = FrameBudget()
         self.http = HttpStats()  # the status page's connections
+        self.blame = StallBlame()  # members that stop reading (pccl/master/blame.py)
 
     def statistics(self) -> dict[str, Any]:
         """Master summary: the state's statistics plus connection counts."""
@@ -254,6 +256,10 @@ class MasterServer:
             now = trio.current_time()
             if self.status is not None:
                 self.status.observer.on_message(self.state, conn.peer_id, msg, now)
+            if isinstance(msg, m.CollectiveDone) and msg.stalled_on >= 0:
+                self._stall_report(conn.peer_id, msg.stalled_on, now)
+                if conn.closing:
+                    return
             try:
                 effects = self.state.handle(conn.peer_id, msg, now)
             except Exception:
@@ -267,6 +273,15 @@ class MasterServer:
             self._execute(effects)
             if conn.closing:
                 return
+
+    def _stall_report(self, accuser: int, accused: int, now: float) -> None:
+        """A member's data plane stalled on ``accused`` not taking its frames: remove both once the
+        pair repeats (pccl/master/blame.py)."""
+        log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout", accuser,
+                    accused)
+        for pid, reason in self.blame.report(accuser, accused, now, set(self.state.ring)):
+            log.warning("peer %d %s", pid, reason)
+            self._execute(self.state.kick(pid, reason, Result.KICKED))
 
     async def _writer(self, conn: _Conn) -> None:
         try:

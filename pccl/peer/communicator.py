@@ -74,7 +74,7 @@ from .mailbox import Mailbox, Waiter
 from .p2p import P2PConnections, P2PDialer, serve_p2p
 from .pool import P2PPool
 from .spin import Spinner
-from .stall import StallWatch
+from .stall import StalledOn, StallWatch
 from .state import (
     AbortOp,
     Call,
@@ -222,7 +222,8 @@ class Communicator:
         # -> master's complete) and "commit" (result into the caller's buffer).
         self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
-        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress)
+        self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress,
+                                 blocked=self._blocked_partners)
         self._spinner = Spinner(self.config.spin_seconds)
         self.pool: Any = None
         # What the schedule choice knows of the links: the master's summary from the last
@@ -1017,6 +1018,7 @@ class Communicator:
         work: np.ndarray | None = None
         partners: list[int] = []  # every peer this op's plan sends to or receives from
         plane_ok = False  # this peer's data plane finished (the op may still fail elsewhere)
+        stalled_on = -1  # the partner whose frames were not taken when the data plane stalled
         try:
             # The speculative start (docs/protocol.md section 4): with the op_seq the last confirmation
             # of this tag reserved, the data plane starts right after the vote, on the current ring, and
@@ -1073,11 +1075,12 @@ class Communicator:
                     ok = plane_ok = True
                 except PCCLError as exc:
                     reason = str(exc)
+                    stalled_on = exc.peer_id if isinstance(exc, StalledOn) else -1
             st.scope = None
             if st.abort_error is not None:
                 raise st.abort_error
             if not ok:
-                await self._report_failure(st, reason)
+                await self._report_failure(st, reason, stalled_on)
                 if proposal >= 0:
                     # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
                     # size): the master's verdict names the real cause, and it is an abort.
@@ -1135,12 +1138,16 @@ class Communicator:
         for name, seconds in phases.items():
             self._phase_seconds[name] += seconds
 
-    async def _report_failure(self, st: _OpState, reason: str) -> None:
+    async def _report_failure(self, st: _OpState, reason: str, stalled_on: int = -1) -> None:
         st.concluded = True
         try:
-            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq))
+            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq,
+                                              stalled_on=stalled_on))
         except PCCLError:
             pass
+
+    def _blocked_partners(self) -> list[int]:
+        return self.pool.blocked_partners() if self.pool is not None else []
 
     def _pool_progress(self) -> tuple[int, int]:
         """The pool's byte counters: what the stall watch samples."""

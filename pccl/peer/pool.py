@@ -638,6 +638,12 @@ class P2PPool:
             return
         conns[index] = conn
 
+    def blocked_partners(self) -> list[int]:
+        """Peers with a frame being sent to them right now (a stall watch asks this when no frame has
+        moved for ``p2p_stall_timeout``: a send still under way then is one the receiver does not take)."""
+        return sorted(p for p, cs in self._out.items()
+                      if any(c is not None and not c.closed and c.lock.locked() for c in cs))
+
     def is_connected(self, peer_id: int) -> bool:
         """True if all ``pool_size`` outgoing connections to ``peer_id`` are open and healthy."""
         conns = self._out.get(peer_id)

@@ -29,8 +29,17 @@ class _Guard:
     started: float
     scope: trio.CancelScope
     stalled: float | None = None  # seconds without progress, once the monitor gave up on it
+    blocked: list[int] = field(default_factory=list)  # peers whose sends were under way then
     # None: armed (its clock runs); else it is armed, and its clock starts, once this returns True
     arm_when: Callable[[], bool] | None = field(default=None)
+
+
+class StalledOn(RankConnectionLostError):
+    """A data plane stalled while this peer's sends to one partner were blocked: ``peer_id``."""
+
+    def __init__(self, message: str, *, peer_id: int) -> None:
+        super().__init__(message)
+        self.peer_id = peer_id
 
 
 class StallWatch:
@@ -40,11 +49,15 @@ class StallWatch:
         limit: seconds without progress (``PeerConfig.p2p_stall_timeout``).
         progress: the pool's byte counters; any change counts as progress for every data plane.
         name: how log lines name this peer.
+        blocked: the partners with a send under way (asked when a data plane stalls: one named alone
+            is reported to the master, which evicts a member that does not read, issue 33 item 6).
     """
 
-    def __init__(self, limit: float, progress: Callable[[], object], name: str = "peer") -> None:
+    def __init__(self, limit: float, progress: Callable[[], object], name: str = "peer",
+                 blocked: Callable[[], list[int]] | None = None) -> None:
         self.limit = limit
         self._progress = progress
+        self.blocked = blocked
         self.name = name
         self._guards: set[_Guard] = set()
         self._changed = trio.Event()
@@ -86,6 +99,12 @@ class StallWatch:
             "%s: no data moved on the ring for %.1fs (p2p_stall_timeout): failing the operation",
             self.name, stalled,
         )
+        if len(guard.blocked) == 1:
+            raise StalledOn(
+                f"no data moved on the ring for {stalled:.1f}s (p2p_stall_timeout): this peer's sends to "
+                f"peer {guard.blocked[0]} were blocked (its link is partitioned or it does not read)",
+                peer_id=guard.blocked[0],
+            )
         raise RankConnectionLostError(
             f"no data moved on the ring for {stalled:.1f}s (p2p_stall_timeout): a ring link is "
             f"partitioned or a neighbour stopped sending"
@@ -121,7 +140,8 @@ class StallWatch:
                     quiet = now - max(since, guard.started)
                     if guard.arm_when is None and quiet >= limit and guard.stalled is None:
                         guard.stalled = quiet
+                        guard.blocked = self.blocked() if self.blocked is not None else []
                         guard.scope.cancel()
 
 
-__all__ = ["StallWatch"]
+__all__ = ["StallWatch", "StalledOn"]

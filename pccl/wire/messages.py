@@ -645,13 +645,16 @@ class CollectiveDone(Message):
     """The sender finished its part of ``tag`` (or failed it).
 
     ``op_seq``: the sequence number the sender ran under (the master ignores a report under another
-    number than the operation's); -1: whatever this tag runs now (a withdrawal).
+    number than the operation's); -1: whatever this tag runs now (a withdrawal). ``stalled_on``: the
+    operation failed because no data moved for ``p2p_stall_timeout`` while the sender's frames to this
+    peer were not taken (it does not read, or the link is cut); -1: not so.
     """
 
     tag: int
     success: bool
     reason: str = ""
     op_seq: int = -1
+    stalled_on: int = dataclasses.field(default=-1, metadata=OPTIONAL)
 
 
 @_register(32)

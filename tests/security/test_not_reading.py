@@ -1,0 +1,79 @@
+"""Issue 33 finding 7 (item 6): a member that stops reading its P2P connections stalled every operation for
+``p2p_stall_timeout`` and stayed a member, so it could do it at every operation. Now the peer whose frames it
+does not take reports it (``CollectiveDone.stalled_on``); at the second report of the same pair the master
+removes the accused and its accuser together (pccl/master/blame.py: a report cannot be checked, so a
+false one costs its maker its place). Bound: two stalled operations, each ended after
+``p2p_stall_timeout``; the other members then run exact, without further stalls. Virtual network and time."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from pccl import PCCLError
+from pccl.master.blame import STRIKES, StallBlame
+from pccl.peer.communicator import Communicator
+from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+
+STALL = 5.0
+CFG = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=STALL)
+COUNT = 1 << 18  # 1 MiB of int32 per peer: far more than the virtual link's window
+
+
+def test_blame_needs_the_same_pair_twice_and_removes_both() -> None:
+    b = StallBlame()
+    members = {1, 2, 3}
+    assert b.report(1, 2, 0.0, members) == []
+    assert b.report(3, 2, 1.0, members) == []  # another accuser: its own count
+    assert b.report(1, 9, 1.0, members) == [] and b.report(1, 1, 1.0, members) == []  # not members / self
+    gone = b.report(1, 2, 2.0, members)
+    assert [p for p, _ in gone] == [2, 1] and "not taken in 2 operations" in gone[0][1]
+    assert b.report(3, 2, 3.0, members) == []  # forgotten with them
+    assert b.report(3, 1, 0.0, members) == [] and b.report(3, 1, 700.0, members) == []  # outside the window
+
+
+async def test_a_member_that_stops_reading_is_removed_after_two_stalls(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pccl")
+    # A 64 KiB window (the stand-in for the kernel's socket buffers): the 256 KiB ring chunks do not fit,
+    # so the frames the member does not read hold its predecessor's send (the report needs that).
+    net = VirtualNetwork(latency=0.0005, buffer_size=64 << 10)
+    async with open_test_cluster(4, network=net, config=CFG) as cl:
+        evil = cl.peer(2)
+        # It stops reading every ring connection (it still heartbeats and votes).
+        real = type(evil.pool)._read_frame
+
+        async def stop(self: object, conn: object) -> bool:
+            if self is evil.pool:
+                await trio.sleep_forever()
+            return await real(self, conn)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(type(evil.pool), "_read_frame", stop)
+        stalls = 0
+        t0 = trio.current_time()
+        for r in range(STRIKES + 2):
+            members = [i for i in cl.alive if cl.is_member(i)]
+
+            async def one(i: int, comm: Communicator, r: int = r) -> bytes:
+                out = np.zeros(COUNT, np.int32)
+                await comm.all_reduce(np.full(COUNT, comm.peer_id + 1, np.int32), out, tag=r)
+                return out.tobytes()
+
+            results = await cl.run_all(one, indexes=members)
+            if any(isinstance(x, PCCLError) for x in results):
+                stalls += 1
+                await cl.update_topology()
+                continue
+            ids = [cl.peer(i).peer_id for i in members]
+            want = np.full(COUNT, sum(p + 1 for p in ids), np.int32).tobytes()
+            assert all(x == want for x in results)
+        assert stalls == STRIKES  # then it was gone, and nothing stalled again
+        assert evil.peer_id not in cl.master.state.peers
+        assert f"peer {evil.peer_id} evicted: " in caplog.text and "not taken in 2 operations" in caplog.text
+        assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
