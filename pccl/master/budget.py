@@ -29,7 +29,7 @@ FD_RESERVE = 32
 #: The least number of descriptors kept free for members whatever their number.
 MIN_HEADROOM = 64
 #: Default most guests from one source address.
-DEFAULT_GUESTS_PER_HOST = 64
+DEFAULT_GUESTS_PER_HOST = 256
 #: Frames larger than this count against the guests' frame budget (the cap of a message without lists).
 LARGE_FRAME = 64 * 1024
 #: Default bytes of unfinished large frames of all guests together.
