@@ -31,6 +31,9 @@ PURE_MODULES = [
     "pccl.master.topology",
     "pccl.collectives.schedule",
     "pccl.peer.state",
+    "pccl.wire.admission",
+    "pccl.master.budget",
+    "pccl.master.blame",
 ]
 IMPURE = {"trio", "socket", "time", "selectors", "asyncio", "threading"}
 
