@@ -52,7 +52,8 @@ async def test_a_member_that_stops_reading_is_removed_after_two_stalls(
         async def stop(self: object, conn: object) -> bool:
             if self is evil.pool:
                 await trio.sleep_forever()
-            return await real(self, conn)  # type: ignore[arg-type]
+            waited: bool = await real(self, conn)
+            return waited
 
         monkeypatch.setattr(type(evil.pool), "_read_frame", stop)
         stalls = 0
