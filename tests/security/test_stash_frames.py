@@ -48,9 +48,7 @@ async def test_empty_frames_are_counted_blocked_and_released(
         evil, victim = cl.peer(0), cl.peer(1)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_flood, evil, victim.peer_id, 4 * FRAMES, 1)
-            with trio.fail_after(5):
-                while victim.pool.statistics()["readers_blocked"] != 1:
-                    await trio.sleep(0.001)
+            await wait_until(lambda: victim.pool.statistics()["readers_blocked"] == 1, timeout=5)
             t_blocked = trio.current_time()
             s = victim.pool.statistics()
             assert s["stashed_frames"] == FRAMES and s["stashed_bytes"] == 0
