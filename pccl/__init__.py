@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig, PeerConfig
 from ._env import apply_log_level as _apply_log_level
 from ._errors import (
+    HelloRefusedError,
     InvalidArgumentError,
     InvalidBufferError,
     InvalidUsageError,
@@ -104,6 +105,7 @@ __all__ = [
     "DataType",
     "DeviceType",
     "DistributionHint",
+    "HelloRefusedError",
     "InvalidArgumentError",
     "InvalidBufferError",
     "InvalidUsageError",

@@ -32,6 +32,7 @@ from ..wire import limits
 from ..wire import messages as m
 from ..wire.admission import HandshakeGate
 from ..wire.handshake import accept_hello
+from ..wire.hello import check_run
 from ..wire.stream import MessageStream
 from .deadlock import DeadlockWatch
 from .http import Response, bound_address, open_http_listeners, serve_http
@@ -95,10 +96,13 @@ class MasterServer:
         self.status: StatusService | None = None  # observes the master once it serves
         self.status_address: Address | None = None  # where /status is served (status_port set)
         self.gate = HandshakeGate()  # the cap on connections in their hello (docs/security.md)
+        # The run this master serves ("": none yet); see pccl.wire.hello.check_run.
+        self.run: str = self.config.run or ""
 
     def statistics(self) -> dict[str, Any]:
-        """Master summary: the state's statistics plus connection counts."""
+        """Master summary: the state's statistics plus connection counts and the run name."""
         s = self.state.statistics()
+        s["run"] = self.run
         s["connections"] = len(self._conns)
         s["kicked_total"] = self.kicked_total
         return s
@@ -162,24 +166,48 @@ class MasterServer:
         ms = MessageStream(stream, max_frame_size=self.config.max_frame_size,
                            limits=limits.pre_auth(self.config.max_frame_size))
         host = stream.peer_address[0]
+        timeout = self.config.hello_timeout
         try:
-            with trio.fail_after(self.config.hello_timeout):
+            with trio.fail_after(timeout):
                 hello, refusal = await accept_hello(ms, purpose="master", secret=self.config.secret,
-                                                    listener="the master")
+                                                    listener="the master", run=self.run)
             if refusal is not None:
                 log.warning("refused connection from %s: %s", host, refusal.reason)
                 with trio.move_on_after(1.0):
                     await ms.send(m.Refused(reason=refusal.reason, code=int(refusal.result)))
                 await ms.aclose()
                 return
-        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
+        except trio.TooSlowError:
+            log.warning("connection from %s dropped during hello: it sent no complete hello within %gs "
+                        "(MasterConfig.hello_timeout; a silent client, a port scanner, or not a pccl peer)",
+                        host, timeout)
+            await ms.aclose()
+            return
+        except RemoteProtocolError as exc:
+            log.warning("connection from %s dropped during hello: not a pccl peer: %s", host, exc.message)
+            await ms.aclose()
+            return
+        except StreamBroken as exc:
             log.warning("connection from %s dropped during hello: %s", host, exc)
             await ms.aclose()
             return
+        assert hello is not None  # accepted
+        late = check_run(self.run, hello.run)  # the master took a name during this hello
+        if late is not None:
+            log.warning("refused connection from %s: %s", host, late)
+            with trio.move_on_after(1.0):
+                await ms.send(m.Refused(reason=late, code=int(Result.INVALID_USAGE)))
+            await ms.aclose()
+            return
+        if hello.run and not self.run:
+            # An unnamed master takes its run's name from the first named peer (a restarted master
+            # takes the name back from the members that re-register): docs/concepts.md "Run names".
+            self.run = hello.run
+            log.warning("this master now serves run %r (taken from %s peer from %s)", self.run,
+                        "a returning" if hello.peer_id >= 0 else "the first named", host)
         hello_done()
         ms.set_limits(limits.master_inbound(self.config.max_frame_size))
         now = trio.current_time()
-        assert hello is not None  # accepted
         claim = hello.peer_id  # >= 0: a member coming back (Reregister)
         if claim in self._conns:
             # The id's previous connection is still closing (its peer was just kicked or dropped):
@@ -528,6 +556,11 @@ class MasterHandle:
     def statistics(self) -> dict[str, Any]:
         """See :meth:`MasterServer.statistics`."""
         return self._server.statistics()
+
+    @property
+    def run(self) -> str:
+        """The run this master serves ("": none yet; docs/concepts.md "Run names")."""
+        return self._server.run
 
     @property
     def status_address(self) -> Address | None:

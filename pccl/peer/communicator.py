@@ -35,6 +35,7 @@ from .. import _env, _tls
 from .._address import Addresses, parse_addresses
 from .._config import RECONNECT_BACKOFF_MAX, PeerConfig
 from .._errors import (
+    HelloRefusedError,
     InvalidArgumentError,
     InvalidUsageError,
     KickedError,
@@ -175,6 +176,7 @@ class Communicator:
             )
         # The master and its standbys, in order (docs/concepts.md "Surviving the master").
         self.master_addresses = parse_addresses(_env.master_address(address))
+        self._origin = _env.master_origin(address)  # " (from PCCL_MASTER=...)" for errors
         self.master_host, self.master_port = self.master_addresses[0]
         self._link_up = trio.Event()  # set when a reconnection succeeded or finally failed
         self.peer_group = int(peer_group)
@@ -321,37 +323,57 @@ class Communicator:
             raise MasterConnectionError(str(exc)) from exc
         max_frame = self.config.max_frame_size
         ms = MessageStream(stream, max_frame_size=max_frame, limits=limits.pre_auth(max_frame))
+        timeout = self.config.connect_timeout
         try:
-            with trio.fail_after(self.config.connect_timeout):
-                reply = await offer_hello(ms, purpose="master", secret=self.config.secret, peer_id=claim)
-        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
+            with trio.fail_after(timeout):
+                reply = await offer_hello(ms, purpose="master", secret=self.config.secret, peer_id=claim,
+                                          run=self.config.run or "")
+        except trio.TooSlowError:
+            await ms.aclose()
+            raise MasterConnectionError(
+                f"hello with master {host}:{port} failed: {host}:{port} accepted the connection but did "
+                f"not answer the hello within {timeout:g}s (PeerConfig.connect_timeout): it is silent, not "
+                "a pccl master (a status page's port?), or overloaded"
+            ) from None
+        except RemoteProtocolError as exc:
+            await ms.aclose()
+            raise HelloRefusedError(
+                f"hello with master {host}:{port} failed: not a pccl master: {exc.message}"
+            ) from None
+        except StreamBroken as exc:
             await ms.aclose()
             hint = ""
-            if isinstance(exc, StreamBroken) and self.config.tls is None:
+            if self.config.tls is None:
                 # A master with TLS closes a plain connection at its first bytes (docs/security.md).
                 hint = " (if the master uses TLS, this peer needs PeerConfig.tls_cert, tls_key and tls_ca)"
             raise MasterConnectionError(f"hello with master {host}:{port} failed: {exc}{hint}") from exc
         except HandshakeFailed as exc:
             await ms.aclose()
+            # A refusal (bad secret, another run or protocol version) is the same on every attempt.
             if exc.refused:
-                raise MasterConnectionError(f"master refused the connection: {exc.reason}") from None
-            raise MasterConnectionError(f"hello with master {host}:{port}: {exc.reason}") from None
+                raise HelloRefusedError(
+                    f"master {host}:{port} refused the connection: {exc.reason}"
+                ) from None
+            raise HelloRefusedError(f"hello with master {host}:{port}: {exc.reason}") from None
         ms.set_limits(limits.trusted(max_frame))
         return ms, reply
 
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        errors: list[str] = []
+        errors: list[MasterConnectionError] = []
         for host, port in self.master_addresses:  # the first master that answers
             try:
                 ms, reply = await self._dial(host, port)
             except MasterConnectionError as exc:
-                errors.append(exc.message)
+                errors.append(exc)
                 continue
             self.master_host, self.master_port = host, port
             break
         else:
-            raise MasterConnectionError("; ".join(errors))
+            text = "; ".join(e.message for e in errors) + self._origin
+            if all(isinstance(e, HelloRefusedError) for e in errors):
+                raise HelloRefusedError(text)
+            raise MasterConnectionError(text)
         self._ms = ms
         self._core.peer_id = reply.peer_id
         self._dialer = P2PDialer(
