@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +27,7 @@ from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, RECONNECT_BACKOFF_MAX, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError, Result
 from .._exc import sole_exception
+from .._waits import WaitBoard, format_wait
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
 from ..wire import messages as m
@@ -43,8 +44,8 @@ log = logging.getLogger("pccl.master")
 
 _CLOSE = object()  # sentinel in a peer's send queue: flush, then close
 _FLUSH = object()  # sentinel in a peer's send queue: send the tail a send_nowait left behind
-# A vote or round that waits on the same peers this long gets a warning in the log (and again every
-# STALL_LOG_AFTER seconds while it lasts), naming whom it waits for.
+# A vote or round that waits on the same peers this long gets a warning in the log (and again at doubling
+# intervals while it lasts, pccl._waits), naming whom it waits for; so does a peer waiting to be accepted.
 STALL_LOG_AFTER = 5.0
 
 
@@ -61,6 +62,10 @@ class _Conn:
     # the writer yields between taking an item and locking the stream for it, and an immediate
     # send in that gap would overtake it.
     queued: int = 0
+
+
+def _still_waiting(line: str, waited: float) -> str:
+    return f"still waiting after {format_wait(waited)}: {line}"
 
 
 class MasterServer:
@@ -310,11 +315,10 @@ class MasterServer:
         """
         timeout = self.config.heartbeat_timeout
         straggler = self.config.straggler_timeout
-        stall_since: dict[str, float] = {}
-        stall_logged: dict[str, float] = {}
+        stalls = WaitBoard(first=STALL_LOG_AFTER)
         while True:
             now = trio.current_time()
-            self._log_stalls(now, stall_since, stall_logged)
+            self._log_stalls(now, stalls)
             silent_msg = f"evicted: silent for more than {timeout:g}s"
             lost = dict.fromkeys(self.state.expired(now, timeout), silent_msg)
             if straggler is not None:
@@ -394,18 +398,25 @@ class MasterServer:
             await trio.sleep_until(due)
             self._execute(self.state.go_overdue(trio.current_time()))
 
-    def _log_stalls(self, now: float, since: dict[str, float], logged: dict[str, float]) -> None:
+    def _log_stalls(self, now: float, board: WaitBoard) -> None:
         """Log a warning for every vote or round that has waited on the same peers for
-        ``STALL_LOG_AFTER`` seconds (and again every ``STALL_LOG_AFTER`` while it lasts)."""
-        lines = self.state.pending_summary()
-        for gone in set(since) - set(lines):
-            since.pop(gone)
-            logged.pop(gone, None)
-        for line in lines:
-            t0 = since.setdefault(line, now)
-            if now - t0 >= STALL_LOG_AFTER and now - logged.get(line, t0) >= STALL_LOG_AFTER:
-                logged[line] = now
-                log.warning("still waiting after %.0fs: %s", now - t0, line)
+        ``STALL_LOG_AFTER`` seconds, and for every peer waiting that long to be accepted (again at
+        doubling intervals while it lasts)."""
+        lines: dict[Hashable, str] = {line: line for line in self.state.pending_summary()}
+        accepted = len(self.state.ring)
+        for pid in self.state.registered():
+            rec = self.state.peers[pid]
+            if accepted == 0:
+                continue  # the first peer is accepted at once (a rebuilding master waits on its roll call)
+            lines[("accept", pid)] = (f"peer {pid} (from {rec.host}) waits to be accepted: the {accepted} "
+                                      f"accepted peer(s) must call update_topology()")
+        for key in [k for k in board.keys() if k not in lines]:
+            board.end(key)
+        for key, line in lines.items():
+            if key not in board:
+                board.begin(key, functools.partial(_still_waiting, line), now)
+        for text in board.due(now):
+            log.warning("%s", text)
 
     # ------------------------------------------------------------------------------------------
 
