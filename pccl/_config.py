@@ -293,6 +293,9 @@ class PeerConfig:
             refuses a named peer when it serves another run, naming both (docs/concepts.md "Run
             names"); ``pccl run`` names the runs it launches. No name: the peer joins any master, as
             in the established API.
+        progress: show the progress of a shared-state transfer that lasts more than a second on stderr
+            (a bar on a terminal, else a line every 10 s; ``pccl/peer/progress.py``) when
+            ``sync_shared_state`` is given no ``progress`` callback. Default True.
     """
 
     heartbeat_interval: float = 0.5
@@ -314,6 +317,7 @@ class PeerConfig:
     tls_server_name: str | None = None
     spin_seconds: float = 1e-3
     run: str | None = None
+    progress: bool = True
 
     def __post_init__(self) -> None:
         _reject_nan(self)

@@ -262,7 +262,7 @@ class MasterServer:
                 return
             now = trio.current_time()
             if self.status is not None:
-                self.status.observer.on_message(self.state, conn.peer_id, msg, now)
+                self.status.on_message(conn.peer_id, msg, now)
             try:
                 effects = self.state.handle(conn.peer_id, msg, now)
             except Exception:

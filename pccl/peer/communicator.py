@@ -77,6 +77,7 @@ from .mailbox import Mailbox, Waiter
 from .notices import WaitReporter
 from .p2p import P2PDialer, serve_p2p
 from .pool import P2PPool
+from .progress import TransferProgress
 from .spin import Spinner
 from .stall import StallWatch
 from .state import (
@@ -1451,7 +1452,8 @@ class Communicator:
         Args:
             state: the :class:`pccl.SharedState`.
             strategy: ENFORCE_POPULAR, RECEIVE_ONLY or SEND_ONLY.
-            progress: optional ``callback(bytes_done, bytes_total)`` for long transfers.
+            progress: optional ``callback(bytes_done, bytes_total)`` for long transfers (None: the
+                default display, ``PeerConfig.progress``).
 
         Raises:
             SharedStateSyncError / NoSharedStateAvailableError: refused or failed; tensors unchanged.
@@ -1463,11 +1465,14 @@ class Communicator:
         inbox = Mailbox()
         self._sync_inbox = inbox
         moved = [-math.inf]  # when bytes last arrived: a transfer that moves is no wait
+        shown = progress
+        if shown is None and self.config.progress:
+            shown = TransferProgress(f"peer {self.peer_id}: shared state")
 
         def on_progress(done: int, total: int) -> None:
             moved[0] = trio.current_time()
-            if progress is not None:
-                progress(done, total)
+            if shown is not None:
+                shown(done, total)
 
         def describe(waited: float) -> str | None:
             if trio.current_time() - moved[0] < self._notices.board.first:
@@ -1487,6 +1492,8 @@ class Communicator:
                     on_progress,
                 )
         finally:
+            if isinstance(shown, TransferProgress):
+                shown.close()
             self._sync_inbox = None
             self._core.end_membership()
 
