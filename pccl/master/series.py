@@ -130,10 +130,13 @@ class RunSeries:
     # --- reading ----------------------------------------------------------------------------------
 
     def export(self, now: float) -> dict[str, Any]:
-        """The series (oldest first, one point per interval up to the current one, missing intervals as
-        zeros; step time None where no step ended) and the transfers, JSON-able."""
+        """The series (oldest first, one point per interval from the first recorded one, at most
+        ``length`` back, up to the current one; missing intervals as zeros, step time None where no step
+        ended) and the transfers, JSON-able."""
         end = int(now // self.interval)
         start = end - self.length + 1
+        if self._buckets:
+            start = max(start, min(self._buckets[0].index, end))
         by_index = {b.index: b for b in self._buckets if b.index >= start}
         coll: list[float] = []
         rate: list[float] = []
@@ -204,7 +207,8 @@ def _chart(title: str, values: Sequence[float | None], unit: str, interval: floa
         for pts in lines
     )
     now_text = "no data yet" if last is None else f"now {_fmt(last, unit)}"
-    span = f"last {n * interval / 60:.0f} min"
+    seconds = n * interval
+    span = f"last {seconds / 60:.0f} min" if seconds >= 120 else f"last {seconds:.0f} s"
     return (
         f'<div class=chart><div class=charthead><b>{e(title)}</b> <span class=muted>{e(now_text)} &middot; '
         f'max {e(_fmt(top, unit))} &middot; {e(span)}</span></div>'

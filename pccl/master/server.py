@@ -34,7 +34,7 @@ from ..wire import messages as m
 from ..wire.admission import HandshakeGate
 from ..wire.handshake import accept_hello
 from ..wire.hello import check_run
-from ..wire.stream import MessageStream
+from ..wire.stream import CLOSED_BY_PEER, MessageStream
 from .deadlock import DeadlockWatch
 from .http import Response, bound_address, open_http_listeners, serve_http
 from .state import Effect, Event, Kick, MasterState, Send
@@ -193,7 +193,11 @@ class MasterServer:
             await ms.aclose()
             return
         except StreamBroken as exc:
-            log.warning("connection from %s dropped during hello: %s", host, exc)
+            if not ms.received_any and str(exc) == CLOSED_BY_PEER:
+                # A port probe (a health check, a scanner) connects and closes without a byte.
+                log.info("connection from %s closed before sending a hello (a port probe?)", host)
+            else:
+                log.warning("connection from %s dropped during hello: %s", host, exc)
             await ms.aclose()
             return
         assert hello is not None  # accepted

@@ -73,8 +73,8 @@ class TransferProgress:
         self.done, self.total = done, total
         now = self.clock()
         elapsed = now - self._start
-        if elapsed < self.show_after and done < total:
-            return
+        if elapsed < self.show_after and self._bar is None and not self.lines:
+            return  # a short transfer shows nothing, not even its end
         if self.tty:
             self._update_bar(done, total)
         elif done >= total:
@@ -90,6 +90,8 @@ class TransferProgress:
 
             self._bar = tqdm(total=total, desc=self.what, unit="B", unit_scale=True, unit_divisor=1024,
                              file=self.stream, leave=True, dynamic_ncols=True)
+            # The transfer began before the bar appeared: elapsed time and rate count from its start.
+            self._bar.start_t -= self.clock() - self._start
         self._bar.update(done - self._shown)
         self._shown = done
         if done >= total:

@@ -43,6 +43,10 @@ def encode_message(msg: Message) -> bytes:
     return data
 
 
+#: The message of the StreamBroken raised when the other side closed the connection between frames.
+CLOSED_BY_PEER = "connection closed by the other side"
+
+
 def looks_like_tls(head: bytes) -> bool:
     """True when ``head`` (a connection's first bytes) starts like a TLS record, not a pccl frame."""
     return len(head) >= 3 and head[0] in _TLS_RECORD_TYPES and head[1] == 3 and head[2] <= 4
@@ -91,6 +95,11 @@ class MessageStream:
         self._owed: memoryview | None = None  # see send_nowait
         self._head = b""  # the connection's first bytes, to name a TLS/plain mismatch
         self._frames = 0  # frames received
+
+    @property
+    def received_any(self) -> bool:
+        """Whether any byte arrived on this connection (a port probe closes without sending one)."""
+        return bool(self._head)
 
     def _frame(self, msg: Message) -> bytes:
         limit = self.max_frame_size
@@ -186,7 +195,7 @@ class MessageStream:
                         raise
                     raise RemoteProtocolError(f"{exc.message} ({foreign})") from None
             if self._framer.at_eof:
-                raise StreamBroken("connection closed by the other side")
+                raise StreamBroken(CLOSED_BY_PEER)
             data = await self.stream.receive_some(_RECV_SIZE)
             if len(self._head) < 5:
                 self._head += data[: 5 - len(self._head)]
