@@ -117,7 +117,7 @@ _WAITING_NOTICE_AFTER = 0.25
 #: The cap bounds how long after a restarted master (or standby) starts listening a peer finds it: a
 #: refused connect costs a fraction of a millisecond, a round every 0.1 s is nothing for a master that
 #: is not there, and the run's gap across a master kill is the restart delay plus at most one cap
-#: (docs/benchmarks.md "With master kills"; it was 1 s, then 0.25 s).
+#: (docs/history/benchmarks-churn-soak.md "With master kills"; it was 1 s, then 0.25 s).
 _RECONNECT_BACKOFF_START = 0.05  # ... capped at pccl._config.RECONNECT_BACKOFF_MAX (the master reads it too)
 
 

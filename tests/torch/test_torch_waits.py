@@ -35,7 +35,8 @@ async def test_waiting_for_min_world_size_says_so_and_why(
         width = 8 if i == 2 else 6  # peer 2's model has another width
         model = mlp(seed=0, d=width)
         xs = torch.randn(len(x), width) if i == 2 else x
-        run = AsyncTrainingRun(cluster.peer(i), SharedModel(model, sgd(model)), total_steps=3, min_world_size=3)
+        run = AsyncTrainingRun(cluster.peer(i), SharedModel(model, sgd(model)), total_steps=3,
+                               min_world_size=3)
         backward: Any = mse_backward(model, xs, y, 12)
         try:
             while await run.step(backward) is not None:
