@@ -178,9 +178,7 @@ class MasterServer:
                                                     listener="the master", run=self.run)
             if refusal is not None:
                 log.warning("refused connection from %s: %s", host, refusal.reason)
-                with trio.move_on_after(1.0):
-                    await ms.send(m.Refused(reason=refusal.reason, code=int(refusal.result)))
-                await ms.aclose()
+                await self._goodbye(ms, refusal.reason, int(refusal.result))
                 return
         except trio.TooSlowError:
             log.warning("connection from %s dropped during hello: it sent no complete hello within %gs "
@@ -204,9 +202,7 @@ class MasterServer:
         late = check_run(self.run, hello.run)  # the master took a name during this hello
         if late is not None:
             log.warning("refused connection from %s: %s", host, late)
-            with trio.move_on_after(1.0):
-                await ms.send(m.Refused(reason=late, code=int(Result.INVALID_USAGE)))
-            await ms.aclose()
+            await self._goodbye(ms, late, int(Result.INVALID_USAGE))
             return
         if hello.run and not self.run:
             # An unnamed master takes its run's name from the first named peer (a restarted master
@@ -253,6 +249,17 @@ class MasterServer:
             if not stopping:
                 self._execute(self.state.peer_lost(pid, "left (connection closed)", trio.current_time(),
                                                    broken=True))
+
+    @staticmethod
+    async def _goodbye(ms: MessageStream, reason: str, code: int) -> None:
+        """Tell a refused connection why (best effort: it may have closed already, e.g. a client that
+        refused our challenge) and close it."""
+        with trio.move_on_after(1.0):
+            try:
+                await ms.send(m.Refused(reason=reason, code=code))
+            except StreamBroken:
+                pass
+        await ms.aclose()
 
     async def _reader(self, conn: _Conn) -> None:
         while True:

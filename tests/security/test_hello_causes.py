@@ -106,7 +106,7 @@ async def test_a_bad_secret_is_named_in_the_masters_log(
     await trio.sleep(1.0)  # the master reads the peer's goodbye
     logged = [r.getMessage() for r in caplog.records if r.name == "pccl.master"]
     assert any("refused connection" in t and "bad secret" in t for t in logged), logged
-    assert not any("connection closed by the other side" in t for t in logged), logged
+    assert not any("closed by the other side" in t or "dropped during hello" in t for t in logged), logged
 
 
 async def test_a_silent_listener_is_named_as_the_silent_side(
@@ -160,3 +160,46 @@ async def test_the_master_names_an_http_client(
     await trio.sleep(1.0)
     assert "not a pccl peer" in caplog.text and "HTTP client" in caplog.text, caplog.text
     assert cluster.alive == [0]
+
+
+async def test_a_restarted_master_takes_the_run_name_back_from_its_members(
+    autojump_clock: trio.testing.MockClock,
+    pccl_cluster: ClusterFactory,
+    pccl_network: VirtualNetwork,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pccl")
+    peer_cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, run="train-1", reconnect_window=30.0)
+    cluster = await pccl_cluster(2, master_config=dataclasses.replace(DEFAULT_MASTER_CONFIG, run="train-1"),
+                                 config=peer_cfg)
+    await cluster.restart_master(delay=0.5)  # the new master is started without the name's config...
+    assert cluster.master.run == "train-1"  # (the harness restarts it with the same config)
+    cluster.master_config = DEFAULT_MASTER_CONFIG  # ...so name none: it must learn it from the members
+    await cluster.restart_master(delay=0.5)
+    with trio.fail_after(30):
+        while cluster.master.run != "train-1":
+            await trio.sleep(0.1)
+    assert "now serves run 'train-1' (taken from a returning peer" in caplog.text
+    await exact_all_reduces(cluster, rounds=1)
+    err = await failed_join(pccl_network, cluster.master_address,
+                            dataclasses.replace(DEFAULT_PEER_CONFIG, run="train-2"))
+    assert "'train-2'" in err.message and "'train-1'" in err.message
+
+
+async def test_the_master_names_a_client_that_sends_no_hello_and_not_a_port_probe(
+    autojump_clock: trio.testing.MockClock,
+    pccl_cluster: ClusterFactory,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="pccl")
+    cluster = await pccl_cluster(1)
+    silent = await hostile(cluster).connect(*master_port(cluster))
+    probe = await hostile(cluster, "probe").connect(*master_port(cluster))
+    await probe.aclose()
+    await trio.sleep(6.0)  # past the master's 5 s hello timeout
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    # The silent client is named (the one warning); the probe that closed at once is no warning.
+    assert len(warned) == 1, warned
+    assert "sent no complete hello within 5s (MasterConfig.hello_timeout" in warned[0]
+    assert "closed before sending a hello (a port probe?)" in caplog.text
+    await silent.aclose()
