@@ -191,8 +191,13 @@ def apply_log_level(environ: Mapping[str, str] | None = None) -> None:
     """When ``$PCCL_LOG_LEVEL`` is set: set the ``pccl`` logger to it and, if nothing else configured
     logging, log to stderr. Called once when :mod:`pccl` is imported."""
     env = os.environ if environ is None else environ
-    if not env.get(ENV_LOG_LEVEL, "").strip():
+    value = env.get(ENV_LOG_LEVEL, "").strip()
+    if not value:
         return
+    if value.upper() not in LOG_LEVELS:
+        # Named, not silently ignored (a typo would otherwise look like "no logs at all").
+        print(f"pccl: {ENV_LOG_LEVEL}={value} is not one of {', '.join(LOG_LEVELS)}: using WARNING",
+              file=sys.stderr)
     logger = logging.getLogger("pccl")
     logger.setLevel(log_level("WARNING", env))
     if not logger.handlers and not logging.getLogger().handlers:

@@ -178,3 +178,21 @@ def test_import_pccl_torch_without_torch_says_how_to_install_it() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1
     assert "pccl.torch needs PyTorch" in out.stderr and "pip install torch" in out.stderr, out.stderr
+
+
+def test_a_bad_pccl_log_level_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl._env import apply_log_level
+
+    logger = logging.getLogger("pccl")
+    before, handlers = logger.level, list(logger.handlers)
+    try:
+        apply_log_level({"PCCL_LOG_LEVEL": "verbose"})
+        assert capsys.readouterr().err == (
+            "pccl: PCCL_LOG_LEVEL=verbose is not one of DEBUG, INFO, WARNING, ERROR: using WARNING\n")
+        apply_log_level({"PCCL_LOG_LEVEL": "info"})
+        assert capsys.readouterr().err == ""
+    finally:
+        logger.setLevel(before)
+        for h in list(logger.handlers):
+            if h not in handlers:
+                logger.removeHandler(h)
