@@ -415,12 +415,14 @@ class MasterServer:
         doubling intervals while it lasts)."""
         lines: dict[Hashable, str] = {line: line for line in self.state.pending_summary()}
         accepted = len(self.state.ring)
+        voting = any(str(k).startswith("update_topology") for k in lines)
+        called = "" if voting else "; none has called it"
         for pid in self.state.registered():
             rec = self.state.peers[pid]
             if accepted == 0:
                 continue  # the first peer is accepted at once (a rebuilding master waits on its roll call)
             lines[("accept", pid)] = (f"peer {pid} (from {rec.host}) waits to be accepted: the {accepted} "
-                                      f"accepted peer(s) must call update_topology()")
+                                      f"accepted peer(s) must call update_topology(){called}")
         for key in [k for k in board.keys() if k not in lines]:
             board.end(key)
         for key, line in lines.items():
