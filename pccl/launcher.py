@@ -275,6 +275,9 @@ def main(argv: list[str]) -> int:
             master = format_address(*parse_address(args.master))
         except PCCLError as exc:
             raise CliError(f"--master: {exc.message}") from None
+        if args.status_port is not None or args.port != 0:
+            raise CliError("--port and --status-port configure a master of this launcher's own; with "
+                           "--master it starts none (give them to the master you attach to)")
     elif args.node_rank > 0:
         raise CliError(f"node {args.node_rank} of {args.nnodes} needs --master HOST:PORT: the address of the "
                        f"master node 0 started (or of a pccl-master); {EXPECTED_FORM}")

@@ -132,6 +132,9 @@ def test_ctrl_c_stops_everything(tmp_path: Path) -> None:
         (["run", "-n", "1", "--master", "http://x:1", __file__],
          "pccl: error: --master: invalid address 'http://x:1': give the host and port only, not a URL; "
          'expected "HOST:PORT" (e.g. "127.0.0.1:48148", "[::1]:48148") or a (host, port) tuple'),
+        (["run", "-n", "1", "--master", "h:1", "--status-port", "9", __file__],
+         "pccl: error: --port and --status-port configure a master of this launcher's own; with --master it "
+         "starts none (give them to the master you attach to)"),
         (["run", "-n", "1", "--run", "a b", __file__],
          "pccl: error: --run must be at most 64 letters, digits, '.', '_' or '-', not 'a b'"),
     ],
