@@ -37,6 +37,7 @@ class _Transfer:
     sync_seq: int
     started: float
     participants: int
+    planned: int = 0  # bytes the plans name (from the votes' entry sizes)
     received: int = 0
     reported: set[int] = field(default_factory=set)
 
@@ -58,6 +59,7 @@ class RunSeries:
         self._buckets: deque[_Bucket] = deque(maxlen=length)
         self._op_bytes: dict[tuple[int, int], int] = {}  # (group, tag) -> bytes of its last vote
         self._last_sync: dict[int, float] = {}  # group -> when its last sync succeeded
+        self._sizes: dict[int, dict[str, int]] = {}  # group -> key -> nbytes, from the votes' rows
         self._running: dict[int, _Transfer] = {}  # group -> its sync in progress
         self.finished: deque[dict[str, Any]] = deque(maxlen=transfers_kept)
 
@@ -82,6 +84,12 @@ class RunSeries:
             self._op_bytes[(group, msg.tag)] = max(0, d.element_count) * size
             if len(self._op_bytes) > 4096:
                 self._op_bytes.clear()
+        elif isinstance(msg, (m.SharedStateSync, m.SharedStateEntries)):
+            sizes = self._sizes.setdefault(group, {})
+            for row in msg.entries:
+                ok = len(row) > 3 and isinstance(row[0], str) and isinstance(row[3], int)
+                if ok and len(sizes) < 65536:
+                    sizes[row[0]] = max(0, row[3])
         elif isinstance(msg, m.SharedStateDone) and msg.success:
             t = self._running.get(group)
             if t is not None and msg.sync_seq == t.sync_seq and peer_id not in t.reported:
@@ -105,9 +113,11 @@ class RunSeries:
                 b.collectives += 1
                 b.nbytes += self._op_bytes.get((group, msg.tag), 0)
             elif isinstance(msg, m.SharedStatePlan) and group not in self._running:
-                plans = sum(1 for e in effects
-                            if isinstance(e, Send) and isinstance(e.message, m.SharedStatePlan))
-                self._running[group] = _Transfer(group, msg.sync_seq, now, plans)
+                sent = [e.message for e in effects
+                        if isinstance(e, Send) and isinstance(e.message, m.SharedStatePlan)]
+                sizes = self._sizes.get(group, {})
+                planned = sum(sizes.get(str(row[0]), 0) for p in sent for row in p.fetch if row)
+                self._running[group] = _Transfer(group, msg.sync_seq, now, len(sent), planned)
             elif isinstance(msg, m.SharedStateResult) and msg.sync_seq not in synced:
                 synced.add(msg.sync_seq)
                 self._sync_over(group, msg, now)
@@ -147,7 +157,8 @@ class RunSeries:
             rate.append(b.nbytes / self.interval if b else 0.0)
             step.append(b.step_sum / b.steps if b and b.steps else None)
         running = [{"group": t.group, "sync_seq": t.sync_seq, "running_s": now - t.started,
-                    "participants": t.participants, "reported": len(t.reported), "bytes_so_far": t.received}
+                    "participants": t.participants, "reported": len(t.reported), "bytes_so_far": t.received,
+                    "bytes_planned": t.planned}
                    for t in self._running.values()]
         finished = [{**f, "ago_s": now - f["ended"]} for f in self.finished]
         for f in finished:
@@ -246,7 +257,8 @@ def render_transfers_html(series: Mapping[str, Any]) -> str:
     for r in t.get("running", []):
         rows.append(f"<tr class=waited><td>group {r['group']}, sync {r['sync_seq']}</td><td>running</td>"
                     f"<td>{r['running_s']:.1f} s</td><td>{r['reported']} / {r['participants']} peers done, "
-                    f"{_bytes(float(r['bytes_so_far']))} received</td></tr>")
+                    f"{_bytes(float(r['bytes_so_far']))} of {_bytes(float(r['bytes_planned']))} reported "
+                    f"(each receiver reports at its end; it shows its own progress)</td></tr>")
     for f in reversed(t.get("finished", [])):
         state = "done" if f["ok"] else "failed"
         rows.append(f"<tr><td>group {f['group']}, sync {f['sync_seq']}</td><td>{state}"
