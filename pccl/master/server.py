@@ -204,6 +204,11 @@ class MasterServer:
             log.warning("refused connection from %s: %s", host, late)
             await self._goodbye(ms, late, int(Result.INVALID_USAGE))
             return
+        if self.run and not hello.run:
+            # Accepted (the established API names no run), but said: a foreign job's peers on the same
+            # address would otherwise join without a word (docs/concepts.md "Run names", rule 1).
+            log.warning("connection from %s names no run; accepted into run %r (set PCCL_RUN or "
+                        "PeerConfig.run on its peers to keep other jobs out)", host, self.run)
         if hello.run and not self.run:
             # An unnamed master takes its run's name from the first named peer (a restarted master
             # takes the name back from the members that re-register): docs/concepts.md "Run names".

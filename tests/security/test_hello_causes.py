@@ -67,9 +67,10 @@ async def test_a_peer_of_another_run_is_refused_with_both_names_on_both_sides(
     assert "other run" in err.message and "'eval-7'" in err.message and "'train-1'" in err.message
     logged = [r.getMessage() for r in caplog.records if "refused connection" in r.getMessage()]
     assert logged and "'eval-7'" in logged[0] and "'train-1'" in logged[0]
-    # A peer that sets no name (the established API) still joins, as before run names.
+    # A peer that sets no name (the established API) still joins, as before run names; the master says so.
     await cluster.add_peer()
     assert cluster.alive == [0, 1, 2]
+    assert "names no run; accepted into run 'train-1'" in caplog.text
     await exact_all_reduces(cluster, rounds=1)
 
 
