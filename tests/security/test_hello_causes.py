@@ -18,7 +18,10 @@ from pccl._errors import HelloRefusedError, MasterConnectionError
 from pccl.peer.communicator import open_communicator
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork
 from pccl.testing.pytest_plugin import ClusterFactory
+from pccl.wire import messages as m
+from pccl.wire.handshake import offer_hello
 from pccl.wire.hello import check_run
+from pccl.wire.stream import MessageStream
 
 from ._helpers import exact_all_reduces, hostile, master_port
 
@@ -67,10 +70,15 @@ async def test_a_peer_of_another_run_is_refused_with_both_names_on_both_sides(
     assert "other run" in err.message and "'eval-7'" in err.message and "'train-1'" in err.message
     logged = [r.getMessage() for r in caplog.records if "refused connection" in r.getMessage()]
     assert logged and "'eval-7'" in logged[0] and "'train-1'" in logged[0]
-    # A peer that sets no name (the established API) still joins, as before run names; the master says so.
+    # A peer of the run joins; one that sets no name (the established API) too, as before run names, and
+    # the master says so.
     await cluster.add_peer()
     assert cluster.alive == [0, 1, 2]
-    assert "names no run; accepted into run 'train-1'" in caplog.text
+    assert "names no run" not in caplog.text
+    ms = MessageStream(await hostile(cluster, "plain").connect(*master_port(cluster)), max_frame_size=1 << 20)
+    assert isinstance(await offer_hello(ms, purpose="master", secret=None), m.HelloOk)
+    await ms.aclose()
+    assert "names no run; accepted into run 'train-1' (set PCCL_RUN or PeerConfig.run" in caplog.text
     await exact_all_reduces(cluster, rounds=1)
 
 
