@@ -32,7 +32,8 @@ handshake, no TLS: it runs only at connection set-up, so once connected it shoul
 ``--master-in-rank0``: our master runs inside the first peer's process, in its event loop, instead of as
 a process of its own. That is the shape of the Gloo side, whose rendezvous store (torch.distributed's
 TCPStore) is a thread of rank 0's process: on a host with fewer cores than processes it shows what the
-master's own process costs each operation (docs/benchmarks.md "Where a small operation's time goes").
+master's own process costs each operation (docs/history/benchmarks-allreduce.md "Where a small operation's
+time goes").
 
 usage: python benchmarks/allreduce.py [--worlds 2,3,4] [--sizes 64K,1M,16M,64M] [--iters 20] [--device cpu]
                                       [--schedule auto|ring|hd|tree] [--master-arg ARG ...]

@@ -12,7 +12,7 @@ set to one of ``--spin`` (``PeerConfig.spin_seconds``: how long a collective pol
 sleeping); the settings are interleaved over ``--rounds`` rounds. Reported per setting: the reduce
 thread's operations per second and the main thread's work units per second (the median over rounds,
 mean over the two peers). What it answers: whether polling takes the GIL or the CPU from the user's own
-thread (docs/benchmarks.md "Polling while an operation runs").
+thread (docs/history/benchmarks-allreduce.md "Polling while an operation runs").
 """
 
 from __future__ import annotations

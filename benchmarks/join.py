@@ -19,7 +19,7 @@ Two measurements per N:
 
 ``--schedule`` sets ``PeerConfig.schedule`` of every peer: under ``auto`` (the default) a topology round
 also opens the connections to every halving-doubling and tree partner of the new ring, under ``ring``
-only the ring successor's (docs/benchmarks.md "Join latency").
+only the ring successor's (docs/history/benchmarks-join.md "Join latency").
 
 usage: python benchmarks/join.py [--peers 1,4,8,16] [--joins 15] [--proc-joins 3] [--step-ms 0]
                                  [--schedule auto|ring|hd|tree] [--op-bytes 0]

@@ -38,7 +38,8 @@ next successful all-reduce over the whole world (target: the peers' heartbeat ti
 failed calls per peer (target at most 1).
 
 ``--faults master-double``: the 10-minute soak's double fault across a master kill, in a short form
-(docs/benchmarks.md "With master kills"): 5 peers loop all-reduces with the master's straggler timeout
+(docs/history/benchmarks-churn-soak.md "With master kills"): 5 peers loop all-reduces with the master's
+straggler timeout
 on (``--straggler-timeout``, 1 s unless given, as in the soak); the master is SIGKILLed and restarted
 after ``--restart-delay``; one peer is SIGSTOPped ``--stop-before`` s after the kill (during the outage:
 it never re-registers, the roll call waits for it) and a second one ``--stop-after`` s after the kill,

@@ -5,7 +5,8 @@ Not pccl's data plane: pccl's ring plan (``schedule.plan_ring``: the same frames
 ``DEFAULT_BLOCK_BYTES``, dependencies and order; float32 SUM) executed over blocking loopback
 sockets, with a sender thread per process and the main thread receiving with
 ``MSG_WAITALL`` and reducing (``recv_into`` and numpy's add release the GIL). It answers one
-question for docs/benchmarks.md: would moving our trio data plane to blocking calls in threads
+question for docs/history/benchmarks-allreduce.md: would moving our trio data plane to blocking calls in
+threads
 (far fewer Python calls per operation) make it faster? Compare its figure with
 ``benchmarks/dataplane.py --world 3 --sizes 16777216 --gloo-inline`` run right before or after.
 

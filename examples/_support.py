@@ -3,6 +3,7 @@ parent's loop that gathers the peer processes' reports."""
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import time
@@ -41,3 +42,20 @@ def collect(procs: list[Any], results: Any, expected: int, timeout: float) -> li
     for p in procs:
         p.join(max(0.1, deadline - time.monotonic()))
     return reports
+
+
+def launched_peer(default_world: int) -> tuple[int, int] | None:
+    """``(rank, world_size)`` when this process was started as one peer of a run whose master runs
+    elsewhere (``PCCL_MASTER`` is set, e.g. by ``pccl run``, which also sets ``PCCL_RANK`` and
+    ``PCCL_WORLD_SIZE``); None when the example should start its own master and peers."""
+    if not os.environ.get("PCCL_MASTER", "").strip():
+        return None
+    rank = int(os.environ.get("PCCL_RANK", "0"))
+    world = int(os.environ.get("PCCL_WORLD_SIZE", str(default_world)))
+    print(f"peer {rank} of {world}: using the master at PCCL_MASTER={os.environ['PCCL_MASTER']}", flush=True)
+    return rank, world
+
+
+def one_report(results: queue.Queue[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The report a peer run in this process left (see :func:`launched_peer`)."""
+    return results.get_nowait()

@@ -7,6 +7,10 @@ Run it (the master and the peers are all started by this one command)::
 
 The master runs in this process (``MasterNode`` on a port the system picks); every peer is a separate OS
 process that uses the blocking API exactly like a peer on another machine would.
+
+With ``PCCL_MASTER`` set (``pccl run -n 2 examples/hello_world.py``, or two ``pccl run --master``
+invocations on two machines, docs/cli.md) this process is one peer of that master's run instead: rank
+``PCCL_RANK`` of ``PCCL_WORLD_SIZE``.
 """
 
 from __future__ import annotations
@@ -14,15 +18,16 @@ from __future__ import annotations
 import argparse
 import logging
 import multiprocessing as mp
+import queue
 import sys
 import time
 from typing import Any
 
 import numpy as np
-from _support import collect  # examples/_support.py
+from _support import collect, launched_peer, one_report  # examples/_support.py
 
 
-def peer_main(address: str, index: int, n_peers: int, count: int, results: Any) -> None:
+def peer_main(address: str | None, index: int, n_peers: int, count: int, results: Any) -> None:
     """One peer: join, all-reduce, sync a shared state, report to the parent."""
     from pccl.blocking import (
         Attribute,
@@ -78,6 +83,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.peers < 2:
         parser.error("--peers must be at least 2")
+
+    launched = launched_peer(args.peers)
+    if launched is not None:  # one peer of a run started elsewhere: the address comes from PCCL_MASTER
+        rank, world = launched
+        mine: queue.Queue[tuple[int, float, int, int, int, int]] = queue.Queue()
+        peer_main(None, rank, world, args.count, mine)
+        _, value, tx, rx, sync_tx, sync_rx = one_report(mine)
+        print(f"peer {rank}: all-reduce -> {value:g} everywhere (sent {tx} B, received {rx} B); "
+              f"shared state: sent {sync_tx} B, received {sync_rx} B")
+        print("hello world: OK")
+        return 0
 
     from pccl.blocking import MasterNode
 

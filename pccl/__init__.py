@@ -7,10 +7,11 @@ from typing import TYPE_CHECKING, Any
 
 # Light modules, imported at once. Everything else (the blocking API, numpy, the peer, the master's
 # server) loads on first use through __getattr__ below, so that ``pccl-master`` (pccl.cli) starts
-# without importing what only peers need (docs/benchmarks.md "With master kills").
+# without importing what only peers need (docs/history/benchmarks-churn-soak.md "With master kills").
 from ._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, MasterConfig, PeerConfig
 from ._env import apply_log_level as _apply_log_level
 from ._errors import (
+    HelloRefusedError,
     InvalidArgumentError,
     InvalidBufferError,
     InvalidUsageError,
@@ -104,6 +105,7 @@ __all__ = [
     "DataType",
     "DeviceType",
     "DistributionHint",
+    "HelloRefusedError",
     "InvalidArgumentError",
     "InvalidBufferError",
     "InvalidUsageError",

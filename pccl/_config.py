@@ -22,6 +22,21 @@ PROTOCOL_VERSION = 5
 RECONNECT_BACKOFF_MAX = 0.1
 
 
+#: Longest run name (docs/concepts.md "Run names").
+MAX_RUN_NAME = 64
+_RUN_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+def check_run_name(name: str | None, who: str) -> None:
+    """Raise ValueError unless ``name`` is None, "" or a run name: 1 to 64 letters, digits, ``.``,
+    ``_`` and ``-`` (``who`` names the setting in the message)."""
+    if name is None or name == "":
+        return
+    if not isinstance(name, str) or len(name) > MAX_RUN_NAME or not set(name) <= _RUN_CHARS:
+        raise ValueError(f"{who} must be at most {MAX_RUN_NAME} letters, digits, '.', '_' or '-', "
+                         f"not {name!r}")
+
+
 def _reject_nan(config: DataclassInstance) -> None:
     """Raise ValueError for a NaN field: it passes every range check (each comparison is False) and then
     never fires (a timeout of NaN never expires)."""
@@ -132,6 +147,10 @@ class MasterConfig:
             return would cost ``n (n - 1) / 2`` messages at ``n`` members (pccl/master/issued.py).
             The cost: a holder accepts a P2P connection from a member back less than this long ago up
             to this much later. 0: at each return. Default 0.01 s.
+        run: the run's name (``pccl-master --run``): a peer that names another run is refused in its
+            hello, both sides saying so. None (default): the master takes the name of the first named
+            peer it accepts (a restarted master takes its run's name back from the members that
+            re-register). Peers without a name join any master. docs/concepts.md "Run names".
     """
 
     heartbeat_interval: float = 0.5
@@ -156,9 +175,11 @@ class MasterConfig:
     tls_ca: str | None = None
     speculative_go_delay: float = 0.01
     credentials_batch_delay: float = 0.01
+    run: str | None = None
 
     def __post_init__(self) -> None:
         _reject_nan(self)
+        check_run_name(self.run, "MasterConfig.run")
         if self.speculative_go_delay < 0:
             raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
         if self.credentials_batch_delay < 0:
@@ -277,6 +298,13 @@ class PeerConfig:
             millisecond. Each polling pass yields the CPU to other runnable processes and threads.
             Off under a virtual clock, and at most one communicator of a process polls at a time
             (``pccl/peer/spin.py``).
+        run: the name of the run this peer belongs to (None: ``$PCCL_RUN``, else none). The master
+            refuses a named peer when it serves another run, naming both (docs/concepts.md "Run
+            names"); ``pccl run`` names the runs it launches. No name: the peer joins any master, as
+            in the established API.
+        progress: show the progress of a shared-state transfer that lasts more than a second on stderr
+            (a bar on a terminal, else a line every 10 s; ``pccl/peer/progress.py``) when
+            ``sync_shared_state`` is given no ``progress`` callback. Default True.
     """
 
     heartbeat_interval: float = 0.5
@@ -298,9 +326,12 @@ class PeerConfig:
     tls_ca: str | None = None
     tls_server_name: str | None = None
     spin_seconds: float = 1e-3
+    run: str | None = None
+    progress: bool = True
 
     def __post_init__(self) -> None:
         _reject_nan(self)
+        check_run_name(self.run, "PeerConfig.run")
         if not self.spin_seconds >= 0:
             raise ValueError(f"spin_seconds must be >= 0, not {self.spin_seconds}")
         if self.recv_stash_limit < 0:

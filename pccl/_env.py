@@ -9,6 +9,7 @@
 ``PCCL_TLS_CA``        PEM CA certificates the other side's certificate must chain to
 ``PCCL_LOG_LEVEL``     DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
 ``PCCL_SPIN_SECONDS``  ``PeerConfig.spin_seconds`` of a communicator given no ``PeerConfig``
+``PCCL_RUN``           the run name of a peer given no ``PeerConfig.run`` (docs/concepts.md "Run names")
 ``PCCL_LOCAL_SOCKETS`` ``0`` turns off the same-host shortcut of ``TcpTransport`` (which reads it
                        with :func:`local_sockets_enabled`)
 ====================== ======================================================================
@@ -25,7 +26,7 @@ import sys
 from collections.abc import Mapping
 
 from ._address import EXPECTED_FORM, Addresses
-from ._config import PeerConfig
+from ._config import DEFAULT_MASTER_PORT, PeerConfig
 from ._errors import InvalidArgumentError
 from ._tls import check_pairing
 
@@ -35,6 +36,7 @@ ENV_SECRET_FILE = "PCCL_SECRET_FILE"
 ENV_LOG_LEVEL = "PCCL_LOG_LEVEL"
 ENV_SPIN_SECONDS = "PCCL_SPIN_SECONDS"
 ENV_LOCAL_SOCKETS = "PCCL_LOCAL_SOCKETS"
+ENV_RUN = "PCCL_RUN"
 ENV_TLS_CERT = "PCCL_TLS_CERT"
 ENV_TLS_KEY = "PCCL_TLS_KEY"
 ENV_TLS_CA = "PCCL_TLS_CA"
@@ -57,6 +59,20 @@ def master_address(address: Addresses | None, environ: Mapping[str, str] | None 
     if not value:
         raise InvalidArgumentError(f"no master address: pass one ({EXPECTED_FORM}) or set {ENV_MASTER}")
     return value
+
+
+def master_origin(address: Addresses | None, environ: Mapping[str, str] | None = None) -> str:
+    """For error messages: " (from PCCL_MASTER=VALUE ...)" when :func:`master_address` took the address
+    from the environment (with a note when it names no port, so the default one is used), else ""."""
+    if address is not None:
+        return ""
+    env = os.environ if environ is None else environ
+    value = env.get(ENV_MASTER, "").strip()
+    if not value:
+        return ""
+    portless = [part.strip() for part in value.split(",") if ":" not in part.split("]")[-1]]
+    note = f"; no port given, so the default {DEFAULT_MASTER_PORT}" if portless else ""
+    return f" (from {ENV_MASTER}={value}{note})"
 
 
 def local_sockets_enabled(environ: Mapping[str, str] | None = None) -> bool:
@@ -128,7 +144,8 @@ def peer_config(config: PeerConfig | None, environ: Mapping[str, str] | None = N
 
     Raises:
         InvalidArgumentError: ``PCCL_SECRET_FILE`` cannot be read, the TLS variables are incomplete
-            (a peer needs a certificate and a CA), or ``PCCL_SPIN_SECONDS`` is not a number >= 0.
+            (a peer needs a certificate and a CA), ``PCCL_SPIN_SECONDS`` is not a number >= 0, or
+            ``PCCL_RUN`` is no run name.
     """
     cfg = config or PeerConfig()
     env = os.environ if environ is None else environ
@@ -140,6 +157,13 @@ def peer_config(config: PeerConfig | None, environ: Mapping[str, str] | None = N
             raise InvalidArgumentError(
                 f"${ENV_SPIN_SECONDS} must be a number of seconds >= 0, not {spin!r}"
             ) from None
+    if cfg.run is None:
+        name = env.get(ENV_RUN, "").strip()
+        if name:
+            try:
+                cfg = dataclasses.replace(cfg, run=name)
+            except ValueError as exc:
+                raise InvalidArgumentError(f"{ENV_RUN}={name}: {exc}") from None
     if cfg.secret is None:
         found = secret(None, environ)
         if found is not None:
@@ -167,8 +191,13 @@ def apply_log_level(environ: Mapping[str, str] | None = None) -> None:
     """When ``$PCCL_LOG_LEVEL`` is set: set the ``pccl`` logger to it and, if nothing else configured
     logging, log to stderr. Called once when :mod:`pccl` is imported."""
     env = os.environ if environ is None else environ
-    if not env.get(ENV_LOG_LEVEL, "").strip():
+    value = env.get(ENV_LOG_LEVEL, "").strip()
+    if not value:
         return
+    if value.upper() not in LOG_LEVELS:
+        # Named, not silently ignored (a typo would otherwise look like "no logs at all").
+        print(f"pccl: {ENV_LOG_LEVEL}={value} is not one of {', '.join(LOG_LEVELS)}: using WARNING",
+              file=sys.stderr)
     logger = logging.getLogger("pccl")
     logger.setLevel(log_level("WARNING", env))
     if not logger.handlers and not logging.getLogger().handlers:
@@ -188,7 +217,7 @@ def drop_env_handler() -> None:
 
 
 __all__ = [
-    "ENV_LOG_LEVEL", "ENV_MASTER", "ENV_SECRET", "ENV_SECRET_FILE", "ENV_TLS_CA", "ENV_TLS_CERT",
+    "ENV_LOG_LEVEL", "ENV_MASTER", "ENV_RUN", "ENV_SECRET", "ENV_SECRET_FILE", "ENV_TLS_CA", "ENV_TLS_CERT",
     "ENV_TLS_KEY", "LOG_LEVELS", "apply_log_level", "drop_env_handler", "log_level", "master_address",
-    "master_tls", "peer_config", "secret", "tls_files",
+    "master_origin", "master_tls", "peer_config", "secret", "tls_files",
 ]

@@ -137,6 +137,14 @@ class MasterConnectionError(PCCLError):
     default_result = Result.MASTER_CONNECTION_FAILED
 
 
+class HelloRefusedError(MasterConnectionError):
+    """The hello with the master failed for a reason a retry cannot cure (bad secret, another run,
+    another protocol version, not a pccl master): :meth:`pccl.Communicator.connect` does not retry it.
+    ``message`` names the cause."""
+
+    default_result = Result.MASTER_CONNECTION_FAILED
+
+
 class KickedError(MasterConnectionError):
     """The master removed this peer on purpose; ``message`` says why."""
 

@@ -44,8 +44,9 @@ import trio
 
 from ._address import format_address, parse_address, parse_addresses
 from ._config import MasterConfig, PeerConfig
-from ._env import master_address
+from ._env import master_address, master_origin
 from ._errors import (
+    HelloRefusedError,
     InvalidArgumentError,
     InvalidBufferError,
     InvalidUsageError,
@@ -899,6 +900,7 @@ class Communicator:
                  peer_group: int = 0, p2p_connection_pool_size: int = 0, *,
                  config: PeerConfig | None = None) -> None:
         # fail now on a malformed address; several (a list or "h1:p,h2:p"): the master and its standbys
+        self._origin = master_origin(address)  # " (from PCCL_MASTER=...)" for errors
         address = ",".join(format_address(h, p) for h, p in parse_addresses(master_address(address)))
         if isinstance(peer_group, bool) or not isinstance(peer_group, int) or not 0 <= peer_group < 2**32:
             raise InvalidArgumentError(f"peer_group must be an unsigned 32-bit integer, got {peer_group!r}")
@@ -930,6 +932,8 @@ class Communicator:
             InvalidArgumentError: ``n_attempts < 1``.
             InvalidUsageError: already connected or connecting, or closed (also when closed meanwhile).
             MasterConnectionError: every attempt failed (result MASTER_CONNECTION_FAILED).
+            HelloRefusedError: the master refused this peer (bad secret, another run or protocol
+                version) or is no pccl master: not retried.
         """
         if n_attempts < 1:
             raise InvalidArgumentError("n_attempts must be >= 1")
@@ -950,6 +954,9 @@ class Communicator:
                     self._pending_session = session
                 try:
                     _core.host(session.run)
+                except HelloRefusedError as exc:
+                    # A bad secret, another run or protocol: every attempt would fail the same way.
+                    raise HelloRefusedError(exc.message + self._origin) from None
                 except MasterConnectionError as exc:
                     last = exc
                     log.warning("connecting to the master at %s failed (attempt %d/%d): %s",
@@ -978,8 +985,8 @@ class Communicator:
             assert last is not None
             log.debug("the last attempt failed with", exc_info=last)
             raise MasterConnectionError(
-                f"could not connect to the master at {self.address} after {n_attempts} attempt(s): "
-                f"{last.message}") from None
+                f"could not connect to the master at {self.address}{self._origin} after {n_attempts} "
+                f"attempt(s): {last.message}") from None
         finally:
             with self._lock:
                 self._connecting = False

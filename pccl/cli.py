@@ -10,6 +10,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -82,6 +83,10 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
                         "batches this long apart: a restarted master's n members cost n messages per "
                         f"batch instead of n per return (0: at each return; default "
                         f"{defaults.credentials_batch_delay:g}; docs/security.md)")
+    p.add_argument("--run", default=None, metavar="NAME",
+                   help="the run's name: peers that name another run (PCCL_RUN, PeerConfig.run) are refused "
+                        "(default $PCCL_RUN, else none: the master takes the first named peer's; "
+                        "docs/concepts.md \"Run names\")")
     p.add_argument("--secret", default=None,
                    help="shared secret peers must know (optional; visible in the process list: "
                         "prefer --secret-file or $PCCL_SECRET)")
@@ -126,9 +131,23 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             tls_cert=cert,
             tls_key=key,
             tls_ca=ca,
+            run=_run_name(args.run),
         )
     except ValueError as exc:  # InvalidArgumentError is a ValueError too
         raise CliError(exc.message if isinstance(exc, PCCLError) else str(exc)) from None
+
+
+def _run_name(option: str | None) -> str | None:
+    """``--run``, else ``$PCCL_RUN``, else None (checked by ``MasterConfig``; the variable named)."""
+    if option is not None:
+        return option
+    value = os.environ.get(_env.ENV_RUN, "").strip() or None
+    if value is not None:
+        try:
+            MasterConfig(run=value)
+        except ValueError as exc:
+            raise ValueError(f"{_env.ENV_RUN}={value}: {exc}") from None
+    return value
 
 
 def _master_tls(args: argparse.Namespace) -> tuple[str | None, str | None, str | None]:
@@ -286,7 +305,8 @@ USAGE = f"""usage: pccl {{master,status,run,demo}} [options]   (pccl --version)
 
   master   run a master node (same as pccl-master)
   status   show a running master's status: pccl status HOST:STATUS_PORT [--watch]
-  run      start a master and N peer processes of a script: pccl run -n N SCRIPT [ARGS...]
+  run      start a master (or attach to one: --master HOST:PORT) and N peer processes of a script:
+           pccl run -n N [--nnodes K --node-rank R] SCRIPT [ARGS...]
   demo     local demo: a master and peers training together, one killed, one joining
 
 Peers find the master through the address they are given, or $PCCL_MASTER (port {DEFAULT_MASTER_PORT} when

@@ -20,6 +20,8 @@ ROOT = Path(pccl.__file__).resolve().parent
 # ring schedules and the peer's state machine. They take time as an argument and do no I/O.
 PURE_MODULES = [
     "pccl._address",
+    "pccl._waits",
+    "pccl.master.series",
     "pccl.wire.messages",
     "pccl.wire.framing",
     "pccl.wire.data",

@@ -14,7 +14,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,12 +27,14 @@ from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, RECONNECT_BACKOFF_MAX, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError, Result
 from .._exc import sole_exception
+from .._waits import WaitBoard, format_wait
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.admission import HandshakeGate
 from ..wire.handshake import accept_hello
-from ..wire.stream import MessageStream
+from ..wire.hello import check_run
+from ..wire.stream import CLOSED_BY_PEER, MessageStream
 from .blame import StallBlame
 from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
@@ -44,8 +46,8 @@ log = logging.getLogger("pccl.master")
 
 _CLOSE = object()  # sentinel in a peer's send queue: flush, then close
 _FLUSH = object()  # sentinel in a peer's send queue: send the tail a send_nowait left behind
-# A vote or round that waits on the same peers this long gets a warning in the log (and again every
-# STALL_LOG_AFTER seconds while it lasts), naming whom it waits for.
+# A vote or round that waits on the same peers this long gets a warning in the log (and again at doubling
+# intervals while it lasts, pccl._waits), naming whom it waits for; so does a peer waiting to be accepted.
 STALL_LOG_AFTER = 5.0
 
 
@@ -62,6 +64,10 @@ class _Conn:
     # the writer yields between taking an item and locking the stream for it, and an immediate
     # send in that gap would overtake it.
     queued: int = 0
+
+
+def _still_waiting(line: str, waited: float) -> str:
+    return f"still waiting after {format_wait(waited)}: {line}"
 
 
 class MasterServer:
@@ -103,10 +109,13 @@ class MasterServer:
         self.frames = FrameBudget()
         self.http = HttpStats()  # the status page's connections
         self.blame = StallBlame()  # members that stop reading (pccl/master/blame.py)
+        # The run this master serves ("": none yet); see pccl.wire.hello.check_run.
+        self.run: str = self.config.run or ""
 
     def statistics(self) -> dict[str, Any]:
-        """Master summary: the state's statistics plus connection counts."""
+        """Master summary: the state's statistics plus connection counts and the run name."""
         s = self.state.statistics()
+        s["run"] = self.run
         s["connections"] = len(self._conns)
         s["kicked_total"] = self.kicked_total
         return s
@@ -170,24 +179,53 @@ class MasterServer:
         ms = MessageStream(stream, max_frame_size=self.config.max_frame_size,
                            limits=limits.pre_auth(self.config.max_frame_size))
         host = stream.peer_address[0]
+        timeout = self.config.hello_timeout
         try:
-            with trio.fail_after(self.config.hello_timeout):
+            with trio.fail_after(timeout):
                 hello, refusal = await accept_hello(ms, purpose="master", secret=self.config.secret,
-                                                    listener="the master")
+                                                    listener="the master", run=self.run)
             if refusal is not None:
                 log.warning("refused connection from %s: %s", host, refusal.reason)
-                with trio.move_on_after(1.0):
-                    await ms.send(m.Refused(reason=refusal.reason, code=int(refusal.result)))
-                await ms.aclose()
+                await self._goodbye(ms, refusal.reason, int(refusal.result))
                 return
-        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
-            log.warning("connection from %s dropped during hello: %s", host, exc)
+        except trio.TooSlowError:
+            log.warning("connection from %s dropped during hello: it sent no complete hello within %gs "
+                        "(MasterConfig.hello_timeout; a silent client, a port scanner, or not a pccl peer)",
+                        host, timeout)
             await ms.aclose()
             return
+        except RemoteProtocolError as exc:
+            log.warning("connection from %s dropped during hello: not a pccl peer: %s", host, exc.message)
+            await ms.aclose()
+            return
+        except StreamBroken as exc:
+            if not ms.received_any and str(exc) == CLOSED_BY_PEER:
+                # A port probe (a health check, a scanner) connects and closes without a byte.
+                log.info("connection from %s closed before sending a hello (a port probe?)", host)
+            else:
+                log.warning("connection from %s dropped during hello: %s", host, exc)
+            await ms.aclose()
+            return
+        assert hello is not None  # accepted
+        late = check_run(self.run, hello.run)  # the master took a name during this hello
+        if late is not None:
+            log.warning("refused connection from %s: %s", host, late)
+            await self._goodbye(ms, late, int(Result.INVALID_USAGE))
+            return
+        if self.run and not hello.run:
+            # Accepted (the established API names no run), but said: a foreign job's peers on the same
+            # address would otherwise join without a word (docs/concepts.md "Run names", rule 1).
+            log.warning("connection from %s names no run; accepted into run %r (set PCCL_RUN or "
+                        "PeerConfig.run on its peers to keep other jobs out)", host, self.run)
+        if hello.run and not self.run:
+            # An unnamed master takes its run's name from the first named peer (a restarted master
+            # takes the name back from the members that re-register): docs/concepts.md "Run names".
+            self.run = hello.run
+            log.warning("this master now serves run %r (taken from %s peer from %s)", self.run,
+                        "a returning" if hello.peer_id >= 0 else "the first named", host)
         hello_done()
         ms.set_limits(limits.master_inbound(self.config.max_frame_size))
         now = trio.current_time()
-        assert hello is not None  # accepted
         claim = hello.peer_id  # >= 0: a member coming back (Reregister)
         if claim in self._conns:
             # The id's previous connection is still closing (its peer was just kicked or dropped):
@@ -243,6 +281,17 @@ class MasterServer:
         return self.budget.admit(host, open_fds=open_fds, members=len(self.state.ring),
                                  guests_from_host=from_host, away_claim=claim in self.state.away.members)
 
+    @staticmethod
+    async def _goodbye(ms: MessageStream, reason: str, code: int) -> None:
+        """Tell a refused connection why (best effort: it may have closed already, e.g. a client that
+        refused our challenge) and close it."""
+        with trio.move_on_after(1.0):
+            try:
+                await ms.send(m.Refused(reason=reason, code=code))
+            except StreamBroken:
+                pass
+        await ms.aclose()
+
     async def _reader(self, conn: _Conn) -> None:
         while True:
             try:
@@ -255,7 +304,7 @@ class MasterServer:
                 return
             now = trio.current_time()
             if self.status is not None:
-                self.status.observer.on_message(self.state, conn.peer_id, msg, now)
+                self.status.on_message(conn.peer_id, msg, now)
             if isinstance(msg, m.CollectiveDone) and msg.stalled_on >= 0:
                 self._stall_report(conn.peer_id, msg.stalled_on, now)
                 if conn.closing:
@@ -321,11 +370,10 @@ class MasterServer:
         """
         timeout = self.config.heartbeat_timeout
         straggler = self.config.straggler_timeout
-        stall_since: dict[str, float] = {}
-        stall_logged: dict[str, float] = {}
+        stalls = WaitBoard(first=STALL_LOG_AFTER)
         while True:
             now = trio.current_time()
-            self._log_stalls(now, stall_since, stall_logged)
+            self._log_stalls(now, stalls)
             silent_msg = f"evicted: silent for more than {timeout:g}s"
             lost = dict.fromkeys(self.state.expired(now, timeout), silent_msg)
             if straggler is not None:
@@ -405,18 +453,27 @@ class MasterServer:
             await trio.sleep_until(due)
             self._execute(self.state.go_overdue(trio.current_time()))
 
-    def _log_stalls(self, now: float, since: dict[str, float], logged: dict[str, float]) -> None:
+    def _log_stalls(self, now: float, board: WaitBoard) -> None:
         """Log a warning for every vote or round that has waited on the same peers for
-        ``STALL_LOG_AFTER`` seconds (and again every ``STALL_LOG_AFTER`` while it lasts)."""
-        lines = self.state.pending_summary()
-        for gone in set(since) - set(lines):
-            since.pop(gone)
-            logged.pop(gone, None)
-        for line in lines:
-            t0 = since.setdefault(line, now)
-            if now - t0 >= STALL_LOG_AFTER and now - logged.get(line, t0) >= STALL_LOG_AFTER:
-                logged[line] = now
-                log.warning("still waiting after %.0fs: %s", now - t0, line)
+        ``STALL_LOG_AFTER`` seconds, and for every peer waiting that long to be accepted (again at
+        doubling intervals while it lasts)."""
+        lines: dict[Hashable, str] = {line: line for line in self.state.pending_summary()}
+        accepted = len(self.state.ring)
+        voting = any(str(k).startswith("update_topology") for k in lines)
+        called = "" if voting else "; none has called it"
+        for pid in self.state.registered():
+            rec = self.state.peers[pid]
+            if accepted == 0:
+                continue  # the first peer is accepted at once (a rebuilding master waits on its roll call)
+            lines[("accept", pid)] = (f"peer {pid} (from {rec.host}) waits to be accepted: the {accepted} "
+                                      f"accepted peer(s) must call update_topology(){called}")
+        for key in [k for k in board.keys() if k not in lines]:
+            board.end(key)
+        for key, line in lines.items():
+            if key not in board:
+                board.begin(key, functools.partial(_still_waiting, line), now)
+        for text in board.due(now):
+            log.warning("%s", text)
 
     # ------------------------------------------------------------------------------------------
 
@@ -590,6 +647,11 @@ class MasterHandle:
     def statistics(self) -> dict[str, Any]:
         """See :meth:`MasterServer.statistics`."""
         return self._server.statistics()
+
+    @property
+    def run(self) -> str:
+        """The run this master serves ("": none yet; docs/concepts.md "Run names")."""
+        return self._server.run
 
     @property
     def status_address(self) -> Address | None:

@@ -212,6 +212,7 @@ class _SyncRound:
     revision: int = 0
     participants: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
+    note: str = ""  # for the participants' result: which co-voters were refused and why (issue 37)
 
 
 @dataclass
@@ -2403,6 +2404,7 @@ class MasterState:
         if not rnd.participants:
             del self._syncs[group]
             return effects
+        rnd.note = "; ".join(f"peer {p} was refused: {r.reason}" for p, r in sorted(result.refused.items()))
         rnd.running = True
         table = self.table(members)
         for p in members:
@@ -2441,7 +2443,8 @@ class MasterState:
         self.lost.settled(("sync", group, -1))
         self.doubts.progressed(group)
         return [
-            Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision))
+            Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision,
+                                        reason=rnd.note))
             for p in sorted(rnd.participants)
         ]
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .describe import describe_call
+from .series import SERIES_CSS, render_series_section
 from .state import MasterState
 
 #: Snapshot format version (``/status``'s ``"version"``); bump on incompatible changes.
@@ -176,7 +177,7 @@ th{background:#f0f0f0} .waited{background:#fff3cd} .muted{color:#777}
 .ring{font-family:monospace;font-size:1.1em} .cards{display:flex;gap:1em;flex-wrap:wrap}
 .card{background:#fff;border:1px solid #ddd;padding:.5em 1em;border-radius:6px}
 .card b{display:block;font-size:1.4em}
-"""
+""" + SERIES_CSS
 
 
 def render_html(snapshot: Mapping[str, Any], *, refresh_seconds: int = 2) -> str:
@@ -215,6 +216,7 @@ def render_html(snapshot: Mapping[str, Any], *, refresh_seconds: int = 2) -> str
 <div class=muted>up {snapshot['master']['uptime_s']:.0f} s &middot; refreshes every {refresh_seconds} s
 &middot; <a href="/status">/status</a> &middot; <a href="/metrics">/metrics</a></div>
 <div class=cards>{''.join(f'<div class=card><b>{e(str(v))}</b>{e(k)}</div>' for k, v in cards)}</div>
+{render_series_section(snapshot)}
 <h2>Ring</h2><div class=ring>{'<br>'.join(e(line) for line in _ring_line(snapshot))}</div>
 <h2>Membership</h2>
 <table><tr><th>peer</th><th>address</th><th>group</th><th>phase</th><th>last seen</th><th>waits in</th>

@@ -12,8 +12,10 @@ import time
 
 import trio
 
+from ..wire import messages as m
 from .http import Response
 from .metrics import CONTENT_TYPE, MasterObserver
+from .series import RunSeries
 from .state import Effect, Event, MasterState
 from .status import EventLog, build_status, render_html
 
@@ -31,7 +33,13 @@ class StatusService:
         self.address = address
         self.observer = MasterObserver()
         self.events = EventLog()
+        self.series = RunSeries()  # the page's time series and transfers (pccl/master/series.py)
         self.started_at = trio.current_time()
+
+    def on_message(self, peer_id: int, msg: m.Message, now: float) -> None:
+        """A message from ``peer_id``, before the state handles it."""
+        self.observer.on_message(self.state, peer_id, msg, now)
+        self.series.on_message(self.state, peer_id, msg, now)
 
     def on_effects(self, effects: list[Effect]) -> None:
         """Record what the state decided (membership events, collectives, evictions)."""
@@ -41,12 +49,15 @@ class StatusService:
             if isinstance(eff, Event):
                 self.events.add(eff.text, now, wall)
         self.observer.on_effects(self.state, effects, now)
+        self.series.on_effects(self.state, effects, now)
 
     def snapshot(self) -> dict[str, object]:
         """The current ``/status`` document."""
         now = trio.current_time()
-        return build_status(self.state, self.events.recent(), now, address=self.address,
+        snap = build_status(self.state, self.events.recent(), now, address=self.address,
                             uptime=now - self.started_at, counts=self.observer.summary(now))
+        snap["series"] = self.series.export(now)
+        return snap
 
     def route(self, path: str) -> Response | None:
         """Answer one GET."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import functools
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -35,6 +36,7 @@ from .. import _env, _tls
 from .._address import Addresses, parse_addresses
 from .._config import RECONNECT_BACKOFF_MAX, PeerConfig
 from .._errors import (
+    HelloRefusedError,
     InvalidArgumentError,
     InvalidUsageError,
     KickedError,
@@ -58,6 +60,7 @@ from .._types import (
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
+from .._waits import format_wait
 from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel, same_host, schedule_for
 from ..collectives.ring import plan_for, plan_partners, run_collective
 from ..collectives.schedule import chunk_bounds, send_partners
@@ -71,8 +74,10 @@ from ..wire.stream import MessageStream
 from . import bandwidth, shared_state
 from .credentials import CredentialStore
 from .mailbox import Mailbox, Waiter
+from .notices import WaitReporter
 from .p2p import P2PConnections, P2PDialer, serve_p2p
 from .pool import P2PPool
+from .progress import TransferProgress
 from .spin import Spinner
 from .stall import StalledOn, StallWatch
 from .state import (
@@ -113,7 +118,7 @@ _WAITING_NOTICE_AFTER = 0.25
 #: The cap bounds how long after a restarted master (or standby) starts listening a peer finds it: a
 #: refused connect costs a fraction of a millisecond, a round every 0.1 s is nothing for a master that
 #: is not there, and the run's gap across a master kill is the restart delay plus at most one cap
-#: (docs/benchmarks.md "With master kills"; it was 1 s, then 0.25 s).
+#: (docs/history/benchmarks-churn-soak.md "With master kills"; it was 1 s, then 0.25 s).
 _RECONNECT_BACKOFF_START = 0.05  # ... capped at pccl._config.RECONNECT_BACKOFF_MAX (the master reads it too)
 
 
@@ -152,6 +157,7 @@ class _OpState:
     op_seq: int = -1
     abort_error: PCCLError | None = None
     concluded: bool = False
+    plane_done: bool = False  # this peer's data plane finished
 
 
 class Communicator:
@@ -176,6 +182,8 @@ class Communicator:
             )
         # The master and its standbys, in order (docs/concepts.md "Surviving the master").
         self.master_addresses = parse_addresses(_env.master_address(address))
+        self._origin = _env.master_origin(address)  # " (from PCCL_MASTER=...)" for errors
+        self._notices = WaitReporter(log)  # long waits said at WARNING (docs/concepts.md "Long waits")
         self.master_host, self.master_port = self.master_addresses[0]
         self._link_up = trio.Event()  # set when a reconnection succeeded or finally failed
         self.peer_group = int(peer_group)
@@ -274,6 +282,18 @@ class Communicator:
         return self._core.group_ring
 
     @property
+    def notices(self) -> WaitReporter:
+        """This peer's long waits, said at WARNING while they last (docs/concepts.md "Long waits"); a
+        driver that waits on its own (e.g. for ``min_world_size`` peers) registers its wait here."""
+        return self._notices
+
+    @property
+    def refused_note(self) -> str:
+        """The last successful shared-state sync's word on the group members it refused, and why (""
+        when none): why a partner that then left is gone."""
+        return self._core.refused_note
+
+    @property
     def rank(self) -> int:
         """This peer's position in its group's ring (-1 if not accepted)."""
         return self._core.rank
@@ -325,37 +345,57 @@ class Communicator:
             raise MasterConnectionError(str(exc)) from exc
         max_frame = self.config.max_frame_size
         ms = MessageStream(stream, max_frame_size=max_frame, limits=limits.pre_auth(max_frame))
+        timeout = self.config.connect_timeout
         try:
-            with trio.fail_after(self.config.connect_timeout):
-                reply = await offer_hello(ms, purpose="master", secret=self.config.secret, peer_id=claim)
-        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
+            with trio.fail_after(timeout):
+                reply = await offer_hello(ms, purpose="master", secret=self.config.secret, peer_id=claim,
+                                          run=self.config.run or "")
+        except trio.TooSlowError:
+            await ms.aclose()
+            raise MasterConnectionError(
+                f"hello with master {host}:{port} failed: {host}:{port} accepted the connection but did "
+                f"not answer the hello within {timeout:g}s (PeerConfig.connect_timeout): it is silent, not "
+                "a pccl master (a status page's port?), or overloaded"
+            ) from None
+        except RemoteProtocolError as exc:
+            await ms.aclose()
+            raise HelloRefusedError(
+                f"hello with master {host}:{port} failed: not a pccl master: {exc.message}"
+            ) from None
+        except StreamBroken as exc:
             await ms.aclose()
             hint = ""
-            if isinstance(exc, StreamBroken) and self.config.tls is None:
+            if self.config.tls is None:
                 # A master with TLS closes a plain connection at its first bytes (docs/security.md).
                 hint = " (if the master uses TLS, this peer needs PeerConfig.tls_cert, tls_key and tls_ca)"
             raise MasterConnectionError(f"hello with master {host}:{port} failed: {exc}{hint}") from exc
         except HandshakeFailed as exc:
             await ms.aclose()
+            # A refusal (bad secret, another run or protocol version) is the same on every attempt.
             if exc.refused:
-                raise MasterConnectionError(f"master refused the connection: {exc.reason}") from None
-            raise MasterConnectionError(f"hello with master {host}:{port}: {exc.reason}") from None
+                raise HelloRefusedError(
+                    f"master {host}:{port} refused the connection: {exc.reason}"
+                ) from None
+            raise HelloRefusedError(f"hello with master {host}:{port}: {exc.reason}") from None
         ms.set_limits(limits.trusted(max_frame))
         return ms, reply
 
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
-        errors: list[str] = []
+        errors: list[MasterConnectionError] = []
         for host, port in self.master_addresses:  # the first master that answers
             try:
                 ms, reply = await self._dial(host, port)
             except MasterConnectionError as exc:
-                errors.append(exc.message)
+                errors.append(exc)
                 continue
             self.master_host, self.master_port = host, port
             break
         else:
-            raise MasterConnectionError("; ".join(errors))
+            text = "; ".join(e.message for e in errors) + self._origin
+            if all(isinstance(e, HelloRefusedError) for e in errors):
+                raise HelloRefusedError(text)
+            raise MasterConnectionError(text)
         self._ms = ms
         self._core.peer_id = reply.peer_id
         self._dialer = P2PDialer(
@@ -398,20 +438,22 @@ class Communicator:
                                      public_key=self._credentials.public_key))
         if self._standbys():
             await self._send(m.Standbys(count=self._standbys()))
+        nursery.start_soon(self._notices.run)
         deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
         accepted = False
-        with trio.move_on_at(min(deadline, trio.current_time() + _WAITING_NOTICE_AFTER)):
-            await self._accepted.wait()  # the core has the table now
-            accepted = True
-        if not accepted and trio.current_time() < deadline:
-            log.info(
-                "peer %d is waiting to be accepted by the master at %s:%d: the accepted peers must call "
-                "update_topology() (the first peer of a run is accepted at once)",
-                self.peer_id, self.master_host, self.master_port,
-            )
-            with trio.move_on_at(deadline):
-                await self._accepted.wait()
+        with self._notices.waiting("accept", self._describe_accept_wait):
+            with trio.move_on_at(min(deadline, trio.current_time() + _WAITING_NOTICE_AFTER)):
+                await self._accepted.wait()  # the core has the table now
                 accepted = True
+            if not accepted and trio.current_time() < deadline:
+                log.info(
+                    "peer %d is waiting to be accepted by the master at %s:%d: the accepted peers must call "
+                    "update_topology() (the first peer of a run is accepted at once)",
+                    self.peer_id, self.master_host, self.master_port,
+                )
+                with trio.move_on_at(deadline):
+                    await self._accepted.wait()
+                    accepted = True
         if not accepted:
             raise PCCLError(
                 f"peer {self.peer_id} was not accepted within {self.config.accept_timeout:g}s: a peer that "
@@ -419,6 +461,15 @@ class Communicator:
                 Result.MASTER_CONNECTION_FAILED,
             )
         log.info("peer %d accepted (world size %d)", self.peer_id, len(self._core.table))
+
+    def _describe_accept_wait(self, waited: float) -> str:
+        run = f" (run {self.config.run!r})" if self.config.run else ""
+        bound = (f"PeerConfig.accept_timeout ends it after {self.config.accept_timeout:g}s"
+                 if self.config.accept_timeout is not None else "set PeerConfig.accept_timeout to bound it")
+        return (f"peer {self.peer_id} has waited {format_wait(waited)} to be accepted by the master at "
+                f"{self.master_host}:{self.master_port}{run}: the peers already accepted must call "
+                f"update_topology() (a training loop does when are_peers_pending() says a peer waits); "
+                f"the master's log says whether any does; {bound}")
 
     async def aclose(self) -> None:
         """Leave the run. The others see it exactly like a failure, minus the wait."""
@@ -858,12 +909,18 @@ class Communicator:
         self._topology_waiter = waiter
         try:
             await self._send(vote)
-            result = await waiter.wait()
+            with self._notices.waiting(("topology", name), functools.partial(self._describe_vote_wait, name)):
+                result = await waiter.wait()
         finally:
             self._topology_waiter = None
             self._core.end_membership()
         if not result.success:
             raise error_from_code(result.code, result.reason or f"{name} failed")
+
+    def _describe_vote_wait(self, name: str, waited: float) -> str:
+        return (f"peer {self.peer_id}: {name}() has waited {format_wait(waited)} for the master's answer: "
+                f"the vote completes once every accepted peer of the run calls {name}() (the master's log "
+                f"names those it waits for); MasterConfig.vote_timeout bounds it")
 
     async def are_peers_pending(self) -> bool:
         """Collective query (all accepted peers call it): are peers waiting to be accepted?
@@ -883,7 +940,9 @@ class Communicator:
                 # The link broke as the vote went out: it waits like a vote that went out. The
                 # re-registration reports it waiting, and the master it reconnects to counts it
                 # (docs/concepts.md "A member's link breaks", "Rounds in doubt").
-            return (await waiter.wait()).pending
+            with self._notices.waiting(("pending", id(waiter)),
+                                       functools.partial(self._describe_vote_wait, "are_peers_pending")):
+                return (await waiter.wait()).pending
         finally:
             self._core.end_pending()
             if waiter in self._pending_waiters:
@@ -1012,6 +1071,7 @@ class Communicator:
             backend.copy_to_host(send, stage)
         t_start = time.perf_counter()
         st = _OpState(tag=tag, commence=Waiter(), complete=Waiter())
+        self._notices.begin(("op", tag), functools.partial(self._describe_op_wait, kind, st))
         self._core.begin_op(tag)
         self._spinner.begin()  # poll instead of sleeping while it runs (pccl/peer/spin.py)
         self._ops[tag] = st
@@ -1072,7 +1132,7 @@ class Communicator:
                         ),
                         arm_when=(lambda: st.commence.done) if proposal >= 0 else None,
                     )
-                    ok = plane_ok = True
+                    ok = plane_ok = st.plane_done = True
                 except PCCLError as exc:
                     reason = str(exc)
                     stalled_on = exc.peer_id if isinstance(exc, StalledOn) else -1
@@ -1128,8 +1188,20 @@ class Communicator:
                 # op for the other participants instead of leaving them waiting for us.
                 self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
             self._ops.pop(tag, None)
+            self._notices.end(("op", tag))
             self._core.end_op(tag)
             self._spinner.end()
+
+    def _describe_op_wait(self, kind: str, st: _OpState, waited: float) -> str | None:
+        group = f"peer group {self.peer_group}"
+        if not st.commence.done and not st.plane_done:  # (a speculative plane too: not everyone voted)
+            return (f"peer {self.peer_id}: {kind} (tag {st.tag}) has waited {format_wait(waited)} for the "
+                    f"other accepted peers of {group} to call it with the same tag (the master's log names "
+                    f"those it waits for); MasterConfig.vote_timeout bounds it")
+        if st.plane_done and not st.complete.done:
+            return (f"peer {self.peer_id}: {kind} (tag {st.tag}) finished here and has waited "
+                    f"{format_wait(waited)} in all for the other participants to finish it")
+        return None  # moving data (PeerConfig.p2p_stall_timeout bounds a stalled transfer)
 
     def _record_phases(self, *t: float) -> None:
         """Record a successful collective's phases from the ``len(_PHASES) + 1`` instants between them."""
@@ -1399,7 +1471,8 @@ class Communicator:
         Args:
             state: the :class:`pccl.SharedState`.
             strategy: ENFORCE_POPULAR, RECEIVE_ONLY or SEND_ONLY.
-            progress: optional ``callback(bytes_done, bytes_total)`` for long transfers.
+            progress: optional ``callback(bytes_done, bytes_total)`` for long transfers (None: the
+                default display, ``PeerConfig.progress``).
 
         Raises:
             SharedStateSyncError / NoSharedStateAvailableError: refused or failed; tensors unchanged.
@@ -1410,16 +1483,36 @@ class Communicator:
         assert self._dialer is not None
         inbox = Mailbox()
         self._sync_inbox = inbox
+        moved = [-math.inf]  # when bytes last arrived: a transfer that moves is no wait
+        shown = progress
+        if shown is None and self.config.progress:
+            shown = TransferProgress(f"peer {self.peer_id}: shared state")
+
+        def on_progress(done: int, total: int) -> None:
+            moved[0] = trio.current_time()
+            if shown is not None:
+                shown(done, total)
+
+        def describe(waited: float) -> str | None:
+            if trio.current_time() - moved[0] < self._notices.board.first:
+                return None
+            return (f"peer {self.peer_id}: sync_shared_state() has waited {format_wait(waited)}: it "
+                    f"completes once every accepted peer of peer group {self.peer_group} calls it and the "
+                    f"transfers its plan names are done (the master's log names those it waits for)")
+
         try:
-            return await shared_state.run_sync(
-                _SyncLink(self, inbox),
-                self._dialer,
-                self._state_server,
-                state,
-                SharedStateSyncStrategy(strategy),
-                progress,
-            )
+            with self._notices.waiting(("sync",), describe):
+                return await shared_state.run_sync(
+                    _SyncLink(self, inbox),
+                    self._dialer,
+                    self._state_server,
+                    state,
+                    SharedStateSyncStrategy(strategy),
+                    on_progress,
+                )
         finally:
+            if isinstance(shown, TransferProgress):
+                shown.close()
             self._sync_inbox = None
             self._core.end_membership()
 

@@ -364,6 +364,11 @@ async def run_sync(
             raise error_from_code(int(Result.INTERNAL_ERROR), f"unexpected message in sync: {result!r:.80}")
         if not result.success:
             raise error_from_code(result.code, result.reason)
+        if result.reason:
+            # Peers of the group were refused (another layout, a revision ahead...): they fail and
+            # will most likely leave; say why here too, where their absence is felt next.
+            log.warning("shared-state sync of revision %d went on without refused peers: %s",
+                        result.revision, result.reason)
         # Atomic apply: only now, after every participant succeeded, do tensors change.
         by_name = {i.name: i for i in state.tensor_infos}
         for key, data in staged.items():

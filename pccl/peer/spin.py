@@ -4,7 +4,7 @@ A small operation waits several times for a message that is only microseconds aw
 frame, the master's confirmation. A process that blocks in ``epoll_wait`` for each of them lets its
 CPU go idle, and waking an idle CPU is what such a wait costs: on a virtual machine about 35 us per
 wake-up, ten times a loopback round trip between two processes that keep polling (measured on
-the project's 2-vCPU VM: 75-80 us blocking against 6 us polling; docs/benchmarks.md "Polling
+the project's 2-vCPU VM: 75-80 us blocking against 6 us polling; docs/history/benchmarks-allreduce.md "Polling
 while an operation runs"). MPI implementations poll by default for the same reason.
 
 The :class:`Spinner` runs one task per communicator. While at least one collective of that

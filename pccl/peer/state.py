@@ -232,6 +232,9 @@ class PeerState:
         self.membership: str | None = None  # the membership call running, by name
         self.sync: SyncRecord | None = None
         self.lost: PCCLError | None = None
+        # The last successful sync's word on group members it refused ("" when none): why a partner
+        # that then left is gone (said again by waits for peers, e.g. TrainingRun's min_world_size).
+        self.refused_note = ""
         self.last_heard = 0.0
         self.syncs_total = 0
         self.topology_calls_total = 0
@@ -837,6 +840,8 @@ class PeerState:
         if msg.success:
             self.revision = msg.revision
             self.sync_committed = msg.sync_seq
+            if msg.reason:
+                self.refused_note = msg.reason  # co-voters refused by this sync, and why
         return [Resolve(Call.SYNC, msg)]
 
     def _on_measure(self, msg: m.Message) -> list[Effect]:

@@ -12,6 +12,15 @@ Importing this module imports torch; nothing else in pccl does.
 
 from __future__ import annotations
 
+try:
+    import torch  # noqa: F401  (say how to get it, not a bare "No module named 'torch'")
+except ImportError as _exc:
+    raise ImportError(
+        f"pccl.torch needs PyTorch, which cannot be imported here ({_exc}): install it with "
+        "`pip install torch` or `pip install 'pccl[torch]'` (CUDA builds: https://pytorch.org/get-started/)",
+        name="torch",
+    ) from _exc
+
 from ._buckets import DEFAULT_BUCKET_BYTES
 from ._diloco import default_outer_optimizer
 from ._drivers import AsyncDiLoCo, AsyncTrainingRun, DiLoCo, TrainingRun

@@ -172,7 +172,7 @@ class DiLoCoCore:
             core.rank, core.world_size = yield Members()
             if core.world_size >= core.min_world_size:
                 break
-            yield Sleep(core.poll_interval)
+            yield Sleep(core.poll_interval, core.min_world_size)
         last = self.total_outer_steps is not None and self.shared.revision + 1 >= self.total_outer_steps
         if self.running is not None and last:
             yield from self._wait_running()

@@ -3,6 +3,7 @@ for the blocking drivers."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -11,6 +12,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import InvalidUsageError, PCCLError, RankConnectionLostError
+from .._waits import format_wait
 from ..peer.communicator import Communicator, open_communicator
 from ._ops import (
     AllReduce,
@@ -30,6 +32,18 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _CLOSE_TIMEOUT = 10.0
+_PEERS_WAIT = ("min_world_size",)  # the key of the wait for enough peers (pccl.peer.notices)
+
+
+def _describe_peers_wait(comm: Communicator, wanted: int, waited: float) -> str:
+    """What a training loop waiting for ``min_world_size`` peers says (docs/torch.md)."""
+    have = len(comm.group_ring)
+    text = (f"peer {comm.peer_id} has waited {format_wait(waited)} for min_world_size={wanted} peers in its "
+            f"group, which has {have}: start more peers (they are admitted at the next step; this loop "
+            f"calls update_topology()) or lower min_world_size")
+    if comm.refused_note:
+        text += f"; the last shared-state sync refused peers of this group: {comm.refused_note}"
+    return text
 
 
 class _Background:
@@ -61,10 +75,15 @@ class Executor:
             return await comm.update_topology()
         if isinstance(op, Members):
             return comm.rank, len(comm.group_ring)
+        if isinstance(op, Sleep):
+            if op.min_world_size > 0 and _PEERS_WAIT not in comm.notices.board:
+                describe = functools.partial(_describe_peers_wait, comm, op.min_world_size)
+                comm.notices.begin(_PEERS_WAIT, describe)
+            return await trio.sleep(op.seconds)
+        if isinstance(op, (Sync, AllReduce, StartAllReduce)):
+            comm.notices.end(_PEERS_WAIT)  # enough peers: training goes on
         if isinstance(op, Sync):
             return await comm.sync_shared_state(op.state)
-        if isinstance(op, Sleep):
-            return await trio.sleep(op.seconds)
         if isinstance(op, AllReduce):
             return await self.all_reduce(op)
         if isinstance(op, StartAllReduce):

@@ -58,9 +58,11 @@ class Sync:
 
 @dataclasses.dataclass(frozen=True)
 class Sleep:
-    """Wait ``seconds`` (alone, waiting for peers); result: None."""
+    """Wait ``seconds`` (alone, waiting for peers); result: None. ``min_world_size`` > 0: the wait is for
+    that many peers (the executor says so at WARNING while it lasts)."""
 
     seconds: float
+    min_world_size: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -122,7 +122,7 @@ class TrainCore:
             self.rank, self.world_size = yield Members()
             if self.world_size >= self.min_world_size:
                 return
-            yield Sleep(self.poll_interval)
+            yield Sleep(self.poll_interval, self.min_world_size)
 
     def step(self, backward: Backward) -> Generator[Op, Any, StepResult | None]:
         """One training step; returns None once ``total_steps`` steps were applied."""

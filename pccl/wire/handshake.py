@@ -10,10 +10,16 @@ from __future__ import annotations
 import secrets
 from collections.abc import Awaitable, Callable, Collection
 
+import trio
+
 from .._config import PROTOCOL_VERSION
+from .._errors import Result
+from ..transport import StreamBroken
 from .hello import NONCE_BYTES, HelloRefusal, answer, challenge, check_challenge, check_hello, check_proof
 from .messages import Challenge, Hello, HelloOk, Refused
 from .stream import MessageStream
+
+_GOODBYE_TIMEOUT = 1.0  # seconds to tell the listener why this side ends the handshake
 
 #: ``credential_for(hello)``: the credential a P2P connection must prove (its HMAC key, with the secret),
 #: or why it is refused; it may wait, bounded, for a set of credentials the master is about to deliver.
@@ -43,6 +49,7 @@ async def accept_hello(
     channels: Collection[str] | None = None,
     listener: str = "this listener",
     credential_for: CredentialLookup | None = None,
+    run: str = "",
 ) -> tuple[Hello | None, HelloRefusal | None]:
     """Run the listener's side: read the Hello, answer a Challenge, check the Proof.
 
@@ -54,6 +61,7 @@ async def accept_hello(
         listener: how refusal reasons name this side.
         credential_for: P2P listeners bound to membership: the credential the Hello's claimed peer,
             channel and epoch must prove (None: no credential, the secret alone decides).
+        run: the master's run name ("": none; :func:`pccl.wire.hello.check_run`).
 
     Returns:
         ``(hello, None)`` when accepted (the caller answers HelloOk), else ``(None, refusal)`` (the caller
@@ -64,7 +72,7 @@ async def accept_hello(
         RemoteProtocolError: a malformed frame.
     """
     msg = await ms.receive()
-    refusal = check_hello(msg, purpose=purpose, channels=channels, listener=listener)
+    refusal = check_hello(msg, purpose=purpose, channels=channels, listener=listener, run=run)
     if refusal is not None:
         return None, refusal
     assert isinstance(msg, Hello)
@@ -93,6 +101,7 @@ async def offer_hello(
     credential: bytes = b"",
     generation: int = 0,
     epoch: int = -1,
+    run: str = "",
 ) -> HelloOk:
     """Run the connecting side: Hello, check the listener's Challenge, Proof, read HelloOk.
 
@@ -108,23 +117,33 @@ async def offer_hello(
             listener must prove it too.
         generation: for P2P, the master generation of the credential's set.
         epoch: for P2P, the epoch of the credential's set (-1: no credential).
+        run: to the master, this peer's run name ("": none).
 
     Returns:
         The listener's HelloOk.
 
     Raises:
-        HandshakeFailed: refused (the reason says why), or the listener does not know the secret.
+        HandshakeFailed: refused (the reason says why), or the listener does not know the secret (the
+            listener is then told why in a ``Refused``, so that its log names the cause too).
         pccl.transport.StreamBroken: the connection broke.
         RemoteProtocolError: a malformed frame.
     """
     hello = Hello(protocol_version=protocol_version, purpose=purpose, peer_id=peer_id, channel=channel,
-                  index=index, nonce=new_nonce(), generation=generation, epoch=epoch)
+                  index=index, nonce=new_nonce(), generation=generation, epoch=epoch, run=run)
     await ms.send(hello)
     reply = await ms.receive()
     if isinstance(reply, Refused):
         raise HandshakeFailed(reply.reason, refused=True)
     problem = check_challenge(reply, hello, secret=secret, credential=credential)
     if problem is not None:
+        if isinstance(reply, Challenge):
+            # Tell the listener why this side gives up, so that its log says "bad secret" rather than
+            # "connection closed" (best effort: the connection closes next either way).
+            with trio.move_on_after(_GOODBYE_TIMEOUT):
+                try:
+                    await ms.send(Refused(reason=problem, code=int(Result.INVALID_USAGE)))
+                except StreamBroken:
+                    pass
         raise HandshakeFailed(problem)
     assert isinstance(reply, Challenge)
     await ms.send(answer(reply, hello, secret=secret, credential=credential))

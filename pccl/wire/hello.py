@@ -49,6 +49,7 @@ class HelloProblem(enum.Enum):
     SECRET = "secret"
     CHANNEL = "channel"
     CREDENTIAL = "credential"
+    RUN = "run"
 
     @property
     def result(self) -> Result:
@@ -66,6 +67,7 @@ _RESULTS = {
     HelloProblem.SECRET: Result.INVALID_USAGE,
     HelloProblem.CHANNEL: Result.INVALID_USAGE,
     HelloProblem.CREDENTIAL: Result.INVALID_USAGE,
+    HelloProblem.RUN: Result.INVALID_USAGE,
 }
 
 
@@ -128,6 +130,7 @@ def check_hello(
     purpose: str,
     channels: Collection[str] | None = None,
     listener: str = "this listener",
+    run: str = "",
 ) -> HelloRefusal | None:
     """Check the first message of a connection (the secret is checked later, by :func:`check_proof`).
 
@@ -136,6 +139,7 @@ def check_hello(
         purpose: the purpose this listener serves ("master" or "p2p").
         channels: the P2P channels served (None: the hello's channel is not checked).
         listener: how the reasons name this side ("the master", "this peer").
+        run: the master's run name ("": none); see :func:`check_run`.
 
     Returns:
         None to go on with :func:`challenge`, else the refusal.
@@ -148,6 +152,9 @@ def check_hello(
             f"protocol version mismatch: the connecting peer speaks version {msg.protocol_version}, "
             f"{listener} speaks version {PROTOCOL_VERSION}",
         )
+    mismatch = check_run(run, msg.run)
+    if mismatch is not None:
+        return HelloRefusal(HelloProblem.RUN, mismatch)
     if msg.purpose != purpose:
         return HelloRefusal(
             HelloProblem.PURPOSE,
@@ -161,6 +168,23 @@ def check_hello(
     if channels is not None and msg.channel not in channels:
         return HelloRefusal(HelloProblem.CHANNEL, f"unknown P2P channel {msg.channel!r}")
     return None
+
+
+def check_run(master_run: str, peer_run: str) -> str | None:
+    """The run-name rule of the master's hello (docs/concepts.md "Run names").
+
+    A peer without a name joins any master (the established API sets none); a named peer joins a master
+    of its own name or a master without one (which then takes the name, see
+    :meth:`pccl.master.server.MasterServer`); a named peer and a master of another name are refused.
+
+    Returns:
+        None when the peer may go on, else the reason, naming both runs.
+    """
+    if not peer_run or not master_run or peer_run == master_run:
+        return None
+    return (f"other run: this peer belongs to run {peer_run!r} and the master serves run {master_run!r} "
+            f"(a peer joins only the master of its own run: check PCCL_RUN / PeerConfig.run and the "
+            f"master's --run, or the address)")
 
 
 def challenge(hello: Hello, *, secret: str | None, server_nonce: bytes, credential: bytes = b"") -> Challenge:
@@ -187,6 +211,9 @@ def check_proof(
     Returns:
         None to accept (answer HelloOk), else the refusal.
     """
+    if isinstance(msg, Refused):
+        # The connecting side found the Challenge not made with its secret and says so before closing.
+        return HelloRefusal(HelloProblem.SECRET, f"the connecting side refused the challenge: {msg.reason}")
     if not isinstance(msg, Proof):
         return HelloRefusal(HelloProblem.NOT_HELLO, f"expected Proof, got {type(msg).__name__}")
     if secret is None and not credential:
@@ -244,5 +271,5 @@ def answer(challenge_msg: Challenge, hello: Hello, *, secret: str | None, creden
 
 __all__ = [
     "MAX_NONCE_BYTES", "MIN_NONCE_BYTES", "NONCE_BYTES", "HelloProblem", "HelloRefusal", "answer",
-    "challenge", "check_challenge", "check_hello", "check_proof", "proof",
+    "challenge", "check_challenge", "check_hello", "check_proof", "check_run", "proof",
 ]

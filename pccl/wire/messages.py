@@ -310,7 +310,9 @@ class Hello(Message):
     ``nonce``: the connecting side's fresh random challenge (16 to 64 bytes); the secret itself never
     travels (see :mod:`pccl.wire.hello`). For P2P, ``generation`` and ``epoch`` name the
     :class:`P2PCredentials` set whose credential the connecting side proves it holds (``epoch`` -1: none);
-    the credential itself never travels either.
+    the credential itself never travels either. ``run``: to the master, the run name of the peer
+    (``PeerConfig.run``; "" for none), checked before anything else (docs/concepts.md "Run names"); a
+    trailing field, so a Hello without it decodes with "" (the framing is unchanged).
     """
 
     protocol_version: int
@@ -321,6 +323,7 @@ class Hello(Message):
     nonce: bytes = b""
     generation: int = 0
     epoch: int = -1
+    run: str = ""
 
 
 # A Hello of another protocol version is decoded as far as its first two fields (see decode).

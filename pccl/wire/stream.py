@@ -45,6 +45,10 @@ def encode_message(msg: Message) -> bytes:
     return data
 
 
+#: The message of the StreamBroken raised when the other side closed the connection between frames.
+CLOSED_BY_PEER = "connection closed by the other side"
+
+
 def looks_like_tls(head: bytes) -> bool:
     """True when ``head`` (a connection's first bytes) starts like a TLS record, not a pccl frame."""
     return len(head) >= 3 and head[0] in _TLS_RECORD_TYPES and head[1] == 3 and head[2] <= 4
@@ -62,6 +66,28 @@ class LargeFrameGuard(Protocol):
 
     def release(self, n: int) -> None:
         """Give back bytes :meth:`reserve` returned."""
+
+
+# First bytes of other protocols a pccl port may be confused with (a status page, a web server, ssh).
+_FOREIGN = (
+    (b"HTTP/", "an HTTP server answered (is this the status page's port rather than the master's?)"),
+    (b"GET ", "an HTTP client sent a request (this port serves pccl, not HTTP)"),
+    (b"POST", "an HTTP client sent a request (this port serves pccl, not HTTP)"),
+    (b"HEAD", "an HTTP client sent a request (this port serves pccl, not HTTP)"),
+    (b"SSH-", "an SSH server answered"),
+)
+
+
+def foreign_protocol(head: bytes) -> str | None:
+    """What ``head`` (a connection's first bytes, up to 5) looks like when it is not pccl framing: a TLS
+    record, HTTP, SSH; None when it is none of these."""
+    if looks_like_tls(head):
+        return ("the other side speaks TLS and this one does not: configure TLS on both sides or on "
+                "neither")
+    for prefix, what in _FOREIGN:
+        if head.startswith(prefix[: len(head)]) and len(head) >= min(4, len(prefix)):
+            return f"not pccl: {what}"
+    return None
 
 
 class MessageStream:
@@ -88,6 +114,11 @@ class MessageStream:
         self.guard: LargeFrameGuard | None = None  # see set_guard
         self._reserved = 0  # bytes the guard reserved for the frame under way
         self._reserved_until = 0.0
+
+    @property
+    def received_any(self) -> bool:
+        """Whether any byte arrived on this connection (a port probe closes without sending one)."""
+        return bool(self._head)
 
     def _frame(self, msg: Message) -> bytes:
         limit = self.max_frame_size
@@ -191,21 +222,25 @@ class MessageStream:
             try:
                 payload = self._framer.next_frame()
             except RemoteProtocolError as exc:
-                if self._frames == 0 and looks_like_tls(self._head):
-                    raise RemoteProtocolError(
-                        f"{exc.message} (the other side speaks TLS and this one does not: configure "
-                        "TLS on both sides or on neither)"
-                    ) from None
+                foreign = foreign_protocol(self._head) if self._frames == 0 else None
+                if foreign is not None:
+                    raise RemoteProtocolError(f"{exc.message} ({foreign})") from None
                 raise
             if payload is not None:
                 self._frames += 1
                 self._release()
                 # The framer already ran the limits' size check on the frame's head.
-                if self.limits is None:
-                    return decode(payload)
-                return decode(payload, unpack_limits=self.limits.unpack_for(payload[1]))
+                try:
+                    if self.limits is None:
+                        return decode(payload)
+                    return decode(payload, unpack_limits=self.limits.unpack_for(payload[1]))
+                except RemoteProtocolError as exc:
+                    foreign = foreign_protocol(self._head) if self._frames == 1 else None
+                    if foreign is None:
+                        raise
+                    raise RemoteProtocolError(f"{exc.message} ({foreign})") from None
             if self._framer.at_eof:
-                raise StreamBroken("connection closed by the other side")
+                raise StreamBroken(CLOSED_BY_PEER)
             self._check_large()
             if self._reserved:
                 with trio.move_on_at(self._reserved_until):
@@ -217,8 +252,8 @@ class MessageStream:
                     f"a {self._reserved}-byte frame did not arrive whole within {self.guard.deadline:g}s"
                 )
             data = await self.stream.receive_some(_RECV_SIZE)
-            if len(self._head) < 3:
-                self._head += data[: 3 - len(self._head)]
+            if len(self._head) < 5:
+                self._head += data[: 5 - len(self._head)]
             self._framer.feed(data)
 
     def take_buffered(self, n: int) -> bytes:

@@ -141,3 +141,58 @@ def test_master_node_port_in_use_is_one_line() -> None:
     assert info.value.result == Result.SYSTEM_ERROR
     assert info.value.message == f"cannot listen on 127.0.0.1:{port}: [Errno 98] Address already in use"
     assert info.value.__cause__ is None and info.value.__suppress_context__
+
+
+def test_a_bad_secret_fails_once_and_pccl_master_is_named(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from pccl import HelloRefusedError
+
+    caplog.set_level(logging.WARNING, logger="pccl")
+    with MasterNode("127.0.0.1:0", config=MasterConfig(secret="s3cret")) as master:
+        master.run()
+        monkeypatch.setenv("PCCL_MASTER", master.address)
+        with pytest.raises(HelloRefusedError) as info:
+            Communicator().connect(n_attempts=5)
+        # Not retried: no "attempt 1/5" warning, and the message names the variable it came from.
+        assert "bad secret" in info.value.message
+        assert f"(from PCCL_MASTER={master.address})" in info.value.message
+        assert "attempt" not in caplog.text
+        master.interrupt()
+
+
+def test_pccl_master_without_a_port_says_so() -> None:
+    from pccl._env import master_origin
+
+    assert master_origin("h:1", {"PCCL_MASTER": "foo"}) == ""
+    assert master_origin(None, {"PCCL_MASTER": "foo"}) == " (from PCCL_MASTER=foo; no port given, so the " \
+        "default 48148)"
+    assert master_origin(None, {"PCCL_MASTER": "[::1]:5,h:6"}) == " (from PCCL_MASTER=[::1]:5,h:6)"
+
+
+def test_import_pccl_torch_without_torch_says_how_to_install_it() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['torch'] = None; import pccl.torch"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "pccl.torch needs PyTorch" in out.stderr and "pip install torch" in out.stderr, out.stderr
+
+
+def test_a_bad_pccl_log_level_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl._env import apply_log_level
+
+    logger = logging.getLogger("pccl")
+    before, handlers = logger.level, list(logger.handlers)
+    try:
+        apply_log_level({"PCCL_LOG_LEVEL": "verbose"})
+        assert capsys.readouterr().err == (
+            "pccl: PCCL_LOG_LEVEL=verbose is not one of DEBUG, INFO, WARNING, ERROR: using WARNING\n")
+        apply_log_level({"PCCL_LOG_LEVEL": "info"})
+        assert capsys.readouterr().err == ""
+    finally:
+        logger.setLevel(before)
+        for h in list(logger.handlers):
+            if h not in handlers:
+                logger.removeHandler(h)

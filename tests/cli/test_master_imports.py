@@ -1,5 +1,5 @@
 """``pccl-master`` starts without the peer's modules: a restarted master listens sooner, which bounds the
-run's gap across a master kill (docs/benchmarks.md "With master kills")."""
+run's gap across a master kill (docs/history/benchmarks-churn-soak.md "With master kills")."""
 
 from __future__ import annotations
 

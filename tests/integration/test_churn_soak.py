@@ -4,7 +4,7 @@ A master and up to 10 peer processes on loopback; every 0.5-2 s a peer is spawne
 while the others train (shared-state sync + all-reduce + admission). The soak itself checks that every
 survivor ends with the same state hash, that no peer failed, and that no stretch without a completed
 all-reduce exceeded ``--max-gap``; this test runs it and asserts on its exit code and summary. The
-10-minute run reported in docs/benchmarks.md is the same script with ``--duration 600``.
+10-minute run reported in docs/history/benchmarks-churn-soak.md is the same script with ``--duration 600``.
 """
 
 from __future__ import annotations

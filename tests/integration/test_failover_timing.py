@@ -1,5 +1,5 @@
 """How soon the run finds a restarted master (virtual network, MockClock): the peers' reconnect
-backoff bounds the gap across a master kill (docs/benchmarks.md "With master kills")."""
+backoff bounds the gap across a master kill (docs/history/benchmarks-churn-soak.md "With master kills")."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """The master's per-round collective messages are one object for every receiver, and the streams encode
 such an object once (``Message.SHARED``): the slow path's ``CollectiveCommence`` carries the n-row table,
-so encoding it per voter made a round's encoding O(n^2) (docs/benchmarks.md "Control plane at many
+so encoding it per voter made a round's encoding O(n^2) (docs/history/benchmarks-control-plane.md "Control
+plane at many
 peers")."""
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ handshake keyed with a credential."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import msgpack
@@ -234,8 +235,14 @@ def test_a_hello_of_another_version_is_decoded_so_that_the_version_is_what_is_re
     assert refusal is not None and refusal.problem is HelloProblem.VERSION and "version 2" in refusal.reason
     longer = msgpack.packb([tag, [*values, "a field of a later version"]], use_bin_type=True)
     assert m.decode(longer) == m.Hello(protocol_version=2, purpose="p2p", channel="ring", nonce=NC)
-    with pytest.raises(RemoteProtocolError, match="expected 8 fields, got 1"):
+    with pytest.raises(RemoteProtocolError, match="expected 9 fields, got 1"):
         m.decode(msgpack.packb([tag, [3]], use_bin_type=True))
+    # A protocol-5 Hello from before run names (eight fields) decodes with no run: the same framing.
+    named = m.Hello(protocol_version=5, purpose="master", nonce=NC, run="job")
+    tag5, values5 = msgpack.unpackb(m.encode(named))
+    assert values5[-1] == "job"
+    unnamed = m.decode(msgpack.packb([tag5, values5[:8]], use_bin_type=True))
+    assert unnamed == dataclasses.replace(named, run="")
     # Every other message keeps the exact field count.
     proof = msgpack.unpackb(m.encode(m.Proof(proof=b"p")))
     with pytest.raises(RemoteProtocolError, match="expected 1 fields, got 2"):
