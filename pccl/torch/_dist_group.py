@@ -172,8 +172,17 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         return self._broken is not None
 
     def close(self) -> None:
-        """Leave the pccl run (the others see this peer as lost) and stop the background thread."""
+        """Leave the pccl run (the others see this peer as lost) and stop the background thread
+        (idempotent; ``dist.destroy_process_group()`` calls it through :meth:`shutdown`)."""
         self._thread.close()
+
+    def shutdown(self) -> None:
+        """torch's name for :meth:`close`."""
+        self.close()
+
+    def abort(self) -> None:
+        """torch's name for :meth:`close` (running operations fail on every peer)."""
+        self.close()
 
     # ------------------------------------------------------------------------------------------------
     # torch's ProcessGroup interface
@@ -424,11 +433,38 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("recv_anysource", "pccl has no point-to-point messages, only collectives")
 
-    def gather(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("gather", "use all_gather")
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+               opts: Any = None) -> PCCLWork:
+        """Emulated: an all-gather whose result only the root keeps."""
+        call = "gather"
+        t = _one(input_tensors, call)
+        root = (opts or dist.GatherOptions()).rootRank
 
-    def scatter(self, *args: Any, **kwargs: Any) -> Any:
-        return self._unsupported("scatter", "use broadcast")
+        async def body(k: Kinds, tag: int) -> None:
+            parts = (await k.all_gather(call, t.contiguous(), tag)).reshape(k.n, -1)
+            if k.config.rank == root:
+                outs = _one(output_tensors, call)  # type: ignore[arg-type]
+                for out, part in zip(outs, parts, strict=True):
+                    out.copy_(part.view_as(out))
+
+        return self._launch(call, output_tensors, input_tensors, body)
+
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                opts: Any = None) -> PCCLWork:
+        """Emulated: a broadcast of the root's whole list, of which each rank keeps its part."""
+        call = "scatter"
+        out = _one(output_tensors, call)
+        root = (opts or dist.ScatterOptions()).rootRank
+
+        async def body(k: Kinds, tag: int) -> None:
+            if k.config.rank == root:
+                whole = torch.cat([i.reshape(-1) for i in _one(input_tensors, call)])  # type: ignore[arg-type]
+            else:
+                whole = torch.empty(k.n * out.numel(), dtype=out.dtype, device=out.device)
+            got = await k.broadcast(call, whole, root, tag)
+            out.copy_(got.reshape(k.n, -1)[k.config.rank].view_as(out))
+
+        return self._launch(call, output_tensors, [], body)
 
     def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("all_gather_coalesced", "deprecated by torch; use all_gather_into_tensor")

@@ -73,6 +73,7 @@ def pccl_reduce_op(torch_op: Any, call: str) -> ReduceOp:
     for key, value in table.items():
         if torch_op == key:
             return value
+    name = getattr(getattr(torch_op, "op", torch_op), "name", repr(torch_op))
     raise UnsupportedOperationError(
-        f"{call}: the pccl backend supports ReduceOp SUM, AVG, PRODUCT, MIN and MAX, not {torch_op!r} "
+        f"{call}: the pccl backend supports ReduceOp SUM, AVG, PRODUCT, MIN and MAX, not {name} "
         "(bitwise ops and PREMUL_SUM have no pccl kernel)")
