@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .._errors import PCCLError, RankConnectionLostError, TooFewPeersError, UpdateTopologyFailedError
 from ..peer.shared_state import SharedState, TensorInfo
 from ._dist_group import ProcessGroupPCCL
-from ._dist_work import PeerLostError
+from ._dist_work import PCCLWork, PeerLostError
 from ._model import SharedModel
 
 __all__ = ["Manager"]
@@ -101,8 +101,8 @@ class Manager:
         skip_membership = self._first and self.pg.joined_running_group
         need_sync = self._first
         self._first = False
-        last: BaseException | None = None
-        for _ in range(self.max_attempts):
+        failures: list[BaseException] = []
+        while len(failures) < self.max_attempts:
             try:
                 if not skip_membership:
                     if self.pg.run(comm.are_peers_pending):
@@ -112,7 +112,7 @@ class Manager:
                     if config.newcomers or config.size != size_before:
                         need_sync = True
                     if config.size < self.min_world_size:
-                        time.sleep(self.poll_interval)
+                        time.sleep(self.poll_interval)  # poll: the next round admits whoever came
                         continue
                 skip_membership = False
                 if need_sync:
@@ -123,9 +123,9 @@ class Manager:
                         self.shared.revision = self._state.revision
                 return
             except _RETRY as exc:
-                last = exc
+                failures.append(exc)
                 need_sync = True  # whoever is left re-syncs (a failed sync fails for everyone)
-        raise PeerLostError(f"start_step: peers kept failing for {self.max_attempts} rounds ({last})")
+        raise PeerLostError(f"start_step: peers kept failing for {self.max_attempts} rounds ({failures[-1]})")
 
     def allreduce(self, tensor: torch.Tensor, op: Any = None) -> torch.futures.Future[torch.Tensor]:
         """All-reduce ``tensor`` in place (AVG by default); the future completes with ``tensor`` even when a
@@ -151,6 +151,29 @@ class Manager:
         """``ddp.register_comm_hook`` with :meth:`comm_hook`."""
         ddp.register_comm_hook(None, lambda state, bucket: self.comm_hook(state, bucket))
 
+    def wrap(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.parallel.DistributedDataParallel:
+        """``DistributedDataParallel(module)`` whose gradients are averaged by this manager.
+
+        DDP itself is given a one-process placeholder group (as torchft does): its own collectives (the
+        parameter broadcast at construction, the bucket order it broadcasts after its first backward,
+        buffer broadcasts) are about this process only, since a newcomer makes them at other times than
+        the peers already running, and its state comes from the manager's sync instead. The gradients go
+        through :meth:`comm_hook`, over the pccl group as it is at each step.
+
+        ``find_unused_parameters`` is True: DDP then keeps the bucket layout it starts with (its default
+        rebuilds the buckets in gradient order after a process's first backward, so a newcomer's first
+        step would pair other gradients' elements than the running peers' buckets).
+
+        Raises:
+            ValueError: ``find_unused_parameters=False`` or ``static_graph=True`` (both rebuild the buckets).
+        """
+        if not ddp_kwargs.setdefault("find_unused_parameters", True) or ddp_kwargs.get("static_graph"):
+            raise ValueError("Manager.wrap: DDP must keep its bucket layout (find_unused_parameters=True, "
+                             "static_graph=False) so that a newcomer's buckets match the running peers'")
+        ddp = torch.nn.parallel.DistributedDataParallel(module, process_group=_LocalGroup(), **ddp_kwargs)
+        self.register_comm_hook(ddp)
+        return ddp
+
     def should_commit(self) -> bool:
         """Whether every peer of the step succeeded: a vote (all-reduce MIN), so all or none commit.
 
@@ -169,3 +192,40 @@ class Manager:
             return False
         self._step += 1
         return True
+
+
+class _LocalGroup(dist.ProcessGroup):
+    """A process group of this process alone: every collective is complete at once (what a group of one
+    computes). It soaks up the collectives DDP makes for itself under a :class:`Manager`."""
+
+    def __init__(self) -> None:
+        super().__init__(0, 1)
+
+    def _done(self, call: str, result: Any) -> PCCLWork:
+        work = PCCLWork(call, result)
+        work.finish(None)
+        return work
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:
+        return self._done("all_reduce", tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:
+        return self._done("broadcast", tensors)
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+                  opts: Any = None) -> PCCLWork:
+        for out, t in zip(output_tensors, input_tensors, strict=True):
+            out[0].copy_(t)
+        return self._done("all_gather", output_tensors)
+
+    def barrier(self, opts: Any = None) -> PCCLWork:
+        return self._done("barrier", [])
+
+    def rank(self) -> int:
+        return 0
+
+    def size(self) -> int:
+        return 1
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "pccl-local"

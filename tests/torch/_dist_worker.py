@@ -152,15 +152,14 @@ def manager_run(rank: int, world: int, master: str, marker: str, total: int, kil
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     shared = SharedModel(model, opt)
     mgr = Manager(shared, process_group=pg)
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=pg, init_sync=False, broadcast_buffers=False)
-    is_victim = rank == victim
+    ddp = mgr.wrap(model)
+    if rank == victim:
+        def die(grad: torch.Tensor) -> torch.Tensor:
+            if mgr.step == kill_at:  # mid-backward: its peers wait for it in the gradients' all-reduce
+                os.kill(os.getpid(), signal.SIGKILL)
+            return grad
 
-    def hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        if is_victim and mgr.step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)  # dies mid-step, as its peers wait in this all-reduce
-        return mgr.comm_hook(state, bucket)
-
-    ddp.register_comm_hook(None, hook)
+        model[0].weight.register_hook(die)  # type: ignore[union-attr]
     log: list[tuple[int, int, int, bool]] = []
     first_rx = -1
     while mgr.step < total:
@@ -175,9 +174,13 @@ def manager_run(rank: int, world: int, master: str, marker: str, total: int, kil
         if committed:
             opt.step()
         log.append((step, mgr.rank, mgr.world_size, committed))
-        if rank == 0 and committed and step == kill_at + 2:
-            with open(marker, "w") as f:
-                f.write("go")
+        print(f"step {step} rank {mgr.rank}/{mgr.world_size} committed {committed} "
+              f"checksum {sum(float(p.double().sum()) for p in model.parameters())!r}", flush=True)
+        if committed and step == kill_at + 2 and rank >= 0:
+            mgr.min_world_size = 3  # the survivors wait for the newcomer before the next step
+            if rank == 0:
+                with open(marker, "w") as f:
+                    f.write("go")
     result = {"params": {k: v.detach().clone() for k, v in model.state_dict().items()}, "log": log,
               "first_sync_rx": first_rx, "step": mgr.step}
     pg.close()
@@ -215,6 +218,11 @@ def main(argv: list[str]) -> int:
                 result[backend] = train_ddp(r, world, steps, lambda m: nn.parallel.DistributedDataParallel(m))
                 if backend == "pccl":
                     result["reference"] = reference(steps)
+                    # DistributedDataParallel(process_group=pg), given the group object
+                    pg = dist.group.WORLD
+                    assert isinstance(pg, ProcessGroupPCCL)
+                    result["pccl_pg"] = train_ddp(
+                        r, world, steps, lambda m: nn.parallel.DistributedDataParallel(m, process_group=pg))
             dist.destroy_process_group()
     elif scenario == "manager":
         total, kill_at, victim = (int(a) for a in argv[6:9])
@@ -226,6 +234,9 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang shows its stacks in the test's log
     try:
         sys.exit(main(sys.argv[1:]))
     except PeerLostError as exc:

@@ -147,6 +147,7 @@ def test_ddp_float64_matches_gloo(master: str, tmp_path: Path) -> None:
             assert float((res["pccl"][name] - ref).abs().max()) <= 1e-12, name
             assert float((res["pccl"][name] - res["reference"][name]).abs().max()) <= 1e-12, name
             assert torch.equal(res["pccl"][name], results[0]["pccl"][name]), name
+            assert torch.equal(res["pccl_pg"][name], res["pccl"][name]), name
 
 
 @pytest.mark.slow
