@@ -24,7 +24,7 @@ from .._types import ReduceOp
 from ..peer.communicator import Communicator
 from ._dist_kinds import Configuration, Kinds, exchange_ranks
 from ._dist_plan import NEW_PEER_OFFSET, UnsupportedOperationError, pccl_reduce_op
-from ._dist_work import PCCLWork, PeerLostError, ProcessGroupBrokenError
+from ._dist_work import PCCLWork, PeerLostError
 from ._exec import BackgroundThread
 
 __all__ = ["ProcessGroupPCCL"]
@@ -36,7 +36,8 @@ _EXCHANGE_TAG = 0  # the rank exchange; the calls of a configuration take tags 1
 def _one(tensors: Sequence[torch.Tensor], call: str) -> torch.Tensor:
     if len(tensors) != 1:
         raise UnsupportedOperationError(
-            f"{call}: the pccl backend takes one tensor per call (one device per process), got {len(tensors)}")
+            f"{call}: the pccl backend takes one tensor per call (one device per process), "
+            f"got {len(tensors)}")
     return tensors[0]
 
 
@@ -77,7 +78,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                  poll_interval: float = 0.05) -> None:
         if world_size < 1:
             raise InvalidArgumentError(f"world_size must be at least 1, not {world_size}")
-        super().__init__(max(rank, 0), world_size)
+        super().__init__(max(rank, 0), world_size)  # type: ignore[call-arg]
         self._lock = threading.Lock()
         self._seq = 0
         self._broken: str | None = None
@@ -93,7 +94,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         self.joined_running_group = self._config.newcomers < self._config.size
         self._kinds = Kinds(self.comm, self._config)
 
-    def _connect(self, address: str, peer_group: int, config: PeerConfig | None, attempts: int) -> Communicator:
+    def _connect(self, address: str, peer_group: int, config: PeerConfig | None,
+                 attempts: int) -> Communicator:
         delay = 0.05
         for attempt in range(max(1, attempts)):
             try:
@@ -134,8 +136,8 @@ class ProcessGroupPCCL(dist.ProcessGroup):
             raise TimeoutError(f"pccl: {len(comm.group_ring)} of {world_size} peers after {timeout:.0f} s")
         self._seq = 0
         if config.newcomers == config.size and rank >= 0 and config.rank != rank:
-            raise InvalidArgumentError(f"pccl: rank {rank} was asked for by more than one peer (or is outside "
-                                       f"0..{config.size - 1})")
+            raise InvalidArgumentError(f"pccl: rank {rank} was asked for by more than one peer (or is "
+                                       f"outside 0..{config.size - 1})")
         return config
 
     # ------------------------------------------------------------------------------------------------
@@ -193,7 +195,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def size(self) -> int:
         return self._config.size
 
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+    def getBackendName(self) -> str:
         return "pccl"
 
     @property
@@ -238,7 +240,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def _op(self, opts: Any, call: str) -> ReduceOp:
         return pccl_reduce_op(opts.reduceOp, call)
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:  # type: ignore[override]
         call = "all_reduce"
         t = _one(tensors, call)
         op = self._op(opts or dist.AllreduceOptions(), call)
@@ -266,7 +268,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._launch(call, tensors, tensors, body)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:  # type: ignore[override]
         call = "broadcast"
         t = _one(tensors, call)
         root = (opts or dist.BroadcastOptions()).rootRank
@@ -276,7 +278,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._launch(call, tensors, tensors, body)
 
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                   opts: Any = None) -> PCCLWork:
         call = "all_gather"
         t = _one(input_tensors, call)
@@ -315,9 +317,9 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._launch(call, outputs, inputs, body)
 
-    all_gather_single_coalesced = allgather_into_tensor_coalesced
+    all_gather_single_coalesced = allgather_into_tensor_coalesced  # type: ignore[assignment]
 
-    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                        opts: Any = None) -> PCCLWork:
         call = "reduce_scatter"
         out = _one(output_tensors, call)
@@ -344,7 +346,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._launch(call, [output], [input], body)
 
-    reduce_scatter_single = _reduce_scatter_base
+    reduce_scatter_single = _reduce_scatter_base  # type: ignore[assignment]
 
     def reduce_scatter_tensor_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                                         opts: Any = None) -> PCCLWork:
@@ -358,9 +360,9 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._launch(call, outputs, inputs, body)
 
-    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced  # type: ignore[assignment]
 
-    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> PCCLWork:  # type: ignore[override]
         call = "reduce"
         t = _one(tensors, call)
         opts = opts or dist.ReduceOptions()
@@ -401,7 +403,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._launch(call, [output], [input], body)
 
-    all_to_all_single = alltoall_base
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def barrier(self, opts: Any = None) -> PCCLWork:
         call = "barrier"
@@ -433,7 +435,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def recv_anysource(self, *args: Any, **kwargs: Any) -> Any:
         return self._unsupported("recv_anysource", "pccl has no point-to-point messages, only collectives")
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: Any = None) -> PCCLWork:
         """Emulated: an all-gather whose result only the root keeps."""
         call = "gather"
@@ -449,7 +451,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
 
         return self._launch(call, output_tensors, input_tensors, body)
 
-    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+    def scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],  # type: ignore[override]
                 opts: Any = None) -> PCCLWork:
         """Emulated: a broadcast of the root's whole list, of which each rank keeps its part."""
         call = "scatter"

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError, PCCLError, RankConnectionLostError, TooFewPeersError
+from .._errors import InvalidArgumentError, RankConnectionLostError, TooFewPeersError
 from .._types import ReduceInfo, ReduceOp
 from ..peer.communicator import Communicator
 from ._dist_plan import NEW_PEER_OFFSET, assign_ranks, chunk_bounds

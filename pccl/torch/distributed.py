@@ -90,7 +90,7 @@ def _rendezvous(url: str, timeout: datetime.timedelta = datetime.timedelta(minut
     with _lock:
         _formed.append(pg)
     # The store is this process's own: pccl needs none, and torch only hands it to the backend.
-    yield dist.HashStore(), pg.rank(), pg.size()
+    yield dist.HashStore(), pg.rank(), pg.size()  # type: ignore[attr-defined]
     raise RuntimeError("pccl rendezvous: the group was formed already")
 
 

@@ -92,7 +92,7 @@ def collectives(rank: int, n: int) -> dict[str, Any]:
     dist.all_to_all(lists_out, [torch.full((2,), 10 * rank + j, dtype=torch.int64) for j in range(n)])
     out["all_to_all/list"] = torch.stack(lists_out)
     c1, c2 = exact.clone(), (exact[:11] * 3).clone()  # Gloo coalesces one dtype
-    with dist._coalescing_manager(async_ops=True) as cm:
+    with dist._coalescing_manager(async_ops=True) as cm:  # type: ignore[attr-defined]
         dist.all_reduce(c1)
         dist.all_reduce(c2)
     cm.wait()
@@ -121,7 +121,8 @@ def pccl_only(rank: int, n: int) -> dict[str, Any]:
     out["all_reduce/float64/AVG"] = t
     for call, fn in (("send", lambda: dist.send(torch.zeros(1), dst=(rank + 1) % n)),
                      ("recv", lambda: dist.recv(torch.zeros(1), src=(rank + 1) % n)),
-                     ("BAND", lambda: dist.all_reduce(torch.zeros(1, dtype=torch.int64), op=dist.ReduceOp.BAND))):
+                     ("BAND", lambda: dist.all_reduce(torch.zeros(1, dtype=torch.int64),
+                                                      op=dist.ReduceOp.BAND))):
         try:
             fn()
             out[f"unsupported/{call}"] = "no error"
@@ -130,7 +131,8 @@ def pccl_only(rank: int, n: int) -> dict[str, Any]:
     return out
 
 
-def train_ddp(rank: int, n: int, steps: int, make: Callable[[nn.Module], nn.Module]) -> dict[str, torch.Tensor]:
+def train_ddp(rank: int, n: int, steps: int, make: Callable[[nn.Module], nn.Module],
+              ) -> dict[str, torch.Tensor]:
     """DDP on the default group: SGD with momentum, each rank on its shard of the step's global batch."""
     x, y = data()
     model = mlp(seed=0)
@@ -159,7 +161,8 @@ def manager_run(rank: int, world: int, master: str, marker: str, total: int, kil
                 os.kill(os.getpid(), signal.SIGKILL)
             return grad
 
-        model[0].weight.register_hook(die)  # type: ignore[union-attr]
+        first = model[0]  # type: ignore[index]
+        first.weight.register_hook(die)
     log: list[tuple[int, int, int, bool]] = []
     first_rx = -1
     while mgr.step < total:

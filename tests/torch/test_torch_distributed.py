@@ -7,6 +7,7 @@ import on a shared machine): they are marked ``slow``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -50,7 +51,7 @@ def test_chunk_bounds_tile_the_buffer() -> None:
         for n in (1, 2, 3, 5):
             bounds = [chunk_bounds(count, n, i) for i in range(n)]
             assert bounds[0][0] == 0 and bounds[-1][1] == count
-            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
 
 
 def test_backend_is_registered_on_import() -> None:
