@@ -199,3 +199,13 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
         return _dist_worker.reference(steps)
     finally:
         sys.path.remove(str(WORKER.parent))
+
+
+@pytest.mark.slow
+def test_the_plain_ddp_example_runs_under_pccl_run() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    script = str(ROOT / "examples" / "torch_ddp.py")
+    proc = subprocess.run([sys.executable, "-m", "pccl", "run", "-n", "2", script, "--short"],
+                          capture_output=True, text=True, timeout=WAIT, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "pccl: 2 ranks, 5 steps, parameters identical on every rank: True" in proc.stdout
