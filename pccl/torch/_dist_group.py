@@ -202,6 +202,17 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def name(self) -> str:  # type: ignore[override]
         return "pccl"
 
+    # torch keeps a group's name in its backends, which a Python group has none of: keep it here (DeviceMesh
+    # reads it).
+    _group_name = ""
+
+    def _set_group_name(self, name: str) -> None:
+        self._group_name = name
+
+    @property
+    def group_name(self) -> str:  # type: ignore[override]
+        return self._group_name
+
     def _next_tag(self) -> int:
         with self._lock:
             self._seq = (self._seq + 1) % _TAG_LIMIT

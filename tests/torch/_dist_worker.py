@@ -146,6 +146,27 @@ def train_ddp(rank: int, n: int, steps: int, make: Callable[[nn.Module], nn.Modu
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def train_fsdp(rank: int, n: int, steps: int) -> dict[str, torch.Tensor]:
+    """FSDP2 (fully_shard per layer and on the root) on a 1-D CPU mesh of the default group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    x, y = data()
+    mesh = init_device_mesh("cpu", (n,))
+    model = mlp(seed=0)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        idx = torch.from_numpy(shard_indices(step, GLOBAL_BATCH, len(x), rank, n))
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+        opt.step()
+    return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}  # type: ignore[attr-defined]
+
+
 def manager_run(rank: int, world: int, master: str, marker: str, total: int, kill_at: int,
                 victim: int) -> dict[str, Any]:
     x, y = data()
@@ -219,6 +240,7 @@ def main(argv: list[str]) -> int:
             else:
                 steps = int(argv[6])
                 result[backend] = train_ddp(r, world, steps, lambda m: nn.parallel.DistributedDataParallel(m))
+                result[f"{backend}_fsdp"] = train_fsdp(r, world, steps)
                 if backend == "pccl":
                     result["reference"] = reference(steps)
                     # DistributedDataParallel(process_group=pg), given the group object

@@ -141,7 +141,7 @@ def test_collectives_match_gloo(master: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_ddp_float64_matches_gloo(master: str, tmp_path: Path) -> None:
+def test_ddp_and_fsdp2_float64_match_gloo(master: str, tmp_path: Path) -> None:
     results = _run("ddp", 3, master, tmp_path, "6")
     for res in results:
         for name, ref in res["gloo"].items():
@@ -149,6 +149,10 @@ def test_ddp_float64_matches_gloo(master: str, tmp_path: Path) -> None:
             assert float((res["pccl"][name] - res["reference"][name]).abs().max()) <= 1e-12, name
             assert torch.equal(res["pccl"][name], results[0]["pccl"][name]), name
             assert torch.equal(res["pccl_pg"][name], res["pccl"][name]), name
+        # FSDP2 (fully_shard) on the CPU mesh of the default group: Gloo's parameters within 1e-12
+        for name, ref in res["gloo_fsdp"].items():
+            assert float((res["pccl_fsdp"][name] - ref).abs().max()) <= 1e-12, name
+            assert torch.equal(res["pccl_fsdp"][name], results[0]["pccl_fsdp"][name]), name
 
 
 @pytest.mark.slow
