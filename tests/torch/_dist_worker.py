@@ -154,7 +154,7 @@ def train_fsdp(rank: int, n: int, steps: int) -> dict[str, torch.Tensor]:
     x, y = data()
     mesh = init_device_mesh("cpu", (n,))
     model = mlp(seed=0)
-    for layer in model:
+    for layer in list(model.modules()):
         if isinstance(layer, nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
