@@ -213,3 +213,100 @@ def test_the_plain_ddp_example_runs_under_pccl_run() -> None:
                           capture_output=True, text=True, timeout=WAIT, env=env, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "pccl: 2 ranks, 5 steps, parameters identical on every rank: True" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------------
+# several groups in this process (one background thread each): fast, and a peer can be closed on cue
+
+
+def _groups(address: str, world: int) -> list[Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pccl.torch.distributed import ProcessGroupPCCL
+
+    with ThreadPoolExecutor(world) as pool:  # each waits in formation until all are in
+        futures = [pool.submit(ProcessGroupPCCL, address, rank=r, world_size=world) for r in range(world)]
+        return [f.result(timeout=60) for f in futures]
+
+
+def _each(groups: list[Any], fn: Any) -> list[Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        return [f.result(timeout=60) for f in [pool.submit(fn, g) for g in groups]]
+
+
+def test_a_lost_peer_fails_the_call_with_buffers_restored_until_reconfigured(master: str) -> None:
+    import torch.distributed as dist
+
+    from pccl.torch.distributed import PeerLostError
+
+    groups = _groups(master, 3)
+    try:
+        assert sorted(g.rank() for g in groups) == [0, 1, 2] and all(g.size() == 3 for g in groups)
+        survivors = [g for g in groups if g.rank() != 1]
+        victim = next(g for g in groups if g.rank() == 1)
+        buffers = [torch.arange(5, dtype=torch.float64) + g.rank() for g in survivors]
+        before = [b.clone() for b in buffers]
+        works = [g.allreduce([b]) for g, b in zip(survivors, buffers, strict=True)]
+        victim.close()  # the survivors wait for it in this all-reduce
+        for w, b, old in zip(works, buffers, before, strict=True):
+            with pytest.raises(PeerLostError, match="all_reduce"):
+                w.wait()
+            assert torch.equal(b, old)
+            assert isinstance(w.exception(), PeerLostError) and not w.is_success()
+            with pytest.raises(PeerLostError):
+                w.get_future().wait()
+        # every later call of this configuration fails the same way (the group has 2 peers, not 3)
+        later = [g.broadcast([torch.zeros(2)]) for g in survivors]
+        for w in later:
+            with pytest.raises(PeerLostError, match="broadcast"):
+                w.wait()
+        # reconfigured: ranks 0 and 2 become 0 and 1, and collectives work again
+        configs = _each(survivors, lambda g: g.reconfigure())
+        assert sorted(c.rank for c in configs) == [0, 1] and all(c.size == 2 for c in configs)
+        old_rank0 = survivors[0]
+        assert old_rank0.rank() == 0 and survivors[1].rank() == 1
+        outs = [[torch.zeros(3, dtype=torch.int64) for _ in range(2)] for _ in survivors]
+        works = [g.allgather([o], [torch.full((3,), 10 + g.rank(), dtype=torch.int64)])
+                 for g, o in zip(survivors, outs, strict=True)]
+        for w in works:
+            w.wait()
+        for o in outs:
+            assert [t.tolist() for t in o] == [[10] * 3, [11] * 3]
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.AVG  # type: ignore[assignment]
+        avg = [torch.full((4,), float(g.rank()), dtype=torch.float64) for g in survivors]
+        for w in [g.allreduce([t], opts) for g, t in zip(survivors, avg, strict=True)]:
+            w.wait()
+        assert all(torch.equal(t, torch.full((4,), 0.5, dtype=torch.float64)) for t in avg)
+    finally:
+        for g in groups:
+            g.close()
+
+
+def test_a_group_of_one_computes_locally(master: str) -> None:
+    import torch.distributed as dist
+
+    from pccl.torch.distributed import UnsupportedOperationError
+
+    (g,) = _groups(master, 1)
+    try:
+        t = torch.arange(3, dtype=torch.float32)
+        g.allreduce([t]).wait()
+        assert t.tolist() == [0.0, 1.0, 2.0]
+        out = torch.zeros(3)
+        g._allgather_base(out, t).wait()
+        assert torch.equal(out, t)
+        fut = g.barrier().get_future()
+        fut.wait()
+        with pytest.raises(UnsupportedOperationError, match="send"):
+            g.send([t], 0, 0)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.BXOR  # type: ignore[assignment]
+        with pytest.raises(UnsupportedOperationError, match="BXOR"):
+            g.allreduce([t], opts)
+        with pytest.raises(UnsupportedOperationError, match="one tensor per call"):
+            g.allreduce([t, t])
+    finally:
+        g.close()
