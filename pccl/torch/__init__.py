@@ -8,6 +8,8 @@ Importing this module imports torch; nothing else in pccl does.
 * :class:`DiLoCo` / :class:`AsyncDiLoCo`: inner steps and an outer step on averaged pseudo-gradients,
   synchronous or one step delayed, optionally quantized.
 * :func:`shard_indices`, :func:`global_batch_indices`: deterministic data sharding by step and rank.
+* :mod:`pccl.torch.distributed`: the ``"pccl"`` torch.distributed backend (registered on import) and its
+  fault-tolerant step :class:`~pccl.torch.distributed.Manager`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from ._drivers import AsyncDiLoCo, AsyncTrainingRun, DiLoCo, TrainingRun
 from ._model import SharedModel, create_optimizer_state
 from ._shard import global_batch_indices, shard_indices
 from ._train import Step, StepResult
+from .distributed import register as _register_backend
+
+_register_backend()
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
