@@ -33,7 +33,7 @@ def _sync_cuda_streams(op: Op) -> None:
     tensors: list[Any] = []
     if isinstance(op, AllReduce):
         tensors = [s for s, _ in op.pairs]
-    elif isinstance(op, StartAllReduce):
+    elif isinstance(op, StartAllReduce) and isinstance(op.reduce, AllReduce):
         tensors = [s for s, _ in op.reduce.pairs]
     elif isinstance(op, Sync):
         tensors = [t.tensor for t in op.state.tensor_infos]
@@ -65,9 +65,17 @@ class _Blocking:
             self._thread.close()
             raise
 
+    network_wait_s = 0.0
+    """Seconds the caller's thread spent blocked in communication requests (membership, syncs,
+    all-reduces, waits for background exchanges): the time training waited on the network."""
+
     def execute(self, op: Op) -> Any:
         _sync_cuda_streams(op)
-        return self._thread.call(self._executor, op)
+        start = time.perf_counter()
+        try:
+            return self._thread.call(self._executor, op)
+        finally:
+            self.network_wait_s += time.perf_counter() - start
 
     def close(self) -> None:
         self._thread.close()
@@ -93,6 +101,12 @@ class _RunInfo:
     def revision(self) -> int:
         """Steps applied (outer steps for DiLoCo): the shared state's revision."""
         return self.shared.revision
+
+    @property
+    def network_wait_s(self) -> float:
+        """Blocking drivers: seconds ``step`` spent waiting on communication (0.0 for the async ones)."""
+        blocking = getattr(self, "_blocking", None)
+        return blocking.network_wait_s if blocking is not None else 0.0
 
 
 class AsyncTrainingRun(_RunInfo):
