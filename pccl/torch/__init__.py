@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from ._buckets import DEFAULT_BUCKET_BYTES
 from ._codec import Codec, ErrorFeedback, MinMaxCodec, TopKCodec, choose_codec
+from ._context import AsyncStepContext, StepContext
 from ._diloco import default_outer_optimizer
 from ._drivers import AsyncDiLoCo, AsyncTrainingRun, DiLoCo, TrainingRun
 from ._model import SharedModel, create_optimizer_state
@@ -27,6 +28,7 @@ from ._train import Step, StepResult
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
     "AsyncDiLoCo",
+    "AsyncStepContext",
     "AsyncStreamingDiLoCo",
     "AsyncTrainingRun",
     "Codec",
@@ -35,6 +37,7 @@ __all__ = [
     "MinMaxCodec",
     "SharedModel",
     "Step",
+    "StepContext",
     "StepResult",
     "StreamingDiLoCo",
     "TopKCodec",

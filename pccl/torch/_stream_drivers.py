@@ -11,6 +11,7 @@ import trio
 from .._config import PeerConfig
 from .._errors import InvalidArgumentError
 from ..peer.communicator import Communicator
+from ..transport import Transport
 from ._diloco import default_outer_optimizer
 from ._drivers import DEFAULT_POLL_INTERVAL, OuterOptimizerFactory, _Blocking, _RunInfo
 from ._exec import Executor
@@ -52,6 +53,7 @@ class AsyncStreamingDiLoCo(_RunInfo):
         total_outer_steps: :meth:`step` returns None after this many cycles.
         min_world_size, min_world_size_timeout, poll_interval, just_joined: membership (a
             ``min_world_size_timeout`` in seconds raises TooFewPeersError when exceeded).
+        sync_every: membership and sync at every ``sync_every``-th cycle only (default 1: every one).
 
     Raises:
         InvalidArgumentError: bad sizes, ``overlap >= inner_steps``, ``mixing`` outside [0, 1), a
@@ -65,7 +67,7 @@ class AsyncStreamingDiLoCo(_RunInfo):
                  error_feedback: bool = True, budget_bytes: int | None = None,
                  total_outer_steps: int | None = None, min_world_size: int = 1,
                  min_world_size_timeout: float | None = None, poll_interval: float = DEFAULT_POLL_INTERVAL,
-                 just_joined: bool | None = None) -> None:
+                 sync_every: int = 1, just_joined: bool | None = None) -> None:
         if nursery is None:
             raise InvalidArgumentError("streaming DiLoCo needs a nursery for the background exchanges")
         joined = comm.world_size > 1 if just_joined is None else just_joined
@@ -73,7 +75,8 @@ class AsyncStreamingDiLoCo(_RunInfo):
             outer_optimizer=outer_optimizer, inner_steps=inner_steps, fragments=fragments, overlap=overlap,
             mixing=mixing, codec=codec, error_feedback=error_feedback, budget_bytes=budget_bytes,
             total_outer_steps=total_outer_steps, min_world_size=min_world_size,
-            min_world_size_timeout=min_world_size_timeout, poll_interval=poll_interval))
+            min_world_size_timeout=min_world_size_timeout, poll_interval=poll_interval,
+            sync_every=sync_every))
         self.comm = comm
         self.shared = self.core.shared
         self._members = self.core
@@ -84,6 +87,11 @@ class AsyncStreamingDiLoCo(_RunInfo):
         """The outer parameters (identical on every peer after each cycle's sync)."""
         return self.core.outer_model
 
+    @property
+    def cycles(self) -> int:
+        """Cycles done (``inner_steps`` inner steps each; the shared state's revision counts syncs)."""
+        return self.core.cycle
+
     async def step(self, backward: Backward) -> StepResult | None:
         """One inner step; None once ``total_outer_steps`` cycles were done."""
         return await drive_async(self.core.step(backward), self._execute)
@@ -92,6 +100,9 @@ class AsyncStreamingDiLoCo(_RunInfo):
         """Per fragment: size, codec, rounds, rounds lost, bytes sent."""
         return self.core.statistics()
 
+    def _resumed(self) -> None:
+        self.core.fresh = True
+
 
 class StreamingDiLoCo(_RunInfo):
     """:class:`AsyncStreamingDiLoCo` for ordinary programs; connects like :class:`~pccl.torch.TrainingRun`
@@ -99,7 +110,8 @@ class StreamingDiLoCo(_RunInfo):
     blocked on communication.
 
     Args:
-        master_address, peer_group, config, connect_attempts: as in :class:`~pccl.torch.TrainingRun`.
+        master_address, peer_group, config, connect_attempts, transport: as in
+            :class:`~pccl.torch.TrainingRun`.
         others: as in :class:`AsyncStreamingDiLoCo`.
     """
 
@@ -109,11 +121,11 @@ class StreamingDiLoCo(_RunInfo):
                  codec: CodecSpec | Sequence[CodecSpec] = None, error_feedback: bool = True,
                  budget_bytes: int | None = None, total_outer_steps: int | None = None,
                  min_world_size: int = 1, min_world_size_timeout: float | None = None,
-                 poll_interval: float = DEFAULT_POLL_INTERVAL, peer_group: int = 0,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL, sync_every: int = 1, peer_group: int = 0,
                  config: PeerConfig | None = None, connect_attempts: int = 10,
-                 just_joined: bool | None = None) -> None:
+                 just_joined: bool | None = None, transport: Transport | None = None) -> None:
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
-                                   connect_attempts=connect_attempts)
+                                   connect_attempts=connect_attempts, transport=transport)
         try:
             comm = self._blocking.comm
             joined = comm.world_size > 1 if just_joined is None else just_joined
@@ -122,7 +134,7 @@ class StreamingDiLoCo(_RunInfo):
                 overlap=overlap, mixing=mixing, codec=codec, error_feedback=error_feedback,
                 budget_bytes=budget_bytes, total_outer_steps=total_outer_steps,
                 min_world_size=min_world_size, min_world_size_timeout=min_world_size_timeout,
-                poll_interval=poll_interval))
+                poll_interval=poll_interval, sync_every=sync_every))
         except BaseException:
             self._blocking.close()
             raise
@@ -134,6 +146,11 @@ class StreamingDiLoCo(_RunInfo):
         """The outer parameters."""
         return self.core.outer_model
 
+    @property
+    def cycles(self) -> int:
+        """Cycles done (``inner_steps`` inner steps each; the shared state's revision counts syncs)."""
+        return self.core.cycle
+
     def step(self, backward: Backward) -> StepResult | None:
         """One inner step; None once ``total_outer_steps`` cycles were done."""
         return drive(self.core.step(backward), self._blocking.execute)
@@ -141,6 +158,9 @@ class StreamingDiLoCo(_RunInfo):
     def statistics(self) -> dict[str, Any]:
         """Per fragment: size, codec, rounds, rounds lost, bytes sent."""
         return self.core.statistics()
+
+    def _resumed(self) -> None:
+        self.core.fresh = True  # the inner model restarts from the loaded outer parameters
 
     def close(self) -> None:
         """Leave the run (exchanges in flight are abandoned) and stop the background thread."""

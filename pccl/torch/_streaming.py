@@ -13,7 +13,8 @@ traffic is spread over the cycle instead of arriving all at once):
 
 With ``overlap=0`` and ``mixing=0`` each fragment is synchronous DiLoCo. One fragment is in flight per
 tag, and at a cycle's end none is: that is where newcomers are admitted and the shared state (outer
-parameters, outer optimizer state, the cycle count as revision) is synced. When a fragment's exchange
+parameters, outer optimizer state, the cycle count) is synced (every ``sync_every``-th cycle; the
+shared state's revision counts these syncs). When a fragment's exchange
 fails (a peer lost in it, the group changed size under an all-gather) only that fragment's round is
 lost: its outer parameters are not updated this cycle (its inner ones keep training, and its next
 pseudo-gradient measures the whole distance again); the others go on. Should one peer have applied a
@@ -157,6 +158,9 @@ class StreamingCore:
         min_world_size_timeout: give up (TooFewPeersError) after waiting this long in total, counted
             as ``poll_interval`` per wait, for ``min_world_size`` peers at one cycle start (None: wait
             for ever).
+        sync_every: admit newcomers and sync the outer state at every ``sync_every``-th cycle's
+            start only (cycles whose count is a multiple of it): each of those costs the control
+            plane's round trips (a vote and a sync), which a slow link makes worth sparing.
         base_tag: fragment ``p`` uses tag ``base_tag + p``.
     """
 
@@ -166,11 +170,11 @@ class StreamingCore:
                  codec: CodecSpec | Sequence[CodecSpec], error_feedback: bool, budget_bytes: int | None,
                  total_outer_steps: int | None, just_joined: bool, min_world_size: int,
                  poll_interval: float, min_world_size_timeout: float | None = None,
-                 base_tag: int = 0) -> None:
+                 sync_every: int = 1, base_tag: int = 0) -> None:
         import copy
 
-        if inner_steps < 1 or min_world_size < 1:
-            raise InvalidArgumentError("inner_steps and min_world_size must be >= 1")
+        if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
+            raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
         if not 0 <= overlap < inner_steps:
             raise InvalidArgumentError("overlap must be in [0, inner_steps)")
         if not 0.0 <= mixing < 1.0:
@@ -182,7 +186,10 @@ class StreamingCore:
             p.requires_grad_(True)
         self.outer_params = list(self.outer_model.parameters())
         self.outer_optimizer = outer_optimizer(self.outer_params)
-        self.shared = SharedModel(self.outer_model, self.outer_optimizer, buffers=False)
+        # cycles done: shared, so a newcomer learns where the run stands (the revision counts syncs)
+        self.cycle_tensor = torch.zeros(1, dtype=torch.int64)
+        self.shared = SharedModel(self.outer_model, self.outer_optimizer, buffers=False,
+                                  extra={"stream/cycle": self.cycle_tensor})
         named = [(n, p) for n, p in model.named_parameters()]
         outer_named = dict(self.outer_model.named_parameters())
         groups = split_fragments(named, fragments)
@@ -219,9 +226,11 @@ class StreamingCore:
         self.mixing = mixing
         self.total_outer_steps = total_outer_steps
         self.just_joined = just_joined
+        self.joined = just_joined
         self.min_world_size = min_world_size
         self.min_world_size_timeout = min_world_size_timeout
         self.poll_interval = poll_interval
+        self.sync_every = sync_every
         self.base_tag = base_tag
         self.rank = 0
         self.world_size = 1
@@ -254,8 +263,20 @@ class StreamingCore:
             yield Sleep(self.poll_interval)
             waited += self.poll_interval
 
+    @property
+    def cycle(self) -> int:
+        """Cycles done (H inner steps each)."""
+        return int(self.cycle_tensor[0])
+
     def _begin_cycle(self) -> Generator[Op, Any, bool]:
+        if not self.fresh and self.cycle % self.sync_every:
+            # not a membership cycle: no control-plane round trips (the same decision on every peer)
+            return self.total_outer_steps is None or self.cycle < self.total_outer_steps
         yield from self._membership()
+        if self.fresh and self.joined:
+            self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
+        elif not self.fresh:
+            self.shared.revision += 1  # each sync advances the revision by one
         while True:
             try:
                 info = yield Sync(self.shared.state)
@@ -265,7 +286,7 @@ class StreamingCore:
                     raise
         self.syncs += 1
         self.unreported_rx += info.rx_bytes
-        if self.total_outer_steps is not None and self.shared.revision >= self.total_outer_steps:
+        if self.total_outer_steps is not None and self.cycle >= self.total_outer_steps:
             return False
         if self.fresh or info.rx_bytes:
             # a newcomer (or a peer whose outer state was repaired) starts from the group's parameters
@@ -385,7 +406,7 @@ class StreamingCore:
         if self.inner_step == 0 and not (yield from self._begin_cycle()):
             return None
         s = self.inner_step
-        index = self.shared.revision * self.inner_steps + s
+        index = self.cycle * self.inner_steps + s
         tx = 0
         for f in self.fragments:
             if f.offset == s:
@@ -401,7 +422,7 @@ class StreamingCore:
             for f in self.fragments:  # those whose overlap reaches past the cycle's end
                 if f.in_flight:
                     tx += yield from self._finish(f)
-            self.shared.revision += 1
+            self.cycle_tensor += 1
             self.inner_step = 0
         rx, self.unreported_rx = self.unreported_rx, 0
         return StepResult(index, loss, self.world_size, 1, rx, tx)

@@ -196,7 +196,7 @@ async def test_streaming_fragments_bit_identical_and_converging(
     states = [state_bytes(out[i][0].shared) for i in range(3)]
     assert states[0] == states[1] == states[2]  # outer parameters and outer optimizer state
     run, start, final, results = out[0]
-    assert run.revision == cycles and [r.index for r in results] == list(range(cycles * H))
+    assert run.cycles == cycles == run.revision and [r.index for r in results] == list(range(cycles * H))
     stats = run.statistics()["fragments"]
     assert len(stats) == 3 and [f["offset"] for f in stats] == [0, 2, 4]
     assert all(f["rounds"] == cycles and f["lost"] == 0 for f in stats)
@@ -238,7 +238,7 @@ async def test_streaming_peer_killed_in_a_fragment_exchange_loses_only_that_roun
     run, start, final, results = out[0]
     stats = run.statistics()["fragments"]
     assert [f["lost"] for f in stats] == [0, 1, 0], stats  # only fragment 1's round of cycle 3
-    assert run.revision == 10 and len(results) == 10 * H
+    assert run.cycles == 10 and len(results) == 10 * H
     assert {r.world_size for r in results[4 * H:]} == {2}
     assert final < 0.3 * start
 
