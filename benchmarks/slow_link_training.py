@@ -113,6 +113,7 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
     curve: list[tuple[float, int, float]] = []
     tx = 0
     t0 = wait0 = 0.0
+    by_op0: dict[str, float] = {}
     eval_time = 0.0
     with driver:
         n = 0
@@ -120,6 +121,7 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
             n += 1
             if n == 1:  # the clock starts once everyone is connected and the first step is done
                 t0, wait0 = time.perf_counter(), driver.network_wait_s
+                by_op0 = dict(driver._blocking.wait_by_op)
                 continue
             tx += r.reduce_tx_bytes
             done = r.index + 1
@@ -131,7 +133,9 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
                 curve.append((at, done, loss))
         wall = time.perf_counter() - t0 - eval_time
         wait = driver.network_wait_s - wait0
-    results.put((mode, index, {"curve": curve, "wall": wall, "wait": wait, "tx": tx, "steps": n - 1}))
+        by_op = {k: v - by_op0.get(k, 0.0) for k, v in driver._blocking.wait_by_op.items()}
+    results.put((mode, index, {"curve": curve, "wall": wall, "wait": wait, "tx": tx, "steps": n - 1,
+                               "by_op": by_op}))
 
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
@@ -150,7 +154,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     try:
         while len(out) < args.peers and time.monotonic() < deadline:
             try:
-                m, i, rep = results.get(timeout=0.5)
+                _, i, rep = results.get(timeout=0.5)
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for p in procs):
                     break
@@ -219,10 +223,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="each peer's uplink (Mbit/s)")
     parser.add_argument("--dp-steps", type=int, default=300)
     parser.add_argument("--diloco-steps", type=int, default=900, help="inner steps of each DiLoCo run")
-    parser.add_argument("--inner-steps", type=int, default=30, help="H")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H")
     parser.add_argument("--fragments", type=int, default=3)
-    parser.add_argument("--overlap", type=int, default=5)
-    parser.add_argument("--sync-every", type=int, default=5)
+    parser.add_argument("--overlap", type=int, default=10)
+    parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--eval-every", type=int, default=10)
@@ -242,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     for mode in modes:
         runs[mode] = run_mode(mode, args)
         r0 = runs[mode][0]
-        print(f"[{mode}] {r0['steps'] + 1} steps, {r0['wall']:.1f} s, final loss {r0['curve'][-1][2]:.4f}",
+        print(f"[{mode}] {r0['steps'] + 1} steps, {r0['wall']:.1f} s, final loss {r0['curve'][-1][2]:.4f}; "
+              "peer 0 waited in: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r0["by_op"].items())),
               flush=True)
     rows = []
     for mode, reps in runs.items():
@@ -266,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{dp['steps'] + 1}: {target:.4f} after {dp['wall']:.1f} s")
         for mode in modes[1:]:
             t = time_to(runs[mode][0]["curve"], target)
-            print(f"[{mode}] reaches it after " + (f"{t:.1f} s = 1/{dp['wall'] / t:.1f} of data-parallel's time"
-                                                   if t else "(never, in its steps)"))
+            print(f"[{mode}] reaches it after "
+                  + (f"{t:.1f} s = 1/{dp['wall'] / t:.1f} of data-parallel's time" if t else "(never)"))
     if "diloco-fp32" in runs and "streaming-int4" in runs:
         fp = runs["diloco-fp32"][0]
         st = runs["streaming-int4"][0]

@@ -103,6 +103,7 @@ class DiLoCoCore:
         self.round_started = False
         self.syncs = 0
         self.unreported_rx = 0  # bytes received by syncs since the last StepResult
+        self.unreported_tx = 0  # bytes sent by pseudo-gradient reduces since the last StepResult
 
     # -- pieces ---------------------------------------------------------------------------------------
 
@@ -134,7 +135,8 @@ class DiLoCoCore:
 
     def _reduce_now(self) -> Generator[Op, Any, None]:
         try:
-            yield self._reduce()
+            info = yield self._reduce()
+            self.unreported_tx += info.tx_bytes
         except Exception as exc:
             if not is_result(exc, "TOO_FEW_PEERS"):
                 raise
@@ -144,7 +146,8 @@ class DiLoCoCore:
         """Wait for the background reduce; its average is then in the receive buffers."""
         handle, self.running = self.running, None
         try:
-            yield WaitAllReduce(handle)
+            info = yield WaitAllReduce(handle)
+            self.unreported_tx += info.tx_bytes
         except Exception as exc:
             if not is_result(exc, "TOO_FEW_PEERS"):
                 raise
@@ -193,6 +196,7 @@ class DiLoCoCore:
         if self.running is None:
             yield from self._sync()
         if self.total_outer_steps is not None and self.shared.revision >= self.total_outer_steps:
+            self._reset_inner()  # the run is over: the model takes the final outer parameters
             return False
         self._reset_inner()
         self.round_started = True
@@ -240,4 +244,5 @@ class DiLoCoCore:
         if self.inner_step == self.inner_steps:
             yield from self.end_round()
         rx, self.unreported_rx = self.unreported_rx, 0
-        return StepResult(index, loss, core.world_size, 1, rx, 0)
+        tx, self.unreported_tx = self.unreported_tx, 0
+        return StepResult(index, loss, core.world_size, 1, rx, tx)

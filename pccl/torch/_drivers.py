@@ -50,6 +50,7 @@ class _Blocking:
     def __init__(self, master_address: str, *, peer_group: int, config: PeerConfig | None,
                  connect_attempts: int, transport: Transport | None = None) -> None:
         self._thread = BackgroundThread()
+        self.wait_by_op: dict[str, float] = {}  # network_wait_s by request kind
         try:
             delay = 0.05
             for attempt in range(max(1, connect_attempts)):
@@ -77,7 +78,10 @@ class _Blocking:
         try:
             return self._thread.call(self._executor, op)
         finally:
-            self.network_wait_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            self.network_wait_s += spent
+            name = type(op).__name__
+            self.wait_by_op[name] = self.wait_by_op.get(name, 0.0) + spent
 
     def close(self) -> None:
         self._thread.close()

@@ -269,9 +269,11 @@ class StreamingCore:
         return int(self.cycle_tensor[0])
 
     def _begin_cycle(self) -> Generator[Op, Any, bool]:
-        if not self.fresh and self.cycle % self.sync_every:
-            # not a membership cycle: no control-plane round trips (the same decision on every peer)
-            return self.total_outer_steps is None or self.cycle < self.total_outer_steps
+        over = self.total_outer_steps is not None and self.cycle >= self.total_outer_steps
+        if not self.fresh and self.cycle % self.sync_every and not over:
+            # not a membership cycle: no control-plane round trips (the same decision on every peer;
+            # the run's end always syncs)
+            return True
         yield from self._membership()
         if self.fresh and self.joined:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
@@ -287,13 +289,11 @@ class StreamingCore:
         self.syncs += 1
         self.unreported_rx += info.rx_bytes
         if self.total_outer_steps is not None and self.cycle >= self.total_outer_steps:
+            self._inner_from_outer()  # the run is over: the model takes the final outer parameters
             return False
         if self.fresh or info.rx_bytes:
             # a newcomer (or a peer whose outer state was repaired) starts from the group's parameters
-            with torch.no_grad():
-                for f in self.fragments:
-                    for p, o in zip(f.inner, f.outer, strict=True):
-                        p.copy_(o)
+            self._inner_from_outer()
             self.fresh = False
         if self.budget_bytes is not None:
             total = sum(f.numel for f in self.fragments)
@@ -306,6 +306,12 @@ class StreamingCore:
                             f.feedback = ErrorFeedback(f.codec, f.numel)
                         f.feedback.codec = f.codec
         return True
+
+    def _inner_from_outer(self) -> None:
+        with torch.no_grad():
+            for f in self.fragments:
+                for p, o in zip(f.inner, f.outer, strict=True):
+                    p.copy_(o)
 
     # -- one fragment's exchange ---------------------------------------------------------------------
 

@@ -291,3 +291,39 @@ def test_bad_arguments() -> None:
     for bad in ({"overlap": 4}, {"mixing": 1.0}, {"codec": "auto"}, {"codec": ["int4"]}, {"inner_steps": 0}):
         with pytest.raises(pccl.InvalidArgumentError):
             StreamingCore(model, opt, **{**base, **bad})
+
+
+async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """Membership and sync at cycles 0 and 4 and at the run's end (6): three syncs, the revision
+    counting them; the peers end identical, and each model holds the final outer parameters."""
+    cluster = await pccl_cluster(2)
+    out: dict[int, Any] = {}
+
+    async def one(i: int, nursery: trio.Nursery) -> None:
+        x, y = problem()
+        model = make_model(i)
+        run = AsyncStreamingDiLoCo(cluster.peer(i), model, torch.optim.Adam(model.parameters(), lr=0.01),
+                                   nursery=nursery, outer_optimizer=outer_sgd, inner_steps=H, fragments=2,
+                                   codec="int8", sync_every=4, total_outer_steps=6)
+
+        def backward(step: Any) -> float:
+            idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
+            loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+            loss.backward()
+            return float(loss.detach())
+
+        while await run.step(backward) is not None:
+            pass
+        out[i] = (run, model)
+
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as peers:
+            for i in cluster.alive:
+                peers.start_soon(one, i, nursery)
+    (run0, model0), (run1, model1) = out[0], out[1]
+    assert run0.cycles == 6 and run0.revision == 2 and run0.core.syncs == 3
+    assert state_bytes(run0.shared) == state_bytes(run1.shared)
+    for m, run in ((model0, run0), (model1, run1)):
+        pairs = zip(m.parameters(), run.outer_model.parameters(), strict=True)
+        assert all(torch.equal(p, o) for p, o in pairs)
