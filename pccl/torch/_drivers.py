@@ -19,7 +19,7 @@ from ._context import AsyncStepContext, BatchCache, StepContext
 from ._diloco import DiLoCoCore
 from ._exec import BackgroundThread, Executor
 from ._model import SharedModel
-from ._ops import AllReduce, Op, StartAllReduce, Sync, drive, drive_async
+from ._ops import AllReduce, Members, Op, StartAllReduce, Sync, drive, drive_async
 from ._train import Backward, StepResult, TrainCore
 
 __all__ = ["AsyncDiLoCo", "AsyncTrainingRun", "DiLoCo", "TrainingRun"]
@@ -73,6 +73,11 @@ class _Blocking:
     all-reduces, waits for background exchanges): the time training waited on the network."""
 
     def execute(self, op: Op) -> Any:
+        if isinstance(op, Members):
+            # Two reads, no I/O: not worth a hop to the trio thread and back (under CPU contention a hop
+            # costs milliseconds). The GIL makes each read atomic; a membership change the trio thread
+            # is applying shows up at the next request, as it would after the hop.
+            return self.comm.rank, len(self.comm.group_ring)
         _sync_cuda_streams(op)
         start = time.perf_counter()
         try:
