@@ -4,7 +4,8 @@ Run it (the master and the peers are all started by this one command)::
 
     python examples/diloco.py                    # sync mode, 2 peers + 1 late joiner
     python examples/diloco.py --mode async       # one-step-delayed outer updates
-    python examples/diloco.py --mode both --short
+    python examples/diloco.py --mode both             # both, one after the other
+    python examples/diloco.py --mode both --short     # 6 outer steps of 5 inner steps (what CI runs)
 
 DiLoCo (Douillard et al., 2023): every peer keeps the *outer* parameters (the same on all peers) and an
 *inner* copy of the model. Each outer step, the inner copy trains for H local AdamW steps starting from the
@@ -107,7 +108,12 @@ def peer_main(addresses: dict[str, str], index: int, args: argparse.Namespace,
         inner = make_model()
         inner_opt = torch.optim.AdamW(inner.parameters(), lr=args.inner_lr, weight_decay=0.01)
         outer = [nn.Parameter(p.detach().clone()) for p in inner.parameters()]
-        outer_opt = torch.optim.SGD(outer, lr=args.outer_lr, momentum=0.9, nesterov=True)
+        # Delayed (async) updates are applied one outer step late: Nesterov 0.9 then overshoots and the
+        # loss diverges; 0.5 converges (docs/torch.md).
+        outer_momentum = args.outer_momentum
+        if outer_momentum is None:
+            outer_momentum = 0.9 if mode == "sync" else 0.5
+        outer_opt = torch.optim.SGD(outer, lr=args.outer_lr, momentum=outer_momentum, nesterov=True)
         # A step with zero gradients creates the momentum buffers (zeros) without moving the parameters, so
         # they can be shared state from the first sync on.
         for p in outer:
@@ -323,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--inner-lr", type=float, default=3e-3)
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=None,
+                        help="outer Nesterov momentum (default 0.9 in sync mode, 0.5 in async mode: delayed "
+                             "updates diverge with 0.9)")
     parser.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds")
     args = parser.parse_args(argv)
     if args.short:

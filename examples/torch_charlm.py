@@ -403,7 +403,12 @@ def main(argv: list[str] | None = None) -> int:
             print("[ddp] FAILED: the data-parallel run left the baseline's curve", file=sys.stderr)
             ok = False
     if ok and not args.no_plot:
-        plot(runs, args.plot)
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("plot skipped: matplotlib is not installed (pip install pccl[examples])")
+        else:
+            plot(runs, args.plot)
     if ok:
         print("torch char-LM with kill and join: OK")
     return 0 if ok else 1

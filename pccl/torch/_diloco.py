@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, TooFewPeersError
 from .._types import QuantizationOptions, ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
@@ -49,6 +49,7 @@ class _Membership:
     just_joined: bool
     min_world_size: int
     poll_interval: float
+    timeout: float | None = None
     rank: int = 0
     world_size: int = 1
 
@@ -64,15 +65,17 @@ class DiLoCoCore:
         inner_steps: inner steps per outer step (H).
         delayed: one-step-delayed outer updates (the all-reduce overlaps the next inner steps).
         quantization: wire compression of the pseudo-gradients (e.g. MIN_MAX to UINT8), or None.
-        just_joined, total_outer_steps, bucket_bytes, max_in_flight, min_world_size, poll_interval: as in
-            :class:`~pccl.torch._train.TrainCore` (``total_outer_steps`` counts outer steps).
+        just_joined, total_outer_steps, bucket_bytes, max_in_flight, min_world_size, poll_interval,
+            min_world_size_timeout: as in :class:`~pccl.torch._train.TrainCore` (``total_outer_steps``
+            counts outer steps).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  outer_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer] | None,
                  inner_steps: int, delayed: bool, quantization: QuantizationOptions | None,
                  just_joined: bool, total_outer_steps: int | None, bucket_bytes: int, max_in_flight: int,
-                 min_world_size: int, poll_interval: float) -> None:
+                 min_world_size: int, poll_interval: float,
+                 min_world_size_timeout: float | None = None) -> None:
         if inner_steps < 1:
             raise InvalidArgumentError("inner_steps must be >= 1")
         self.model = model
@@ -83,7 +86,9 @@ class DiLoCoCore:
         outer_params = list(self.outer_model.parameters())
         self.outer_optimizer = (outer_optimizer or default_outer_optimizer)(outer_params)
         self.shared = SharedModel(self.outer_model, self.outer_optimizer, buffers=False)
-        self.members = _Membership(just_joined, min_world_size, poll_interval)
+        self.members = _Membership(just_joined, min_world_size, poll_interval, min_world_size_timeout)
+        self.joined = just_joined
+        self.first_sync = True
         self.inner_params = [p for p in model.parameters()]
         self.outer_params = outer_params
         self.buckets = Buckets(self.inner_params, bucket_bytes)
@@ -98,6 +103,7 @@ class DiLoCoCore:
         self.round_started = False
         self.syncs = 0
         self.unreported_rx = 0  # bytes received by syncs since the last StepResult
+        self.unreported_tx = 0  # bytes sent by pseudo-gradient reduces since the last StepResult
 
     # -- pieces ---------------------------------------------------------------------------------------
 
@@ -114,6 +120,9 @@ class DiLoCoCore:
         self.shared.revision += 1
 
     def _sync(self) -> Generator[Op, Any, None]:
+        if self.first_sync and self.joined:
+            self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
+        self.first_sync = False
         while True:
             try:
                 info = yield Sync(self.shared.state)
@@ -126,7 +135,8 @@ class DiLoCoCore:
 
     def _reduce_now(self) -> Generator[Op, Any, None]:
         try:
-            yield self._reduce()
+            info = yield self._reduce()
+            self.unreported_tx += info.tx_bytes
         except Exception as exc:
             if not is_result(exc, "TOO_FEW_PEERS"):
                 raise
@@ -136,7 +146,8 @@ class DiLoCoCore:
         """Wait for the background reduce; its average is then in the receive buffers."""
         handle, self.running = self.running, None
         try:
-            yield WaitAllReduce(handle)
+            info = yield WaitAllReduce(handle)
+            self.unreported_tx += info.tx_bytes
         except Exception as exc:
             if not is_result(exc, "TOO_FEW_PEERS"):
                 raise
@@ -155,6 +166,7 @@ class DiLoCoCore:
         Returns False once ``total_outer_steps`` outer steps were applied.
         """
         core = self.members
+        waited = 0.0
         while True:
             if core.just_joined:
                 core.just_joined = False
@@ -172,7 +184,11 @@ class DiLoCoCore:
             core.rank, core.world_size = yield Members()
             if core.world_size >= core.min_world_size:
                 break
+            if core.timeout is not None and waited >= core.timeout:
+                raise TooFewPeersError(f"waited {waited:g} s for {core.min_world_size} peers; the group "
+                                       f"has {core.world_size}")
             yield Sleep(core.poll_interval, core.min_world_size)
+            waited += core.poll_interval
         last = self.total_outer_steps is not None and self.shared.revision + 1 >= self.total_outer_steps
         if self.running is not None and last:
             yield from self._wait_running()
@@ -180,6 +196,7 @@ class DiLoCoCore:
         if self.running is None:
             yield from self._sync()
         if self.total_outer_steps is not None and self.shared.revision >= self.total_outer_steps:
+            self._reset_inner()  # the run is over: the model takes the final outer parameters
             return False
         self._reset_inner()
         self.round_started = True
@@ -227,4 +244,5 @@ class DiLoCoCore:
         if self.inner_step == self.inner_steps:
             yield from self.end_round()
         rx, self.unreported_rx = self.unreported_rx, 0
-        return StepResult(index, loss, core.world_size, 1, rx, 0)
+        tx, self.unreported_tx = self.unreported_tx, 0
+        return StepResult(index, loss, core.world_size, 1, rx, tx)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, overload
 
 import torch
 import trio
@@ -13,11 +13,13 @@ from .._config import PeerConfig
 from .._errors import InvalidArgumentError, PCCLError, Result
 from .._types import QuantizationOptions
 from ..peer.communicator import Communicator
+from ..transport import Transport
 from ._buckets import DEFAULT_BUCKET_BYTES
+from ._context import AsyncStepContext, BatchCache, StepContext
 from ._diloco import DiLoCoCore
 from ._exec import BackgroundThread, Executor
 from ._model import SharedModel
-from ._ops import AllReduce, Op, StartAllReduce, Sync, drive, drive_async
+from ._ops import AllReduce, Members, Op, StartAllReduce, Sync, drive, drive_async
 from ._train import Backward, StepResult, TrainCore
 
 __all__ = ["AsyncDiLoCo", "AsyncTrainingRun", "DiLoCo", "TrainingRun"]
@@ -33,7 +35,7 @@ def _sync_cuda_streams(op: Op) -> None:
     tensors: list[Any] = []
     if isinstance(op, AllReduce):
         tensors = [s for s, _ in op.pairs]
-    elif isinstance(op, StartAllReduce):
+    elif isinstance(op, StartAllReduce) and isinstance(op.reduce, AllReduce):
         tensors = [s for s, _ in op.reduce.pairs]
     elif isinstance(op, Sync):
         tensors = [t.tensor for t in op.state.tensor_infos]
@@ -46,14 +48,15 @@ class _Blocking:
     """A communicator in a background trio thread; requests are run there from the caller's thread."""
 
     def __init__(self, master_address: str, *, peer_group: int, config: PeerConfig | None,
-                 connect_attempts: int) -> None:
+                 connect_attempts: int, transport: Transport | None = None) -> None:
         self._thread = BackgroundThread()
+        self.wait_by_op: dict[str, float] = {}  # network_wait_s by request kind
         try:
             delay = 0.05
             for attempt in range(max(1, connect_attempts)):
                 try:
                     self.comm = self._thread.open_communicator(master_address, peer_group=peer_group,
-                                                               config=config)
+                                                               config=config, transport=transport)
                     break
                 except PCCLError as exc:
                     if exc.result != Result.MASTER_CONNECTION_FAILED or attempt + 1 >= connect_attempts:
@@ -65,9 +68,25 @@ class _Blocking:
             self._thread.close()
             raise
 
+    network_wait_s = 0.0
+    """Seconds the caller's thread spent blocked in communication requests (membership, syncs,
+    all-reduces, waits for background exchanges): the time training waited on the network."""
+
     def execute(self, op: Op) -> Any:
+        if isinstance(op, Members):
+            # Two reads, no I/O: not worth a hop to the trio thread and back (under CPU contention a hop
+            # costs milliseconds). The GIL makes each read atomic; a membership change the trio thread
+            # is applying shows up at the next request, as it would after the hop.
+            return self.comm.rank, len(self.comm.group_ring)
         _sync_cuda_streams(op)
-        return self._thread.call(self._executor, op)
+        start = time.perf_counter()
+        try:
+            return self._thread.call(self._executor, op)
+        finally:
+            spent = time.perf_counter() - start
+            self.network_wait_s += spent
+            name = type(op).__name__
+            self.wait_by_op[name] = self.wait_by_op.get(name, 0.0) + spent
 
     def close(self) -> None:
         self._thread.close()
@@ -93,6 +112,35 @@ class _RunInfo:
     def revision(self) -> int:
         """Steps applied (outer steps for DiLoCo): the shared state's revision."""
         return self.shared.revision
+
+    def save(self, path: Any) -> None:
+        """Write this peer's copy of the shared state (and its revision) to ``path`` (``torch.save``).
+
+        Between steps, every peer holds the same shared state: any one copy is the run's checkpoint.
+        """
+        self.shared.save(path)
+
+    def resume(self, path: Any) -> None:
+        """Load a checkpoint written by :meth:`save` before the first step.
+
+        Restarted alone or with every peer, the run continues from the checkpoint's revision. Joining
+        a running group, this peer takes the group's state instead (its first sync, whatever the
+        checkpoint's revision); a checkpoint that is behind the group's is simply brought up to date.
+
+        Raises:
+            InvalidArgumentError: not a checkpoint of this model (keys, shapes, dtypes).
+        """
+        self.shared.load(path)
+        self._resumed()
+
+    def _resumed(self) -> None:
+        """Hook: what the driver's core must redo after a resume."""
+
+    @property
+    def network_wait_s(self) -> float:
+        """Blocking drivers: seconds ``step`` spent waiting on communication (0.0 for the async ones)."""
+        blocking = getattr(self, "_blocking", None)
+        return blocking.network_wait_s if blocking is not None else 0.0
 
 
 class AsyncTrainingRun(_RunInfo):
@@ -124,24 +172,37 @@ class AsyncTrainingRun(_RunInfo):
     def __init__(self, comm: Communicator, shared: SharedModel, *, total_steps: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
                  poll_interval: float = DEFAULT_POLL_INTERVAL,
-                 quantization: QuantizationOptions | None = None, just_joined: bool | None = None) -> None:
+                 quantization: QuantizationOptions | None = None, just_joined: bool | None = None,
+                 min_world_size_timeout: float | None = None) -> None:
         self.comm = comm
         self.shared = shared
         joined = comm.world_size > 1 if just_joined is None else just_joined
         self.core = TrainCore(shared, just_joined=joined, total_steps=total_steps, bucket_bytes=bucket_bytes,
                               max_in_flight=max_in_flight, min_world_size=min_world_size,
-                              poll_interval=poll_interval, quantization=quantization)
+                              poll_interval=poll_interval, quantization=quantization,
+                              min_world_size_timeout=min_world_size_timeout)
         self._members = self.core
         self._execute = Executor(comm)
+        self._batches = BatchCache()
 
-    async def step(self, backward: Backward) -> StepResult | None:
-        """Run one training step (see the class); None once ``total_steps`` were applied.
+    @overload
+    def step(self, backward: Backward) -> Awaitable[StepResult | None]: ...
+
+    @overload
+    def step(self, backward: None = None) -> AsyncStepContext: ...
+
+    def step(self, backward: Backward | None = None) -> Awaitable[StepResult | None] | AsyncStepContext:
+        """``await run.step(backward)``: one training step (see the class), None once ``total_steps``
+        were applied. Without ``backward``: ``async with run.step() as s:`` (the user-owned step, see
+        :class:`~pccl.torch.StepContext`).
 
         Raises:
             MasterConnectionError: this peer lost the master or was removed.
             PCCLError: anything else that is not retryable.
         """
-        return await drive_async(self.core.step(backward), self._execute)
+        if backward is None:
+            return AsyncStepContext(self.core, self._batches, lambda gen: drive_async(gen, self._execute))
+        return drive_async(self.core.step(backward), self._execute)
 
 
 class TrainingRun(_RunInfo):
@@ -161,6 +222,7 @@ class TrainingRun(_RunInfo):
         peer_group: the peer group.
         config: the communicator's :class:`~pccl.PeerConfig`.
         connect_attempts: connection attempts before MASTER_CONNECTION_FAILED is raised.
+        transport: the transport seam (default TCP; benchmarks pass a shaped one).
         others: as in :class:`AsyncTrainingRun`.
 
     Raises:
@@ -171,29 +233,53 @@ class TrainingRun(_RunInfo):
                  peer_group: int = 0, config: PeerConfig | None = None, connect_attempts: int = 10,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
                  poll_interval: float = DEFAULT_POLL_INTERVAL,
-                 quantization: QuantizationOptions | None = None, just_joined: bool | None = None) -> None:
+                 quantization: QuantizationOptions | None = None, just_joined: bool | None = None,
+                 transport: Transport | None = None, min_world_size_timeout: float | None = None) -> None:
         self.shared = shared
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
-                                   connect_attempts=connect_attempts)
+                                   connect_attempts=connect_attempts, transport=transport)
         try:
             comm = self._blocking.comm
             joined = comm.world_size > 1 if just_joined is None else just_joined
             self.core = TrainCore(shared, just_joined=joined, total_steps=total_steps,
                                   bucket_bytes=bucket_bytes, max_in_flight=max_in_flight,
                                   min_world_size=min_world_size, poll_interval=poll_interval,
-                                  quantization=quantization)
+                                  quantization=quantization, min_world_size_timeout=min_world_size_timeout)
         except BaseException:
             self._blocking.close()
             raise
         self._members = self.core
+        self._batches = BatchCache()
 
-    def step(self, backward: Backward) -> StepResult | None:
+    @overload
+    def step(self, backward: Backward) -> StepResult | None: ...
+
+    @overload
+    def step(self, backward: None = None) -> StepContext: ...
+
+    def step(self, backward: Backward | None = None) -> StepResult | StepContext | None:
         """Run one training step (see :class:`AsyncTrainingRun`); None once ``total_steps`` were applied.
+
+        Without ``backward`` it returns a :class:`~pccl.torch.StepContext` for a step whose update the
+        caller owns::
+
+            while True:
+                with run.step() as s:
+                    if s.done:
+                        break
+                    x, y = s.batch(lambda: next(loader))  # not pulled again on a retry
+                    loss_fn(model(x), y).backward()
+                    if s.all_reduce_grads():               # False: a peer was lost, retried next
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                        optimizer.step()
+                        scheduler.step()
 
         Raises:
             MasterConnectionError: this peer lost the master or was removed.
             PCCLError: anything else that is not retryable.
         """
+        if backward is None:
+            return StepContext(self.core, self._batches, lambda gen: drive(gen, self._blocking.execute))
         return drive(self.core.step(backward), self._blocking.execute)
 
     def close(self) -> None:
@@ -243,7 +329,8 @@ class AsyncDiLoCo(_RunInfo):
                  delayed: bool = False, quantization: QuantizationOptions | None = None,
                  total_outer_steps: int | None = None, nursery: trio.Nursery | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
-                 poll_interval: float = DEFAULT_POLL_INTERVAL, just_joined: bool | None = None) -> None:
+                 poll_interval: float = DEFAULT_POLL_INTERVAL, just_joined: bool | None = None,
+                 min_world_size_timeout: float | None = None) -> None:
         if delayed and nursery is None:
             raise InvalidArgumentError("delayed DiLoCo needs a nursery for the background all-reduce")
         joined = comm.world_size > 1 if just_joined is None else just_joined
@@ -252,7 +339,7 @@ class AsyncDiLoCo(_RunInfo):
                                just_joined=joined, total_outer_steps=total_outer_steps,
                                bucket_bytes=bucket_bytes,
                                max_in_flight=max_in_flight, min_world_size=min_world_size,
-                               poll_interval=poll_interval)
+                               poll_interval=poll_interval, min_world_size_timeout=min_world_size_timeout)
         self.comm = comm
         self.shared = self.core.shared
         self._members = self.core.members
@@ -272,7 +359,7 @@ class DiLoCo(_RunInfo):
     """:class:`AsyncDiLoCo` for ordinary programs; connects like :class:`TrainingRun`.
 
     Args:
-        master_address, peer_group, config, connect_attempts: as in :class:`TrainingRun`.
+        master_address, peer_group, config, connect_attempts, transport: as in :class:`TrainingRun`.
         others: as in :class:`AsyncDiLoCo` (``delayed`` needs no nursery here).
     """
 
@@ -282,9 +369,10 @@ class DiLoCo(_RunInfo):
                  total_outer_steps: int | None = None, peer_group: int = 0, config: PeerConfig | None = None,
                  connect_attempts: int = 10, bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4,
                  min_world_size: int = 1, poll_interval: float = DEFAULT_POLL_INTERVAL,
-                 just_joined: bool | None = None) -> None:
+                 just_joined: bool | None = None, transport: Transport | None = None,
+                 min_world_size_timeout: float | None = None) -> None:
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
-                                   connect_attempts=connect_attempts)
+                                   connect_attempts=connect_attempts, transport=transport)
         try:
             comm = self._blocking.comm
             joined = comm.world_size > 1 if just_joined is None else just_joined
@@ -292,7 +380,8 @@ class DiLoCo(_RunInfo):
                                    inner_steps=inner_steps, delayed=delayed, quantization=quantization,
                                    just_joined=joined, total_outer_steps=total_outer_steps,
                                    bucket_bytes=bucket_bytes, max_in_flight=max_in_flight,
-                                   min_world_size=min_world_size, poll_interval=poll_interval)
+                                   min_world_size=min_world_size, poll_interval=poll_interval,
+                                   min_world_size_timeout=min_world_size_timeout)
         except BaseException:
             self._blocking.close()
             raise

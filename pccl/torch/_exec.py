@@ -15,6 +15,7 @@ from .._errors import InvalidUsageError, PCCLError, RankConnectionLostError
 from .._waits import format_wait
 from ..peer.communicator import Communicator, open_communicator
 from ._ops import (
+    AllGather,
     AllReduce,
     Members,
     Op,
@@ -86,6 +87,8 @@ class Executor:
             return await comm.sync_shared_state(op.state)
         if isinstance(op, AllReduce):
             return await self.all_reduce(op)
+        if isinstance(op, AllGather):
+            return await comm.all_gather(op.send, op.recv, tag=op.tag)
         if isinstance(op, StartAllReduce):
             if self.nursery is None:
                 raise InvalidUsageError("background all-reduces need a nursery")
@@ -100,9 +103,9 @@ class Executor:
             return handle.info
         raise TypeError(f"unknown request {op!r}")
 
-    async def _background(self, op: AllReduce, handle: _Background) -> None:
+    async def _background(self, op: AllReduce | AllGather, handle: _Background) -> None:
         try:
-            handle.info = await self.all_reduce(op)
+            handle.info = await self(op)
         except PCCLError as exc:
             handle.error = exc
         finally:

@@ -73,6 +73,9 @@ class SharedModel:
             data (BatchNorm's running statistics) differs between peers: pass ``local_buffers=True``
             to share it only with newcomers (``allow_content_inequality``), or ``buffers=False``.
         local_buffers: see ``buffers``.
+        scheduler: the optimizer's learning-rate scheduler (any with an integer ``last_epoch``): its
+            position and the groups' learning rates are shared (``sched/last_epoch``, ``sched/lr``),
+            so a newcomer continues the group's schedule.
 
     Raises:
         InvalidArgumentError: an optimizer parameter that is not in ``model``, optimizer state that is not
@@ -81,9 +84,10 @@ class SharedModel:
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
                  extra: Mapping[str, torch.Tensor] | None = None, buffers: bool = True,
-                 local_buffers: bool = False) -> None:
+                 local_buffers: bool = False, scheduler: Any = None) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.scheduler = scheduler
         named = dict(model.named_parameters())
         self._names = {id(p): name for name, p in named.items()}
         infos: list[TensorInfo] = [TensorInfo.from_torch(p.detach(), f"param/{n}") for n, p in named.items()]
@@ -112,6 +116,19 @@ class SharedModel:
                         self._optim_refs.append((state, key, value))
         for key, t in (extra or {}).items():
             infos.append(TensorInfo.from_torch(t, f"extra/{key}"))
+        self._sched_epoch = torch.zeros(1, dtype=torch.int64)
+        self._sched_lrs = torch.zeros(0, dtype=torch.float64)
+        if scheduler is not None:
+            if optimizer is None or getattr(scheduler, "optimizer", None) is not optimizer:
+                raise InvalidArgumentError("the scheduler must drive the SharedModel's optimizer")
+            if not isinstance(getattr(scheduler, "last_epoch", None), int):
+                raise InvalidArgumentError(f"{type(scheduler).__name__} has no integer last_epoch: it "
+                                           "cannot be shared")
+            assert optimizer is not None
+            self._sched_lrs = torch.zeros(len(optimizer.param_groups), dtype=torch.float64)
+            infos.append(TensorInfo.from_torch(self._sched_epoch, "sched/last_epoch"))
+            infos.append(TensorInfo.from_torch(self._sched_lrs, "sched/lr"))
+            self.before_sync()
         self.state = SharedState(infos)
 
     @property
@@ -149,6 +166,63 @@ class SharedModel:
                     with torch.no_grad():
                         ref.copy_(value)
                 state[key] = ref
+
+    def before_sync(self) -> None:
+        """Copy the scheduler's position (``last_epoch``) and the groups' learning rates into the shared
+        tensors (the drivers call it before each sync; nothing to do without a scheduler)."""
+        if self.scheduler is None or self.optimizer is None:
+            return
+        self._sched_epoch[0] = int(self.scheduler.last_epoch)
+        for i, g in enumerate(self.optimizer.param_groups):
+            self._sched_lrs[i] = float(g["lr"])
+
+    def after_sync(self) -> None:
+        """Put the synced position and learning rates back into the scheduler and the optimizer (a
+        newcomer continues the group's schedule; the others are unchanged)."""
+        if self.scheduler is None or self.optimizer is None:
+            return
+        self.scheduler.last_epoch = int(self._sched_epoch[0])
+        lrs = [float(v) for v in self._sched_lrs]
+        for g, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+            g["lr"] = lr
+        self.scheduler._last_lr = lrs
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint: every shared tensor (copied) and the revision (see :meth:`load_state_dict`)."""
+        self.before_sync()
+        return {"format": "pccl.torch.SharedModel/1", "revision": self.revision,
+                "tensors": {k: t.detach().clone() for k, t in self.tensors().items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore a :meth:`state_dict` in place (model, optimizer state, scheduler, extras, revision).
+
+        Raises:
+            InvalidArgumentError: not such a checkpoint, or keys, shapes or dtypes that differ.
+        """
+        if not isinstance(state, Mapping) or state.get("format") != "pccl.torch.SharedModel/1":
+            raise InvalidArgumentError("not a pccl.torch SharedModel checkpoint")
+        saved: Mapping[str, torch.Tensor] = state["tensors"]
+        mine = self.tensors()
+        if set(saved) != set(mine):
+            missing, extra = sorted(set(mine) - set(saved)), sorted(set(saved) - set(mine))
+            raise InvalidArgumentError(f"checkpoint keys differ: missing {missing}, unexpected {extra}")
+        for k, t in mine.items():
+            if saved[k].shape != t.shape or saved[k].dtype != t.dtype:
+                raise InvalidArgumentError(f"checkpoint tensor {k!r} is {saved[k].dtype} "
+                                           f"{list(saved[k].shape)}, the model's {t.dtype} {list(t.shape)}")
+        with torch.no_grad():
+            for k, t in mine.items():
+                t.copy_(saved[k])
+        self.revision = int(state["revision"])
+        self.after_sync()
+
+    def save(self, path: Any) -> None:
+        """``torch.save(self.state_dict(), path)``."""
+        torch.save(self.state_dict(), path)
+
+    def load(self, path: Any) -> None:
+        """Restore a checkpoint written by :meth:`save`."""
+        self.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
     def __iter__(self) -> Iterator[TensorInfo]:
         return iter(self.state.tensor_infos)

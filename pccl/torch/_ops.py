@@ -17,6 +17,7 @@ from .._errors import PCCLError, Result
 from .._types import QuantizationOptions, ReduceOp
 
 __all__ = [
+    "AllGather",
     "AllReduce",
     "Members",
     "Op",
@@ -84,10 +85,22 @@ class AllReduce:
 
 
 @dataclasses.dataclass(frozen=True)
-class StartAllReduce:
-    """Launch ``reduce`` (with ``retry_lost``) in the background; result: a handle for WaitAllReduce."""
+class AllGather:
+    """``all_gather(send, recv, tag=tag)``: every peer's ``send`` into ``recv`` in rank order; result:
+    ``ReduceInfo``. ``recv`` must hold ``world_size * len(send)`` elements (INVALID_ARGUMENT when the
+    group changed size since)."""
 
-    reduce: AllReduce
+    send: Any
+    recv: Any
+    tag: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StartAllReduce:
+    """Launch ``reduce`` (an all-reduce, with its ``retry_lost``, or an all-gather) in the background;
+    result: a handle for WaitAllReduce."""
+
+    reduce: AllReduce | AllGather
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +110,8 @@ class WaitAllReduce:
     handle: Any
 
 
-Op = PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | StartAllReduce | WaitAllReduce
+Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGather | StartAllReduce
+      | WaitAllReduce)
 
 
 def is_result(exc: BaseException, *names: str) -> bool:

@@ -1,0 +1,300 @@
+"""Training on slow links: data-parallel against DiLoCo (fp32, int8) and streaming DiLoCo (int4, error
+feedback), loss against wall-clock.
+
+    python benchmarks/slow_link_training.py                     # 3 peers, 50 ms RTT, 20 Mbit/s, plot
+    python benchmarks/slow_link_training.py --rate-mbit 10 --dp-steps 300 --inner-steps 30
+
+The model is the character-level transformer of examples/torch_charlm.py (116,705 parameters,
+float32: 467 KB), on Python's standard-library sources, global batch 24 sequences of 64 characters
+per step (8 per peer). Three peer processes, one thread each, and a master in this process.
+
+**The link** (benchmarks/_shaped.py, at pccl's transport seam, since this kernel has no netem): every
+peer's uplink sends at ``--rate-mbit`` and every byte reaches the other side ``--rtt-ms / 2`` later,
+so each pair of peers sees the RTT and the rate each way (a peer's uplink is shared by all its
+destinations); peer -> master messages get ``--rtt-ms`` of one-way delay and no rate limit (the
+master's replies none: the master's RTT is ``--rtt-ms`` too). Underneath is loopback TCP.
+
+Runs, one after the other (same master, same seeds):
+
+* ``dp``: :class:`pccl.torch.TrainingRun`, ``--dp-steps`` steps;
+* ``diloco-fp32``: :class:`pccl.torch.DiLoCo`, H = ``--inner-steps``, outer SGD lr 0.7 Nesterov 0.9;
+* ``diloco-int8``: the same with the library's UINT8 min-max wire quantization;
+* ``streaming-int4``: :class:`pccl.torch.StreamingDiLoCo`, same H, ``--fragments`` fragments, int4
+  payloads with error feedback, overlap ``--overlap`` inner steps, mixing 0.5, membership and sync
+  every ``--sync-every`` cycles.
+
+Each DiLoCo run trains ``--diloco-steps`` inner steps. Peer 0 evaluates the (outer) model on 64
+held-out sequences every ``--eval-every`` steps; the evaluation's time is left out of the clock.
+Wall time starts when the three peers have finished their first step (connections made). The
+"waiting" column is the time ``step()`` spent blocked on communication (``network_wait_s``) over the
+wall time, per peer averaged; bytes are those of the gradient or pseudo-gradient exchanges that peer 0
+sent, per 100 inner steps. Prints a table and the targets, and writes ``--plot`` (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import queue
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "examples"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+MODES = ["dp", "diloco-fp32", "diloco-int8", "streaming-int4"]
+
+
+def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, results: Any) -> None:
+    import torch
+    import torch_charlm as lm  # examples/torch_charlm.py
+    from _shaped import ShapedTransport
+
+    import pccl
+    from pccl.torch import DiLoCo, SharedModel, StreamingDiLoCo, TrainingRun
+
+    torch.set_num_threads(1)
+    data = torch.from_numpy(lm.load_text())
+    starts_all = np.arange(0, len(data) - lm.BLOCK - 1, lm.BLOCK // 2)
+    held = len(starts_all) // 10
+    starts, eval_starts = starts_all[:-held], starts_all[-held:]
+    eval_x, eval_y = lm.batch(data, eval_starts, np.arange(0, held, max(1, held // 64))[:64])
+    model = lm.build_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    host, port = address.rsplit(":", 1)
+    # the master's side is unshaped: the peer -> master direction gets the whole RTT
+    transport = ShapedTransport(rate=args.rate_mbit * 1e6 / 8, delay=args.rtt_ms / 2000,
+                                control={(host, int(port))}, control_delay=args.rtt_ms / 1000)
+    outer = None
+
+    def outer_sgd(params: list[Any]) -> Any:
+        return torch.optim.SGD(params, lr=args.outer_lr, momentum=0.9, nesterov=True)
+
+    def backward(step: Any) -> float:
+        idx = step.shard(lm.GLOBAL_BATCH, len(starts))
+        x, y = lm.batch(data, starts, idx)
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, lm.VOCAB), y.reshape(-1))
+        loss.backward()
+        return float(loss.detach())
+
+    common: dict[str, Any] = dict(min_world_size=args.peers, transport=transport)
+    driver: Any
+    if mode == "dp":
+        driver = TrainingRun(address, SharedModel(model, optimizer), total_steps=args.dp_steps, **common)
+        steps = args.dp_steps
+    elif mode.startswith("diloco"):
+        q = None
+        if mode == "diloco-int8":
+            q = pccl.QuantizationOptions(quantized_datatype=pccl.DataType.UINT8,
+                                         algorithm=pccl.QuantizationAlgorithm.MIN_MAX)
+        driver = DiLoCo(address, model, optimizer, inner_steps=args.inner_steps, outer_optimizer=outer_sgd,
+                        quantization=q, total_outer_steps=args.diloco_steps // args.inner_steps, **common)
+        steps = args.diloco_steps
+        outer = driver.outer_model
+    else:
+        driver = StreamingDiLoCo(address, model, optimizer, inner_steps=args.inner_steps,
+                                 outer_optimizer=outer_sgd, fragments=args.fragments, overlap=args.overlap,
+                                 mixing=0.5, codec="int4", sync_every=args.sync_every,
+                                 total_outer_steps=args.diloco_steps // args.inner_steps, **common)
+        steps = args.diloco_steps
+        outer = driver.outer_model
+    evaluated = outer if outer is not None else model
+
+    def evaluate() -> float:
+        with torch.no_grad():
+            return float(torch.nn.functional.cross_entropy(evaluated(eval_x).reshape(-1, lm.VOCAB),
+                                                           eval_y.reshape(-1)))
+
+    curve: list[tuple[float, int, float]] = []
+    tx = 0
+    t0 = wait0 = 0.0
+    by_op0: dict[str, float] = {}
+    eval_time = 0.0
+    with driver:
+        n = 0
+        while (r := driver.step(backward)) is not None:
+            n += 1
+            if n == 1:  # the clock starts once everyone is connected and the first step is done
+                t0, wait0 = time.perf_counter(), driver.network_wait_s
+                by_op0 = dict(driver._blocking.wait_by_op)
+                continue
+            tx += r.reduce_tx_bytes
+            done = r.index + 1
+            if done % args.eval_every == 0 or done == steps:
+                # every peer evaluates (only peer 0 records): each pauses alike, so no peer's wait on
+                # the network includes another's evaluation
+                e0 = time.perf_counter()
+                at = e0 - t0 - eval_time
+                loss = evaluate()
+                eval_time += time.perf_counter() - e0
+                if index == 0:
+                    curve.append((at, done, loss))
+        wall = time.perf_counter() - t0 - eval_time
+        wait = driver.network_wait_s - wait0
+        by_op = {k: v - by_op0.get(k, 0.0) for k, v in driver._blocking.wait_by_op.items()}
+    results.put((mode, index, {"curve": curve, "wall": wall, "wait": wait, "tx": tx, "steps": n - 1,
+                               "by_op": by_op}))
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    from pccl.blocking import MasterNode
+
+    master = MasterNode("127.0.0.1:0")
+    master.run()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=peer_main, args=(mode, master.address, i, args, results), name=f"{mode}-{i}")
+             for i in range(args.peers)]
+    for p in procs:
+        p.start()
+    out: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + args.timeout
+    try:
+        while len(out) < args.peers and time.monotonic() < deadline:
+            try:
+                _, i, rep = results.get(timeout=0.5)
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    break
+                continue
+            out[i] = rep
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        master.interrupt()
+    if len(out) < args.peers:
+        raise SystemExit(f"[{mode}] FAILED: {args.peers - len(out)} peers did not report")
+    return out
+
+
+def time_to(curve: list[tuple[float, int, float]], target: float) -> float | None:
+    """Wall time at which the curve first reaches ``target`` (interpolated between evaluations)."""
+    prev = (0.0, float("inf"))
+    for t, _, loss in curve:
+        if loss <= target:
+            if prev[1] == float("inf"):
+                return t
+            return prev[0] + (t - prev[0]) * (prev[1] - target) / (prev[1] - loss)
+        prev = (t, loss)
+    return None
+
+
+def plot(runs: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace, path: Path) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("plot skipped: matplotlib is not installed (pip install pccl[examples])")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    styles = {"dp": ("data-parallel TrainingRun", "black"), "diloco-fp32": ("DiLoCo fp32", "tab:blue"),
+              "diloco-int8": ("DiLoCo int8 (wire)", "tab:orange"),
+              "streaming-int4": ("streaming DiLoCo int4 + error feedback", "tab:green")}
+    for mode, reps in runs.items():
+        label, color = styles[mode]
+        curve = reps[0]["curve"]
+        ax.plot([c[0] for c in curve], [c[2] for c in curve], color=color, label=label)
+    target = runs["dp"][0]["curve"][-1][2]
+    ax.axhline(target, color="black", ls=":", lw=1)
+    ax.set_xlabel("wall-clock seconds (evaluation excluded)")
+    ax.set_ylabel("held-out loss (nats/char)")
+    ax.set_title(f"char-LM ({args.params:,} params), 3 peers, {args.rtt_ms:g} ms RTT, "
+                 f"{args.rate_mbit:g} Mbit/s uplinks (emulated)", fontsize=10)
+    ax.set_xscale("log")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=3)
+    parser.add_argument("--rtt-ms", type=float, default=50.0)
+    parser.add_argument("--rate-mbit", type=float, default=20.0, help="each peer's uplink (Mbit/s)")
+    parser.add_argument("--dp-steps", type=int, default=300)
+    parser.add_argument("--diloco-steps", type=int, default=900, help="inner steps of each DiLoCo run")
+    parser.add_argument("--inner-steps", type=int, default=50, help="H")
+    parser.add_argument("--fragments", type=int, default=3)
+    parser.add_argument("--overlap", type=int, default=10)
+    parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "slow_link_training.png")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per run")
+    args = parser.parse_args(argv)
+    import torch_charlm as lm
+
+    args.params = sum(p.numel() for p in lm.build_model(0).parameters())
+    modes = args.modes.split(",")
+    print(f"model {args.params:,} parameters ({args.params * 4 / 1e3:.0f} KB fp32); {args.peers} peers; "
+          f"link: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s uplink per peer (userspace-shaped, "
+          f"benchmarks/_shaped.py); H={args.inner_steps}")
+    runs: dict[str, dict[int, dict[str, Any]]] = {}
+    for mode in modes:
+        runs[mode] = run_mode(mode, args)
+        r0 = runs[mode][0]
+        print(f"[{mode}] {r0['steps'] + 1} steps, {r0['wall']:.1f} s, final loss {r0['curve'][-1][2]:.4f}; "
+              "peer 0 waited in: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r0["by_op"].items())),
+              flush=True)
+    rows = []
+    for mode, reps in runs.items():
+        r0 = reps[0]
+        per100 = r0["tx"] / max(1, r0["steps"]) * 100
+        waiting = sum(r["wait"] / r["wall"] for r in reps.values()) / len(reps)
+        rows.append((mode, r0["steps"] + 1, f"{r0['wall']:.1f}", f"{r0['curve'][-1][2]:.4f}",
+                     f"{per100 / 1e6:.3f}", f"{100 * waiting:.1f}"))
+    widths = [max(len(str(c)) for c in col) for col in zip(*rows, strict=True)]
+    heads = ["mode", "steps", "wall s", "final loss", "MB sent / 100 steps (peer 0)", "waiting % of wall"]
+    widths = [max(w, len(h)) for w, h in zip(widths, heads, strict=True)]
+    print("  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)))
+    for row in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)))
+    verdicts: list[str] = []
+    if "dp" in runs:
+        dp = runs["dp"][0]
+        target = dp["curve"][-1][2]
+        dp_wait = sum(r["wait"] / r["wall"] for r in runs["dp"].values()) / len(runs["dp"])
+        print(f"data-parallel waits {100 * dp_wait:.1f}% of its wall time (want >= 70%); its loss at step "
+              f"{dp['steps'] + 1}: {target:.4f} after {dp['wall']:.1f} s")
+        verdicts.append(f"data-parallel waits >= 70%: {'yes' if dp_wait >= 0.7 else 'NO'}")
+        for mode in modes[1:]:
+            t = time_to(runs[mode][0]["curve"], target)
+            print(f"[{mode}] reaches it after "
+                  + (f"{t:.1f} s = 1/{dp['wall'] / t:.1f} of data-parallel's time" if t else "(never)"))
+    if "diloco-fp32" in runs and "streaming-int4" in runs:
+        fp = runs["diloco-fp32"][0]
+        st = runs["streaming-int4"][0]
+        ratio = (fp["tx"] / max(1, fp["steps"])) / max(1e-9, st["tx"] / max(1, st["steps"]))
+        st_wait = sum(r["wait"] / r["wall"] for r in runs["streaming-int4"].values()) / args.peers
+        print(f"streaming int4 sends {ratio:.2f}x fewer bytes than DiLoCo fp32 (target >= 8x); waits "
+              f"{100 * st_wait:.1f}% of its wall time (target < 5%)")
+        verdicts.append(f">= 8x fewer bytes: {'yes' if ratio >= 8 else 'NO'}")
+        verdicts.append(f"waits < 5%: {'yes' if st_wait < 0.05 else 'NO'}")
+        if "dp" in runs:
+            t = time_to(st["curve"], runs["dp"][0]["curve"][-1][2])
+            fast = t is not None and t <= runs["dp"][0]["wall"] / 5
+            verdicts.append(f"data-parallel's loss in <= 1/5 of its time: {'yes' if fast else 'NO'}")
+    if not args.no_plot:
+        plot(runs, args, args.plot)
+    print("targets: " + "; ".join(verdicts))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,276 @@
+"""Compressed outer gradients: min-max quantization to 8 or 4 bits and top-k, with error feedback.
+
+A codec turns a flat float tensor into a byte payload and back. Streaming DiLoCo
+(:mod:`pccl.torch._streaming`) all-gathers every peer's payload and each peer decodes all of them
+and averages them in rank order, so every peer computes the same bits from the same bytes: the
+average is bit-identical across peers by construction, whatever the codec. Decoding is a pure
+function of the payload (elementwise float32 arithmetic, no reductions), so it gives the same bits
+on the encoder as on every other peer, which is what makes error feedback exact: the residual a peer
+keeps, ``v - decode(encode(v))``, is exactly what its contribution lost this round.
+
+Payload layouts (little-endian, ``n`` elements, blocks of ``block`` elements, ``b = ceil(n / block)``):
+
+* ``MinMaxCodec(bits)``: ``b`` float32 minima, ``b`` float32 maxima, then the codes: one byte each
+  (8 bits), or two per byte (4 bits, the element of even index in the low nibble). A code is
+  ``floor((x - min) * (Q / (max - min)) + 0.5)``, ``Q = 2**bits - 1`` (round to nearest, no bias),
+  decoded as ``q * ((max - min) / Q) + min``; a constant block decodes to its value exactly.
+* ``TopKCodec(fraction)``: ``k = max(1, ceil(fraction * n))`` int32 indices (ascending) of the
+  largest magnitudes, then their values as float32 (or as a ``MinMaxCodec`` payload of ``k``
+  elements when ``bits`` is given). The other elements decode to zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from .._errors import InvalidArgumentError
+
+__all__ = ["Codec", "ErrorFeedback", "MinMaxCodec", "TopKCodec", "average_payloads", "choose_codec",
+           "codec_from_spec"]
+
+
+class Codec(Protocol):
+    """Encodes flat float32 tensors into byte payloads whose size depends on the element count only."""
+
+    name: str
+
+    def payload_bytes(self, numel: int) -> int:
+        """Bytes of the payload of ``numel`` elements."""
+        ...
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """The payload (a flat uint8 tensor of :meth:`payload_bytes` bytes) of the flat float32 ``x``."""
+        ...
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        """The float32 values of ``payload`` (a pure function of its bytes)."""
+        ...
+
+
+class MinMaxCodec:
+    """Block-wise min-max quantization to 8 or 4 bits (see the module docstring).
+
+    Args:
+        bits: 8 or 4.
+        block: elements per block (each block carries its own float32 min and max: 8 bytes).
+    """
+
+    def __init__(self, bits: int = 8, block: int = 4096) -> None:
+        if bits not in (4, 8):
+            raise InvalidArgumentError(f"MinMaxCodec: bits must be 4 or 8, not {bits}")
+        if block < 2 or (bits == 4 and block % 2):
+            raise InvalidArgumentError("MinMaxCodec: block must be >= 2 (and even for 4 bits)")
+        self.bits = bits
+        self.block = block
+        self.qmax = (1 << bits) - 1
+        self.name = f"int{bits}"
+
+    def __repr__(self) -> str:
+        return f"MinMaxCodec(bits={self.bits}, block={self.block})"
+
+    def _blocks(self, numel: int) -> int:
+        return max(1, math.ceil(numel / self.block))
+
+    def _code_bytes(self, numel: int) -> int:
+        return numel if self.bits == 8 else (numel + 1) // 2
+
+    def payload_bytes(self, numel: int) -> int:
+        return 8 * self._blocks(numel) + self._code_bytes(numel)
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().reshape(-1).to(torch.float32)
+        n = x.numel()
+        b = self._blocks(n)
+        padded = x.new_empty(b * self.block)
+        padded[:n] = x
+        padded[n:] = x[-1] if n else 0.0  # the last element: the last block's min and max stay its own
+        xb = padded.view(b, self.block)
+        lo = xb.amin(dim=1)
+        hi = xb.amax(dim=1)
+        d = hi - lo
+        inv = torch.where(d > 0, self.qmax / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(d))
+        q = torch.floor((xb - lo[:, None]) * inv[:, None] + 0.5).clamp_(0, self.qmax)
+        q = torch.nan_to_num(q, nan=0.0).to(torch.uint8).reshape(-1)[:n]
+        if self.bits == 4:
+            if n % 2:
+                q = torch.cat([q, q.new_zeros(1)])
+            q = q[0::2] | (q[1::2] << 4)
+        head = torch.cat([lo, hi]).view(torch.uint8)
+        return torch.cat([head, q])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        b = self._blocks(numel)
+        if payload.dtype != torch.uint8 or payload.numel() != self.payload_bytes(numel):
+            raise InvalidArgumentError(f"{self.name} payload of {numel} elements must be "
+                                       f"{self.payload_bytes(numel)} bytes of uint8")
+        head = payload[: 8 * b].clone().view(torch.float32)
+        lo, hi = head[:b], head[b:]
+        codes = payload[8 * b:]
+        if self.bits == 4:
+            q = torch.stack([codes & 0x0F, codes >> 4], dim=1).reshape(-1)[:numel]
+        else:
+            q = codes
+        step = (hi - lo) / self.qmax
+        block_of = torch.arange(numel) // self.block
+        return q.to(torch.float32) * step[block_of] + lo[block_of]
+
+
+class TopKCodec:
+    """The ``fraction`` of largest-magnitude elements, as indices and values (see the module docstring).
+
+    Args:
+        fraction: share of the elements sent, in (0, 1].
+        bits: quantize the values with :class:`MinMaxCodec` (8 or 4), or None for float32 values.
+    """
+
+    def __init__(self, fraction: float, bits: int | None = None) -> None:
+        if not 0.0 < fraction <= 1.0:
+            raise InvalidArgumentError(f"TopKCodec: fraction must be in (0, 1], not {fraction}")
+        self.fraction = fraction
+        self.values = MinMaxCodec(bits, block=1024) if bits is not None else None
+        self.name = f"top{fraction:g}" + (f"-int{bits}" if bits is not None else "")
+
+    def __repr__(self) -> str:
+        bits = None if self.values is None else self.values.bits
+        return f"TopKCodec(fraction={self.fraction}, bits={bits})"
+
+    def k(self, numel: int) -> int:
+        """Elements sent of ``numel``."""
+        return max(1, min(numel, math.ceil(self.fraction * numel)))
+
+    def payload_bytes(self, numel: int) -> int:
+        k = self.k(numel)
+        return 4 * k + (4 * k if self.values is None else self.values.payload_bytes(k))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().reshape(-1).to(torch.float32)
+        k = self.k(x.numel())
+        idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values.to(torch.int32)
+        vals = x[idx.long()]
+        body = vals.view(torch.uint8) if self.values is None else self.values.encode(vals)
+        return torch.cat([idx.view(torch.uint8), body])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        k = self.k(numel)
+        if payload.dtype != torch.uint8 or payload.numel() != self.payload_bytes(numel):
+            raise InvalidArgumentError(f"{self.name} payload of {numel} elements must be "
+                                       f"{self.payload_bytes(numel)} bytes of uint8")
+        idx = payload[: 4 * k].clone().view(torch.int32).long()
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel):
+            raise InvalidArgumentError(f"{self.name} payload: an index out of range")
+        body = payload[4 * k:]
+        vals = body.clone().view(torch.float32) if self.values is None else self.values.decode(body, k)
+        out = torch.zeros(numel, dtype=torch.float32)
+        out[idx] = vals
+        return out
+
+
+def codec_from_spec(spec: str | Codec | None) -> Codec | None:
+    """A codec from its name: None or ``"fp32"`` (no compression), ``"int8"``, ``"int4"``,
+    ``"topk:F"`` (top-k, fraction F), ``"topk:F:int4"``; a codec object is returned as it is.
+
+    Raises:
+        InvalidArgumentError: an unknown name.
+    """
+    if spec is None or spec == "fp32":
+        return None
+    if not isinstance(spec, str):
+        return spec
+    if spec in ("int8", "int4"):
+        return MinMaxCodec(int(spec[3:]))
+    parts = spec.split(":")
+    if parts[0] == "topk" and len(parts) in (2, 3):
+        try:
+            fraction = float(parts[1])
+            bits = int(parts[2][3:]) if len(parts) == 3 and parts[2].startswith("int") else None
+        except ValueError:
+            raise InvalidArgumentError(f"bad codec {spec!r}") from None
+        if len(parts) == 3 and bits is None:
+            raise InvalidArgumentError(f"bad codec {spec!r}")
+        return TopKCodec(fraction, bits)
+    raise InvalidArgumentError(f"unknown codec {spec!r}: use fp32, int8, int4, topk:F or topk:F:int4")
+
+
+# The candidates of choose_codec, least lossy first.
+_LADDER: tuple[str, ...] = ("fp32", "int8", "int4", "topk:0.25:int4", "topk:0.1:int4", "topk:0.03:int4",
+                            "topk:0.01:int4")
+
+
+def wire_bytes(codec: Codec | None, numel: int, element_size: int, world_size: int) -> int:
+    """Bytes one peer sends to average ``numel`` elements over ``world_size`` peers.
+
+    Uncompressed: a ring all-reduce, ``2 (n - 1) / n`` of the tensor; compressed: an all-gather of the
+    payloads, ``n - 1`` payloads.
+    """
+    n = max(1, world_size)
+    if codec is None:
+        return 2 * (n - 1) * numel * element_size // n
+    return (n - 1) * codec.payload_bytes(numel)
+
+
+def choose_codec(numel: int, element_size: int, world_size: int, budget_bytes: int) -> Codec | None:
+    """The least lossy codec of the ladder fp32, int8, int4, top-k 25/10/3/1 % (int4 values) whose
+    :func:`wire_bytes` fit ``budget_bytes`` (the last one when none fits). A pure function of its
+    arguments, so every peer of a group chooses the same.
+    """
+    choice: Codec | None = None
+    for spec in _LADDER:
+        choice = codec_from_spec(spec)
+        if wire_bytes(choice, numel, element_size, world_size) <= budget_bytes:
+            return choice
+    return choice
+
+
+def average_payloads(codec: Codec, gathered: torch.Tensor, world_size: int, numel: int) -> torch.Tensor:
+    """The average of ``world_size`` payloads laid end to end in ``gathered`` (rank order), in float32.
+
+    Summed in rank order, then divided: the same bits on every peer that holds the same bytes.
+    """
+    size = codec.payload_bytes(numel)
+    if gathered.numel() != world_size * size:
+        raise InvalidArgumentError(f"expected {world_size} payloads of {size} bytes, got {gathered.numel()}")
+    acc = codec.decode(gathered[:size], numel)
+    for r in range(1, world_size):
+        acc += codec.decode(gathered[r * size:(r + 1) * size], numel)
+    return acc / world_size
+
+
+class ErrorFeedback:
+    """A codec with a residual: what this peer's contribution lost is added to its next one.
+
+    ``encode(g)`` sends ``v = g + residual`` and proposes ``v - decode(encode(v))`` as the new
+    residual; :meth:`commit` keeps it (the round was applied), :meth:`discard` keeps the old one (the
+    round was lost: the next pseudo-gradient measures again what was not applied). Over rounds the
+    decoded contributions add up to the inputs' sum minus the last residual, which is bounded by half
+    a quantization step (top-k: by the elements not yet sent): no bias accumulates.
+
+    Args:
+        codec: the codec.
+        numel: elements of the tensors encoded.
+    """
+
+    def __init__(self, codec: Codec, numel: int) -> None:
+        self.codec = codec
+        self.residual = torch.zeros(numel, dtype=torch.float32)
+        self._proposed: torch.Tensor | None = None
+
+    def encode(self, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(payload, decoded)`` of ``g + residual``; the new residual waits for :meth:`commit`."""
+        v = g.detach().reshape(-1).to(torch.float32) + self.residual
+        payload = self.codec.encode(v)
+        decoded = self.codec.decode(payload, v.numel())
+        self._proposed = v - decoded
+        return payload, decoded
+
+    def commit(self) -> None:
+        """The round was applied: keep the proposed residual."""
+        if self._proposed is not None:
+            self.residual = self._proposed
+            self._proposed = None
+
+    def discard(self) -> None:
+        """The round was lost: keep the previous residual."""
+        self._proposed = None

@@ -1,0 +1,440 @@
+"""Streaming DiLoCo (Douillard et al., 2025, arXiv 2502.12996), as a generator of communication requests.
+
+The model's parameters are split into ``P`` fragments. Every fragment is synced once per *cycle* of
+``H`` inner steps, fragment ``p`` at inner step ``p * H // P`` of the cycle (staggered, so the
+traffic is spread over the cycle instead of arriving all at once):
+
+1. its pseudo-gradient ``outer_p - inner_p`` is measured and its average over the peers is launched
+   in the background (a ring all-reduce, or, with a codec, an all-gather of every peer's compressed
+   payload, each decoded and averaged in rank order on every peer), on its own tag;
+2. ``overlap`` inner steps later (at the end of the cycle at the latest) the average is waited for,
+   the outer optimizer steps the fragment's outer parameters with it, and the fragment's inner
+   parameters are merged: ``inner_p := mixing * inner_p + (1 - mixing) * outer_p``.
+
+With ``overlap=0`` and ``mixing=0`` each fragment is synchronous DiLoCo. One fragment is in flight per
+tag, and at a cycle's end none is: that is where newcomers are admitted and the shared state (outer
+parameters, outer optimizer state, the cycle count) is synced (every ``sync_every``-th cycle; the
+shared state's revision counts these syncs). When a fragment's exchange
+fails (a peer lost in it, the group changed size under an all-gather) only that fragment's round is
+lost: its outer parameters are not updated this cycle (its inner ones keep training, and its next
+pseudo-gradient measures the whole distance again); the others go on. Should one peer have applied a
+round that another lost, the next cycle's sync gives every peer the same outer state again.
+
+Codecs with error feedback (``_codec.py``): a peer's residual (what its compressed contribution
+lost) is added to its next pseudo-gradient of that fragment; a lost round keeps the previous
+residual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import torch
+
+from .._errors import InvalidArgumentError, TooFewPeersError
+from .._types import ReduceOp
+from ._codec import Codec, ErrorFeedback, average_payloads, choose_codec, codec_from_spec
+from ._model import SharedModel
+from ._ops import (
+    AllGather,
+    AllReduce,
+    Members,
+    Op,
+    PeersPending,
+    Sleep,
+    StartAllReduce,
+    Sync,
+    UpdateTopology,
+    WaitAllReduce,
+    is_result,
+)
+from ._train import Backward, Step, StepResult
+
+__all__ = ["CodecSpec", "Fragment", "StreamingCore", "split_fragments"]
+
+CodecSpec = str | Codec | None
+
+
+def split_fragments(named: Sequence[tuple[str, torch.nn.Parameter]], fragments: int | Sequence[Sequence[str]]
+                    ) -> list[list[int]]:
+    """Indices into ``named`` of each fragment.
+
+    ``fragments`` is a count (contiguous runs of parameters in model order, of about equal size,
+    never splitting a parameter; fewer when the model has fewer parameters) or lists of parameter
+    names (every trainable parameter in exactly one).
+
+    Raises:
+        InvalidArgumentError: a count below 1, an unknown or repeated name, a parameter left out.
+    """
+    if isinstance(fragments, int):
+        if fragments < 1:
+            raise InvalidArgumentError("fragments must be >= 1")
+        total = sum(p.numel() for _, p in named)
+        count = min(fragments, len(named))
+        out: list[list[int]] = [[]]
+        done = 0
+        for i, (_, p) in enumerate(named):
+            # open the next fragment once this parameter's middle passes the current one's share of the
+            # elements, or when every parameter left is needed to give each fragment left one
+            left_over = len(named) - i <= count - len(out)
+            past_share = done + p.numel() / 2 >= len(out) * total / count
+            if out[-1] and len(out) < count and (left_over or past_share):
+                out.append([])
+            out[-1].append(i)
+            done += p.numel()
+        return out
+    index = {name: i for i, (name, _) in enumerate(named)}
+    seen: set[str] = set()
+    result: list[list[int]] = []
+    for names in fragments:
+        frag = []
+        for name in names:
+            if name not in index or name in seen:
+                raise InvalidArgumentError(f"fragment parameter {name!r} is unknown or listed twice")
+            seen.add(name)
+            frag.append(index[name])
+        if frag:
+            result.append(frag)
+    missing = [name for name, _ in named if name not in seen]
+    if missing:
+        raise InvalidArgumentError(f"parameters in no fragment: {missing}")
+    return result
+
+
+@dataclasses.dataclass(eq=False)
+class Fragment:
+    """One fragment: its parameters, schedule, codec and the exchange in flight."""
+
+    index: int
+    names: list[str]
+    inner: list[torch.nn.Parameter]
+    outer: list[torch.nn.Parameter]
+    offset: int  # the inner step of the cycle at which it is sent
+    spec: CodecSpec  # "auto", a codec name, a codec, or None (fp32)
+    codec: Codec | None = None
+    feedback: ErrorFeedback | None = None
+    handle: Any = None
+    world: int = 1
+    local: torch.Tensor | None = None  # alone: the pseudo-gradient, applied as it is
+    payload: torch.Tensor | None = None
+    gathered: torch.Tensor | None = None
+    send: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
+    recv: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
+    rounds: int = 0
+    lost: int = 0
+    tx_bytes: int = 0
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.inner)
+
+    @property
+    def in_flight(self) -> bool:
+        return self.handle is not None or self.local is not None
+
+
+class StreamingCore:
+    """Per-peer state of streaming DiLoCo and its step generator (driver-independent; see the module).
+
+    Args:
+        model: the inner model (trained locally; its buffers stay local).
+        inner_optimizer: its optimizer (local state, kept across cycles).
+        outer_optimizer: ``factory(outer_params) -> optimizer`` over every outer parameter (one
+            optimizer; a fragment's step gives gradients to that fragment's parameters only).
+        inner_steps: H, the cycle length (each fragment is synced once per cycle).
+        fragments: a count, or lists of parameter names (see :func:`split_fragments`).
+        overlap: inner steps an exchange overlaps before it is applied (0: applied at once).
+        mixing: the merge factor ``alpha`` of the inner parameters (0: they take the outer ones).
+        codec: one spec for every fragment or one per fragment: None / ``"fp32"``, ``"int8"``,
+            ``"int4"``, ``"topk:F"``, ``"topk:F:int4"``, a codec object, or ``"auto"`` (the least lossy
+            one that fits ``budget_bytes``, chosen at each cycle's start for the group's size).
+        error_feedback: keep each peer's compression residual (default True).
+        budget_bytes: for ``"auto"``: the bytes one peer may send per cycle for the whole model,
+            shared among the fragments in proportion to their sizes.
+        total_outer_steps: stop after this many cycles (None: never).
+        just_joined, min_world_size, poll_interval: as in :class:`~pccl.torch._train.TrainCore`.
+        min_world_size_timeout: give up (TooFewPeersError) after waiting this long in total, counted
+            as ``poll_interval`` per wait, for ``min_world_size`` peers at one cycle start (None: wait
+            for ever).
+        sync_every: admit newcomers and sync the outer state at every ``sync_every``-th cycle's
+            start only (cycles whose count is a multiple of it): each of those costs the control
+            plane's round trips (a vote and a sync), which a slow link makes worth sparing.
+        base_tag: fragment ``p`` uses tag ``base_tag + p``.
+    """
+
+    def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
+                 outer_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                 inner_steps: int, fragments: int | Sequence[Sequence[str]], overlap: int, mixing: float,
+                 codec: CodecSpec | Sequence[CodecSpec], error_feedback: bool, budget_bytes: int | None,
+                 total_outer_steps: int | None, just_joined: bool, min_world_size: int,
+                 poll_interval: float, min_world_size_timeout: float | None = None,
+                 sync_every: int = 1, base_tag: int = 0) -> None:
+        import copy
+
+        if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
+            raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
+        if not 0 <= overlap < inner_steps:
+            raise InvalidArgumentError("overlap must be in [0, inner_steps)")
+        if not 0.0 <= mixing < 1.0:
+            raise InvalidArgumentError("mixing must be in [0, 1)")
+        self.model = model
+        self.inner_optimizer = inner_optimizer
+        self.outer_model = copy.deepcopy(model)
+        for p in self.outer_model.parameters():
+            p.requires_grad_(True)
+        self.outer_params = list(self.outer_model.parameters())
+        self.outer_optimizer = outer_optimizer(self.outer_params)
+        # cycles done: shared, so a newcomer learns where the run stands (the revision counts syncs)
+        self.cycle_tensor = torch.zeros(1, dtype=torch.int64)
+        self.shared = SharedModel(self.outer_model, self.outer_optimizer, buffers=False,
+                                  extra={"stream/cycle": self.cycle_tensor})
+        named = [(n, p) for n, p in model.named_parameters()]
+        outer_named = dict(self.outer_model.named_parameters())
+        groups = split_fragments(named, fragments)
+        specs: list[CodecSpec]
+        if isinstance(codec, (list, tuple)):
+            if len(codec) != len(groups):
+                raise InvalidArgumentError(f"{len(codec)} codecs for {len(groups)} fragments")
+            specs = list(codec)
+        else:
+            specs = [codec] * len(groups)  # type: ignore[list-item]
+        if any(s == "auto" for s in specs) and budget_bytes is None:
+            raise InvalidArgumentError('codec "auto" needs budget_bytes')
+        self.fragments: list[Fragment] = []
+        for p_index, (idx, spec) in enumerate(zip(groups, specs, strict=True)):
+            inner = [named[i][1] for i in idx]
+            dtypes = {t.dtype for t in inner}
+            if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+                raise InvalidArgumentError(f"fragment {p_index}: its parameters must share one float dtype")
+            frag = Fragment(p_index, [named[i][0] for i in idx], inner,
+                            [outer_named[named[i][0]] for i in idx],
+                            offset=p_index * inner_steps // len(groups), spec=spec)
+            if spec != "auto":
+                frag.codec = codec_from_spec(spec)
+            n = frag.numel
+            frag.send = torch.zeros(n, dtype=inner[0].dtype)
+            frag.recv = torch.zeros(n, dtype=inner[0].dtype)
+            if frag.codec is not None and error_feedback:
+                frag.feedback = ErrorFeedback(frag.codec, n)
+            self.fragments.append(frag)
+        self.error_feedback = error_feedback
+        self.budget_bytes = budget_bytes
+        self.inner_steps = inner_steps
+        self.overlap = overlap
+        self.mixing = mixing
+        self.total_outer_steps = total_outer_steps
+        self.just_joined = just_joined
+        self.joined = just_joined
+        self.min_world_size = min_world_size
+        self.min_world_size_timeout = min_world_size_timeout
+        self.poll_interval = poll_interval
+        self.sync_every = sync_every
+        self.base_tag = base_tag
+        self.rank = 0
+        self.world_size = 1
+        self.inner_step = 0  # inner steps done in this cycle
+        self.fresh = True  # the inner model has not started from the outer parameters yet
+        self.syncs = 0
+        self.unreported_rx = 0
+
+    # -- the cycle's start: membership, sync ---------------------------------------------------------
+
+    def _membership(self) -> Generator[Op, Any, None]:
+        waited = 0.0
+        while True:
+            if self.just_joined:
+                self.just_joined = False
+            else:
+                try:
+                    if (yield PeersPending()):
+                        yield UpdateTopology()
+                except Exception as exc:
+                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
+                        raise
+                    continue
+            self.rank, self.world_size = yield Members()
+            if self.world_size >= self.min_world_size:
+                return
+            if self.min_world_size_timeout is not None and waited >= self.min_world_size_timeout:
+                raise TooFewPeersError(
+                    f"waited {waited:g} s for {self.min_world_size} peers; the group has {self.world_size}")
+            yield Sleep(self.poll_interval, self.min_world_size)
+            waited += self.poll_interval
+
+    @property
+    def cycle(self) -> int:
+        """Cycles done (H inner steps each)."""
+        return int(self.cycle_tensor[0])
+
+    def _begin_cycle(self) -> Generator[Op, Any, bool]:
+        over = self.total_outer_steps is not None and self.cycle >= self.total_outer_steps
+        if not self.fresh and self.cycle % self.sync_every and not over:
+            # not a membership cycle: no control-plane round trips (the same decision on every peer;
+            # the run's end always syncs)
+            return True
+        yield from self._membership()
+        if self.fresh and self.joined:
+            self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
+        elif not self.fresh:
+            self.shared.revision += 1  # each sync advances the revision by one
+        while True:
+            try:
+                info = yield Sync(self.shared.state)
+                break
+            except Exception as exc:
+                if not is_result(exc, "RANK_CONNECTION_LOST"):
+                    raise
+        self.syncs += 1
+        self.unreported_rx += info.rx_bytes
+        if self.total_outer_steps is not None and self.cycle >= self.total_outer_steps:
+            self._inner_from_outer()  # the run is over: the model takes the final outer parameters
+            return False
+        if self.fresh or info.rx_bytes:
+            # a newcomer (or a peer whose outer state was repaired) starts from the group's parameters
+            self._inner_from_outer()
+            self.fresh = False
+        if self.budget_bytes is not None:
+            total = sum(f.numel for f in self.fragments)
+            for f in self.fragments:
+                if f.spec == "auto":
+                    share = self.budget_bytes * f.numel // max(total, 1)
+                    f.codec = choose_codec(f.numel, f.send.element_size(), self.world_size, share)
+                    if f.codec is not None and self.error_feedback:
+                        if f.feedback is None:
+                            f.feedback = ErrorFeedback(f.codec, f.numel)
+                        f.feedback.codec = f.codec
+        return True
+
+    def _inner_from_outer(self) -> None:
+        with torch.no_grad():
+            for f in self.fragments:
+                for p, o in zip(f.inner, f.outer, strict=True):
+                    p.copy_(o)
+
+    # -- one fragment's exchange ---------------------------------------------------------------------
+
+    def _pseudo_gradient(self, f: Fragment) -> torch.Tensor:
+        with torch.no_grad():
+            off = 0
+            for p, o in zip(f.inner, f.outer, strict=True):
+                n = p.numel()
+                torch.sub(o.reshape(-1), p.reshape(-1), out=f.send[off:off + n])
+                off += n
+        return f.send
+
+    def _launch(self, f: Fragment) -> Generator[Op, Any, None]:
+        _, f.world = yield Members()
+        delta = self._pseudo_gradient(f)
+        if f.world < 2:
+            f.local = delta.clone()  # alone: nothing to average, nothing to compress
+            return
+        tag = self.base_tag + f.index
+        if f.codec is None:
+            reduce = AllReduce([(f.send, f.recv)], ReduceOp.AVG, None, 1, base_tag=tag)
+            f.handle = yield StartAllReduce(reduce)
+            return
+        if f.feedback is not None:
+            f.payload, _ = f.feedback.encode(delta)
+        else:
+            f.payload = f.codec.encode(delta)
+        f.gathered = torch.empty(f.world * f.payload.numel(), dtype=torch.uint8)
+        f.handle = yield StartAllReduce(AllGather(f.payload, f.gathered, tag=tag))
+
+    def _finish(self, f: Fragment) -> Generator[Op, Any, int]:
+        """Wait for ``f``'s exchange and apply it; returns the bytes it sent (0 when the round is lost)."""
+        f.rounds += 1
+        if f.local is not None:
+            avg, f.local = f.local, None
+            self._apply(f, avg)
+            return 0
+        handle, f.handle = f.handle, None
+        op: Op = WaitAllReduce(handle)
+        while True:
+            try:
+                info = yield op
+                break
+            except Exception as exc:
+                lost = is_result(exc, "RANK_CONNECTION_LOST", "TOO_FEW_PEERS")
+                if not lost and is_result(exc, "INVALID_ARGUMENT") and f.codec is not None:
+                    _, now = yield Members()
+                    if now != f.world and now >= 2 and f.payload is not None:
+                        # The group changed size before the all-gather began (nothing was received):
+                        # gather the same payloads again, now, from the peers that are left.
+                        f.world = now
+                        f.gathered = torch.empty(now * f.payload.numel(), dtype=torch.uint8)
+                        op = AllGather(f.payload, f.gathered, tag=self.base_tag + f.index)
+                        continue
+                    lost = now != f.world
+                if not lost:
+                    raise
+                f.lost += 1
+                if f.feedback is not None:
+                    f.feedback.discard()
+                f.payload = f.gathered = None
+                return 0
+        if f.codec is None:
+            avg = f.recv
+        else:
+            assert f.gathered is not None
+            avg = average_payloads(f.codec, f.gathered, f.world, f.numel)
+            if f.feedback is not None:
+                f.feedback.commit()
+            f.payload = f.gathered = None
+        self._apply(f, avg)
+        f.tx_bytes += info.tx_bytes
+        return int(info.tx_bytes)
+
+    def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
+        """The outer step of ``f``'s parameters with the average ``avg``, then the inner merge."""
+        for p in self.outer_params:
+            p.grad = None
+        off = 0
+        for o in f.outer:
+            n = o.numel()
+            o.grad = avg[off:off + n].view_as(o).to(o.dtype).clone()
+            off += n
+        self.outer_optimizer.step()
+        self.shared.keep_state_references()
+        with torch.no_grad():
+            for p, o in zip(f.inner, f.outer, strict=True):
+                o.grad = None
+                if self.mixing == 0.0:
+                    p.copy_(o)
+                else:
+                    p.mul_(self.mixing).add_(o, alpha=1.0 - self.mixing)
+
+    # -- the step ------------------------------------------------------------------------------------
+
+    def step(self, backward: Backward) -> Generator[Op, Any, StepResult | None]:
+        """One inner step; the fragments due at it are sent or applied; None once the run is over."""
+        if self.inner_step == 0 and not (yield from self._begin_cycle()):
+            return None
+        s = self.inner_step
+        index = self.cycle * self.inner_steps + s
+        tx = 0
+        for f in self.fragments:
+            if f.offset == s:
+                yield from self._launch(f)
+        for f in self.fragments:
+            if f.in_flight and f.offset + self.overlap == s:
+                tx += yield from self._finish(f)
+        self.inner_optimizer.zero_grad()
+        loss = backward(Step(index, self.rank, self.world_size))
+        self.inner_optimizer.step()
+        self.inner_step += 1
+        if self.inner_step == self.inner_steps:
+            for f in self.fragments:  # those whose overlap reaches past the cycle's end
+                if f.in_flight:
+                    tx += yield from self._finish(f)
+            self.cycle_tensor += 1
+            self.inner_step = 0
+        rx, self.unreported_rx = self.unreported_rx, 0
+        return StepResult(index, loss, self.world_size, 1, rx, tx)
+
+    def statistics(self) -> dict[str, Any]:
+        """Per fragment: its parameters' count, codec, rounds applied and lost, bytes sent."""
+        return {"fragments": [{"index": f.index, "numel": f.numel, "offset": f.offset,
+                               "codec": "fp32" if f.codec is None else f.codec.name, "rounds": f.rounds,
+                               "lost": f.lost, "tx_bytes": f.tx_bytes} for f in self.fragments]}
