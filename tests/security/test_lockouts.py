@@ -124,12 +124,12 @@ async def test_unfinished_large_frames_of_guests_are_bounded(
             head = struct.pack("<I", frame) + bytes([0x92, m.P2PConnectionsDone.TAG])
             await g.stream.send_all(head + b"\0" * 1000)
             started.append(g)
-        await wait_until(lambda: budget.refused_total == 1, timeout=1)
+        await wait_until(lambda: budget.refused_total == 1, timeout=1, interval=0.01)
         assert budget.used == fits * frame <= budget.limit
         assert "does not fit the master's budget for unfinished frames" in caplog.text
         await exact_all_reduces(cl, rounds=2)
         # The ones that fit never complete: kicked at the frame deadline, their bytes given back.
-        await wait_until(lambda: budget.used == 0, timeout=budget.deadline + 1)
+        await wait_until(lambda: budget.used == 0, timeout=budget.deadline + 1, interval=0.01)
         assert f"did not arrive whole within {budget.deadline:g}s" in caplog.text
         assert budget.peak <= budget.limit
         await exact_all_reduces(cl, rounds=1, tag=10)

@@ -34,7 +34,7 @@ async def test_an_evicted_member_is_cut_off_at_once(
         epoch = victim._credentials.current.epoch  # type: ignore[union-attr]
 
         cl.partition(0, MASTER)  # silent to the master; its P2P links still work
-        await wait_until(lambda: evil.peer_id not in cl.master.state.peers, timeout=10)
+        await wait_until(lambda: evil.peer_id not in cl.master.state.peers, timeout=10, interval=0.01)
         await wait_until(lambda: evil.peer_id in victim._credentials.revoked, timeout=1)
         await wait_until(lambda: victim.p2p_connections.count(evil.peer_id) == 0, timeout=1)
         with trio.fail_after(1):
