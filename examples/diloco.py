@@ -36,6 +36,7 @@ import argparse
 import hashlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 import sys
 import threading
@@ -334,6 +335,10 @@ def main(argv: list[str] | None = None) -> int:
                              "updates diverge with 0.9)")
     parser.add_argument("--timeout", type=float, default=120.0, help="give up after this many seconds")
     args = parser.parse_args(argv)
+    if os.environ.get("PCCL_MASTER", "").strip():
+        # Unlike hello_world.py and digits_ddp.py this example is no single peer (see its docstring).
+        print(f"note: PCCL_MASTER is set, but {os.path.basename(__file__)} starts its own master and "
+              "peers (it starts late joiners itself): run it directly, not under pccl run", file=sys.stderr)
     if args.short:
         args.outer_steps, args.inner_steps = 6, 5
     if args.peers < MIN_PEERS:

@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import logging
 import multiprocessing as mp
+import os
 import queue
 import sys
 import time
@@ -383,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="give up on a run after this many seconds")
     args = parser.parse_args(argv)
+    if os.environ.get("PCCL_MASTER", "").strip():
+        # Unlike hello_world.py and digits_ddp.py this example is no single peer (see its docstring).
+        print(f"note: PCCL_MASTER is set, but {os.path.basename(__file__)} starts its own master and "
+              "peers (it kills one and starts another itself): run it directly, not under pccl run",
+              file=sys.stderr)
     if args.short:
         args.steps, args.no_plot = 60, True
     args.kill_at = int(args.steps * 0.3)
