@@ -10,27 +10,22 @@ from __future__ import annotations
 
 import datetime
 import threading
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import trio
 
 from .._config import PeerConfig
-from .._errors import InvalidArgumentError, PCCLError, RankConnectionLostError, Result, TooFewPeersError
+from .._errors import InvalidArgumentError
 from .._types import ReduceOp
 from ..peer.communicator import Communicator
-from ._dist_kinds import Configuration, Kinds, exchange_ranks
-from ._dist_plan import NEW_PEER_OFFSET, UnsupportedOperationError, pccl_reduce_op
+from ._dist_kinds import Configuration, Kinds
+from ._dist_link import GroupLink
+from ._dist_plan import UnsupportedOperationError, pccl_reduce_op
 from ._dist_work import PCCLWork, PeerLostError
-from ._exec import BackgroundThread
 
 __all__ = ["ProcessGroupPCCL"]
-
-_TAG_LIMIT = 1 << 62
-_EXCHANGE_TAG = 0  # the rank exchange; the calls of a configuration take tags 1, 2, ...
 
 
 def _one(tensors: Sequence[torch.Tensor], call: str) -> torch.Tensor:
@@ -79,66 +74,13 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         if world_size < 1:
             raise InvalidArgumentError(f"world_size must be at least 1, not {world_size}")
         super().__init__(max(rank, 0), world_size)  # type: ignore[call-arg]
-        self._lock = threading.Lock()
-        self._seq = 0
         self._broken: str | None = None
         self._coalesced: list[PCCLWork] | None = None
-        self._poll = poll_interval
-        self._thread = BackgroundThread("pccl-torch-dist")
-        try:
-            self.comm: Communicator = self._connect(master_address, peer_group, config, connect_attempts)
-            self._config = self._thread.call(self._form, rank, world_size, timeout.total_seconds())
-        except BaseException:
-            self._thread.close()
-            raise
-        self.joined_running_group = self._config.newcomers < self._config.size
-        self._kinds = Kinds(self.comm, self._config)
-
-    def _connect(self, address: str, peer_group: int, config: PeerConfig | None,
-                 attempts: int) -> Communicator:
-        delay = 0.05
-        for attempt in range(max(1, attempts)):
-            try:
-                return self._thread.open_communicator(address, peer_group=peer_group, config=config)
-            except PCCLError as exc:
-                if exc.result != Result.MASTER_CONNECTION_FAILED or attempt + 1 >= attempts:
-                    raise
-                time.sleep(delay)
-                delay = min(1.0, delay * 2)
-        raise AssertionError("unreachable")
-
-    async def _form(self, rank: int, world_size: int, timeout: float) -> Configuration:
-        # Each round is what a Manager's start_step does: a pending vote (admitting whoever waits),
-        # then the rank exchange. A peer admitted by others enters at the exchange, where the peers that
-        # admitted it are; the group is formed once the exchange counts world_size peers, or at once
-        # when the exchange shows peers that hold ranks already (this peer joined a running group).
-        comm = self.comm
-        admitted_by_others = len(comm.group_ring) > 1
-        with trio.move_on_after(timeout) as scope:
-            while True:
-                try:
-                    if not admitted_by_others:
-                        if await comm.are_peers_pending():
-                            await comm.update_topology()
-                        elif len(comm.group_ring) < world_size:
-                            await trio.sleep(self._poll)
-                    admitted_by_others = False
-                    config = await exchange_ranks(comm, NEW_PEER_OFFSET + rank, _EXCHANGE_TAG)
-                except (PeerLostError, RankConnectionLostError, TooFewPeersError):
-                    continue  # someone left while we gathered: go on gathering
-                except PCCLError as exc:
-                    if exc.result != Result.UPDATE_TOPOLOGY_FAILED:
-                        raise
-                    continue
-                if config.newcomers < config.size or config.size >= world_size:
-                    break
-        if scope.cancelled_caught:
-            raise TimeoutError(f"pccl: {len(comm.group_ring)} of {world_size} peers after {timeout:.0f} s")
-        self._seq = 0
-        if config.newcomers == config.size and rank >= 0 and config.rank != rank:
-            raise InvalidArgumentError(f"pccl: rank {rank} was asked for by more than one peer (or is "
-                                       f"outside 0..{config.size - 1})")
-        return config
+        self._link = GroupLink(master_address, rank=rank, world_size=world_size,
+                               timeout=timeout.total_seconds(), peer_group=peer_group, config=config,
+                               connect_attempts=connect_attempts, poll_interval=poll_interval)
+        self.comm: Communicator = self._link.comm
+        self.joined_running_group = self._link.joined_running_group
 
     # ------------------------------------------------------------------------------------------------
     # membership (the Manager's side)
@@ -146,27 +88,24 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def reconfigure(self) -> Configuration:
         """Agree on ranks again with the peers now in the pccl group (every peer calls it together).
 
-        Survivors keep their relative order, renumbered from 0; newcomers follow. Clears the broken state.
+        Survivors keep their relative order, renumbered from 0; newcomers follow. Clears :attr:`broken`.
+        Call it with no call of this group running (their tags would be reused).
 
         Raises:
             PeerLostError: a peer was lost meanwhile (call it again).
         """
-        config = self._thread.call(exchange_ranks, self.comm, self._config.rank, _EXCHANGE_TAG)
-        with self._lock:
-            self._seq = 0  # every peer numbers the calls of the new configuration from here
-        self._config = config
-        self._kinds = Kinds(self.comm, config)
+        config = self._link.reconfigure()
         self._broken = None
         return config
 
     def run(self, afn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Run ``await afn(*args)`` in the communicator's trio thread (for membership calls)."""
-        return self._thread.call(afn, *args)
+        return self._link.run(afn, *args)
 
     @property
     def configuration(self) -> Configuration:
         """The current agreement on ranks."""
-        return self._config
+        return self._link.config
 
     @property
     def broken(self) -> bool:
@@ -176,7 +115,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def close(self) -> None:
         """Leave the pccl run (the others see this peer as lost) and stop the background thread
         (idempotent; ``dist.destroy_process_group()`` calls it through :meth:`shutdown`)."""
-        self._thread.close()
+        self._link.close()
 
     def shutdown(self) -> None:
         """torch's name for :meth:`close`."""
@@ -190,10 +129,10 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     # torch's ProcessGroup interface
 
     def rank(self) -> int:
-        return self._config.rank
+        return self._link.config.rank
 
     def size(self) -> int:
-        return self._config.size
+        return self._link.config.size
 
     def getBackendName(self) -> str:
         return "pccl"
@@ -213,18 +152,13 @@ class ProcessGroupPCCL(dist.ProcessGroup):
     def group_name(self) -> str:  # type: ignore[override]
         return self._group_name
 
-    def _next_tag(self) -> int:
-        with self._lock:
-            self._seq = (self._seq + 1) % _TAG_LIMIT
-            return self._seq
-
     def _launch(self, call: str, result: Any, inputs: Sequence[torch.Tensor],
                 body: Callable[[Kinds, int], Awaitable[None]]) -> PCCLWork:
         _sync_cuda(inputs)
         cuda = [t for t in _tensors(result) if t.is_cuda]
         work = PCCLWork(call, result)
-        tag = self._next_tag()
-        kinds = self._kinds
+        tag = self._link.next_tag()
+        kinds = self._link.kinds
 
         async def task() -> None:
             error: BaseException | None = None
@@ -239,11 +173,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
                 _sync_cuda(cuda)  # the results were copied on this thread's stream
             work.finish(error)
 
-        async def start() -> None:
-            assert self._thread.nursery is not None
-            self._thread.nursery.start_soon(task)
-
-        self._thread.call(start)
+        self._link.start(task)
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
@@ -486,7 +416,7 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         return self._unsupported("monitored_barrier", "Gloo only; use barrier")
 
     def __repr__(self) -> str:
-        return f"<ProcessGroupPCCL rank {self._config.rank} of {self._config.size}>"
+        return f"<ProcessGroupPCCL rank {self.rank()} of {self.size()}>"
 
 
 def _tensors(result: Any) -> list[torch.Tensor]:

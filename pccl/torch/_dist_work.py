@@ -13,10 +13,10 @@ __all__ = ["PCCLWork", "PeerLostError", "ProcessGroupBrokenError"]
 
 
 class ProcessGroupBrokenError(RuntimeError):
-    """A collective was called on a pccl process group that lost a peer and was not reconfigured yet.
+    """The pccl process group no longer has the peers its rank and world size describe.
 
-    The group's rank and world size no longer describe the peers that are there: reconfigure it
-    (:meth:`Manager.start_step` does) before the next collective.
+    Every call of the configuration fails (with :class:`PeerLostError`, the subclass raised today) until
+    the group is reconfigured (:meth:`Manager.start_step` does it).
     """
 
 
