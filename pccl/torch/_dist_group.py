@@ -187,7 +187,10 @@ class ProcessGroupPCCL(dist.ProcessGroup):
         op = self._op(opts or dist.AllreduceOptions(), call)
 
         async def body(k: Kinds, tag: int) -> None:
-            t.copy_(await k.all_reduce(call, t.contiguous(), op, tag))
+            if t.is_contiguous():
+                await k.all_reduce_into(call, t, op, tag)
+            else:
+                t.copy_(await k.all_reduce(call, t.contiguous(), op, tag))
 
         return self._launch(call, tensors, tensors, body)
 

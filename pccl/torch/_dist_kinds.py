@@ -79,12 +79,29 @@ async def exchange_ranks(comm: Communicator, hint: int, tag: int) -> Configurati
                          newcomers=sum(1 for h in hints if h >= NEW_PEER_OFFSET - 1))
 
 
+class Scratch:
+    """Reusable receive buffers by (shape, dtype, device): a call's result lands in one of these and is
+    copied into the caller's tensor only after the call succeeded. Reusing them spares a fresh allocation
+    (and its page faults) per call. Used from the trio thread only."""
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+
+    def take(self, like: torch.Tensor) -> torch.Tensor:
+        free = self._free.get((like.shape, like.dtype, like.device))
+        return free.pop() if free else torch.empty_like(like, memory_format=torch.contiguous_format)
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.setdefault((buf.shape, buf.dtype, buf.device), []).append(buf)
+
+
 class Kinds:
     """The collectives on ``comm`` for one configuration of the group."""
 
-    def __init__(self, comm: Communicator, config: Configuration) -> None:
+    def __init__(self, comm: Communicator, config: Configuration, scratch: Scratch | None = None) -> None:
         self.comm = comm
         self.config = config
+        self.scratch = scratch if scratch is not None else Scratch()
 
     @property
     def n(self) -> int:
@@ -121,6 +138,17 @@ class Kinds:
             return out.copy_(send)
         await self._run(call, "all_reduce", send, out, op=op, tag=tag)
         return out
+
+    async def all_reduce_into(self, call: str, tensor: torch.Tensor, op: ReduceOp, tag: int) -> None:
+        """All-reduce ``tensor`` (contiguous) in place: written only once the call succeeded."""
+        if self.n == 1:
+            return
+        out = self.scratch.take(tensor)
+        try:
+            await self._run(call, "all_reduce", tensor, out, op=op, tag=tag)
+            tensor.copy_(out)
+        finally:
+            self.scratch.give(out)
 
     async def all_gather(self, call: str, send: torch.Tensor, tag: int) -> torch.Tensor:
         """Every peer's flat ``send`` (all of one size), concatenated in torch-rank order."""

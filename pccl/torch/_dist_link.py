@@ -13,7 +13,7 @@ import trio
 from .._config import PeerConfig
 from .._errors import InvalidArgumentError, PCCLError, RankConnectionLostError, Result, TooFewPeersError
 from ..peer.communicator import Communicator
-from ._dist_kinds import Configuration, Kinds, exchange_ranks
+from ._dist_kinds import Configuration, Kinds, Scratch, exchange_ranks
 from ._dist_plan import NEW_PEER_OFFSET
 from ._dist_work import PeerLostError
 from ._exec import BackgroundThread
@@ -44,7 +44,8 @@ class GroupLink:
             self.thread.close()
             raise
         self.joined_running_group = self.config.newcomers < self.config.size
-        self.kinds = Kinds(self.comm, self.config)
+        self.scratch = Scratch()
+        self.kinds = Kinds(self.comm, self.config, self.scratch)
 
     def _connect(self, address: str, peer_group: int, config: PeerConfig | None,
                  attempts: int) -> Communicator:
@@ -101,7 +102,7 @@ class GroupLink:
         with self._lock:
             self._seq = 0  # every peer numbers the calls of the new configuration from here
             self.config = config
-            self.kinds = Kinds(self.comm, config)
+            self.kinds = Kinds(self.comm, config, self.scratch)
         return config
 
     def next_tag(self) -> int:
