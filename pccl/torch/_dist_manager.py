@@ -132,7 +132,13 @@ class Manager:
         peer was lost (then ``tensor`` is unchanged and the step will not commit)."""
         opts = dist.AllreduceOptions()
         opts.reduceOp = op if op is not None else dist.ReduceOp.AVG  # type: ignore[assignment]
-        work = self.pg.allreduce([tensor], opts)
+        try:
+            work = self.pg.allreduce([tensor], opts)
+        except Exception as exc:  # refused at launch (the group closed...): recorded, as a failure
+            self._errors.append(exc)
+            done_now: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done_now.set_result(tensor)
+            return done_now
 
         def done(fut: torch.futures.Future[Any]) -> torch.Tensor:
             try:
