@@ -98,10 +98,15 @@ def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> Pr
     """The backend creator torch calls from ``init_process_group`` / ``new_group``."""
     with _lock:
         formed = _formed.pop() if _formed else None
+    if formed is None and dist.is_initialized():
+        raise UnsupportedOperationError(
+            "new_group: subgroups are not supported by the pccl backend (one pccl group per process)")
     if formed is not None:
         if (formed.rank(), formed.size()) != (rank, size):
+            formed.close()
             raise UnsupportedOperationError(
-                "new_group: subgroups are not supported by the pccl backend (one pccl group per process)")
+                f"pccl backend: torch asked for rank {rank} of {size}, the group formed as rank "
+                f"{formed.rank()} of {formed.size()}")
         return formed
     # init_method="env://" (torchrun): torch's store did the rendezvous; the group forms on pccl's master.
     return ProcessGroupPCCL(_master_from_env(), rank=rank, world_size=size, timeout=timeout)

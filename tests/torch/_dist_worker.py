@@ -122,7 +122,8 @@ def pccl_only(rank: int, n: int) -> dict[str, Any]:
     for call, fn in (("send", lambda: dist.send(torch.zeros(1), dst=(rank + 1) % n)),
                      ("recv", lambda: dist.recv(torch.zeros(1), src=(rank + 1) % n)),
                      ("BAND", lambda: dist.all_reduce(torch.zeros(1, dtype=torch.int64),
-                                                      op=dist.ReduceOp.BAND))):
+                                                      op=dist.ReduceOp.BAND)),
+                     ("new_group", lambda: dist.new_group(list(range(n)), backend="pccl"))):
         try:
             fn()
             out[f"unsupported/{call}"] = "no error"

@@ -138,6 +138,7 @@ def test_collectives_match_gloo(master: str, tmp_path: Path) -> None:
         assert "send" in only["unsupported/send"] and "not supported" in only["unsupported/send"]
         assert "recv" in only["unsupported/recv"]
         assert "BAND" in only["unsupported/BAND"]
+        assert "new_group: subgroups are not supported" in only["unsupported/new_group"]
 
 
 @pytest.mark.slow
