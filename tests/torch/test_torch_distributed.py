@@ -311,3 +311,32 @@ def test_a_group_of_one_computes_locally(master: str) -> None:
             g.allreduce([t, t])
     finally:
         g.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_tensors_are_staged_like_pccls_own(master: str) -> None:
+    import torch.distributed as dist
+
+    groups = _groups(master, 2)
+    try:
+        def calls(g: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            r = g.rank()
+            t = (torch.arange(1000, dtype=torch.float32, device="cuda") + r)
+            g.allreduce([t]).wait()
+            gathered = torch.zeros(2 * 3, dtype=torch.int64, device="cuda")
+            g._allgather_base(gathered, torch.full((3,), r, dtype=torch.int64, device="cuda")).wait()
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 1
+            b = torch.full((4,), float(r), device="cuda")
+            g.broadcast([b], opts).wait()
+            return t.cpu(), gathered.cpu(), b.cpu()
+
+        results = _each(groups, calls)
+        expected = torch.arange(1000, dtype=torch.float32) * 2 + 1
+        for t, gathered, b in results:
+            assert torch.equal(t, expected)
+            assert gathered.tolist() == [0, 0, 0, 1, 1, 1]
+            assert torch.equal(b, torch.ones(4))
+    finally:
+        for g in groups:
+            g.close()
