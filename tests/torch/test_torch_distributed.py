@@ -340,3 +340,69 @@ def test_cuda_tensors_are_staged_like_pccls_own(master: str) -> None:
     finally:
         for g in groups:
             g.close()
+
+
+def test_manager_in_one_process_loses_a_peer_and_admits_a_newcomer(master: str) -> None:
+    """The Manager's protocol without DDP or extra processes: gradients of a linear model averaged with
+    ``manager.allreduce``; rank 1 leaves in the middle of step 2 (after its peers launched the all-reduce);
+    after step 4 a newcomer is admitted (the survivors wait for it with min_world_size)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from pccl.torch import SharedModel
+    from pccl.torch.distributed import Manager, ProcessGroupPCCL
+
+    total, leave_at, join_after = 7, 2, 4
+    x = torch.arange(48, dtype=torch.float64).reshape(24, 2) / 16
+    y = x @ torch.tensor([[0.5], [-0.25]], dtype=torch.float64)
+    joined = threading.Event()
+
+    def train(pg: ProcessGroupPCCL, seed: int) -> tuple[list[tuple[int, int, bool]], torch.Tensor, Manager]:
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(2, 1, dtype=torch.float64)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5)
+        mgr = Manager(SharedModel(model, opt), process_group=pg)
+        log: list[tuple[int, int, bool]] = []
+        while mgr.step < total:
+            mgr.start_step()
+            step, n = mgr.step, mgr.world_size
+            idx = torch.arange(24).reshape(n, -1)[mgr.rank]  # 24 splits evenly among 1-4 peers
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x[idx]), y[idx]).backward()
+            futures = [mgr.allreduce(p.grad) for p in model.parameters()]  # type: ignore[arg-type]
+            if pg.rank() == 1 and step == leave_at and n == 3 and seed == 0:
+                pg.close()  # leaves while its peers wait in these all-reduces
+                return log, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), mgr
+            for f in futures:
+                f.wait()
+            ok = mgr.should_commit()
+            if ok:
+                opt.step()
+            log.append((step, n, ok))
+            if ok and step == join_after and seed == 0:
+                mgr.min_world_size = 3
+                joined.set()
+        return log, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), mgr
+
+    groups = _groups(master, 3)
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            runs = [pool.submit(train, g, 0) for g in groups]
+            assert joined.wait(60)
+            newcomer = pool.submit(lambda: train(ProcessGroupPCCL(master, world_size=3), 1))
+            results = [r.result(timeout=60) for r in runs] + [newcomer.result(timeout=60)]
+    finally:
+        for g in groups:
+            g.close()
+    left = next(i for i, g in enumerate(groups) if len(results[i][0]) == leave_at)
+    survivors = [results[i] for i in range(3) if i != left]
+    for log, _, mgr in survivors:
+        assert (leave_at, 3, False) in log and (leave_at, 2, True) in log
+        assert [s for s, _, ok in log if ok] == list(range(total))
+        assert mgr.step == total
+    new_log, new_params, new_mgr = results[3]
+    assert new_mgr.last_sync_rx_bytes > 0 and new_log[0][:2] == (join_after + 1, 3)  # healed, then trained
+    assert new_mgr.pg.joined_running_group
+    for _, params, _ in survivors:
+        assert torch.equal(params, new_params)
+    new_mgr.pg.close()
