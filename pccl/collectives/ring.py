@@ -60,6 +60,7 @@ from .schedule import (
     plan_ring,
     plan_schedule,
 )
+from .staging import Staging
 
 # Default pipelining block. Every frame costs a few scheduler trips and wake-ups of the peer
 # process, which dominated at 1 MiB on loopback; 4 MiB measured best for 2-4 peers and 16-64 MB
@@ -237,6 +238,7 @@ async def run_collective(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     quantization: QuantizationOptions | None = None,
     schedule: str = "ring",
+    staging: Staging | None = None,
 ) -> tuple[int, int]:
     """Run one collective with the ranks this peer's plan names.
 
@@ -272,6 +274,11 @@ async def run_collective(
             "hd" runs for a broadcast, which halving-doubling has no plan for). Every schedule
             computes each element's final bits once and then only copies them, so every peer
             ends with identical bits; integer ops are exact under each.
+        staging: ``send`` is the host stage of a device tensor that ``staging`` fills block by
+            block (:mod:`pccl.collectives.staging`): the data plane waits for each block before it
+            reads it, and reports every range of ``out`` that becomes final. After a failure the
+            caller must await ``staging.abort()``: queued device copies may still read ``out``
+            and write ``send`` until then.
 
     Returns:
         ``(tx_bytes, rx_bytes)``: payload bytes this peer sent and received (quantized sizes,
@@ -308,17 +315,25 @@ async def run_collective(
         ex = _Exec(plan, n, send, out, op)
     ok = False
     try:
+        if staging is not None:
+            staging.begin(plan, out, quantized=quantized)
         slots = [
             pool.expect(ids[f.peer], tag, op_seq, f.seq, ex.recv_dest(i)) for i, f in enumerate(plan.recvs)
         ]
         if plan.local_copy is not None:
             s0, s1, o0 = plan.local_copy
+            if staging is not None:
+                await staging.before_local_copy()
             out[o0 : o0 + (s1 - s0)] = send[s0:s1]
+            if staging is not None:
+                staging.after_local_copy()
         if plan.sends or plan.recvs:
             runner = _run_inline if ex.tx <= INLINE_SEND_LIMIT else _run_pipelined
-            await runner(pool, ex, slots, ids, tag, op_seq)
+            await runner(pool, ex, slots, ids, tag, op_seq, staging)
         else:
             await trio.lowlevel.checkpoint()
+        if staging is not None:
+            await staging.finish()
         ok = True
         return ex.tx, ex.rx
     finally:
@@ -486,19 +501,36 @@ class _QuantExec(_Exec):
 
 
 async def _run_inline(
-    pool: DataPool, ex: _Exec, slots: list[Receive], ids: Sequence[int], tag: int, op_seq: int
+    pool: DataPool,
+    ex: _Exec,
+    slots: list[Receive],
+    ids: Sequence[int],
+    tag: int,
+    op_seq: int,
+    staging: Staging | None = None,
 ) -> None:
     sends = ex.plan.sends
-    for j in ex.plan.initial:
+
+    async def send(j: int) -> None:
         f = sends[j]
+        if staging is not None:
+            await staging.before_send(j)
         await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+        if staging is not None:
+            staging.after_send(j)
+
+    for j in ex.plan.initial:
+        await send(j)
     unlocks = ex.plan.unlocks
     for i in range(len(slots)):
         await slots[i].wait()
+        if staging is not None:
+            await staging.before_receive(i)
         ex.received(i)
+        if staging is not None:
+            staging.after_receive(i)
         for j in unlocks[i]:
-            f = sends[j]
-            await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+            await send(j)
 
 
 class _ReadyFrames:
@@ -537,7 +569,13 @@ class _ReadyFrames:
 
 
 async def _run_pipelined(
-    pool: DataPool, ex: _Exec, slots: list[Receive], ids: Sequence[int], tag: int, op_seq: int
+    pool: DataPool,
+    ex: _Exec,
+    slots: list[Receive],
+    ids: Sequence[int],
+    tag: int,
+    op_seq: int,
+    staging: Staging | None = None,
 ) -> None:
     plan = ex.plan
     sends = plan.sends
@@ -559,7 +597,11 @@ async def _run_pipelined(
                 # so without this a sender could quantize frame after frame while the peer's data
                 # piles up unread and the peer's own sends stall.
                 await trio.lowlevel.checkpoint()
+                if staging is not None:
+                    await staging.before_send(j)
                 await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                if staging is not None:
+                    staging.after_send(j)
         except PCCLError as exc:
             # Record and stop the whole operation; raising here would surface as an ExceptionGroup.
             errors.append(exc)
@@ -574,7 +616,11 @@ async def _run_pipelined(
             unlocks = plan.unlocks
             for i in range(len(slots)):
                 await slots[i].wait()
+                if staging is not None:
+                    await staging.before_receive(i)
                 ex.received(i)
+                if staging is not None:
+                    staging.after_receive(i)
                 for j in unlocks[i]:
                     queues[conn_of[j]].push(sends[j], j)
         except PCCLError as exc:
