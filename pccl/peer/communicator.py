@@ -64,6 +64,7 @@ from .._waits import format_wait
 from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel, same_host, schedule_for
 from ..collectives.ring import plan_for, plan_partners, run_collective
 from ..collectives.schedule import chunk_bounds, send_partners
+from ..collectives.staging import Staging, device_for
 from ..kernels import backend, reduce
 from ..kernels.buffers import BufferCache
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
@@ -962,9 +963,11 @@ class Communicator:
     ) -> ReduceInfo:
         """Ring all-reduce of ``send`` into ``recv`` (``recv`` None or ``send`` itself: in place).
 
-        GPU tensors are staged through host memory: ``send`` is copied to the host (on the current CUDA
-        stream, after the work queued there) before the vote, and the result is copied into ``recv`` at
-        the commit; the copy is complete when the call returns. This applies to every collective.
+        GPU tensors are staged through host memory (:mod:`pccl.collectives.staging`): ``send`` is
+        copied to the host block by block (ordered after the work queued on the current CUDA stream)
+        as the data plane needs each block; an in-place result is copied back range by range as it
+        becomes final (and rolled back if the operation fails), any other at the commit. Every copy
+        is complete when the call returns. This applies to every collective.
 
         Args:
             send: contiguous numpy array, torch tensor (CPU or CUDA) or cupy array.
@@ -1050,7 +1053,8 @@ class Communicator:
         # Checked before voting so that the other peers are not dragged into a failed op.
         device = backend.device_index(send)
         backend.check_same_device(device, backend.device_index(recv))
-        on_gpu = device >= 0
+        staging_device = device_for(send)  # None for host tensors
+        on_gpu = staging_device is not None
         q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
         descriptor = self._core.describe_collective(
             kind,
@@ -1064,11 +1068,8 @@ class Communicator:
             schedule=self.config.schedule,
         )
         stage: np.ndarray | None = None
-        if on_gpu:
-            # Host staging: the ring runs on a host copy of ``send``, taken now (before voting, so a CUDA
-            # error here drags no other peer in). The copy is complete when copy_to_host returns.
-            stage = self._gpu_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
-            backend.copy_to_host(send, stage)
+        staging: Staging | None = None
+        committed = False
         t_start = time.perf_counter()
         st = _OpState(tag=tag, commence=Waiter(), complete=Waiter())
         self._notices.begin(("op", tag), functools.partial(self._describe_op_wait, kind, st))
@@ -1103,6 +1104,15 @@ class Communicator:
                 raise problem[1]
             # from here on ``root`` is the root's position in this ring, not the caller's rank
             root = self._core.root_position(descriptor, ring)
+            if staging_device is not None:
+                # Host staging, pipelined with the data plane (pccl/collectives/staging.py): the ring
+                # runs on a host stage of ``send`` filled block by block; an in-place result goes
+                # back range by range, and is rolled back if the operation fails.
+                stage = self._gpu_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
+                staging = Staging(
+                    staging_device, send, stage, recv=recv,
+                    average_over=len(ring) if op == ReduceOp.AVG else 0, dtype=sdesc.dtype,
+                )
             send_np = stage if stage is not None else backend.as_numpy(send)
             cache = self._gpu_cache if on_gpu else self._work_cache
             work = cache.take(send_np.dtype, rdesc.count, recv if on_gpu else None)
@@ -1128,7 +1138,8 @@ class Communicator:
                     # off the critical path; the master's vote timeout bounds the wait before.
                     tx, rx = await self._stall.guarded(
                         functools.partial(
-                            self._run_dataplane, kind, st, ring, send_np, work, op, root, q, schedule
+                            self._run_dataplane, kind, st, ring, send_np, work, op, root, q, schedule,
+                            staging,
                         ),
                         arm_when=(lambda: st.commence.done) if proposal >= 0 else None,
                     )
@@ -1159,9 +1170,12 @@ class Communicator:
             await st.complete.wait()
             t_complete = time.perf_counter()
             st.concluded = True
-            # Commit: the only place the caller's buffer is written. Synchronous: a cancellation
-            # cannot land half-way.
-            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype)
+            # Commit: the only place the caller's buffer is written (but for a device tensor's
+            # in-place result, delivered during the data plane and rolled back by staging.abort()
+            # if the operation fails). Synchronous: a cancellation cannot land half-way.
+            delivered = staging is not None and staging.delivered
+            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype, delivered)
+            committed = True
             self._core.op_committed(tag, st.op_seq)
             # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
             cache.give_back(work)
@@ -1191,6 +1205,10 @@ class Communicator:
             self._notices.end(("op", tag))
             self._core.end_op(tag)
             self._spinner.end()
+            if staging is not None and not committed:
+                # Failed or cancelled: no device copy may outlive this call, and recv gets back the
+                # bits a pipelined delivery overwrote (shielded inside; raises if it cannot).
+                await staging.abort()
 
     def _describe_op_wait(self, kind: str, st: _OpState, waited: float) -> str | None:
         group = f"peer group {self.peer_group}"
@@ -1343,6 +1361,7 @@ class Communicator:
         root: int,
         q: QuantizationOptions,
         schedule: str = "ring",
+        staging: Staging | None = None,
     ) -> tuple[int, int]:
         ring_op = ReduceOp.SUM if op == ReduceOp.AVG else op
         kwargs: dict[str, Any] = {}
@@ -1360,24 +1379,35 @@ class Communicator:
             op=ring_op,
             root=root,
             schedule=schedule,
+            staging=staging,
             **kwargs,
         )
 
     def _commit(
-        self, kind: str, op: ReduceOp, work: np.ndarray, recv: Any, n: int, rank: int, dtype: DataType
+        self,
+        kind: str,
+        op: ReduceOp,
+        work: np.ndarray,
+        recv: Any,
+        n: int,
+        rank: int,
+        dtype: DataType,
+        delivered: bool = False,
     ) -> None:
         """Write the result (host ``work``) into the caller's ``recv``; AVG is finalized here, on host.
 
         reduce_scatter writes only this rank's chunk. A GPU ``recv`` gets a synchronous host-to-device
-        copy (complete on return).
+        copy (complete on return), unless the staging pipeline already ``delivered`` the result
+        (finalized) into it during the data plane.
         """
         lo, hi = chunk_bounds(work.size, n)[rank] if kind == "reduce_scatter" else (0, work.size)
-        if op == ReduceOp.AVG:  # all_reduce and reduce_scatter only: the others run as SUM
-            reduce.finalize_avg(work[lo:hi], n, dtype=dtype)
-        if backend.is_cuda(recv):
-            backend.copy_from_host(recv, work, lo, hi)
-        else:
-            backend.as_numpy(recv)[lo:hi] = work[lo:hi]
+        if not delivered:
+            if op == ReduceOp.AVG:  # all_reduce and reduce_scatter only: the others run as SUM
+                reduce.finalize_avg(work[lo:hi], n, dtype=dtype)
+            if backend.is_cuda(recv):
+                backend.copy_from_host(recv, work, lo, hi)
+            else:
+                backend.as_numpy(recv)[lo:hi] = work[lo:hi]
         if kind == "reduce_scatter":
             self._last_chunk = slice(lo, hi)
 
