@@ -15,6 +15,10 @@ FILES=(
   tests/integration/test_gpu_collectives.py
   tests/integration/test_gpu_shared_state.py
   tests/blocking/test_gpu_blocking.py
+  # the staging pipeline's logic on the fake device (no GPU needed; ~3 s): the GPU files above run the
+  # same pipeline through pccl.collectives.staging.SynchronousDevice
+  tests/collectives/test_staging.py
+  tests/integration/test_staged_cluster.py
 )
 
 "$PY" - <<'EOF' || exit 2

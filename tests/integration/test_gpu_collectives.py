@@ -1,9 +1,11 @@
 """Collectives on GPU tensors (torch CUDA tensors, cupy arrays) through host staging.
 
-A GPU ``send`` is copied to a host buffer before the vote, the ring runs on host memory exactly as for CPU
-tensors, and the commit (the only write to the caller's buffer) copies the host result into the GPU ``recv``.
-So every GPU result must be bit-identical to the result of the same operation run on host copies of the
-same data, on every peer, whatever device each peer uses.
+A GPU ``send`` is copied to a host buffer through the staging pipeline (pccl/collectives/staging.py, here
+with SynchronousDevice: the existing synchronous copies), the ring runs on host memory exactly as for CPU
+tensors, and the host result goes into the GPU ``recv``: range by range during the data plane when it is
+in place (rolled back if the operation fails), else at the commit. So every GPU result must be
+bit-identical to the result of the same operation run on host copies of the same data, on every peer,
+whatever device each peer uses, and a failed operation must leave every GPU buffer as it was.
 
 The GPU tests skip cleanly without a CUDA device (torch tests) or without cupy and a device (cupy tests).
 The first tests check the device-compatibility rule and the staging helpers' argument checks; they run on
