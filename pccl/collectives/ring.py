@@ -510,17 +510,13 @@ async def _run_inline(
     staging: Staging | None = None,
 ) -> None:
     sends = ex.plan.sends
-
-    async def send(j: int) -> None:
+    for j in ex.plan.initial:
         f = sends[j]
         if staging is not None:
             await staging.before_send(j)
         await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
         if staging is not None:
             staging.after_send(j)
-
-    for j in ex.plan.initial:
-        await send(j)
     unlocks = ex.plan.unlocks
     for i in range(len(slots)):
         await slots[i].wait()
@@ -530,7 +526,12 @@ async def _run_inline(
         if staging is not None:
             staging.after_receive(i)
         for j in unlocks[i]:
-            await send(j)
+            f = sends[j]
+            if staging is not None:
+                await staging.before_send(j)
+            await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+            if staging is not None:
+                staging.after_send(j)
 
 
 class _ReadyFrames:

@@ -306,27 +306,32 @@ class Staging:
         # AVG divides each piece in place once it is final: every frame that reads it must be gone
         out_reads = [(j, f.start, f.end) for j, f in enumerate(plan.sends) if f.source == SRC_OUT]
         cuts = _cuts(writes + [(a, b) for _, a, b in out_reads], c0, c1)
-        for p, (a, b) in enumerate(itertools.pairwise(cuts)):
-            writer = -2
-            if plan.local_copy is not None:
-                s0, s1, o0 = plan.local_copy
-                if o0 <= a and b <= o0 + s1 - s0:
-                    writer = -1
-            for i, f in enumerate(plan.recvs):
-                if f.start <= a and b <= f.end:
-                    writer = i
-            readers = 0
-            if self.average_over:
-                for j, fa, fb in out_reads:
-                    if fa <= a and b <= fb:
-                        readers += 1
-                        self._by_reader.setdefault(j, []).append(p)
-            self._pieces.append((a, b))
-            self._piece_writer.append(writer)
-            self._piece_readers.append(readers)
-            self._piece_final.append(False)
-            self._by_writer.setdefault(writer, []).append(p)
-        self._undelivered = len(self._pieces)
+        self._pieces = list(itertools.pairwise(cuts))
+        count = len(self._pieces)
+
+        def covered(a: int, b: int) -> range:
+            """The pieces inside ``[a, b)`` (every cut of the range is a piece boundary)."""
+            return range(bisect.bisect_left(cuts, max(a, c0)), max(0, bisect.bisect_left(cuts, min(b, c1))))
+
+        writer = [-2] * count  # -2: nothing writes it
+        if plan.local_copy is not None:
+            s0, s1, o0 = plan.local_copy
+            for p in covered(o0, o0 + s1 - s0):
+                writer[p] = -1
+        for i, f in enumerate(plan.recvs):  # applied in index order: the last one decides
+            for p in covered(f.start, f.end):
+                writer[p] = i
+        self._piece_readers = [0] * count
+        if self.average_over:
+            for j, a, b in out_reads:
+                for p in covered(a, b):
+                    self._piece_readers[p] += 1
+                    self._by_reader.setdefault(j, []).append(p)
+        self._piece_writer = writer
+        self._piece_final = [False] * count
+        for p, w in enumerate(writer):
+            self._by_writer.setdefault(w, []).append(p)
+        self._undelivered = count
         self._written(-2)  # pieces nothing writes are final from the start
 
     # ------------------------------------------------------------------------------------------
