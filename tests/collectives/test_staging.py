@@ -419,13 +419,17 @@ async def test_a_broken_link_at_every_frame_restores_recv(seq: int) -> None:
         assert p.tensor.tobytes() == p.original.tobytes()
 
 
-async def test_an_operation_that_fails_after_its_data_plane_is_rolled_back() -> None:
+@pytest.mark.parametrize(
+    ("kind", "avg"), [("all_reduce", True), ("reduce_scatter", True), ("broadcast", False)]
+)
+async def test_an_operation_that_fails_after_its_data_plane_is_rolled_back(kind: str, avg: bool) -> None:
     """The master aborts after every data plane finished (another participant failed): recv,
     already holding the result, gets its previous bits back."""
     xs = _xs(3, 16 * 9)
-    peers = await run_op(xs, avg=True)
+    peers = await run_op(xs, kind=kind, avg=avg)
     assert all(p.error is None and p.staging.delivered for p in peers)
-    assert all(p.tensor.tobytes() != p.original.tobytes() for p in peers)
+    changed = [p.tensor.tobytes() != p.original.tobytes() for p in peers]
+    assert changed == [kind != "broadcast" or p.rank != 0 for p in peers]  # broadcast: root 0 keeps its bits
     errors = await _abort_all(peers)
     assert errors == [None, None, None]
     for p in peers:
