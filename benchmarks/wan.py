@@ -228,7 +228,8 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
             assert p.stdout is not None
             line = p.stdout.readline()  # "joined": the next one joins after it (the join order)
             if "joined" not in line:
-                raise RuntimeError(f"our peer on host {host} did not join: {p.stderr.read()[-2000:] if p.stderr else ''}")
+                err = p.stderr.read()[-2000:] if p.stderr else ""
+                raise RuntimeError(f"our peer on host {host} did not join: {err}")
         budget = 120 + (args.iters + args.warmup) * (case.wire_limit_s() * 8 + case.idle_s + 2)
         res = _collect(procs, budget, f"ours ({case.name})")
     finally:
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             if case.join_order:
                 opt = run_ours(wan, case, args, None, optimize=True)
                 notes = (f"join-order ring {ours['ring']}: {ours['median_s']:.3f} s; optimized ring "
-                         f"{opt['ring']}: {opt['median_s']:.3f} s (optimize_topology {opt['optimize_s']:.1f} s)")
+                         f"{opt['ring']}: {opt['median_s']:.3f} s "
+                         f"(optimize_topology {opt['optimize_s']:.1f} s)")
             extra = run_ours(wan, case, args, args.pool)["median_s"] if args.pool else None
             gloo = None if args.no_gloo else run_gloo(wan, case, args)["median_s"]
             lost = sum(x["lost_segments"] for x in wan.stats()["links"])
