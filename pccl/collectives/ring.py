@@ -541,9 +541,9 @@ async def _run_pipelined(
 ) -> None:
     plan = ex.plan
     sends = plan.sends
-    psize = pool.pool_size
-    # one queue and sender task per (partner, connection)
-    conn_of = [(f.peer, (tag + f.lane) % psize) for f in sends]
+    # one queue and sender task per (partner, connection); each partner's own stripe count
+    stripes = {p: pool.stripes(ids[p]) for p in {f.peer for f in sends}}
+    conn_of = [(f.peer, (tag + f.lane) % stripes[f.peer]) for f in sends]
     queues = {c: _ReadyFrames() for c in sorted(set(conn_of))}
     errors: list[BaseException] = []
 

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -119,6 +120,7 @@ from ..wire.messages import Hello
 from ..wire.stream import MessageStream
 from .credentials import CredentialStore
 from .p2p import open_p2p
+from .striping import stripe_count
 
 log = logging.getLogger("pccl.p2p")
 
@@ -199,6 +201,49 @@ def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | No
             except OSError:
                 pass
     return sock
+
+
+_TCP_INFO_RTT_OFFSET = 68  # struct tcp_info: tcpi_rtt (microseconds, u32)
+_wmem_max: int | None = None
+
+
+def _tcp_wmem_max() -> int:
+    """The send buffer's maximum (``net.ipv4.tcp_wmem``, read once; 4 MiB where it cannot be read)."""
+    global _wmem_max
+    if _wmem_max is None:
+        try:
+            with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+                _wmem_max = int(f.read().split()[2])
+        except (OSError, ValueError, IndexError):
+            _wmem_max = 4 << 20
+    return _wmem_max
+
+
+def path_estimate(stream: Stream) -> tuple[float, int] | None:
+    """``(round trip in seconds, window in bytes)`` of an open connection, or None when unknown.
+
+    A stream may say itself (``stream.path_estimate()``, as the virtual network's do); on a TCP
+    socket the kernel's smoothed round trip (``TCP_INFO``) and the send buffer's maximum are used;
+    other streams (TLS, Unix sockets) are unknown.
+    """
+    own = getattr(stream, "path_estimate", None)
+    if callable(own):
+        result: tuple[float, int] | None = own()
+        return result
+    tsock: Any = getattr(stream, "socket", None)
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+        return None
+    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 104)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_RTT_OFFSET + 4:
+        return None
+    rtt_us = int.from_bytes(info[_TCP_INFO_RTT_OFFSET : _TCP_INFO_RTT_OFFSET + 4], sys.byteorder)
+    return rtt_us / 1e6, _tcp_wmem_max()
 
 
 def _open_conn(
@@ -504,7 +549,9 @@ class P2PPool:
     Args:
         transport: how to open connections.
         my_peer_id: this peer's id (presented in every Hello).
-        pool_size: connections per neighbour and direction (>= 1).
+        pool_size: connections per neighbour and direction (>= 1), or 0: sized per partner from the
+            round trip of its first connection (:mod:`pccl.peer.striping`, with the config's
+            ``p2p_stripe_target_mbit`` and ``p2p_max_stripes``).
         config: timeouts and limits (``connect_timeout``, ``recv_stash_limit``, ``max_frame_size``).
         secret: shared secret presented to the other peers' listeners.
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for TCP ring connections; None keeps the
@@ -523,8 +570,8 @@ class P2PPool:
         socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER,
         credentials: CredentialStore | None = None,
     ) -> None:
-        if pool_size < 1:
-            raise ValueError("pool_size must be >= 1")
+        if pool_size < 0:
+            raise ValueError("pool_size must be >= 0 (0: sized per partner)")
         self.transport = transport
         self.my_peer_id = my_peer_id
         self.pool_size = pool_size
@@ -591,9 +638,11 @@ class P2PPool:
                         await c.aclose()
                 conns = None
             if conns is None:
-                conns = [None] * self.pool_size
+                conns = [None] * (self.pool_size or 1)
                 self._out[peer_id] = conns
                 self._addr[peer_id] = (host, port)
+                if not self.pool_size:
+                    await self._open_sized(peer_id, host, port, conns)
             for i, c in enumerate(conns):
                 if c is not None and not c.alive():
                     conns[i] = None
@@ -610,6 +659,35 @@ class P2PPool:
                 raise RankConnectionFailedError(
                     f"{len(errors)} of {len(missing)} connections to peer {peer_id} failed: {errors[0]}"
                 )
+
+    async def _open_sized(self, peer_id: int, host: str, port: int, conns: list[_Conn | None]) -> None:
+        """Open the first connection to ``peer_id``, then size the stripe from its round trip:
+        ``conns`` grows (in place) to the count :func:`~pccl.peer.striping.stripe_count` gives."""
+        errors: list[str] = []
+        await self._open_one(peer_id, host, port, 0, conns, errors)
+        first = conns[0]
+        if errors or first is None:
+            raise RankConnectionFailedError(
+                f"the first connection to peer {peer_id} failed: {errors[0] if errors else 'closed'}"
+            )
+        path = path_estimate(first.stream)
+        n = 1
+        if path is not None:
+            rtt, window = path
+            n = stripe_count(
+                rtt,
+                window_bytes=window,
+                target_bytes_per_s=self.config.p2p_stripe_target_mbit * 1e6 / 8,
+                max_stripes=self.config.p2p_max_stripes,
+            )
+            log.debug("peer %d: rtt %.2f ms, window %d: %d connection(s)", peer_id, rtt * 1e3, window, n)
+        conns.extend([None] * (n - 1))
+
+    def stripes(self, peer_id: int) -> int:
+        """How many connections an operation stripes over to ``peer_id`` (its open pool's size,
+        before it is connected the configured size, at least 1)."""
+        conns = self._out.get(peer_id)
+        return len(conns) if conns else max(1, self.pool_size)
 
     async def _open_one(
         self, peer_id: int, host: str, port: int, index: int, conns: list[_Conn | None], errors: list[str]
@@ -645,7 +723,8 @@ class P2PPool:
                       if any(c is not None and not c.closed and c.lock.locked() for c in cs))
 
     def is_connected(self, peer_id: int) -> bool:
-        """True if all ``pool_size`` outgoing connections to ``peer_id`` are open and healthy."""
+        """True if all outgoing connections to ``peer_id`` (``pool_size``, or as many as its sizing
+        chose) are open and healthy."""
         conns = self._out.get(peer_id)
         return conns is not None and all(c is not None and c.alive() for c in conns)
 
