@@ -105,7 +105,9 @@ async def _timed_all_reduce(pool_size: int) -> tuple[float, list[int], np.ndarra
         return dt, outgoing, xs[0]
 
 
-async def test_default_all_reduce_stripes_over_a_long_fat_link(autojump_clock: trio.testing.MockClock) -> None:
+async def test_default_all_reduce_stripes_over_a_long_fat_link(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     one, one_out, x1 = await _timed_all_reduce(1)
     auto, auto_out, x2 = await _timed_all_reduce(0)
     assert one_out == [1, 1]
