@@ -40,6 +40,19 @@ def test_round_trip_follows_the_settings_while_running(pccl_wan: WanFactory) -> 
     assert stats["forwarded"] > 0
 
 
+def test_sites_share_one_link_per_direction(pccl_wan: WanFactory) -> None:
+    wan = pccl_wan(4)
+    wan.set_sites([0, 0, 1, 1], rtt_ms=30, rate_mbit=100, site_rtt_ms=2)
+    assert 1.5 < _ping(wan, 0, 1) < 6
+    assert 29.5 < _ping(wan, 0, 3) < 36
+    links = {(x["src"], x["dst"]): x for x in wan.stats()["links"]}
+    assert links[(0, 2)]["shared"] and links[(1, 3)]["shared"] and not links[(0, 1)]["shared"]
+    # one model for the site's uplink: the packets of 0 -> 3 count on 1 -> 2's counters too
+    assert links[(1, 2)]["packets"] == links[(0, 3)]["packets"] > 0
+    with pytest.raises(ValueError):
+        wan.set_sites([0, 1], rtt_ms=30, rate_mbit=100)
+
+
 def test_selftest_window_limited_stream_and_striped_streams() -> None:
     from pccl.testing.wan import unavailable_reason
 

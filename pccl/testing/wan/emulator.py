@@ -176,6 +176,44 @@ class WanEmulator:
         if self._ctl is not None:
             self._call({"op": "set", "src": src, "dst": dst, "spec": asdict(spec)})
 
+    def share_link(self, pairs: list[tuple[int, int]], spec: LinkSpec) -> None:
+        """Make the directions ``pairs`` share one link: one rate, one drop-tail queue, one delay
+        (a site's uplink that several hosts' traffic crosses). A later :meth:`set_link` on one of
+        them gives that direction a link of its own again."""
+        for i, j in pairs:
+            self._check_pair(i, j)
+        if self._ctl is None:
+            raise RuntimeError("share_link needs a running emulator (start() first)")
+        self._call({"op": "share", "pairs": [list(p) for p in pairs], "spec": asdict(spec)})
+
+    def set_sites(
+        self,
+        sites: list[int],
+        *,
+        rtt_ms: float,
+        rate_mbit: float | None,
+        site_rtt_ms: float = 1.0,
+        site_rate_mbit: float | None = None,
+        loss: float = 0.0,
+    ) -> None:
+        """Hosts in sites: host ``i`` is in site ``sites[i]``. Hosts of one site talk over their own
+        links (``site_rtt_ms``, ``site_rate_mbit``); traffic from one site to another crosses one
+        shared link per direction and pair of sites (``rtt_ms``, ``rate_mbit``, ``loss``)."""
+        if len(sites) != self.n_hosts:
+            raise ValueError(f"sites has {len(sites)} entries for {self.n_hosts} hosts")
+        names = sorted(set(sites))
+        for a in range(self.n_hosts):
+            for b in range(a + 1, self.n_hosts):
+                if sites[a] == sites[b]:
+                    self.set_pair(a, b, rtt_ms=site_rtt_ms, rate_mbit=site_rate_mbit)
+        spec = LinkSpec(delay_ms=rtt_ms / 2, rate_mbit=rate_mbit, loss=loss, rtt_ms=rtt_ms)
+        for sa in names:
+            for sb in names:
+                if sa != sb:
+                    pairs = [(i, j) for i in range(self.n_hosts) for j in range(self.n_hosts)
+                             if sites[i] == sa and sites[j] == sb]
+                    self.share_link(pairs, spec)
+
     def set_pair(
         self,
         a: int,

@@ -87,14 +87,13 @@ class Forwarder:
         self.namespaces: list[str] = list(setup["namespaces"])
         self.addresses: list[str] = list(setup["addresses"])
         n = len(self.namespaces)
-        seed = setup.get("seed")
+        self.seed = setup.get("seed")
         default = _spec(setup["default"])
         self.links: dict[tuple[int, int], LinkModel] = {}
         for i in range(n):
             for j in range(n):
                 if i != j:
-                    rng = random.Random(None if seed is None else seed * 1000 + i * 37 + j)
-                    self.links[(i, j)] = LinkModel(default, rng=rng)
+                    self.links[(i, j)] = LinkModel(default, rng=random.Random(self._seed_for(i, j)))
         for item in setup.get("links", []):
             self.links[(item["src"], item["dst"])].set_spec(_spec(item["spec"]))
         self.by_addr = {socket.inet_aton(a): i for i, a in enumerate(self.addresses)}
@@ -107,6 +106,9 @@ class Forwarder:
         self.max_lateness = 0.0
         self._buf = b""
         self._make_devices(setup.get("mtu", 1500), setup.get("prefix", 24), setup.get("device", "wan0"))
+
+    def _seed_for(self, i: int, j: int) -> int | None:
+        return None if self.seed is None else self.seed * 1000 + i * 37 + j
 
     def _make_devices(self, mtu: int, prefix: int, dev: str) -> None:
         home = f"/proc/{os.getpid()}/ns/net"
@@ -145,9 +147,16 @@ class Forwarder:
             op = msg.get("op")
             if op == "set":
                 self.links[(msg["src"], msg["dst"])].set_spec(_spec(msg["spec"]))
+            elif op == "share":
+                # one model (one queue, one rate) for every listed direction: a shared uplink
+                shared = LinkModel(_spec(msg["spec"]), rng=random.Random(self._seed_for(-1, len(self.links))))
+                for src, dst in msg["pairs"]:
+                    self.links[(src, dst)] = shared
             elif op == "stats":
+                models = list(self.links.values())
                 reply["links"] = [
-                    {"src": i, "dst": j, **vars(m.stats)} for (i, j), m in sorted(self.links.items())
+                    {"src": i, "dst": j, "shared": sum(x is m for x in models) > 1, **vars(m.stats)}
+                    for (i, j), m in sorted(self.links.items())
                 ]
                 reply["forwarded"] = self.forwarded
                 reply["max_lateness_ms"] = self.max_lateness * 1000
