@@ -121,3 +121,56 @@ def test_forwarder_removes_the_namespaces_when_its_owner_dies() -> None:
     else:
         pytest.fail("the forwarder outlived its owner")
     assert not set(names) & set(list_namespaces())
+
+
+_PEER = """
+import json, sys
+import numpy as np
+import trio
+from pccl import PeerConfig, ReduceOp
+from pccl.peer.communicator import open_communicator
+
+async def main(master, addr, world, value):
+    async with open_communicator(master, config=PeerConfig(p2p_listen_host=addr)) as comm:
+        while comm.world_size < world:
+            if await comm.are_peers_pending():
+                await comm.update_topology()
+            await trio.sleep(0.01)
+        x = np.full(4 << 20, value, np.float32)  # 16 MiB: 2 MiB blocks per connection at most
+        await comm.all_reduce(x, op=ReduceOp.SUM)
+        out = comm.pool.statistics()["outgoing"]
+        await comm.all_reduce(np.zeros(1, np.float32), op=ReduceOp.SUM, tag=1)
+    print(json.dumps({"sum_ok": bool(np.all(x == 3)), "outgoing": list(out.values())}), flush=True)
+
+trio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+"""
+
+
+def test_default_config_stripes_over_a_long_link(pccl_wan: WanFactory) -> None:
+    import json
+
+    wan = pccl_wan(2)
+    wan.set_pair(0, 1, rtt_ms=50, rate_mbit=400)
+    master = wan.popen(0, [sys.executable, "-m", "pccl", "master", "--host", wan.addresses[0], "--port",
+                           "29400"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    try:
+        assert master.stderr is not None
+        while "listening" not in master.stderr.readline():
+            assert master.poll() is None, "the master exited"
+        peers = [
+            wan.popen(i, [sys.executable, "-c", _PEER, f"{wan.addresses[0]}:29400", wan.addresses[i], "2",
+                          str(i + 1)], stdout=subprocess.PIPE, text=True)
+            for i in range(2)
+        ]
+        results = [json.loads(p.communicate(timeout=120)[0]) for p in peers]
+    finally:
+        master.kill()
+        master.wait()
+    from pccl.peer.pool import _tcp_wmem_max
+    from pccl.peer.striping import stripe_count
+
+    # 50 ms round trip, the host's send buffer maximum (4 MiB here: three), 1000 Mbit/s target
+    expected = stripe_count(0.05, window_bytes=_tcp_wmem_max(), target_bytes_per_s=125e6, max_stripes=16)
+    for r in results:
+        assert r["sum_ok"]
+        assert r["outgoing"] == [expected]
