@@ -667,6 +667,10 @@ class P2PPool:
         await self._open_one(peer_id, host, port, 0, conns, errors)
         first = conns[0]
         if errors or first is None:
+            # Forget the unsized list: the next connect() starts over and sizes the stripe then.
+            if self._out.get(peer_id) is conns:
+                del self._out[peer_id]
+                self._addr.pop(peer_id, None)
             raise RankConnectionFailedError(
                 f"the first connection to peer {peer_id} failed: {errors[0] if errors else 'closed'}"
             )

@@ -12,7 +12,7 @@ import pytest
 import trio
 import trio.testing
 
-from pccl import PeerConfig
+from pccl import PeerConfig, RankConnectionFailedError
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
 from pccl.peer.striping import stripe_count
@@ -81,6 +81,21 @@ async def test_pool_sizes_each_partner_from_its_round_trip(
         # connect() again keeps them; a lost one is reopened at the same count
         await a.connect(2, *addr)
         assert a.statistics()["outgoing"][2] == expected
+
+
+async def test_a_failed_first_connection_is_sized_on_the_retry(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = VirtualNetwork(latency=0.025)
+    cfg = PeerConfig(connect_timeout=1.0)
+    async with two_pools(net, 0, cfg) as (a, _b, addr):
+        net.partition("a", "b")
+        with pytest.raises(RankConnectionFailedError):
+            await a.connect(2, *addr)
+        assert not a.is_connected(2)
+        net.heal()
+        await a.connect(2, *addr)
+        assert a.stripes(2) == 3 and a.is_connected(2)
 
 
 async def test_target_and_cap_come_from_the_config(autojump_clock: trio.testing.MockClock) -> None:
