@@ -39,6 +39,10 @@ class DataPool(Protocol):
         """Send one frame to ``peer_id`` (on connection ``conn_index % stripes(peer_id)``)."""
         ...
 
+    async def reopen(self, peer_id: int) -> None:
+        """Reopen the lost connections to ``peer_id`` (raises RankConnectionFailedError if it cannot)."""
+        ...
+
     def expect(self, peer_id: int, tag: int, op_seq: int, seq: int, dest: memoryview) -> Receive:
         """Register a receive of frame ``(tag, op_seq, seq)`` from ``peer_id`` into ``dest``."""
         ...

@@ -485,7 +485,7 @@ class ReceiveSlot:
     Created by :meth:`P2PPool.expect`; ``await slot.wait()`` returns once ``dest`` is full.
     """
 
-    __slots__ = ("_error", "_task", "cancelled", "dest", "done", "filling", "key", "nbytes")
+    __slots__ = ("_error", "_task", "cancelled", "dest", "done", "filler", "filling", "key", "nbytes")
 
     def __init__(self, key: SlotKey, dest: memoryview) -> None:
         self.key = key
@@ -493,6 +493,7 @@ class ReceiveSlot:
         self.nbytes = len(dest)
         self.done = False
         self.filling = False
+        self.filler: _Conn | None = None  # the connection filling it (while ``filling``)
         self.cancelled = False
         self._error: tuple[type[PCCLError], str] | None = None
         self._task: trio.lowlevel.Task | None = None
@@ -597,6 +598,10 @@ class P2PPool:
         self._room = trio.lowlevel.ParkingLot()
         self._block_limit = config.p2p_stall_timeout
         self._dead_ops: OrderedDict[int, None] = OrderedDict()
+        # Frames of live operations that arrived whole, by op_seq: a sender that lost a connection
+        # of a stripe resends what it had sent on it (it cannot know what arrived), and the copies
+        # of frames already here are dropped instead of stashed. Cleared by forget_op.
+        self._arrived: dict[int, set[tuple[int, int, int]]] = {}
         self._discard = memoryview(bytearray(_DISCARD_BYTES))
         # counters for statistics()
         self._tx_bytes = 0
@@ -686,6 +691,20 @@ class P2PPool:
             )
             log.debug("peer %d: rtt %.2f ms, window %d: %d connection(s)", peer_id, rtt * 1e3, window, n)
         conns.extend([None] * (n - 1))
+
+    async def reopen(self, peer_id: int) -> None:
+        """Reopen the lost connections to ``peer_id`` at the address it was connected at (one of a
+        stripe broke while the operation using it runs).
+
+        Raises:
+            RankConnectionFailedError: not connected before, or a connection could not be opened
+                (the peer is gone: its listener refuses, or the connect times out).
+        """
+        addr = self._addr.get(peer_id)
+        if addr is None:
+            await trio.lowlevel.checkpoint()
+            raise RankConnectionFailedError(f"no connections to peer {peer_id} to reopen")
+        await self.connect(peer_id, *addr)
 
     def stripes(self, peer_id: int) -> int:
         """How many connections an operation stripes over to ``peer_id`` (its open pool's size,
@@ -792,6 +811,7 @@ class P2PPool:
         for slot in list(self._slots.values()):
             slot._fail(RankConnectionLostError, "the P2P pool was closed")
         self._slots.clear()
+        self._arrived.clear()
         self._stash.clear()
         self._stash_conn.clear()
         self._stash_bytes = 0
@@ -908,7 +928,20 @@ class P2PPool:
         slot.dest[:] = buf
         self._rx_bytes += len(buf)
         self._frames_received += 1
+        self._mark_arrived(slot.key)
         slot._complete()
+
+    def _mark_arrived(self, key: SlotKey) -> None:
+        peer, tag, op_seq, seq = key
+        self._arrived.setdefault(op_seq, set()).add((peer, tag, seq))
+
+    def _release_fills(self, conn: _Conn) -> None:
+        """The slot ``conn`` was filling goes back to waiting: the sender resends its frame on
+        another connection of the stripe (a lost connection that was not the peer's last)."""
+        for slot in self._slots.values():
+            if slot.filling and slot.filler is conn:
+                slot.filling = False
+                slot.filler = None
 
     def forget_op(self, op_seq: int) -> None:
         """Drop every receive and stash of operation ``op_seq`` and discard its later frames.
@@ -919,6 +952,7 @@ class P2PPool:
         """
         self._dead_ops[op_seq] = None
         self._dead_ops.move_to_end(op_seq)
+        self._arrived.pop(op_seq, None)
         while len(self._dead_ops) > _DEAD_OPS_KEEP:
             self._dead_ops.popitem(last=False)
         if self._slots:
@@ -949,7 +983,9 @@ class P2PPool:
         old = self._in.get(key)
         self._in[key] = conn
         if old is not None:
-            # The peer reopened this slot, so it gave the old connection up.
+            # The peer reopened this slot, so it gave the old connection up (and resends what it
+            # had sent on it): the frame it was filling waits for the copy.
+            self._release_fills(old)
             await old.aclose()
             self._wake()
         reason = "closed"
@@ -1002,7 +1038,15 @@ class P2PPool:
                     self._closed_by_peer += 1
                 elif not was_closed:
                     self._connections_lost += 1
-                self._fail_peer(conn.peer_id, reason)
+                if not retired and not was_closed and any(
+                    p == conn.peer_id and c.alive() for (p, _i), c in self._in.items()
+                ):
+                    # One connection of a stripe lost while the peer still has others: its sender
+                    # reopens it and resends (ring._run_pipelined); only the frame it was filling
+                    # waits again. A peer that is gone loses them all, and its last one fails.
+                    self._release_fills(conn)
+                else:
+                    self._fail_peer(conn.peer_id, reason)
 
     def _drop_stash_of(self, conn: _Conn) -> None:
         """Release every stashed frame that came on ``conn``."""
@@ -1049,6 +1093,7 @@ class P2PPool:
         if slot is not None:
             if slot.filling:
                 raise RemoteProtocolError(f"frame {key} received twice")
+            slot.filler = conn
             if length != slot.nbytes:
                 slot._fail(RemoteProtocolError,
                            f"peer {peer} sent {length} bytes for a {slot.nbytes}-byte receive")
@@ -1056,16 +1101,21 @@ class P2PPool:
                 raise RemoteProtocolError(f"frame {key}: {length} bytes, expected {slot.nbytes}")
             slot.filling = True
             blocked = await self._fill(conn, slot.dest, slot)
-            if not slot.cancelled:
+            if not slot.cancelled and self._slots.get(key) is slot:
                 del self._slots[key]
                 self._rx_bytes += length
                 self._frames_received += 1
+                self._mark_arrived(key)
                 slot._complete()
             return blocked
-        if op_seq in self._dead_ops:
+        if op_seq in self._dead_ops or (peer, tag, seq) in self._arrived.get(op_seq, ()):
             self._bytes_discarded += length
             return await self._drop(conn, length)
-        if key in self._stash or key in self._stashing:
+        if key in self._stash:
+            # a copy its sender resent after losing the connection the first one came on
+            self._bytes_discarded += length
+            return await self._drop(conn, length)
+        if key in self._stashing:
             raise RemoteProtocolError(f"frame {key} received twice")
         if not self._fits(length):
             # Backpressure: stop reading this connection until the frame can go somewhere.
