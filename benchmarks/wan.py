@@ -36,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,16 +208,18 @@ def _child_argv(kind: str, cfg: dict[str, Any]) -> list[str]:
 def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
              optimize: bool = False) -> dict[str, Any]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The master logs to a file (a pipe nobody drains would block it once full).
+    log = tempfile.NamedTemporaryFile("w+", prefix="pccl-wan-master-", suffix=".log", delete=False)
     master = wan.popen(0, [sys.executable, "-m", "pccl", "master", "--host", wan.addresses[0],
-                           "--port", str(MASTER_PORT)], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True, env=env)
+                           "--port", str(MASTER_PORT)], stdout=subprocess.DEVNULL, stderr=log, env=env)
     procs: list[subprocess.Popen[str]] = []
+    ok = False
     try:
-        assert master.stderr is not None
         deadline = time.monotonic() + 30
-        while "listening" not in master.stderr.readline():
+        while "listening" not in Path(log.name).read_text():
             if master.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("our master did not start")
+            time.sleep(0.05)  # polling a child's log file for its first line
         order = case.join_order or tuple(range(case.hosts))
         for host in order:
             cfg = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "addr": wan.addresses[host],
@@ -232,6 +235,7 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
                 raise RuntimeError(f"our peer on host {host} did not join: {err}")
         budget = 120 + (args.iters + args.warmup) * (case.wire_limit_s() * 8 + case.idle_s + 2)
         res = _collect(procs, budget, f"ours ({case.name})")
+        ok = True
     finally:
         for p in procs:
             if p.poll() is None:
@@ -241,6 +245,11 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
             master.wait(10)
         except subprocess.TimeoutExpired:
             master.kill()
+        log.close()
+        if not ok:
+            tail = Path(log.name).read_text().splitlines()[-30:]
+            print("  our master's log (last lines):\n    " + "\n    ".join(tail), file=sys.stderr)
+        os.unlink(log.name)
     return {"median_s": max(r["median_s"] for r in res), "ring": res[0]["ring"],
             "optimize_s": max(r["optimize_s"] for r in res), "outgoing": [r["outgoing"] for r in res]}
 
