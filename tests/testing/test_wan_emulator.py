@@ -61,6 +61,10 @@ def test_selftest_window_limited_stream_and_striped_streams() -> None:
         pytest.skip(reason)
     # A rate a shared CI machine's forwarder keeps up with, above what one 4 MiB window carries in 100 ms.
     res = run_selftest(rtt_ms=100, rate_mbit=600, seconds=5, min_fill=0.7)
+    if not res.ok and res.forwarder_late_ms > 2.0:
+        # The forwarder itself was delivering late: the host's CPUs are too busy for a throughput
+        # figure to mean anything (the CLI self-test is for quiet machines).
+        pytest.skip(f"host too busy to measure the emulator:\n{res.table()}")
     # Round-trip fidelity is asserted loosely here (a loaded machine delays the probes); the CLI
     # self-test holds the 0.5 ms bound.
     assert res.rtt_ms is not None and abs(res.rtt_ms - 100) < 3
