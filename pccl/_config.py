@@ -305,6 +305,12 @@ class PeerConfig:
         progress: show the progress of a shared-state transfer that lasts more than a second on stderr
             (a bar on a terminal, else a line every 10 s; ``pccl/peer/progress.py``) when
             ``sync_shared_state`` is given no ``progress`` callback. Default True.
+        p2p_stripe_target_mbit: when ``p2p_connection_pool_size`` is not set (0, the default), the
+            throughput in Mbit/s each partner's connections are sized for: after the first
+            connection to a partner opens, its measured round trip decides how many more to open,
+            ``ceil(target * rtt / (0.6 * tcp_wmem max))`` (one on a LAN, 3 at 50 ms and 5 at 100 ms
+            for the default 1000; docs/topology.md "Connections per partner").
+        p2p_max_stripes: the most connections per partner that sizing may open (default 16).
     """
 
     heartbeat_interval: float = 0.5
@@ -328,10 +334,16 @@ class PeerConfig:
     spin_seconds: float = 1e-3
     run: str | None = None
     progress: bool = True
+    p2p_stripe_target_mbit: float = 1000.0
+    p2p_max_stripes: int = 16
 
     def __post_init__(self) -> None:
         _reject_nan(self)
         check_run_name(self.run, "PeerConfig.run")
+        if not self.p2p_stripe_target_mbit > 0:
+            raise ValueError(f"p2p_stripe_target_mbit must be > 0, not {self.p2p_stripe_target_mbit}")
+        if not 1 <= self.p2p_max_stripes <= 256:
+            raise ValueError(f"p2p_max_stripes must be in 1..256, not {self.p2p_max_stripes}")
         if not self.spin_seconds >= 0:
             raise ValueError(f"spin_seconds must be >= 0, not {self.spin_seconds}")
         if self.recv_stash_limit < 0:

@@ -889,7 +889,8 @@ class Communicator:
         address: the master's ``"HOST:PORT"`` or ``(host, port)`` (port 48148 when omitted); None:
             ``$PCCL_MASTER``.
         peer_group: collectives and shared-state syncs run within a peer group.
-        p2p_connection_pool_size: TCP connections per ring neighbour (0: the default, one).
+        p2p_connection_pool_size: TCP connections per ring neighbour (0: the default, sized per
+            partner from its round trip, docs/topology.md).
         config: peer timeouts and limits (:class:`pccl.PeerConfig`); keyword-only extension.
 
     Raises:

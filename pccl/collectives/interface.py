@@ -29,10 +29,18 @@ class DataPool(Protocol):
         """Connections per neighbour and direction."""
         ...
 
+    def stripes(self, peer_id: int) -> int:
+        """How many connections an operation stripes its frames to ``peer_id`` over (>= 1)."""
+        ...
+
     async def send(
         self, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview, *, conn_index: int
     ) -> None:
-        """Send one frame to ``peer_id`` (on connection ``conn_index % pool_size``)."""
+        """Send one frame to ``peer_id`` (on connection ``conn_index % stripes(peer_id)``)."""
+        ...
+
+    async def reopen(self, peer_id: int) -> None:
+        """Reopen the lost connections to ``peer_id`` (raises RankConnectionFailedError if it cannot)."""
         ...
 
     def expect(self, peer_id: int, tag: int, op_seq: int, seq: int, dest: memoryview) -> Receive:

@@ -41,6 +41,7 @@ import trio
 from .._errors import (
     InvalidArgumentError,
     PCCLError,
+    RankConnectionLostError,
     RemoteProtocolError,
     TooFewPeersError,
 )
@@ -94,6 +95,8 @@ QUANTIZED_BLOCK_DIVISOR = 4
 # page faults and zero-filling (measured: 10% of a 64 MB all-reduce on 1 Gbit/s), so the
 # buffers of successful operations are kept for the next one of the same size.
 _SCRATCH_KEEP = 4
+# How often one connection of a stripe may be reopened within one operation before it fails.
+_REOPENS_PER_CONNECTION = 3
 _SCRATCH_KEEP_BYTES = 1 << 30
 _scratch = BufferCache(max_entries=_SCRATCH_KEEP, max_bytes=_SCRATCH_KEEP_BYTES)
 _scratch_lock = threading.Lock()  # communicators in several threads share it
@@ -401,8 +404,13 @@ class _Exec:
             return _byte_view(self._scratch_of(i))
         return self.out_b[f.start * self.itemsize : f.end * self.itemsize]
 
+    # payload(j) may be called again for a frame already sent (its bytes are a view of the input or
+    # of output that only a frame depending on this one's arrival can overwrite): a lost connection
+    # of a stripe is resent whole.
+    resendable = True
+
     def payload(self, j: int) -> memoryview:
-        """The bytes of send ``j`` (called once, when it is about to go)."""
+        """The bytes of send ``j`` (called when it is about to go)."""
         f = self.plan.sends[j]
         src = self.send_b if f.source == SRC_SEND else self.out_b
         return src[f.start * self.itemsize : f.end * self.itemsize]
@@ -429,6 +437,7 @@ class _QuantExec(_Exec):
         self, plan: Plan, n: int, send: np.ndarray, out: np.ndarray, op: ReduceOp, q: QuantizationOptions
     ) -> None:
         super().__init__(plan, n, send, out, op)
+        self.resendable = False  # payload() quantizes, and the owner's copy changes when it does
         self.qdtype = q.quantized_datatype
         self.algorithm = q.algorithm
         self.qnp = np.dtype(np.uint8 if q.quantized_datatype == DataType.UINT8 else np.uint16)
@@ -580,14 +589,16 @@ async def _run_pipelined(
 ) -> None:
     plan = ex.plan
     sends = plan.sends
-    psize = pool.pool_size
-    # one queue and sender task per (partner, connection)
-    conn_of = [(f.peer, (tag + f.lane) % psize) for f in sends]
+    # one queue and sender task per (partner, connection); each partner's own stripe count
+    stripes = {p: pool.stripes(ids[p]) for p in {f.peer for f in sends}}
+    conn_of = [(f.peer, (tag + f.lane) % stripes[f.peer]) for f in sends]
     queues = {c: _ReadyFrames() for c in sorted(set(conn_of))}
     errors: list[BaseException] = []
 
     async def sender(key: tuple[int, int], queue: _ReadyFrames, cancel: trio.CancelScope) -> None:
         peer_id, conn = ids[key[0]], key[1]
+        sent: list[int] = []  # frames of this operation sent on this connection
+        reopened = 0
         try:
             while True:
                 j = await queue.pop()
@@ -600,7 +611,27 @@ async def _run_pipelined(
                 await trio.lowlevel.checkpoint()
                 if staging is not None:
                     await staging.before_send(j)
-                await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                while True:
+                    try:
+                        await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                        break
+                    except RankConnectionLostError:
+                        # One connection of a stripe lost (a reset on the path): reopen it and
+                        # resend everything this operation sent on it, since what arrived is
+                        # unknown (the receiver drops the copies of frames it has). A peer that
+                        # is gone refuses the reopen, and a single connection keeps failing fast.
+                        # A staged (device) operation is not resent: its host stage may already
+                        # hold final ranges (AVG divided in place) that an older frame would carry.
+                        if (staging is not None or not ex.resendable or stripes[key[0]] < 2
+                                or reopened >= _REOPENS_PER_CONNECTION):
+                            raise
+                        reopened += 1
+                        await pool.reopen(peer_id)
+                        for k in sent:
+                            await pool.send(
+                                peer_id, tag, op_seq, sends[k].seq, ex.payload(k), conn_index=conn
+                            )
+                sent.append(j)
                 if staging is not None:
                     staging.after_send(j)
         except PCCLError as exc:

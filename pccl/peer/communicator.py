@@ -169,7 +169,7 @@ class Communicator:
         address: Addresses | None = None,
         *,
         peer_group: int = 0,
-        p2p_connection_pool_size: int = 1,
+        p2p_connection_pool_size: int = 0,
         config: PeerConfig | None = None,
         transport: Transport | None = None,
     ) -> None:
@@ -188,7 +188,8 @@ class Communicator:
         self.master_host, self.master_port = self.master_addresses[0]
         self._link_up = trio.Event()  # set when a reconnection succeeded or finally failed
         self.peer_group = int(peer_group)
-        self.pool_size = max(1, int(p2p_connection_pool_size))
+        # 0: each partner's connections are sized from its measured round trip (pccl.peer.striping)
+        self.pool_size = int(p2p_connection_pool_size)
         inner: Transport = transport or TcpTransport(connect_timeout=self.config.connect_timeout)
         # P2P connections and the listener; the master connection has its own (it checks names).
         self.transport: Transport = inner
@@ -1612,7 +1613,7 @@ async def open_communicator(
     address: Addresses | None = None,
     *,
     peer_group: int = 0,
-    p2p_connection_pool_size: int = 1,
+    p2p_connection_pool_size: int = 0,
     config: PeerConfig | None = None,
     transport: Transport | None = None,
 ) -> AsyncIterator[Communicator]:
@@ -1627,7 +1628,9 @@ async def open_communicator(
             answers is used, and a peer that loses its master reconnects to them in turn within
             ``config.reconnect_window``); None: ``$PCCL_MASTER`` (comma-separated likewise).
         peer_group: collectives and shared-state syncs run within a group.
-        p2p_connection_pool_size: TCP connections per ring neighbour.
+        p2p_connection_pool_size: TCP connections per partner and direction; 0 (default): sized per
+            partner from the round trip of its first connection, enough to keep
+            ``PeerConfig.p2p_stripe_target_mbit`` in flight (one on a LAN; docs/topology.md).
         config: timeouts and limits (:class:`pccl.PeerConfig`).
         transport: the transport seam (default TCP; pccl.testing provides a virtual network).
 

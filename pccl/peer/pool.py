@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
@@ -119,6 +120,7 @@ from ..wire.messages import Hello
 from ..wire.stream import MessageStream
 from .credentials import CredentialStore
 from .p2p import open_p2p
+from .striping import stripe_count
 
 log = logging.getLogger("pccl.p2p")
 
@@ -199,6 +201,49 @@ def _fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | No
             except OSError:
                 pass
     return sock
+
+
+_TCP_INFO_RTT_OFFSET = 68  # struct tcp_info: tcpi_rtt (microseconds, u32)
+_wmem_max: int | None = None
+
+
+def _tcp_wmem_max() -> int:
+    """The send buffer's maximum (``net.ipv4.tcp_wmem``, read once; 4 MiB where it cannot be read)."""
+    global _wmem_max
+    if _wmem_max is None:
+        try:
+            with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+                _wmem_max = int(f.read().split()[2])
+        except (OSError, ValueError, IndexError):
+            _wmem_max = 4 << 20
+    return _wmem_max
+
+
+def path_estimate(stream: Stream) -> tuple[float, int] | None:
+    """``(round trip in seconds, window in bytes)`` of an open connection, or None when unknown.
+
+    A stream may say itself (``stream.path_estimate()``, as the virtual network's do); on a TCP
+    socket the kernel's smoothed round trip (``TCP_INFO``) and the send buffer's maximum are used;
+    other streams (TLS, Unix sockets) are unknown.
+    """
+    own = getattr(stream, "path_estimate", None)
+    if callable(own):
+        result: tuple[float, int] | None = own()
+        return result
+    tsock: Any = getattr(stream, "socket", None)
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+        return None
+    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 104)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_RTT_OFFSET + 4:
+        return None
+    rtt_us = int.from_bytes(info[_TCP_INFO_RTT_OFFSET : _TCP_INFO_RTT_OFFSET + 4], sys.byteorder)
+    return rtt_us / 1e6, _tcp_wmem_max()
 
 
 def _open_conn(
@@ -440,7 +485,7 @@ class ReceiveSlot:
     Created by :meth:`P2PPool.expect`; ``await slot.wait()`` returns once ``dest`` is full.
     """
 
-    __slots__ = ("_error", "_task", "cancelled", "dest", "done", "filling", "key", "nbytes")
+    __slots__ = ("_error", "_task", "cancelled", "dest", "done", "filler", "filling", "key", "nbytes")
 
     def __init__(self, key: SlotKey, dest: memoryview) -> None:
         self.key = key
@@ -448,6 +493,7 @@ class ReceiveSlot:
         self.nbytes = len(dest)
         self.done = False
         self.filling = False
+        self.filler: _Conn | None = None  # the connection filling it (while ``filling``)
         self.cancelled = False
         self._error: tuple[type[PCCLError], str] | None = None
         self._task: trio.lowlevel.Task | None = None
@@ -504,7 +550,9 @@ class P2PPool:
     Args:
         transport: how to open connections.
         my_peer_id: this peer's id (presented in every Hello).
-        pool_size: connections per neighbour and direction (>= 1).
+        pool_size: connections per neighbour and direction (>= 1), or 0: sized per partner from the
+            round trip of its first connection (:mod:`pccl.peer.striping`, with the config's
+            ``p2p_stripe_target_mbit`` and ``p2p_max_stripes``).
         config: timeouts and limits (``connect_timeout``, ``recv_stash_limit``, ``max_frame_size``).
         secret: shared secret presented to the other peers' listeners.
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for TCP ring connections; None keeps the
@@ -523,8 +571,8 @@ class P2PPool:
         socket_buffer_bytes: int | None = DEFAULT_SOCKET_BUFFER,
         credentials: CredentialStore | None = None,
     ) -> None:
-        if pool_size < 1:
-            raise ValueError("pool_size must be >= 1")
+        if pool_size < 0:
+            raise ValueError("pool_size must be >= 0 (0: sized per partner)")
         self.transport = transport
         self.my_peer_id = my_peer_id
         self.pool_size = pool_size
@@ -550,6 +598,10 @@ class P2PPool:
         self._room = trio.lowlevel.ParkingLot()
         self._block_limit = config.p2p_stall_timeout
         self._dead_ops: OrderedDict[int, None] = OrderedDict()
+        # Frames of live operations that arrived whole, by op_seq: a sender that lost a connection
+        # of a stripe resends what it had sent on it (it cannot know what arrived), and the copies
+        # of frames already here are dropped instead of stashed. Cleared by forget_op.
+        self._arrived: dict[int, set[tuple[int, int, int]]] = {}
         self._discard = memoryview(bytearray(_DISCARD_BYTES))
         # counters for statistics()
         self._tx_bytes = 0
@@ -591,9 +643,11 @@ class P2PPool:
                         await c.aclose()
                 conns = None
             if conns is None:
-                conns = [None] * self.pool_size
+                conns = [None] * (self.pool_size or 1)
                 self._out[peer_id] = conns
                 self._addr[peer_id] = (host, port)
+                if not self.pool_size:
+                    await self._open_sized(peer_id, host, port, conns)
             for i, c in enumerate(conns):
                 if c is not None and not c.alive():
                     conns[i] = None
@@ -610,6 +664,53 @@ class P2PPool:
                 raise RankConnectionFailedError(
                     f"{len(errors)} of {len(missing)} connections to peer {peer_id} failed: {errors[0]}"
                 )
+
+    async def _open_sized(self, peer_id: int, host: str, port: int, conns: list[_Conn | None]) -> None:
+        """Open the first connection to ``peer_id``, then size the stripe from its round trip:
+        ``conns`` grows (in place) to the count :func:`~pccl.peer.striping.stripe_count` gives."""
+        errors: list[str] = []
+        await self._open_one(peer_id, host, port, 0, conns, errors)
+        first = conns[0]
+        if errors or first is None:
+            # Forget the unsized list: the next connect() starts over and sizes the stripe then.
+            if self._out.get(peer_id) is conns:
+                del self._out[peer_id]
+                self._addr.pop(peer_id, None)
+            raise RankConnectionFailedError(
+                f"the first connection to peer {peer_id} failed: {errors[0] if errors else 'closed'}"
+            )
+        path = path_estimate(first.stream)
+        n = 1
+        if path is not None:
+            rtt, window = path
+            n = stripe_count(
+                rtt,
+                window_bytes=window,
+                target_bytes_per_s=self.config.p2p_stripe_target_mbit * 1e6 / 8,
+                max_stripes=self.config.p2p_max_stripes,
+            )
+            log.debug("peer %d: rtt %.2f ms, window %d: %d connection(s)", peer_id, rtt * 1e3, window, n)
+        conns.extend([None] * (n - 1))
+
+    async def reopen(self, peer_id: int) -> None:
+        """Reopen the lost connections to ``peer_id`` at the address it was connected at (one of a
+        stripe broke while the operation using it runs).
+
+        Raises:
+            RankConnectionFailedError: not connected before, or a connection could not be opened
+                (the peer is gone: its listener refuses, or the connect times out).
+        """
+        addr = self._addr.get(peer_id)
+        if addr is None:
+            await trio.lowlevel.checkpoint()
+            raise RankConnectionFailedError(f"no connections to peer {peer_id} to reopen")
+        await self.connect(peer_id, *addr)
+
+    def stripes(self, peer_id: int) -> int:
+        """How many connections an operation stripes over to ``peer_id`` (its open pool's size,
+        before it is connected the configured size, at least 1)."""
+        conns = self._out.get(peer_id)
+        return len(conns) if conns else max(1, self.pool_size)
 
     async def _open_one(
         self, peer_id: int, host: str, port: int, index: int, conns: list[_Conn | None], errors: list[str]
@@ -645,7 +746,8 @@ class P2PPool:
                       if any(c is not None and not c.closed and c.lock.locked() for c in cs))
 
     def is_connected(self, peer_id: int) -> bool:
-        """True if all ``pool_size`` outgoing connections to ``peer_id`` are open and healthy."""
+        """True if all outgoing connections to ``peer_id`` (``pool_size``, or as many as its sizing
+        chose) are open and healthy."""
         conns = self._out.get(peer_id)
         return conns is not None and all(c is not None and c.alive() for c in conns)
 
@@ -709,6 +811,7 @@ class P2PPool:
         for slot in list(self._slots.values()):
             slot._fail(RankConnectionLostError, "the P2P pool was closed")
         self._slots.clear()
+        self._arrived.clear()
         self._stash.clear()
         self._stash_conn.clear()
         self._stash_bytes = 0
@@ -825,7 +928,20 @@ class P2PPool:
         slot.dest[:] = buf
         self._rx_bytes += len(buf)
         self._frames_received += 1
+        self._mark_arrived(slot.key)
         slot._complete()
+
+    def _mark_arrived(self, key: SlotKey) -> None:
+        peer, tag, op_seq, seq = key
+        self._arrived.setdefault(op_seq, set()).add((peer, tag, seq))
+
+    def _release_fills(self, conn: _Conn) -> None:
+        """The slot ``conn`` was filling goes back to waiting: the sender resends its frame on
+        another connection of the stripe (a lost connection that was not the peer's last)."""
+        for slot in self._slots.values():
+            if slot.filling and slot.filler is conn:
+                slot.filling = False
+                slot.filler = None
 
     def forget_op(self, op_seq: int) -> None:
         """Drop every receive and stash of operation ``op_seq`` and discard its later frames.
@@ -836,6 +952,7 @@ class P2PPool:
         """
         self._dead_ops[op_seq] = None
         self._dead_ops.move_to_end(op_seq)
+        self._arrived.pop(op_seq, None)
         while len(self._dead_ops) > _DEAD_OPS_KEEP:
             self._dead_ops.popitem(last=False)
         if self._slots:
@@ -866,7 +983,9 @@ class P2PPool:
         old = self._in.get(key)
         self._in[key] = conn
         if old is not None:
-            # The peer reopened this slot, so it gave the old connection up.
+            # The peer reopened this slot, so it gave the old connection up (and resends what it
+            # had sent on it): the frame it was filling waits for the copy.
+            self._release_fills(old)
             await old.aclose()
             self._wake()
         reason = "closed"
@@ -919,7 +1038,15 @@ class P2PPool:
                     self._closed_by_peer += 1
                 elif not was_closed:
                     self._connections_lost += 1
-                self._fail_peer(conn.peer_id, reason)
+                if not retired and not was_closed and any(
+                    p == conn.peer_id and c.alive() for (p, _i), c in self._in.items()
+                ):
+                    # One connection of a stripe lost while the peer still has others: its sender
+                    # reopens it and resends (ring._run_pipelined); only the frame it was filling
+                    # waits again. A peer that is gone loses them all, and its last one fails.
+                    self._release_fills(conn)
+                else:
+                    self._fail_peer(conn.peer_id, reason)
 
     def _drop_stash_of(self, conn: _Conn) -> None:
         """Release every stashed frame that came on ``conn``."""
@@ -966,6 +1093,7 @@ class P2PPool:
         if slot is not None:
             if slot.filling:
                 raise RemoteProtocolError(f"frame {key} received twice")
+            slot.filler = conn
             if length != slot.nbytes:
                 slot._fail(RemoteProtocolError,
                            f"peer {peer} sent {length} bytes for a {slot.nbytes}-byte receive")
@@ -973,16 +1101,21 @@ class P2PPool:
                 raise RemoteProtocolError(f"frame {key}: {length} bytes, expected {slot.nbytes}")
             slot.filling = True
             blocked = await self._fill(conn, slot.dest, slot)
-            if not slot.cancelled:
+            if not slot.cancelled and self._slots.get(key) is slot:
                 del self._slots[key]
                 self._rx_bytes += length
                 self._frames_received += 1
+                self._mark_arrived(key)
                 slot._complete()
             return blocked
-        if op_seq in self._dead_ops:
+        if op_seq in self._dead_ops or (peer, tag, seq) in self._arrived.get(op_seq, ()):
             self._bytes_discarded += length
             return await self._drop(conn, length)
-        if key in self._stash or key in self._stashing:
+        if key in self._stash:
+            # a copy its sender resent after losing the connection the first one came on
+            self._bytes_discarded += length
+            return await self._drop(conn, length)
+        if key in self._stashing:
             raise RemoteProtocolError(f"frame {key} received twice")
         if not self._fits(length):
             # Backpressure: stop reading this connection until the frame can go somewhere.

@@ -666,7 +666,8 @@ async def open_test_cluster(
             ``p2p_listen_host`` is overridden (the peer's host address, or 127.0.0.1 over TCP).
         master_config: the master's :class:`~pccl.MasterConfig` (default :data:`DEFAULT_MASTER_CONFIG`).
         groups: the ``peer_group`` of each initial peer (default all 0).
-        pool_size: ``p2p_connection_pool_size`` of every peer.
+        pool_size: ``p2p_connection_pool_size`` of every peer (default 1; 0: the communicator's
+            default, connections sized per partner from its round trip).
 
     Yields:
         The :class:`TestCluster`; every initial peer is accepted and has the same peer table, and
@@ -680,8 +681,8 @@ async def open_test_cluster(
         raise ValueError("n_peers must be >= 0")
     if groups is not None and len(groups) != n_peers:
         raise ValueError(f"groups has {len(groups)} entries for {n_peers} peers")
-    if pool_size < 1:
-        raise ValueError("pool_size must be >= 1")
+    if pool_size < 0:
+        raise ValueError("pool_size must be >= 0 (0: sized per partner from its round trip)")
     body_error: BaseException | None = None
     try:
         async with trio.open_nursery() as nursery:

@@ -439,6 +439,13 @@ class VirtualStream:
         """The host (incarnation) that owns this end."""
         return self._host
 
+    def path_estimate(self) -> tuple[float, int]:
+        """``(round trip in seconds, window in bytes)`` of this connection now, as a kernel's
+        ``TCP_INFO`` would tell a TCP socket's (the P2P pool sizes its stripes with it)."""
+        there = self._net._link(self._out.src, self._out.dst).latency
+        back = self._net._link(self._out.dst, self._out.src).latency
+        return there + back, self._net.buffer_size
+
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         """Send every byte of ``data``, blocking while the window is full.
 

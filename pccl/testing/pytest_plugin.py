@@ -8,6 +8,10 @@ Fixtures (async ones need pytest-trio, e.g. ``trio_mode = true``):
 * ``pccl_network``: a fresh :class:`~pccl.testing.VirtualNetwork` (1 ms links, infinite bandwidth).
 * ``pccl_cupy``: the cupy module, or the test is skipped (with the reason) when cupy is missing or
   sees no CUDA device; :func:`require_cupy` does the same inside a test body.
+* ``pccl_wan``: a factory, ``wan = pccl_wan(n_hosts, default_spec, **options)``, returning a
+  started :class:`~pccl.testing.wan.WanEmulator` (hosts in network namespaces joined by emulated
+  WAN links), closed after the test; the test is skipped (with the reason) when the emulator cannot
+  run here (it needs root, ``ip`` and ``/dev/net/tun``).
 * ``pccl_cluster``: a factory, ``cluster = await pccl_cluster(n_peers, **options)``, returning a
   running :class:`~pccl.testing.TestCluster` on ``pccl_network`` (pass ``network=None`` for
   loopback TCP); options are those of :func:`~pccl.testing.open_test_cluster`. Every cluster is
@@ -23,7 +27,7 @@ sockets do not follow a mock clock).
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -106,6 +110,33 @@ async def pccl_cluster(pccl_network: VirtualNetwork) -> AsyncIterator[ClusterFac
 
         yield factory
         nursery.cancel_scope.cancel()
+
+
+WanFactory = Callable[..., Any]
+"""``factory(n_hosts, default=None, **options) -> WanEmulator`` (options of ``WanEmulator``)."""
+
+
+@pytest.fixture
+def pccl_wan() -> Iterator[WanFactory]:
+    """Factory of started WAN emulators, closed after the test; skips the test when the emulator
+    cannot run here (not root, no TUN device, no ``ip``)."""
+    from .wan import WanEmulator, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    started: list[WanEmulator] = []
+
+    def factory(n_hosts: int, default: Any = None, **options: Any) -> WanEmulator:
+        wan = WanEmulator(n_hosts, default, **options).start()
+        started.append(wan)
+        return wan
+
+    try:
+        yield factory
+    finally:
+        for wan in started:
+            wan.close()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -78,6 +78,12 @@ class Pool:
         net.pools[me] = self
         self.fail_send_at: int | None = None  # break the link at this frame's send
 
+    def stripes(self, peer_id: int) -> int:
+        return 1
+
+    async def reopen(self, peer_id: int) -> None:
+        raise AssertionError("a single connection is never reopened")
+
     async def send(
         self, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview, *, conn_index: int
     ) -> None:

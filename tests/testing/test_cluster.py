@@ -319,7 +319,7 @@ async def test_custom_configs(autojump_clock: trio.testing.MockClock) -> None:
         async with open_test_cluster(2, groups=[0]):
             pass
     with pytest.raises(ValueError):
-        async with open_test_cluster(1, pool_size=0):
+        async with open_test_cluster(1, pool_size=-1):
             pass
 
 

@@ -1,0 +1,356 @@
+"""All-reduce over an emulated WAN, ours and torch.distributed Gloo side by side, in one run.
+
+Each case starts a fresh :class:`pccl.testing.wan.WanEmulator` (hosts in network namespaces joined
+by links with a one-way delay, a rate, a drop-tail queue of one bandwidth-delay product and random
+loss; root only), runs our peers (one process per host, the master on host 0) and then Gloo's ranks
+(one per host, ``GLOO_SOCKET_IFNAME=wan0``) on the same links, and prints one table row. Both sides
+time a float32 SUM all-reduce after a barrier; the figure is the median over the iterations on the
+slower peer (the largest per-rank median).
+
+Cases (the issue's "Must show"; ``--cases`` picks some by name):
+
+* ``2p-50ms``, ``2p-100ms``: 64 MiB, 2 peers, 1000 Mbit/s, RTT 50 / 100 ms;
+* ``2p-50ms-idle``, ``2p-100ms-idle``: the same with a 1 s idle gap before each operation;
+* ``4p-50ms``: 64 MiB, 4 peers, every link 50 ms;
+* ``2p-50ms-loss1``: 64 MiB, 2 peers, 50 ms, 1% random loss each way;
+* ``2p-100ms-200mbit``: 64 MiB, 2 peers, 100 ms, 200 Mbit/s;
+* ``4KB-50ms``: 4 KB, 2 peers, 50 ms (ours should take about one round trip);
+* ``4p-asym``: 64 MiB, 4 hosts in two sites (2 ms RTT and no rate limit inside a site; between
+  the sites one shared 1000 Mbit/s link per direction with 100 ms RTT, as a site's uplink), joined
+  in the order 0, 2, 1, 3 so the join-order ring crosses the WAN four times (two flows share each
+  direction); ours with the join order and after ``optimize_topology()`` (which should find the
+  ring that crosses twice).
+
+"Wire limit" is the time each peer's bytes take at the link rate (a ring all-reduce sends
+``2 (n-1)/n`` of the buffer per peer). Our default configuration is what a user gets without a pool
+size and without ``optimize_topology()``; ``--pool N`` adds a column with ``p2p_connection_pool_size=N``.
+
+usage: sudo python benchmarks/wan.py [--quick] [--cases a,b,...] [--iters 5] [--pool N] [--no-gloo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+MASTER_PORT = 29_400
+GLOO_PORT = 29_500
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row: hosts, links and what is all-reduced."""
+
+    name: str
+    hosts: int
+    rtt_ms: float
+    rate_mbit: float
+    nbytes: int = 64 * MIB
+    loss: float = 0.0
+    idle_s: float = 0.0
+    sites: tuple[int, ...] = ()  # site of each host (empty: one link setting for every pair)
+    site_rtt_ms: float = 2.0
+    join_order: tuple[int, ...] = ()
+    optimize: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def wire_limit_s(self) -> float:
+        per_peer = self.nbytes * 2 * (self.hosts - 1) / self.hosts
+        return per_peer * 8 / (self.rate_mbit * 1e6)
+
+
+CASES = [
+    Case("2p-50ms", 2, 50, 1000),
+    Case("2p-100ms", 2, 100, 1000),
+    Case("2p-50ms-idle", 2, 50, 1000, idle_s=1.0),
+    Case("2p-100ms-idle", 2, 100, 1000, idle_s=1.0),
+    Case("4p-50ms", 4, 50, 1000),
+    Case("2p-50ms-loss1", 2, 50, 1000, loss=0.01),
+    Case("2p-100ms-200mbit", 2, 100, 200),
+    Case("4KB-50ms", 2, 50, 1000, nbytes=4096),
+    Case("4p-asym", 4, 100, 1000, sites=(0, 0, 1, 1), join_order=(0, 2, 1, 3)),
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# children (run inside a host's namespace)
+
+
+async def _ours_child(cfg: dict[str, Any]) -> None:
+    import numpy as np
+    import trio
+
+    from pccl import PeerConfig, ReduceOp, UpdateTopologyFailedError
+    from pccl.peer.communicator import open_communicator
+
+    kwargs: dict[str, Any] = {}
+    if cfg.get("pool"):
+        kwargs["p2p_connection_pool_size"] = cfg["pool"]
+    config = PeerConfig(p2p_listen_host=cfg["addr"])
+    async with open_communicator(cfg["master"], config=config, **kwargs) as comm:
+        print(json.dumps({"event": "joined"}), flush=True)
+        while comm.world_size < cfg["world"]:
+            if await comm.are_peers_pending():
+                try:
+                    await comm.update_topology()
+                except UpdateTopologyFailedError:
+                    pass
+            await trio.sleep(0.01)
+        barrier = np.zeros(1, np.float32)
+        await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+        if cfg.get("optimize"):
+            t = time.perf_counter()
+            await comm.optimize_topology()
+            opt_s = time.perf_counter() - t
+        else:
+            opt_s = 0.0
+        x = np.random.default_rng(comm.rank).random(cfg["nbytes"] // 4, dtype=np.float32)
+        times = []
+        for i in range(cfg["warmup"] + cfg["iters"]):
+            if cfg["idle"]:
+                await trio.sleep(cfg["idle"])  # a training step's compute
+            await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+            t = time.perf_counter()
+            await comm.all_reduce(x, op=ReduceOp.SUM, tag=0)
+            if i >= cfg["warmup"]:
+                times.append(time.perf_counter() - t)
+        stripes = comm.pool.statistics().get("outgoing")
+        ring = comm.group_ring
+        await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+    print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
+                      "optimize_s": opt_s, "ring": ring, "outgoing": stripes}), flush=True)
+
+
+def _gloo_child(cfg: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = cfg["master_addr"], str(GLOO_PORT)
+    os.environ["GLOO_SOCKET_IFNAME"] = "wan0"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=cfg["rank"], world_size=cfg["world"])
+    x = torch.rand(cfg["nbytes"] // 4)
+    times = []
+    for i in range(cfg["warmup"] + cfg["iters"]):
+        if cfg["idle"]:
+            time.sleep(cfg["idle"])
+        dist.barrier()
+        t = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= cfg["warmup"]:
+            times.append(time.perf_counter() - t)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times}), flush=True)
+
+
+def child_main(kind: str, cfg: dict[str, Any]) -> int:
+    """Entry of a child process: ``--child ours|gloo JSON``."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    if kind == "ours":
+        import trio
+
+        trio.run(_ours_child, cfg)
+    else:
+        _gloo_child(cfg)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# driver
+
+
+def _setup_links(wan: Any, case: Case) -> None:
+    if case.sites:
+        wan.set_sites(list(case.sites), rtt_ms=case.rtt_ms, rate_mbit=case.rate_mbit,
+                      site_rtt_ms=case.site_rtt_ms, loss=case.loss)
+    else:
+        wan.set_all(rtt_ms=case.rtt_ms, rate_mbit=case.rate_mbit, loss=case.loss)
+
+
+def _collect(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + timeout
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise RuntimeError(f"{what}: timed out after {timeout:.0f} s") from None
+        lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        res = [x for x in lines if x.get("event") == "result"]
+        if p.returncode != 0 or not res:
+            raise RuntimeError(f"{what}: a process failed ({p.returncode}):\n{err[-3000:]}")
+        results.append(res[-1])
+    return results
+
+
+def _child_argv(kind: str, cfg: dict[str, Any]) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(cfg)]
+
+
+def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
+             optimize: bool = False) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The master logs to a file (a pipe nobody drains would block it once full).
+    log = tempfile.NamedTemporaryFile("w+", prefix="pccl-wan-master-", suffix=".log", delete=False)
+    master = wan.popen(0, [sys.executable, "-m", "pccl", "master", "--host", wan.addresses[0],
+                           "--port", str(MASTER_PORT)], stdout=subprocess.DEVNULL, stderr=log, env=env)
+    procs: list[subprocess.Popen[str]] = []
+    ok = False
+    try:
+        deadline = time.monotonic() + 30
+        while "listening" not in Path(log.name).read_text():
+            if master.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("our master did not start")
+            time.sleep(0.05)  # polling a child's log file for its first line
+        order = case.join_order or tuple(range(case.hosts))
+        for host in order:
+            cfg = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "addr": wan.addresses[host],
+                   "world": case.hosts, "nbytes": case.nbytes, "iters": args.iters,
+                   "warmup": args.warmup, "idle": case.idle_s, "pool": pool, "optimize": optimize}
+            p = wan.popen(host, _child_argv("ours", cfg), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, env=env)
+            procs.append(p)
+            assert p.stdout is not None
+            line = p.stdout.readline()  # "joined": the next one joins after it (the join order)
+            if "joined" not in line:
+                err = p.stderr.read()[-2000:] if p.stderr else ""
+                raise RuntimeError(f"our peer on host {host} did not join: {err}")
+        budget = 120 + (args.iters + args.warmup) * (case.wire_limit_s() * 8 + case.idle_s + 2)
+        res = _collect(procs, budget, f"ours ({case.name})")
+        ok = True
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        master.terminate()
+        try:
+            master.wait(10)
+        except subprocess.TimeoutExpired:
+            master.kill()
+        log.close()
+        if not ok:
+            tail = Path(log.name).read_text().splitlines()[-30:]
+            print("  our master's log (last lines):\n    " + "\n    ".join(tail), file=sys.stderr)
+        os.unlink(log.name)
+    return {"median_s": max(r["median_s"] for r in res), "ring": res[0]["ring"],
+            "optimize_s": max(r["optimize_s"] for r in res), "outgoing": [r["outgoing"] for r in res]}
+
+
+def run_gloo(wan: Any, case: Case, args: argparse.Namespace) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    order = case.join_order or tuple(range(case.hosts))
+    procs = []
+    for rank, host in enumerate(order):
+        cfg = {"master_addr": wan.addresses[order[0]], "rank": rank, "world": case.hosts,
+               "nbytes": case.nbytes, "iters": args.iters, "warmup": args.warmup, "idle": case.idle_s}
+        procs.append(wan.popen(host, _child_argv("gloo", cfg), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env))
+    budget = 180 + (args.iters + args.warmup) * (case.wire_limit_s() * 20 + case.idle_s + 5)
+    res = _collect(procs, budget, f"gloo ({case.name})")
+    return {"median_s": max(r["median_s"] for r in res)}
+
+
+def _ping_ms(wan: Any, a: int, b: int) -> float:
+    out = subprocess.run(wan.command(a, [sys.executable, "-m", "pccl.testing.wan.probe", "ping",
+                                         wan.addresses[b], "10"]),
+                         capture_output=True, text=True, timeout=60, check=True)
+    return float(json.loads(out.stdout)["median_ms"])
+
+
+def _fmt_s(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(c.name for c in CASES))
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--pool", type=int, default=None, help="also run ours with this pool size")
+    ap.add_argument("--no-gloo", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="3 iterations, and only 2p-50ms, 4KB-50ms and 4p-asym")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child_main(args.child[0], json.loads(args.child[1]))
+    sys.path.insert(0, str(REPO))
+    from pccl.testing.wan import WanEmulator, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    names = args.cases.split(",")
+    if args.quick:
+        args.iters = 3
+        if args.cases == ap.get_default("cases"):
+            names = ["2p-50ms", "4KB-50ms", "4p-asym"]
+    by_name = {c.name: c for c in CASES}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {sorted(by_name)}")
+    print(f"WAN all-reduce, float32 SUM; median of {args.iters} (+{args.warmup} warm-up) on the slower "
+          f"peer; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; queue 1 BDP; "
+          f"tcp_wmem max {Path('/proc/sys/net/ipv4/tcp_wmem').read_text().split()[2]}, "
+          f"cc {Path('/proc/sys/net/ipv4/tcp_congestion_control').read_text().strip()}", flush=True)
+    headers = ["case", "ping ms", "wire limit s", "ours default s", "% of wire"]
+    if args.pool:
+        headers.append(f"ours pool {args.pool} s")
+    headers += ["gloo s", "ours/gloo", "notes"]
+    rows = []
+    for name in names:
+        case = by_name[name]
+        with WanEmulator(case.hosts) as wan:
+            _setup_links(wan, case)
+            far = case.hosts - 1
+            ping = _ping_ms(wan, 0, far)
+            notes = ""
+            ours = run_ours(wan, case, args, None)
+            if case.join_order:
+                opt = run_ours(wan, case, args, None, optimize=True)
+                notes = (f"join-order ring {ours['ring']}: {ours['median_s']:.3f} s; optimized ring "
+                         f"{opt['ring']}: {opt['median_s']:.3f} s "
+                         f"(optimize_topology {opt['optimize_s']:.1f} s)")
+            extra = run_ours(wan, case, args, args.pool)["median_s"] if args.pool else None
+            gloo = None if args.no_gloo else run_gloo(wan, case, args)["median_s"]
+            lost = sum(x["lost_segments"] for x in wan.stats()["links"])
+            if case.loss:
+                notes += f"{lost} segments lost in the run"
+        o = ours["median_s"]
+        wire = case.wire_limit_s()
+        row = [name, f"{ping:.2f}", f"{wire:.3f}", _fmt_s(o), f"{100 * wire / o:.0f}%"]
+        if args.pool:
+            row.append(_fmt_s(extra))
+        row += [_fmt_s(gloo), "-" if gloo is None else f"{o / gloo:.2f}", notes]
+        rows.append(row)
+        print("  " + " | ".join(row), flush=True)
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
+    print()
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
