@@ -303,18 +303,21 @@ class MasterServer:
             except StreamBroken:
                 return
             now = trio.current_time()
-            if self.status is not None:
-                self.status.on_message(conn.peer_id, msg, now)
-            if isinstance(msg, m.CollectiveDone) and msg.stalled_on >= 0:
-                self._stall_report(conn.peer_id, msg.stalled_on, now)
-                if conn.closing:
-                    return
             try:
+                # The status page (metrics) and the stall report read the message too: inside the
+                # guard, so that nothing a peer sends can fail the master outside it (issue 33).
+                if self.status is not None:
+                    self.status.on_message(conn.peer_id, msg, now)
+                if isinstance(msg, m.CollectiveDone) and msg.stalled_on >= 0:
+                    self._stall_report(conn.peer_id, msg.stalled_on, now)
+                    if conn.closing:
+                        return
                 effects = self.state.handle(conn.peer_id, msg, now)
             except Exception:
-                # A bug of the master's core on this message must not take the master, and with it
-                # every other peer's run, down: it is logged with its traceback and the sender, who
-                # cannot know what the master made of its message, is refused; the master serves on.
+                # A bug of the master's core (or its observer) on this message must not take the
+                # master, and with it every other peer's run, down: it is logged with its traceback
+                # and the sender, who cannot know what the master made of its message, is refused;
+                # the master serves on.
                 what = type(msg).__name__
                 log.exception("internal error handling a %s from peer %d: kicking it", what, conn.peer_id)
                 effects = self.state.kick(conn.peer_id, f"internal error of the master handling its {what}",
@@ -540,7 +543,12 @@ class MasterServer:
             elif isinstance(eff, Event):
                 log.info("%s", eff.text)
         if self.status is not None:
-            self.status.on_effects(effects)
+            try:
+                self.status.on_effects(effects)
+            except Exception:
+                # Counting is not worth the run: a fault of the status page's bookkeeping is logged,
+                # the master serves on (its metrics may be short of these effects).
+                log.exception("internal error of the status page counting the master's effects")
         if self.deadlocks is not None:
             failed = self.deadlocks.check(self.state, trio.current_time())
             if failed:
