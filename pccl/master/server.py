@@ -41,6 +41,7 @@ from .deadlock import DeadlockWatch
 from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
 from .state import Effect, Event, Kick, MasterState, Phase, Send
 from .status_server import StatusService
+from .tokens import MemberTokens
 
 log = logging.getLogger("pccl.master")
 
@@ -87,7 +88,8 @@ class MasterServer:
                                  failover_quiet=self.config.heartbeat_interval + RECONNECT_BACKOFF_MAX,
                                  rejoin_grace=self.config.rejoin_grace,
                                  go_delay=self.config.speculative_go_delay,
-                                 credentials_delay=self.config.credentials_batch_delay)
+                                 credentials_delay=self.config.credentials_batch_delay,
+                                 tokens=MemberTokens.for_secret(self.config.secret))
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0

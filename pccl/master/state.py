@@ -41,6 +41,7 @@ from .lost import REASON as LOST_REASON
 from .lost import LostBook
 from .reported import ReportedRings
 from .rounds import PendingDecision, RoundBook, TopologyDecision, reported_epoch
+from .tokens import MemberTokens
 
 # --------------------------------------------------------------------------------------------
 # Effects
@@ -299,6 +300,8 @@ class MasterState:
             the reconnect backoff cap).
         credential_root: the random key every P2P credential of this master is derived from
             (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
+        tokens: the member tokens a re-registering member proves itself with (pccl/master/tokens.py;
+            the server derives them from ``MasterConfig.secret``); default: a random key of its own.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
             (MasterConfig.quorum; docs/concepts.md "No split brain").
         go_delay: seconds the tableless ``CollectiveCommence`` of a speculative start is held back
@@ -322,6 +325,7 @@ class MasterState:
         rejoin_grace: float = 0.0,
         go_delay: float = 0.0,
         credentials_delay: float = 0.0,
+        tokens: MemberTokens | None = None,
     ) -> None:
         if quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
@@ -405,6 +409,9 @@ class MasterState:
         # new row, batched over ``credentials_delay`` (pccl/master/issued.py).
         self._issued = IssuedSet(CredentialIssuer(credential_root or secrets.token_bytes(32)),
                                  delay=credentials_delay)
+        # Re-registration only with proof of membership (docs/security.md "Re-registration").
+        self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
+        self._adopted: set[int] = set()  # generations of other masters this one rebuilt a run from
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
         # this master holds must be a majority for any vote to complete (when the rule applies);
         # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
@@ -1220,7 +1227,8 @@ class MasterState:
         rec.group = msg.peer_group
         rec.public_key = msg.public_key
         effects: list[Effect] = [
-            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id, generation=self.generation)),
+            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id, generation=self.generation,
+                                           token=self.tokens.issue(self.generation, rec.peer_id))),
             Event(f"peer {rec.peer_id} joined from {rec.host}:{msg.p2p_port} (group {msg.peer_group})"),
         ]
         if not self.ring and self._topology is None:
@@ -1253,6 +1261,11 @@ class MasterState:
         assert isinstance(msg, m.Reregister)
         if rec.phase is not Phase.CONNECTED:
             return self.kick(rec.peer_id, "Reregister after Register")
+        unproven = self._unproven(msg)
+        if unproven is not None:
+            # Before anything else (the newcomer-first kicks, a rebuild): an outsider's claim changes
+            # nothing, and its refusal says nothing about the run (issue 33).
+            return self.kick(rec.peer_id, *unproven)
         effects: list[Effect] = []
         if self.ring and self.rebuild is None and set(self.ring) <= self._provisional:
             # Newcomer-first at a master that held no run: the run's members win over the lone
@@ -1354,13 +1367,13 @@ class MasterState:
                         rb.generations.pop(p, None)
                         self._rings.pop(p)
                         del rb.epochs[p]
-                        effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
-                                                f"{at}: join again", Result.KICKED)
+                        why = "re-registered with an older epoch than the run's: join again"
+                        effects += self.kick(p, why, Result.KICKED)
                 self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
                 self.base = list(msg.ring)
             elif at < rb.epoch:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
-                why = f"re-registered with epoch {at}, the run is at epoch {rb.epoch}: join again"
+                why = "re-registered with an older epoch than the run's: join again"
                 return effects + self.kick(rec.peer_id, why, Result.KICKED)
         elif self._runs_without(msg.peer_id, msg.peer_group):
             # An operation its group started after dropping it may still complete (then the group went
@@ -1371,12 +1384,12 @@ class MasterState:
             # KICKED (final): the run this master serves (members the peer knows) moved to another
             # epoch without it. (A master now serving another run refuses it with the retryable code
             # below: a standby may hold its run.)
-            return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
-                                                    f"epoch {self.epoch}: join again", Result.KICKED)
+            return effects + self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
+                                                    "join again", Result.KICKED)
         elif at != self.epoch:
-            return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
-                                                    f"epoch {self.epoch}: join again",
-                                       Result.MASTER_CONNECTION_FAILED)
+            # (The refusals name no epoch of the run: issue 33.)
+            return effects + self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
+                                                    "join again", Result.MASTER_CONNECTION_FAILED)
         elif self.doubts.moved_on(msg.peer_id, msg.peer_group, absent=not self.enforced):
             # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
             # standby of the right epoch may not share.
@@ -1412,7 +1425,8 @@ class MasterState:
         if self._loopback is None:
             self._loopback = _is_loopback(rec.host)
         self._take_into_ring(rec.peer_id, rb.expected if rb is not None else msg.ring)
-        back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)
+        back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch,
+                              token=self.tokens.issue(self.generation, rec.peer_id))
         effects.append(Send(rec.peer_id, back))
         # After Reregistered (the peer reads that one itself): this master's set of the epoch.
         effects += self._issue_on_return(rec.peer_id)
@@ -1452,6 +1466,7 @@ class MasterState:
         expected = rb.expected_set() if rb is not None else frozenset(self.base)
         effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
         if rb is not None:
+            self._adopted.add(msg.generation)
             rb.returned.add(rec.peer_id)
             rb.generations[rec.peer_id] = gen
             rb.epochs[rec.peer_id] = at
@@ -1465,6 +1480,25 @@ class MasterState:
             # A majority is back: the roll call waits for the others only while they keep coming.
             self.doubts.quiet(self._now, self._quiet_period())
         return effects + self._note_quorum()
+
+    def _unproven(self, msg: m.Reregister) -> tuple[str, Result] | None:
+        """Why ``msg`` does not prove its sender is member ``msg.peer_id`` (None: it does, or it is
+        taken on trust while this master holds no run of its own; pccl/master/tokens.py)."""
+        if self.tokens.valid(msg.generation, msg.peer_id, msg.token):
+            return None
+        if self.tokens.shared:  # every master of the run verifies every generation's tokens
+            return "Reregister without a valid member token: join again as a newcomer", Result.KICKED
+        # No shared secret: another master process's token (a restarted or standby master) cannot be
+        # told from a stranger's. Taken on trust while this master holds no run of its own (it may
+        # rebuild one from re-registrations), while it rebuilds, and for the generations it rebuilt its
+        # run from (a member back late); the rules below decide as before (a newer generation than
+        # this master's: they refuse it as stale, changing nothing). Otherwise refused with the
+        # retryable code, as a stale or foreign master refuses it: a standby may hold the peer's run.
+        if (self.rebuild is not None or not self.ring or set(self.ring) <= self._provisional
+                or msg.generation in self._adopted or msg.generation > self.generation):
+            return None
+        return ("Reregister without a member token of this master (no shared secret to verify another "
+                "master's): look for the master of its run", Result.MASTER_CONNECTION_FAILED)
 
     def _quiet_period(self) -> float:
         """The roll call's quiet period (``rebuild_quiet``; at least ``failover_quiet`` when the run's

@@ -548,6 +548,7 @@ class Reregister(Message):
     topology_in_doubt: list[Any] = dataclasses.field(default_factory=list)
     topology_abandoned: Seq = -1
     pending: list[int] = dataclasses.field(default_factory=list)
+    token: bytes = dataclasses.field(default=b"", metadata=OPTIONAL, repr=False, compare=False)  # a secret
 
 
 @_register(17)
@@ -568,10 +569,12 @@ class Standbys(Message):
 @dataclass(frozen=True, kw_only=True)
 class Registered(Message):
     """Registration received; the peer waits to be accepted. ``generation``: the master's
-    generation (fencing number), which the peer remembers."""
+    generation (fencing number), which the peer remembers. ``token``: its member token of that
+    generation, which it shows when it re-registers (pccl/master/tokens.py)."""
 
     peer_id: Count
     generation: Count = 0
+    token: bytes = dataclasses.field(default=b"", metadata=OPTIONAL, repr=False, compare=False)  # a secret
 
 
 @_register(21)
@@ -615,11 +618,13 @@ class EstablishP2P(Message):
 @dataclass(frozen=True, kw_only=True)
 class Reregistered(Message):
     """The master took the re-registering member back into the run (no admission vote): it keeps its
-    id and place; ``generation`` is the master's (never older than the peer's), ``epoch`` its epoch."""
+    id and place; ``generation`` is the master's (never older than the peer's), ``epoch`` its epoch;
+    ``token``: its member token of ``generation`` (pccl/master/tokens.py)."""
 
     peer_id: Count
     generation: Count
     epoch: Seq
+    token: bytes = dataclasses.field(default=b"", metadata=OPTIONAL, repr=False, compare=False)  # a secret
 
 
 @_register(29)

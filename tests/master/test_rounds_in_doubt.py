@@ -15,7 +15,7 @@ from pccl import Result
 from pccl.master.state import MasterState
 from pccl.wire import messages as m
 
-from ._effects import kicks, sends
+from ._effects import kicks, member_reregister, sends
 
 OLD = [3, 1, 2]  # the members at epoch E, ring order
 E = 7
@@ -29,7 +29,7 @@ def rereg(st: MasterState, pid: int, *, epoch: int = E, ring: list[int] | None =
     got = st.new_connection("127.0.0.1", now, claim=pid)
     assert got == pid
     fields.setdefault("members_epoch", epoch)
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch,
+    msg = member_reregister(st, peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch,
                        ring=list(OLD if ring is None else ring), revision=5, generation=1, **fields)
     return st.handle(pid, msg, now)
 
