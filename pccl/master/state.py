@@ -35,54 +35,20 @@ from . import away as _away
 from . import election as _election
 from .away import AwayBook
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
-from .doubt import Decision, DoubtBook, Key
+
+# The effects: re-exported here, where the state's callers have always taken them.
+from .effects import Effect as Effect
+from .effects import Event as Event
+from .effects import FastStart as FastStart
+from .effects import Kick as Kick
+from .effects import Send as Send
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .lost import LostBook
+from .ops_in_doubt import Decision, DoubtBook, Key
 from .reported import ReportedRings
-from .rounds import PendingDecision, RoundBook, TopologyDecision, reported_epoch
+from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
 from .tokens import MemberTokens
-
-# --------------------------------------------------------------------------------------------
-# Effects
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send ``message`` to ``peer_id``."""
-
-    peer_id: int
-    message: m.Message
-
-
-@dataclass(frozen=True)
-class Kick:
-    """Send ``Refused(reason)`` to ``peer_id`` and close its connection (state already forgot it)."""
-
-    peer_id: int
-    reason: str
-    code: int = int(Result.INVALID_USAGE)
-
-
-@dataclass(frozen=True)
-class Event:
-    """A membership change worth one log line."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class FastStart:
-    """Collective ``tag`` of ``group`` runs under its speculative ``op_seq``: every participant voted
-    with the number the master reserved, so no ``CollectiveCommence`` is sent (nothing to execute; the
-    status metrics count it as started)."""
-
-    group: int
-    tag: int
-    op_seq: int
-
-
-Effect = Send | Kick | Event | FastStart
 
 
 class Phase(enum.Enum):
@@ -289,7 +255,7 @@ class MasterState:
         clock: the time source the default solver's budget is measured with (the server passes
             ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
             step and stall limits, deterministically.
-        rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
+        rebuild_grace: a rebuilt master's roll call (pccl/master/ops_in_doubt.py): votes wait up to this
             many seconds after the rebuild started for the last epoch's members not back yet, even
             once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
         rebuild_quiet: the roll call also ends once a majority is back and no member came back for
@@ -375,7 +341,7 @@ class MasterState:
         # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
         self.generation = 1
         self.rebuild: _Rebuild | None = None
-        # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
+        # Operations in doubt across a master's loss (pccl/master/ops_in_doubt.py): every vote waits while
         # one is undecided.
         self.doubts = DoubtBook()
         # Operations a member reported failed at the master's loss (pccl/master/lost.py): every other
@@ -387,9 +353,10 @@ class MasterState:
         self.away = AwayBook()
         self.rejoin_grace = rejoin_grace
         self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
-        # Membership rounds in doubt (pccl/master/rounds.py): topology and are_peers_pending rounds the
-        # master's loss split; every vote waits while one is undecided. The count of are_peers_pending
-        # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
+        # Membership rounds in doubt (pccl/master/rounds_in_doubt.py): topology and are_peers_pending
+        # rounds the master's loss split; every vote waits while one is undecided. The count of
+        # are_peers_pending rounds completed at ``epoch`` (the members count them alike: docs/concepts.md
+        # "Rounds in doubt").
         self.rounds = RoundBook()
         self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
         # DoubtBook.total_progress when that count last changed: a member that comes back waiting in
@@ -580,7 +547,7 @@ class MasterState:
         """False while the master is *held* (no vote completes): rebuilding without a majority of the
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
         a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
-        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py); or while a
+        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/ops_in_doubt.py); or while a
         member whose connection broke may still re-register (pccl/master/away.py)."""
         return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided and not self.away
 
@@ -701,8 +668,8 @@ class MasterState:
 
     def _execute_rounds(self, topology: list[TopologyDecision],
                         pending: list[PendingDecision]) -> list[Effect]:
-        """Tell the waiting peers each round's outcome (pccl/master/rounds.py); resume the votes once none
-        is left open."""
+        """Tell the waiting peers each round's outcome (pccl/master/rounds_in_doubt.py); resume the votes
+        once none is left open."""
         effects: list[Effect] = []
         for d in topology:
             peers = [p for p in d.peers if p in self.peers]

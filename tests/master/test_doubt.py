@@ -1,6 +1,6 @@
 """Issue 18: operations in doubt across a master's loss, decided the same way for every peer.
 
-The pure MasterState driven message by message (pccl/master/doubt.py, docs/concepts.md "Operations in
+The pure MasterState driven message by message (pccl/master/ops_in_doubt.py, docs/concepts.md "Operations in
 doubt"): a master lost between the CollectiveComplete (or SharedStateResult) messages of one operation
 leaves some participants committed and the others waiting; their re-registrations say which, and the
 master answers each waiting peer with the old operation's commit or abort before any vote resumes.

@@ -1,6 +1,6 @@
 """Issue 18: membership rounds in doubt across a master's loss, decided the same way for every member.
 
-The pure MasterState driven message by message (pccl/master/rounds.py, docs/concepts.md "Rounds in
+The pure MasterState driven message by message (pccl/master/rounds_in_doubt.py, docs/concepts.md "Rounds in
 doubt"). A master lost between the answers of one update_topology round (its TopologyResults and the
 newcomers' Accepted) or of one are_peers_pending round leaves some members at the new epoch (or with
 the answer) and the others waiting; the re-registrations say which, and the rebuilt master brings every
