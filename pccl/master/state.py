@@ -49,6 +49,7 @@ from .ops_in_doubt import Decision, DoubtBook, Key
 from .reported import ReportedRings
 from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
 from .tokens import MemberTokens
+from .votes import PendingRound, unanimous
 
 
 class Phase(enum.Enum):
@@ -306,8 +307,7 @@ class MasterState:
         self._loopback: bool | None = None
         self.epoch = 0
         self._topology: _TopologyRound | None = None
-        self._pending_votes: set[int] = set()
-        self._pending_opened = 0.0
+        self._pending = PendingRound()  # the are_peers_pending vote (pccl/master/votes.py)
         self._ops: dict[tuple[int, int], _CollectiveOp] = {}
         self._op_seq = 0
         # group -> tag -> the op_seq reserved for the next op (the speculative start), oldest first
@@ -472,7 +472,7 @@ class MasterState:
             "epoch": self.epoch,
             "topology_round": self._topology.kind if self._topology else None,
             "topology_votes": len(self._topology.votes) if self._topology else 0,
-            "pending_votes": len(self._pending_votes),
+            "pending_votes": len(self._pending.votes),
             "collectives_running": sum(1 for o in self._ops.values() if o.running),
             "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
             "collectives_fast": self.fast_starts,
@@ -693,9 +693,7 @@ class MasterState:
         for pd in pending:
             peers = [p for p in pd.peers if p in self.peers and self.peers[p].phase is Phase.ACCEPTED]
             if pd.answer is None:
-                if peers and not self._pending_votes:
-                    self._pending_opened = self._now
-                self._pending_votes.update(peers)
+                self._pending.add(peers, self._now)
             else:
                 effects += [Send(p, m.PeersPendingResult(pending=pd.answer)) for p in peers]
             what = "runs here" if pd.answer is None else f"answered {pd.answer}"
@@ -751,8 +749,8 @@ class MasterState:
         that knows who holds up what (:meth:`waited_on` and :meth:`pending_summary` read it)."""
         waits: list[tuple[str, set[int], str]] = []
         ring = set(self.ring)
-        if self._pending_votes:
-            waits.append(("peers-pending vote", ring - self._pending_votes, ""))
+        if self._pending.open:
+            waits.append((self._pending.what, self._pending.waiting(ring), ""))
         rnd = self._topology
         if rnd is not None:
             if rnd.establishing:
@@ -797,8 +795,8 @@ class MasterState:
         """For every peer: the calls it has voted for whose votes have not completed (in-flight rounds
         such as a running collective are not votes)."""
         out: dict[int, list[VoteWait]] = {}
-        for p in sorted(self._pending_votes):
-            out.setdefault(p, []).append(VoteWait("peers_pending"))
+        for p in sorted(self._pending.votes):
+            out.setdefault(p, []).append(VoteWait(self._pending.kind))
         rnd = self._topology
         if rnd is not None and rnd.voting:
             for p in sorted(rnd.votes):
@@ -818,7 +816,7 @@ class MasterState:
         are_peers_pending), without the work :meth:`_open_votes` does for the vote timeout (who is
         missing, when it opened). The one walk :meth:`voting_peers` and :meth:`deadlock_candidates`
         share, so that the bound can never miss a kind of vote the voter set has."""
-        yield None, self._pending_votes
+        yield None, self._pending.votes
         rnd = self._topology
         if rnd is not None and rnd.voting:
             yield None, rnd.votes
@@ -987,9 +985,9 @@ class MasterState:
             return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
         out: list[tuple[str, float, set[int], list[int]]] = []
         ring = set(self.ring)
-        if self._pending_votes:
-            out.append(("are_peers_pending vote", self._pending_opened, ring - self._pending_votes,
-                        sorted(self._pending_votes)))
+        if self._pending.open:
+            out.append(("are_peers_pending vote", self._pending.opened, self._pending.waiting(ring),
+                        sorted(self._pending.votes)))
         rnd = self._topology
         voting = rnd is not None and rnd.voting
         if rnd is not None and voting and rnd.votes:
@@ -1112,7 +1110,7 @@ class MasterState:
             self.away.dropped(peer_id, rec.group, self._rounds_of(rec.group))
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
-        self._pending_votes.discard(peer_id)
+        self._pending.peer_lost(peer_id)
         self._topology_owed.discard(peer_id)
         self._sync_rows.pop(peer_id, None)
         revoked: list[Effect] = []
@@ -1233,6 +1231,26 @@ class MasterState:
             # Before anything else (the newcomer-first kicks, a rebuild): an outsider's claim changes
             # nothing, and its refusal says nothing about the run (issue 33).
             return self.kick(rec.peer_id, *unproven)
+        effects = self._yield_to_members(msg)  # rule 0
+        listed = frozenset(msg.ring)  # (once: a rebuild's n returns each carry the n-member ring)
+        refused = self._refuse_claim(rec, msg, listed)  # rules 1, 1b
+        if refused is not None:
+            return effects + refused
+        gen, refused = self._generation_rule(rec, msg, effects)  # rule 2
+        if refused is None:
+            refused = self._refuse_in_doubt(rec, msg)  # its report contradicts what was decided here
+        if refused is not None:
+            return effects + refused
+        at = self._rebuild_rule(msg, effects)  # rule 3: the epoch it is at
+        refused = self._epoch_rule(rec, msg, at, effects)  # rules 4, 5
+        if refused is None:
+            refused = self._dropped_while_away(rec, msg, listed, effects)
+        if refused is not None:
+            return effects + refused
+        return self._take_back(rec, msg, listed, gen, at, effects)  # rule 6
+
+    def _yield_to_members(self, msg: m.Reregister) -> list[Effect]:
+        """Rule 0, newcomer-first: the newcomers accepted alone at a master that held no run yield."""
         effects: list[Effect] = []
         if self.ring and self.rebuild is None and set(self.ring) <= self._provisional:
             # Newcomer-first at a master that held no run: the run's members win over the lone
@@ -1245,21 +1263,33 @@ class MasterState:
                                         "join again as a newcomer", Result.KICKED)
             self._yielding = False
             self._provisional.clear()
-        listed = frozenset(msg.ring)  # (once: a rebuild's n returns each carry the n-member ring)
+        return effects
+
+    def _refuse_claim(
+        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int]
+    ) -> list[Effect] | None:
+        """Rules 1 and 1b: the claimed id, the port and key, a run given up (None: none applies)."""
         if rec.peer_id != msg.peer_id or msg.peer_id not in listed:
             why = (f"Reregister as peer {msg.peer_id}: that id is still held by a connected peer or was "
                    "not claimed in the hello (retry later)")
-            return effects + self.kick(rec.peer_id, why)
+            return self.kick(rec.peer_id, why)
         if not 0 < msg.p2p_port < 65536:
-            return effects + self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
         bad_key = check_public_key(msg.public_key)
         if bad_key is not None:
-            return effects + self.kick(rec.peer_id, f"invalid Reregister: {bad_key}")
+            return self.kick(rec.peer_id, f"invalid Reregister: {bad_key}")
         if (not self.ring and self.rebuild is None and self._dismissed_generation is not None
                 and msg.generation <= self._dismissed_generation):
-            return effects + self.kick(
+            return self.kick(
                 rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
                              "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
+        return None
+
+    def _generation_rule(
+        self, rec: PeerRecord, msg: m.Reregister, effects: list[Effect]
+    ) -> tuple[int, list[Effect] | None]:
+        """Rule 2, fencing: the generation it counts as having followed, or its refusal (a newer
+        generation than the others' moves the rebuild on: ``effects`` gets those kicks)."""
         rb0 = self.rebuild
         gen = msg.generation
         if rb0 is not None and rec.peer_id in rb0.generations:
@@ -1273,7 +1303,7 @@ class MasterState:
                 gen = before
         if rb0 is not None and rb0.generations and gen < max(rb0.generations.values()):
             # It missed a master the others followed: the run went on there without it (final).
-            return effects + self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
+            return gen, self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
                                                     f"the run went on at generation "
                                                     f"{max(rb0.generations.values())} without it: join again",
                                        Result.KICKED)
@@ -1283,16 +1313,24 @@ class MasterState:
             # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
             effects += self._newer_generation(gen)
         elif gen > self.generation and (self.ring or self.rebuild is not None):
-            return effects + self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
+            return gen, self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
                                                     f"than the peer's (generation {msg.generation})",
                                        Result.MASTER_CONNECTION_FAILED)
+        return gen, None
+
+    def _refuse_in_doubt(self, rec: PeerRecord, msg: m.Reregister) -> list[Effect] | None:
+        """Its report of operations and rounds in doubt contradicts what this master decided."""
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
-            return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
+            return self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
         conflict = (self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
                     or self._behind_pending(msg))
         if conflict is not None:
-            return effects + self.kick(rec.peer_id, conflict, Result.KICKED)
+            return self.kick(rec.peer_id, conflict, Result.KICKED)
+        return None
+
+    def _rebuild_rule(self, msg: m.Reregister, effects: list[Effect]) -> int:
+        """Rule 3: a master with no members starts rebuilding from this report; the epoch it is at."""
         # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
         # failed by the loss after its EstablishP2P): docs/concepts.md "Rounds in doubt".
         at = reported_epoch(msg)
@@ -1322,6 +1360,14 @@ class MasterState:
             at = run_epoch  # it voted in the round in doubt (or aborted) but got no EstablishP2P
         elif at > run_epoch and rb is None and self.rounds.is_open(at):
             at = run_epoch  # it committed the round the members here wait on: its report decides it
+        return at
+
+    def _epoch_rule(
+        self, rec: PeerRecord, msg: m.Reregister, at: int, effects: list[Effect]
+    ) -> list[Effect] | None:
+        """Rules 4 (rebuilding: a newer epoch replaces the expected ring, an older one is refused) and 5
+        (live: only in the current epoch, and only when its group did not go on without it)."""
+        rb = self.rebuild
         if rb is not None:
             if at > rb.epoch:
                 rb.epoch = self.epoch = at
@@ -1341,27 +1387,34 @@ class MasterState:
             elif at < rb.epoch:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = "re-registered with an older epoch than the run's: join again"
-                return effects + self.kick(rec.peer_id, why, Result.KICKED)
+                return self.kick(rec.peer_id, why, Result.KICKED)
         elif self._runs_without(msg.peer_id, msg.peer_group):
             # An operation its group started after dropping it may still complete (then the group went
             # on without it) or fail (then it is taken back): it tries again once that is decided.
-            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
+            return self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
                                                     "this peer: retry later", Result.MASTER_CONNECTION_FAILED)
         elif at != self.epoch and set(self.ring) & set(msg.ring):
             # KICKED (final): the run this master serves (members the peer knows) moved to another
             # epoch without it. (A master now serving another run refuses it with the retryable code
             # below: a standby may hold its run.)
-            return effects + self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
+            return self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
                                                     "join again", Result.KICKED)
         elif at != self.epoch:
             # (The refusals name no epoch of the run: issue 33.)
-            return effects + self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
+            return self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
                                                     "join again", Result.MASTER_CONNECTION_FAILED)
         elif self.doubts.moved_on(msg.peer_id, msg.peer_group, absent=not self.enforced):
             # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
             # standby of the right epoch may not share.
-            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
+            return self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
                                                     "since it was dropped: join again", Result.KICKED)
+        return None
+
+    def _dropped_while_away(
+        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int], effects: list[Effect]
+    ) -> list[Effect] | None:
+        """A member its group no longer lists was dropped while away (either order of arrival)."""
+        rb = self.rebuild
         if self._rings:
             # A peer drops the dead of its own group from its table at every operation: one that a
             # member of its group back here no longer lists was dropped from the group while it was
@@ -1369,7 +1422,7 @@ class MasterState:
             # (Only a ring of the same or a later epoch counts: an older one may not know newer members.)
             for p in self._rings.not_listing(rec.peer_id, msg.epoch):
                 if p in self.peers and self.peers[p].group == msg.peer_group:
-                    return effects + self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
+                    return self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
                                                             "lists this peer: the run went on without it, "
                                                             "join again", Result.KICKED)
             for p in self._rings.not_in(listed, msg.epoch):
@@ -1382,6 +1435,15 @@ class MasterState:
                     why = (f"peer {rec.peer_id} of group {msg.peer_group} no longer lists this peer: the run "
                            "went on without it, join again")
                     effects += self.kick(p, why, Result.KICKED)
+        return None
+
+    def _take_back(
+        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int], gen: int, at: int,
+        effects: list[Effect],
+    ) -> list[Effect]:
+        """Rule 6: accepted at once in its old place, ``Reregistered``, its report of what is in doubt
+        decided; once a majority is back the rebuild ends and the votes resume."""
+        rb = self.rebuild
         if msg.revision >= 0:
             self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
         rec.phase = Phase.ACCEPTED
@@ -1401,6 +1463,30 @@ class MasterState:
                              f"(group {msg.peer_group}){_reregister_report(msg)}"))
         if rb is not None or self._rings:
             self._rings.put(rec.peer_id, msg.epoch, listed)
+        msg = self._report_back(rec, msg, effects)
+        expected = rb.expected_set() if rb is not None else frozenset(self.base)
+        effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
+        if rb is not None:
+            self._adopted.add(msg.generation)
+            rb.returned.add(rec.peer_id)
+            rb.generations[rec.peer_id] = gen
+            rb.epochs[rec.peer_id] = at
+            if rb.reached:
+                self.rebuild = None
+                effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
+                                     "re-registered: resuming"))
+        if was_away and self.resumed:
+            effects += self._recheck_votes()  # the last member the votes waited for is back
+        if self.rebuild is None and self.rebuild_quiet is not None:
+            # A majority is back: the roll call waits for the others only while they keep coming.
+            self.doubts.quiet(self._now, self._quiet_period())
+        return effects + self._note_quorum()
+
+
+    def _report_back(self, rec: PeerRecord, msg: m.Reregister, effects: list[Effect]) -> m.Reregister:
+        """What the member back reports in doubt, abandoned or pending, decided here (``effects`` gets
+        the answers); the report as the rounds in doubt should read it."""
+        rb = self.rebuild
         was = self.doubts.undecided
         missing = self.doubts.missing
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
@@ -1423,30 +1509,14 @@ class MasterState:
             if rb is None and pend[2] and pend[1] == self._counted_pending() and was_dropped:
                 # At a live master: it waits in the round still open here (its link broke while it
                 # voted): its vote counts again at once (docs/concepts.md "A member's link breaks").
-                self._pending_votes.add(rec.peer_id)
+                self._pending.add([rec.peer_id], self._now)
                 msg = replace(msg, pending=[])
                 effects += self._check_pending_vote()
             else:
                 counted = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
                 if counted != self._pending_count:
                     self._pending_count, self._pending_mark = counted, self.doubts.total_progress
-        expected = rb.expected_set() if rb is not None else frozenset(self.base)
-        effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
-        if rb is not None:
-            self._adopted.add(msg.generation)
-            rb.returned.add(rec.peer_id)
-            rb.generations[rec.peer_id] = gen
-            rb.epochs[rec.peer_id] = at
-            if rb.reached:
-                self.rebuild = None
-                effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
-                                     "re-registered: resuming"))
-        if was_away and self.resumed:
-            effects += self._recheck_votes()  # the last member the votes waited for is back
-        if self.rebuild is None and self.rebuild_quiet is not None:
-            # A majority is back: the roll call waits for the others only while they keep coming.
-            self.doubts.quiet(self._now, self._quiet_period())
-        return effects + self._note_quorum()
+        return msg
 
     def _unproven(self, msg: m.Reregister) -> tuple[str, Result] | None:
         """Why ``msg`` does not prove its sender is member ``msg.peer_id`` (None: it does, or it is
@@ -1654,21 +1724,15 @@ class MasterState:
         bad = self._require_accepted(rec, "PeersPendingVote")
         if bad is not None:
             return bad
-        if rec.peer_id in self._pending_votes:
+        if not self._pending.vote(rec.peer_id, self._now):
             return self.kick(rec.peer_id, "duplicate PeersPendingVote")
-        if not self._pending_votes:
-            self._pending_opened = self._now
-        self._pending_votes.add(rec.peer_id)
         return self._check_pending_vote()
 
     def _check_pending_vote(self) -> list[Effect]:
-        # the count first: every vote but the last is O(1) (votes come from accepted peers only)
-        votes = self._pending_votes
-        if not self.resumed or not votes or len(votes) < len(self.ring) or not set(self.ring) <= votes:
+        if not self.resumed or not self._pending.complete(self.ring):
             return []
         pending = bool(self.registered())
-        voters = [p for p in self.ring if p in self._pending_votes]
-        self._pending_votes.clear()
+        voters = self._pending.take(self.ring)
         self._pending_count = (self._pending_epoch(), self._counted_pending() + 1)
         self._pending_mark = self.doubts.total_progress
         self.rounds.answered(self._pending_count, pending)
@@ -1725,7 +1789,7 @@ class MasterState:
         rnd = self._topology
         if rnd is None or not rnd.voting or not self.resumed:
             return []
-        if not rnd.votes or len(rnd.votes) < len(self.ring) or not set(self.ring) <= rnd.votes:
+        if unanimous(rnd.votes, len(self.ring), lambda: self.ring) is None:
             return []
         if rnd.kind == "update":
             newcomers = self.registered()
@@ -2088,11 +2152,8 @@ class MasterState:
         op = self._ops.get(key)
         if op is None or op.running or not self.resumed:
             return []
-        # the count first: every vote but the last is O(1) (votes come from accepted peers only)
-        if not op.votes or len(op.votes) < self._group_size(op.group):
-            return []
-        members = self.accepted(op.group)
-        if not set(members) <= set(op.votes):
+        members = unanimous(op.votes, self._group_size(op.group), lambda: self.accepted(op.group))
+        if members is None:
             return []
         voters = [p for p in members if p in op.votes]
         first = op.votes[voters[0]]
@@ -2376,10 +2437,8 @@ class MasterState:
         rnd = self._syncs.get(group)
         if rnd is None or rnd.running or not self.resumed:
             return []
-        if not rnd.votes or len(rnd.votes) < self._group_size(group):
-            return []
-        members = self.accepted(group)
-        if not set(members) <= set(rnd.votes):
+        members = unanimous(rnd.votes, self._group_size(group), lambda: self.accepted(group))
+        if members is None:
             return []
         votes = {p: rnd.votes[p] for p in members if p in rnd.votes}
         result = _election.elect(votes, last_revision=self.last_revision.get(group))
