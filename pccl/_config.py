@@ -76,7 +76,9 @@ class MasterConfig:
             peer whose connect hangs reports the failure within that time. Default 15 s.
         vote_timeout: an accepted peer that has not joined a vote (collective, shared-state sync,
             topology, are_peers_pending) this many seconds after the first peer of its group voted
-            is kicked with the reason logged, and the vote goes on without it. It catches a member
+            is kicked with the reason logged, and the vote goes on without it (unless the voters are
+            fewer than the members missing: then the vote fails for its voters, INVALID_USAGE, and
+            nobody is evicted; are_peers_pending votes excepted). It catches a member
             that heartbeats but never votes, which the heartbeat and straggler rules (both about
             silence) never evict. The clock runs only while others already wait for the peer, so
             compute between collectives does not count, only how far one peer lags behind the

@@ -51,6 +51,10 @@ from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, repor
 from .tokens import MemberTokens
 from .votes import PendingRound, unanimous
 
+#: Which open vote: ``("pending", None)``, ``("topology", None)``, ``("op", (group, tag))``,
+#: ``("sync", group)``.
+VoteKey = tuple[str, tuple[int, int] | int | None]
+
 
 class Phase(enum.Enum):
     """Lifecycle of a peer as the master sees it."""
@@ -872,37 +876,56 @@ class MasterState:
         those calls with ``reason`` (a deadlock). are_peers_pending votes have no failure reply and stay."""
         effects: list[Effect] = []
         for key, op in sorted(self._ops.items()):
-            if op.running:
-                continue
-            for p in sorted(peer_ids & set(op.votes)):
-                seq = op.drop_voter(p)
-                if seq >= 0:
-                    self._take_reservation(key)  # frames may be out under it: it never runs again
-                abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
-                                          forget=op.speculative_seqs())
-                effects.append(Send(p, abort))
-            if not op.votes:
-                del self._ops[key]
+            if not op.running:
+                effects += self._withdraw_op_votes(key, op, peer_ids, reason, code)
         for group, sync in sorted(self._syncs.items()):
-            if sync.running:
-                continue
-            for p in sorted(peer_ids & set(sync.votes)):
-                vote = sync.votes.pop(p)
-                effects.append(Send(p, m.SharedStateResult(sync_seq=-1, success=False, revision=vote.revision,
-                                                           reason=reason, code=int(code))))
-            if not sync.votes:
-                del self._syncs[group]
-        rnd = self._topology
-        if rnd is not None and rnd.voting:
-            table = self.table(self.ring)
-            for p in sorted(peer_ids & rnd.votes):
-                rnd.votes.discard(p)
-                effects.append(Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
-                                                        reason=reason, code=int(code))))
-            if not rnd.votes:
-                self._topology = None
+            if not sync.running:
+                effects += self._withdraw_sync_votes(group, sync, peer_ids, reason, code)
+        effects += self._withdraw_topology_votes(peer_ids, reason, code)
         if effects:
             effects.append(Event(reason))
+        return effects
+
+    def _withdraw_op_votes(self, key: tuple[int, int], op: _CollectiveOp, peer_ids: Collection[int],
+                           reason: str, code: Result) -> list[Effect]:
+        """Fail the votes of ``peer_ids`` in the open collective vote ``op``; drop it when none is left."""
+        effects: list[Effect] = []
+        for p in sorted(set(peer_ids) & set(op.votes)):
+            seq = op.drop_voter(p)
+            if seq >= 0:
+                self._take_reservation(key)  # frames may be out under it: it never runs again
+            abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
+                                      forget=op.speculative_seqs())
+            effects.append(Send(p, abort))
+        if not op.votes:
+            del self._ops[key]
+        return effects
+
+    def _withdraw_sync_votes(self, group: int, sync: _SyncRound, peer_ids: Collection[int], reason: str,
+                             code: Result) -> list[Effect]:
+        """Fail the votes of ``peer_ids`` in the open sync vote of ``group``; drop it when none is left."""
+        effects: list[Effect] = []
+        for p in sorted(set(peer_ids) & set(sync.votes)):
+            vote = sync.votes.pop(p)
+            effects.append(Send(p, m.SharedStateResult(sync_seq=-1, success=False, revision=vote.revision,
+                                                       reason=reason, code=int(code))))
+        if not sync.votes:
+            del self._syncs[group]
+        return effects
+
+    def _withdraw_topology_votes(self, peer_ids: Collection[int], reason: str, code: Result) -> list[Effect]:
+        """Fail the votes of ``peer_ids`` in the open topology vote; drop it when none is left."""
+        rnd = self._topology
+        if rnd is None or not rnd.voting:
+            return []
+        table = self.table(self.ring)
+        effects: list[Effect] = []
+        for p in sorted(set(peer_ids) & rnd.votes):
+            rnd.votes.discard(p)
+            effects.append(Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
+                                                    reason=reason, code=int(code))))
+        if not rnd.votes:
+            self._topology = None
         return effects
 
     def pending_summary(self) -> list[str]:
@@ -978,60 +1001,99 @@ class MasterState:
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self._start_establish(retry, members, newcomers)
 
-    def _open_votes(self) -> list[tuple[str, float, set[int], list[int]]]:
+    def _open_votes(self) -> list[tuple[str, float, set[int], list[int], VoteKey]]:
         """Every vote that others have joined and that still misses some accepted peers, as
-        ``(what, when its first vote came, peers that have not voted, peers that have)``."""
+        ``(what, when its first vote came, peers that have not voted, peers that have, which vote)``."""
         if not self.resumed:
             return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
-        out: list[tuple[str, float, set[int], list[int]]] = []
+        out: list[tuple[str, float, set[int], list[int], VoteKey]] = []
         ring = set(self.ring)
         if self._pending.open:
             out.append(("are_peers_pending vote", self._pending.opened, self._pending.waiting(ring),
-                        sorted(self._pending.votes)))
+                        sorted(self._pending.votes), ("pending", None)))
         rnd = self._topology
         voting = rnd is not None and rnd.voting
         if rnd is not None and voting and rnd.votes:
-            out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes)))
+            out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes),
+                        ("topology", None)))
         for (group, tag), op in sorted(self._ops.items()):
             if not op.running and op.votes:
                 out.append((f"collective tag {tag} (group {group}) vote", op.opened,
-                            set(self.accepted(group)) - set(op.votes), sorted(op.votes)))
+                            set(self.accepted(group)) - set(op.votes), sorted(op.votes),
+                            ("op", (group, tag))))
         for group, sync in sorted(self._syncs.items()):
             if not sync.running and sync.votes:
                 out.append((f"shared-state sync vote (group {group})", sync.opened,
-                            set(self.accepted(group)) - set(sync.votes), sorted(sync.votes)))
-        return [(what, opened, missing & set(self.peers), voted)
-                for what, opened, missing, voted in out if missing & set(self.peers)]
+                            set(self.accepted(group)) - set(sync.votes), sorted(sync.votes), ("sync", group)))
+        return [(what, opened, missing & set(self.peers), voted, key)
+                for what, opened, missing, voted, key in out if missing & set(self.peers)]
 
     def vote_deadline(self, timeout: float) -> float | None:
         """When the earliest open vote (one others joined) runs out of time for its missing voters."""
-        return min((opened + timeout for _, opened, _, _ in self._open_votes()), default=None)
+        return min((v[1] + timeout for v in self._open_votes()), default=None)
 
     def vote_overdue(self, now: float, timeout: float) -> list[Effect]:
-        """Kick every accepted peer that has not voted in a vote the others of its group joined
-        more than ``timeout`` seconds ago (MasterConfig.vote_timeout).
+        """Act on every vote its first ballot opened more than ``timeout`` seconds ago
+        (MasterConfig.vote_timeout) and that still misses accepted peers of its group.
 
         The clock starts at the vote's first ballot, not at the peer's last message: a peer that
         heartbeats but never votes is caught, and a peer computing between collectives is only
-        ever measured against the others that already wait for it.
+        ever measured against the others that already wait for it. Who is blamed (issue 33 item 4):
+
+        * the voters are at least as many as the missing peers: the missing ones are stragglers the
+          others wait on: kicked (then the vote completes without them);
+        * the voters are fewer (a call that most members never made: another tag, a sync or a
+          topology call nobody else makes): the vote fails for its voters (``INVALID_USAGE``, "no other
+          member joined ..."), and nobody is evicted. are_peers_pending votes have no failure reply:
+          their missing peers are kicked as before.
 
         Args:
             now: the current time (same clock as ``handle``).
             timeout: seconds the others may wait.
 
         Returns:
-            The effects to execute (the kicks, then whatever the votes do without the kicked peers).
+            The effects to execute (the failed votes, the kicks, then whatever the votes do without
+            the kicked peers).
         """
         self._now = now
         late: dict[int, str] = {}
-        for what, opened, missing, voted in self._open_votes():
+        alone: list[tuple[str, list[int], VoteKey]] = []
+        for what, opened, missing, voted, key in self._open_votes():
             if now > opened + timeout:
+                if len(voted) < len(missing) and key[0] != "pending":
+                    alone.append((what, voted, key))
+                    continue
                 for p in sorted(missing):
                     late.setdefault(p, f"did not join the {what} within {timeout:g}s while {voted} waited")
         effects: list[Effect] = []
+        for what, voted, key in alone:
+            reason = (f"no other member joined the {what} within {timeout:g}s (voted: {voted}): every "
+                      "member of a group must make the same calls")
+            effects += self._fail_open_vote(key, voted, reason)
+            effects.append(Event(f"vote timeout: {reason}"))
         for p, reason in late.items():
             effects += self.kick(p, reason)
         return effects
+
+    def _fail_open_vote(self, key: VoteKey, voters: list[int], reason: str) -> list[Effect]:
+        """Fail the call of every voter of the open vote ``key`` (it stays unanswered otherwise)."""
+        kind, which = key
+        code = Result.INVALID_USAGE
+        if kind == "op":
+            assert isinstance(which, tuple)
+            op = self._ops.get(which)
+            if op is None or op.running:
+                return []
+            return self._withdraw_op_votes(which, op, voters, reason, code)
+        if kind == "sync":
+            assert isinstance(which, int)
+            sync = self._syncs.get(which)
+            if sync is None or sync.running:
+                return []
+            return self._withdraw_sync_votes(which, sync, voters, reason, code)
+        if kind == "topology":
+            return self._withdraw_topology_votes(voters, reason, code)
+        return []
 
     def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
                   broken: bool = False) -> list[Effect]:
