@@ -153,6 +153,12 @@ class MasterConfig:
             hello, both sides saying so. None (default): the master takes the name of the first named
             peer it accepts (a restarted master takes its run's name back from the members that
             re-register). Peers without a name join any master. docs/concepts.md "Run names".
+        max_open_votes: the most collective votes one member may hold open at once (votes on tags the
+            rest of its group has not called yet): a vote beyond it fails for that member with
+            ``INVALID_USAGE`` naming the cap, and nothing else happens. Votes on tags nobody else uses
+            cost the master work at every message (issue 33: 2000 of them stalled a master for
+            seconds); an honest program holds one per collective call in flight. None: no cap.
+            Default 256.
     """
 
     heartbeat_interval: float = 0.5
@@ -178,10 +184,13 @@ class MasterConfig:
     speculative_go_delay: float = 0.01
     credentials_batch_delay: float = 0.01
     run: str | None = None
+    max_open_votes: int | None = 256
 
     def __post_init__(self) -> None:
         _reject_nan(self)
         check_run_name(self.run, "MasterConfig.run")
+        if self.max_open_votes is not None and self.max_open_votes < 1:
+            raise ValueError(f"max_open_votes ({self.max_open_votes}) must be >= 1 or None")
         if self.speculative_go_delay < 0:
             raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
         if self.credentials_batch_delay < 0:

@@ -91,7 +91,8 @@ class MasterServer:
                                  rejoin_grace=self.config.rejoin_grace,
                                  go_delay=self.config.speculative_go_delay,
                                  credentials_delay=self.config.credentials_batch_delay,
-                                 tokens=MemberTokens.for_secret(self.config.secret))
+                                 tokens=MemberTokens.for_secret(self.config.secret),
+                                 max_open_votes=self.config.max_open_votes)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0

@@ -78,6 +78,9 @@ class PeerRecord:
     # Recent gaps between consecutive messages (heartbeats included): how irregular this peer's
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    # The collective votes it has cast that may still be open, by (group, tag); pruned lazily against
+    # the votes themselves (MasterState._over_vote_cap), so it may hold keys of votes closed since.
+    open_votes: set[tuple[int, int]] = field(default_factory=set)
 
     def row(self) -> m.PeerRow:
         return m.PeerRow(self.peer_id, self.host, self.p2p_port, self.group)
@@ -297,6 +300,7 @@ class MasterState:
         go_delay: float = 0.0,
         credentials_delay: float = 0.0,
         tokens: MemberTokens | None = None,
+        max_open_votes: int | None = None,
     ) -> None:
         if quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
@@ -383,6 +387,8 @@ class MasterState:
         # Re-registration only with proof of membership (docs/security.md "Re-registration").
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
         self._adopted: set[int] = set()  # generations of other masters this one rebuilt a run from
+        # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
+        self.max_open_votes = max_open_votes
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
         # this master holds must be a majority for any vote to complete (when the rule applies);
         # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
@@ -2134,6 +2140,9 @@ class MasterState:
         if bad is not None:
             return bad
         key = (rec.group, msg.tag)
+        over = self._over_vote_cap(rec, key, msg)
+        if over is not None:
+            return over
         op = self._ops.get(key)
         if op is None:
             op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
@@ -2155,9 +2164,28 @@ class MasterState:
                 del self._ops[key]
             return [Send(rec.peer_id, self._lost_abort(msg.tag, msg.op_seq))]
         op.votes[rec.peer_id] = msg.descriptor
+        if self.max_open_votes is not None:
+            rec.open_votes.add(key)
         if msg.op_seq >= 0:
             op.proposals[rec.peer_id] = msg.op_seq
         return self._check_op_vote(key)
+
+    def _over_vote_cap(self, rec: PeerRecord, key: tuple[int, int],
+                       msg: m.CollectiveInitiate) -> list[Effect] | None:
+        """Refuse a new collective vote of a member that holds ``max_open_votes`` open already (issue 33
+        item 3: votes on tags nobody else uses cost the master work at every message). O(cap)."""
+        cap = self.max_open_votes
+        if cap is None or key in rec.open_votes or len(rec.open_votes) < cap:
+            return None
+        pid = rec.peer_id
+        rec.open_votes = {k for k in rec.open_votes
+                          if (op := self._ops.get(k)) is not None and not op.running and pid in op.votes}
+        if key in rec.open_votes or len(rec.open_votes) < cap:
+            return None
+        reason = (f"peer {pid} holds {len(rec.open_votes)} collective votes open (tags the rest of its group "
+                  f"has not called yet; MasterConfig.max_open_votes = {cap}): finish or cancel some first")
+        return [Send(pid, m.CollectiveAbort(tag=msg.tag, op_seq=msg.op_seq, code=int(Result.INVALID_USAGE),
+                                            reason=reason)), Event(f"peer {pid}: {reason}")]
 
     @staticmethod
     def _lost_abort(tag: int, op_seq: int, forget: list[int] | None = None) -> m.CollectiveAbort:
