@@ -1589,7 +1589,7 @@ class MasterState:
     def _unproven(self, msg: m.Reregister) -> tuple[str, Result] | None:
         """Why ``msg`` does not prove its sender is member ``msg.peer_id`` (None: it does, or it is
         taken on trust while this master holds no run of its own; pccl/master/tokens.py)."""
-        if self.tokens.valid(msg.generation, msg.peer_id, msg.token):
+        if msg.token and self.tokens.valid(msg.generation, msg.peer_id, msg.token):
             return None
         if self.tokens.shared:  # every master of the run verifies every generation's tokens
             return "Reregister without a valid member token: join again as a newcomer", Result.KICKED

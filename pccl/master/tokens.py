@@ -48,8 +48,9 @@ class MemberTokens:
     def __init__(self, key: bytes, *, shared: bool = False) -> None:
         if len(key) < 16:
             raise ValueError("the member token key must be at least 16 bytes")
-        self._key = key
         self.shared = shared
+        # The keyed hash, set up once: a token costs a copy and one update (a rebuild makes one per member).
+        self._base = hashlib.blake2b(key=key, digest_size=TOKEN_BYTES, person=_PERSON)
 
     @classmethod
     def for_secret(cls, secret: str | None) -> MemberTokens:
@@ -60,7 +61,11 @@ class MemberTokens:
 
     def issue(self, generation: int, peer_id: int) -> bytes:
         """The token of ``peer_id`` at ``generation``, to give that peer."""
-        return _prf(self._key, b"member", generation.to_bytes(8, "big"), peer_id.to_bytes(8, "big"))
+        h = self._base.copy()
+        # the parts "member", generation, peer_id, each length-prefixed as _prf does
+        h.update(b"\x00\x06member\x00\x08" + generation.to_bytes(8, "big")
+                 + b"\x00\x08" + peer_id.to_bytes(8, "big"))
+        return h.digest()
 
     def valid(self, generation: int, peer_id: int, token: bytes) -> bool:
         """True when ``token`` is ``peer_id``'s at ``generation`` under this key: this master issued it

@@ -50,9 +50,12 @@ class PendingRound:
 
     def vote(self, peer_id: int, now: float) -> bool:
         """Count ``peer_id``'s ballot at ``now``; False: it had voted already (a duplicate)."""
-        if peer_id in self.votes:
+        votes = self.votes
+        if peer_id in votes:
             return False
-        self.add([peer_id], now)
+        if not votes:
+            self.opened = now
+        votes.add(peer_id)
         return True
 
     def add(self, peer_ids: Collection[int], now: float) -> None:

@@ -155,3 +155,14 @@ async def test_a_hostile_client_cannot_reregister_into_a_running_cluster(
     assert all("member token" in r and not re.search(r"epoch \d", r) for r in reasons), reasons
     assert sorted(state.accepted()) == ring[:2]
     await exact_all_reduces(cluster, rounds=2, tag=10)
+
+
+def test_member_tokens_are_the_documented_prf_bound_to_key_generation_and_id() -> None:
+    from pccl.master.tokens import _prf
+
+    t = MemberTokens(b"k" * 32)
+    assert t.issue(5, 7) == _prf(b"k" * 32, b"member", (5).to_bytes(8, "big"), (7).to_bytes(8, "big"))
+    assert len({t.issue(5, 7), t.issue(6, 7), t.issue(5, 8), MemberTokens(b"j" * 32).issue(5, 7)}) == 4
+    assert t.valid(5, 7, t.issue(5, 7)) and not t.valid(5, 7, t.issue(5, 8))
+    assert MemberTokens.for_secret("s").issue(1, 2) == MemberTokens.for_secret("s").issue(1, 2)
+    assert MemberTokens.for_secret(None).issue(1, 2) != MemberTokens.for_secret(None).issue(1, 2)
