@@ -31,6 +31,7 @@ PURE_MODULES = [
     "pccl.master.effects",
     "pccl.master.timers",
     "pccl.master.tokens",
+    "pccl.master.votes",
     "pccl.master.ops_in_doubt",
     "pccl.master.election",
     "pccl.master.topology",
