@@ -76,7 +76,9 @@ class MasterConfig:
             peer whose connect hangs reports the failure within that time. Default 15 s.
         vote_timeout: an accepted peer that has not joined a vote (collective, shared-state sync,
             topology, are_peers_pending) this many seconds after the first peer of its group voted
-            is kicked with the reason logged, and the vote goes on without it. It catches a member
+            is kicked with the reason logged, and the vote goes on without it (unless the voters are
+            fewer than the members missing: then the vote fails for its voters, INVALID_USAGE, and
+            nobody is evicted; are_peers_pending votes excepted). It catches a member
             that heartbeats but never votes, which the heartbeat and straggler rules (both about
             silence) never evict. The clock runs only while others already wait for the peer, so
             compute between collectives does not count, only how far one peer lags behind the
@@ -151,6 +153,12 @@ class MasterConfig:
             hello, both sides saying so. None (default): the master takes the name of the first named
             peer it accepts (a restarted master takes its run's name back from the members that
             re-register). Peers without a name join any master. docs/concepts.md "Run names".
+        max_open_votes: the most collective votes one member may hold open at once (votes on tags the
+            rest of its group has not called yet): a vote beyond it fails for that member with
+            ``INVALID_USAGE`` naming the cap, and nothing else happens. Votes on tags nobody else uses
+            cost the master work at every message (issue 33: 2000 of them stalled a master for
+            seconds); an honest program holds one per collective call in flight. None: no cap.
+            Default 256.
     """
 
     heartbeat_interval: float = 0.5
@@ -176,10 +184,13 @@ class MasterConfig:
     speculative_go_delay: float = 0.01
     credentials_batch_delay: float = 0.01
     run: str | None = None
+    max_open_votes: int | None = 256
 
     def __post_init__(self) -> None:
         _reject_nan(self)
         check_run_name(self.run, "MasterConfig.run")
+        if self.max_open_votes is not None and self.max_open_votes < 1:
+            raise ValueError(f"max_open_votes ({self.max_open_votes}) must be >= 1 or None")
         if self.speculative_go_delay < 0:
             raise ValueError(f"speculative_go_delay ({self.speculative_go_delay}) must be >= 0")
         if self.credentials_batch_delay < 0:

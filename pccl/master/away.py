@@ -18,8 +18,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-# Key: ``(kind, group, tag)`` as in doubt.py, or ``("topology", -1, -1)``: the ring-wide topology round.
-from .doubt import Key
+# Key: ``(kind, group, tag)`` as in ops_in_doubt.py, or ``("topology", -1, -1)``: the ring-wide
+# topology round.
+from .ops_in_doubt import Key
 
 #: A vote round's state at one instant: no round, votes open (not started), or running.
 NONE, OPEN, RUNNING = "none", "open", "running"

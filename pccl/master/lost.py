@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..wire import messages as m
-from .doubt import Key
+from .ops_in_doubt import Key
 
 #: The reason every member's failed vote carries.
 REASON = "failed at the master's loss on other members; retry"

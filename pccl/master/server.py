@@ -38,9 +38,12 @@ from ..wire.stream import CLOSED_BY_PEER, MessageStream
 from .blame import StallBlame
 from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
+from .effects import Drop, Effect, Event, Kick, Send
 from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
-from .state import Effect, Event, Kick, MasterState, Phase, Send
+from .state import MasterState, Phase
 from .status_server import StatusService
+from .timers import MasterTimers, TimerConfig
+from .tokens import MemberTokens
 
 log = logging.getLogger("pccl.master")
 
@@ -87,7 +90,9 @@ class MasterServer:
                                  failover_quiet=self.config.heartbeat_interval + RECONNECT_BACKOFF_MAX,
                                  rejoin_grace=self.config.rejoin_grace,
                                  go_delay=self.config.speculative_go_delay,
-                                 credentials_delay=self.config.credentials_batch_delay)
+                                 credentials_delay=self.config.credentials_batch_delay,
+                                 tokens=MemberTokens.for_secret(self.config.secret),
+                                 max_open_votes=self.config.max_open_votes)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0
@@ -95,9 +100,12 @@ class MasterServer:
         self._nursery: trio.Nursery | None = None
         grace = self.config.deadlock_grace
         self.deadlocks = DeadlockWatch(grace) if grace is not None else None
-        self._deadlock_deadline: float | None = None
-        self._rejoin_deadline: float | None = None
-        self._credentials_deadline: float | None = None
+        cfg = self.config
+        self.timers = MasterTimers(self.state, TimerConfig(
+            heartbeat_interval=cfg.heartbeat_interval, heartbeat_timeout=cfg.heartbeat_timeout,
+            p2p_setup_timeout=cfg.p2p_setup_timeout, straggler_timeout=cfg.straggler_timeout,
+            vote_timeout=cfg.vote_timeout, quorum_hold_timeout=cfg.quorum_hold_timeout), self.deadlocks)
+        self._urgent: tuple[float | None, ...] = self.timers.urgent()
         self._wake_monitor: trio.Event | None = None
         self._wake_go = trio.Event()  # set when a held-back tableless commence is first due
         self.status: StatusService | None = None  # observes the master once it serves
@@ -303,18 +311,21 @@ class MasterServer:
             except StreamBroken:
                 return
             now = trio.current_time()
-            if self.status is not None:
-                self.status.on_message(conn.peer_id, msg, now)
-            if isinstance(msg, m.CollectiveDone) and msg.stalled_on >= 0:
-                self._stall_report(conn.peer_id, msg.stalled_on, now)
-                if conn.closing:
-                    return
             try:
+                # The status page (metrics) and the stall report read the message too: inside the
+                # guard, so that nothing a peer sends can fail the master outside it (issue 33).
+                if self.status is not None:
+                    self.status.on_message(conn.peer_id, msg, now)
+                if isinstance(msg, m.CollectiveDone) and msg.stalled_on >= 0:
+                    self._stall_report(conn.peer_id, msg.stalled_on, now)
+                    if conn.closing:
+                        return
                 effects = self.state.handle(conn.peer_id, msg, now)
             except Exception:
-                # A bug of the master's core on this message must not take the master, and with it
-                # every other peer's run, down: it is logged with its traceback and the sender, who
-                # cannot know what the master made of its message, is refused; the master serves on.
+                # A bug of the master's core (or its observer) on this message must not take the
+                # master, and with it every other peer's run, down: it is logged with its traceback
+                # and the sender, who cannot know what the master made of its message, is refused;
+                # the master serves on.
                 what = type(msg).__name__
                 log.exception("internal error handling a %s from peer %d: kicking it", what, conn.peer_id)
                 effects = self.state.kick(conn.peer_id, f"internal error of the master handling its {what}",
@@ -359,84 +370,26 @@ class MasterServer:
             self._enqueue(conn, m.Heartbeat())
 
     async def _monitor(self) -> None:
-        """Evict peers that stayed silent past the heartbeat timeout (and, when
-        ``straggler_timeout`` is set, hung peers that the others are waiting for), and members of
-        a topology round that did not confirm their P2P setup within ``p2p_setup_timeout``.
+        """Tick the core's timers (pccl/master/timers.py: heartbeat silence, stragglers, the P2P setup,
+        operations in doubt, member holds, owed credentials, vote timeouts, the quorum hold, deadlocks)
+        and sleep until the next deadline.
 
         Sleeps until the earliest deadline (not a fixed tick), so a hung peer is evicted within a
         millisecond of its timeout: the survivors' recovery time is the timeout, not timeout + tick.
-        Who is waited on changes with every message, so with a straggler timeout the monitor also
-        re-checks at least every quarter of it.
+        Re-checks at least every heartbeat interval (with a straggler timeout every quarter of it: who
+        is waited on changes with every message), and whenever a message moved an urgent deadline.
         """
-        timeout = self.config.heartbeat_timeout
-        straggler = self.config.straggler_timeout
         stalls = WaitBoard(first=STALL_LOG_AFTER)
         while True:
             now = trio.current_time()
             self._log_stalls(now, stalls)
-            silent_msg = f"evicted: silent for more than {timeout:g}s"
-            lost = dict.fromkeys(self.state.expired(now, timeout), silent_msg)
-            if straggler is not None:
-                for pid, silent in self.state.stragglers(now, straggler, timeout):
-                    lost.setdefault(pid, f"evicted: silent for {silent:.2f}s while its group waited on it "
-                                         f"(straggler timeout {straggler:g}s)")
-            for pid, reason in lost.items():
-                conn = self._conns.get(pid)
-                self._execute(self.state.peer_lost(pid, reason, now))
-                if conn is not None:
-                    # A hung peer will not read a goodbye: close at once.
-                    conn.closing = True
-                    conn.scope.cancel()
-            setup = self.config.p2p_setup_timeout
-            self._execute(self.state.setup_overdue(now, setup))
-            # Operations in doubt after a master's loss wait at most a heartbeat timeout for the
-            # participants to come back (pccl/master/doubt.py).
-            self._execute(self.state.doubts_overdue(now, timeout))
-            # A member whose connection broke holds the votes for at most rejoin_grace.
-            self._execute(self.state.rejoin_overdue(now))
-            # The credential rows of members taken back go to the holders in batches.
-            self._execute(self.state.credentials_overdue(now))
-            rd = self.state.rejoin_deadline()
-            seen = [p.last_seen for p in self.state.peers.values()]
-            deadline = min(seen) + timeout if seen else now + self.config.heartbeat_interval
-            if rd is not None:
-                deadline = min(deadline, rd)
-            cd = self.state.credentials_deadline()
-            if cd is not None:
-                deadline = min(deadline, cd)
-            dd_doubt = self.state.doubt_deadline(timeout)
-            if dd_doubt is not None:
-                deadline = min(deadline, dd_doubt)
-            sd_setup = self.state.setup_deadline(setup)
-            if sd_setup is not None:
-                deadline = min(deadline, sd_setup)
-            vote_timeout = self.config.vote_timeout
-            if vote_timeout is not None:
-                self._execute(self.state.vote_overdue(now, vote_timeout))
-                vd = self.state.vote_deadline(vote_timeout)
-                if vd is not None:
-                    deadline = min(deadline, vd)
-            hold = self.config.quorum_hold_timeout
-            if hold is not None:
-                self._execute(self.state.hold_overdue(now, hold))
-                hd = self.state.hold_deadline(hold)
-                if hd is not None:
-                    deadline = min(deadline, hd)
-            wake = now + self.config.heartbeat_interval
-            if straggler is not None:
-                wake = min(wake, now + straggler / 4)
-                sd = self.state.straggler_deadline(straggler, timeout)
-                if sd is not None:
-                    deadline = min(deadline, sd)
-            if self.deadlocks is not None:
-                self._execute([])  # declares the deadlocks whose grace ran out
-                dd = self.deadlocks.deadline()
-                if dd is not None:
-                    deadline = min(deadline, dd)
-            # Wake just after the deadline; re-check at least every interval (new peers, clock skew),
-            # or when a new candidate deadlock appears.
+            for effects in self.timers.tick(now):
+                self._execute(effects)
+            deadline = self.timers.deadline_after_tick()
+            wake = self.timers.recheck_at(now)
+            # Wake just after the deadline, or at the re-check, or when a message moved a deadline.
             assert self._wake_monitor is not None
-            with trio.move_on_at(min(deadline + 0.001, wake)):
+            with trio.move_on_at(wake if deadline is None else min(deadline + 0.001, wake)):
                 await self._wake_monitor.wait()
             self._wake_monitor = trio.Event()
 
@@ -537,32 +490,38 @@ class MasterServer:
                     self._enqueue(conn, m.Refused(reason=eff.reason, code=eff.code))
                     self._enqueue(conn, _CLOSE)
                     conn.closing = True
+            elif isinstance(eff, Drop):
+                conn = self._conns.get(eff.peer_id)
+                if conn is not None:
+                    # A hung peer will not read a goodbye: close at once.
+                    conn.closing = True
+                    conn.scope.cancel()
             elif isinstance(eff, Event):
                 log.info("%s", eff.text)
         if self.status is not None:
-            self.status.on_effects(effects)
+            try:
+                self.status.on_effects(effects)
+            except Exception:
+                # Counting is not worth the run: a fault of the status page's bookkeeping is logged,
+                # the master serves on (its metrics may be short of these effects).
+                log.exception("internal error of the status page counting the master's effects")
         if self.deadlocks is not None:
             failed = self.deadlocks.check(self.state, trio.current_time())
             if failed:
                 self._execute(failed)
-            self._deadlock_deadline = self._rearm(self._deadlock_deadline, self.deadlocks.deadline())
-        # a member's hold started or ended: the monitor ends it on time
-        self._rejoin_deadline = self._rearm(self._rejoin_deadline, self.state.rejoin_deadline())
-        # rows owed since the monitor last slept: it sends them on time
-        self._credentials_deadline = self._rearm(self._credentials_deadline,
-                                                 self.state.credentials_deadline())
+        # A candidate deadlock appeared, a member's hold started or ended, credential rows are owed:
+        # the monitor recomputes its sleep, so it acts on time.
+        urgent = self.timers.urgent()
+        if urgent != self._urgent:
+            if self._wake_monitor is not None and any(
+                    now is not None and now != was for now, was in zip(urgent, self._urgent, strict=True)):
+                self._wake_monitor.set()
+            self._urgent = urgent
         if self.state.go_waiting and not self._wake_go.is_set():
             self._wake_go.set()
         job = self.state.take_improvement_job()
         if job is not None and self._nursery is not None:
             self._nursery.start_soon(self._improve_ring, job)
-
-    def _rearm(self, known: float | None, deadline: float | None) -> float | None:
-        """``deadline``, a time the monitor must wake at; wakes the monitor now when it differs from the
-        ``known`` one (the monitor recomputes its sleep from the state)."""
-        if deadline != known and deadline is not None and self._wake_monitor is not None:
-            self._wake_monitor.set()
-        return deadline
 
     async def _improve_ring(self, job: tuple[list[int], list[list[float | None]]]) -> None:
         """Run the ATSP local search in a worker thread; the state adopts it at the next change."""

@@ -35,53 +35,25 @@ from . import away as _away
 from . import election as _election
 from .away import AwayBook
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
-from .doubt import Decision, DoubtBook, Key
+
+# The effects: re-exported here, where the state's callers have always taken them.
+from .effects import Effect as Effect
+from .effects import Event as Event
+from .effects import FastStart as FastStart
+from .effects import Kick as Kick
+from .effects import Send as Send
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .lost import LostBook
+from .ops_in_doubt import Decision, DoubtBook, Key
 from .reported import ReportedRings
-from .rounds import PendingDecision, RoundBook, TopologyDecision, reported_epoch
+from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
+from .tokens import MemberTokens
+from .votes import PendingRound, unanimous
 
-# --------------------------------------------------------------------------------------------
-# Effects
-
-
-@dataclass(frozen=True)
-class Send:
-    """Send ``message`` to ``peer_id``."""
-
-    peer_id: int
-    message: m.Message
-
-
-@dataclass(frozen=True)
-class Kick:
-    """Send ``Refused(reason)`` to ``peer_id`` and close its connection (state already forgot it)."""
-
-    peer_id: int
-    reason: str
-    code: int = int(Result.INVALID_USAGE)
-
-
-@dataclass(frozen=True)
-class Event:
-    """A membership change worth one log line."""
-
-    text: str
-
-
-@dataclass(frozen=True)
-class FastStart:
-    """Collective ``tag`` of ``group`` runs under its speculative ``op_seq``: every participant voted
-    with the number the master reserved, so no ``CollectiveCommence`` is sent (nothing to execute; the
-    status metrics count it as started)."""
-
-    group: int
-    tag: int
-    op_seq: int
-
-
-Effect = Send | Kick | Event | FastStart
+#: Which open vote: ``("pending", None)``, ``("topology", None)``, ``("op", (group, tag))``,
+#: ``("sync", group)``.
+VoteKey = tuple[str, tuple[int, int] | int | None]
 
 
 class Phase(enum.Enum):
@@ -106,6 +78,9 @@ class PeerRecord:
     # Recent gaps between consecutive messages (heartbeats included): how irregular this peer's
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    # The collective votes it has cast that may still be open, by (group, tag); pruned lazily against
+    # the votes themselves (MasterState._over_vote_cap), so it may hold keys of votes closed since.
+    open_votes: set[tuple[int, int]] = field(default_factory=set)
 
     def row(self) -> m.PeerRow:
         return m.PeerRow(self.peer_id, self.host, self.p2p_port, self.group)
@@ -288,7 +263,7 @@ class MasterState:
         clock: the time source the default solver's budget is measured with (the server passes
             ``time.perf_counter``). Without one the budget never binds: the solve stops at its own
             step and stall limits, deterministically.
-        rebuild_grace: a rebuilt master's roll call (pccl/master/doubt.py): votes wait up to this
+        rebuild_grace: a rebuilt master's roll call (pccl/master/ops_in_doubt.py): votes wait up to this
             many seconds after the rebuild started for the last epoch's members not back yet, even
             once a majority returned (the server passes ``MasterConfig.rebuild_grace``; 0: none).
         rebuild_quiet: the roll call also ends once a majority is back and no member came back for
@@ -299,6 +274,8 @@ class MasterState:
             the reconnect backoff cap).
         credential_root: the random key every P2P credential of this master is derived from
             (:mod:`pccl.wire.credentials`); default: 32 fresh random bytes. Tests pass a fixed one.
+        tokens: the member tokens a re-registering member proves itself with (pccl/master/tokens.py;
+            the server derives them from ``MasterConfig.secret``); default: a random key of its own.
         quorum: ``"auto"``, ``"on"`` or ``"off"``: when the live quorum rule applies
             (MasterConfig.quorum; docs/concepts.md "No split brain").
         go_delay: seconds the tableless ``CollectiveCommence`` of a speculative start is held back
@@ -322,6 +299,8 @@ class MasterState:
         rejoin_grace: float = 0.0,
         go_delay: float = 0.0,
         credentials_delay: float = 0.0,
+        tokens: MemberTokens | None = None,
+        max_open_votes: int | None = None,
     ) -> None:
         if quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
@@ -336,8 +315,7 @@ class MasterState:
         self._loopback: bool | None = None
         self.epoch = 0
         self._topology: _TopologyRound | None = None
-        self._pending_votes: set[int] = set()
-        self._pending_opened = 0.0
+        self._pending = PendingRound()  # the are_peers_pending vote (pccl/master/votes.py)
         self._ops: dict[tuple[int, int], _CollectiveOp] = {}
         self._op_seq = 0
         # group -> tag -> the op_seq reserved for the next op (the speculative start), oldest first
@@ -371,7 +349,7 @@ class MasterState:
         # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
         self.generation = 1
         self.rebuild: _Rebuild | None = None
-        # Operations in doubt across a master's loss (pccl/master/doubt.py): every vote waits while
+        # Operations in doubt across a master's loss (pccl/master/ops_in_doubt.py): every vote waits while
         # one is undecided.
         self.doubts = DoubtBook()
         # Operations a member reported failed at the master's loss (pccl/master/lost.py): every other
@@ -383,9 +361,10 @@ class MasterState:
         self.away = AwayBook()
         self.rejoin_grace = rejoin_grace
         self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
-        # Membership rounds in doubt (pccl/master/rounds.py): topology and are_peers_pending rounds the
-        # master's loss split; every vote waits while one is undecided. The count of are_peers_pending
-        # rounds completed at ``epoch`` (the members count them alike: docs/concepts.md "Rounds in doubt").
+        # Membership rounds in doubt (pccl/master/rounds_in_doubt.py): topology and are_peers_pending
+        # rounds the master's loss split; every vote waits while one is undecided. The count of
+        # are_peers_pending rounds completed at ``epoch`` (the members count them alike: docs/concepts.md
+        # "Rounds in doubt").
         self.rounds = RoundBook()
         self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
         # DoubtBook.total_progress when that count last changed: a member that comes back waiting in
@@ -405,6 +384,11 @@ class MasterState:
         # new row, batched over ``credentials_delay`` (pccl/master/issued.py).
         self._issued = IssuedSet(CredentialIssuer(credential_root or secrets.token_bytes(32)),
                                  delay=credentials_delay)
+        # Re-registration only with proof of membership (docs/security.md "Re-registration").
+        self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
+        self._adopted: set[int] = set()  # generations of other masters this one rebuilt a run from
+        # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
+        self.max_open_votes = max_open_votes
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
         # this master holds must be a majority for any vote to complete (when the rule applies);
         # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
@@ -498,7 +482,7 @@ class MasterState:
             "epoch": self.epoch,
             "topology_round": self._topology.kind if self._topology else None,
             "topology_votes": len(self._topology.votes) if self._topology else 0,
-            "pending_votes": len(self._pending_votes),
+            "pending_votes": len(self._pending.votes),
             "collectives_running": sum(1 for o in self._ops.values() if o.running),
             "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
             "collectives_fast": self.fast_starts,
@@ -573,7 +557,7 @@ class MasterState:
         """False while the master is *held* (no vote completes): rebuilding without a majority of the
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
         a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
-        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/doubt.py); or while a
+        in doubt is undecided or a rebuilt master's roll call runs (pccl/master/ops_in_doubt.py); or while a
         member whose connection broke may still re-register (pccl/master/away.py)."""
         return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided and not self.away
 
@@ -694,8 +678,8 @@ class MasterState:
 
     def _execute_rounds(self, topology: list[TopologyDecision],
                         pending: list[PendingDecision]) -> list[Effect]:
-        """Tell the waiting peers each round's outcome (pccl/master/rounds.py); resume the votes once none
-        is left open."""
+        """Tell the waiting peers each round's outcome (pccl/master/rounds_in_doubt.py); resume the votes
+        once none is left open."""
         effects: list[Effect] = []
         for d in topology:
             peers = [p for p in d.peers if p in self.peers]
@@ -719,9 +703,7 @@ class MasterState:
         for pd in pending:
             peers = [p for p in pd.peers if p in self.peers and self.peers[p].phase is Phase.ACCEPTED]
             if pd.answer is None:
-                if peers and not self._pending_votes:
-                    self._pending_opened = self._now
-                self._pending_votes.update(peers)
+                self._pending.add(peers, self._now)
             else:
                 effects += [Send(p, m.PeersPendingResult(pending=pd.answer)) for p in peers]
             what = "runs here" if pd.answer is None else f"answered {pd.answer}"
@@ -777,8 +759,8 @@ class MasterState:
         that knows who holds up what (:meth:`waited_on` and :meth:`pending_summary` read it)."""
         waits: list[tuple[str, set[int], str]] = []
         ring = set(self.ring)
-        if self._pending_votes:
-            waits.append(("peers-pending vote", ring - self._pending_votes, ""))
+        if self._pending.open:
+            waits.append((self._pending.what, self._pending.waiting(ring), ""))
         rnd = self._topology
         if rnd is not None:
             if rnd.establishing:
@@ -823,8 +805,8 @@ class MasterState:
         """For every peer: the calls it has voted for whose votes have not completed (in-flight rounds
         such as a running collective are not votes)."""
         out: dict[int, list[VoteWait]] = {}
-        for p in sorted(self._pending_votes):
-            out.setdefault(p, []).append(VoteWait("peers_pending"))
+        for p in sorted(self._pending.votes):
+            out.setdefault(p, []).append(VoteWait(self._pending.kind))
         rnd = self._topology
         if rnd is not None and rnd.voting:
             for p in sorted(rnd.votes):
@@ -844,7 +826,7 @@ class MasterState:
         are_peers_pending), without the work :meth:`_open_votes` does for the vote timeout (who is
         missing, when it opened). The one walk :meth:`voting_peers` and :meth:`deadlock_candidates`
         share, so that the bound can never miss a kind of vote the voter set has."""
-        yield None, self._pending_votes
+        yield None, self._pending.votes
         rnd = self._topology
         if rnd is not None and rnd.voting:
             yield None, rnd.votes
@@ -900,37 +882,56 @@ class MasterState:
         those calls with ``reason`` (a deadlock). are_peers_pending votes have no failure reply and stay."""
         effects: list[Effect] = []
         for key, op in sorted(self._ops.items()):
-            if op.running:
-                continue
-            for p in sorted(peer_ids & set(op.votes)):
-                seq = op.drop_voter(p)
-                if seq >= 0:
-                    self._take_reservation(key)  # frames may be out under it: it never runs again
-                abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
-                                          forget=op.speculative_seqs())
-                effects.append(Send(p, abort))
-            if not op.votes:
-                del self._ops[key]
+            if not op.running:
+                effects += self._withdraw_op_votes(key, op, peer_ids, reason, code)
         for group, sync in sorted(self._syncs.items()):
-            if sync.running:
-                continue
-            for p in sorted(peer_ids & set(sync.votes)):
-                vote = sync.votes.pop(p)
-                effects.append(Send(p, m.SharedStateResult(sync_seq=-1, success=False, revision=vote.revision,
-                                                           reason=reason, code=int(code))))
-            if not sync.votes:
-                del self._syncs[group]
-        rnd = self._topology
-        if rnd is not None and rnd.voting:
-            table = self.table(self.ring)
-            for p in sorted(peer_ids & rnd.votes):
-                rnd.votes.discard(p)
-                effects.append(Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
-                                                        reason=reason, code=int(code))))
-            if not rnd.votes:
-                self._topology = None
+            if not sync.running:
+                effects += self._withdraw_sync_votes(group, sync, peer_ids, reason, code)
+        effects += self._withdraw_topology_votes(peer_ids, reason, code)
         if effects:
             effects.append(Event(reason))
+        return effects
+
+    def _withdraw_op_votes(self, key: tuple[int, int], op: _CollectiveOp, peer_ids: Collection[int],
+                           reason: str, code: Result) -> list[Effect]:
+        """Fail the votes of ``peer_ids`` in the open collective vote ``op``; drop it when none is left."""
+        effects: list[Effect] = []
+        for p in sorted(set(peer_ids) & set(op.votes)):
+            seq = op.drop_voter(p)
+            if seq >= 0:
+                self._take_reservation(key)  # frames may be out under it: it never runs again
+            abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
+                                      forget=op.speculative_seqs())
+            effects.append(Send(p, abort))
+        if not op.votes:
+            del self._ops[key]
+        return effects
+
+    def _withdraw_sync_votes(self, group: int, sync: _SyncRound, peer_ids: Collection[int], reason: str,
+                             code: Result) -> list[Effect]:
+        """Fail the votes of ``peer_ids`` in the open sync vote of ``group``; drop it when none is left."""
+        effects: list[Effect] = []
+        for p in sorted(set(peer_ids) & set(sync.votes)):
+            vote = sync.votes.pop(p)
+            effects.append(Send(p, m.SharedStateResult(sync_seq=-1, success=False, revision=vote.revision,
+                                                       reason=reason, code=int(code))))
+        if not sync.votes:
+            del self._syncs[group]
+        return effects
+
+    def _withdraw_topology_votes(self, peer_ids: Collection[int], reason: str, code: Result) -> list[Effect]:
+        """Fail the votes of ``peer_ids`` in the open topology vote; drop it when none is left."""
+        rnd = self._topology
+        if rnd is None or not rnd.voting:
+            return []
+        table = self.table(self.ring)
+        effects: list[Effect] = []
+        for p in sorted(set(peer_ids) & rnd.votes):
+            rnd.votes.discard(p)
+            effects.append(Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
+                                                    reason=reason, code=int(code))))
+        if not rnd.votes:
+            self._topology = None
         return effects
 
     def pending_summary(self) -> list[str]:
@@ -1006,60 +1007,99 @@ class MasterState:
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self._start_establish(retry, members, newcomers)
 
-    def _open_votes(self) -> list[tuple[str, float, set[int], list[int]]]:
+    def _open_votes(self) -> list[tuple[str, float, set[int], list[int], VoteKey]]:
         """Every vote that others have joined and that still misses some accepted peers, as
-        ``(what, when its first vote came, peers that have not voted, peers that have)``."""
+        ``(what, when its first vote came, peers that have not voted, peers that have, which vote)``."""
         if not self.resumed:
             return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
-        out: list[tuple[str, float, set[int], list[int]]] = []
+        out: list[tuple[str, float, set[int], list[int], VoteKey]] = []
         ring = set(self.ring)
-        if self._pending_votes:
-            out.append(("are_peers_pending vote", self._pending_opened, ring - self._pending_votes,
-                        sorted(self._pending_votes)))
+        if self._pending.open:
+            out.append(("are_peers_pending vote", self._pending.opened, self._pending.waiting(ring),
+                        sorted(self._pending.votes), ("pending", None)))
         rnd = self._topology
         voting = rnd is not None and rnd.voting
         if rnd is not None and voting and rnd.votes:
-            out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes)))
+            out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes),
+                        ("topology", None)))
         for (group, tag), op in sorted(self._ops.items()):
             if not op.running and op.votes:
                 out.append((f"collective tag {tag} (group {group}) vote", op.opened,
-                            set(self.accepted(group)) - set(op.votes), sorted(op.votes)))
+                            set(self.accepted(group)) - set(op.votes), sorted(op.votes),
+                            ("op", (group, tag))))
         for group, sync in sorted(self._syncs.items()):
             if not sync.running and sync.votes:
                 out.append((f"shared-state sync vote (group {group})", sync.opened,
-                            set(self.accepted(group)) - set(sync.votes), sorted(sync.votes)))
-        return [(what, opened, missing & set(self.peers), voted)
-                for what, opened, missing, voted in out if missing & set(self.peers)]
+                            set(self.accepted(group)) - set(sync.votes), sorted(sync.votes), ("sync", group)))
+        return [(what, opened, missing & set(self.peers), voted, key)
+                for what, opened, missing, voted, key in out if missing & set(self.peers)]
 
     def vote_deadline(self, timeout: float) -> float | None:
         """When the earliest open vote (one others joined) runs out of time for its missing voters."""
-        return min((opened + timeout for _, opened, _, _ in self._open_votes()), default=None)
+        return min((v[1] + timeout for v in self._open_votes()), default=None)
 
     def vote_overdue(self, now: float, timeout: float) -> list[Effect]:
-        """Kick every accepted peer that has not voted in a vote the others of its group joined
-        more than ``timeout`` seconds ago (MasterConfig.vote_timeout).
+        """Act on every vote its first ballot opened more than ``timeout`` seconds ago
+        (MasterConfig.vote_timeout) and that still misses accepted peers of its group.
 
         The clock starts at the vote's first ballot, not at the peer's last message: a peer that
         heartbeats but never votes is caught, and a peer computing between collectives is only
-        ever measured against the others that already wait for it.
+        ever measured against the others that already wait for it. Who is blamed (issue 33 item 4):
+
+        * the voters are at least as many as the missing peers: the missing ones are stragglers the
+          others wait on: kicked (then the vote completes without them);
+        * the voters are fewer (a call that most members never made: another tag, a sync or a
+          topology call nobody else makes): the vote fails for its voters (``INVALID_USAGE``, "no other
+          member joined ..."), and nobody is evicted. are_peers_pending votes have no failure reply:
+          their missing peers are kicked as before.
 
         Args:
             now: the current time (same clock as ``handle``).
             timeout: seconds the others may wait.
 
         Returns:
-            The effects to execute (the kicks, then whatever the votes do without the kicked peers).
+            The effects to execute (the failed votes, the kicks, then whatever the votes do without
+            the kicked peers).
         """
         self._now = now
         late: dict[int, str] = {}
-        for what, opened, missing, voted in self._open_votes():
+        alone: list[tuple[str, list[int], VoteKey]] = []
+        for what, opened, missing, voted, key in self._open_votes():
             if now > opened + timeout:
+                if len(voted) < len(missing) and key[0] != "pending":
+                    alone.append((what, voted, key))
+                    continue
                 for p in sorted(missing):
                     late.setdefault(p, f"did not join the {what} within {timeout:g}s while {voted} waited")
         effects: list[Effect] = []
+        for what, voted, key in alone:
+            reason = (f"no other member joined the {what} within {timeout:g}s (voted: {voted}): every "
+                      "member of a group must make the same calls")
+            effects += self._fail_open_vote(key, voted, reason)
+            effects.append(Event(f"vote timeout: {reason}"))
         for p, reason in late.items():
             effects += self.kick(p, reason)
         return effects
+
+    def _fail_open_vote(self, key: VoteKey, voters: list[int], reason: str) -> list[Effect]:
+        """Fail the call of every voter of the open vote ``key`` (it stays unanswered otherwise)."""
+        kind, which = key
+        code = Result.INVALID_USAGE
+        if kind == "op":
+            assert isinstance(which, tuple)
+            op = self._ops.get(which)
+            if op is None or op.running:
+                return []
+            return self._withdraw_op_votes(which, op, voters, reason, code)
+        if kind == "sync":
+            assert isinstance(which, int)
+            sync = self._syncs.get(which)
+            if sync is None or sync.running:
+                return []
+            return self._withdraw_sync_votes(which, sync, voters, reason, code)
+        if kind == "topology":
+            return self._withdraw_topology_votes(voters, reason, code)
+        return []
 
     def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
                   broken: bool = False) -> list[Effect]:
@@ -1138,7 +1178,7 @@ class MasterState:
             self.away.dropped(peer_id, rec.group, self._rounds_of(rec.group))
         if peer_id in self.ring:
             self.ring = [p for p in self.ring if p != peer_id]
-        self._pending_votes.discard(peer_id)
+        self._pending.peer_lost(peer_id)
         self._topology_owed.discard(peer_id)
         self._sync_rows.pop(peer_id, None)
         revoked: list[Effect] = []
@@ -1220,7 +1260,8 @@ class MasterState:
         rec.group = msg.peer_group
         rec.public_key = msg.public_key
         effects: list[Effect] = [
-            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id, generation=self.generation)),
+            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id, generation=self.generation,
+                                           token=self.tokens.issue(self.generation, rec.peer_id))),
             Event(f"peer {rec.peer_id} joined from {rec.host}:{msg.p2p_port} (group {msg.peer_group})"),
         ]
         if not self.ring and self._topology is None:
@@ -1253,6 +1294,31 @@ class MasterState:
         assert isinstance(msg, m.Reregister)
         if rec.phase is not Phase.CONNECTED:
             return self.kick(rec.peer_id, "Reregister after Register")
+        unproven = self._unproven(msg)
+        if unproven is not None:
+            # Before anything else (the newcomer-first kicks, a rebuild): an outsider's claim changes
+            # nothing, and its refusal says nothing about the run (issue 33).
+            return self.kick(rec.peer_id, *unproven)
+        effects = self._yield_to_members(msg)  # rule 0
+        listed = frozenset(msg.ring)  # (once: a rebuild's n returns each carry the n-member ring)
+        refused = self._refuse_claim(rec, msg, listed)  # rules 1, 1b
+        if refused is not None:
+            return effects + refused
+        gen, refused = self._generation_rule(rec, msg, effects)  # rule 2
+        if refused is None:
+            refused = self._refuse_in_doubt(rec, msg)  # its report contradicts what was decided here
+        if refused is not None:
+            return effects + refused
+        at = self._rebuild_rule(msg, effects)  # rule 3: the epoch it is at
+        refused = self._epoch_rule(rec, msg, at, effects)  # rules 4, 5
+        if refused is None:
+            refused = self._dropped_while_away(rec, msg, listed, effects)
+        if refused is not None:
+            return effects + refused
+        return self._take_back(rec, msg, listed, gen, at, effects)  # rule 6
+
+    def _yield_to_members(self, msg: m.Reregister) -> list[Effect]:
+        """Rule 0, newcomer-first: the newcomers accepted alone at a master that held no run yield."""
         effects: list[Effect] = []
         if self.ring and self.rebuild is None and set(self.ring) <= self._provisional:
             # Newcomer-first at a master that held no run: the run's members win over the lone
@@ -1265,21 +1331,33 @@ class MasterState:
                                         "join again as a newcomer", Result.KICKED)
             self._yielding = False
             self._provisional.clear()
-        listed = frozenset(msg.ring)  # (once: a rebuild's n returns each carry the n-member ring)
+        return effects
+
+    def _refuse_claim(
+        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int]
+    ) -> list[Effect] | None:
+        """Rules 1 and 1b: the claimed id, the port and key, a run given up (None: none applies)."""
         if rec.peer_id != msg.peer_id or msg.peer_id not in listed:
             why = (f"Reregister as peer {msg.peer_id}: that id is still held by a connected peer or was "
                    "not claimed in the hello (retry later)")
-            return effects + self.kick(rec.peer_id, why)
+            return self.kick(rec.peer_id, why)
         if not 0 < msg.p2p_port < 65536:
-            return effects + self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
+            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
         bad_key = check_public_key(msg.public_key)
         if bad_key is not None:
-            return effects + self.kick(rec.peer_id, f"invalid Reregister: {bad_key}")
+            return self.kick(rec.peer_id, f"invalid Reregister: {bad_key}")
         if (not self.ring and self.rebuild is None and self._dismissed_generation is not None
                 and msg.generation <= self._dismissed_generation):
-            return effects + self.kick(
+            return self.kick(
                 rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
                              "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
+        return None
+
+    def _generation_rule(
+        self, rec: PeerRecord, msg: m.Reregister, effects: list[Effect]
+    ) -> tuple[int, list[Effect] | None]:
+        """Rule 2, fencing: the generation it counts as having followed, or its refusal (a newer
+        generation than the others' moves the rebuild on: ``effects`` gets those kicks)."""
         rb0 = self.rebuild
         gen = msg.generation
         if rb0 is not None and rec.peer_id in rb0.generations:
@@ -1293,7 +1371,7 @@ class MasterState:
                 gen = before
         if rb0 is not None and rb0.generations and gen < max(rb0.generations.values()):
             # It missed a master the others followed: the run went on there without it (final).
-            return effects + self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
+            return gen, self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
                                                     f"the run went on at generation "
                                                     f"{max(rb0.generations.values())} without it: join again",
                                        Result.KICKED)
@@ -1303,16 +1381,24 @@ class MasterState:
             # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
             effects += self._newer_generation(gen)
         elif gen > self.generation and (self.ring or self.rebuild is not None):
-            return effects + self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
+            return gen, self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
                                                     f"than the peer's (generation {msg.generation})",
                                        Result.MASTER_CONNECTION_FAILED)
+        return gen, None
+
+    def _refuse_in_doubt(self, rec: PeerRecord, msg: m.Reregister) -> list[Effect] | None:
+        """Its report of operations and rounds in doubt contradicts what this master decided."""
         conflict = self.doubts.conflict(msg.peer_group, msg)
         if conflict is not None:
-            return effects + self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
+            return self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
         conflict = (self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
                     or self._behind_pending(msg))
         if conflict is not None:
-            return effects + self.kick(rec.peer_id, conflict, Result.KICKED)
+            return self.kick(rec.peer_id, conflict, Result.KICKED)
+        return None
+
+    def _rebuild_rule(self, msg: m.Reregister, effects: list[Effect]) -> int:
+        """Rule 3: a master with no members starts rebuilding from this report; the epoch it is at."""
         # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
         # failed by the loss after its EstablishP2P): docs/concepts.md "Rounds in doubt".
         at = reported_epoch(msg)
@@ -1342,6 +1428,14 @@ class MasterState:
             at = run_epoch  # it voted in the round in doubt (or aborted) but got no EstablishP2P
         elif at > run_epoch and rb is None and self.rounds.is_open(at):
             at = run_epoch  # it committed the round the members here wait on: its report decides it
+        return at
+
+    def _epoch_rule(
+        self, rec: PeerRecord, msg: m.Reregister, at: int, effects: list[Effect]
+    ) -> list[Effect] | None:
+        """Rules 4 (rebuilding: a newer epoch replaces the expected ring, an older one is refused) and 5
+        (live: only in the current epoch, and only when its group did not go on without it)."""
+        rb = self.rebuild
         if rb is not None:
             if at > rb.epoch:
                 rb.epoch = self.epoch = at
@@ -1354,34 +1448,41 @@ class MasterState:
                         rb.generations.pop(p, None)
                         self._rings.pop(p)
                         del rb.epochs[p]
-                        effects += self.kick(p, f"re-registered with epoch {e}, the run is at epoch "
-                                                f"{at}: join again", Result.KICKED)
+                        why = "re-registered with an older epoch than the run's: join again"
+                        effects += self.kick(p, why, Result.KICKED)
                 self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
                 self.base = list(msg.ring)
             elif at < rb.epoch:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
-                why = f"re-registered with epoch {at}, the run is at epoch {rb.epoch}: join again"
-                return effects + self.kick(rec.peer_id, why, Result.KICKED)
+                why = "re-registered with an older epoch than the run's: join again"
+                return self.kick(rec.peer_id, why, Result.KICKED)
         elif self._runs_without(msg.peer_id, msg.peer_group):
             # An operation its group started after dropping it may still complete (then the group went
             # on without it) or fail (then it is taken back): it tries again once that is decided.
-            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
+            return self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
                                                     "this peer: retry later", Result.MASTER_CONNECTION_FAILED)
         elif at != self.epoch and set(self.ring) & set(msg.ring):
             # KICKED (final): the run this master serves (members the peer knows) moved to another
             # epoch without it. (A master now serving another run refuses it with the retryable code
             # below: a standby may hold its run.)
-            return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
-                                                    f"epoch {self.epoch}: join again", Result.KICKED)
+            return self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
+                                                    "join again", Result.KICKED)
         elif at != self.epoch:
-            return effects + self.kick(rec.peer_id, f"re-registered with epoch {at}, the run is at "
-                                                    f"epoch {self.epoch}: join again",
-                                       Result.MASTER_CONNECTION_FAILED)
+            # (The refusals name no epoch of the run: issue 33.)
+            return self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
+                                                    "join again", Result.MASTER_CONNECTION_FAILED)
         elif self.doubts.moved_on(msg.peer_id, msg.peer_group, absent=not self.enforced):
             # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
             # standby of the right epoch may not share.
-            return effects + self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
+            return self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
                                                     "since it was dropped: join again", Result.KICKED)
+        return None
+
+    def _dropped_while_away(
+        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int], effects: list[Effect]
+    ) -> list[Effect] | None:
+        """A member its group no longer lists was dropped while away (either order of arrival)."""
+        rb = self.rebuild
         if self._rings:
             # A peer drops the dead of its own group from its table at every operation: one that a
             # member of its group back here no longer lists was dropped from the group while it was
@@ -1389,7 +1490,7 @@ class MasterState:
             # (Only a ring of the same or a later epoch counts: an older one may not know newer members.)
             for p in self._rings.not_listing(rec.peer_id, msg.epoch):
                 if p in self.peers and self.peers[p].group == msg.peer_group:
-                    return effects + self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
+                    return self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
                                                             "lists this peer: the run went on without it, "
                                                             "join again", Result.KICKED)
             for p in self._rings.not_in(listed, msg.epoch):
@@ -1402,6 +1503,15 @@ class MasterState:
                     why = (f"peer {rec.peer_id} of group {msg.peer_group} no longer lists this peer: the run "
                            "went on without it, join again")
                     effects += self.kick(p, why, Result.KICKED)
+        return None
+
+    def _take_back(
+        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int], gen: int, at: int,
+        effects: list[Effect],
+    ) -> list[Effect]:
+        """Rule 6: accepted at once in its old place, ``Reregistered``, its report of what is in doubt
+        decided; once a majority is back the rebuild ends and the votes resume."""
+        rb = self.rebuild
         if msg.revision >= 0:
             self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
         rec.phase = Phase.ACCEPTED
@@ -1412,7 +1522,8 @@ class MasterState:
         if self._loopback is None:
             self._loopback = _is_loopback(rec.host)
         self._take_into_ring(rec.peer_id, rb.expected if rb is not None else msg.ring)
-        back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch)
+        back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch,
+                              token=self.tokens.issue(self.generation, rec.peer_id))
         effects.append(Send(rec.peer_id, back))
         # After Reregistered (the peer reads that one itself): this master's set of the epoch.
         effects += self._issue_on_return(rec.peer_id)
@@ -1420,6 +1531,30 @@ class MasterState:
                              f"(group {msg.peer_group}){_reregister_report(msg)}"))
         if rb is not None or self._rings:
             self._rings.put(rec.peer_id, msg.epoch, listed)
+        msg = self._report_back(rec, msg, effects)
+        expected = rb.expected_set() if rb is not None else frozenset(self.base)
+        effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
+        if rb is not None:
+            self._adopted.add(msg.generation)
+            rb.returned.add(rec.peer_id)
+            rb.generations[rec.peer_id] = gen
+            rb.epochs[rec.peer_id] = at
+            if rb.reached:
+                self.rebuild = None
+                effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
+                                     "re-registered: resuming"))
+        if was_away and self.resumed:
+            effects += self._recheck_votes()  # the last member the votes waited for is back
+        if self.rebuild is None and self.rebuild_quiet is not None:
+            # A majority is back: the roll call waits for the others only while they keep coming.
+            self.doubts.quiet(self._now, self._quiet_period())
+        return effects + self._note_quorum()
+
+
+    def _report_back(self, rec: PeerRecord, msg: m.Reregister, effects: list[Effect]) -> m.Reregister:
+        """What the member back reports in doubt, abandoned or pending, decided here (``effects`` gets
+        the answers); the report as the rounds in doubt should read it."""
+        rb = self.rebuild
         was = self.doubts.undecided
         missing = self.doubts.missing
         decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
@@ -1442,29 +1577,33 @@ class MasterState:
             if rb is None and pend[2] and pend[1] == self._counted_pending() and was_dropped:
                 # At a live master: it waits in the round still open here (its link broke while it
                 # voted): its vote counts again at once (docs/concepts.md "A member's link breaks").
-                self._pending_votes.add(rec.peer_id)
+                self._pending.add([rec.peer_id], self._now)
                 msg = replace(msg, pending=[])
                 effects += self._check_pending_vote()
             else:
                 counted = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
                 if counted != self._pending_count:
                     self._pending_count, self._pending_mark = counted, self.doubts.total_progress
-        expected = rb.expected_set() if rb is not None else frozenset(self.base)
-        effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
-        if rb is not None:
-            rb.returned.add(rec.peer_id)
-            rb.generations[rec.peer_id] = gen
-            rb.epochs[rec.peer_id] = at
-            if rb.reached:
-                self.rebuild = None
-                effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
-                                     "re-registered: resuming"))
-        if was_away and self.resumed:
-            effects += self._recheck_votes()  # the last member the votes waited for is back
-        if self.rebuild is None and self.rebuild_quiet is not None:
-            # A majority is back: the roll call waits for the others only while they keep coming.
-            self.doubts.quiet(self._now, self._quiet_period())
-        return effects + self._note_quorum()
+        return msg
+
+    def _unproven(self, msg: m.Reregister) -> tuple[str, Result] | None:
+        """Why ``msg`` does not prove its sender is member ``msg.peer_id`` (None: it does, or it is
+        taken on trust while this master holds no run of its own; pccl/master/tokens.py)."""
+        if msg.token and self.tokens.valid(msg.generation, msg.peer_id, msg.token):
+            return None
+        if self.tokens.shared:  # every master of the run verifies every generation's tokens
+            return "Reregister without a valid member token: join again as a newcomer", Result.KICKED
+        # No shared secret: another master process's token (a restarted or standby master) cannot be
+        # told from a stranger's. Taken on trust while this master holds no run of its own (it may
+        # rebuild one from re-registrations), while it rebuilds, and for the generations it rebuilt its
+        # run from (a member back late); the rules below decide as before (a newer generation than
+        # this master's: they refuse it as stale, changing nothing). Otherwise refused with the
+        # retryable code, as a stale or foreign master refuses it: a standby may hold the peer's run.
+        if (self.rebuild is not None or not self.ring or set(self.ring) <= self._provisional
+                or msg.generation in self._adopted or msg.generation > self.generation):
+            return None
+        return ("Reregister without a member token of this master (no shared secret to verify another "
+                "master's): look for the master of its run", Result.MASTER_CONNECTION_FAILED)
 
     def _quiet_period(self) -> float:
         """The roll call's quiet period (``rebuild_quiet``; at least ``failover_quiet`` when the run's
@@ -1653,21 +1792,15 @@ class MasterState:
         bad = self._require_accepted(rec, "PeersPendingVote")
         if bad is not None:
             return bad
-        if rec.peer_id in self._pending_votes:
+        if not self._pending.vote(rec.peer_id, self._now):
             return self.kick(rec.peer_id, "duplicate PeersPendingVote")
-        if not self._pending_votes:
-            self._pending_opened = self._now
-        self._pending_votes.add(rec.peer_id)
         return self._check_pending_vote()
 
     def _check_pending_vote(self) -> list[Effect]:
-        # the count first: every vote but the last is O(1) (votes come from accepted peers only)
-        votes = self._pending_votes
-        if not self.resumed or not votes or len(votes) < len(self.ring) or not set(self.ring) <= votes:
+        if not self.resumed or not self._pending.complete(self.ring):
             return []
         pending = bool(self.registered())
-        voters = [p for p in self.ring if p in self._pending_votes]
-        self._pending_votes.clear()
+        voters = self._pending.take(self.ring)
         self._pending_count = (self._pending_epoch(), self._counted_pending() + 1)
         self._pending_mark = self.doubts.total_progress
         self.rounds.answered(self._pending_count, pending)
@@ -1724,7 +1857,7 @@ class MasterState:
         rnd = self._topology
         if rnd is None or not rnd.voting or not self.resumed:
             return []
-        if not rnd.votes or len(rnd.votes) < len(self.ring) or not set(self.ring) <= rnd.votes:
+        if unanimous(rnd.votes, len(self.ring), lambda: self.ring) is None:
             return []
         if rnd.kind == "update":
             newcomers = self.registered()
@@ -2007,6 +2140,9 @@ class MasterState:
         if bad is not None:
             return bad
         key = (rec.group, msg.tag)
+        over = self._over_vote_cap(rec, key, msg)
+        if over is not None:
+            return over
         op = self._ops.get(key)
         if op is None:
             op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
@@ -2028,9 +2164,28 @@ class MasterState:
                 del self._ops[key]
             return [Send(rec.peer_id, self._lost_abort(msg.tag, msg.op_seq))]
         op.votes[rec.peer_id] = msg.descriptor
+        if self.max_open_votes is not None:
+            rec.open_votes.add(key)
         if msg.op_seq >= 0:
             op.proposals[rec.peer_id] = msg.op_seq
         return self._check_op_vote(key)
+
+    def _over_vote_cap(self, rec: PeerRecord, key: tuple[int, int],
+                       msg: m.CollectiveInitiate) -> list[Effect] | None:
+        """Refuse a new collective vote of a member that holds ``max_open_votes`` open already (issue 33
+        item 3: votes on tags nobody else uses cost the master work at every message). O(cap)."""
+        cap = self.max_open_votes
+        if cap is None or key in rec.open_votes or len(rec.open_votes) < cap:
+            return None
+        pid = rec.peer_id
+        rec.open_votes = {k for k in rec.open_votes
+                          if (op := self._ops.get(k)) is not None and not op.running and pid in op.votes}
+        if key in rec.open_votes or len(rec.open_votes) < cap:
+            return None
+        reason = (f"peer {pid} holds {len(rec.open_votes)} collective votes open (tags the rest of its group "
+                  f"has not called yet; MasterConfig.max_open_votes = {cap}): finish or cancel some first")
+        return [Send(pid, m.CollectiveAbort(tag=msg.tag, op_seq=msg.op_seq, code=int(Result.INVALID_USAGE),
+                                            reason=reason)), Event(f"peer {pid}: {reason}")]
 
     @staticmethod
     def _lost_abort(tag: int, op_seq: int, forget: list[int] | None = None) -> m.CollectiveAbort:
@@ -2087,11 +2242,8 @@ class MasterState:
         op = self._ops.get(key)
         if op is None or op.running or not self.resumed:
             return []
-        # the count first: every vote but the last is O(1) (votes come from accepted peers only)
-        if not op.votes or len(op.votes) < self._group_size(op.group):
-            return []
-        members = self.accepted(op.group)
-        if not set(members) <= set(op.votes):
+        members = unanimous(op.votes, self._group_size(op.group), lambda: self.accepted(op.group))
+        if members is None:
             return []
         voters = [p for p in members if p in op.votes]
         first = op.votes[voters[0]]
@@ -2375,10 +2527,8 @@ class MasterState:
         rnd = self._syncs.get(group)
         if rnd is None or rnd.running or not self.resumed:
             return []
-        if not rnd.votes or len(rnd.votes) < self._group_size(group):
-            return []
-        members = self.accepted(group)
-        if not set(members) <= set(rnd.votes):
+        members = unanimous(rnd.votes, self._group_size(group), lambda: self.accepted(group))
+        if members is None:
             return []
         votes = {p: rnd.votes[p] for p in members if p in rnd.votes}
         result = _election.elect(votes, last_revision=self.last_revision.get(group))

@@ -242,6 +242,9 @@ class PeerState:
         # follows an older one), its group's last shared-state revision (-1: none), and until when it
         # keeps trying to reconnect after losing the master (None: the link is up, or lost for good).
         self.generation = 0
+        # The member token the master gave this peer (Registered / Reregistered): its proof of
+        # membership when it re-registers (pccl/master/tokens.py).
+        self.member_token = b""
         self.revision = -1
         self.reconnecting_until: float | None = None
         # Operations in doubt (docs/concepts.md "Operations in doubt"): the last committed op_seq per
@@ -557,6 +560,7 @@ class PeerState:
             if self.setup is not None and self.topology_in_doubt else [],
             topology_abandoned=self.topology_abandoned,
             pending=[self.epoch, self.pending_answers, 1 if self.pending_waiting else 0, self.pending_last],
+            token=self.member_token,
         )
 
     def reregistered(self, msg: m.Message, now: float) -> PCCLError | None:
@@ -582,6 +586,7 @@ class PeerState:
                 f"the master is of generation {msg.generation}, older than the generation {self.generation} "
                 "this peer followed: not following it")
         self.generation = msg.generation
+        self.member_token = msg.token
         self._set_epoch(msg.epoch)
         self.reconnecting_until = None
         self.drop_reservations()
@@ -737,7 +742,9 @@ class PeerState:
 
     def _on_registered(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.Registered)
-        self.generation = max(self.generation, msg.generation)
+        if msg.generation >= self.generation:
+            self.generation = msg.generation
+            self.member_token = msg.token
         return []
 
     def _on_accepted(self, msg: m.Message) -> list[Effect]:

@@ -186,7 +186,8 @@ def pre_auth(max_frame: int = PRE_AUTH_MAX_FRAME) -> FrameLimits:
 PRE_AUTH = pre_auth()
 
 
-#: The longest binary a peer sends the master: its P2P public key (32 bytes; a longer one is refused
+#: The longest binary a peer sends the master: its P2P public key or its member token (32 bytes each; a
+#: longer key is refused
 #: by the decoder, a shorter one by the master with the reason).
 PUBLIC_KEY_MAX = 64
 

@@ -14,31 +14,55 @@ packs as the same msgpack array, so the bytes are unchanged). docs/protocol.md d
 from __future__ import annotations
 
 import dataclasses
+import math
 import reprlib
 import types
 import typing
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple, TypeVar, get_args, get_origin
+from typing import Annotated, Any, ClassVar, NamedTuple, TypeVar, get_args, get_origin
 
 import msgpack
 
 from .._errors import LocalProtocolError, RemoteProtocolError
 
 
+@dataclass(frozen=True)
+class Range:
+    """A field's allowed values, checked when a message is decoded (``Annotated[int, Range(lo, hi)]``):
+    a value outside ``lo <= v <= hi`` (a float also must be finite) makes the message malformed, so no
+    handler, observer or metric ever sees a negative byte count or an id past 63 bits."""
+
+    lo: float
+    hi: float
+
+
+_I63 = 2**63 - 1
+#: A count, size, sequence number or id: 0 .. 2**63 - 1.
+Count = Annotated[int, Range(0, _I63)]
+#: A number whose "none" is -1 (an epoch, op_seq or revision not known yet): -1 .. 2**63 - 1.
+Seq = Annotated[int, Range(-1, _I63)]
+#: A TCP port (0: none).
+Port = Annotated[int, Range(0, 65535)]
+#: A peer group (PeerConfig.peer_group): an unsigned 32-bit integer.
+Group = Annotated[int, Range(0, 2**32 - 1)]
+#: A duration or rate in seconds / bytes per second: finite and >= 0.
+Seconds = Annotated[float, Range(0.0, math.inf)]
+
+
 class PeerRow(NamedTuple):
     """One accepted peer in a table: where its P2P listener is and which group it is in."""
 
-    peer_id: int
+    peer_id: Count
     host: str
-    port: int
-    group: int
+    port: Port
+    group: Group
 
 
 class PublicKeyRow(NamedTuple):
     """One row of a :class:`P2PCredentials` table: member ``peer_id``'s X25519 public key (``b""``: it
     registered none)."""
 
-    peer_id: int
+    peer_id: Count
     public_key: bytes
 
 
@@ -47,9 +71,9 @@ class CollectiveDescriptor(NamedTuple):
 
     kind: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast"
     dtype: int  # pccl.DataType
-    element_count: int  # elements of the input
+    element_count: Count  # elements of the input
     op: int  # pccl.ReduceOp
-    root: int  # broadcast: the root's peer id; -1 otherwise
+    root: Seq  # broadcast: the root's peer id; -1 otherwise
     quantization: int  # pccl.QuantizationAlgorithm
     quantized_dtype: int  # pccl.DataType on the wire when quantizing
     schedule: str = "auto"  # PeerConfig.schedule: "auto", "ring", "hd" or "tree"
@@ -64,7 +88,7 @@ def _row_fields(tp: Any) -> tuple[Any, ...] | None:
         return None
     f = _ROWS.get(tp)
     if f is None:
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, include_extras=True)
         f = _ROWS[tp] = tuple(hints[name] for name in tp._fields)
     return f
 
@@ -106,7 +130,7 @@ def _register(tag: int) -> typing.Callable[[M], M]:
 def _fields(cls: type[Message]) -> tuple[tuple[str, Any], ...]:
     f = _FIELDS.get(cls)
     if f is None:
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         flds = dataclasses.fields(cls)  # type: ignore[arg-type]
         f = tuple((fld.name, hints[fld.name]) for fld in flds)
         optional: list[Any] = []
@@ -200,6 +224,16 @@ def _build_checker(tp: Any) -> typing.Callable[[Any], bool]:
     if tp is Any:
         return lambda v: True
     origin = get_origin(tp)
+    if origin is Annotated:
+        base, *extras = get_args(tp)
+        inner = _checker(base)
+        bounds = [x for x in extras if isinstance(x, Range)]
+        if not bounds:
+            return inner
+        lo, hi = bounds[0].lo, bounds[0].hi
+        if base is float:
+            return lambda v: inner(v) and lo <= v <= hi and math.isfinite(v)
+        return lambda v: inner(v) and lo <= v <= hi
     if origin is typing.Union or origin is types.UnionType:
         options = get_args(tp)
         return lambda v: any(_checker(a)(v) for a in options)
@@ -315,14 +349,14 @@ class Hello(Message):
     trailing field, so a Hello without it decodes with "" (the framing is unchanged).
     """
 
-    protocol_version: int
+    protocol_version: Count
     purpose: str
-    peer_id: int = -1
+    peer_id: Seq = -1
     channel: str = ""
-    index: int = 0
+    index: Count = 0
     nonce: bytes = b""
-    generation: int = 0
-    epoch: int = -1
+    generation: Count = 0
+    epoch: Seq = -1
     run: str = ""
 
 
@@ -335,8 +369,8 @@ _HELLO_REQUIRED = 2
 class HelloOk(Message):
     """Positive answer to Hello."""
 
-    protocol_version: int
-    peer_id: int = -1
+    protocol_version: Count
+    peer_id: Seq = -1
 
 
 @_register(3)
@@ -389,8 +423,8 @@ class P2PCredentials(Message):
 
     SHARED: ClassVar[bool] = True  # the same object goes to many peers: encoded once (wire.stream)
 
-    generation: int
-    epoch: int
+    generation: Count
+    epoch: Seq
     binding: bytes
     keys: list[PublicKeyRow]
 
@@ -406,8 +440,8 @@ class Register(Message):
     public key for P2P credentials (32 bytes; ``b""``: none, then it can open and accept no P2P
     connection; protocol 5)."""
 
-    p2p_port: int
-    peer_group: int = 0
+    p2p_port: Port
+    peer_group: Group = 0
     public_key: bytes = b""
 
 
@@ -428,9 +462,9 @@ class PeersPendingVote(Message):
 class P2PConnectionsDone(Message):
     """The peer finished opening connections to its ring neighbours for ``epoch``."""
 
-    epoch: int
+    epoch: Seq
     success: bool
-    failed_peers: list[int] = dataclasses.field(default_factory=list)
+    failed_peers: list[Count] = dataclasses.field(default_factory=list)
     reason: str = ""
 
 
@@ -447,7 +481,7 @@ class BandwidthReport(Message):
     (``bytes_per_second`` 0: unreachable); rows of two entries (peers before protocol version 5) carry
     no latency."""
 
-    epoch: int
+    epoch: Seq
     results: list[list[Any]]
 
 
@@ -496,24 +530,25 @@ class Reregister(Message):
       (1 / 0; -1: none at this epoch).
     """
 
-    peer_id: int
-    p2p_port: int
-    peer_group: int
-    epoch: int
-    ring: list[int]
-    revision: int
-    generation: int
+    peer_id: Count
+    p2p_port: Port
+    peer_group: Group
+    epoch: Seq
+    ring: list[Count]
+    revision: Seq
+    generation: Count
     ops_in_doubt: list[list[Any]] = dataclasses.field(default_factory=list)
     ops_abandoned: list[list[int]] = dataclasses.field(default_factory=list)
     ops_committed: list[list[int]] = dataclasses.field(default_factory=list)
     sync_in_doubt: list[Any] = dataclasses.field(default_factory=list)
-    sync_abandoned: int = -1
-    sync_committed: int = -1
+    sync_abandoned: Annotated[int, Range(SYNC_ABANDONED_VOTED, _I63)] = -1
+    sync_committed: Seq = -1
     public_key: bytes = b""
-    members_epoch: int = -1
+    members_epoch: Seq = -1
     topology_in_doubt: list[Any] = dataclasses.field(default_factory=list)
-    topology_abandoned: int = -1
+    topology_abandoned: Seq = -1
     pending: list[int] = dataclasses.field(default_factory=list)
+    token: bytes = dataclasses.field(default=b"", metadata=OPTIONAL, repr=False, compare=False)  # a secret
 
 
 @_register(17)
@@ -524,7 +559,7 @@ class Standbys(Message):
     the run, so a master in ``quorum="auto"`` mode applies its live quorum rule from now on
     (docs/concepts.md "No split brain"). Sent once after ``Register`` or ``Reregister``."""
 
-    count: int
+    count: Count
 
 
 # Membership (master -> peer)
@@ -534,10 +569,12 @@ class Standbys(Message):
 @dataclass(frozen=True, kw_only=True)
 class Registered(Message):
     """Registration received; the peer waits to be accepted. ``generation``: the master's
-    generation (fencing number), which the peer remembers."""
+    generation (fencing number), which the peer remembers. ``token``: its member token of that
+    generation, which it shows when it re-registers (pccl/master/tokens.py)."""
 
-    peer_id: int
-    generation: int = 0
+    peer_id: Count
+    generation: Count = 0
+    token: bytes = dataclasses.field(default=b"", metadata=OPTIONAL, repr=False, compare=False)  # a secret
 
 
 @_register(21)
@@ -548,7 +585,7 @@ class Accepted(Message):
     SHARED: ClassVar[bool] = True  # the same object for every newcomer of a round: encoded once
 
     peers: list[PeerRow]
-    epoch: int
+    epoch: Seq
 
 
 @_register(22)
@@ -572,7 +609,7 @@ class EstablishP2P(Message):
 
     SHARED: ClassVar[bool] = True  # one object per group, sent to each of its members: encoded once
 
-    epoch: int
+    epoch: Seq
     peers: list[PeerRow]
     links: list[float] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
 
@@ -581,11 +618,13 @@ class EstablishP2P(Message):
 @dataclass(frozen=True, kw_only=True)
 class Reregistered(Message):
     """The master took the re-registering member back into the run (no admission vote): it keeps its
-    id and place; ``generation`` is the master's (never older than the peer's), ``epoch`` its epoch."""
+    id and place; ``generation`` is the master's (never older than the peer's), ``epoch`` its epoch;
+    ``token``: its member token of ``generation`` (pccl/master/tokens.py)."""
 
-    peer_id: int
-    generation: int
-    epoch: int
+    peer_id: Count
+    generation: Count
+    epoch: Seq
+    token: bytes = dataclasses.field(default=b"", metadata=OPTIONAL, repr=False, compare=False)  # a secret
 
 
 @_register(29)
@@ -594,7 +633,7 @@ class MemberRemoved(Message):
     """The master evicted or kicked member ``peer_id``: its P2P credentials stop working at the
     receiver at once (not at the next epoch) and its connections there are closed."""
 
-    peer_id: int
+    peer_id: Count
     reason: str = ""
 
 
@@ -606,7 +645,7 @@ class TopologyResult(Message):
     SHARED: ClassVar[bool] = True  # the same object for every member of the round: encoded once
 
     success: bool
-    epoch: int
+    epoch: Seq
     peers: list[PeerRow]
     reason: str = ""
     code: int = 0
@@ -617,9 +656,9 @@ class TopologyResult(Message):
 class MeasureBandwidth(Message):
     """Measure throughput to each peer in ``targets`` (rows ``[peer_id, host, port]``) and report."""
 
-    epoch: int
+    epoch: Seq
     targets: list[list[Any]]
-    duration: float
+    duration: Seconds
 
 
 # ============================================================================================
@@ -637,9 +676,9 @@ class CollectiveInitiate(Message):
     waits for ``CollectiveCommence``.
     """
 
-    tag: int
+    tag: Count
     descriptor: CollectiveDescriptor
-    op_seq: int = -1
+    op_seq: Seq = -1
 
 
 @_register(31)
@@ -653,11 +692,11 @@ class CollectiveDone(Message):
     peer were not taken (it does not read, or the link is cut); -1: not so.
     """
 
-    tag: int
+    tag: Count
     success: bool
     reason: str = ""
-    op_seq: int = -1
-    stalled_on: int = dataclasses.field(default=-1, metadata=OPTIONAL)
+    op_seq: Seq = -1
+    stalled_on: Seq = dataclasses.field(default=-1, metadata=OPTIONAL)
 
 
 @_register(32)
@@ -674,8 +713,8 @@ class CollectiveCommence(Message):
 
     SHARED: ClassVar[bool] = True  # one object per round, sent to every voter: encoded once (wire.stream)
 
-    tag: int
-    op_seq: int
+    tag: Count
+    op_seq: Seq
     peers: list[PeerRow]
     forget: list[int] = dataclasses.field(default_factory=list)
 
@@ -692,9 +731,9 @@ class CollectiveComplete(Message):
 
     SHARED: ClassVar[bool] = True  # one object per operation, sent to every participant: encoded once
 
-    tag: int
-    op_seq: int
-    next_op_seq: int = -1
+    tag: Count
+    op_seq: Seq
+    next_op_seq: Seq = -1
 
 
 @_register(34)
@@ -707,8 +746,8 @@ class CollectiveAbort(Message):
     the receiver drops.
     """
 
-    tag: int
-    op_seq: int
+    tag: Count
+    op_seq: Seq
     reason: str
     code: int
     forget: list[int] = dataclasses.field(default_factory=list)
@@ -737,8 +776,8 @@ class SharedStateSync(Message):
     the vote's rows are those of the ``SharedStateEntries`` frames the peer sent just before it, then these.
     """
 
-    revision: int
-    strategy: int
+    revision: Count
+    strategy: Count
     entries: list[list[Any]]
 
 
@@ -751,8 +790,8 @@ class SharedStatePlan(Message):
     preference of holders. ``peers`` is the group's table (for holder addresses).
     """
 
-    sync_seq: int
-    revision: int
+    sync_seq: Count
+    revision: Seq
     fetch: list[list[Any]]
     peers: list[PeerRow]
 
@@ -762,9 +801,9 @@ class SharedStatePlan(Message):
 class SharedStateDone(Message):
     """The sender finished applying its plan for ``sync_seq``."""
 
-    sync_seq: int
+    sync_seq: Count
     success: bool
-    rx_bytes: int = 0
+    rx_bytes: Count = 0
     reason: str = ""
 
 
@@ -773,9 +812,9 @@ class SharedStateDone(Message):
 class SharedStateResult(Message):
     """Final answer to sync_shared_state."""
 
-    sync_seq: int
+    sync_seq: Seq
     success: bool
-    revision: int
+    revision: Seq
     reason: str = ""
     code: int = 0
 
@@ -803,7 +842,7 @@ class StateRequest(Message):
     A fetcher with many keys sends several requests on the connection, each after the previous one's
     tensors arrived, so that every request fits one small frame."""
 
-    sync_seq: int
+    sync_seq: Count
     keys: list[str]
 
 
@@ -813,7 +852,7 @@ class StateTensor(Message):
     """Header for ``nbytes`` raw bytes of tensor ``key`` that follow on the stream."""
 
     key: str
-    nbytes: int
+    nbytes: Count
     hash: int
 
 
@@ -822,7 +861,7 @@ class StateTensor(Message):
 class BenchRequest(Message):
     """Bandwidth probe: ``nbytes`` raw bytes follow; the receiver answers BenchResult."""
 
-    nbytes: int
+    nbytes: Count
 
 
 @_register(63)
@@ -830,5 +869,5 @@ class BenchRequest(Message):
 class BenchResult(Message):
     """Receiver-side timing of a bandwidth probe."""
 
-    nbytes: int
-    seconds: float
+    nbytes: Count
+    seconds: Seconds

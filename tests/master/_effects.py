@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, cast
 
 from pccl.master.state import Kick, Send
@@ -25,3 +26,10 @@ def opaque_descriptor(*fields: object) -> m.CollectiveDescriptor:
     refuses such a one from a peer, but the state machine only compares the votes and shows their
     fields, so its tests vote with any sequence: a list, typed as the descriptor it stands in for."""
     return cast(m.CollectiveDescriptor, list(fields))
+
+
+def member_reregister(st: Any, **fields: Any) -> m.Reregister:
+    """A ``Reregister`` with ``fields``, carrying the member token ``st`` gave (or, at a restarted
+    master, a former master gave) peer ``peer_id`` at ``generation``: what a genuine member sends."""
+    msg = m.Reregister(**fields)
+    return replace(msg, token=st.tokens.issue(msg.generation, msg.peer_id))

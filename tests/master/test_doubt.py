@@ -1,6 +1,6 @@
 """Issue 18: operations in doubt across a master's loss, decided the same way for every peer.
 
-The pure MasterState driven message by message (pccl/master/doubt.py, docs/concepts.md "Operations in
+The pure MasterState driven message by message (pccl/master/ops_in_doubt.py, docs/concepts.md "Operations in
 doubt"): a master lost between the CollectiveComplete (or SharedStateResult) messages of one operation
 leaves some participants committed and the others waiting; their re-registrations say which, and the
 master answers each waiting peer with the old operation's commit or abort before any vote resumes.
@@ -14,7 +14,7 @@ from pccl import Result
 from pccl.master.state import MasterState
 from pccl.wire import messages as m
 
-from ._effects import kicks, sends
+from ._effects import kicks, member_reregister, sends
 
 RING = [1, 2, 3]
 EPOCH = 4
@@ -27,7 +27,7 @@ DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
 def rereg(st: MasterState, pid: int, now: float = 0.0, **fields: Any) -> list[Any]:
     got = st.new_connection("127.0.0.1", now, claim=pid)
     assert got == pid
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=EPOCH, ring=list(RING),
+    msg = member_reregister(st, peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=EPOCH, ring=list(RING),
                        revision=fields.pop("revision", 5), generation=1, **fields)
     return st.handle(pid, msg, now)
 
@@ -161,7 +161,8 @@ def test_live_master_tells_a_peer_that_missed_its_complete_to_commit() -> None:
     assert len(sends(eff, m.CollectiveComplete)) == 3
     st.peer_lost(2, "connection closed")  # before its CollectiveComplete reached it
     got = st.new_connection("127.0.0.1", 0.0, claim=2)
-    eff = st.handle(got, m.Reregister(peer_id=2, p2p_port=40002, peer_group=0, epoch=st.epoch, ring=RING,
+    eff = st.handle(got, member_reregister(st,
+        peer_id=2, p2p_port=40002, peer_group=0, epoch=st.epoch, ring=RING,
                                       revision=-1, generation=1, ops_in_doubt=[[TAG, seq, RING]]), 0.0)
     assert sends(eff, m.CollectiveComplete) == [(2, m.CollectiveComplete(tag=TAG, op_seq=seq))]
 
@@ -173,7 +174,8 @@ def test_live_master_aborts_its_own_op_it_did_not_complete() -> None:
     eff = st.peer_lost(2, "connection closed")  # the op is aborted for the others
     assert sorted(p for p, _ in sends(eff, m.CollectiveAbort)) == [1, 3]
     got = st.new_connection("127.0.0.1", 0.0, claim=2)
-    eff = st.handle(got, m.Reregister(peer_id=2, p2p_port=40002, peer_group=0, epoch=st.epoch, ring=RING,
+    eff = st.handle(got, member_reregister(st,
+        peer_id=2, p2p_port=40002, peer_group=0, epoch=st.epoch, ring=RING,
                                       revision=-1, generation=1, ops_in_doubt=[[TAG, seq, RING]]), 0.0)
     (who, abort), = sends(eff, m.CollectiveAbort)
     assert who == 2 and abort.op_seq == seq and st.resumed
@@ -214,7 +216,8 @@ def test_a_member_the_group_went_on_without_is_refused_for_good() -> None:
     for p in (1, 2):
         st.handle(p, m.CollectiveDone(tag=TAG, success=True), 1.0)
     got = st.new_connection("127.0.0.1", 2.0, claim=3)
-    eff = st.handle(got, m.Reregister(peer_id=3, p2p_port=40003, peer_group=0, epoch=st.epoch, ring=RING,
+    eff = st.handle(got, member_reregister(st,
+        peer_id=3, p2p_port=40003, peer_group=0, epoch=st.epoch, ring=RING,
                                       revision=-1, generation=1, ops_abandoned=[[TAG, seq]]), 2.0)
     (kick,) = kicks(eff)
     assert kick.code == int(Result.KICKED) and "went on without" in kick.reason
@@ -225,7 +228,8 @@ def test_a_dropped_member_is_taken_back_when_nothing_moved_on() -> None:
     st, seq = _live_master_with_op()
     st.peer_lost(3, "connection closed")
     got = st.new_connection("127.0.0.1", 2.0, claim=3)
-    eff = st.handle(got, m.Reregister(peer_id=3, p2p_port=40003, peer_group=0, epoch=st.epoch, ring=RING,
+    eff = st.handle(got, member_reregister(st,
+        peer_id=3, p2p_port=40003, peer_group=0, epoch=st.epoch, ring=RING,
                                       revision=-1, generation=1, ops_abandoned=[[TAG, seq]]), 2.0)
     assert not kicks(eff) and sends(eff, m.Reregistered) and sorted(st.accepted()) == [1, 2, 3]
 
@@ -238,7 +242,8 @@ def test_the_roll_call_waits_only_for_members_every_returned_peer_lists() -> Non
         for pid in order:
             ring = [1, 2, 3, 4] if pid == 1 else [1, 2, 3]
             got = st.new_connection("127.0.0.1", 0.0, claim=pid)
-            msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=EPOCH, ring=ring,
+            msg = member_reregister(st,
+                peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=EPOCH, ring=ring,
                                revision=5, generation=1)
             st.handle(got, msg, 0.0)
         assert st.resumed, order
@@ -254,7 +259,8 @@ def test_a_member_in_doubt_on_an_op_its_group_went_past_is_refused_for_good() ->
         rereg(st, p, ops_committed=[[TAG, OP]])
     st.doubts.settle(("op", 0, TAG), OP + 5, True)  # the group's later ops of the tag committed here
     got = st.new_connection("127.0.0.1", 0.0, claim=3)
-    eff = st.handle(got, m.Reregister(peer_id=3, p2p_port=40003, peer_group=0, epoch=EPOCH, ring=list(RING),
+    eff = st.handle(got, member_reregister(st,
+        peer_id=3, p2p_port=40003, peer_group=0, epoch=EPOCH, ring=list(RING),
                                       revision=5, generation=1, **in_doubt()), 0.0)
     (k,) = kicks(eff)
     assert k.code == int(Result.KICKED) and "went on without it" in k.reason

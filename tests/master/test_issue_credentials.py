@@ -17,7 +17,7 @@ from pccl.wire import messages as m
 from pccl.wire.credentials import CredentialIssuer, CredentialSet
 from pccl.wire.keys import KeyPair
 
-from ._effects import sends
+from ._effects import member_reregister, sends
 
 CHANNELS = ("ring", "state", "bench")
 KEYS: dict[int, KeyPair] = {}  # peer id -> its key pair (one per member process)
@@ -170,7 +170,8 @@ def test_a_dropped_member_taken_back_gets_the_credentials_of_the_current_epoch()
     assert all(s.epoch == epoch for s in before.values())
     st.peer_lost(ids[1], "connection lost")
     got = st.new_connection("127.0.0.1", 0.0, claim=ids[1])
-    eff = st.handle(got, m.Reregister(peer_id=ids[1], p2p_port=40000 + ids[1], peer_group=0, epoch=epoch,
+    eff = st.handle(got, member_reregister(st,
+        peer_id=ids[1], p2p_port=40000 + ids[1], peer_group=0, epoch=epoch,
                                       ring=list(ids), revision=-1, generation=st.generation,
                                       public_key=key(ids[1])), 0.0)
     kinds = [type(msg) for _, msg in sends(eff)]
@@ -183,7 +184,8 @@ def test_a_dropped_member_taken_back_gets_the_credentials_of_the_current_epoch()
 
 def rereg(st: MasterState, pid: int, ring: list[int], epoch: int) -> list[Any]:
     got = st.new_connection("127.0.0.1", 0.0, claim=pid)
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch, ring=ring, revision=-1,
+    msg = member_reregister(st,
+        peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch, ring=ring, revision=-1,
                        generation=1, public_key=key(pid))
     return st.handle(got, msg, 0.0)
 
@@ -217,7 +219,8 @@ def test_a_rebuild_that_moves_to_a_newer_epoch_reissues_to_the_members_already_b
 
 def rereg_at(st: MasterState, pid: int, ring: list[int], now: float) -> list[Any]:
     got = st.new_connection("127.0.0.1", now, claim=pid)
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=7, ring=ring, revision=-1,
+    msg = member_reregister(st,
+        peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=7, ring=ring, revision=-1,
                        generation=1, public_key=key(pid))
     return st.handle(got, msg, now)
 
@@ -275,7 +278,7 @@ def test_batched_rows_are_void_once_a_new_set_goes_to_everyone() -> None:
     assert st.credentials_deadline() is not None
     # A member that saw a later epoch: the rebuild moves there and everyone back gets a new set.
     late = st.new_connection("127.0.0.1", 0.002, claim=2)
-    eff = st.handle(late, m.Reregister(peer_id=2, p2p_port=40002, peer_group=0, epoch=8, ring=ring,
+    eff = st.handle(late, member_reregister(st, peer_id=2, p2p_port=40002, peer_group=0, epoch=8, ring=ring,
                                        revision=-1, generation=1, public_key=key(2)), 0.002)
     assert sorted(p for p, _ in sends(eff, m.P2PCredentials)) == [1, 2, 3]
     assert st.credentials_deadline() is None  # nothing owed under the new set

@@ -14,7 +14,7 @@ from pccl.master.deadlock import DeadlockWatch, find_deadlocks
 from pccl.master.state import MasterState
 from pccl.wire import messages as m
 
-from ._effects import kicks, sends
+from ._effects import kicks, member_reregister, sends
 
 DESC = m.CollectiveDescriptor("all_reduce", 1, 10, 0, -1, 0, 0)
 
@@ -56,7 +56,7 @@ def all_reduce(st: MasterState, voters: list[int], now: float = 0.0, tag: int = 
 def rereg(st: MasterState, pid: int, *, epoch: int, ring: list[int], generation: int = 1,
           revision: int = -1, now: float = 0.0) -> tuple[int, list[Any]]:
     got = st.new_connection("127.0.0.1", now, claim=pid)
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch, ring=list(ring),
+    msg = member_reregister(st, peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch, ring=list(ring),
                        revision=revision, generation=generation)
     return got, st.handle(got, msg, now)
 

@@ -11,7 +11,7 @@ from pccl import Result
 from pccl.master.state import Kick, MasterState, Send
 from pccl.wire import messages as m
 
-from ._effects import kicks, sends
+from ._effects import kicks, member_reregister, sends
 
 
 class Harness:
@@ -38,7 +38,7 @@ EPOCH = 7
 def rereg(st: MasterState, pid: int, *, epoch: int = EPOCH, ring: list[int] | None = None, revision: int = 4,
           generation: int = 1, group: int = 0, claim: int | None = None) -> tuple[int, list[Any]]:
     got = st.new_connection("127.0.0.1", 0.0, claim=pid if claim is None else claim)
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=group, epoch=epoch,
+    msg = member_reregister(st, peer_id=pid, p2p_port=40000 + pid, peer_group=group, epoch=epoch,
                        ring=list(RING if ring is None else ring), revision=revision, generation=generation)
     return got, st.handle(got, msg, 0.0)
 

@@ -18,7 +18,7 @@ from pccl.master.lost import REASON
 from pccl.master.state import Kick, MasterState
 from pccl.wire import messages as m
 
-from ._effects import sends
+from ._effects import member_reregister, sends
 
 RING = [1, 2, 3]
 EPOCH = 4
@@ -31,7 +31,7 @@ def rereg(st: MasterState, pid: int, now: float = 0.0, **fields: Any) -> list[An
     assert st.new_connection("127.0.0.1", now, claim=pid) == pid
     fields.setdefault("epoch", EPOCH)
     fields.setdefault("generation", 1)
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, ring=list(RING), revision=5,
+    msg = member_reregister(st, peer_id=pid, p2p_port=40000 + pid, peer_group=0, ring=list(RING), revision=5,
                        **fields)
     return st.handle(pid, msg, now)
 

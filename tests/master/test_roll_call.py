@@ -1,6 +1,6 @@
 """Issue 18: a rebuilt master's roll call, its end, and the members that come back after it.
 
-The pure MasterState driven message by message (pccl/master/doubt.py, docs/concepts.md "Surviving the
+The pure MasterState driven message by message (pccl/master/ops_in_doubt.py, docs/concepts.md "Surviving the
 master", roll call). The roll call holds every vote until the last epoch's members are back, for at most
 ``rebuild_grace`` after the first re-registration; once a majority is back it also ends when nobody came
 back for ``rebuild_quiet``. A member the roll call gave up on that comes back after its group went on is

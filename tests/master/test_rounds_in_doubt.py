@@ -1,6 +1,6 @@
 """Issue 18: membership rounds in doubt across a master's loss, decided the same way for every member.
 
-The pure MasterState driven message by message (pccl/master/rounds.py, docs/concepts.md "Rounds in
+The pure MasterState driven message by message (pccl/master/rounds_in_doubt.py, docs/concepts.md "Rounds in
 doubt"). A master lost between the answers of one update_topology round (its TopologyResults and the
 newcomers' Accepted) or of one are_peers_pending round leaves some members at the new epoch (or with
 the answer) and the others waiting; the re-registrations say which, and the rebuilt master brings every
@@ -15,7 +15,7 @@ from pccl import Result
 from pccl.master.state import MasterState
 from pccl.wire import messages as m
 
-from ._effects import kicks, sends
+from ._effects import kicks, member_reregister, sends
 
 OLD = [3, 1, 2]  # the members at epoch E, ring order
 E = 7
@@ -29,7 +29,7 @@ def rereg(st: MasterState, pid: int, *, epoch: int = E, ring: list[int] | None =
     got = st.new_connection("127.0.0.1", now, claim=pid)
     assert got == pid
     fields.setdefault("members_epoch", epoch)
-    msg = m.Reregister(peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch,
+    msg = member_reregister(st, peer_id=pid, p2p_port=40000 + pid, peer_group=0, epoch=epoch,
                        ring=list(OLD if ring is None else ring), revision=5, generation=1, **fields)
     return st.handle(pid, msg, now)
 

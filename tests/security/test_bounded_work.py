@@ -72,7 +72,7 @@ def test_master_inbound_caps_follow_the_schema() -> None:
     assert len(chunks) > 1 and [r for c in chunks for r in c] == entries
     for chunk in chunks:
         ahead = m.encode(m.SharedStateEntries(entries=chunk))
-        vote = m.encode(m.SharedStateSync(revision=2**64 - 1, strategy=2, entries=chunk))
+        vote = m.encode(m.SharedStateSync(revision=2**63 - 1, strategy=2, entries=chunk))  # 9 bytes, the most
         assert len(vote) <= limits.STATE_SYNC_MAX_FRAME
         assert lim.decode(ahead) == m.decode(ahead) and lim.decode(vote) == m.decode(vote)
     too_many = r"SharedStateEntries of \d+ bytes exceeds the limit of 32768 "

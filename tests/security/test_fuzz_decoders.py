@@ -31,7 +31,13 @@ SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), 
 
 
 def for_type(tp: Any) -> st.SearchStrategy[Any]:
-    """Values of annotation ``tp``."""
+    """Values of annotation ``tp`` (within its :class:`~pccl.wire.messages.Range`, if it has one)."""
+    if typing.get_origin(tp) is typing.Annotated:
+        base, *extras = typing.get_args(tp)
+        r = next(x for x in extras if isinstance(x, m.Range))
+        if base is float:
+            return st.floats(min_value=r.lo, max_value=r.hi, allow_infinity=False, allow_nan=False)
+        return st.integers(int(r.lo), int(r.hi))
     if tp is Any:
         return st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4), max_leaves=8)
     origin = typing.get_origin(tp)
@@ -53,13 +59,13 @@ def for_type(tp: Any) -> st.SearchStrategy[Any]:
         (arg,) = typing.get_args(tp) or (Any,)
         return st.lists(for_type(arg), max_size=6)
     if isinstance(tp, type) and issubclass(tp, tuple) and hasattr(tp, "_fields"):
-        hints = typing.get_type_hints(tp)
+        hints = typing.get_type_hints(tp, include_extras=True)
         return st.builds(lambda *v: tp(*v), *(for_type(hints[f]) for f in tp._fields))
     raise TypeError(tp)
 
 
 def for_message(cls: type[m.Message]) -> st.SearchStrategy[m.Message]:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     kwargs = {f.name: for_type(hints[f.name]) for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     return st.builds(cls, **kwargs)
 

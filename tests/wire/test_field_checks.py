@@ -16,8 +16,20 @@ from pccl._errors import RemoteProtocolError
 from pccl.wire import messages as m
 
 
+def _range(tp: Any) -> tuple[Any, m.Range] | None:
+    """``(base type, Range)`` of an ``Annotated[base, Range(...)]`` field, else None."""
+    if typing.get_origin(tp) is not typing.Annotated:
+        return None
+    base, *extras = typing.get_args(tp)
+    return base, next(x for x in extras if isinstance(x, m.Range))
+
+
 def good(tp: Any) -> Any:
     """A value of annotation ``tp`` (rows in their wire form, a positional list)."""
+    ranged = _range(tp)
+    if ranged is not None:
+        base, r = ranged
+        return type(good(base))(max(r.lo, min(r.hi, good(base))))
     if tp is Any or tp is int:
         return 0
     origin = typing.get_origin(tp)
@@ -41,7 +53,16 @@ def good(tp: Any) -> Any:
 
 
 def bad(tp: Any) -> list[Any]:
-    """Values that do not match ``tp``."""
+    """Values that do not match ``tp`` (for a ranged field also values of its type out of range)."""
+    ranged = _range(tp)
+    if ranged is not None:
+        base, r = ranged
+        outside = [r.lo - 1, -(2**63) if base is int else -1e300]
+        if r.hi != float("inf"):
+            outside += [r.hi + 1, 2**64 - 1]
+        if base is float:
+            outside += [float("nan"), float("inf")]
+        return [*bad(base), *outside]
     if tp is Any:
         return []
     origin = typing.get_origin(tp)

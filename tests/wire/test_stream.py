@@ -265,12 +265,12 @@ async def test_master_evicts_a_peer_that_stops_reading_and_keeps_serving(
                     assert "inside a frame" in str(exc)
                     break
                 if beats == 0 and isinstance(msg, (m.Registered, m.P2PCredentials, m.Accepted)):
-                    if isinstance(msg, m.P2PCredentials):
-                        credentials = len(encode_frame(m.encode(msg), max_frame_size=1 << 20))
+                    if isinstance(msg, (m.P2PCredentials, m.Registered)):  # (Registered: its member token)
+                        credentials += len(encode_frame(m.encode(msg), max_frame_size=1 << 20))
                     continue  # the answers to Register come first
                 assert isinstance(msg, m.Heartbeat)
                 beats += 1
-        # the 256-byte window held ~30 of them, less the room the credentials take
+        # the 256-byte window held ~30 of them, less the room the credentials and the token take
         assert beats >= (200 - credentials) // HEARTBEAT_FRAME
         # The master still serves a newcomer.
         s2 = await net.host("q").connect(net.host("m").address, port)

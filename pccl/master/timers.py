@@ -1,0 +1,136 @@
+"""The master's clock interface: every deadline of the master core behind ``next_deadline()`` and
+``tick(now)``, so the server's monitor is one loop that sleeps until the next deadline and ticks, with
+no branch per timer.
+
+The timers, each a pair of the core (:class:`~pccl.master.state.MasterState`'s ``*_deadline`` and
+``*_overdue``), in the order a tick runs them:
+
+* heartbeat silence (``heartbeat_timeout``) and, when ``straggler_timeout`` is set, stragglers (hung peers
+  the others wait on): evicted (:class:`~pccl.master.effects.Drop`: a hung peer reads no goodbye);
+* the P2P setup of a topology round (``p2p_setup_timeout``);
+* operations and rounds in doubt after a master's loss (a heartbeat timeout; pccl/master/ops_in_doubt.py);
+* the holds of members whose connection broke (``rejoin_grace``), and the credential rows owed to the
+  holders of a set (``credentials_batch_delay``);
+* vote timeouts (``vote_timeout``) and the quorum hold (``quorum_hold_timeout``);
+* deadlocks whose grace ran out (:class:`~pccl.master.deadlock.DeadlockWatch`).
+
+Pure: times are passed in. A tick yields its effects in batches, one per step, so that the server
+executes (and the deadlock watch sees) each step's effects before the next step runs, as the monitor
+did timer by timer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .deadlock import DeadlockWatch
+from .effects import Drop, Effect
+from .state import MasterState
+
+
+@dataclass(frozen=True)
+class TimerConfig:
+    """The timeouts of :class:`MasterTimers` (the server passes :class:`~pccl.MasterConfig`'s)."""
+
+    heartbeat_interval: float
+    heartbeat_timeout: float
+    p2p_setup_timeout: float
+    straggler_timeout: float | None = None
+    vote_timeout: float | None = None
+    quorum_hold_timeout: float | None = None
+
+
+class MasterTimers:
+    """Every deadline of one master core (see the module docstring).
+
+    Args:
+        state: the master's state machine.
+        config: the timeouts.
+        deadlocks: the deadlock watch (None: deadlocks are not declared).
+    """
+
+    def __init__(
+        self, state: MasterState, config: TimerConfig, deadlocks: DeadlockWatch | None = None
+    ) -> None:
+        self.state = state
+        self.config = config
+        self.deadlocks = deadlocks
+        self._ticked: float | None = None
+
+    def tick(self, now: float) -> Iterator[list[Effect]]:
+        """Run every timer due at ``now``: yields the effects of each step (execute each batch before
+        taking the next: later steps read the state the earlier ones left)."""
+        st, cfg = self.state, self.config
+        timeout, straggler = cfg.heartbeat_timeout, cfg.straggler_timeout
+        silent_msg = f"evicted: silent for more than {timeout:g}s"
+        lost = dict.fromkeys(st.expired(now, timeout), silent_msg)
+        if straggler is not None:
+            for pid, silent in st.stragglers(now, straggler, timeout):
+                lost.setdefault(pid, f"evicted: silent for {silent:.2f}s while its group waited on it "
+                                     f"(straggler timeout {straggler:g}s)")
+        for pid, reason in lost.items():
+            yield [*st.peer_lost(pid, reason, now), Drop(pid)]
+        yield st.setup_overdue(now, cfg.p2p_setup_timeout)
+        yield st.doubts_overdue(now, timeout)
+        yield st.rejoin_overdue(now)
+        yield st.credentials_overdue(now)
+        # Each timer's deadline is taken right after its own step (the steps after it may move it, a
+        # later tick sees that), as the monitor always did: the traces of a seeded run stay the same.
+        ends = self._fixed_deadlines()
+        if cfg.vote_timeout is not None:
+            yield st.vote_overdue(now, cfg.vote_timeout)
+            ends.append(st.vote_deadline(cfg.vote_timeout))
+        if cfg.quorum_hold_timeout is not None:
+            yield st.hold_overdue(now, cfg.quorum_hold_timeout)
+            ends.append(st.hold_deadline(cfg.quorum_hold_timeout))
+        if cfg.straggler_timeout is not None:
+            ends.append(st.straggler_deadline(cfg.straggler_timeout, timeout))
+        if self.deadlocks is not None:
+            yield []  # the server's deadlock check after each batch declares those whose grace ran out
+            ends.append(self.deadlocks.deadline())
+        self._ticked = min((e for e in ends if e is not None), default=None)
+
+    def _fixed_deadlines(self) -> list[float | None]:
+        st, cfg = self.state, self.config
+        seen = min((p.last_seen for p in st.peers.values()), default=None)
+        return [None if seen is None else seen + cfg.heartbeat_timeout, st.rejoin_deadline(),
+                st.credentials_deadline(), st.doubt_deadline(cfg.heartbeat_timeout),
+                st.setup_deadline(cfg.p2p_setup_timeout)]
+
+    def deadline_after_tick(self) -> float | None:
+        """The earliest deadline as the last :meth:`tick` saw it, each timer's taken right after its own
+        step (what the monitor sleeps until; :meth:`next_deadline` is the same taken now)."""
+        return self._ticked
+
+    def next_deadline(self) -> float | None:
+        """The earliest time a timer is due (None: none is armed)."""
+        st, cfg = self.state, self.config
+        timeout = cfg.heartbeat_timeout
+        ends = self._fixed_deadlines()
+        if cfg.vote_timeout is not None:
+            ends.append(st.vote_deadline(cfg.vote_timeout))
+        if cfg.quorum_hold_timeout is not None:
+            ends.append(st.hold_deadline(cfg.quorum_hold_timeout))
+        if cfg.straggler_timeout is not None:
+            ends.append(st.straggler_deadline(cfg.straggler_timeout, timeout))
+        if self.deadlocks is not None:
+            ends.append(self.deadlocks.deadline())
+        return min((e for e in ends if e is not None), default=None)
+
+    def recheck_at(self, now: float) -> float:
+        """The latest time to tick again whatever the deadlines say: new peers, clock skew, and (with a
+        straggler timeout) who is waited on changes with every message, so every quarter of it."""
+        wake = now + self.config.heartbeat_interval
+        if self.config.straggler_timeout is not None:
+            wake = min(wake, now + self.config.straggler_timeout / 4)
+        return wake
+
+    def urgent(self) -> tuple[float | None, ...]:
+        """The deadlines a message can move earlier than the monitor sleeps (a member's hold starting,
+        credential rows owed, a candidate deadlock): the server wakes the monitor when one changes."""
+        dd = self.deadlocks.deadline() if self.deadlocks is not None else None
+        return (dd, self.state.rejoin_deadline(), self.state.credentials_deadline())
+
+
+__all__ = ["MasterTimers", "TimerConfig"]
