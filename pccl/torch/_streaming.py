@@ -27,7 +27,6 @@ residual.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
@@ -35,7 +34,8 @@ import torch
 
 from .._errors import InvalidArgumentError, TooFewPeersError
 from .._types import ReduceOp
-from ._codec import Codec, ErrorFeedback, average_payloads, choose_codec, codec_from_spec
+from ._codec import ErrorFeedback, average_payloads, choose_codec, codec_from_spec
+from ._fragments import CodecSpec, Fragment, split_fragments
 from ._model import SharedModel
 from ._ops import (
     AllGather,
@@ -53,86 +53,6 @@ from ._ops import (
 from ._train import Backward, Step, StepResult
 
 __all__ = ["CodecSpec", "Fragment", "StreamingCore", "split_fragments"]
-
-CodecSpec = str | Codec | None
-
-
-def split_fragments(named: Sequence[tuple[str, torch.nn.Parameter]], fragments: int | Sequence[Sequence[str]]
-                    ) -> list[list[int]]:
-    """Indices into ``named`` of each fragment.
-
-    ``fragments`` is a count (contiguous runs of parameters in model order, of about equal size,
-    never splitting a parameter; fewer when the model has fewer parameters) or lists of parameter
-    names (every trainable parameter in exactly one).
-
-    Raises:
-        InvalidArgumentError: a count below 1, an unknown or repeated name, a parameter left out.
-    """
-    if isinstance(fragments, int):
-        if fragments < 1:
-            raise InvalidArgumentError("fragments must be >= 1")
-        total = sum(p.numel() for _, p in named)
-        count = min(fragments, len(named))
-        out: list[list[int]] = [[]]
-        done = 0
-        for i, (_, p) in enumerate(named):
-            # open the next fragment once this parameter's middle passes the current one's share of the
-            # elements, or when every parameter left is needed to give each fragment left one
-            left_over = len(named) - i <= count - len(out)
-            past_share = done + p.numel() / 2 >= len(out) * total / count
-            if out[-1] and len(out) < count and (left_over or past_share):
-                out.append([])
-            out[-1].append(i)
-            done += p.numel()
-        return out
-    index = {name: i for i, (name, _) in enumerate(named)}
-    seen: set[str] = set()
-    result: list[list[int]] = []
-    for names in fragments:
-        frag = []
-        for name in names:
-            if name not in index or name in seen:
-                raise InvalidArgumentError(f"fragment parameter {name!r} is unknown or listed twice")
-            seen.add(name)
-            frag.append(index[name])
-        if frag:
-            result.append(frag)
-    missing = [name for name, _ in named if name not in seen]
-    if missing:
-        raise InvalidArgumentError(f"parameters in no fragment: {missing}")
-    return result
-
-
-@dataclasses.dataclass(eq=False)
-class Fragment:
-    """One fragment: its parameters, schedule, codec and the exchange in flight."""
-
-    index: int
-    names: list[str]
-    inner: list[torch.nn.Parameter]
-    outer: list[torch.nn.Parameter]
-    offset: int  # the inner step of the cycle at which it is sent
-    spec: CodecSpec  # "auto", a codec name, a codec, or None (fp32)
-    codec: Codec | None = None
-    feedback: ErrorFeedback | None = None
-    handle: Any = None
-    world: int = 1
-    local: torch.Tensor | None = None  # alone: the pseudo-gradient, applied as it is
-    payload: torch.Tensor | None = None
-    gathered: torch.Tensor | None = None
-    send: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
-    recv: torch.Tensor = dataclasses.field(default_factory=lambda: torch.empty(0))
-    rounds: int = 0
-    lost: int = 0
-    tx_bytes: int = 0
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel() for p in self.inner)
-
-    @property
-    def in_flight(self) -> bool:
-        return self.handle is not None or self.local is not None
 
 
 class StreamingCore:

@@ -19,7 +19,7 @@ from pccl.testing import TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.torch import AsyncStreamingDiLoCo, ErrorFeedback, MinMaxCodec, StepResult, TopKCodec, choose_codec
 from pccl.torch._codec import average_payloads, codec_from_spec, wire_bytes
-from pccl.torch._streaming import split_fragments
+from pccl.torch._fragments import split_fragments
 
 D, N, H, GLOBAL_BATCH = 8, 240, 6, 24
 

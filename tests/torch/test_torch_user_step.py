@@ -206,3 +206,25 @@ def test_a_peer_restarted_from_a_newer_checkpoint_joins_the_running_group(tmp_pa
     assert state_bytes(out[0]) == state_bytes(out[1])
     assert out[1].revision == 40
     assert max_difference(out[1], reference(40)) < 1e-12
+
+
+@pytest.mark.parametrize("kind", ["training-run", "diloco"])
+async def test_min_world_size_timeout_gives_up(autojump_clock: trio.testing.MockClock,
+                                               pccl_cluster: ClusterFactory, kind: str) -> None:
+    """A peer alone, waiting for a second one that never comes: TooFewPeersError after the limit
+    (virtual time), instead of waiting for ever."""
+    from pccl.torch import AsyncDiLoCo
+
+    cluster = await pccl_cluster(1)
+    model, opt, _ = make()
+    run: Any
+    if kind == "training-run":
+        run = AsyncTrainingRun(cluster.peer(0), SharedModel(model, opt), min_world_size=2,
+                               min_world_size_timeout=1.5)
+    else:
+        run = AsyncDiLoCo(cluster.peer(0), model, opt, inner_steps=2, min_world_size=2,
+                          min_world_size_timeout=1.5)
+    start = trio.current_time()
+    with pytest.raises(pccl.TooFewPeersError):
+        await run.step(lambda step: None)
+    assert 1.5 <= trio.current_time() - start < 2.5
