@@ -66,13 +66,48 @@ def find_deadlocks(state: MasterState) -> list[Deadlock]:
     return found
 
 
-class DeadlockWatch:
-    """Tracks candidate deadlocks over time and fails the ones that held for ``grace`` seconds."""
+CHECK_EVERY = 0.25
+"""Default of :class:`DeadlockWatch`'s ``every``: the longest a change waits to be checked."""
 
-    def __init__(self, grace: float) -> None:
+
+class DeadlockWatch:
+    """Tracks candidate deadlocks over time and fails the ones that held for ``grace`` seconds.
+
+    :meth:`check` walks the open votes (O(votes open), up to members x ``max_open_votes``), so the
+    server does not run it after each message (issue 33 item 3: a member holding thousands of votes
+    open made every message cost that walk). Each message only marks the state :meth:`changed` (O(1));
+    the master's timers (pccl/master/timers.py) run :meth:`poll` at :meth:`deadline`, which checks at
+    most once every ``every`` seconds. A deadlock found counts from the last change before the check
+    (the state has not changed since), so with ``grace >= every`` it is declared when it would have
+    been before, and with a smaller grace at most ``every`` seconds after it formed.
+    """
+
+    def __init__(self, grace: float, every: float = CHECK_EVERY) -> None:
+        if every <= 0:
+            raise ValueError(f"every ({every}) must be > 0")
         self.grace = grace
+        self.every = every
         self._since: dict[Deadlock, float] = {}
+        self._dirty: float | None = None  # the first change since the last check (None: none)
+        self._last_change: float | None = None
         self.detected = 0
+        self.checks = 0
+
+    def changed(self, now: float) -> None:
+        """The master's state may have changed at ``now`` (a message, a timer): check it by
+        ``now + every`` at the latest. O(1)."""
+        if self._dirty is None:
+            self._dirty = now
+        self._last_change = now
+
+    def due(self) -> float | None:
+        """When the next check of a changed state is due (None: nothing changed since the last)."""
+        return None if self._dirty is None else self._dirty + self.every
+
+    def poll(self, state: MasterState, now: float) -> list[Effect]:
+        """The timer step: :meth:`check` if a change or a candidate's grace is due at ``now``."""
+        due = self.deadline()
+        return self.check(state, now) if due is not None and now >= due else []
 
     def check(self, state: MasterState, now: float) -> list[Effect]:
         """Fail every deadlock that has held unchanged for ``grace`` seconds; remember new ones.
@@ -80,8 +115,12 @@ class DeadlockWatch:
         Returns:
             The effects that fail the deadlocked calls (and one log event per deadlock).
         """
+        self.checks += 1
+        # Found now, unchanged since the last change (never later than now).
+        since = now if self._last_change is None else min(now, self._last_change)
+        self._dirty = None
         current = find_deadlocks(state)
-        self._since = {d: self._since.get(d, now) for d in current}
+        self._since = {d: self._since.get(d, since) for d in current}
         effects: list[Effect] = []
         for d, t0 in list(self._since.items()):
             if now - t0 >= self.grace:
@@ -91,8 +130,10 @@ class DeadlockWatch:
         return effects
 
     def deadline(self) -> float | None:
-        """When the earliest candidate deadlock will be declared if nothing changes."""
-        return min((t0 + self.grace for t0 in self._since.values()), default=None)
+        """When to :meth:`poll` next: a changed state's check, or the earliest candidate deadlock's
+        declaration if nothing changes."""
+        return min((t for t in (self.due(), *(t0 + self.grace for t0 in self._since.values()))
+                    if t is not None), default=None)
 
 
-__all__ = ["Deadlock", "DeadlockWatch", "find_deadlocks"]
+__all__ = ["CHECK_EVERY", "Deadlock", "DeadlockWatch", "find_deadlocks"]

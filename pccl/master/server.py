@@ -321,6 +321,8 @@ class MasterServer:
                     if conn.closing:
                         return
                 effects = self.state.handle(conn.peer_id, msg, now)
+                if self.deadlocks is not None and not isinstance(msg, m.Heartbeat):
+                    self.deadlocks.changed(now)  # a vote may have come without an effect
             except Exception:
                 # A bug of the master's core (or its observer) on this message must not take the
                 # master, and with it every other peer's run, down: it is logged with its traceback
@@ -380,9 +382,14 @@ class MasterServer:
         is waited on changes with every message), and whenever a message moved an urgent deadline.
         """
         stalls = WaitBoard(first=STALL_LOG_AFTER)
+        logged = -math.inf
         while True:
             now = trio.current_time()
-            self._log_stalls(now, stalls)
+            if now >= logged + self.config.heartbeat_interval:
+                # O(open votes): at most once per heartbeat interval, however often a deadline or a
+                # message (a deadlock check falling due) wakes the monitor.
+                logged = now
+                self._log_stalls(now, stalls)
             for effects in self.timers.tick(now):
                 self._execute(effects)
             deadline = self.timers.deadline_after_tick()
@@ -505,11 +512,10 @@ class MasterServer:
                 # Counting is not worth the run: a fault of the status page's bookkeeping is logged,
                 # the master serves on (its metrics may be short of these effects).
                 log.exception("internal error of the status page counting the master's effects")
-        if self.deadlocks is not None:
-            failed = self.deadlocks.check(self.state, trio.current_time())
-            if failed:
-                self._execute(failed)
-        # A candidate deadlock appeared, a member's hold started or ended, credential rows are owed:
+        if self.deadlocks is not None and effects:
+            # O(1): the check itself runs on the timers' clock (pccl/master/deadlock.py, issue 33).
+            self.deadlocks.changed(trio.current_time())
+        # A deadlock check fell due, a candidate deadlock appeared, a member's hold started or ended, credential rows are owed:
         # the monitor recomputes its sleep, so it acts on time.
         urgent = self.timers.urgent()
         if urgent != self._urgent:

@@ -1007,9 +1007,10 @@ class MasterState:
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self._start_establish(retry, members, newcomers)
 
-    def _open_votes(self) -> list[tuple[str, float, set[int], list[int], VoteKey]]:
+    def _open_votes(self, with_ops: bool = True) -> list[tuple[str, float, set[int], list[int], VoteKey]]:
         """Every vote that others have joined and that still misses some accepted peers, as
-        ``(what, when its first vote came, peers that have not voted, peers that have, which vote)``."""
+        ``(what, when its first vote came, peers that have not voted, peers that have, which vote)``
+        (``with_ops`` False: all but the collective votes)."""
         if not self.resumed:
             return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
         out: list[tuple[str, float, set[int], list[int], VoteKey]] = []
@@ -1022,21 +1023,50 @@ class MasterState:
         if rnd is not None and voting and rnd.votes:
             out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes),
                         ("topology", None)))
-        for (group, tag), op in sorted(self._ops.items()):
+        # Each group's members and the peer set once, not once per vote: a timer walks every open vote
+        # (up to members x max_open_votes), so each costs O(its group), not O(every peer).
+        groups: dict[int, set[int]] = {}
+        for p in self.ring:
+            groups.setdefault(self.peers[p].group, set()).add(p)
+        for (group, tag), op in sorted(self._ops.items()) if with_ops else ():
             if not op.running and op.votes:
                 out.append((f"collective tag {tag} (group {group}) vote", op.opened,
-                            set(self.accepted(group)) - set(op.votes), sorted(op.votes),
+                            groups.get(group, set()).difference(op.votes), sorted(op.votes),
                             ("op", (group, tag))))
         for group, sync in sorted(self._syncs.items()):
             if not sync.running and sync.votes:
                 out.append((f"shared-state sync vote (group {group})", sync.opened,
-                            set(self.accepted(group)) - set(sync.votes), sorted(sync.votes), ("sync", group)))
-        return [(what, opened, missing & set(self.peers), voted, key)
-                for what, opened, missing, voted, key in out if missing & set(self.peers)]
+                            groups.get(group, set()).difference(sync.votes), sorted(sync.votes),
+                            ("sync", group)))
+        known = self.peers.keys()
+        return [(what, opened, live, voted, key)
+                for what, opened, missing, voted, key in out if (live := missing & known)]
 
     def vote_deadline(self, timeout: float) -> float | None:
         """When the earliest open vote (one others joined) runs out of time for its missing voters."""
-        return min((v[1] + timeout for v in self._open_votes()), default=None)
+        first = self._earliest_open_vote()
+        return None if first is None else first + timeout
+
+    def _earliest_open_vote(self) -> float | None:
+        """When the oldest vote :meth:`_open_votes` lists opened, without building its rows.
+
+        The timers ask this at every tick and :meth:`vote_overdue` before any row is built: collective
+        votes (up to members x max_open_votes open) cost a few comparisons each, their sizes against the
+        group's (issue 33 item 3); the few other votes go through :meth:`_open_votes`.
+        """
+        if not self.resumed:
+            return None
+        best = min((v[1] for v in self._open_votes(with_ops=False)), default=None)
+        sizes = self._sizes_by_group()
+        for (group, _), op in self._ops.items():
+            if op.running or not op.votes or (best is not None and op.opened >= best):
+                continue
+            votes = op.votes
+            # Voters are accepted peers of the group (a lost one's ballot is withdrawn): fewer of them
+            # than members means someone is missing; otherwise check the members themselves.
+            if len(votes) < sizes.get(group, 0) or any(p not in votes for p in self.accepted(group)):
+                best = op.opened
+        return best
 
     def vote_overdue(self, now: float, timeout: float) -> list[Effect]:
         """Act on every vote its first ballot opened more than ``timeout`` seconds ago
@@ -1062,6 +1092,9 @@ class MasterState:
             the kicked peers).
         """
         self._now = now
+        first = self._earliest_open_vote()
+        if first is None or now <= first + timeout:
+            return []  # nothing overdue: no row built (this runs at every tick)
         late: dict[int, str] = {}
         alone: list[tuple[str, list[int], VoteKey]] = []
         for what, opened, missing, voted, key in self._open_votes():

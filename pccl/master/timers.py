@@ -87,7 +87,8 @@ class MasterTimers:
         if cfg.straggler_timeout is not None:
             ends.append(st.straggler_deadline(cfg.straggler_timeout, timeout))
         if self.deadlocks is not None:
-            yield []  # the server's deadlock check after each batch declares those whose grace ran out
+            # Checked on this clock, not after each message (issue 33 item 3): at most every `every`s.
+            yield self.deadlocks.poll(st, now)
             ends.append(self.deadlocks.deadline())
         self._ticked = min((e for e in ends if e is not None), default=None)
 
