@@ -159,6 +159,13 @@ class MasterConfig:
             cost the master work at every message (issue 33: 2000 of them stalled a master for
             seconds); an honest program holds one per collective call in flight. None: no cap.
             Default 256.
+        admission_grace: a newcomer the master admitted (by an admission vote) that has not yet taken
+            part in a collective or a shared-state sync is evicted, with the reason logged, once the
+            others have waited this many seconds on it in a vote (counted from the later of its
+            admission and the vote's first ballot). A peer that only answers ``P2PConnectionsDone``,
+            or calls nothing after ``connect``, otherwise holds every vote of its group until
+            ``vote_timeout`` (issue 33 item 6). Members taken back after a master's loss and members
+            that took part once are under ``vote_timeout`` alone. None disables it. Default 60 s.
     """
 
     heartbeat_interval: float = 0.5
@@ -185,9 +192,12 @@ class MasterConfig:
     credentials_batch_delay: float = 0.01
     run: str | None = None
     max_open_votes: int | None = 256
+    admission_grace: float | None = 60.0
 
     def __post_init__(self) -> None:
         _reject_nan(self)
+        if self.admission_grace is not None and self.admission_grace <= 0:
+            raise ValueError(f"admission_grace ({self.admission_grace}) must be > 0 or None")
         check_run_name(self.run, "MasterConfig.run")
         if self.max_open_votes is not None and self.max_open_votes < 1:
             raise ValueError(f"max_open_votes ({self.max_open_votes}) must be >= 1 or None")

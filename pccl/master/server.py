@@ -104,7 +104,8 @@ class MasterServer:
         self.timers = MasterTimers(self.state, TimerConfig(
             heartbeat_interval=cfg.heartbeat_interval, heartbeat_timeout=cfg.heartbeat_timeout,
             p2p_setup_timeout=cfg.p2p_setup_timeout, straggler_timeout=cfg.straggler_timeout,
-            vote_timeout=cfg.vote_timeout, quorum_hold_timeout=cfg.quorum_hold_timeout), self.deadlocks)
+            vote_timeout=cfg.vote_timeout, quorum_hold_timeout=cfg.quorum_hold_timeout,
+            admission_grace=cfg.admission_grace), self.deadlocks)
         self._urgent: tuple[float | None, ...] = self.timers.urgent()
         self._wake_monitor: trio.Event | None = None
         self._wake_go = trio.Event()  # set when a held-back tableless commence is first due

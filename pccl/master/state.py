@@ -81,6 +81,9 @@ class PeerRecord:
     # The collective votes it has cast that may still be open, by (group, tag); pruned lazily against
     # the votes themselves (MasterState._over_vote_cap), so it may hold keys of votes closed since.
     open_votes: set[tuple[int, int]] = field(default_factory=set)
+    # When an admission vote accepted it as a newcomer; None once it took part in a collective or a
+    # shared-state sync (or for a member taken back or accepted alone): MasterState.admission_overdue.
+    admitted: float | None = None
 
     def row(self) -> m.PeerRow:
         return m.PeerRow(self.peer_id, self.host, self.p2p_port, self.group)
@@ -1114,6 +1117,64 @@ class MasterState:
             effects += self.kick(p, reason)
         return effects
 
+    def _newcomer_waits(self) -> list[tuple[int, float, str, list[int]]]:
+        """For every newcomer not yet proven (:attr:`PeerRecord.admitted`) that an open vote others
+        joined misses: ``(peer, since when it holds them up, which vote, its voters)``, the oldest
+        such vote. O(open votes) per such newcomer, nothing without one."""
+        if not self.resumed:
+            return []
+        out: list[tuple[int, float, str, list[int]]] = []
+        for p in self.ring:
+            rec = self.peers[p]
+            if rec.admitted is None:
+                continue
+            best: tuple[float, str, Collection[int]] | None = None
+            candidates: list[tuple[float, str, Collection[int]]] = []
+            if self._pending.open and p not in self._pending.votes:
+                candidates.append((self._pending.opened, "are_peers_pending vote", self._pending.votes))
+            rnd = self._topology
+            if rnd is not None and rnd.voting and rnd.votes and p not in rnd.votes:
+                candidates.append((rnd.opened, f"{rnd.kind}_topology vote", rnd.votes))
+            sync = self._syncs.get(rec.group)
+            if sync is not None and not sync.running and sync.votes and p not in sync.votes:
+                candidates.append((sync.opened, f"shared-state sync vote (group {rec.group})", sync.votes))
+            for c in candidates:
+                if best is None or c[0] < best[0]:
+                    best = c
+            for (group, tag), op in self._ops.items():
+                if (group == rec.group and not op.running and op.votes and p not in op.votes
+                        and (best is None or op.opened < best[0])):
+                    best = (op.opened, f"collective tag {tag} (group {group}) vote", op.votes)
+            if best is not None:
+                out.append((p, max(best[0], rec.admitted), best[1], sorted(best[2])))
+        return out
+
+    def admission_deadline(self, grace: float) -> float | None:
+        """When the first unproven newcomer runs out of ``grace`` (see :meth:`admission_overdue`)."""
+        return min((since + grace for _, since, _, _ in self._newcomer_waits()), default=None)
+
+    def admission_overdue(self, now: float, grace: float) -> list[Effect]:
+        """Evict every newcomer that others have waited on in a vote for ``grace`` seconds
+        (MasterConfig.admission_grace) without it ever having taken part in a collective or a
+        shared-state sync since its admission (issue 33 item 6).
+
+        An admitted peer that never votes (one that only answered ``P2PConnectionsDone``, or calls
+        nothing after ``connect``) used to hold every vote of its group until ``vote_timeout``. The
+        grace counts from the later of its admission and the vote's first ballot: a newcomer is
+        evicted at most ``grace`` seconds after it first holds the others up. A member taken back
+        after a master's loss, or proven once, is under ``vote_timeout`` alone.
+        """
+        self._now = now
+        effects: list[Effect] = []
+        for p, since, what, voters in self._newcomer_waits():
+            if now >= since + grace and p in self.peers:
+                rec = self.peers[p]
+                effects += self.kick(p, (
+                    f"evicted: admitted {now - (rec.admitted or now):.1f}s ago and has taken part in no "
+                    f"collective or shared-state sync since; {voters} waited {now - since:.1f}s on it in "
+                    f"the {what} (admission_grace {grace:g}s)"))
+        return effects
+
     def _fail_open_vote(self, key: VoteKey, voters: list[int], reason: str) -> list[Effect]:
         """Fail the call of every voter of the open vote ``key`` (it stays unanswered otherwise)."""
         kind, which = key
@@ -1258,9 +1319,21 @@ class MasterState:
             return self.kick(peer_id, f"message {type(msg).__name__} is not allowed from a peer")
         if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Reregister, m.Heartbeat)):
             return self.kick(peer_id, f"{type(msg).__name__} before Register")
+        if rec.admitted is not None and self._takes_part(rec, msg):
+            rec.admitted = None  # a newcomer proven: it reports on a round it ran with the others
         effects = handler(self, rec, msg)
         effects[:0] = self._rows_due()  # first: before anything this message lets the members do
         return effects
+
+    def _takes_part(self, rec: PeerRecord, msg: m.Message) -> bool:
+        """``msg`` reports on a running collective or shared-state sync ``rec`` takes part in."""
+        if isinstance(msg, m.CollectiveDone):
+            op = self._ops.get((rec.group, msg.tag))
+            return op is not None and op.running and rec.peer_id in op.participant_set
+        if isinstance(msg, m.SharedStateDone):
+            rnd = self._syncs.get(rec.group)
+            return rnd is not None and rnd.running and rec.peer_id in rnd.participants
+        return False
 
     def _on_heartbeat(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         return []
@@ -2008,6 +2081,7 @@ class MasterState:
         accepted = m.Accepted(peers=table, epoch=rnd.epoch)
         for p in rnd.newcomers:
             self.peers[p].phase = Phase.ACCEPTED
+            self.peers[p].admitted = self._now
             effects.append(Send(p, accepted))
             effects.append(Event(f"peer {p} accepted (world size {len(self.ring)})"))
         result = m.TopologyResult(success=True, epoch=rnd.epoch, peers=table)

@@ -11,7 +11,8 @@ The timers, each a pair of the core (:class:`~pccl.master.state.MasterState`'s `
 * operations and rounds in doubt after a master's loss (a heartbeat timeout; pccl/master/ops_in_doubt.py);
 * the holds of members whose connection broke (``rejoin_grace``), and the credential rows owed to the
   holders of a set (``credentials_batch_delay``);
-* vote timeouts (``vote_timeout``) and the quorum hold (``quorum_hold_timeout``);
+* vote timeouts (``vote_timeout``), newcomers that hold votes up (``admission_grace``) and the quorum
+  hold (``quorum_hold_timeout``);
 * deadlocks whose grace ran out (:class:`~pccl.master.deadlock.DeadlockWatch`).
 
 Pure: times are passed in. A tick yields its effects in batches, one per step, so that the server
@@ -39,6 +40,7 @@ class TimerConfig:
     straggler_timeout: float | None = None
     vote_timeout: float | None = None
     quorum_hold_timeout: float | None = None
+    admission_grace: float | None = None
 
 
 class MasterTimers:
@@ -81,6 +83,9 @@ class MasterTimers:
         if cfg.vote_timeout is not None:
             yield st.vote_overdue(now, cfg.vote_timeout)
             ends.append(st.vote_deadline(cfg.vote_timeout))
+        if cfg.admission_grace is not None:
+            yield st.admission_overdue(now, cfg.admission_grace)
+            ends.append(st.admission_deadline(cfg.admission_grace))
         if cfg.quorum_hold_timeout is not None:
             yield st.hold_overdue(now, cfg.quorum_hold_timeout)
             ends.append(st.hold_deadline(cfg.quorum_hold_timeout))
@@ -111,6 +116,8 @@ class MasterTimers:
         ends = self._fixed_deadlines()
         if cfg.vote_timeout is not None:
             ends.append(st.vote_deadline(cfg.vote_timeout))
+        if cfg.admission_grace is not None:
+            ends.append(st.admission_deadline(cfg.admission_grace))
         if cfg.quorum_hold_timeout is not None:
             ends.append(st.hold_deadline(cfg.quorum_hold_timeout))
         if cfg.straggler_timeout is not None:
