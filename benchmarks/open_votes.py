@@ -28,6 +28,7 @@ import trio
 import trio.testing
 
 from pccl import MasterConfig
+from pccl.master.effects import Send
 from pccl.master.server import MasterServer
 from pccl.wire import messages as m
 
@@ -42,7 +43,8 @@ def _members(server: MasterServer, n: int) -> list[int]:
         st.handle(pid, m.Register(p2p_port=40000 + pid, peer_group=0), now)
         ids.append(pid)
     eff = st.handle(ids[0], m.UpdateTopologyVote(), now)
-    epoch = next(e.message.epoch for e in eff if isinstance(getattr(e, "message", None), m.EstablishP2P))
+    epoch = next(e.message.epoch for e in eff
+                 if isinstance(e, Send) and isinstance(e.message, m.EstablishP2P))
     for p in ids:
         st.handle(p, m.P2PConnectionsDone(epoch=epoch, success=True), now)
     assert st.accepted() == ids, st.accepted()
@@ -96,7 +98,8 @@ def main() -> None:
     ap.add_argument("--members", type=int, default=3)
     ap.add_argument("--messages", type=int, default=200)
     args = ap.parse_args()
-    res = trio.run(_run, args.votes, args.members, args.messages, clock=trio.testing.MockClock(autojump_threshold=0))
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    res = trio.run(_run, args.votes, args.members, args.messages, clock=clock)
     print(f"{args.votes} open votes held by one of {args.members} members (CPU ms)")
     for k, v in res.items():
         print(f"  {k:<12} {v * 1e3:10.3f}")

@@ -516,8 +516,8 @@ class MasterServer:
         if self.deadlocks is not None and effects:
             # O(1): the check itself runs on the timers' clock (pccl/master/deadlock.py, issue 33).
             self.deadlocks.changed(trio.current_time())
-        # A deadlock check fell due, a candidate deadlock appeared, a member's hold started or ended, credential rows are owed:
-        # the monitor recomputes its sleep, so it acts on time.
+        # A deadlock check fell due, a candidate deadlock appeared, a member's hold started or ended,
+        # credential rows are owed: the monitor recomputes its sleep, so it acts on time.
         urgent = self.timers.urgent()
         if urgent != self._urgent:
             if self._wake_monitor is not None and any(
