@@ -37,7 +37,8 @@ the way the server would, and times (``time.process_time``, CPU of this process)
   (``pccl.master.deadlock.DeadlockWatch``: since issue 33 item 3 marked changed, its check polled on the
   timers' clock, at most every ``DeadlockWatch.every`` seconds) and the next rejoin deadline. Before
   the deadlock check's bound from the open votes' sizes (``MasterState.deadlock_candidates``) it built
-  the set of voters after every message, which made each vote round O(n^2) (6.2 ms at 256 peers, 64 ms at 1024).
+  the set of voters after every message, which made each vote round O(n^2) (6.2 ms at 256 peers, 64 ms
+  at 1024).
 
 It prints the median over ``--repeats`` rounds, the cost per message received and the messages the
 master sends in the round; O(n) rounds keep the cost per message flat as ``n`` grows. Target (issue
