@@ -7,7 +7,8 @@ same call with different tags. Nobody else could vote, so without help they woul
 
 The peers' calls are failed with one error that names each peer's call. Because a peer may run
 several asynchronous operations and send their votes a moment apart, a deadlock must hold unchanged
-for ``grace`` seconds before it is declared (0: at once). A held master (rebuilding, or short of its
+for ``grace`` seconds before it is declared (0: at the next check, at most ``DeadlockWatch.every``
+seconds later). A held master (rebuilding, or short of its
 quorum: docs/concepts.md "Surviving the master") has no deadlocks: its votes wait for members.
 """
 
@@ -37,7 +38,8 @@ class Deadlock:
 
 def find_deadlocks(state: MasterState) -> list[Deadlock]:
     """Every peer group that is deadlocked right now (see the module docstring)."""
-    # Runs after every message: a deadlock needs at least two accepted peers of one group that all have a
+    # Runs on the timers' clock (DeadlockWatch.poll), at most every DeadlockWatch.every seconds while
+    # messages come, so its cost no longer multiplies with the message rate. A deadlock needs at least two accepted peers of one group that all have a
     # vote in, which almost never holds while a run makes progress. First a bound from the open votes'
     # sizes (O(votes open + groups), so that a vote round of n peers costs O(n), not O(n^2)), then the
     # voters themselves, and only then the calls each waits in.

@@ -853,9 +853,10 @@ class MasterState:
 
         An upper bound counted from the open votes' sizes alone: a peer voting in two calls counts
         twice, and a ring-wide vote (topology, are_peers_pending) counts for every group. It costs
-        O(open votes + groups), where :meth:`voting_peers` costs O(voters): the deadlock check runs
+        O(open votes + groups), where :meth:`voting_peers` costs O(voters): the deadlock check ran
         after every message, and with :meth:`voting_peers` alone a vote round of n peers cost the
-        master O(n^2) (docs/benchmarks.md "Control plane at many peers").
+        master O(n^2) (docs/benchmarks.md "Control plane at many peers"). It now runs on the timers'
+        clock (:class:`~pccl.master.deadlock.DeadlockWatch`), at most every ``every`` seconds.
         """
         counts: dict[int | None, int] = {}
         for group, voters in self._vote_sets():
