@@ -39,10 +39,10 @@ class Deadlock:
 def find_deadlocks(state: MasterState) -> list[Deadlock]:
     """Every peer group that is deadlocked right now (see the module docstring)."""
     # Runs on the timers' clock (DeadlockWatch.poll), at most every DeadlockWatch.every seconds while
-    # messages come, so its cost no longer multiplies with the message rate. A deadlock needs at least two accepted peers of one group that all have a
-    # vote in, which almost never holds while a run makes progress. First a bound from the open votes'
-    # sizes (O(votes open + groups), so that a vote round of n peers costs O(n), not O(n^2)), then the
-    # voters themselves, and only then the calls each waits in.
+    # messages come, so its cost no longer multiplies with the message rate. A deadlock needs at least
+    # two accepted peers of one group that all have a vote in, which almost never holds while a run makes
+    # progress. First a bound from the open votes' sizes (O(votes open + groups), so that a vote round of
+    # n peers costs O(n), not O(n^2)), then the voters themselves, and only then the calls each waits in.
     if not state.resumed:
         return []  # held (rebuilding, no quorum, a roll call or an operation in doubt): votes wait
     candidates = state.deadlock_candidates()
