@@ -1121,33 +1121,50 @@ class MasterState:
     def _newcomer_waits(self) -> list[tuple[int, float, str, list[int]]]:
         """For every newcomer not yet proven (:attr:`PeerRecord.admitted`) that an open vote others
         joined misses: ``(peer, since when it holds them up, which vote, its voters)``, the oldest
-        such vote. O(open votes) per such newcomer, nothing without one."""
+        such vote. One pass over the open votes (a membership test per unproven newcomer of the
+        vote's group each), nothing without such a newcomer."""
         if not self.resumed:
             return []
-        out: list[tuple[int, float, str, list[int]]] = []
+        unproven: dict[int, list[int]] = {}
         for p in self.ring:
             rec = self.peers[p]
-            if rec.admitted is None:
-                continue
-            best: tuple[float, str, Collection[int]] | None = None
-            candidates: list[tuple[float, str, Collection[int]]] = []
-            if self._pending.open and p not in self._pending.votes:
-                candidates.append((self._pending.opened, "are_peers_pending vote", self._pending.votes))
-            rnd = self._topology
-            if rnd is not None and rnd.voting and rnd.votes and p not in rnd.votes:
-                candidates.append((rnd.opened, f"{rnd.kind}_topology vote", rnd.votes))
-            sync = self._syncs.get(rec.group)
-            if sync is not None and not sync.running and sync.votes and p not in sync.votes:
-                candidates.append((sync.opened, f"shared-state sync vote (group {rec.group})", sync.votes))
-            for c in candidates:
-                if best is None or c[0] < best[0]:
-                    best = c
-            for (group, tag), op in self._ops.items():
-                if (group == rec.group and not op.running and op.votes and p not in op.votes
-                        and (best is None or op.opened < best[0])):
-                    best = (op.opened, f"collective tag {tag} (group {group}) vote", op.votes)
-            if best is not None:
-                out.append((p, max(best[0], rec.admitted), best[1], sorted(best[2])))
+            if rec.admitted is not None:
+                unproven.setdefault(rec.group, []).append(p)
+        if not unproven:
+            return []
+        best: dict[int, tuple[float, str, Collection[int]]] = {}
+
+        def offer(peers: list[int], opened: float, what: str, votes: Collection[int]) -> None:
+            for p in peers:
+                if p not in votes and (p not in best or opened < best[p][0]):
+                    best[p] = (opened, what, votes)
+
+        everyone = [p for peers in unproven.values() for p in peers]
+        if self._pending.open:
+            offer(everyone, self._pending.opened, "are_peers_pending vote", self._pending.votes)
+        rnd = self._topology
+        if rnd is not None and rnd.voting and rnd.votes:
+            offer(everyone, rnd.opened, f"{rnd.kind}_topology vote", rnd.votes)
+        for group, sync in self._syncs.items():
+            if group in unproven and not sync.running and sync.votes:
+                offer(unproven[group], sync.opened, f"shared-state sync vote (group {group})", sync.votes)
+        # Collective votes (up to members x max_open_votes): oldest first (timsort: about linear, they
+        # are kept in about that order), each newcomer stops at the first one it misses.
+        ops = sorted(((op.opened, key, op) for key, op in self._ops.items()
+                      if key[0] in unproven and not op.running and op.votes), key=lambda x: x[0])
+        for group, peers in unproven.items():
+            for p in peers:
+                for opened, (g, tag), op in ops:
+                    if p in best and best[p][0] <= opened:
+                        break
+                    if g == group and p not in op.votes:
+                        best[p] = (opened, f"collective tag {tag} (group {g}) vote", op.votes)
+                        break
+        out: list[tuple[int, float, str, list[int]]] = []
+        for p, (opened, what, votes) in sorted(best.items()):
+            admitted = self.peers[p].admitted
+            assert admitted is not None
+            out.append((p, max(opened, admitted), what, sorted(votes)))
         return out
 
     def admission_deadline(self, grace: float) -> float | None:
