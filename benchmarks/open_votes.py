@@ -14,7 +14,8 @@ The master's monitor (``MasterTimers.tick``: the vote timeout's deadline, the de
 on this clock at most every ``DeadlockWatch.every`` seconds) and its stall log are timed apart.
 
 It prints the worst and the median per message while the votes are opened and once they are open,
-and the median of 5 monitor ticks (each with the deadlock check due) and of 5 stall logs. Run it in two trees (before: ``git archive <base> | tar -x -C /tmp/base``,
+and the median of 5 monitor ticks (each with the deadlock check due) and of 5 stall logs. Run it in
+two trees (before: ``git archive <base> | tar -x -C /tmp/base``,
 ``PYTHONPATH=/tmp/base python benchmarks/open_votes.py``) to compare.
 """
 
