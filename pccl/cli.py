@@ -106,7 +106,11 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
 def _master_config(args: argparse.Namespace) -> MasterConfig:
     secret = args.secret
     if secret is None and args.secret_file is not None:
-        secret = _env.secret(None, {_env.ENV_SECRET_FILE: args.secret_file})
+        try:
+            with open(args.secret_file, encoding="utf-8") as f:
+                secret = f.read().strip()
+        except OSError as exc:
+            raise CliError(f"--secret-file {args.secret_file}: cannot read it ({exc.strerror})") from None
     if secret is None:
         secret = _env.secret(None)
     try:

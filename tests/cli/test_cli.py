@@ -118,6 +118,22 @@ def test_bad_host_and_bad_settings(capsys: pytest.CaptureFixture[str]) -> None:
     assert line.startswith("pccl-master: error: need 0 < heartbeat_interval (0.5) < heartbeat_timeout (0.1)")
 
 
+def test_an_unreadable_secret_file_names_the_option(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "no-such-secret"
+    assert master_main(["--secret-file", str(missing)]) == 2
+    assert _err_lines(capsys) == [
+        f"pccl-master: error: --secret-file {missing}: cannot read it (No such file or directory)"
+    ]
+    monkeypatch.setenv("PCCL_SECRET_FILE", str(missing))  # the variable: named as such
+    assert master_main(["--host", "127.0.0.1", "--port", "0"]) == 1
+    assert _err_lines(capsys) == [
+        f"pccl-master: error: INVALID_ARGUMENT: PCCL_SECRET_FILE={missing}: cannot read it "
+        "(No such file or directory)"
+    ]
+
+
 def test_version_and_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert master_main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"pccl-master {VERSION}"
