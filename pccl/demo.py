@@ -704,6 +704,14 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.peers < 2:
         p.error("--peers must be at least 2")
+    if a.steps is not None and a.steps < 8:
+        p.error(f"--steps must be at least 8 (a kill, then a few steps), got {a.steps}")
+    if a.step_delay is not None and not a.step_delay >= 0:
+        p.error(f"--step-delay must be 0 or more, got {a.step_delay}")
+    if a.timeout is not None and not a.timeout > 0:
+        p.error(f"--timeout must be more than 0, got {a.timeout}")
+    if a.hidden < 1:
+        p.error(f"--hidden must be at least 1, got {a.hidden}")
     steps = a.steps if a.steps is not None else (40 if a.quick else 100)
     delay = a.step_delay if a.step_delay is not None else (0.01 if a.quick else 0.05)
     kill_at = a.kill_at if a.kill_at is not None else max(1, steps // 3)

@@ -32,3 +32,18 @@ def test_demo_rejects_bad_arguments() -> None:
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         main(["--steps", "10", "--kill-at", "9"])
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--steps", "-1"], "--steps must be at least 8"),
+    (["--step-delay", "-1"], "--step-delay must be 0 or more"),
+    (["--timeout", "0"], "--timeout must be more than 0"),
+    (["--hidden", "0"], "--hidden must be at least 1"),
+])
+def test_demo_names_the_bad_option(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pccl.demo import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
