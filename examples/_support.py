@@ -44,14 +44,20 @@ def collect(procs: list[Any], results: Any, expected: int, timeout: float) -> li
     return reports
 
 
-def launched_peer(default_world: int) -> tuple[int, int] | None:
+def launched_peer(default_world: int, min_world: int = 2) -> tuple[int, int] | None:
     """``(rank, world_size)`` when this process was started as one peer of a run whose master runs
     elsewhere (``PCCL_MASTER`` is set, e.g. by ``pccl run``, which also sets ``PCCL_RANK`` and
-    ``PCCL_WORLD_SIZE``); None when the example should start its own master and peers."""
+    ``PCCL_WORLD_SIZE``); None when the example should start its own master and peers. A world smaller
+    than ``min_world`` (``pccl run -n 1``) ends the process with one line and exit code 2: the example
+    would wait for peers that never come."""
     if not os.environ.get("PCCL_MASTER", "").strip():
         return None
     rank = int(os.environ.get("PCCL_RANK", "0"))
     world = int(os.environ.get("PCCL_WORLD_SIZE", str(default_world)))
+    if world < min_world:
+        print(f"error: this example needs at least {min_world} peers; PCCL_WORLD_SIZE={world} "
+              f"(pccl run -n {min_world} or more)", file=sys.stderr)
+        sys.exit(2)
     print(f"peer {rank} of {world}: using the master at PCCL_MASTER={os.environ['PCCL_MASTER']}", flush=True)
     return rank, world
 

@@ -220,3 +220,17 @@ def test_a_peer_of_another_run_is_refused_by_a_named_master(tmp_path: Path) -> N
     assert "other run: this peer belongs to run 'theirs' and the master serves run 'mine'" in out.stdout
     assert "attempt" not in out.stdout  # refused once, not retried
     assert "other run: this peer belongs to run 'theirs' and the master serves run 'mine'" in log
+
+
+@pytest.mark.parametrize("example", ["hello_world.py", "digits_ddp.py"])
+def test_an_example_launched_alone_says_it_needs_two_peers(example: str) -> None:
+    """`pccl run -n 1 examples/digits_ddp.py` waited forever for a second peer, silently; hello_world
+    failed in its all-reduce with a traceback. Both now stop at once with one line (no master needed:
+    they stop before they connect)."""
+    env = {**os.environ, "PCCL_MASTER": "127.0.0.1:9", "PCCL_RANK": "0", "PCCL_WORLD_SIZE": "1"}
+    out = subprocess.run([sys.executable, str(EXAMPLES / example), "--short"] if example != "hello_world.py"
+                         else [sys.executable, str(EXAMPLES / example)],
+                         capture_output=True, text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.splitlines()[-1] == (
+        "error: this example needs at least 2 peers; PCCL_WORLD_SIZE=1 (pccl run -n 2 or more)")
