@@ -15,6 +15,7 @@ every rank holds the same parameters (exit 1 otherwise); rank 0 prints the loss 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -34,6 +35,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.backend == "pccl":
         import pccl.torch  # noqa: F401  (registers the "pccl" backend)
+
+        if not os.environ.get("PCCL_MASTER"):  # started with plain python: say how to launch it
+            p.error("no PCCL_MASTER: start it with 'pccl run -n 3 examples/torch_ddp.py' (or torchrun "
+                    "--nproc-per-node 3 with --backend gloo)")
 
         dist.init_process_group("pccl", init_method="pccl://")
     else:

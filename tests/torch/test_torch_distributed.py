@@ -216,6 +216,17 @@ def test_the_plain_ddp_example_runs_under_pccl_run() -> None:
     assert "pccl: 2 ranks, 5 steps, parameters identical on every rank: True" in proc.stdout
 
 
+def test_the_plain_ddp_example_started_without_the_launcher_says_how() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PCCL_MASTER"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "torch_ddp.py"), "--short"],
+                          capture_output=True, text=True, timeout=WAIT, env=env, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith(
+        "torch_ddp.py: error: no PCCL_MASTER: start it with 'pccl run -n 3 examples/torch_ddp.py'")
+
+
 # ---------------------------------------------------------------------------------------------------
 # several groups in this process (one background thread each): fast, and a peer can be closed on cue
 
