@@ -37,6 +37,9 @@ keep their code, only these environment adaptations are applied (each one is pri
   (outer steps made, no traceback).
 
 Prints a table ``test or example | verdict | time`` and exits 1 when something not expected to fail failed.
+The upstream scripts' masters all listen on 127.0.0.1:48148: a test that finds another process there is a
+FAIL saying so (another job's master would take its peers); on a shared machine run the script in a network
+namespace of its own: ``unshare -rn sh -c 'ip link set lo up && python scripts/upstream_compat.py UPSTREAM'``.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -487,6 +491,30 @@ def run_nanogpt_diloco(r: Runner, py: Path, script: str, master: str, configs: s
         [[f"--config_path={configs}_0.json"], [f"--config_path={configs}_1.json"]], 900)
 
 
+#: The master port the upstream scripts hard-code (127.0.0.1:48148 after the adaptation above).
+UPSTREAM_PORT = 48148
+
+
+def port_held_by_another(port: int = UPSTREAM_PORT, wait: float = 10.0) -> bool:
+    """Whether something still listens on 127.0.0.1:``port`` after up to ``wait`` seconds (the previous
+    test's master may take a moment to close). Another job's master there (the upstream scripts all use
+    this port) would receive this test's peers and fail them with a misleading error."""
+    deadline = time.monotonic() + wait
+    while True:
+        with socket.socket() as s:
+            s.settimeout(1.0)
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.2)
+
+
+BUSY_PORT = (f"127.0.0.1:{UPSTREAM_PORT} is held by another process (the upstream scripts hard-code "
+             "that port), so this test did not run; run the script in a network namespace of its own: "
+             "unshare -rn sh -c 'ip link set lo up && python scripts/upstream_compat.py UPSTREAM'")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("upstream", type=Path, help="upstream checkout (holding python/) or bare git dir")
@@ -537,7 +565,7 @@ def main() -> int:
             continue
         print(f"running {name} ...", flush=True)
         t0 = time.monotonic()
-        ok, detail = fn()
+        ok, detail = (False, BUSY_PORT) if port_held_by_another() else fn()
         verdict = "pass" if ok else ("fail (expected)" if expected_failure else "FAIL")
         outcomes.append(Outcome(name, verdict, time.monotonic() - t0, expected_failure, detail))
         print(f"  {verdict}: {detail}", flush=True)
