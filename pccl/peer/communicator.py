@@ -22,14 +22,10 @@ import collections
 import functools
 import logging
 import math
-import os
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import trio
 
 from .. import _env, _tls
@@ -42,30 +38,20 @@ from .._errors import (
     KickedError,
     MasterConnectionError,
     PCCLError,
-    RankConnectionFailedError,
     RankConnectionLostError,
     RemoteProtocolError,
     Result,
-    TooFewPeersError,
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
 )
 from .._types import (
     Attribute,
-    DataType,
-    QuantizationAlgorithm,
-    QuantizationOptions,
-    ReduceInfo,
-    ReduceOp,
     SharedStateSyncInfo,
     SharedStateSyncStrategy,
 )
 from .._waits import format_wait
-from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel, same_host, schedule_for
-from ..collectives.ring import plan_for, plan_partners, run_collective
-from ..collectives.schedule import chunk_bounds, send_partners
-from ..collectives.staging import Staging, device_for
-from ..kernels import backend, reduce
+from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel
+from ..collectives.schedule import send_partners
 from ..kernels.buffers import BufferCache
 from ..transport import ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
@@ -73,6 +59,7 @@ from ..wire import messages as m
 from ..wire.handshake import HandshakeFailed, offer_hello
 from ..wire.stream import MessageStream
 from . import bandwidth, shared_state
+from .collective_api import PHASES, CollectiveCalls, OpState
 from .credentials import CredentialStore
 from .mailbox import Mailbox, Waiter
 from .notices import WaitReporter
@@ -80,7 +67,7 @@ from .p2p import P2PConnections, P2PDialer, serve_p2p
 from .pool import P2PPool
 from .progress import TransferProgress
 from .spin import Spinner
-from .stall import StalledOn, StallWatch
+from .stall import StallWatch
 from .state import (
     AbortOp,
     Call,
@@ -98,17 +85,6 @@ from .state import (
 )
 
 log = logging.getLogger("pccl.peer")
-
-#: The one-host link model (pccl.collectives.cost.same_host) for this machine's cores.
-_SAME_HOST = same_host(os.cpu_count() or 1)
-
-# Between two attempts to open a partner connection inside an operation (_connect_riding_out):
-# doubling from the first to the last.
-_PARTNER_BACKOFF = 0.05
-_PARTNER_BACKOFF_MAX = 1.0
-
-# The phases of a collective that statistics() reports, in call order (see _record_phases).
-_PHASES = ("vote", "ring", "confirm", "commit")
 
 #: A peer not accepted this soon after registering says at INFO that it waits (the first peer of a run
 #: is accepted at once and says nothing).
@@ -147,22 +123,13 @@ def _no_limit(seconds: float | None) -> float:
     return float("inf") if seconds is None else seconds
 
 
-@dataclass
-class _OpState:
-    """A collective in flight, registered under its tag."""
+class Communicator(CollectiveCalls):
+    """A peer of a pccl run (native async API). Create it with :func:`open_communicator`.
 
-    tag: int
-    commence: Waiter[m.CollectiveCommence]
-    complete: Waiter[m.CollectiveComplete]
-    scope: trio.CancelScope | None = None
-    op_seq: int = -1
-    abort_error: PCCLError | None = None
-    concluded: bool = False
-    plane_done: bool = False  # this peer's data plane finished
-
-
-class Communicator:
-    """A peer of a pccl run (native async API). Create it with :func:`open_communicator`."""
+    The collective calls (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``,
+    ``reduce``, ``all_to_all``, ``all_reduce_multiple_with_retry``) come from
+    :class:`~pccl.peer.collective_api.CollectiveCalls`.
+    """
 
     def __init__(
         self,
@@ -211,7 +178,7 @@ class Communicator:
         self._accepted: Waiter[m.Accepted] = Waiter()
         self._topology_waiter: Waiter[m.TopologyResult] | None = None
         self._pending_waiters: collections.deque[Waiter[m.PeersPendingResult]] = collections.deque()
-        self._ops: dict[int, _OpState] = {}  # the waiting side of the core's ops, by tag
+        self._ops: dict[int, OpState] = {}  # the waiting side of the core's ops, by tag
         self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
         self._state_server = shared_state.StateServer(plan_timeout=self.config.connect_timeout)
         self._dialer: P2PDialer | None = None
@@ -230,7 +197,7 @@ class Communicator:
         # Where successful collectives spent their time (wall seconds, summed; and the latest one's):
         # "vote" (initiate sent -> master's commence), "ring" (the data plane), "confirm" (done sent
         # -> master's complete) and "commit" (result into the caller's buffer).
-        self._phase_seconds: dict[str, float] = dict.fromkeys(_PHASES, 0.0)
+        self._phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self._last_phases: dict[str, float] = {}
         self._stall = StallWatch(self.config.p2p_stall_timeout, self._pool_progress,
                                  blocked=self._blocked_partners)
@@ -950,293 +917,6 @@ class Communicator:
             if waiter in self._pending_waiters:
                 self._pending_waiters.remove(waiter)
 
-    # ------------------------------------------------------------------------------------------
-    # collectives
-
-    async def all_reduce(
-        self,
-        send: Any,
-        recv: Any = None,
-        *,
-        op: ReduceOp = ReduceOp.SUM,
-        tag: int = 0,
-        quantization: QuantizationOptions | None = None,
-    ) -> ReduceInfo:
-        """Ring all-reduce of ``send`` into ``recv`` (``recv`` None or ``send`` itself: in place).
-
-        GPU tensors are staged through host memory (:mod:`pccl.collectives.staging`): ``send`` is
-        copied to the host block by block (ordered after the work queued on the current CUDA stream)
-        as the data plane needs each block; an in-place result is copied back range by range as it
-        becomes final (and rolled back if the operation fails), any other at the commit. Every copy
-        is complete when the call returns. This applies to every collective.
-
-        Args:
-            send: contiguous numpy array, torch tensor (CPU or CUDA) or cupy array.
-            recv: output of the same dtype and element count (may be ``send``), on the same device as
-                ``send`` (other peers may use other devices).
-            op: SUM, AVG, PROD, MIN or MAX (accumulated in the tensor's dtype).
-            tag: operations with different tags may run concurrently.
-            quantization: optional wire compression (floats only).
-
-        Returns:
-            ReduceInfo(local_world_size, tx_bytes, rx_bytes).
-
-        Raises:
-            TooFewPeersError: fewer than 2 peers in the group.
-            InvalidArgumentError: bad buffers (type, dtype, size, contiguity, ``send`` and ``recv`` on
-                different devices), raised before voting.
-            InvalidUsageError: ``tag`` is already running.
-            RankConnectionLostError: a participant failed; ``recv`` holds its previous bits.
-            MasterConnectionError: the master is lost.
-        """
-        return await self._collective("all_reduce", send, recv, op=op, tag=tag, quantization=quantization)
-
-    async def reduce_scatter(
-        self, send: Any, recv: Any = None, *, op: ReduceOp = ReduceOp.SUM, tag: int = 0
-    ) -> tuple[ReduceInfo, slice]:
-        """Reduce ``send`` across the group; this peer receives its own chunk.
-
-        Returns:
-            (info, chunk): ``recv[chunk]`` holds this peer's reduced chunk (the rest of ``recv`` is
-            unchanged). Chunk r has ``count // n`` elements plus one if ``r < count % n``.
-        """
-        info = await self._collective("reduce_scatter", send, recv, op=op, tag=tag)
-        return info, self._last_chunk
-
-    async def all_gather(self, send: Any, recv: Any, *, tag: int = 0) -> ReduceInfo:
-        """Gather every peer's ``send`` into ``recv`` in ring (rank) order.
-
-        ``recv`` must hold ``group_world_size * len(send)`` elements; if the group changed since the
-        last call the operation fails with INVALID_ARGUMENT and ``recv`` is untouched.
-        """
-        return await self._collective("all_gather", send, recv, op=ReduceOp.SUM, tag=tag)
-
-    async def broadcast(self, tensor: Any, *, root: int = 0, tag: int = 0) -> ReduceInfo:
-        """Overwrite ``tensor`` on every peer with the root's contents.
-
-        Args:
-            root: rank of the root in this group's ring (see :attr:`rank`) as this peer sees it when
-                it calls; the operation names that peer by id, so the same peer stays the root when
-                the ring it commences on lost a member this peer did not know of yet.
-            tag: the operation's tag.
-
-        Returns:
-            The operation's :class:`ReduceInfo`.
-
-        Raises:
-            InvalidArgumentError: ``root`` is not a rank of the group.
-            RankConnectionLostError: the root (or another participant) was lost.
-        """
-        return await self._collective("broadcast", tensor, tensor, op=ReduceOp.SUM, tag=tag, root=root)
-
-    _last_chunk: slice = slice(0, 0)
-
-    async def _collective(
-        self,
-        kind: str,
-        send: Any,
-        recv: Any,
-        *,
-        op: ReduceOp,
-        tag: int,
-        root: int = 0,
-        quantization: QuantizationOptions | None = None,
-    ) -> ReduceInfo:
-        await self._await_link()
-        self._core.check_tag(tag)
-        op = ReduceOp(op)
-        if recv is None:
-            recv = send
-        sdesc = backend.describe(send)
-        rdesc = backend.describe(recv)
-        if sdesc.dtype != rdesc.dtype:
-            raise InvalidArgumentError(f"send is {sdesc.dtype.name} but recv is {rdesc.dtype.name}")
-        # Checked before voting so that the other peers are not dragged into a failed op.
-        device = backend.device_index(send)
-        backend.check_same_device(device, backend.device_index(recv))
-        staging_device = device_for(send)  # None for host tensors
-        on_gpu = staging_device is not None
-        q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
-        descriptor = self._core.describe_collective(
-            kind,
-            tag=tag,
-            dtype=sdesc.dtype,
-            send_count=sdesc.count,
-            recv_count=rdesc.count,
-            op=op,
-            root=root,
-            quantization=q,
-            schedule=self.config.schedule,
-        )
-        stage: np.ndarray | None = None
-        staging: Staging | None = None
-        committed = False
-        t_start = time.perf_counter()
-        st = _OpState(tag=tag, commence=Waiter(), complete=Waiter())
-        self._notices.begin(("op", tag), functools.partial(self._describe_op_wait, kind, st))
-        self._core.begin_op(tag)
-        self._spinner.begin()  # poll instead of sleeping while it runs (pccl/peer/spin.py)
-        self._ops[tag] = st
-        work: np.ndarray | None = None
-        partners: list[int] = []  # every peer this op's plan sends to or receives from
-        plane_ok = False  # this peer's data plane finished (the op may still fail elsewhere)
-        stalled_on = -1  # the partner whose frames were not taken when the data plane stalled
-        try:
-            # The speculative start (docs/protocol.md section 4): with the op_seq the last confirmation
-            # of this tag reserved, the data plane starts right after the vote, on the current ring, and
-            # the master's one answer (Complete or Abort) settles it.
-            proposal = self._core.speculate(tag, rdesc.nbytes)
-            st.op_seq = proposal
-            await self._send_now(m.CollectiveInitiate(tag=tag, descriptor=descriptor, op_seq=proposal))
-            if proposal >= 0:
-                rows = self._core.group_rows()
-            else:
-                commence = await st.commence.wait()
-                st.op_seq = commence.op_seq
-                rows = commence.peers
-            t_commence = time.perf_counter()
-            ring = [r.peer_id for r in rows]
-            self._core.reconcile_group(rows)
-            self._core.commenced(tag, ring)
-            problem = self._core.commence_problem(descriptor, rdesc.count, ring)
-            if problem is not None:
-                self.pool.forget_op(st.op_seq)  # frames others already sent must not stay stashed
-                await self._report_failure(st, problem[0])
-                raise problem[1]
-            # from here on ``root`` is the root's position in this ring, not the caller's rank
-            root = self._core.root_position(descriptor, ring)
-            if staging_device is not None:
-                # Host staging, pipelined with the data plane (pccl/collectives/staging.py): the ring
-                # runs on a host stage of ``send`` filled block by block; an in-place result goes
-                # back range by range, and is rolled back if the operation fails.
-                stage = self._gpu_cache.take(backend.dtype_to_numpy(sdesc.dtype), sdesc.count, send)
-                staging = Staging(
-                    staging_device, send, stage, recv=recv,
-                    average_over=len(ring) if op == ReduceOp.AVG else 0, dtype=sdesc.dtype,
-                )
-            send_np = stage if stage is not None else backend.as_numpy(send)
-            cache = self._gpu_cache if on_gpu else self._work_cache
-            work = cache.take(send_np.dtype, rdesc.count, recv if on_gpu else None)
-            ok, reason, tx, rx = False, "", 0, 0
-            with trio.CancelScope() as scope:
-                st.scope = scope
-                if st.abort_error is not None:
-                    # The abort arrived right behind the commence, before this task ran again, so
-                    # the AbortOp effect found no scope to cancel: cancel now, before the ring starts (the
-                    # failure path below forgets the op's stashed frames and raises the abort).
-                    scope.cancel()
-                try:
-                    schedule = self._schedule(descriptor, rows, sdesc.dtype, root)
-                    try:
-                        partners = await self._connect_partners(
-                            kind, rows, descriptor, sdesc.dtype, schedule, root
-                        )
-                    except BaseException:
-                        self.pool.forget_op(st.op_seq)  # run_collective never ran: drop early frames
-                        raise
-                    # A speculative data plane may wait for peers that have not voted yet: its stall
-                    # clock starts with the master's commence (every participant voted), which comes
-                    # off the critical path; the master's vote timeout bounds the wait before.
-                    tx, rx = await self._stall.guarded(
-                        functools.partial(
-                            self._run_dataplane, kind, st, ring, send_np, work, op, root, q, schedule,
-                            staging,
-                        ),
-                        arm_when=(lambda: st.commence.done) if proposal >= 0 else None,
-                    )
-                    ok = plane_ok = st.plane_done = True
-                except PCCLError as exc:
-                    reason = str(exc)
-                    stalled_on = exc.peer_id if isinstance(exc, StalledOn) else -1
-            st.scope = None
-            if st.abort_error is not None:
-                raise st.abort_error
-            if not ok:
-                await self._report_failure(st, reason, stalled_on)
-                if proposal >= 0:
-                    # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
-                    # size): the master's verdict names the real cause, and it is an abort.
-                    await st.complete.wait()
-                raise RankConnectionLostError(reason)
-            t_ring = time.perf_counter()
-            # In doubt from here until the master answers: a master lost now (even while this
-            # report is being sent) leaves the op waiting for the decision of the master this peer
-            # reconnects to, instead of failing it (docs/concepts.md "Operations in doubt").
-            self._core.op_done(tag)
-            try:
-                await self._send_now(m.CollectiveDone(tag=tag, success=True, op_seq=st.op_seq))
-            except RankConnectionLostError:
-                if not self._core.reconnecting:
-                    raise
-            await st.complete.wait()
-            t_complete = time.perf_counter()
-            st.concluded = True
-            # Commit: the only place the caller's buffer is written (but for a device tensor's
-            # in-place result, delivered during the data plane and rolled back by staging.abort()
-            # if the operation fails). Synchronous: a cancellation cannot land half-way.
-            delivered = staging is not None and staging.delivered
-            self._commit(kind, op, work, recv, len(ring), ring.index(self.peer_id), sdesc.dtype, delivered)
-            committed = True
-            self._core.op_committed(tag, st.op_seq)
-            # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
-            cache.give_back(work)
-            work = None
-            if stage is not None:
-                cache.give_back(stage)
-            self._stats[f"{kind}_ok"] += 1
-            self._stats[f"schedule_{schedule}_ok"] += 1
-            self._record_phases(t_start, t_commence, t_ring, t_complete, time.perf_counter())
-            return ReduceInfo(local_world_size=len(ring), tx_bytes=tx, rx_bytes=rx)
-        except PCCLError:
-            self._stats[f"{kind}_failed"] += 1
-            if plane_ok:
-                # Our data plane finished but the op failed elsewhere: a partner whose data plane
-                # failed closed its connections with us. Close ours too, so that the retry opens
-                # fresh ones instead of writing into one the partner gave up (a generic stream
-                # cannot tell that without a failed send).
-                await self.pool.disconnect_all(partners)
-            raise
-        finally:
-            if not st.concluded and st.abort_error is None and self._core.lost is None \
-                    and not self._core.reconnecting:
-                # Cancelled by the caller while voting or running: withdraw, so the master aborts the
-                # op for the other participants instead of leaving them waiting for us.
-                self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
-            self._ops.pop(tag, None)
-            self._notices.end(("op", tag))
-            self._core.end_op(tag)
-            self._spinner.end()
-            if staging is not None and not committed:
-                # Failed or cancelled: no device copy may outlive this call, and recv gets back the
-                # bits a pipelined delivery overwrote (shielded inside; raises if it cannot).
-                await staging.abort()
-
-    def _describe_op_wait(self, kind: str, st: _OpState, waited: float) -> str | None:
-        group = f"peer group {self.peer_group}"
-        if not st.commence.done and not st.plane_done:  # (a speculative plane too: not everyone voted)
-            return (f"peer {self.peer_id}: {kind} (tag {st.tag}) has waited {format_wait(waited)} for the "
-                    f"other accepted peers of {group} to call it with the same tag (the master's log names "
-                    f"those it waits for); MasterConfig.vote_timeout bounds it")
-        if st.plane_done and not st.complete.done:
-            return (f"peer {self.peer_id}: {kind} (tag {st.tag}) finished here and has waited "
-                    f"{format_wait(waited)} in all for the other participants to finish it")
-        return None  # moving data (PeerConfig.p2p_stall_timeout bounds a stalled transfer)
-
-    def _record_phases(self, *t: float) -> None:
-        """Record a successful collective's phases from the ``len(_PHASES) + 1`` instants between them."""
-        phases = {name: t[i + 1] - t[i] for i, name in enumerate(_PHASES)}
-        self._last_phases = phases
-        for name, seconds in phases.items():
-            self._phase_seconds[name] += seconds
-
-    async def _report_failure(self, st: _OpState, reason: str, stalled_on: int = -1) -> None:
-        st.concluded = True
-        try:
-            await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq,
-                                              stalled_on=stalled_on))
-        except PCCLError:
-            pass
-
     def _blocked_partners(self) -> list[int]:
         return self.pool.blocked_partners() if self.pool is not None else []
 
@@ -1244,246 +924,6 @@ class Communicator:
         """The pool's byte counters: what the stall watch samples."""
         stats = self.pool.statistics()
         return (stats["tx_bytes"], stats["rx_bytes"])
-
-    def _schedule(
-        self, descriptor: m.CollectiveDescriptor, rows: list[m.PeerRow], dtype: DataType, root: int
-    ) -> str:
-        """The schedule this operation runs: from the descriptor (equal on every participant, the
-        master checked), the operation's group (its table, the same on every participant) and the
-        link summary the master sent every member, so every participant picks the same. Without a
-        summary, a group whose members all have one address (one host) is priced with
-        :func:`~pccl.collectives.cost.same_host` for this host's cores (one host: the same count on
-        every member), any other with the LAN defaults."""
-        links = self._links
-        if links is None and len({r.host for r in rows}) == 1:
-            links = _SAME_HOST
-        return schedule_for(
-            descriptor.schedule,
-            descriptor.kind,
-            len(rows),
-            descriptor.element_count * backend.dtype_to_numpy(dtype).itemsize,
-            quantized=descriptor.quantization != int(QuantizationAlgorithm.NONE),
-            links=links,
-            root=root,
-        )
-
-    async def _connect_partners(
-        self,
-        kind: str,
-        rows: list[m.PeerRow],
-        descriptor: m.CollectiveDescriptor,
-        dtype: DataType,
-        schedule: str,
-        root: int,
-    ) -> list[int]:
-        """Open (or check) the outgoing connections to every rank this peer's plan sends to: the
-        ring successor under the ring, the halving-doubling partners or tree parent and children
-        otherwise. Already open connections cost nothing; new ones one round trip, concurrently.
-
-        Returns:
-            The peer ids the plan sends to or receives from.
-
-        Raises:
-            RankConnectionFailedError: a connection could not be opened.
-        """
-        ids = [r.peer_id for r in rows]
-        plan = plan_for(
-            kind,
-            len(ids),
-            ids.index(self.peer_id),
-            descriptor.element_count,
-            backend.dtype_to_numpy(dtype).itemsize,
-            schedule=schedule,
-            root=root,
-            quantized=descriptor.quantization != int(QuantizationAlgorithm.NONE),
-        )
-        to_ranks, from_ranks = plan_partners(plan)
-        partners = sorted({ids[r] for r in to_ranks} | {ids[r] for r in from_ranks})
-        # the steady state: every connection open (a peek each, as pool.connect would do); no tasks
-        targets = [rows[r] for r in to_ranks if not self.pool.is_connected(rows[r].peer_id)]
-        if not targets:
-            await trio.lowlevel.checkpoint()
-            return partners
-        errors: list[PCCLError] = []
-
-        async def one(row: m.PeerRow) -> None:
-            try:
-                await self._connect_riding_out(row)
-            except PCCLError as exc:  # reported once, as itself (not as an exception group)
-                errors.append(exc)
-
-        try:
-            if len(targets) == 1:
-                await self._connect_riding_out(targets[0])
-            else:
-                async with trio.open_nursery() as nursery:
-                    for row in targets:
-                        nursery.start_soon(one, row)
-            if errors:
-                raise errors[0]
-        except BaseException:
-            # The operation fails here, before its data plane: the partners whose data planes did
-            # start fail too and close their connections with this peer (run_collective's failure
-            # path). Close ours with every partner as well, as that path would have, so that the
-            # retry opens fresh ones instead of writing into one a partner gave up.
-            await self.pool.disconnect_all(partners)
-            raise
-        return partners
-
-    async def _connect_riding_out(self, row: m.PeerRow) -> None:
-        """``pool.connect`` to a partner, tried again while it fails for up to ``p2p_stall_timeout``:
-        an operation rides out a partitioned link while it opens a connection, as its data plane
-        does while it sends (docs/concepts.md "Partitioned P2P link"). A partner that died is
-        evicted by the master meanwhile, whose abort cancels this.
-
-        Raises:
-            RankConnectionFailedError: still failing at the deadline.
-        """
-        deadline = trio.current_time() + self.config.p2p_stall_timeout
-        backoff = _PARTNER_BACKOFF
-        while True:
-            try:
-                await self.pool.connect(row.peer_id, row.host, row.port)
-                return
-            except RankConnectionFailedError:
-                if self._closed or trio.current_time() + backoff >= deadline:
-                    raise
-            await trio.sleep(backoff)  # a back-off between attempts, not a synchronization
-            backoff = min(2 * backoff, _PARTNER_BACKOFF_MAX)
-
-    async def _run_dataplane(
-        self,
-        kind: str,
-        st: _OpState,
-        ring: list[int],
-        send_np: np.ndarray,
-        work: np.ndarray,
-        op: ReduceOp,
-        root: int,
-        q: QuantizationOptions,
-        schedule: str = "ring",
-        staging: Staging | None = None,
-    ) -> tuple[int, int]:
-        ring_op = ReduceOp.SUM if op == ReduceOp.AVG else op
-        kwargs: dict[str, Any] = {}
-        if q.algorithm != QuantizationAlgorithm.NONE:
-            kwargs["quantization"] = q
-        return await run_collective(
-            self.pool,
-            kind=kind,
-            ring=ring,
-            my_id=self.peer_id,
-            tag=st.tag,
-            op_seq=st.op_seq,
-            send=send_np,
-            out=work,
-            op=ring_op,
-            root=root,
-            schedule=schedule,
-            staging=staging,
-            **kwargs,
-        )
-
-    def _commit(
-        self,
-        kind: str,
-        op: ReduceOp,
-        work: np.ndarray,
-        recv: Any,
-        n: int,
-        rank: int,
-        dtype: DataType,
-        delivered: bool = False,
-    ) -> None:
-        """Write the result (host ``work``) into the caller's ``recv``; AVG is finalized here, on host.
-
-        reduce_scatter writes only this rank's chunk. A GPU ``recv`` gets a synchronous host-to-device
-        copy (complete on return), unless the staging pipeline already ``delivered`` the result
-        (finalized) into it during the data plane.
-        """
-        lo, hi = chunk_bounds(work.size, n)[rank] if kind == "reduce_scatter" else (0, work.size)
-        if not delivered:
-            if op == ReduceOp.AVG:  # all_reduce and reduce_scatter only: the others run as SUM
-                reduce.finalize_avg(work[lo:hi], n, dtype=dtype)
-            if backend.is_cuda(recv):
-                backend.copy_from_host(recv, work, lo, hi)
-            else:
-                backend.as_numpy(recv)[lo:hi] = work[lo:hi]
-        if kind == "reduce_scatter":
-            self._last_chunk = slice(lo, hi)
-
-    async def all_reduce_multiple_with_retry(
-        self,
-        ops: Sequence[tuple[Any, Any, ReduceOp] | dict[str, Any]],
-        *,
-        max_in_flight: int = 4,
-        base_tag: int = 0,
-    ) -> ReduceInfo:
-        """Run several all-reduces concurrently, retrying failed ones until all succeed.
-
-        Args:
-            ops: items ``(send, recv, op)`` or dicts with keys send, recv, op, tag, quantization.
-            max_in_flight: cap on operations running at once.
-            base_tag: tags used are ``base_tag + index`` unless a dict names its own ``tag``.
-
-        Returns:
-            Summed ReduceInfo (world size of the last successful op).
-
-        Raises:
-            TooFewPeersError: the world dropped below 2 before all succeeded.
-        """
-        if max_in_flight < 1:
-            raise InvalidArgumentError("max_in_flight must be >= 1")
-        items: list[dict[str, Any]] = []
-        for i, o in enumerate(ops):
-            if isinstance(o, dict):
-                d = dict(o)
-            else:
-                d = {"send": o[0], "recv": o[1], "op": o[2]}
-            d.setdefault("tag", base_tag + i)
-            items.append(d)
-        tx = rx = 0
-        world = 0
-        remaining = list(range(len(items)))
-        while remaining:
-            failures: list[int] = []
-            fatal: list[PCCLError] = []
-            limiter = trio.CapacityLimiter(max_in_flight)
-            results: dict[int, ReduceInfo] = {}
-
-            async def one(i: int) -> None:
-                d = items[i]
-                try:
-                    results[i] = await self.all_reduce(
-                        d["send"],
-                        d.get("recv"),
-                        op=d.get("op", ReduceOp.SUM),
-                        tag=d["tag"],
-                        quantization=d.get("quantization"),
-                    )
-                except RankConnectionLostError:
-                    failures.append(i)
-                except PCCLError as exc:
-                    fatal.append(exc)
-                finally:
-                    limiter.release_on_behalf_of(i)
-
-            async with trio.open_nursery() as nursery:
-                # Launch strictly in index order: every peer then has the same window of tags in
-                # flight (random task start order could give peers disjoint windows: a deadlock).
-                for i in remaining:
-                    await limiter.acquire_on_behalf_of(i)
-                    nursery.start_soon(one, i)
-            if fatal:
-                raise fatal[0]
-            for info in results.values():
-                tx += info.tx_bytes
-                rx += info.rx_bytes
-                world = info.local_world_size
-            remaining = sorted(failures)
-            if remaining and len(self.group_ring) < 2:
-                raise TooFewPeersError("the world dropped below 2 peers before all operations succeeded")
-        return ReduceInfo(local_world_size=world or len(self.group_ring), tx_bytes=tx, rx_bytes=rx)
 
     # ------------------------------------------------------------------------------------------
     # shared state
