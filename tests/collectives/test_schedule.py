@@ -193,7 +193,8 @@ def test_every_plan_delivers_exactly_once(kind: str, n: int, count: int, block_e
         # the root holds every rank's contribution exactly once; nothing else is the result
         assert (outs[root] == 1).all()
         for r in range(n):
-            assert plan_ring(kind, n, r, count, block_elems, root).owned == ((0, count) if r == root else (0, 0))
+            want = (0, count) if r == root else (0, 0)
+            assert plan_ring(kind, n, r, count, block_elems, root).owned == want
     else:
         for r in range(n):
             assert (outs[r][:, root] == np.arange(count) + 1000 * (root + 1)).all()
