@@ -3,8 +3,11 @@
 The protocol rules live in the pure :class:`pccl.peer.state.PeerState` (the peer table and epoch, the
 collectives in flight and their op_seq matching, one membership call at a time, shared-state rounds,
 the master's liveness): the reader task feeds it each message from the master and executes the effects
-it returns (:meth:`Communicator.handle_master_message`). This module keeps the tasks, the waiters and
-the public API. Messages are described in docs/protocol.md.
+it returns (:meth:`Communicator.handle_master_message`, through a table of one handler per effect
+type). This module keeps the lifecycle, the waiters, the membership calls and the shared-state sync;
+the master link (dialing, reader, heartbeat, watchdog, reconnection) is :mod:`pccl.peer.master_link`'s
+and the collective calls :mod:`pccl.peer.collective_api`'s (their data side:
+:mod:`pccl.collectives.executor`). Messages are described in docs/protocol.md.
 
 One nursery holds the master reader, the heartbeat sender, the master watchdog, the P2P listener
 and the P2P pool. Every call that needs the master registers a waiter; the reader task fills it.
@@ -30,16 +33,14 @@ import trio
 
 from .. import _env, _tls
 from .._address import Addresses, parse_addresses
-from .._config import RECONNECT_BACKOFF_MAX, PeerConfig
+from .._config import PeerConfig
 from .._errors import (
     HelloRefusedError,
     InvalidArgumentError,
     InvalidUsageError,
-    KickedError,
     MasterConnectionError,
     PCCLError,
     RankConnectionLostError,
-    RemoteProtocolError,
     Result,
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
@@ -53,15 +54,14 @@ from .._waits import format_wait
 from ..collectives.cost import SCHEDULE_REQUESTS, LinkModel
 from ..collectives.schedule import send_partners
 from ..kernels.buffers import BufferCache
-from ..transport import ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
-from ..wire import limits
+from ..transport import ConnectFailed, TcpTransport, TlsTransport, Transport
 from ..wire import messages as m
-from ..wire.handshake import HandshakeFailed, offer_hello
 from ..wire.stream import MessageStream
 from . import bandwidth, shared_state
 from .collective_api import PHASES, CollectiveCalls, OpState
 from .credentials import CredentialStore
 from .mailbox import Mailbox, Waiter
+from .master_link import MasterLink, failover_order
 from .notices import WaitReporter
 from .p2p import P2PConnections, P2PDialer, serve_p2p
 from .pool import P2PPool
@@ -91,39 +91,11 @@ log = logging.getLogger("pccl.peer")
 _WAITING_NOTICE_AFTER = 0.25
 
 
-#: Backoff between reconnection rounds (each round tries every master address once): doubles, capped.
-#: The cap bounds how long after a restarted master (or standby) starts listening a peer finds it: a
-#: refused connect costs a fraction of a millisecond, a round every 0.1 s is nothing for a master that
-#: is not there, and the run's gap across a master kill is the restart delay plus at most one cap
-#: (docs/history/benchmarks-churn-soak.md "With master kills"; it was 1 s, then 0.25 s).
-_RECONNECT_BACKOFF_START = 0.05  # ... capped at pccl._config.RECONNECT_BACKOFF_MAX (the master reads it too)
-
-
-def failover_order(addresses: list[tuple[str, int]], lost: tuple[str, int]) -> list[tuple[str, int]]:
-    """The order a peer that lost the master at ``lost`` tries ``addresses`` in each reconnection
-    round: the others first, in list order after it, then ``lost`` itself. A hung master (or its dead
-    host) holds a connect or a hello for up to ``connect_timeout``; trying the standby first keeps a
-    failover at the heartbeat timeout instead of that plus ``connect_timeout``. A master restarted on
-    the same address is still found in the same round.
-
-    Args:
-        addresses: the peer's master addresses, in the order it was given them.
-        lost: the address of the master it lost (need not be in ``addresses``).
-
-    Returns:
-        Every address once.
-    """
-    if lost not in addresses:
-        return list(addresses)
-    i = addresses.index(lost)
-    return [*addresses[i + 1:], *addresses[:i + 1]]
-
-
 def _no_limit(seconds: float | None) -> float:
     return float("inf") if seconds is None else seconds
 
 
-class Communicator(CollectiveCalls):
+class Communicator(MasterLink, CollectiveCalls):
     """A peer of a pccl run (native async API). Create it with :func:`open_communicator`.
 
     The collective calls (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``,
@@ -302,53 +274,6 @@ class Communicator(CollectiveCalls):
     # ------------------------------------------------------------------------------------------
     # lifecycle
 
-    async def _dial(self, host: str, port: int, claim: int = -1) -> tuple[MessageStream, m.HelloOk]:
-        """Connect to the master at ``host:port`` and say hello (``claim``: the id to claim back).
-
-        Raises:
-            MasterConnectionError: unreachable, refused, or a bad answer.
-        """
-        try:
-            stream = await self._master_transport.connect(host, port)
-        except ConnectFailed as exc:
-            raise MasterConnectionError(str(exc)) from exc
-        max_frame = self.config.max_frame_size
-        ms = MessageStream(stream, max_frame_size=max_frame, limits=limits.pre_auth(max_frame))
-        timeout = self.config.connect_timeout
-        try:
-            with trio.fail_after(timeout):
-                reply = await offer_hello(ms, purpose="master", secret=self.config.secret, peer_id=claim,
-                                          run=self.config.run or "")
-        except trio.TooSlowError:
-            await ms.aclose()
-            raise MasterConnectionError(
-                f"hello with master {host}:{port} failed: {host}:{port} accepted the connection but did "
-                f"not answer the hello within {timeout:g}s (PeerConfig.connect_timeout): it is silent, not "
-                "a pccl master (a status page's port?), or overloaded"
-            ) from None
-        except RemoteProtocolError as exc:
-            await ms.aclose()
-            raise HelloRefusedError(
-                f"hello with master {host}:{port} failed: not a pccl master: {exc.message}"
-            ) from None
-        except StreamBroken as exc:
-            await ms.aclose()
-            hint = ""
-            if self.config.tls is None:
-                # A master with TLS closes a plain connection at its first bytes (docs/security.md).
-                hint = " (if the master uses TLS, this peer needs PeerConfig.tls_cert, tls_key and tls_ca)"
-            raise MasterConnectionError(f"hello with master {host}:{port} failed: {exc}{hint}") from exc
-        except HandshakeFailed as exc:
-            await ms.aclose()
-            # A refusal (bad secret, another run or protocol version) is the same on every attempt.
-            if exc.refused:
-                raise HelloRefusedError(
-                    f"master {host}:{port} refused the connection: {exc.reason}"
-                ) from None
-            raise HelloRefusedError(f"hello with master {host}:{port}: {exc.reason}") from None
-        ms.set_limits(limits.trusted(max_frame))
-        return ms, reply
-
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
         errors: list[MasterConnectionError] = []
@@ -455,193 +380,6 @@ class Communicator(CollectiveCalls):
         if self._nursery is not None:
             self._nursery.cancel_scope.cancel()
 
-    # ------------------------------------------------------------------------------------------
-    # master link
-
-    def _start_link_tasks(self, ms: MessageStream) -> None:
-        """The reader, heartbeat and watchdog of one master link (they end with it)."""
-        assert self._nursery is not None
-        self._nursery.start_soon(self._reader, ms)
-        self._nursery.start_soon(self._heartbeat, ms)
-        self._nursery.start_soon(self._watchdog, ms)
-
-    def _sending_link(self) -> MessageStream:
-        """The master link to send on. Raises RankConnectionLostError while reconnecting (retry),
-        MasterConnectionError once the master is lost for good."""
-        self._core.check_usable()
-        ms = self._ms
-        if self._core.reconnecting or ms is None:
-            raise RankConnectionLostError("lost the master; reconnecting: retry")
-        return ms
-
-    def _send_broke(self, ms: MessageStream, exc: StreamBroken) -> RankConnectionLostError:
-        """The link broke under a send: fail it (reconnection starts) and return the error to raise
-        (raises MasterConnectionError instead when the master is lost for good)."""
-        err = MasterConnectionError(f"lost the master while sending: {exc}")
-        self._link_failed(ms, err)
-        self._core.check_usable()
-        return RankConnectionLostError(f"{err.message}; reconnecting: retry")
-
-    async def _send(self, msg: m.Message) -> None:
-        ms = self._sending_link()
-        try:
-            await ms.send(msg)
-        except StreamBroken as exc:
-            raise self._send_broke(ms, exc) from exc
-
-    async def _send_now(self, msg: m.Message) -> None:
-        """:meth:`_send` for the collective path's votes and reports: written straight into the
-        socket when nothing else is being sent and the socket takes it (``MessageStream.send_nowait``),
-        which spares the send lock's and the socket send's scheduler passes (a pass is an epoll call
-        here); otherwise (or for the rest of a partly taken frame) as :meth:`_send`. Not a checkpoint
-        when the socket takes the whole frame: the collective path waits for the master right after.
-
-        Raises:
-            RankConnectionLostError: the master link is down or broke while sending (reconnecting).
-            MasterConnectionError: the master is lost for good.
-        """
-        ms = self._sending_link()
-        try:
-            if ms.send_nowait(msg):
-                if ms.owes:
-                    await ms.flush()
-                return
-        except StreamBroken as exc:
-            raise self._send_broke(ms, exc) from exc
-        await self._send(msg)
-
-    async def _await_link(self) -> None:
-        """Admit a call: at once while the master link is up; while reconnecting, wait for the
-        reconnection (at most the reconnect window), then fail with MASTER_CONNECTION_FAILED.
-
-        Raises:
-            InvalidUsageError: closed.
-            MasterConnectionError: the master is lost for good.
-        """
-        while True:
-            self._check_usable()
-            if not self._core.reconnecting:
-                return
-            await self._link_up.wait()
-
-    def _link_failed(self, ms: MessageStream, error: PCCLError) -> None:
-        """The master link ``ms`` broke: reconnect within the window, or lose the master for good.
-
-        A stale link (already replaced) is ignored. Calls in flight fail either way; with a
-        reconnection ahead they fail with a retryable error (collectives: RANK_CONNECTION_LOST, the
-        caller's buffers untouched), later calls wait for the link (:meth:`_await_link`).
-        """
-        if ms is not self._ms or self._closed or self._core.lost is not None:
-            return
-        if self._core.reconnecting:
-            return
-        if not self._core.link_down(trio.current_time(), self.config.reconnect_window):
-            self._fail_all(error)
-            return
-        log.warning("peer %d: %s; reconnecting (window %gs)", self.peer_id, error,
-                    self.config.reconnect_window)
-        self._fail_calls(RankConnectionLostError(f"{error.message}; reconnecting to the master: retry"),
-                         keep_in_doubt=True)
-        self._ms = None
-        assert self._nursery is not None
-        self._nursery.start_soon(self._close_stream, ms)
-        self._nursery.start_soon(self._reconnect)
-
-    @staticmethod
-    async def _close_stream(ms: MessageStream) -> None:
-        with trio.CancelScope(shield=True):
-            await ms.aclose()
-
-    async def _reconnect(self) -> None:
-        """Reconnect to the master addresses in turn, with backoff, until the window ends."""
-        deadline = self._core.reconnecting_until
-        if deadline is None:  # lost for good, or closed, before this task ran
-            self._link_up.set()
-            return
-        backoff = _RECONNECT_BACKOFF_START
-        last = "no master address answered"
-        order = failover_order(self.master_addresses, (self.master_host, self.master_port))
-        while not self._closed and self._core.lost is None:
-            for host, port in order:
-                if trio.current_time() >= deadline:
-                    break
-                with trio.move_on_at(deadline):
-                    problem = await self._try_reregister(host, port)
-                    if problem is None:
-                        return
-                    last = f"{host}:{port}: {problem.message}"
-                    if isinstance(problem, KickedError):
-                        # The run went on without this peer: no master will take it back.
-                        self._fail_all(MasterConnectionError(f"lost the master; {last}"))
-                        self._link_up.set()
-                        return
-            if trio.current_time() >= deadline:
-                break
-            await trio.sleep_until(min(deadline, trio.current_time() + backoff))
-            backoff = min(backoff * 2, RECONNECT_BACKOFF_MAX)
-        if not self._closed:
-            window = self.config.reconnect_window
-            self._fail_all(MasterConnectionError(
-                f"lost the master and could not reconnect within the reconnect window ({window:g}s): {last}"))
-        self._link_up.set()
-
-    async def _try_reregister(self, host: str, port: int) -> PCCLError | None:
-        """One attempt: hello claiming our id, Reregister, the master's answer. None: the link is up."""
-        assert self.p2p_address is not None
-        try:
-            ms, _ = await self._dial(host, port, claim=self.peer_id)
-        except MasterConnectionError as exc:
-            return exc
-        try:
-            with trio.fail_after(self.config.connect_timeout):
-                await ms.send(self._core.reregister(self.p2p_address[1], epoch_members=self._standbys() > 0,
-                                                    public_key=self._credentials.public_key))
-                reply = await ms.receive()
-                while isinstance(reply, m.Heartbeat):
-                    reply = await ms.receive()
-        except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
-            await self._close_stream(ms)
-            return MasterConnectionError(f"re-registration failed: {exc}")
-        problem = self._core.reregistered(reply, trio.current_time())
-        if problem is not None:
-            await self._close_stream(ms)
-            return problem
-        self._ms = ms
-        self.master_host, self.master_port = host, port
-        log.warning("peer %d reconnected to the master at %s:%d (generation %d)",
-                    self.peer_id, host, port, self._core.generation)
-        self._start_link_tasks(ms)
-        up, self._link_up = self._link_up, trio.Event()
-        up.set()
-        if self._standbys():
-            self._send_soon(m.Standbys(count=self._standbys()))
-        return None
-
-    def _standbys(self) -> int:
-        """How many other master addresses this peer fails over to (0 without a reconnect window):
-        told to the master, whose "auto" quorum rule then applies (docs/concepts.md "No split brain")."""
-        if self.config.reconnect_window <= 0:
-            return 0
-        return len(set(self.master_addresses)) - 1
-
-    def _send_soon(self, msg: m.Message) -> None:
-        """Send from a context that must not wait (cleanup paths)."""
-        if self._nursery is not None and self._core.lost is None and not self._core.reconnecting \
-                and not self._closed:
-
-            async def go() -> None:
-                try:
-                    await self._send(msg)
-                except PCCLError:
-                    pass
-
-            self._nursery.start_soon(go)
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            raise InvalidUsageError("the communicator is closed")
-        self._core.check_usable()
-
     def _fail_all(self, error: PCCLError, *, closing: bool = False) -> None:
         """The master is gone for good (or we close): fail every pending and future call."""
         if self._core.lose(error) and not closing:
@@ -683,133 +421,133 @@ class Communicator(CollectiveCalls):
             self._sync_inbox.fail(error)
         self._state_server.abort(error)
 
-    async def _reader(self, ms: MessageStream) -> None:
-        try:
-            while ms is self._ms:
-                msg = await ms.receive()
-                if ms is not self._ms:
-                    return
-                if self.handle_master_message(msg) is not None:
-                    break  # kicked, or the master broke the protocol
-        except StreamBroken as exc:
-            self._link_failed(ms, MasterConnectionError(f"lost the connection to the master: {exc}"))
-            return
-        except RemoteProtocolError as exc:
-            self._link_failed(ms, MasterConnectionError(f"master protocol error: {exc.message}"))
-        await self._close_stream(ms)
-
-    async def _heartbeat(self, ms: MessageStream) -> None:
-        while self._core.lost is None and ms is self._ms:
-            await trio.sleep(self.config.heartbeat_interval)
-            if ms is not self._ms:
-                return
-            try:
-                await self._send(m.Heartbeat())
-            except PCCLError:
-                return
-
-    async def _watchdog(self, ms: MessageStream) -> None:
-        """Fail the link once the master has been silent for ``heartbeat_timeout``: sleeps until that
-        deadline (re-read after each wake, as messages move it), so a hung master is noticed within
-        a millisecond of the timeout, not up to a quarter of it later."""
-        timeout = self.config.heartbeat_timeout
-        while self._core.lost is None and ms is self._ms:
-            silent = self._core.silence(trio.current_time())
-            await trio.sleep(max(timeout - silent, 0.0) + 0.001)
-            silent = self._core.silence(trio.current_time())
-            if silent > timeout and ms is self._ms:
-                limit = self.config.heartbeat_timeout
-                msg = f"master silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
-                self._link_failed(ms, MasterConnectionError(msg))
-                await self._close_stream(ms)
-                return
-
     # --- executing the core's effects -------------------------------------------------------
 
     def handle_master_message(self, msg: m.Message) -> PCCLError | None:
         """What the reader task does with each message from the master: the core applies it, this
-        executes the effects (synchronously: no checkpoint). Public so that a test can script the
-        master's messages exactly as they would arrive.
+        executes the effects (synchronously: no checkpoint) through :attr:`_EFFECTS`. Public so that a
+        test can script the master's messages exactly as they would arrive.
 
         Returns:
             The error that ended the master link, if this message ended it (the reader then stops).
         """
         lost: PCCLError | None = None
         for effect in self._core.handle(msg, trio.current_time()):
-            if isinstance(effect, Lost):
-                lost = effect.error
-                self._fail_all(lost)
-            elif isinstance(effect, Dismissed):
-                # The master gave the run up (no quorum): fail over as if the link broke.
-                lost = effect.error
-                if self._ms is not None:
-                    self._link_failed(self._ms, lost)
-                else:
-                    self._fail_all(lost)
-            else:
-                self._execute(effect)
+            ended = self._EFFECTS[type(effect)](self, effect)
+            if ended is not None:
+                lost = ended
         return lost
 
-    def _execute(self, effect: Effect) -> None:
-        if isinstance(effect, Resolve):
-            self._resolve(effect)
-        elif isinstance(effect, AbortOp):
-            st = self._ops.get(effect.tag)
-            if st is not None:
-                st.abort_error = effect.error
-                st.commence.fail(effect.error)
-                st.complete.fail(effect.error)
-                if st.scope is not None:
-                    st.scope.cancel()
-        elif isinstance(effect, Establish):
-            assert self._nursery is not None
-            self._nursery.start_soon(self._establish, effect)
-        elif isinstance(effect, Measure):
-            assert self._nursery is not None
-            self._nursery.start_soon(self._measure, effect.request)
-        elif isinstance(effect, Forget):
-            if self.pool is not None:
-                for op_seq in effect.op_seqs:
-                    if 0 <= op_seq < 2**32:
-                        self.pool.forget_op(op_seq)
-        elif isinstance(effect, InstallCredentials):
-            self._credentials.install(effect.message, me=self.peer_id)
-        elif isinstance(effect, RemoveMember):
-            # Its credential stops working here at once, and what it holds here is closed and freed
-            # (its ring connections and their stash, its state and bench connections).
-            self._credentials.revoke(effect.peer_id)
-            closed = self.p2p_connections.drop_peer(effect.peer_id)
-            log.info("peer %d was removed from the run (%s): its P2P credential is revoked here, %d of its "
-                     "connections closed", effect.peer_id, effect.reason, closed)
-            if self.pool is not None and self._nursery is not None:
-                self._nursery.start_soon(self.pool.disconnect, effect.peer_id)
+    def _on_lost(self, effect: Effect) -> PCCLError | None:
+        assert isinstance(effect, Lost)
+        self._fail_all(effect.error)
+        return effect.error
 
-    def _resolve(self, effect: Resolve) -> None:
-        msg, call = effect.message, effect.call
-        if call is Call.COMMENCE:
-            assert isinstance(msg, m.CollectiveCommence)
-            st = self._ops.get(effect.tag)
-            if st is not None:
-                st.commence.set(msg)
-        elif call is Call.COMPLETE:
-            assert isinstance(msg, m.CollectiveComplete)
-            st = self._ops.get(effect.tag)
-            if st is not None:
-                st.complete.set(msg)
-        elif call is Call.SYNC:
-            if self._sync_inbox is not None:
-                self._sync_inbox.put(msg)
-        elif call is Call.TOPOLOGY:
-            assert isinstance(msg, m.TopologyResult)
-            if self._topology_waiter is not None:
-                self._topology_waiter.set(msg)
-        elif call is Call.PENDING:
-            assert isinstance(msg, m.PeersPendingResult)
-            if self._pending_waiters:
-                self._pending_waiters.popleft().set(msg)
-        elif call is Call.ACCEPTED:
-            assert isinstance(msg, m.Accepted)
-            self._accepted.set(msg)
+    def _on_dismissed(self, effect: Effect) -> PCCLError | None:
+        # The master gave the run up (no quorum): fail over as if the link broke.
+        assert isinstance(effect, Dismissed)
+        if self._ms is not None:
+            self._link_failed(self._ms, effect.error)
+        else:
+            self._fail_all(effect.error)
+        return effect.error
+
+    def _on_resolve(self, effect: Effect) -> None:
+        assert isinstance(effect, Resolve)
+        self._RESOLVE[effect.call](self, effect)
+
+    def _on_abort(self, effect: Effect) -> None:
+        assert isinstance(effect, AbortOp)
+        st = self._ops.get(effect.tag)
+        if st is not None:
+            st.abort_error = effect.error
+            st.commence.fail(effect.error)
+            st.complete.fail(effect.error)
+            if st.scope is not None:
+                st.scope.cancel()
+
+    def _on_establish(self, effect: Effect) -> None:
+        assert isinstance(effect, Establish) and self._nursery is not None
+        self._nursery.start_soon(self._establish, effect)
+
+    def _on_measure(self, effect: Effect) -> None:
+        assert isinstance(effect, Measure) and self._nursery is not None
+        self._nursery.start_soon(self._measure, effect.request)
+
+    def _on_forget(self, effect: Effect) -> None:
+        assert isinstance(effect, Forget)
+        if self.pool is not None:
+            for op_seq in effect.op_seqs:
+                if 0 <= op_seq < 2**32:
+                    self.pool.forget_op(op_seq)
+
+    def _on_credentials(self, effect: Effect) -> None:
+        assert isinstance(effect, InstallCredentials)
+        self._credentials.install(effect.message, me=self.peer_id)
+
+    def _on_member_removed(self, effect: Effect) -> None:
+        # Its credential stops working here at once, and what it holds here is closed and freed
+        # (its ring connections and their stash, its state and bench connections).
+        assert isinstance(effect, RemoveMember)
+        self._credentials.revoke(effect.peer_id)
+        closed = self.p2p_connections.drop_peer(effect.peer_id)
+        log.info("peer %d was removed from the run (%s): its P2P credential is revoked here, %d of its "
+                 "connections closed", effect.peer_id, effect.reason, closed)
+        if self.pool is not None and self._nursery is not None:
+            self._nursery.start_soon(self.pool.disconnect, effect.peer_id)
+
+    #: How each of the core's effects is executed (a table: every effect type has its one entry).
+    _EFFECTS: dict[type, Callable[[Communicator, Effect], PCCLError | None]] = {
+        Lost: _on_lost,
+        Dismissed: _on_dismissed,
+        Resolve: _on_resolve,
+        AbortOp: _on_abort,
+        Establish: _on_establish,
+        Measure: _on_measure,
+        Forget: _on_forget,
+        InstallCredentials: _on_credentials,
+        RemoveMember: _on_member_removed,
+    }
+
+    def _resolve_commence(self, effect: Resolve) -> None:
+        st = self._ops.get(effect.tag)
+        if st is not None:
+            assert isinstance(effect.message, m.CollectiveCommence)
+            st.commence.set(effect.message)
+
+    def _resolve_complete(self, effect: Resolve) -> None:
+        st = self._ops.get(effect.tag)
+        if st is not None:
+            assert isinstance(effect.message, m.CollectiveComplete)
+            st.complete.set(effect.message)
+
+    def _resolve_sync(self, effect: Resolve) -> None:
+        if self._sync_inbox is not None:
+            self._sync_inbox.put(effect.message)
+
+    def _resolve_topology(self, effect: Resolve) -> None:
+        assert isinstance(effect.message, m.TopologyResult)
+        if self._topology_waiter is not None:
+            self._topology_waiter.set(effect.message)
+
+    def _resolve_pending(self, effect: Resolve) -> None:
+        assert isinstance(effect.message, m.PeersPendingResult)
+        if self._pending_waiters:
+            self._pending_waiters.popleft().set(effect.message)
+
+    def _resolve_accepted(self, effect: Resolve) -> None:
+        assert isinstance(effect.message, m.Accepted)
+        self._accepted.set(effect.message)
+
+    #: Which waiter each kind of call's answer resolves.
+    _RESOLVE: dict[Call, Callable[[Communicator, Resolve], None]] = {
+        Call.COMMENCE: _resolve_commence,
+        Call.COMPLETE: _resolve_complete,
+        Call.SYNC: _resolve_sync,
+        Call.TOPOLOGY: _resolve_topology,
+        Call.PENDING: _resolve_pending,
+        Call.ACCEPTED: _resolve_accepted,
+    }
 
     async def _establish(self, effect: Establish) -> None:
         self._links = LinkModel.from_summary(effect.links)
@@ -1108,4 +846,4 @@ async def open_communicator(
         raise body_error
 
 
-__all__ = ["Communicator", "error_from_code", "open_communicator"]
+__all__ = ["Communicator", "error_from_code", "failover_order", "open_communicator"]

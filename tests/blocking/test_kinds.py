@@ -34,7 +34,7 @@ def test_every_kind_blocking_numpy(cluster_factory: Cluster) -> None:
     rank = _ranks(comms)
     count = 7  # uneven chunks
     xs = [(np.arange(count) + 10 * (rank[i] + 1)).astype(np.int32) for i in range(N)]
-    total = sum(xs)
+    total = np.sum(xs, axis=0)
     # reduce_scatter: each peer its chunk, the rest untouched
     outs = [np.full(count, -1, np.int32) for _ in range(N)]
     got = run_threads([lambda i=i: comms[i].reduce_scatter(xs[i], outs[i], op=ReduceOp.SUM)
@@ -86,13 +86,14 @@ def test_every_kind_async_torch(cluster_factory: Cluster) -> None:
             ok, status, info = h.wait()
             assert ok and status == Result.SUCCESS and info.local_world_size == N, h.error
     by_rank = [xs[rank.index(r)] for r in range(N)]
-    mean = sum(by_rank) / N
+    total = torch.stack(by_rank).sum(0)
+    mean = total / N
     for i in range(N):
         chunk = handles[i][0].chunk
         assert chunk is not None and torch.equal(rs[i][chunk], mean[chunk])
         assert torch.equal(gs[i], torch.cat(by_rank))
         assert torch.equal(bs[i], by_rank[0])
-        assert torch.equal(ds[i], sum(by_rank) if rank[i] == 0 else torch.zeros(6))
+        assert torch.equal(ds[i], total if rank[i] == 0 else torch.zeros(6))
         assert torch.equal(a2a[i], torch.cat([by_rank[s][2 * rank[i] : 2 * rank[i] + 2] for s in range(N)]))
 
 
