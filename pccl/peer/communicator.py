@@ -61,7 +61,7 @@ from . import bandwidth, shared_state
 from .collective_api import PHASES, CollectiveCalls, OpState
 from .credentials import CredentialStore
 from .mailbox import Mailbox, Waiter
-from .master_link import MasterLink, failover_order
+from .master_link import MasterConnection, failover_order
 from .notices import WaitReporter
 from .p2p import P2PConnections, P2PDialer, serve_p2p
 from .pool import P2PPool
@@ -95,7 +95,7 @@ def _no_limit(seconds: float | None) -> float:
     return float("inf") if seconds is None else seconds
 
 
-class Communicator(MasterLink, CollectiveCalls):
+class Communicator(MasterConnection, CollectiveCalls):
     """A peer of a pccl run (native async API). Create it with :func:`open_communicator`.
 
     The collective calls (``all_reduce``, ``reduce_scatter``, ``all_gather``, ``broadcast``,

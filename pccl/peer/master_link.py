@@ -60,7 +60,7 @@ def failover_order(addresses: list[tuple[str, int]], lost: tuple[str, int]) -> l
 
 
 
-class MasterLink:
+class MasterConnection:
     """The master-link part of :class:`~pccl.peer.communicator.Communicator`."""
 
     config: PeerConfig
@@ -362,4 +362,4 @@ class MasterLink:
                 return
 
 
-__all__ = ["MasterLink", "failover_order"]
+__all__ = ["MasterConnection", "failover_order"]
