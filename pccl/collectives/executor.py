@@ -129,11 +129,16 @@ class Attempt:
         self.root = root
         self.quantization = quantization if _quantized(quantization) else None
         self.block_bytes = block_bytes
-        self.schedule = self.kind.run_schedule(schedule) if schedule in ("ring", "hd", "tree") else schedule
-        self.plan = plan_for(
-            self.kind, len(self.ring), max(self.rank, 0), count, itemsize, schedule=self.schedule,
-            root=root, block_bytes=block_bytes, quantized=self.quantization is not None,
-        )
+        self.schedule = self.kind.run_schedule(schedule)
+        try:
+            # the one place the plan is computed: the partners connected to and the frames run
+            self.plan = plan_for(
+                self.kind, len(self.ring), max(self.rank, 0), count, itemsize, schedule=self.schedule,
+                root=root, block_bytes=block_bytes, quantized=self.quantization is not None,
+            )
+        except BaseException:
+            pool.forget_op(op_seq)  # nothing will run: frames others already sent must not stay stashed
+            raise
         to_ranks, from_ranks = plan_partners(self.plan)
         #: the peers this peer's plan sends to
         self.sends_to = [self.ring[r] for r in to_ranks]
