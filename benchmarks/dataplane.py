@@ -47,7 +47,7 @@ def _worker(rank: int, world: int, sizes: list[int], iters: int, opts: dict[str,
     import trio
 
     from pccl import PeerConfig, ReduceOp
-    from pccl.collectives.ring import run_collective
+    from pccl.collectives.executor import run_collective
     from pccl.peer.p2p import serve_p2p
     from pccl.peer.pool import P2PPool
     from pccl.transport import TcpTransport

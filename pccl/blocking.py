@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import functools
 import logging
 import os
 import sys
@@ -336,6 +337,29 @@ def _prepare(send: Any, recv: Any, *, op: Any, tag: Any, count: int | None,
     # the work this (the caller's) thread queued on its current stream to produce ``send`` finish first.
     backend.sync_current_stream(send)
     return _Operand(send=send, recv=recv, op=op, tag=tag, quantization=q)
+
+
+def _prepare_pair(send: Any, recv: Any, tag: Any) -> tuple[Any, Any]:
+    """Check a collective's buffers (one library, one device, one dtype) and tag like :func:`_prepare`;
+    their sizes are the kind's to check (the async core does, before voting). ``recv`` None: ``send``."""
+    if recv is None:
+        recv = send
+    if not any(is_kind(send) and is_kind(recv)
+               for is_kind in (_is_numpy, backend.is_torch_tensor, backend.is_cupy_array)):
+        raise InvalidBufferError(
+            f"unsupported input types {type(send).__name__}, {type(recv).__name__}: send and recv must "
+            "both be torch.Tensor, both be numpy.ndarray or both be cupy.ndarray")
+    try:
+        backend.check_same_device(backend.device_index(send), backend.device_index(recv))
+        sd, rd = backend.describe(send), backend.describe(recv)
+    except InvalidArgumentError as exc:
+        raise InvalidBufferError(exc.message) from None
+    if sd.dtype != rd.dtype:
+        raise InvalidBufferError(f"send is {sd.dtype.name} but recv is {rd.dtype.name}")
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2**63:
+        raise InvalidArgumentError(f"tag must be a non-negative 64-bit integer, got {tag!r}")
+    backend.sync_current_stream(send)  # as _prepare: the caller's stream has produced ``send``
+    return send, recv
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -801,7 +825,9 @@ class MasterNode:
 
 
 class AsyncReduceHandle:
-    """The handle of an :meth:`Communicator.all_reduce_async`.
+    """The handle of an asynchronous collective: :meth:`Communicator.all_reduce_async` and the other
+    ``*_async`` calls (``reduce_scatter_async``, ``all_gather_async``, ``broadcast_async``,
+    ``reduce_async``, ``all_to_all_async``).
 
     :meth:`wait` may be called from any thread, any number of times.
     """
@@ -811,6 +837,9 @@ class AsyncReduceHandle:
         self._future = future
         self.error: PCCLError | None = None
         """The error of a failed operation (available once :meth:`wait` returned)."""
+        self.chunk: slice | None = None
+        """reduce_scatter_async: the range of ``recv`` that holds this peer's chunk (once :meth:`wait`
+        returned success); None otherwise."""
 
     def wait(self) -> tuple[bool, Result, ReduceInfo]:
         """Block until the operation finished.
@@ -1236,48 +1265,7 @@ class Communicator:
         session, comm = self._comm("all_reduce_async")
         o = _prepare(send, recv, op=op, tag=tag, count=None, operand_descriptor=operand_descriptor,
                      quantization_options=quantization_options)
-        group_size = int(_core.call_sync(comm.get_attribute, Attribute.PEER_GROUP_WORLD_SIZE))
-        if group_size < 2:
-            raise TooFewPeersError(f"all_reduce_async needs at least 2 peers in group {self.peer_group}, "
-                                   f"it has {group_size}")
-        future: concurrent.futures.Future[tuple[bool, Result, ReduceInfo]] = concurrent.futures.Future()
-        handle = AsyncReduceHandle(o.tag, future)
-        self._track([o.tag], "all_reduce_async")
-        untrack = self._untrack
-
-        async def runner() -> None:
-            outcome: tuple[bool, Result, ReduceInfo] | None = None
-            try:
-                info = await _run_all_reduce(comm, o)
-                outcome = (True, Result.SUCCESS, info)
-            except PCCLError as exc:
-                handle.error = exc
-                outcome = (False, exc.result, _failed_info(comm))
-            except trio.Cancelled:
-                handle.error = InvalidUsageError("the communicator was closed while the operation ran")
-                outcome = (False, Result.INVALID_USAGE, _failed_info(comm))
-                raise
-            except Exception as exc:
-                log.exception("all_reduce_async (tag %d) failed unexpectedly", o.tag)
-                err = _translate(exc)
-                handle.error = err if isinstance(err, PCCLError) else None
-                outcome = (False, Result.INTERNAL_ERROR, _failed_info(comm))
-            finally:
-                # Untrack before resolving: once wait() returns, topology calls are allowed again.
-                untrack([o.tag])
-                future.set_result(outcome or (False, Result.INTERNAL_ERROR, _failed_info(comm)))
-
-        def launch() -> None:
-            if session.ops is None:
-                raise InvalidUsageError("all_reduce_async on a communicator that is closing")
-            session.ops.start_soon(runner)
-
-        try:
-            _core.call_sync(launch)
-        except BaseException:
-            self._untrack([o.tag])
-            raise
-        return handle
+        return self._launch("all_reduce_async", session, comm, o.tag, functools.partial(_run_all_reduce, o=o))
 
     def all_reduce_multiple_with_retry(self, descriptors: Sequence[ReduceOpDescriptor], *,
                                        max_in_flight: int = 4) -> ReduceInfo:
@@ -1312,6 +1300,161 @@ class Communicator:
         with self._tracking([i["tag"] for i in items], "all_reduce_multiple_with_retry"):
             info: ReduceInfo = _core.call(_run_multiple, comm, items, max_in_flight)
         return info
+
+
+    # --- the other kinds (pccl.collectives.kinds): blocking, and with async handles ---------------------
+
+    def reduce_scatter(self, send: Any, recv: Any = None, *, op: ReduceOp = ReduceOp.SUM,
+                       tag: int = 0) -> tuple[ReduceInfo, slice]:
+        """Reduce ``send`` across the group; this peer gets its own chunk (blocks until done).
+
+        Returns:
+            ``(info, chunk)``: ``recv[chunk]`` holds this peer's reduced chunk, the rest of ``recv`` is
+            unchanged (see :meth:`pccl.Communicator.reduce_scatter <pccl.peer.communicator.Communicator>`).
+
+        Raises:
+            As :meth:`all_reduce`.
+        """
+        out: tuple[ReduceInfo, slice] = self._blocking("reduce_scatter", tag, _kind_call(
+            "reduce_scatter", *_prepare_pair(send, recv, tag), op=ReduceOp(op), tag=tag))
+        return out
+
+    def all_gather(self, send: Any, recv: Any, *, tag: int = 0) -> ReduceInfo:
+        """Gather every peer's ``send`` into ``recv`` (``group size x len(send)`` elements) in rank order.
+
+        Raises:
+            As :meth:`all_reduce`; INVALID_ARGUMENT when ``recv`` does not fit the group.
+        """
+        info: ReduceInfo = self._blocking("all_gather", tag, _kind_call(
+            "all_gather", *_prepare_pair(send, recv, tag), tag=tag))
+        return info
+
+    def broadcast(self, tensor: Any, *, root: int = 0, tag: int = 0) -> ReduceInfo:
+        """Overwrite ``tensor`` on every peer with the contents of rank ``root``'s.
+
+        Raises:
+            As :meth:`all_reduce`; INVALID_ARGUMENT for a ``root`` outside the group.
+        """
+        info: ReduceInfo = self._blocking("broadcast", tag, _kind_call(
+            "broadcast", _prepare_pair(tensor, None, tag)[0], tag=tag, root=root))
+        return info
+
+    def reduce(self, send: Any, recv: Any = None, *, root: int = 0, op: ReduceOp = ReduceOp.SUM,
+               tag: int = 0) -> ReduceInfo:
+        """Reduce every peer's ``send`` into ``recv`` of rank ``root`` only (``recv`` None: in place);
+        the other peers' ``recv`` keeps its bits.
+
+        Raises:
+            As :meth:`all_reduce`; INVALID_ARGUMENT for a ``root`` outside the group.
+        """
+        info: ReduceInfo = self._blocking("reduce", tag, _kind_call(
+            "reduce", *_prepare_pair(send, recv, tag), op=ReduceOp(op), tag=tag, root=root))
+        return info
+
+    def all_to_all(self, send: Any, recv: Any = None, *, tag: int = 0) -> ReduceInfo:
+        """Send block ``j`` of ``send`` (``group size`` equal blocks) to rank ``j``; block ``i`` of ``recv``
+        comes from rank ``i`` (``recv`` None: in place).
+
+        Raises:
+            As :meth:`all_reduce`; INVALID_ARGUMENT when the sizes are not one block per peer.
+        """
+        info: ReduceInfo = self._blocking("all_to_all", tag, _kind_call(
+            "all_to_all", *_prepare_pair(send, recv, tag), tag=tag))
+        return info
+
+    def reduce_scatter_async(self, send: Any, recv: Any = None, *, op: ReduceOp = ReduceOp.SUM,
+                             tag: int = 0) -> AsyncReduceHandle:
+        """:meth:`reduce_scatter`, launched; the handle's ``chunk`` names this peer's chunk once done."""
+        return self._launch_kind("reduce_scatter_async", tag, _kind_call(
+            "reduce_scatter", *_prepare_pair(send, recv, tag), op=ReduceOp(op), tag=tag))
+
+    def all_gather_async(self, send: Any, recv: Any, *, tag: int = 0) -> AsyncReduceHandle:
+        """:meth:`all_gather`, launched (see :meth:`all_reduce_async`)."""
+        return self._launch_kind("all_gather_async", tag, _kind_call(
+            "all_gather", *_prepare_pair(send, recv, tag), tag=tag))
+
+    def broadcast_async(self, tensor: Any, *, root: int = 0, tag: int = 0) -> AsyncReduceHandle:
+        """:meth:`broadcast`, launched (see :meth:`all_reduce_async`)."""
+        return self._launch_kind("broadcast_async", tag, _kind_call(
+            "broadcast", _prepare_pair(tensor, None, tag)[0], tag=tag, root=root))
+
+    def reduce_async(self, send: Any, recv: Any = None, *, root: int = 0, op: ReduceOp = ReduceOp.SUM,
+                     tag: int = 0) -> AsyncReduceHandle:
+        """:meth:`reduce`, launched (see :meth:`all_reduce_async`)."""
+        return self._launch_kind("reduce_async", tag, _kind_call(
+            "reduce", *_prepare_pair(send, recv, tag), op=ReduceOp(op), tag=tag, root=root))
+
+    def all_to_all_async(self, send: Any, recv: Any = None, *, tag: int = 0) -> AsyncReduceHandle:
+        """:meth:`all_to_all`, launched (see :meth:`all_reduce_async`)."""
+        return self._launch_kind("all_to_all_async", tag, _kind_call(
+            "all_to_all", *_prepare_pair(send, recv, tag), tag=tag))
+
+    def _blocking(self, what: str, tag: int, run: Callable[[Any], Awaitable[Any]]) -> Any:
+        """Run one collective of the async core to its end, ``tag`` tracked meanwhile."""
+        _, comm = self._comm(what)
+        with self._tracking([tag], what):
+            return _core.call(run, comm)
+
+    def _launch_kind(self, what: str, tag: int, run: Callable[[Any], Awaitable[Any]]) -> AsyncReduceHandle:
+        session, comm = self._comm(what)
+        return self._launch(what, session, comm, tag, run)
+
+    def _launch(self, what: str, session: _CommSession, comm: Any, tag: int,
+                run: Callable[[Any], Awaitable[Any]]) -> AsyncReduceHandle:
+        """Launch ``run(comm)`` in the session's nursery and return its handle at once. A peer alone in
+        its group raises TOO_FEW_PEERS here (as the established bindings' all_reduce_async)."""
+        group_size = int(_core.call_sync(comm.get_attribute, Attribute.PEER_GROUP_WORLD_SIZE))
+        if group_size < 2:
+            raise TooFewPeersError(f"{what} needs at least 2 peers in group {self.peer_group}, "
+                                   f"it has {group_size}")
+        future: concurrent.futures.Future[tuple[bool, Result, ReduceInfo]] = concurrent.futures.Future()
+        handle = AsyncReduceHandle(tag, future)
+        self._track([tag], what)
+        untrack = self._untrack
+
+        async def runner() -> None:
+            outcome: tuple[bool, Result, ReduceInfo] | None = None
+            try:
+                got = await run(comm)
+                if isinstance(got, tuple):  # reduce_scatter: (info, chunk)
+                    got, handle.chunk = got
+                outcome = (True, Result.SUCCESS, got)
+            except PCCLError as exc:
+                handle.error = exc
+                outcome = (False, exc.result, _failed_info(comm))
+            except trio.Cancelled:
+                handle.error = InvalidUsageError("the communicator was closed while the operation ran")
+                outcome = (False, Result.INVALID_USAGE, _failed_info(comm))
+                raise
+            except Exception as exc:
+                log.exception("%s (tag %d) failed unexpectedly", what, tag)
+                err = _translate(exc)
+                handle.error = err if isinstance(err, PCCLError) else None
+                outcome = (False, Result.INTERNAL_ERROR, _failed_info(comm))
+            finally:
+                # Untrack before resolving: once wait() returns, topology calls are allowed again.
+                untrack([tag])
+                future.set_result(outcome or (False, Result.INTERNAL_ERROR, _failed_info(comm)))
+
+        def launch() -> None:
+            if session.ops is None:
+                raise InvalidUsageError(f"{what} on a communicator that is closing")
+            session.ops.start_soon(runner)
+
+        try:
+            _core.call_sync(launch)
+        except BaseException:
+            self._untrack([tag])
+            raise
+        return handle
+
+
+def _kind_call(kind: str, *args: Any, **kw: Any) -> Callable[[Any], Awaitable[Any]]:
+    """``comm.<kind>(*args, **kw)`` of the async core, for :meth:`Communicator._blocking` / ``_launch``."""
+    async def run(comm: Any) -> Any:
+        return await getattr(comm, kind)(*args, **kw)
+
+    return run
 
 
 async def _run_all_reduce(comm: Any, o: _Operand) -> ReduceInfo:

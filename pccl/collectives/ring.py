@@ -1,6 +1,8 @@
-"""Collectives over a :class:`~pccl.collectives.interface.DataPool` (the peer's P2P pool):
-all-reduce, reduce-scatter, all-gather and broadcast, under any schedule of
-:mod:`pccl.collectives.schedule` (the ring, recursive halving-doubling, the binomial tree).
+"""The data plane of the collectives over a :class:`~pccl.collectives.interface.DataPool` (the peer's
+P2P pool): one plan of any kind of :mod:`pccl.collectives.kinds` under any schedule of
+:mod:`pccl.collectives.schedule` (the ring, recursive halving-doubling, the binomial tree), executed
+frame by frame (:func:`run_plan`). :mod:`pccl.collectives.executor` computes the plan, opens the
+partner connections, runs it and owns the failure path.
 
 The plan (which frames to send and receive, and to or from which rank) is executed as a
 dependency-driven pipeline rather than step by step: every receive is registered up front and
@@ -23,10 +25,10 @@ Small operations send inline from the operation's own task (no extra tasks, no c
 ones run one sender task per (partner, pool connection) they use, fed in release order, so a send
 blocked on one connection never holds up reduction or other connections.
 
-Failure: any error or cancellation forgets the operation in the pool (pending receives stop
-writing into ``out`` before that returns) and disconnects every partner the plan names, whose
-stream state is then unknown. Nothing writes to ``out`` after :func:`run_collective` has returned
-or raised.
+Failure (:meth:`pccl.collectives.executor.Attempt.fail`): any error or cancellation forgets the
+operation in the pool (pending receives stop writing into ``out`` before that returns) and
+disconnects every partner the plan names, whose stream state is then unknown. Nothing writes to
+``out`` after :func:`~pccl.collectives.executor.run_collective` has returned or raised.
 """
 
 from __future__ import annotations
@@ -50,14 +52,13 @@ from ..kernels.buffers import BufferCache
 from ..kernels.quantize import dequantize, metadata_size, quantize
 from ._reduce import reduce_into
 from .interface import DataPool, Receive
+from .kinds import Kind, get_kind
 from .schedule import (
-    KINDS,
     SCHEDULES,
     SRC_SEND,
     Plan,
     SendFrame,
     cached_plan,
-    output_count,
     plan_ring,
     plan_schedule,
 )
@@ -101,7 +102,6 @@ _SCRATCH_KEEP_BYTES = 1 << 30
 _scratch = BufferCache(max_entries=_SCRATCH_KEEP, max_bytes=_SCRATCH_KEEP_BYTES)
 _scratch_lock = threading.Lock()  # communicators in several threads share it
 
-_REDUCING_KINDS = ("all_reduce", "reduce_scatter")
 _U32 = 0xFFFFFFFF
 _U64 = 0xFFFFFFFFFFFFFFFF
 
@@ -123,8 +123,8 @@ def _byte_view(a: np.ndarray) -> memoryview:
     return memoryview(a.view(np.uint8))  # type: ignore[arg-type]  # ndarray implements the buffer protocol
 
 
-def _validate(
-    kind: str,
+def validate(
+    kind: Kind,
     ring: Sequence[int],
     my_id: int,
     tag: int,
@@ -135,8 +135,6 @@ def _validate(
     root: int,
     block_bytes: int,
 ) -> None:
-    if kind not in KINDS:
-        raise InvalidArgumentError(f"unknown collective kind {kind!r}")
     if len(ring) < 2:
         raise TooFewPeersError(f"a collective needs at least 2 peers, the ring has {len(ring)}")
     if len(set(ring)) != len(ring):
@@ -152,15 +150,18 @@ def _validate(
         raise InvalidArgumentError(f"send dtype {send.dtype} != out dtype {out.dtype}")
     if not out.flags.writeable:
         raise InvalidArgumentError("out is read-only")
-    want = output_count(kind, len(ring), send.shape[0])
-    if out.shape[0] != want:
-        raise InvalidArgumentError(f"{kind}: out must have {want} elements, has {out.shape[0]}")
+    problem = kind.size_problem(len(ring), send.shape[0], out.shape[0])
+    if problem is not None:
+        want = kind.output_count(len(ring), send.shape[0])
+        raise InvalidArgumentError(
+            f"{kind.name}: out must have {want} elements, has {out.shape[0]} ({problem})"
+        )
     if send.size and out.size and np.may_share_memory(send, out):
         raise InvalidArgumentError("out must not overlap send")
-    if kind in _REDUCING_KINDS and op not in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX):
+    if kind.reducing and op not in (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MIN, ReduceOp.MAX):
         raise InvalidArgumentError(f"the ring reduces with SUM, PROD, MIN or MAX, not {op!r}")
-    if kind == "broadcast" and not 0 <= root < len(ring):
-        raise InvalidArgumentError(f"broadcast root {root} is not a ring index (0..{len(ring) - 1})")
+    if kind.rooted and not 0 <= root < len(ring):
+        raise InvalidArgumentError(f"{kind.name} root {root} is not a ring index (0..{len(ring) - 1})")
     if block_bytes < 1:
         raise InvalidArgumentError("block_bytes must be >= 1")
 
@@ -168,9 +169,10 @@ def _validate(
 _QUANTIZABLE = ("float16", "bfloat16", "float32", "float64")
 
 
-def _validate_quantization(kind: str, send: np.ndarray, q: QuantizationOptions) -> None:
-    if kind not in _REDUCING_KINDS:
-        raise InvalidArgumentError(f"quantization applies to all_reduce and reduce_scatter, not {kind}")
+def validate_quantization(kind: Kind, send: np.ndarray, q: QuantizationOptions) -> None:
+    """Raises InvalidArgumentError unless ``kind`` on ``send``'s dtype may be quantized with ``q``."""
+    if not kind.quantizable:
+        raise InvalidArgumentError(f"quantization applies to all_reduce and reduce_scatter, not {kind.name}")
     if send.dtype.name not in _QUANTIZABLE:
         raise InvalidArgumentError(f"quantization needs a floating dtype, not {send.dtype}")
     if q.quantized_datatype not in (DataType.UINT8, DataType.UINT16):
@@ -180,7 +182,7 @@ def _validate_quantization(kind: str, send: np.ndarray, q: QuantizationOptions) 
 
 
 def plan_for(
-    kind: str,
+    kind: str | Kind,
     n: int,
     rank: int,
     count: int,
@@ -191,8 +193,9 @@ def plan_for(
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     quantized: bool = False,
 ) -> Plan:
-    """The plan :func:`run_collective` runs on ring index ``rank`` (the caller opens connections to
-    every rank its sends name, see :func:`plan_partners`, before running it).
+    """The plan :func:`~pccl.collectives.executor.run_collective` runs on ring index ``rank`` (the
+    caller opens connections to every rank its sends name, see :func:`plan_partners`, before running
+    it). :class:`~pccl.collectives.executor.Attempt` is the one caller on a peer.
 
     ``schedule`` "ring" runs the ring (two peers' small all-reduces the exchange); "hd" and "tree" run
     halving-doubling and binomial-tree plans; quantized operations always run the ring (their
@@ -200,10 +203,12 @@ def plan_for(
 
     Raises:
         InvalidArgumentError: an unknown schedule, or one without a plan for ``kind`` (no "hd"
-            broadcast).
+            broadcast or reduce), or sizes the kind cannot plan (an all-to-all whose count is not
+            ``n`` equal blocks).
     """
     if schedule not in SCHEDULES:
         raise InvalidArgumentError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
+    k = get_kind(kind)
     block_elems = max(1, block_bytes // itemsize)
     if quantized:
         # Quantized frames are a quarter (or half) as long, so blocks of a quarter of the input
@@ -211,12 +216,14 @@ def plan_for(
         # drains 4x sooner. Derived from block_bytes alone: identical on every participant.
         block_elems = max(1, block_elems // QUANTIZED_BLOCK_DIVISOR)
         schedule = "ring"
+    exchange = False
     if schedule == "ring":
         small = count * itemsize <= EXCHANGE_MAX_BYTES
-        exchange = kind == "all_reduce" and n == 2 and not quantized and small
-        return cached_plan(kind, n, rank, count, block_elems, root, exchange=exchange)
+        exchange = k.exchange and n == 2 and not quantized and small
     try:
-        return plan_schedule(schedule, kind, n, rank, count, block_elems, root)
+        if schedule == "ring":
+            return cached_plan(k, n, rank, count, block_elems, root, exchange=exchange)
+        return plan_schedule(schedule, k.name, n, rank, count, block_elems, root)
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
 
@@ -226,128 +233,47 @@ def plan_partners(plan: Plan) -> tuple[list[int], list[int]]:
     return sorted({f.peer for f in plan.sends}), sorted({f.peer for f in plan.recvs})
 
 
-async def run_collective(
-    pool: DataPool,
-    *,
-    kind: str,
-    ring: Sequence[int],
-    my_id: int,
-    tag: int,
-    op_seq: int,
-    send: np.ndarray,
-    out: np.ndarray,
-    op: ReduceOp = ReduceOp.SUM,
-    root: int = 0,
-    block_bytes: int = DEFAULT_BLOCK_BYTES,
-    quantization: QuantizationOptions | None = None,
-    schedule: str = "ring",
+async def run_plan(
+    pool: DataPool, ex: _Exec, ids: Sequence[int], tag: int, op_seq: int, send: np.ndarray, out: np.ndarray,
     staging: Staging | None = None,
-) -> tuple[int, int]:
-    """Run one collective with the ranks this peer's plan names.
+) -> None:
+    """Execute ``ex.plan`` over ``pool``: register every receive, make the local copy, then send and
+    apply frames as their dependencies complete (inline for small operations, with one sender task
+    per connection for large ones). Failure handling is the caller's
+    (:meth:`pccl.collectives.executor.Attempt.fail`).
 
-    Every participant must call it with the same ``kind``, ``ring``, ``tag``, ``op_seq``, dtype,
-    element count, ``op``, ``root``, ``block_bytes``, ``quantization`` and ``schedule``; the pool
-    must already be connected to every rank this peer's plan sends to (:func:`plan_for`,
-    :func:`plan_partners`; under the ring: the successor; the others connect to us).
-
-    Args:
-        pool: the P2P connection pool.
-        kind: "all_reduce" (``out`` = reduction of everyone's ``send``), "reduce_scatter" (only
-            this rank's chunk of ``out`` is meaningful, see :func:`owned_range`), "all_gather"
-            (``out`` = the ``send`` arrays in ring order, ``n * len(send)`` elements) or
-            "broadcast" (``out`` = ``send`` of ring index ``root``).
-        ring: peer ids in ring order (at least 2, ``my_id`` among them); the plans' ranks are
-            indices into it.
-        my_id: this peer's id.
-        tag: the operation tag (0 <= tag < 2**64).
-        op_seq: the master's sequence number for this operation (0 <= op_seq < 2**32), unique
-            on this peer for its lifetime.
-        send: this peer's input, contiguous 1-D; never modified.
-        out: the output, contiguous 1-D, same dtype, not overlapping ``send``; a scratch buffer
-            the caller owns (its contents are unspecified after a failure).
-        op: SUM, PROD, MIN or MAX (reducing kinds only).
-        root: broadcast only: ring index of the source.
-        block_bytes: pipelining granularity; must be equal on every participant.
-        quantization: reducing kinds on float dtypes only: send min-max or zero-point-scale
-            quantized blocks (8 or 16 bit), always over the ring. Senders quantize their partial
-            sums; in the all-gather half the chunk owner quantizes once and keeps the dequantized
-            values itself, and forwarders pass the quantized bytes on unchanged, so every peer
-            ends bit-identical.
-        schedule: "ring", "hd" (recursive halving-doubling) or "tree" (binomial tree; also what
-            "hd" runs for a broadcast, which halving-doubling has no plan for). Every schedule
-            computes each element's final bits once and then only copies them, so every peer
-            ends with identical bits; integer ops are exact under each.
-        staging: ``send`` is the host stage of a device tensor that ``staging`` fills block by
-            block (:mod:`pccl.collectives.staging`): the data plane waits for each block before it
-            reads it, and reports every range of ``out`` that becomes final. After a failure the
-            caller must await ``staging.abort()``: queued device copies may still read ``out``
-            and write ``send`` until then.
-
-    Returns:
-        ``(tx_bytes, rx_bytes)``: payload bytes this peer sent and received (quantized sizes,
-        metadata included, when quantizing).
-
-    Raises:
-        TooFewPeersError: fewer than 2 peers in the ring.
-        InvalidArgumentError: bad arguments (raised before anything is sent).
-        RankConnectionLostError: a partner's connection broke or is missing, or a peer failed.
-        RemoteProtocolError: a partner sent a frame that does not fit the plan.
+    ``staging``: ``send`` is the host stage of a device tensor that ``staging`` fills block by block
+    (:mod:`pccl.collectives.staging`): each block is waited for before it is read, and every range of
+    ``out`` that becomes final is reported. After a failure the caller must await ``staging.abort()``.
     """
-    _validate(kind, ring, my_id, tag, op_seq, send, out, op, root, block_bytes)
-    quantized = quantization is not None and quantization.algorithm != QuantizationAlgorithm.NONE
-    if quantized:
-        assert quantization is not None
-        _validate_quantization(kind, send, quantization)
-    if kind == "broadcast" and schedule == "hd":
-        schedule = "tree"
-    n = len(ring)
-    ids = list(ring)
-    rank = ids.index(my_id)
-    plan = plan_for(
-        kind, n, rank, send.shape[0], send.dtype.itemsize, schedule=schedule, root=root,
-        block_bytes=block_bytes, quantized=quantized,
-    )
-    if len(plan.sends) > _U32 or len(plan.recvs) > _U32:
-        raise InvalidArgumentError("too many frames for one operation: raise block_bytes")
-    to_ranks, from_ranks = plan_partners(plan)
-    partners = sorted({ids[r] for r in to_ranks} | {ids[r] for r in from_ranks})
-    if quantized:
-        assert quantization is not None
-        ex: _Exec = _QuantExec(plan, n, send, out, op, quantization)
+    plan = ex.plan
+    if staging is not None:
+        staging.begin(plan, out, quantized=isinstance(ex, _QuantExec))
+    slots = [pool.expect(ids[f.peer], tag, op_seq, f.seq, ex.recv_dest(i)) for i, f in enumerate(plan.recvs)]
+    if plan.local_copy is not None:
+        s0, s1, o0 = plan.local_copy
+        if staging is not None:
+            await staging.before_local_copy()
+        out[o0 : o0 + (s1 - s0)] = send[s0:s1]
+        if staging is not None:
+            staging.after_local_copy()
+    if plan.sends or plan.recvs:
+        runner = _run_inline if ex.tx <= INLINE_SEND_LIMIT else _run_pipelined
+        await runner(pool, ex, slots, ids, tag, op_seq, staging)
     else:
-        ex = _Exec(plan, n, send, out, op)
-    ok = False
-    try:
-        if staging is not None:
-            staging.begin(plan, out, quantized=quantized)
-        slots = [
-            pool.expect(ids[f.peer], tag, op_seq, f.seq, ex.recv_dest(i)) for i, f in enumerate(plan.recvs)
-        ]
-        if plan.local_copy is not None:
-            s0, s1, o0 = plan.local_copy
-            if staging is not None:
-                await staging.before_local_copy()
-            out[o0 : o0 + (s1 - s0)] = send[s0:s1]
-            if staging is not None:
-                staging.after_local_copy()
-        if plan.sends or plan.recvs:
-            runner = _run_inline if ex.tx <= INLINE_SEND_LIMIT else _run_pipelined
-            await runner(pool, ex, slots, ids, tag, op_seq, staging)
-        else:
-            await trio.lowlevel.checkpoint()
-        if staging is not None:
-            await staging.finish()
-        ok = True
-        return ex.tx, ex.rx
-    finally:
-        # Always: late or duplicate frames of this op must be dropped, never stashed. On failure
-        # this also stops every reader from writing into ``out`` before we return.
-        pool.forget_op(op_seq)
-        if ok:
-            ex.release()
-        else:
-            # Every partner the plan names: the stream state of each is unknown now.
-            await pool.disconnect_all(partners)
+        await trio.lowlevel.checkpoint()
+    if staging is not None:
+        await staging.finish()
+
+
+def make_exec(
+    plan: Plan, n: int, send: np.ndarray, out: np.ndarray, op: ReduceOp,
+    quantization: QuantizationOptions | None,
+) -> _Exec:
+    """The executor state of one plan: quantized frames when ``quantization`` quantizes."""
+    if quantization is not None and quantization.algorithm != QuantizationAlgorithm.NONE:
+        return _QuantExec(plan, n, send, out, op, quantization)
+    return _Exec(plan, n, send, out, op)
 
 
 def owned_range(kind: str, n: int, rank: int, count: int) -> tuple[int, int]:

@@ -1,6 +1,9 @@
 """Collective schedules: which elements each rank sends and receives, step by step (pure: no trio,
-no I/O). The ring (below), and recursive halving-doubling and binomial trees (:func:`all_plans`,
-after the ring code), all described in one plan vocabulary (:class:`Plan`).
+no I/O). The ring, recursive halving-doubling and binomial trees, all described in one plan
+vocabulary (:class:`Plan`, in :mod:`pccl.collectives.plan`, re-exported here). Each kind of
+:mod:`pccl.collectives.kinds` builds its own plans; this module is where they are asked for
+(:func:`all_plans`, :func:`plan_ring`, :func:`cached_plan`), cached, and where the connections a
+peer opens ahead of its collectives are named (:func:`send_partners`).
 
 Chunks (docs/protocol.md section 4): for world size ``n`` and ``count`` elements, chunk ``c`` holds
 ``count // n`` elements plus one if ``c < count % n``; chunks are contiguous and in order, and
@@ -21,7 +24,9 @@ All-gather (``count`` elements per rank, output ``n * count``, slot ``i`` = rank
 runs ``n-1`` steps: at step ``t`` rank ``r`` sends slot ``(r - t) mod n`` (step 0: its own input)
 and receives slot ``(r - t - 1) mod n``.
 
-Broadcast from ring index ``root`` is a pipelined chain ``root -> root+1 -> ... -> root-1``.
+Broadcast from ring index ``root`` is a pipelined chain ``root -> root+1 -> ... -> root-1``; reduce to
+``root`` the chain ``root+1 -> ... -> root``; all-to-all the ring-ordered pairwise exchange (each
+kind's module says more).
 
 Every chunk is cut into blocks of at most ``block_elems`` elements so that reduction of one block
 overlaps the arrival of the next, and so that a large operation can stripe its blocks over
@@ -34,204 +39,63 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+from .kinds import KINDS, Kind, get_kind
+from .kinds.all_gather import ring_steps as _all_gather_steps
+from .kinds.all_reduce import ring_steps as _all_reduce_steps
+from .kinds.reduce_scatter import ring_steps as _reduce_scatter_steps
+from .plan import (
+    SCHEDULES,
+    SRC_OUT,
+    SRC_SEND,
+    Plan,
+    RecvFrame,
+    SendFrame,
+    Step,
+    block_ranges,
+    check_plan_arguments,
+    chunk_bounds,
+    chunk_range,
+    chunk_sizes,
+    plan_exchange,
+    tree_children,
+    tree_subtree,
+)
 
-# Where a send frame reads its bytes from.
-SRC_SEND = 0  # the caller's input array
-SRC_OUT = 1  # the output array (partial sums, received data being forwarded)
-
-
-def chunk_sizes(count: int, n: int) -> list[int]:
-    """Element count of each of the ``n`` chunks of a ``count``-element buffer."""
-    if n < 1 or count < 0:
-        raise ValueError(f"bad chunking: count={count}, n={n}")
-    q, rem = divmod(count, n)
-    return [q + (1 if c < rem else 0) for c in range(n)]
-
-
-def chunk_range(count: int, n: int, c: int) -> tuple[int, int]:
-    """``(start, end)`` element offsets of chunk ``c`` (``0 <= c < n``)."""
-    if not 0 <= c < n or count < 0:
-        raise ValueError(f"chunk {c} out of range for n={n} (count={count})")
-    q, rem = divmod(count, n)
-    start = c * q + min(c, rem)
-    return start, start + q + (1 if c < rem else 0)
-
-
-def chunk_bounds(count: int, n: int) -> list[tuple[int, int]]:
-    """``(start, end)`` of every chunk, in order (``chunk_bounds(count, n)[r]`` is rank r's)."""
-    return [chunk_range(count, n, c) for c in range(n)]
-
-
-@dataclass(frozen=True, slots=True)
-class Step:
-    """One ring step for one rank: the chunk it sends, the chunk it receives, and whether the
-    received data is reduced with the rank's own contribution (reduce-scatter steps)."""
-
-    send_chunk: int
-    recv_chunk: int
-    reduce: bool
+_RING_STEPS = {"all_reduce": _all_reduce_steps, "reduce_scatter": _reduce_scatter_steps,
+               "all_gather": _all_gather_steps}
 
 
 def ring_steps(kind: str, n: int, rank: int) -> list[Step]:
-    """The ring steps of ``kind`` ("all_reduce", "reduce_scatter" or "all_gather") for ``rank``.
+    """The ring steps of ``kind`` ("all_reduce", "reduce_scatter" or "all_gather") for ``rank``: the
+    chunk-stepping kinds (the others' ring plans are chains or exchanges, not steps of chunks).
 
     Raises:
         ValueError: unknown kind, ``n < 2`` or rank out of range.
     """
     if n < 2 or not 0 <= rank < n:
         raise ValueError(f"bad ring: n={n}, rank={rank}")
-    if kind == "all_reduce":
-        return [Step((rank - t - 1) % n, (rank - t - 2) % n, t <= n - 2) for t in range(2 * (n - 1))]
-    if kind == "reduce_scatter":
-        return [Step((rank - t - 1) % n, (rank - t - 2) % n, True) for t in range(n - 1)]
-    if kind == "all_gather":
-        return [Step((rank - t) % n, (rank - t - 1) % n, False) for t in range(n - 1)]
-    raise ValueError(f"no ring steps for kind {kind!r}")
+    steps = _RING_STEPS.get(kind)
+    if steps is None:
+        raise ValueError(f"no ring steps for kind {kind!r}")
+    return steps(n, rank)
 
 
-def block_ranges(start: int, end: int, block_elems: int) -> list[tuple[int, int]]:
-    """Cut ``[start, end)`` into consecutive blocks of at most ``block_elems`` (none if empty)."""
-    if block_elems < 1:
-        raise ValueError("block_elems must be >= 1")
-    return [(s, min(end, s + block_elems)) for s in range(start, end, block_elems)]
-
-
-@dataclass(frozen=True, slots=True)
-class SendFrame:
-    """One frame this rank sends to its ring successor.
-
-    Attributes:
-        seq: frame number within the operation (matches the successor's RecvFrame.seq).
-        source: SRC_SEND or SRC_OUT.
-        start: first element in ``source``.
-        end: one past the last element.
-        after: index into ``Plan.recvs`` of the receive that must complete (and be reduced)
-            before this frame may be sent; -1 if it can be sent at once.
-        lane: which of the pool's connections to prefer, before adding the tag (blocks of one
-            step take consecutive lanes so large operations stripe over every connection).
-        step: the ring step (0-based) the frame belongs to; when several frames are ready on one
-            connection, earlier steps go first (then ``seq`` order), so the all-gather never
-            overtakes the reduce-scatter and leaves the link idle at the end of the operation.
-        peer: the rank (index in the ring order) the frame goes to. Ring plans name their
-            successor; halving-doubling and tree plans name any rank.
-    """
-
-    seq: int
-    source: int
-    start: int
-    end: int
-    after: int
-    lane: int
-    step: int = 0
-    peer: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class RecvFrame:
-    """One frame this rank receives from its ring predecessor, straight into ``out[start:end]``.
-
-    Attributes:
-        seq: frame number within the operation.
-        start: first element in the output array.
-        end: one past the last element.
-        reduce: combine ``out[start:end]`` with this rank's input over the same range afterwards.
-        to_scratch: land in a scratch buffer instead; afterwards ``out[start:end] =
-            op(out[start:end], received)`` (``out`` holds this rank's input there: the plan's
-            ``local_copy``). The exchange plan uses it so both ranks compute ``op(x0, x1)``.
-        peer: the rank the frame comes from (ring plans: the predecessor). Frames are matched by
-            ``(peer, seq)``: ``seq`` numbers the sender's frames, so frames from different peers
-            may share a ``seq``.
-        scratch: ``to_scratch`` frames only: element offset of the landing place in the plan's
-            scratch area (``Plan.scratch_elems`` elements); ``-1``: at the frame's own ``out``
-            offsets in an ``out``-sized scratch buffer (the exchange plan). Halving-doubling and
-            tree plans give every such frame its own place, because their receives into one
-            range of ``out`` can be in flight at the same time.
-    """
-
-    seq: int
-    start: int
-    end: int
-    reduce: bool
-    to_scratch: bool = False
-    peer: int = -1
-    scratch: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    """Everything one rank does in one operation.
-
-    Attributes:
-        sends: frames to send (ring: to the successor; see ``SendFrame.peer``), in ``seq`` order.
-        recvs: frames to receive (ring: from the predecessor; see ``RecvFrame.peer``), in the
-            order in which they are awaited and applied (a send's ``after`` dependency therefore
-            also waits for every earlier receive).
-        local_copy: ``(src_start, src_end, out_start)``: elements of the input copied into the
-            output before the ring starts, or None.
-        owned: ``(start, end)`` of the output range that is meaningful for reduce_scatter (the
-            whole output for the other kinds).
-        initial: indices into ``sends`` of the frames that can go at once, in order.
-        unlocks: for each receive, the indices of the sends it releases.
-        send_elems: elements sent in total.
-        recv_elems: elements received in total.
-        scratch_elems: size of the scratch area that ``to_scratch`` frames with a ``scratch``
-            offset land in (0 for ring and exchange plans).
-        schedule: "ring", "exchange", "hd" (recursive halving-doubling) or "tree" (binomial).
-    """
-
-    sends: tuple[SendFrame, ...]
-    recvs: tuple[RecvFrame, ...]
-    local_copy: tuple[int, int, int] | None
-    owned: tuple[int, int]
-    initial: tuple[int, ...] = ()
-    unlocks: tuple[tuple[int, ...], ...] = ()
-    send_elems: int = 0
-    recv_elems: int = 0
-    scratch_elems: int = 0
-    schedule: str = "ring"
-
-
-def _finish(sends: list[SendFrame], recvs: list[RecvFrame], local_copy: tuple[int, int, int] | None,
-            owned: tuple[int, int], scratch_elems: int = 0, schedule: str = "ring") -> Plan:
-    initial: list[int] = []
-    unlocks: list[list[int]] = [[] for _ in recvs]
-    for i, f in enumerate(sends):
-        if f.after < 0:
-            initial.append(i)
-        else:
-            unlocks[f.after].append(i)
-    return Plan(
-        tuple(sends),
-        tuple(recvs),
-        local_copy,
-        owned,
-        tuple(initial),
-        tuple(tuple(u) for u in unlocks),
-        sum(f.end - f.start for f in sends),
-        sum(f.end - f.start for f in recvs),
-        scratch_elems,
-        schedule,
-    )
-
-
-def output_count(kind: str, n: int, count: int) -> int:
+def output_count(kind: str | Kind, n: int, count: int) -> int:
     """Elements of the output array for an input of ``count`` elements."""
-    return n * count if kind == "all_gather" else count
+    return get_kind(kind).output_count(n, count)
 
 
-def plan_ring(kind: str, n: int, rank: int, count: int, block_elems: int, root: int = 0) -> Plan:
-    """Build ``rank``'s plan for one operation.
+def plan_ring(kind: str | Kind, n: int, rank: int, count: int, block_elems: int, root: int = 0) -> Plan:
+    """Build ``rank``'s ring plan for one operation.
 
     Args:
-        kind: "all_reduce", "reduce_scatter", "all_gather" or "broadcast".
+        kind: a kind of :mod:`pccl.collectives.kinds` (or its name).
         n: world size (>= 2).
         rank: this rank's index in the ring.
         count: elements of the input array (all_gather: per rank).
         block_elems: largest block, in elements (>= 1).
-        root: broadcast only: ring index of the rank whose input everyone receives.
+        root: rooted kinds (broadcast, reduce) only: ring index of the root.
 
     Returns:
         The plan.
@@ -239,91 +103,9 @@ def plan_ring(kind: str, n: int, rank: int, count: int, block_elems: int, root: 
     Raises:
         ValueError: bad arguments.
     """
-    if n < 2 or not 0 <= rank < n or count < 0 or block_elems < 1:
-        raise ValueError(f"bad plan arguments: n={n} rank={rank} count={count} block_elems={block_elems}")
-    if kind == "broadcast":
-        return _plan_broadcast(n, rank, count, block_elems, root)
-    steps = ring_steps(kind, n, rank)
-    if kind == "all_gather":
-        bounds = [(c * count, (c + 1) * count) for c in range(n)]
-    else:
-        bounds = chunk_bounds(count, n)
-    sends: list[SendFrame] = []
-    recvs: list[RecvFrame] = []
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
-    # blocks received at the previous step, in order: the next step sends exactly these.
-    prev_recv_idx: list[int] = []
-    for t, step in enumerate(steps):
-        s0, s1 = bounds[step.send_chunk]
-        send_blocks = block_ranges(s0, s1, block_elems)
-        for b, (a, e) in enumerate(send_blocks):
-            if t == 0:
-                if kind == "all_gather":
-                    # step 0 sends this rank's own input, read from the input array (offsets 0..count)
-                    sends.append(SendFrame(len(sends), SRC_SEND, a - s0, e - s0, -1, b, t, nxt))
-                else:
-                    sends.append(SendFrame(len(sends), SRC_SEND, a, e, -1, b, t, nxt))
-            else:
-                sends.append(SendFrame(len(sends), SRC_OUT, a, e, prev_recv_idx[b], b, t, nxt))
-        r0, r1 = bounds[step.recv_chunk]
-        prev_recv_idx = []
-        for a, e in block_ranges(r0, r1, block_elems):
-            prev_recv_idx.append(len(recvs))
-            recvs.append(RecvFrame(len(recvs), a, e, step.reduce, peer=prv))
-    if kind == "all_gather":
-        local_copy: tuple[int, int, int] | None = (0, count, rank * count) if count else None
-        owned = (0, n * count)
-    elif kind == "reduce_scatter":
-        local_copy = None
-        # n >= 2 means at least one reduce step, whose last receive + reduce writes chunk ``rank``
-        owned = bounds[rank]
-    else:
-        local_copy = None
-        owned = (0, count)
-    return _finish(sends, recvs, local_copy, owned)
-
-
-def plan_exchange(rank: int, count: int, block_elems: int) -> Plan:
-    """All-reduce between two ranks in one step: each sends its whole input to the other and
-    reduces the two inputs itself, instead of the ring's two dependent steps (reduce-scatter, then
-    all-gather) of half the input each. The same bytes cross the wire, but a small operation waits
-    for one arrival instead of two; each rank reduces the whole buffer instead of half, so it is
-    only worth it for small buffers (see ``ring.EXCHANGE_MAX_BYTES``).
-
-    Both ranks compute ``op(x0, x1)`` with rank 0's input as the first operand - rank 1 reduces
-    the received ``x0`` with its own input as usual, rank 0 starts from a copy of its input and
-    reduces the received ``x1`` into it - so the results are bit-identical even where ``op`` is
-    not bitwise commutative (NaN payloads, MIN/MAX of -0.0 and 0.0).
-
-    Raises:
-        ValueError: bad arguments.
-    """
-    if rank not in (0, 1) or count < 0 or block_elems < 1:
-        raise ValueError(f"bad exchange plan: rank={rank} count={count} block_elems={block_elems}")
-    blocks = block_ranges(0, count, block_elems)
-    other = 1 - rank
-    sends = [SendFrame(i, SRC_SEND, a, e, -1, i, peer=other) for i, (a, e) in enumerate(blocks)]
-    recvs = [RecvFrame(i, a, e, True, to_scratch=rank == 0, peer=other) for i, (a, e) in enumerate(blocks)]
-    local_copy = (0, count, 0) if rank == 0 and count else None
-    return _finish(sends, recvs, local_copy, (0, count), schedule="exchange")
-
-
-def _plan_broadcast(n: int, rank: int, count: int, block_elems: int, root: int) -> Plan:
-    if not 0 <= root < n:
-        raise ValueError(f"broadcast root {root} out of range for n={n}")
-    pos = (rank - root) % n  # distance from the root along the ring
-    blocks = block_ranges(0, count, block_elems)
-    sends: list[SendFrame] = []
-    recvs: list[RecvFrame] = []
-    nxt, prv = (rank + 1) % n, (rank - 1) % n
-    if pos == 0:
-        sends = [SendFrame(i, SRC_SEND, a, e, -1, i, peer=nxt) for i, (a, e) in enumerate(blocks)]
-        return _finish(sends, [], (0, count, 0) if count else None, (0, count))
-    recvs = [RecvFrame(i, a, e, False, peer=prv) for i, (a, e) in enumerate(blocks)]
-    if pos < n - 1:
-        # forward each block as soon as it has arrived: the chain is pipelined block by block
-        sends = [SendFrame(i, SRC_OUT, a, e, i, i, 1, nxt) for i, (a, e) in enumerate(blocks)]
-    return _finish(sends, recvs, None, (0, count))
+    k = get_kind(kind)
+    check_plan_arguments(n, rank, count, block_elems)
+    return k.ring_plan(n, rank, count, block_elems, root)
 
 
 _PLAN_CACHE: OrderedDict[tuple[str, int, int, int, int, int], Plan] = OrderedDict()
@@ -332,7 +114,8 @@ _PLAN_CACHE_MAX_FRAMES = 4096
 
 
 def cached_plan(
-    kind: str, n: int, rank: int, count: int, block_elems: int, root: int = 0, *, exchange: bool = False
+    kind: str | Kind, n: int, rank: int, count: int, block_elems: int, root: int = 0, *,
+    exchange: bool = False,
 ) -> Plan:
     """:func:`plan_ring` (or, with ``exchange``, :func:`plan_exchange`: all_reduce, ``n == 2``)
     behind a small LRU cache (training loops repeat the same shapes).
@@ -342,10 +125,11 @@ def cached_plan(
     Raises:
         ValueError: bad arguments.
     """
-    if exchange and (kind != "all_reduce" or n != 2):
-        raise ValueError(f"the exchange plan is for all_reduce between 2 ranks, not {kind} with {n}")
-    name = "exchange" if exchange else kind
-    key = (name, n, rank, count, block_elems, root if kind == "broadcast" else 0)
+    k = get_kind(kind)
+    if exchange and (not k.exchange or n != 2):
+        raise ValueError(f"the exchange plan is for all_reduce between 2 ranks, not {k.name} with {n}")
+    name = "exchange" if exchange else k.name
+    key = (name, n, rank, count, block_elems, root if k.rooted else 0)
     plan = _PLAN_CACHE.get(key)
     if plan is not None:
         _PLAN_CACHE.move_to_end(key)
@@ -353,7 +137,7 @@ def cached_plan(
     if exchange:
         plan = plan_exchange(rank, count, block_elems)
     else:
-        plan = plan_ring(kind, n, rank, count, block_elems, root)
+        plan = plan_ring(k, n, rank, count, block_elems, root)
     if len(plan.sends) + len(plan.recvs) <= _PLAN_CACHE_MAX_FRAMES:
         _PLAN_CACHE[key] = plan
         while len(_PLAN_CACHE) > _PLAN_CACHE_SIZE:
@@ -371,299 +155,13 @@ def predecessor(ring: Sequence[int], index: int) -> int:
     return ring[(index - 1) % len(ring)]
 
 
-# ------------------------------------------------------------------------------------------------
-# Latency-optimal schedules: recursive halving-doubling and binomial trees.
-#
-# These plans use the same vocabulary as the ring's, with every frame naming the rank it goes to
-# or comes from (``SendFrame.peer`` / ``RecvFrame.peer``). They are built for all ranks at once by
-# one symbolic run of the algorithm (``_Builder``), which pairs every send with its receive and
-# derives each send's dependency from the receives that last wrote the elements it reads.
-#
-# Bit-identical results: in every reducing plan the final value of each element is computed
-# exactly once (by the rank that owns it after the reduce-scatter, or by the tree's root) and
-# then only copied, so every rank ends with the same bits whatever the reduction order was; and
-# the order is fixed by the plan (integer ops are exact in any order: they wrap like the dtype).
-
-SCHEDULES = ("ring", "hd", "tree")
-
-# How a receive is applied (RecvFrame fields).
-_COPY = 0  # out[range] = received
-_REDUCE = 1  # out[range] = received, then out op= send  (this rank's input as second operand)
-_ACCUM = 2  # lands in scratch; out[range] = op(out[range], received)
-
-
-class _Writers:
-    """Which receive last wrote each element of one rank's ``out`` (an interval map)."""
-
-    __slots__ = ("_segs",)
-
-    def __init__(self) -> None:
-        self._segs: list[tuple[int, int, int]] = []  # disjoint (start, end, recv index)
-
-    def last(self, a: int, e: int) -> int:
-        """The highest receive index that wrote any element of ``[a, e)``; -1 if none."""
-        return max((i for s, t, i in self._segs if s < e and a < t), default=-1)
-
-    def write(self, a: int, e: int, idx: int) -> None:
-        keep: list[tuple[int, int, int]] = []
-        for s, t, i in self._segs:
-            if t <= a or e <= s:
-                keep.append((s, t, i))
-                continue
-            if s < a:
-                keep.append((s, a, i))
-            if e < t:
-                keep.append((e, t, i))
-        keep.append((a, e, idx))
-        self._segs = keep
-
-
-class _Builder:
-    """Collects every rank's frames while the algorithm is run symbolically."""
-
-    def __init__(self, n: int, block_elems: int) -> None:
-        self.n = n
-        self.block_elems = block_elems
-        self.sends: list[list[SendFrame]] = [[] for _ in range(n)]
-        self.recvs: list[list[RecvFrame]] = [[] for _ in range(n)]
-        self.writers = [_Writers() for _ in range(n)]
-        self.scratch = [0] * n
-
-    def transfer(
-        self, src: int, dst: int, pieces: Sequence[tuple[int, int, int]], source: int, mode: int, step: int
-    ) -> None:
-        """``src`` sends ``source[s0:s1]`` for every ``(s0, s1, d0)`` of ``pieces``; ``dst``
-        receives it at ``out[d0 : d0 + s1 - s0]`` and applies it by ``mode``. Cut into blocks."""
-        lane = 0
-        for s0, s1, d0 in pieces:
-            for a, e in block_ranges(s0, s1, self.block_elems):
-                after = self.writers[src].last(a, e) if source == SRC_OUT else -1
-                seq = len(self.sends[src])
-                self.sends[src].append(SendFrame(seq, source, a, e, after, lane, step, dst))
-                lane += 1
-                o0, o1 = d0 + (a - s0), d0 + (e - s0)
-                scratch = -1
-                if mode == _ACCUM:
-                    scratch = self.scratch[dst]
-                    self.scratch[dst] += e - a
-                idx = len(self.recvs[dst])
-                self.recvs[dst].append(
-                    RecvFrame(seq, o0, o1, mode == _REDUCE, mode == _ACCUM, src, scratch)
-                )
-                self.writers[dst].write(o0, o1, idx)
-
-    def plans(
-        self,
-        local_copy: Sequence[tuple[int, int, int] | None],
-        owned: Sequence[tuple[int, int]],
-        schedule: str,
-    ) -> tuple[Plan, ...]:
-        return tuple(
-            _finish(self.sends[r], self.recvs[r], local_copy[r], owned[r], self.scratch[r], schedule)
-            for r in range(self.n)
-        )
-
-
-def _same(ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Pieces that land where they are read from, ascending, adjacent ranges merged: one frame
-    (per block) for what a rank sends one partner in one step, not one per chunk (a halving round
-    of ``p`` ranks gives up to ``p / 2`` chunks: ``p - 1`` frames per phase, now ``log2 p``)."""
-    out: list[tuple[int, int, int]] = []
-    for a, e in sorted(r for r in ranges if r[1] > r[0]):
-        if out and out[-1][1] == a:
-            out[-1] = (out[-1][0], e, out[-1][0])
-        else:
-            out.append((a, e, a))
-    return out
-
-
-def _hd_plans(kind: str, n: int, count: int, block_elems: int) -> tuple[Plan, ...]:
-    """Recursive halving (reduce-scatter) then recursive doubling (all-gather).
-
-    Let ``p`` be the largest power of two ``<= n``. The ``n - p`` extra ranks fold in first:
-    rank ``p + i`` hands its input to rank ``i`` (which reduces it into its own), and gets the
-    result back at the end. Among ranks ``0..p-1`` the buffer is cut into ``p`` virtual chunks;
-    at halving round ``k`` (distance ``d = p / 2**(k+1)``) rank ``v`` exchanges half of its
-    current range with ``v ^ d`` and keeps the half that contains virtual chunk ``v``; after
-    ``log2 p`` rounds rank ``v`` holds the final bits of virtual chunk ``v``. Doubling rounds
-    (``d = 1, 2, ..., p/2``) exchange the owned ranges, which double each round.
-
-    Virtual chunks: all_reduce uses ``chunk_bounds(count, p)`` (balanced); reduce_scatter uses
-    rank ``v``'s chunk plus, for ``v < n - p``, the folded rank's chunk ``p + v`` (handed over in
-    one last step), so the output follows the ring's chunk layout; all_gather uses the slots
-    ``v`` and ``p + v`` the same way.
-    """
-    p = 1 << (n.bit_length() - 1)
-    extra = n - p
-    rounds = p.bit_length() - 1
-    b = _Builder(n, block_elems)
-    step = 0
-    if kind == "all_gather":
-        slots = [(r * count, (r + 1) * count) for r in range(n)]
-        vranges = [[slots[v]] + ([slots[p + v]] if v < extra else []) for v in range(p)]
-        for i in range(extra):
-            b.transfer(p + i, i, [(0, count, slots[p + i][0])], SRC_SEND, _COPY, step)
-        step += 1 if extra else 0
-        local_copy: list[tuple[int, int, int] | None] = [
-            (0, count, r * count) if count else None for r in range(n)
-        ]
-        for k in range(rounds):
-            d = 1 << k
-            for v in range(p):
-                lo = v & ~(d - 1)
-                rng = [x for c in range(lo, lo + d) for x in vranges[c]]
-                b.transfer(v, v ^ d, _same(rng), SRC_OUT, _COPY, step)
-            step += 1
-        for i in range(extra):
-            a0, a1 = slots[p + i]
-            b.transfer(i, p + i, _same([(0, a0), (a1, n * count)]), SRC_OUT, _COPY, step)
-        return b.plans(local_copy, [(0, n * count)] * n, "hd")
-    if kind == "all_reduce":
-        vranges = [[chunk_range(count, p, v)] for v in range(p)]
-    else:
-        vranges = [
-            [chunk_range(count, n, v)] + ([chunk_range(count, n, p + v)] if v < extra else [])
-            for v in range(p)
-        ]
-    partial = [False] * n  # whether out already holds this rank's partial sum
-    for i in range(extra):
-        b.transfer(p + i, i, _same([(0, count)]), SRC_SEND, _REDUCE, step)
-        partial[i] = True
-    step += 1 if extra else 0
-    for k in range(rounds):
-        d = p >> (k + 1)
-        sources = [SRC_OUT if partial[v] else SRC_SEND for v in range(p)]
-        for v in range(p):
-            lo = v & ~(2 * d - 1)
-            give = lo if v & d else lo + d  # the half without v's own virtual chunk
-            rng = [x for c in range(give, give + d) for x in vranges[c]]
-            # the partner's kept half is this rank's given half: it lands in out / scratch there
-            b.transfer(v, v ^ d, _same(rng), sources[v], _ACCUM if partial[v ^ d] else _REDUCE, step)
-        for v in range(p):
-            partial[v] = True
-        step += 1
-    if kind == "reduce_scatter":
-        for i in range(extra):
-            b.transfer(i, p + i, _same([chunk_range(count, n, p + i)]), SRC_OUT, _COPY, step)
-        owned = [chunk_range(count, n, r) for r in range(n)]
-        return b.plans([None] * n, owned, "hd")
-    for k in range(rounds):
-        d = 1 << k
-        for v in range(p):
-            lo = v & ~(d - 1)
-            rng = [x for c in range(lo, lo + d) for x in vranges[c]]
-            b.transfer(v, v ^ d, _same(rng), SRC_OUT, _COPY, step)
-        step += 1
-    for i in range(extra):
-        b.transfer(i, p + i, _same([(0, count)]), SRC_OUT, _COPY, step)
-    return b.plans([None] * n, [(0, count)] * n, "hd")
-
-
-def _lowbit(v: int, n: int) -> int:
-    """Size of node ``v``'s subtree span in the binomial tree over ``0..n-1`` rooted at 0."""
-    if v == 0:
-        return 1 << max(0, (n - 1).bit_length())
-    return v & -v
-
-
-def tree_children(v: int, n: int) -> list[int]:
-    """Children of node ``v`` in the binomial tree over ``0..n-1`` rooted at 0, smallest first.
-
-    Node ``v``'s parent is ``v`` minus its lowest set bit, and its subtree is the contiguous range
-    ``[v, min(n, v + lowbit(v)))`` (the whole range for the root).
-    """
-    span = _lowbit(v, n)
-    out = []
-    j = 1
-    while j < span and v + j < n:
-        out.append(v + j)
-        j <<= 1
-    return out
-
-
-def tree_subtree(v: int, n: int) -> tuple[int, int]:
-    """``(first, end)`` of node ``v``'s subtree in the binomial tree over ``0..n-1``."""
-    return v, min(n, v + _lowbit(v, n))
-
-
-def _tree_reduce(b: _Builder, n: int, count: int, step: int) -> None:
-    """Every rank's contribution reduced up the binomial tree into node 0's ``out``, block by block
-    (so a block moves up as soon as it is complete below). Children are received smallest
-    subtree first: they finish first."""
-    for a, e in block_ranges(0, count, b.block_elems):
-        for v in range(n - 1, -1, -1):
-            for j, c in enumerate(tree_children(v, n)):
-                source = SRC_OUT if tree_children(c, n) else SRC_SEND
-                b.transfer(c, v, [(a, e, a)], source, _REDUCE if j == 0 else _ACCUM, step)
-
-
-def _tree_bcast(b: _Builder, n: int, rank_of: Sequence[int], pieces: list[tuple[int, int, int]],
-                root_source: int, step: int) -> None:
-    """``pieces`` of the root's buffer copied down the tree, block by block, biggest subtree first."""
-    for a0, a1, d0 in pieces:
-        for a, e in block_ranges(a0, a1, b.block_elems):
-            for v in range(n):
-                for c in reversed(tree_children(v, n)):
-                    source = root_source if v == 0 else SRC_OUT
-                    s0 = a if source == SRC_SEND else d0 + (a - a0)
-                    b.transfer(rank_of[v], rank_of[c], [(s0, s0 + e - a, d0 + (a - a0))], source, _COPY, step)
-
-
-def _tree_plans(kind: str, n: int, count: int, block_elems: int, root: int) -> tuple[Plan, ...]:
-    """Binomial tree schedules (node ``v`` = rank ``v``; broadcast: rank ``(v + root) % n``).
-
-    * broadcast: the root's input copied down the tree (``ceil(log2 n)`` levels).
-    * all_reduce: reduce up the tree to rank 0, then broadcast its result: the final bits are
-      computed once, at rank 0.
-    * reduce_scatter: reduce to rank 0, then scatter: each child gets the chunks of its subtree
-      (a contiguous range) and forwards its own children's parts.
-    * all_gather: gather up the tree (each subtree's slots are contiguous), then every node sends
-      each child all slots outside the child's subtree.
-    """
-    b = _Builder(n, block_elems)
-    ident = list(range(n))
-    if kind == "broadcast":
-        rank_of = [(v + root) % n for v in range(n)]
-        _tree_bcast(b, n, rank_of, [(0, count, 0)], SRC_SEND, 0)
-        local_copy: list[tuple[int, int, int] | None] = [None] * n
-        if count:
-            local_copy[root] = (0, count, 0)
-        return b.plans(local_copy, [(0, count)] * n, "tree")
-    if kind == "all_reduce":
-        _tree_reduce(b, n, count, 0)
-        _tree_bcast(b, n, ident, [(0, count, 0)], SRC_OUT, 1)
-        return b.plans([None] * n, [(0, count)] * n, "tree")
-    if kind == "reduce_scatter":
-        _tree_reduce(b, n, count, 0)
-        for v in range(n):
-            for c in reversed(tree_children(v, n)):
-                first, end = tree_subtree(c, n)
-                a, e = chunk_range(count, n, first)[0], chunk_range(count, n, end - 1)[1]
-                b.transfer(v, c, _same([(a, e)]), SRC_OUT, _COPY, 1)
-        return b.plans([None] * n, [chunk_range(count, n, r) for r in range(n)], "tree")
-    # all_gather
-    for v in range(n - 1, -1, -1):
-        for c in tree_children(v, n):
-            first, end = tree_subtree(c, n)
-            leaf = not tree_children(c, n)
-            pieces = [(0, count, c * count)] if leaf else _same([(first * count, end * count)])
-            b.transfer(c, v, pieces, SRC_SEND if leaf else SRC_OUT, _COPY, 0)
-    for v in range(n):
-        for c in reversed(tree_children(v, n)):
-            first, end = tree_subtree(c, n)
-            b.transfer(v, c, _same([(0, first * count), (end * count, n * count)]), SRC_OUT, _COPY, 1)
-    local_copy = [(0, count, r * count) if count else None for r in range(n)]
-    return b.plans(local_copy, [(0, n * count)] * n, "tree")
-
-
 def schedule_kinds(schedule: str) -> tuple[str, ...]:
-    """The operation kinds ``schedule`` has plans for (halving-doubling has no broadcast: a
-    broadcast has nothing to halve, the tree is its latency-optimal schedule)."""
-    if schedule == "hd":
-        return ("all_reduce", "reduce_scatter", "all_gather")
-    if schedule in ("ring", "tree"):
-        return KINDS
-    raise ValueError(f"unknown schedule {schedule!r} (expected one of {SCHEDULES})")
+    """The operation kinds ``schedule`` has plans for (halving-doubling has no broadcast or reduce:
+    a rooted operation has nothing to halve, the tree is its latency-optimal schedule; all-to-all
+    has its one plan, counted as the ring's)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r} (expected one of {SCHEDULES})")
+    return tuple(name for name in KINDS if schedule in get_kind(name).schedules)
 
 
 _ALL_PLANS_CACHE: OrderedDict[tuple[str, str, int, int, int, int], tuple[Plan, ...]] = OrderedDict()
@@ -672,17 +170,17 @@ _ALL_PLANS_CACHE_MAX_FRAMES = 1 << 16  # over all ranks: bigger sets are rebuilt
 
 
 def all_plans(
-    schedule: str, kind: str, n: int, count: int, block_elems: int, root: int = 0
+    schedule: str, kind: str | Kind, n: int, count: int, block_elems: int, root: int = 0
 ) -> tuple[Plan, ...]:
     """Every rank's plan of one operation under ``schedule`` (index = rank = ring index).
 
     Args:
         schedule: "ring", "hd" (recursive halving-doubling) or "tree" (binomial tree).
-        kind: "all_reduce", "reduce_scatter", "all_gather" or "broadcast" (not with "hd").
+        kind: a kind (or its name) with plans under ``schedule`` (see :func:`schedule_kinds`).
         n: world size (>= 2).
         count: elements of the input array (all_gather: per rank).
         block_elems: largest frame, in elements (>= 1).
-        root: broadcast only: the rank whose input everyone receives.
+        root: rooted kinds only: the rank at the root.
 
     Returns:
         ``n`` plans; rank ``r`` executes ``plans[r]``. Cached (small LRU; sets of more than 65536
@@ -691,23 +189,18 @@ def all_plans(
     Raises:
         ValueError: bad arguments, or a kind the schedule has no plan for.
     """
-    if kind not in schedule_kinds(schedule):
-        raise ValueError(f"schedule {schedule!r} has no plan for {kind!r}")
+    k = get_kind(kind)
+    schedule_kinds(schedule)  # checks the name
+    if schedule not in k.schedules:
+        raise ValueError(f"schedule {schedule!r} has no plan for {k.name!r}")
     if n < 2 or count < 0 or block_elems < 1:
         raise ValueError(f"bad plan arguments: n={n} count={count} block_elems={block_elems}")
-    if kind == "broadcast" and not 0 <= root < n:
-        raise ValueError(f"broadcast root {root} out of range for n={n}")
-    key = (schedule, kind, n, count, block_elems, root if kind == "broadcast" else 0)
+    key = (schedule, k.name, n, count, block_elems, root if k.rooted else 0)
     got = _ALL_PLANS_CACHE.get(key)
     if got is not None:
         _ALL_PLANS_CACHE.move_to_end(key)
         return got
-    if schedule == "ring":
-        plans = tuple(plan_ring(kind, n, r, count, block_elems, root) for r in range(n))
-    elif schedule == "hd":
-        plans = _hd_plans(kind, n, count, block_elems)
-    else:
-        plans = _tree_plans(kind, n, count, block_elems, root)
+    plans = k.plans(schedule, n, count, block_elems, root)
     if sum(len(p.sends) + len(p.recvs) for p in plans) <= _ALL_PLANS_CACHE_MAX_FRAMES:
         _ALL_PLANS_CACHE[key] = plans
     while len(_ALL_PLANS_CACHE) > _ALL_PLANS_CACHE_SIZE:
@@ -720,7 +213,8 @@ def send_partners(n: int, rank: int, schedules: Sequence[str] = SCHEDULES) -> li
     the ring successor; halving-doubling's ``rank ^ 2**k`` partners and fold partner; and, for the
     tree, ``rank +- 2**k (mod n)`` (a node's parent and children for any broadcast root: node
     ``v = rank - root`` has parent ``v - lowbit(v)`` and children ``v + 2**j``). A superset is
-    fine: these are the connections a peer opens ahead of its collectives.
+    fine: these are the connections a peer opens ahead of its collectives (an all-to-all, which
+    sends to every rank, opens the others on first use).
 
     Returns:
         The ranks, sorted, without ``rank``.
@@ -761,3 +255,11 @@ def plan_schedule(
     if not 0 <= rank < n:
         raise ValueError(f"rank {rank} out of range for n={n}")
     return all_plans(schedule, kind, n, count, block_elems, root)[rank]
+
+
+__all__ = [
+    "KINDS", "SCHEDULES", "SRC_OUT", "SRC_SEND", "Plan", "RecvFrame", "SendFrame", "Step", "all_plans",
+    "block_ranges", "cached_plan", "chunk_bounds", "chunk_range", "chunk_sizes", "output_count",
+    "plan_exchange", "plan_ring", "plan_schedule", "predecessor", "ring_steps", "schedule_kinds",
+    "send_partners", "successor", "tree_children", "tree_subtree",
+]

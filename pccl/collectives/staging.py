@@ -180,7 +180,7 @@ def _cuts(ranges: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
 class Staging:
     """One operation's staging of device tensors (see the module docstring).
 
-    The data plane (:func:`pccl.collectives.ring.run_collective`) calls :meth:`begin` with its
+    The data plane (:func:`pccl.collectives.executor.run_collective`) calls :meth:`begin` with its
     plan, awaits :meth:`before_send` / :meth:`before_receive` / :meth:`before_local_copy` before it
     reads ``send``, reports :meth:`after_send` / :meth:`after_receive` / :meth:`after_local_copy`,
     and awaits :meth:`finish` when its last frame is applied. The caller then either commits (and

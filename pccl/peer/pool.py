@@ -39,7 +39,7 @@ behind F. The invariant that gives it, and which every data plane must keep:
   go-ahead for A (``CollectiveCommence``), which the master sends only once every member of A voted
   for it; so the receiver's own call of A is already in progress when F arrives;
 * (register before waiting) on the go-ahead, the receiver's operation task registers every
-  receive of A at once (:func:`~pccl.collectives.ring.run_collective` calls :meth:`P2PPool.expect`
+  receive of A at once (:func:`~pccl.collectives.ring.run_plan` calls :meth:`P2PPool.expect`
   for the whole plan before it sends or waits for anything), and the steps before that (validating
   the go-ahead, :meth:`connect` to the successor) wait for no data frame; any failure on the way
   calls :meth:`forget_op`.

@@ -36,6 +36,7 @@ from ..wire import limits
 from ..wire import messages as m
 from ..wire.stream import MessageStream
 from .links import Dialer, MasterLink
+from .mailbox import Mailbox
 from .state import error_from_code
 
 log = logging.getLogger("pccl.shared_state")
@@ -273,6 +274,52 @@ def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int]]:
     return rows, hashes
 
 
+async def _fetch_watching(
+    inbox: Mailbox, dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan,
+    progress: ProgressCallback | None,
+) -> tuple[dict[str, np.ndarray], int, str, list[m.Message]]:
+    """Fetch what ``plan`` says this peer fetches, while watching the inbox: the master fails the sync
+    without waiting for us when another participant is lost, and then the fetch stops at once instead
+    of trying holders that moved on.
+
+    Returns:
+        ``(staged tensors, bytes received, failure reason ("" if none), the master's early messages)``.
+
+    Raises:
+        MasterConnectionError, InvalidUsageError: the master is lost, or the communicator closed.
+    """
+    fetched: list[tuple[dict[str, np.ndarray], int]] = []
+    errors: list[PCCLError] = []
+    early: list[m.Message] = []
+    async with trio.open_nursery() as nursery:
+
+        async def watch() -> None:
+            try:
+                early.append(await inbox.get())
+            except PCCLError as exc:
+                errors.append(exc)
+            nursery.cancel_scope.cancel()
+
+        async def fetch() -> None:
+            try:
+                fetched.append(await _fetch_all(dialer, ctx, plan, progress))
+            except PCCLError as exc:
+                errors.append(exc)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(watch)
+        nursery.start_soon(fetch)
+    staged: dict[str, np.ndarray] = {}
+    rx, reason = 0, ""
+    if fetched:
+        staged, rx = fetched[0]
+    elif errors and not early:
+        reason = str(errors[0]) or "fetch failed"
+    if errors and isinstance(errors[0], (MasterConnectionError, InvalidUsageError)):
+        raise errors[0]
+    return staged, rx, reason, early
+
+
 async def run_sync(
     link: MasterLink,
     dialer: Dialer,
@@ -329,34 +376,8 @@ async def run_sync(
         ok, reason, rx = True, "", 0
         early: list[m.Message] = []
         if first.fetch:
-            fetched: list[tuple[dict[str, np.ndarray], int]] = []
-            errors: list[PCCLError] = []
-            async with trio.open_nursery() as nursery:
-
-                async def watch() -> None:
-                    # The master fails the sync without waiting for us when another participant is
-                    # lost: stop fetching at once instead of trying holders that moved on.
-                    try:
-                        early.append(await inbox.get())
-                    except PCCLError as exc:
-                        errors.append(exc)
-                    nursery.cancel_scope.cancel()
-
-                async def fetch() -> None:
-                    try:
-                        fetched.append(await _fetch_all(dialer, ctx, first, progress))
-                    except PCCLError as exc:
-                        errors.append(exc)
-                    nursery.cancel_scope.cancel()
-
-                nursery.start_soon(watch)
-                nursery.start_soon(fetch)
-            if fetched:
-                staged, rx = fetched[0]
-            elif errors and not early:
-                ok, reason = False, str(errors[0])
-            if errors and isinstance(errors[0], (MasterConnectionError, InvalidUsageError)):
-                raise errors[0]
+            staged, rx, reason, early = await _fetch_watching(link.inbox, dialer, ctx, first, progress)
+            ok = not reason
         if not early:
             await link.send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
         result = early[0] if early else await inbox.get()

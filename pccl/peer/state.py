@@ -31,8 +31,8 @@ from .._errors import (
     TopologyOptimizationFailedError,
     UpdateTopologyFailedError,
 )
-from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ..wire import messages as m
+from .op_rules import CollectiveRules
 
 _ERRORS_BY_RESULT: dict[Result, type[PCCLError]] = {
     Result.RANK_CONNECTION_LOST: RankConnectionLostError,
@@ -205,7 +205,7 @@ _TOPOLOGY_CALLS = ("update_topology", "optimize_topology")
 COMMITTED_TAGS_KEPT = 64
 
 
-class PeerState:
+class PeerState(CollectiveRules):
     """One peer's protocol rules, fed message by message (see docs/protocol.md).
 
     Owns the peer table and its epoch, the collectives in flight and their op_seq matching, the rule
@@ -594,125 +594,6 @@ class PeerState:
         self.abandoned_ops, self.sync_abandoned = [], -1
         self.topology_abandoned = -1
         return None
-
-    # ---------------------------------------------------------------------------------------
-    # the rules of a collective call
-
-    @staticmethod
-    def check_tag(tag: object) -> None:
-        """Raises InvalidArgumentError unless ``tag`` is a non-negative 63-bit integer."""
-        if not isinstance(tag, int) or tag < 0 or tag >= 2**63:
-            raise InvalidArgumentError(f"tag must be a non-negative 64-bit integer, got {tag!r}")
-
-    def describe_collective(
-        self,
-        kind: str,
-        *,
-        tag: int,
-        dtype: DataType,
-        send_count: int,
-        recv_count: int,
-        op: ReduceOp,
-        root: int = 0,
-        quantization: QuantizationOptions | None = None,
-        schedule: str = "auto",
-    ) -> m.CollectiveDescriptor:
-        """Check a collective call against this peer's group and build the descriptor it votes with.
-
-        Checked before voting, so that the other peers are not dragged into a failed op.
-
-        Args:
-            kind: "all_reduce", "reduce_scatter", "all_gather" or "broadcast".
-            tag: the operation's tag (see :meth:`check_tag`).
-            dtype: the buffers' dtype (``send`` and ``recv`` agree).
-            send_count: elements of ``send``.
-            recv_count: elements of ``recv``.
-            op: the reduction.
-            root: broadcast only: the root's rank in this group's ring.
-            quantization: optional wire compression.
-            schedule: the requested schedule (``PeerConfig.schedule``): part of the descriptor, so a
-                peer configured differently fails the vote with a clear mismatch instead of waiting
-                for frames of another plan.
-
-        Returns:
-            The descriptor (the broadcast root as a peer id).
-
-        Raises:
-            InvalidArgumentError: sizes that do not fit the kind or the group, quantization of
-                something else than a floating-point all_reduce, a root out of range.
-            InvalidUsageError: ``tag`` is already running here.
-            TooFewPeersError: fewer than 2 peers in the group.
-        """
-        group = self.group_ring
-        n = len(group)
-        if kind == "all_gather":
-            if recv_count != n * send_count:
-                raise InvalidArgumentError(
-                    f"all_gather: recv has {recv_count} elements, expected {n} x {send_count}"
-                )
-        elif recv_count != send_count:
-            raise InvalidArgumentError(f"send has {send_count} elements but recv has {recv_count}")
-        self.check_tag_free(tag)
-        if n < 2:
-            raise TooFewPeersError(
-                f"{kind} needs at least 2 accepted peers in peer group {self.group}, it has {n}; peers "
-                "that connect() wait to be accepted until the accepted peers call update_topology() "
-                "(are_peers_pending() tells whether any is waiting)"
-            )
-        q = quantization or QuantizationOptions(algorithm=QuantizationAlgorithm.NONE)
-        if q.algorithm != QuantizationAlgorithm.NONE and (kind != "all_reduce" or not dtype.is_floating):
-            raise InvalidArgumentError("quantization applies to floating-point all_reduce only")
-        root_id = -1
-        if kind == "broadcast":
-            if not 0 <= root < n:
-                raise InvalidArgumentError(f"root rank {root} out of range for group size {n}")
-            root_id = group[root]
-        return m.CollectiveDescriptor(
-            kind=kind,
-            dtype=int(dtype),
-            element_count=send_count,
-            op=int(op),
-            root=root_id,
-            quantization=int(q.algorithm),
-            quantized_dtype=int(q.quantized_datatype),
-            schedule=schedule,
-        )
-
-    @staticmethod
-    def commence_problem(
-        descriptor: m.CollectiveDescriptor, recv_count: int, ring: Sequence[int]
-    ) -> tuple[str, PCCLError] | None:
-        """What stops a commenced op from running with the ring the master named, if anything.
-
-        Returns:
-            None, or ``(reason for CollectiveDone, error for the caller)``: an all_gather whose group
-            changed size since the call checked ``recv``, or a broadcast whose root is gone.
-        """
-        n = len(ring)
-        if descriptor.kind == "all_gather" and n * descriptor.element_count != recv_count:
-            return "group size changed", InvalidArgumentError(
-                f"all_gather: the group has {n} peers now; recv must hold {n} x "
-                f"{descriptor.element_count} elements"
-            )
-        if descriptor.kind == "broadcast" and descriptor.root not in ring:
-            return "root lost", RankConnectionLostError(
-                f"broadcast root peer {descriptor.root} is no longer in the group"
-            )
-        return None
-
-    @staticmethod
-    def root_position(descriptor: m.CollectiveDescriptor, ring: Sequence[int]) -> int:
-        """The broadcast root's position in the ring the op commenced on (0 for other kinds).
-
-        The descriptor names the root by peer id (equal on every participant: the master checked);
-        the caller's ``root`` rank was of its own view of the group, which a member's loss the
-        caller has not heard of yet shifts against that ring.
-
-        Raises:
-            ValueError: a broadcast whose root is not in ``ring`` (:meth:`commence_problem` says so
-                first).
-        """
-        return ring.index(descriptor.root) if descriptor.kind == "broadcast" else 0
 
     # ---------------------------------------------------------------------------------------
     # messages from the master

@@ -1,6 +1,6 @@
 """A reference executor for plans of any schedule over real :class:`~pccl.peer.pool.P2PPool` s.
 
-The live executor (:func:`pccl.collectives.ring.run_collective`) runs every schedule inside the
+The live executor (:func:`pccl.collectives.executor.run_collective`) runs every schedule inside the
 communicator (master, descriptors, abort and retry). This one, without any of that, runs any plan
 (:func:`pccl.collectives.schedule.all_plans`: ring, halving-doubling, tree) with frames to and from
 whichever rank each names, over pools that are connected to every rank the plans name

@@ -69,11 +69,11 @@ class PublicKeyRow(NamedTuple):
 class CollectiveDescriptor(NamedTuple):
     """What a collective does; every participant must vote with an equal descriptor."""
 
-    kind: str  # "all_reduce", "reduce_scatter", "all_gather", "broadcast"
+    kind: str  # a kind of pccl.collectives.kinds: "all_reduce", "reduce_scatter", ..., "all_to_all"
     dtype: int  # pccl.DataType
     element_count: Count  # elements of the input
     op: int  # pccl.ReduceOp
-    root: Seq  # broadcast: the root's peer id; -1 otherwise
+    root: Seq  # broadcast and reduce: the root's peer id; -1 otherwise
     quantization: int  # pccl.QuantizationAlgorithm
     quantized_dtype: int  # pccl.DataType on the wire when quantizing
     schedule: str = "auto"  # PeerConfig.schedule: "auto", "ring", "hd" or "tree"

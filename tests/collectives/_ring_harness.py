@@ -11,7 +11,7 @@ from typing import Any
 import trio
 
 from pccl import PeerConfig, ReduceOp
-from pccl.collectives.ring import run_collective
+from pccl.collectives.executor import run_collective
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
 from pccl.transport import Address, TcpTransport, Transport

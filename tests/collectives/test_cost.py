@@ -32,10 +32,16 @@ def test_model_tracks_the_plans_timing_model(n: int, latency: float, bandwidth: 
         for schedule in SCHEDULES:
             for kind in schedule_kinds(schedule):
                 count = max(1, size // 4 // (n if kind == "all_gather" else 1))
+                if kind == "all_to_all":  # n equal blocks
+                    count = n * max(1, size // 4 // n)
                 model = predict(schedule, kind, n, count * 4, lm)
                 plans = all_plans(schedule, kind, n, count, BLOCK // 4)
                 timed = max(plan_times(plans, 4, lambda a, b: latency, lambda a, b: bandwidth))
-                assert 0.55 * timed <= model <= 2.05 * timed, (schedule, kind, n, size, model, timed)
+                # (the timing model books the sends released at one instant rank after rank, so an
+                # all-to-all, whose every send is released at once, queues at the receivers' interfaces
+                # in that order: timed up to twice the busiest interface's time, the closed form)
+                low = 0.5 if kind == "all_to_all" else 0.55
+                assert low * timed <= model <= 2.05 * timed, (schedule, kind, n, size, model, timed)
                 if size == 4096 and n & (n - 1) == 0:
                     # latency-bound and no fold: the step counts agree
                     assert model == pytest.approx(timed, rel=0.35, abs=latency * 1.01), (schedule, kind, n)

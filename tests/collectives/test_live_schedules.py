@@ -161,6 +161,89 @@ async def test_every_op_dtype_and_kind_exact_and_bit_identical(
         assert {s: stats.get(f"schedule_{s}_ok", 0) for s in ran} == ran
 
 
+REDUCE_OPS = [*OPS, ReduceOp.AVG]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+async def test_reduce_and_all_to_all_every_op_and_dtype(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, schedule: str, n: int
+) -> None:
+    """The two kinds added through the registry, run like the others: reduce with every op (AVG
+    included) and all_to_all on every dtype, under each schedule (an "hd" reduce runs the tree, an
+    all_to_all its one plan), exact on integers and MIN/MAX; the root alone gets the reduction, the
+    other peers' buffers keep their bits; all_to_all in place and out of place."""
+    cluster = await pccl_cluster(n, config=_config(schedule))
+    cases = [(kind, di, op) for di in range(len(DTYPES)) for kind, op in
+             [*(("reduce", op) for op in REDUCE_OPS), ("all_to_all", ReduceOp.SUM)]]
+    count = {"reduce": COUNT, "all_to_all": n * 5}
+    inputs = {
+        (t, i): _input(DTYPES[di], op, 7000 * t + i, count[kind])
+        for t, (kind, di, op) in enumerate(cases) for i in range(n)
+    }
+    ids = [cluster.peer(i).peer_id for i in range(n)]
+    results: dict[tuple[int, int], np.ndarray] = {}
+
+    async def peer(i: int, comm: Communicator) -> None:
+        async def one(t: int) -> None:
+            kind, _di, op = cases[t]
+            x = inputs[(t, i)]
+            keep = x.copy()
+            if kind == "reduce":
+                out = np.full_like(x, 3)
+                await comm.reduce(x, out, root=t % n, op=op, tag=t)
+                assert _same_bits(x, keep), "the input was modified"
+            elif t % 2:  # in place
+                out = x.copy()
+                await comm.all_to_all(out, tag=t)
+            else:
+                out = np.empty_like(x)
+                await comm.all_to_all(x, out, tag=t)
+                assert _same_bits(x, keep), "the input was modified"
+            results[(t, i)] = out
+
+        async with trio.open_nursery() as nursery:
+            for t in range(len(cases)):
+                nursery.start_soon(one, t)
+
+    got = await cluster.run_all(peer)
+    assert all(r is None for r in got), got
+    by_rank = {cluster.peer(i).group_ring.index(ids[i]): i for i in range(n)}
+    for t, (kind, di, op) in enumerate(cases):
+        xs = [inputs[(t, by_rank[r])] for r in range(n)]
+        if kind == "all_to_all":
+            c = count[kind] // n
+            for r in range(n):
+                want = np.concatenate([x[r * c : (r + 1) * c] for x in xs])
+                assert _same_bits(results[(t, by_rank[r])], want), (DTYPES[di], r)
+            continue
+        root = t % n
+        for r in range(n):
+            if r != root:  # untouched
+                assert _same_bits(results[(t, by_rank[r])], np.full_like(xs[r], 3)), (DTYPES[di], op, r)
+        out = results[(t, by_rank[root])]
+        if op == ReduceOp.AVG:
+            ref = _reduce_ref(ReduceOp.SUM, xs)
+            if out.dtype.kind in "ui":  # the wrapped sum divided with truncation toward zero
+                ref = np.array([abs(int(v)) // n * (1 if v >= 0 else -1) for v in ref], out.dtype)
+            else:
+                ref = ref / n
+        else:
+            ref = _reduce_ref(op, xs)
+        exact = np.dtype(DTYPES[di]).kind in "ui" or op in (ReduceOp.MIN, ReduceOp.MAX)
+        if exact:
+            assert _same_bits(out, ref.astype(out.dtype)), (DTYPES[di], op)
+        else:
+            tol = {2: 0.05, 4: 1e-4, 8: 1e-10}[out.dtype.itemsize]
+            np.testing.assert_allclose(out.astype(np.float64), ref, rtol=tol, atol=tol * n)
+    ran = collections.Counter(schedule_for(schedule, kind, n, count[kind]) for kind, _di, _op in cases)
+    for i in range(n):
+        stats = cluster.peer(i).statistics()
+        assert stats.get("reduce_ok", 0) == sum(1 for k, _d, _o in cases if k == "reduce")
+        assert stats.get("all_to_all_ok", 0) == sum(1 for k, _d, _o in cases if k == "all_to_all")
+        assert {s: stats.get(f"schedule_{s}_ok", 0) for s in ran} == ran
+
+
 async def test_auto_runs_the_cost_models_choice(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
@@ -285,6 +368,10 @@ _VICTIMS = [
     ("hd", "reduce_scatter", 0), ("tree", "reduce_scatter", 0),
     ("hd", "all_gather", 0), ("tree", "all_gather", 0),
     ("tree", "broadcast", 0), ("tree", "broadcast", 2),
+    # reduce to rank 0: the ring chain starts at rank 1 and passes rank 3; in the tree rank 2 is an
+    # inner node, rank 4 a leaf (the root sends nothing); all_to_all: every rank sends to every other
+    ("ring", "reduce", 1), ("ring", "reduce", 3), ("tree", "reduce", 2), ("tree", "reduce", 4),
+    ("ring", "all_to_all", 0), ("ring", "all_to_all", 3),
 ]
 # every frame each victim sends, by its plan (pure): the victim dies at each step in turn
 FAULT_CASES = [
@@ -312,6 +399,8 @@ async def test_a_peer_killed_at_every_step_of_each_schedule(
     sends = {i: _contribution(cluster.peer(i).peer_id, FAULT_COUNT) for i in everyone}
     if kind == "broadcast":
         recvs = {i: sends[i].copy() for i in everyone}
+    elif kind == "all_to_all":  # n blocks of 200 elements (250 once a peer is gone)
+        recvs = {i: np.full(FAULT_COUNT, -7, np.int64) for i in everyone}
     else:
         size = n * FAULT_COUNT if kind == "all_gather" else FAULT_COUNT
         recvs = {i: np.full(size, -7, np.int64) for i in everyone}
@@ -323,6 +412,10 @@ async def test_a_peer_killed_at_every_step_of_each_schedule(
             return await comm.reduce_scatter(sends[i], recvs[i], tag=1)
         if kind == "all_gather":
             return await comm.all_gather(sends[i], recvs[i], tag=1)
+        if kind == "reduce":
+            return await comm.reduce(sends[i], recvs[i], root=FAULT_ROOT, tag=1)
+        if kind == "all_to_all":
+            return await comm.all_to_all(sends[i], recvs[i], tag=1)
         return await comm.broadcast(recvs[i], root=FAULT_ROOT, tag=1)
 
     # one operation first, so that every connection the plans use is open (the cutter parses data
@@ -351,6 +444,11 @@ async def test_a_peer_killed_at_every_step_of_each_schedule(
         assert recvs[i].tobytes() == before[i], f"peer {i}: buffer modified by a failed {kind}"
         assert sends[i].tobytes() == _contribution(cluster.peer(i).peer_id, FAULT_COUNT).tobytes()
 
+    if kind == "all_to_all":
+        # as all_gather's below: the group size its blocks were cut for is gone
+        changed = await cluster.run_all(call, indexes=survivors)
+        assert all(isinstance(r, pccl.InvalidArgumentError) for r in changed), changed
+        assert all(recvs[i].tobytes() == before[i] for i in survivors)
     if kind == "all_gather":
         # the survivors still see 5 peers: the master's table of the next op tells them the group
         # has 4 now, and that op fails as documented, leaving recv untouched
@@ -377,6 +475,12 @@ async def test_a_peer_killed_at_every_step_of_each_schedule(
             assert (recvs[i][a:e] == cast("np.ndarray[Any, Any]", sum(xs))[a:e]).all()  # (sum of arrays)
         elif kind == "all_gather":
             assert (recvs[i] == np.concatenate(xs)).all()
+        elif kind == "reduce":  # the root alone holds the sum; the others' buffers kept their bits
+            want = sum(xs) if pos == FAULT_ROOT else np.frombuffer(before[i], np.int64)
+            assert (recvs[i] == want).all()
+        elif kind == "all_to_all":
+            c = FAULT_COUNT // len(order)
+            assert (recvs[i] == np.concatenate([x[pos * c : (pos + 1) * c] for x in xs])).all()
         else:  # every survivor holds the new root's (unchanged) contents
             assert (recvs[i] == xs[FAULT_ROOT]).all()
     for i in survivors:  # the warm-up and the retry ran the schedule, the failed op did not count

@@ -14,7 +14,8 @@ from _ring_harness import open_ring, run_ranks
 
 from pccl import InvalidArgumentError, RankConnectionLostError, ReduceOp, TooFewPeersError
 from pccl.collectives import ring as ring_mod
-from pccl.collectives.ring import owned_range, run_collective
+from pccl.collectives.executor import run_collective
+from pccl.collectives.ring import owned_range
 from pccl.collectives.schedule import cached_plan, chunk_range
 from pccl.testing import BareTransport, wait_until
 

@@ -15,7 +15,7 @@ from _ring_harness import open_ring
 
 from pccl import PeerConfig, ReduceOp
 from pccl.collectives import ring as ring_mod
-from pccl.collectives.ring import run_collective
+from pccl.collectives.executor import run_collective
 from pccl.testing import VirtualNetwork
 
 COUNT = 192 * 1024  # int32: 768 KiB per rank and operation

@@ -11,7 +11,7 @@ import trio.testing
 import pccl
 from pccl.collectives.cost import SAME_HOST, SAME_HOST_FRAME_CPU, frames, predict, same_host, schedule_for
 from pccl.collectives.schedule import SCHEDULES
-from pccl.peer import communicator
+from pccl.peer import collective_api
 from pccl.testing import VirtualNetwork
 from pccl.testing.pytest_plugin import ClusterFactory
 
@@ -104,5 +104,5 @@ async def test_a_live_one_host_group_prices_this_hosts_cores(
 ) -> None:
     """Four peers on one host, a 64 KB all-reduce, nothing measured: the communicator prices the
     host's cores (pinned here: the test must not depend on the machine running it)."""
-    monkeypatch.setattr(communicator, "_SAME_HOST", same_host(cores))
+    monkeypatch.setattr(collective_api, "_SAME_HOST", same_host(cores))
     await _all_reduce_64k_runs(pccl_cluster, 4, loopback=True, want=want)

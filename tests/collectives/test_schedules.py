@@ -49,11 +49,23 @@ def _inputs(dtype: Any, op: ReduceOp, n: int, count: int, rng: np.random.Generat
     return [rng.standard_normal(count).astype(dt) for _ in range(n)]
 
 
-def _reference(kind: str, op: ReduceOp, xs: list[np.ndarray], root: int) -> np.ndarray:
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+ROOTED = ("broadcast", "reduce")
+
+
+def _count(kind: str, n: int, count: int) -> int:
+    """An input size for ``kind``: all_to_all's is ``n`` blocks of ``count``."""
+    return n * count if kind == "all_to_all" else count
+
+
+def _reference(kind: str, op: ReduceOp, xs: list[np.ndarray], root: int, rank: int = 0) -> np.ndarray:
     if kind == "broadcast":
         return xs[root]
     if kind == "all_gather":
         return np.concatenate(xs)
+    if kind == "all_to_all":  # block i of rank's output: block ``rank`` of rank i's input
+        c = xs[0].size // len(xs)
+        return np.concatenate([x[rank * c : (rank + 1) * c] for x in xs])
     dt = xs[0].dtype
     if dt.kind in "ui":
         acc = xs[0].copy()
@@ -72,22 +84,22 @@ def _reference(kind: str, op: ReduceOp, xs: list[np.ndarray], root: int) -> np.n
 @pytest.mark.parametrize(("schedule", "kind"), CASES)
 def test_every_op_and_dtype_exact_and_bit_identical(schedule: str, kind: str, n: int) -> None:
     rng = np.random.default_rng(1000 * n + CASES.index((schedule, kind)))
-    count = 29  # a prime: uneven chunks for every world size
-    root = (n - 1) if kind == "broadcast" else 0
+    count = _count(kind, n, 29)  # a prime: uneven chunks for every world size
+    root = (n - 1) if kind in ROOTED else 0
     plans = all_plans(schedule, kind, n, count, 4, root)
-    ops = OPS if kind in ("all_reduce", "reduce_scatter") else [ReduceOp.SUM]
+    ops = OPS if kind in REDUCING else [ReduceOp.SUM]
     seed = 0
     for dtype in DTYPES:
         for op in ops:
             seed += 1
             xs = _inputs(dtype, op, n, count, rng)
             outs = run_plans(plans, xs, op, output_count(kind, n, count), seed=seed)
-            ref = _reference(kind, op, xs, root)
             for r, out in enumerate(outs):
+                ref = _reference(kind, op, xs, root, r)
                 a, e = plans[r].owned
                 got = out[a:e]
                 if np.dtype(dtype).kind in "ui" or op in (ReduceOp.MIN, ReduceOp.MAX) or kind in (
-                    "broadcast", "all_gather",
+                    "broadcast", "all_gather", "all_to_all",
                 ):
                     assert (got.view(np.uint8) == ref[a:e].astype(got.dtype).view(np.uint8)).all(), (
                         schedule, kind, n, dtype, op, r
@@ -95,7 +107,11 @@ def test_every_op_and_dtype_exact_and_bit_identical(schedule: str, kind: str, n:
                 else:
                     tol = {2: 0.05, 4: 1e-4, 8: 1e-10}[np.dtype(dtype).itemsize]
                     np.testing.assert_allclose(got.astype(np.float64), ref[a:e], rtol=tol, atol=tol * n)
-            if kind != "reduce_scatter":
+            if kind == "reduce":  # only the root's output is the result
+                assert plans[root].owned == (0, count) and all(
+                    plans[r].owned == (0, 0) for r in range(n) if r != root
+                )
+            if kind not in ("reduce_scatter", "reduce", "all_to_all"):  # (their outputs differ by rank)
                 first = outs[0].view(np.uint8)
                 for r in range(1, n):
                     assert (outs[r].view(np.uint8) == first).all(), f"rank {r} differs from rank 0"
@@ -104,10 +120,11 @@ def test_every_op_and_dtype_exact_and_bit_identical(schedule: str, kind: str, n:
 @pytest.mark.parametrize(("schedule", "kind"), CASES)
 def test_float_results_identical_on_every_rank_under_any_interleaving(schedule: str, kind: str) -> None:
     """The final bits of each element are computed once: the interleaving never changes them."""
-    n, count = 7, 50
+    n = 7
+    count = _count(kind, n, 7) if kind == "all_to_all" else 50
     rng = np.random.default_rng(7)
     xs = [rng.standard_normal(count).astype(np.float16) for _ in range(n)]
-    plans = all_plans(schedule, kind, n, count, 3, 2 if kind == "broadcast" else 0)
+    plans = all_plans(schedule, kind, n, count, 3, 2 if kind in ROOTED else 0)
     runs = [run_plans(plans, xs, ReduceOp.SUM, output_count(kind, n, count), seed=s) for s in range(6)]
     for outs in runs:
         for r in range(n):
@@ -132,12 +149,13 @@ def test_plans_pair_up_and_finish_with_every_contribution_once(
     contributes a one in column r, so after a SUM every cell counts rank r's contributions."""
     schedule, kind = case
     root %= n
+    count = _count(kind, n, count)
     plans = all_plans(schedule, kind, n, count, block_elems, root)
     check_pairing(plans)
     cols = []
     for r in range(n):
         x = np.zeros((max(count, 1), n), np.int64)
-        x[:, r] = 1 if kind in ("all_reduce", "reduce_scatter") else np.arange(max(count, 1)) + 100 * (r + 1)
+        x[:, r] = 1 if kind in REDUCING else np.arange(max(count, 1)) + 100 * (r + 1)
         cols.append(x)
     # run column by column so that each column is a 1-D problem
     outs_by_col = [
@@ -150,16 +168,23 @@ def test_plans_pair_up_and_finish_with_every_contribution_once(
         a, e = plans[r].owned
         for c in range(n):
             got = outs_by_col[c][r][a:e]
-            if kind in ("all_reduce", "reduce_scatter"):
+            if kind in REDUCING:
                 assert (got == 1).all()
             elif kind == "broadcast":
                 assert (got == (cols[root][:count, c] if c == root else 0)).all()
+            elif kind == "all_to_all":
+                b = count // n
+                expect = np.concatenate([cols[c][r * b : (r + 1) * b, c] if i == c else np.zeros(b, np.int64)
+                                         for i in range(n)])
+                assert (got == expect).all()
             else:
                 expect = np.concatenate([x[:count, c] if i == c else np.zeros(count, np.int64)
                                          for i, x in enumerate(cols)])
                 assert (got == expect).all()
         if kind == "reduce_scatter":
             assert (a, e) == chunk_range(count, n, r) == plan_ring(kind, n, r, count, 4).owned
+        if kind == "reduce":
+            assert (a, e) == ((0, count) if r == root else (0, 0))
 
 
 def _critical_steps(schedule: str, kind: str, n: int) -> int:

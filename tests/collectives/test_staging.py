@@ -16,7 +16,8 @@ import trio
 import trio.testing
 
 from pccl import RankConnectionLostError, ReduceOp
-from pccl.collectives.ring import plan_for, run_collective
+from pccl.collectives.executor import run_collective
+from pccl.collectives.ring import plan_for
 from pccl.collectives.schedule import SRC_SEND, output_count
 from pccl.collectives.staging import DeviceCopyError, Staging
 from pccl.kernels.reduce import finalize_avg
