@@ -21,6 +21,7 @@ ROOT = Path(pccl.__file__).resolve().parent
 PURE_MODULES = [
     "pccl._address",
     "pccl._waits",
+    "pccl._stalls",
     "pccl.master.series",
     "pccl.wire.messages",
     "pccl.wire.framing",

@@ -391,13 +391,16 @@ class MasterServer:
                 # message (a deadlock check falling due) wakes the monitor.
                 logged = now
                 self._log_stalls(now, stalls)
+            stalls_before = self.timers.stalls.stalls_total
             for effects in self.timers.tick(now):
                 self._execute(effects)
-            deadline = self.timers.deadline_after_tick()
-            wake = self.timers.recheck_at(now)
+            if self.timers.stalls.stalls_total != stalls_before and self.timers.stalls.last_stall >= 1.0:
+                log.warning("the master did not run for %.2fs (an overloaded host?): the peers' silence "
+                            "during it is not held against them", self.timers.stalls.last_stall)
             # Wake just after the deadline, or at the re-check, or when a message moved a deadline.
+            wake = self.timers.wake_at(now)
             assert self._wake_monitor is not None
-            with trio.move_on_at(wake if deadline is None else min(deadline + 0.001, wake)):
+            with trio.move_on_at(wake):
                 await self._wake_monitor.wait()
             self._wake_monitor = trio.Event()
 

@@ -15,6 +15,10 @@ The timers, each a pair of the core (:class:`~pccl.master.state.MasterState`'s `
   hold (``quorum_hold_timeout``);
 * deadlocks whose grace ran out (:class:`~pccl.master.deadlock.DeadlockWatch`).
 
+The master's own stalls (its monitor woke later than it planned: an overloaded host) are not held against
+the peers' silence for a heartbeat timeout after them (:class:`~pccl._stalls.StallCredit`): their
+heartbeats of that time wait unread in the socket buffers, and the master evicted every peer at once.
+
 Pure: times are passed in. A tick yields its effects in batches, one per step, so that the server
 executes (and the deadlock watch sees) each step's effects before the next step runs, as the monitor
 did timer by timer.
@@ -25,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .._stalls import StallCredit
 from .deadlock import DeadlockWatch
 from .effects import Drop, Effect
 from .state import MasterState
@@ -59,16 +64,19 @@ class MasterTimers:
         self.config = config
         self.deadlocks = deadlocks
         self._ticked: float | None = None
+        self.stalls = StallCredit(config.heartbeat_timeout)
 
     def tick(self, now: float) -> Iterator[list[Effect]]:
         """Run every timer due at ``now``: yields the effects of each step (execute each batch before
         taking the next: later steps read the state the earlier ones left)."""
         st, cfg = self.state, self.config
         timeout, straggler = cfg.heartbeat_timeout, cfg.straggler_timeout
+        self.stalls.woke(now)
+        judged = now - self.stalls.credit(now)  # silence is judged without the master's own stall
         silent_msg = f"evicted: silent for more than {timeout:g}s"
-        lost = dict.fromkeys(st.expired(now, timeout), silent_msg)
+        lost = dict.fromkeys(st.expired(judged, timeout), silent_msg)
         if straggler is not None:
-            for pid, silent in st.stragglers(now, straggler, timeout):
+            for pid, silent in st.stragglers(judged, straggler, timeout):
                 lost.setdefault(pid, f"evicted: silent for {silent:.2f}s while its group waited on it "
                                      f"(straggler timeout {straggler:g}s)")
         for pid, reason in lost.items():
@@ -79,7 +87,7 @@ class MasterTimers:
         yield st.credentials_overdue(now)
         # Each timer's deadline is taken right after its own step (the steps after it may move it, a
         # later tick sees that), as the monitor always did: the traces of a seeded run stay the same.
-        ends = self._fixed_deadlines()
+        ends = self._fixed_deadlines(now)
         if cfg.vote_timeout is not None:
             yield st.vote_overdue(now, cfg.vote_timeout)
             ends.append(st.vote_deadline(cfg.vote_timeout))
@@ -90,30 +98,41 @@ class MasterTimers:
             yield st.hold_overdue(now, cfg.quorum_hold_timeout)
             ends.append(st.hold_deadline(cfg.quorum_hold_timeout))
         if cfg.straggler_timeout is not None:
-            ends.append(st.straggler_deadline(cfg.straggler_timeout, timeout))
+            ends.append(self._credited(st.straggler_deadline(cfg.straggler_timeout, timeout), now))
         if self.deadlocks is not None:
             # Checked on this clock, not after each message (issue 33 item 3): at most every `every`s.
             yield self.deadlocks.poll(st, now)
             ends.append(self.deadlocks.deadline())
         self._ticked = min((e for e in ends if e is not None), default=None)
 
-    def _fixed_deadlines(self) -> list[float | None]:
+    def _credited(self, deadline: float | None, now: float) -> float | None:
+        """A silence deadline moved by the stall credit held at ``now``."""
+        return None if deadline is None else deadline + self.stalls.credit(now)
+
+    def _fixed_deadlines(self, now: float | None = None) -> list[float | None]:
         st, cfg = self.state, self.config
         seen = min((p.last_seen for p in st.peers.values()), default=None)
-        return [None if seen is None else seen + cfg.heartbeat_timeout, st.rejoin_deadline(),
-                st.credentials_deadline(), st.doubt_deadline(cfg.heartbeat_timeout),
-                st.setup_deadline(cfg.p2p_setup_timeout)]
+        silence = None if seen is None else seen + cfg.heartbeat_timeout
+        ends = [silence, st.rejoin_deadline(), st.credentials_deadline(),
+                st.doubt_deadline(cfg.heartbeat_timeout), st.setup_deadline(cfg.p2p_setup_timeout)]
+        if now is not None and self.stalls.credit(now) > 0:
+            # While a stall is credited silence is due that much later, and judged in full again
+            # when the credit ends.
+            ends[0] = self._credited(silence, now)
+            ends.append(self.stalls.until(now))
+        return ends
 
     def deadline_after_tick(self) -> float | None:
         """The earliest deadline as the last :meth:`tick` saw it, each timer's taken right after its own
         step (what the monitor sleeps until; :meth:`next_deadline` is the same taken now)."""
         return self._ticked
 
-    def next_deadline(self) -> float | None:
-        """The earliest time a timer is due (None: none is armed)."""
+    def next_deadline(self, now: float | None = None) -> float | None:
+        """The earliest time a timer is due (None: none is armed); ``now`` (optional) counts the
+        master's stall credited then."""
         st, cfg = self.state, self.config
         timeout = cfg.heartbeat_timeout
-        ends = self._fixed_deadlines()
+        ends = self._fixed_deadlines(now)
         if cfg.vote_timeout is not None:
             ends.append(st.vote_deadline(cfg.vote_timeout))
         if cfg.admission_grace is not None:
@@ -121,10 +140,21 @@ class MasterTimers:
         if cfg.quorum_hold_timeout is not None:
             ends.append(st.hold_deadline(cfg.quorum_hold_timeout))
         if cfg.straggler_timeout is not None:
-            ends.append(st.straggler_deadline(cfg.straggler_timeout, timeout))
+            deadline = st.straggler_deadline(cfg.straggler_timeout, timeout)
+            ends.append(deadline if now is None else self._credited(deadline, now))
         if self.deadlocks is not None:
             ends.append(self.deadlocks.deadline())
         return min((e for e in ends if e is not None), default=None)
+
+    def wake_at(self, now: float) -> float:
+        """When the monitor, having ticked at ``now``, wakes next: just after the deadline the tick
+        left, or at the re-check. Noted: a later tick that finds itself late by more than
+        :data:`~pccl._stalls.MIN_STALL` credits the master's stall (the module docstring)."""
+        deadline = self._ticked
+        recheck = self.recheck_at(now)
+        wake = recheck if deadline is None else min(deadline + 0.001, recheck)
+        self.stalls.plan(wake, now)
+        return wake
 
     def recheck_at(self, now: float) -> float:
         """The latest time to tick again whatever the deadlines say: new peers, clock skew, and (with a

@@ -20,6 +20,7 @@ from .._errors import (
     RankConnectionLostError,
     RemoteProtocolError,
 )
+from .._stalls import StallCredit
 from ..transport import ConnectFailed, StreamBroken, Transport
 from ..wire import limits
 from ..wire import messages as m
@@ -347,14 +348,27 @@ class MasterConnection:
 
     async def _watchdog(self, ms: MessageStream) -> None:
         """Fail the link once the master has been silent for ``heartbeat_timeout``: sleeps until that
-        deadline (re-read after each wake, as messages move it), so a hung master is noticed within
-        a millisecond of the timeout, not up to a quarter of it later."""
+        deadline (re-read after each wake, as messages move it; at most a heartbeat interval at a
+        time), so a hung master is noticed within a millisecond of the timeout, not up to a quarter
+        of it later. This process's own stalls are not counted (:class:`~pccl._stalls.StallCredit`)."""
         timeout = self.config.heartbeat_timeout
+        # This process's own stalls (an overloaded host) are not the master's silence: its messages of
+        # that time wait unread until the reader runs (pccl/_stalls.py).
+        stalls = StallCredit(timeout)
         while self._core.lost is None and ms is self._ms:
-            silent = self._core.silence(trio.current_time())
-            await trio.sleep(max(timeout - silent, 0.0) + 0.001)
-            silent = self._core.silence(trio.current_time())
-            if silent > timeout and ms is self._ms:
+            now = trio.current_time()
+            silent = self._core.silence(now) - stalls.credit(now)
+            # At most a heartbeat interval at a time: a stall is credited from the last wake.
+            wake = now + min(max(timeout - silent, 0.0) + 0.001, self.config.heartbeat_interval)
+            until = stalls.until(now)
+            if until is not None:
+                wake = min(wake, until + 0.001)  # judged in full again when the credit ends
+            stalls.plan(wake, now)
+            await trio.sleep_until(wake)
+            now = trio.current_time()
+            stalls.woke(now)
+            silent = self._core.silence(now)
+            if silent - stalls.credit(now) > timeout and ms is self._ms:
                 limit = self.config.heartbeat_timeout
                 msg = f"master silent for {silent:.1f}s (heartbeat timeout {limit:g}s)"
                 self._link_failed(ms, MasterConnectionError(msg))

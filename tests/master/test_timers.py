@@ -64,3 +64,46 @@ def test_vote_timeout_deadline_and_kick() -> None:
     assert timers.next_deadline() == 6.0  # the vote's first ballot + vote_timeout
     kicked = [e for e in _flat(timers, 6.5) if isinstance(e, Kick)]
     assert [k.peer_id for k in kicked] == [ids[1]]
+
+
+def test_the_masters_own_stall_is_not_held_against_the_peers() -> None:
+    # Under heavy load the master's monitor woke 3+ s later than it planned and, before its readers had
+    # run, evicted every peer "silent for more than 3s" although each had sent its heartbeats (they were
+    # in the socket buffers). The stall is credited: silence is judged without it for a heartbeat timeout.
+    st = MasterState()
+    timers = MasterTimers(st, CFG)
+    alive, gone = st.new_connection("127.0.0.1", 0.0), st.new_connection("127.0.0.1", 0.0)
+    for pid in (alive, gone):
+        st.handle(pid, m.Register(p2p_port=4000 + pid), 0.0)
+        st.handle(pid, m.Heartbeat(), 0.4)
+    _flat(timers, 0.4)
+    assert timers.wake_at(0.4) == 0.9  # the re-check (the silence deadline is 3.4)
+    # The master does not run until 5.0: the monitor ticks before the readers.
+    effects = _flat(timers, 5.0)
+    assert not [e for e in effects if isinstance(e, Drop)] and {alive, gone} <= set(st.peers)
+    assert timers.stalls.last_stall == 5.0 - 0.4  # the whole sleep that ended late
+    # The readers run: the live peer's heartbeats come in; the other peer really is gone. Run the monitor
+    # as the server does (tick, then wake at wake_at) with the live peer heartbeating every 0.5 s.
+    now, dropped_at = 5.0, None
+    st.handle(alive, m.Heartbeat(), now)
+    while dropped_at is None and now < 20.0:
+        wake = timers.wake_at(now)
+        while st.peers[alive].last_seen + 0.5 <= wake:
+            st.handle(alive, m.Heartbeat(), st.peers[alive].last_seen + 0.5)
+        now = wake
+        if Drop(gone) in _flat(timers, now):
+            dropped_at = now
+    # Declared once the credit's window ends (3 s after the stall); the live peer stays.
+    assert dropped_at is not None and 5.0 < dropped_at <= 8.01
+    assert gone not in st.peers and alive in st.peers
+
+
+def test_a_late_wake_within_scheduling_noise_credits_nothing() -> None:
+    st = MasterState()
+    timers = MasterTimers(st, CFG)
+    pid = st.new_connection("127.0.0.1", 0.0)
+    st.handle(pid, m.Register(p2p_port=4000), 0.0)
+    _flat(timers, 2.95)
+    assert timers.wake_at(2.95) == 3.001  # just after the silence deadline
+    effects = _flat(timers, 3.05)  # 49 ms late: noise, the peer is evicted as before
+    assert Drop(pid) in effects and timers.stalls.stalls_total == 0
