@@ -249,7 +249,8 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         ``membership_call``, ``topology_call_waiting``, ``master_ok``), then ``sync_call_waiting``,
         ``sync`` (the running sync, see :meth:`pccl.peer.shared_state.StateServer.statistics`; its
         ``progress``: bytes, chunks, donors, rate of this peer's fetch), the ``heal_*`` counters over
-        this peer's fetches (:meth:`pccl.peer.shared_state.StateServer.count`),
+        this peer's fetches (:meth:`pccl.peer.shared_state.StateServer.count`), ``heal_last`` (its last
+        fetch's statistics),
         ``pending_queries_waiting``, ``data_planes_running``, ``pool``, ``phase_seconds``,
         ``last_op_phases``, ``spin_passes`` (polling passes while collectives ran, see
         ``PeerConfig.spin_seconds``), the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters and
@@ -267,6 +268,7 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
             "spin_passes": self._spinner.passes,
             **dict(self._stats),
             **self._state_server.totals,
+            "heal_last": self._state_server.last,
         }
 
     def __repr__(self) -> str:

@@ -236,7 +236,7 @@ class SwarmFetch:
                             f"expected {p.expected:#x}")
             return ""
 
-        if item.nbytes >= 4 * 1024 * 1024:
+        if item.nbytes >= 8 * 1024 * 1024:
             return await trio.to_thread.run_sync(check)
         return check()
 

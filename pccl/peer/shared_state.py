@@ -225,6 +225,8 @@ class StateServer:
 
     Attributes:
         totals: counters over this peer's fetches (see :meth:`count`).
+        last: the statistics of this peer's last fetch (:meth:`pccl.peer.heal.SwarmFetch.statistics`),
+            None before the first.
     """
 
     def __init__(self, plan_timeout: float, stall_timeout: float = 30.0) -> None:
@@ -232,11 +234,13 @@ class StateServer:
         self.stall_timeout = stall_timeout
         self.ctx: SyncContext | None = None
         self.totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
+        self.last: dict[str, Any] | None = None
 
     def count(self, fetch: dict[str, Any]) -> None:
         """Add a finished (or failed) fetch's statistics to :attr:`totals`: ``heal_fetches``,
         ``heal_bytes`` (verified), ``heal_chunks``, ``heal_donors_failed``, ``heal_donors_excluded``
         (bad bytes), ``heal_bad_bytes``, ``heal_duplicate_bytes`` (fetched twice), ``heal_stolen``."""
+        self.last = fetch
         t = self.totals
         t["heal_fetches"] += 1
         t["heal_bytes"] += fetch["bytes_done"]
@@ -447,7 +451,9 @@ async def _fetch_all(
     def local() -> dict[str, list[int]]:
         return {k: hashing.chunk_sums(own[k], swarm.CHUNK_BYTES) for k in large}
 
-    local_sums = await trio.to_thread.run_sync(local) if large else {}
+    # Hash off the trio thread when large (as the vote's hashes), inline when small (deterministic tests).
+    big = sum(sizes[k] for k in large) >= _HASH_IN_THREAD_BYTES
+    local_sums = await trio.to_thread.run_sync(local) if big else local()
     total = sum(sizes.values())
     counter = {"done": 0, "logged": 0}
     started = trio.current_time()
@@ -470,7 +476,7 @@ async def _fetch_all(
     try:
         staged, rx = await job.run()
     finally:
-        server.count(job.schedule.statistics())
+        server.count(job.statistics())
     if progress is not None:
         progress(total, total)
     return staged, rx
@@ -525,7 +531,10 @@ async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: Messa
         sums = ctx.sums.get((req.key, cb))
         if sums is None:
             data = _served_bytes(ctx, info)
-            sums = await trio.to_thread.run_sync(hashing.chunk_sums, data, cb)
+            if len(data) >= _HASH_IN_THREAD_BYTES:
+                sums = await trio.to_thread.run_sync(hashing.chunk_sums, data, cb)
+            else:
+                sums = hashing.chunk_sums(data, cb)
             ctx.sums[(req.key, cb)] = sums
         part = sums[req.first : req.first + req.count]
         await ms.send(m.StateManifest(key=req.key, first=req.first, sums=part))

@@ -181,14 +181,14 @@ class SwarmSchedule:
     def failed(self, donor: int, reason: str, in_flight: Iterable[Item]) -> None:
         """``donor``'s connection broke or stalled: its ``in_flight`` items go back to the others."""
         self.donors[donor].failed = reason or "failed"
-        for item in in_flight:
+        for item in reversed(list(in_flight)):  # back to the front of the queue, in their order
             self.returned(item, donor)
 
     def corrupt(self, donor: int, reason: str, nbytes: int, in_flight: Iterable[Item]) -> None:
         """``donor`` sent ``nbytes`` that failed their sums: excluded for the rest of the fetch."""
         self.donors[donor].excluded = reason or "corrupt"
         self.bad_bytes += nbytes
-        for item in in_flight:
+        for item in reversed(list(in_flight)):
             self.returned(item, donor)
 
     def statistics(self) -> dict[str, Any]:
