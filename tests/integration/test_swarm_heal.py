@@ -215,3 +215,26 @@ async def test_every_donor_lost_fails_cleanly_with_old_bits(
     res = await _sync(cluster, states, {2: on_progress})
     assert isinstance(res[2], pccl.PCCLError), res
     assert not states[2].tensor_infos[0].tensor.any()  # nothing applied
+
+
+async def test_a_newcomer_killed_mid_heal_leaves_the_members_as_they_were(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    """The newcomer is a fetcher: its loss still fails the sync (RankConnectionLost, as before issue 35);
+    the members' tensors are untouched and their next sync, without it, succeeds and moves nothing."""
+    cluster = await pccl_cluster(3)
+    big, small = _content(7)
+    states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
+    _slow_links(cluster, [2], [0, 1])
+
+    def on_progress(done: int, total: int) -> None:
+        if done >= 3 * MIB:
+            cluster.kill(2)
+
+    res = await _sync(cluster, states, {2: on_progress})
+    for i in (0, 1):
+        r = res[i]
+        assert isinstance(r, pccl.PCCLError) and r.result == pccl.Result.RANK_CONNECTION_LOST, res
+        assert _bits(states[i]) == [big.tobytes(), small.tobytes()]
+    again = await _sync(cluster, {0: states[0], 1: states[1]})
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) and r.rx_bytes == 0 for r in again.values()), again
