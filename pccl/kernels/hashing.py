@@ -44,8 +44,8 @@ from .._errors import InvalidArgumentError
 from . import backend
 
 __all__ = [
-    "CHUNK_ALIGN", "HASH_BITS", "chunk_sum", "chunk_sums", "combine_chunk_sums", "content_hash", "hash_bytes",
-    "simplehash32",
+    "CHUNK_ALIGN", "HASH_BITS", "chunk_sum", "chunk_sums", "combine_chunk_sums", "content_hash",
+    "hash_and_chunk_sums", "hash_bytes", "simplehash32",
 ]
 
 HASH_BITS = 64
@@ -342,6 +342,15 @@ def chunk_sums(t: object, chunk_bytes: int, *, threads: int | None = None) -> li
         InvalidArgumentError: ``chunk_bytes`` is not a positive multiple of :data:`CHUNK_ALIGN`, or ``t``
             is not a supported tensor.
     """
+    return hash_and_chunk_sums(t, chunk_bytes, threads=threads)[1]
+
+
+def hash_and_chunk_sums(t: object, chunk_bytes: int, *, threads: int | None = None) -> tuple[int, list[int]]:
+    """:func:`content_hash` and :func:`chunk_sums` of ``t`` in one pass over its bytes.
+
+    Raises:
+        InvalidArgumentError: see :func:`chunk_sums`.
+    """
     if chunk_bytes <= 0 or chunk_bytes % CHUNK_ALIGN:
         raise InvalidArgumentError(
             f"chunk_bytes must be a positive multiple of {CHUNK_ALIGN}, not {chunk_bytes}")
@@ -349,8 +358,9 @@ def chunk_sums(t: object, chunk_bytes: int, *, threads: int | None = None) -> li
     terms = _terms(np, _block_sums_numpy(u8, threads))
     per = chunk_bytes // CHUNK_ALIGN
     if terms.size == 0:
-        return [0]
-    return [int(x) for x in np.add.reduceat(terms, np.arange(0, terms.size, per), dtype=np.uint64)]
+        return _finish(0, int(u8.size)), [0]
+    sums = [int(x) for x in np.add.reduceat(terms, np.arange(0, terms.size, per), dtype=np.uint64)]
+    return combine_chunk_sums(sums, int(u8.size)), sums
 
 
 def chunk_sum(data: object, first_block: int) -> int:

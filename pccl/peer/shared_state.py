@@ -295,15 +295,22 @@ def _apply(t: Any, data: np.ndarray) -> None:
     np.frombuffer(view, dtype=np.uint8)[:] = data
 
 
-def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int]]:
+def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int], dict[tuple[str, int], list[int]]]:
+    """The vote's rows, the hashes, and the chunk sums of large CPU tensors (the same pass over their
+    bytes: what a fetcher compares its own chunks with, and what a holder serves as manifests)."""
     rows: list[list[Any]] = []
     hashes: dict[str, int] = {}
+    sums: dict[tuple[str, int], list[int]] = {}
     for info in state.tensor_infos:
         d = backend.describe(info.tensor)
-        h = hashing.content_hash(info.tensor)
+        if d.nbytes > swarm.CHUNK_BYTES and not backend.is_cuda(info.tensor):
+            h, chunks = hashing.hash_and_chunk_sums(info.tensor, swarm.CHUNK_BYTES)
+            sums[(info.name, swarm.CHUNK_BYTES)] = chunks
+        else:
+            h = hashing.content_hash(info.tensor)
         hashes[info.name] = h
         rows.append([info.name, int(d.dtype), list(d.shape), d.nbytes, h, info.allow_content_inequality])
-    return rows, hashes
+    return rows, hashes, sums
 
 
 async def _fetch_watching(
@@ -383,10 +390,10 @@ async def run_sync(
     on_gpu = any(backend.is_cuda(i.tensor) for i in state.tensor_infos)
     if total >= _HASH_IN_THREAD_BYTES and not on_gpu:
         # Hash off the trio thread so heartbeats keep flowing while large states are hashed.
-        rows, hashes = await trio.to_thread.run_sync(_entries, state)
+        rows, hashes, sums = await trio.to_thread.run_sync(_entries, state)
     else:
-        rows, hashes = _entries(state)
-    ctx = SyncContext(state=state, hashes=hashes)
+        rows, hashes, sums = _entries(state)
+    ctx = SyncContext(state=state, hashes=hashes, sums=sums)
     inbox = link.inbox
     server.ctx = ctx
     try:
@@ -448,12 +455,18 @@ async def _fetch_all(
     large = [k for k, _, _ in fetch if sizes[k] > swarm.CHUNK_BYTES]
     own = {k: np.frombuffer(_host_bytes(by_name[k].tensor), dtype=np.uint8) for k in large}
 
-    def local() -> dict[str, list[int]]:
-        return {k: hashing.chunk_sums(own[k], swarm.CHUNK_BYTES) for k in large}
+    # Our own chunk sums, from the vote's hashing pass (GPU tensors: computed now, on a host copy).
+    todo = [k for k in large if (k, swarm.CHUNK_BYTES) not in ctx.sums]
 
-    # Hash off the trio thread when large (as the vote's hashes), inline when small (deterministic tests).
-    big = sum(sizes[k] for k in large) >= _HASH_IN_THREAD_BYTES
-    local_sums = await trio.to_thread.run_sync(local) if big else local()
+    def local() -> None:
+        for k in todo:
+            ctx.sums[(k, swarm.CHUNK_BYTES)] = hashing.chunk_sums(own[k], swarm.CHUNK_BYTES)
+
+    if sum(sizes[k] for k in todo) >= _HASH_IN_THREAD_BYTES:
+        await trio.to_thread.run_sync(local)  # off the trio thread when large, inline when small
+    else:
+        local()
+    local_sums = {k: ctx.sums[(k, swarm.CHUNK_BYTES)] for k in large}
     total = sum(sizes.values())
     counter = {"done": 0, "logged": 0}
     started = trio.current_time()
