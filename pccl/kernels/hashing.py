@@ -381,8 +381,10 @@ def combine_chunk_sums(sums: list[int], nbytes: int) -> int:
 
 
 def _cuda_host_bytes(t: Any) -> np.ndarray[Any, Any]:
-    flat_u8 = t.detach().reshape(-1).view(sys.modules["torch"].uint8)
-    return np.asarray(flat_u8.cpu().numpy())
+    """A host copy of a GPU tensor's bytes (torch or cupy)."""
+    host = np.empty(backend.describe(t).nbytes, dtype=np.uint8)
+    backend.copy_to_host(t, host)
+    return host
 
 
 # ----------------------------------------------------------------------------------------------------
