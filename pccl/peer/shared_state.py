@@ -515,7 +515,13 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
             await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))
             return
         by_name = {i.name: i for i in ctx.state.tensor_infos}
-        refusal = await _serve_one(ctx, by_name, ms, req)
+        try:
+            refusal = await _serve_one(ctx, by_name, ms, req)
+        except StreamBroken:
+            # The fetcher closed: it has everything (a copy of a chunk it took from a faster donor
+            # too) or gave up on us. Normal at the end of a swarm fetch.
+            log.debug("shared state: a fetcher closed its connection while we sent")
+            return
         if refusal:
             await ms.send(m.Refused(reason=refusal))
             return

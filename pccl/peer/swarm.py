@@ -131,7 +131,7 @@ class SwarmSchedule:
         if self._typical <= 0:
             return None
         for item in self._stealable(donor):
-            if now - min(item.copies.values()) >= STEAL_FACTOR * self._typical:
+            if now >= self._steal_time(item):  # the same expression as next_steal_at's: no busy wait
                 item.copies[donor] = now
                 self.stolen += 1
                 return item
@@ -141,8 +141,11 @@ class SwarmSchedule:
         """When an item first becomes stealable by ``donor`` (None: none will without other news)."""
         if self._typical <= 0 or not self.usable(donor):
             return None
-        times = [min(i.copies.values()) + STEAL_FACTOR * self._typical for i in self._stealable(donor)]
+        times = [self._steal_time(i) for i in self._stealable(donor)]
         return min(times) if times else None
+
+    def _steal_time(self, item: Item) -> float:
+        return min(item.copies.values()) + STEAL_FACTOR * self._typical
 
     def _stealable(self, donor: int) -> list[Item]:
         return [i for i in self.items.values()
