@@ -13,10 +13,11 @@ runs inline here, not in worker threads, so that it cannot let virtual time jump
 emulator (``pccl.testing.wan``: network namespaces, root) is not used here. Wall seconds are printed
 too (this process simulating every byte).
 
-Cases: 1, 2, 3 donors; 3 donors with one killed at 50% of the transfer (bytes fetched twice, the heal
-still completes, no member's call fails); 3 donors with one that corrupts every chunk it sends (the
-chunks are re-fetched, the donor excluded). Each case checks the newcomer's state bit-identical to the
-donors'.
+Cases: 1, 2, 3 donors; 3 donors of which one has a quarter of the others' rate (its share follows its
+speed, and it does not hold the tail: compare with 2 donors); 3 donors with one killed at 50% of the
+transfer (bytes fetched twice, the heal still completes, no member's call fails); 3 donors with one that
+corrupts every chunk it sends (the chunks are re-fetched, the donor excluded). Each case checks the
+newcomer's state bit-identical to the donors'.
 
 usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 50] [--json]
 """
@@ -56,7 +57,8 @@ async def _case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, 
     async with open_test_cluster(donors + 1, network=net) as cluster:
         newcomer = donors
         for d in range(donors):
-            net.set_link(cluster.host(d), cluster.host(newcomer), bandwidth=args.donor_mbit * 1e6 / 8,
+            mbit = args.donor_mbit / 4 if fault == "slow" and d == donors - 1 else args.donor_mbit
+            net.set_link(cluster.host(d), cluster.host(newcomer), bandwidth=mbit * 1e6 / 8,
                          latency=args.rtt_ms / 2000)
         content = _arrays(args.state_mb, "random")
         states = {d: _state([a.copy() for a in content]) for d in range(donors)}
@@ -122,7 +124,7 @@ async def _case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, 
 
 async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
-    for donors, fault in ((1, ""), (2, ""), (3, ""), (3, "kill"), (3, "corrupt")):
+    for donors, fault in ((1, ""), (2, ""), (3, ""), (3, "slow"), (3, "kill"), (3, "corrupt")):
         rows.append(await _case(args, donors, fault))
     return rows
 

@@ -164,8 +164,9 @@ class SwarmSchedule:
         if item.done:
             self.duplicate_bytes += item.nbytes
             return False
-        took = max(now - started, 0.0)
-        self._typical = took if self._typical <= 0 else 0.8 * self._typical + 0.2 * took
+        if item.nbytes:  # data items only: a manifest's round trip says nothing of a chunk's time
+            took = max(now - started, 0.0)
+            self._typical = took if self._typical <= 0 else 0.8 * self._typical + 0.2 * took
         item.done = True
         self.bytes_done += item.nbytes
         return True
