@@ -129,6 +129,9 @@ class SwarmFetch:
     async def _donor(self, donor: int, scope: trio.CancelScope) -> None:
         in_flight: deque[Item] = deque()
         ms: MessageStream | None = None
+        # A chunk of a large tensor lands here, then, verified, in its staging buffer: one reused buffer
+        # per connection (fresh memory per chunk cost its page faults, more than the copy).
+        scratch: np.ndarray[Any, Any] | None = None
         try:
             address = self.addresses.get(donor)
             if address is None:
@@ -148,7 +151,9 @@ class SwarmFetch:
                     await self._changed.wait(self.schedule.next_steal_at(donor))
                     continue
                 item = in_flight[0]
-                await self._receive(ms, donor, item)
+                if scratch is None:
+                    scratch = np.empty(self.chunk_bytes, dtype=np.uint8)
+                await self._receive(ms, donor, item, scratch)
                 in_flight.popleft()
                 self._check_end(scope)
         except _Corrupt as exc:
@@ -187,7 +192,8 @@ class SwarmFetch:
             raise SharedStateSyncError(f"peer {donor} refused the transfer: {msg.reason}")
         return msg
 
-    async def _receive(self, ms: MessageStream, donor: int, item: Item) -> None:
+    async def _receive(self, ms: MessageStream, donor: int, item: Item,
+                       scratch: np.ndarray[Any, Any]) -> None:
         if item.manifest_key:
             await self._receive_manifest(ms, donor, item)
             return
@@ -197,7 +203,8 @@ class SwarmFetch:
             if not isinstance(hdr, m.StateChunk) or (hdr.key, hdr.offset, hdr.nbytes) != (
                     p.key, p.offset, p.nbytes):
                 raise RemoteProtocolError(f"peer {donor} sent an unexpected chunk header {hdr!r:.120}")
-            buf = np.empty(p.nbytes, dtype=np.uint8)
+            # a whole small tensor keeps its own buffer (it becomes the staged one); a chunk has one piece
+            buf = np.empty(p.nbytes, dtype=np.uint8) if p.whole else scratch[: p.nbytes]
             view = buf.data
             for off in range(0, p.nbytes, _RECV_STEP):
                 part = view[off : off + _RECV_STEP]
@@ -218,10 +225,14 @@ class SwarmFetch:
             else:
                 self._stage(p.key)[p.offset : p.offset + p.nbytes] = buf
 
-    def _stage(self, key: str) -> np.ndarray[Any, Any]:
+    def _stage(self, key: str, keep: bool = False) -> np.ndarray[Any, Any]:
+        """The staging buffer of a large tensor: a copy of this peer's bytes when some of its chunks are
+        kept (``keep``, on the manifest's arrival), else fresh memory that the chunks fill."""
         buf = self.staged.get(key)
         if buf is None:
-            buf = self.staged[key] = np.array(self.own[key], dtype=np.uint8, copy=True)
+            own = self.own[key]
+            buf = np.array(own, dtype=np.uint8, copy=True) if keep else np.empty(len(own), dtype=np.uint8)
+            self.staged[key] = buf
         return buf
 
     async def _verify(self, item: Item, bufs: list[np.ndarray[Any, Any]]) -> str:
@@ -257,7 +268,7 @@ class SwarmFetch:
         new = swarm.chunk_items(self.schedule, key, self.holders[key], nbytes, sums, self.local_sums.get(key),
                                 self.chunk_bytes)
         if len(new) < count:
-            self._stage(key)  # the chunks this peer holds already stay as they are
+            self._stage(key, keep=True)  # the chunks this peer holds already stay as they are
         self.schedule.manifest_items(new)
 
 
