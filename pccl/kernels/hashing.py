@@ -43,7 +43,10 @@ import numpy as np
 from .._errors import InvalidArgumentError
 from . import backend
 
-__all__ = ["HASH_BITS", "content_hash", "hash_bytes", "simplehash32"]
+__all__ = [
+    "CHUNK_ALIGN", "HASH_BITS", "chunk_sum", "chunk_sums", "combine_chunk_sums", "content_hash",
+    "hash_and_chunk_sums", "hash_bytes", "simplehash32",
+]
 
 HASH_BITS = 64
 
@@ -103,14 +106,18 @@ def _mix_sum(xp: Any, w: Any, key: Any, v: Any, t: Any, rows: int, width: int) -
     return v.reshape(rows, width).sum(axis=1, dtype=xp.uint64)
 
 
-def _combine(xp: Any, sums: Any) -> int:
-    """H = sum_b fmix64(s_b ^ fmix64((b + 1) * C3)) mod 2**64."""
+def _terms(xp: Any, sums: Any, first: int = 0) -> Any:
+    """t_b = fmix64(s_b ^ fmix64((b + 1) * C3)) for blocks ``first .. first + len(sums) - 1``."""
+    b = xp.arange(first + 1, first + sums.size + 1, dtype=xp.uint64)
+    bkey = _fmix64_xp(xp, xp.multiply(b, np.uint64(_C3)))
+    return _fmix64_xp(xp, xp.bitwise_xor(sums, bkey))
+
+
+def _combine(xp: Any, sums: Any, first: int = 0) -> int:
+    """H = sum_b fmix64(s_b ^ fmix64((b + 1) * C3)) mod 2**64 (blocks numbered from ``first``)."""
     if sums.size == 0:
         return 0
-    b = xp.arange(1, sums.size + 1, dtype=xp.uint64)
-    bkey = _fmix64_xp(xp, xp.multiply(b, np.uint64(_C3)))
-    t = _fmix64_xp(xp, xp.bitwise_xor(sums, bkey))
-    return int(t.sum(dtype=xp.uint64))
+    return int(_terms(xp, sums, first).sum(dtype=xp.uint64))
 
 
 def _finish(h: int, nbytes: int) -> int:
@@ -185,6 +192,11 @@ def _get_pool(workers: int) -> ThreadPoolExecutor:
 
 
 def _hash_numpy(u8: np.ndarray[Any, Any], threads: int | None) -> int:
+    return _finish(_combine(np, _block_sums_numpy(u8, threads)), int(u8.size))
+
+
+def _block_sums_numpy(u8: np.ndarray[Any, Any], threads: int | None) -> np.ndarray[Any, Any]:
+    """s_b of every block of ``u8`` (the last one the padded tail, if any)."""
     n = int(u8.size)
     full = n // (8 * _B)
     sums = np.empty(full + 1, dtype=np.uint64)
@@ -205,10 +217,10 @@ def _hash_numpy(u8: np.ndarray[Any, Any], threads: int | None) -> int:
             for f in futs:
                 f.result()
     tail = _tail_sum(np, u8, full)
-    used = sums[:full] if tail is None else sums
-    if tail is not None:
-        sums[full] = tail[0]
-    return _finish(_combine(np, used), n)
+    if tail is None:
+        return sums[:full]
+    sums[full] = tail[0]
+    return sums
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -304,6 +316,75 @@ def hash_bytes(data: bytes | bytearray | memoryview, *, threads: int | None = No
         An integer in ``[0, 2**64)``.
     """
     return _hash_numpy(backend.host_bytes(data), threads)
+
+
+#: Chunks of a tensor that :func:`chunk_sums` describes start at multiples of this many bytes (one block).
+CHUNK_ALIGN = 8 * _B
+
+
+def chunk_sums(t: object, chunk_bytes: int, *, threads: int | None = None) -> list[int]:
+    """The :func:`content_hash` of a tensor split into chunks of ``chunk_bytes`` (the last one shorter).
+
+    The hash is a sum of per-block terms (step 3 of the definition), so the sum of a chunk's terms, its
+    *chunk sum*, describes that chunk at its place, and :func:`combine_chunk_sums` of all of them is the
+    content hash: a receiver checks a list of chunk sums against an elected content hash, then every chunk
+    against its sum on arrival (:func:`chunk_sum`).
+
+    Args:
+        t: as in :func:`content_hash` (GPU tensors are copied to the host).
+        chunk_bytes: a positive multiple of :data:`CHUNK_ALIGN`.
+        threads: as in :func:`content_hash`.
+
+    Returns:
+        ``ceil(nbytes / chunk_bytes)`` integers in ``[0, 2**64)`` (one, 0, for an empty tensor).
+
+    Raises:
+        InvalidArgumentError: ``chunk_bytes`` is not a positive multiple of :data:`CHUNK_ALIGN`, or ``t``
+            is not a supported tensor.
+    """
+    return hash_and_chunk_sums(t, chunk_bytes, threads=threads)[1]
+
+
+def hash_and_chunk_sums(t: object, chunk_bytes: int, *, threads: int | None = None) -> tuple[int, list[int]]:
+    """:func:`content_hash` and :func:`chunk_sums` of ``t`` in one pass over its bytes.
+
+    Raises:
+        InvalidArgumentError: see :func:`chunk_sums`.
+    """
+    if chunk_bytes <= 0 or chunk_bytes % CHUNK_ALIGN:
+        raise InvalidArgumentError(
+            f"chunk_bytes must be a positive multiple of {CHUNK_ALIGN}, not {chunk_bytes}")
+    u8 = backend.host_bytes(t) if not backend.is_cuda(t) else _cuda_host_bytes(t)
+    terms = _terms(np, _block_sums_numpy(u8, threads))
+    per = chunk_bytes // CHUNK_ALIGN
+    if terms.size == 0:
+        return _finish(0, int(u8.size)), [0]
+    sums = [int(x) for x in np.add.reduceat(terms, np.arange(0, terms.size, per), dtype=np.uint64)]
+    return combine_chunk_sums(sums, int(u8.size)), sums
+
+
+def chunk_sum(data: object, first_block: int) -> int:
+    """The chunk sum of ``data``, bytes of a tensor from block ``first_block`` on (see :func:`chunk_sums`).
+
+    Args:
+        data: the chunk's bytes (whole blocks of :data:`CHUNK_ALIGN` bytes unless it ends the tensor).
+        first_block: its offset in the tensor divided by :data:`CHUNK_ALIGN`.
+    """
+    u8 = backend.host_bytes(data)
+    sums = _block_sums_numpy(u8, 1)
+    return 0 if sums.size == 0 else int(_terms(np, sums, first_block).sum(dtype=np.uint64))
+
+
+def combine_chunk_sums(sums: list[int], nbytes: int) -> int:
+    """The :func:`content_hash` of an ``nbytes`` tensor whose chunk sums are ``sums``."""
+    return _finish(sum(sums) & _M64, nbytes)
+
+
+def _cuda_host_bytes(t: Any) -> np.ndarray[Any, Any]:
+    """A host copy of a GPU tensor's bytes (torch or cupy)."""
+    host = np.empty(backend.describe(t).nbytes, dtype=np.uint8)
+    backend.copy_to_host(t, host)
+    return host
 
 
 # ----------------------------------------------------------------------------------------------------

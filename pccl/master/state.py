@@ -191,6 +191,7 @@ class _SyncRound:
     participants: set[int] = field(default_factory=set)
     done: set[int] = field(default_factory=set)
     note: str = ""  # for the participants' result: which co-voters were refused and why (issue 37)
+    fetchers: set[int] = field(default_factory=set)  # participants with something to fetch (issue 35)
 
 
 @dataclass
@@ -2687,6 +2688,8 @@ class MasterState:
             if plan is None:
                 continue
             rows = _election.fetch_rows(plan)
+            if rows:
+                rnd.fetchers.add(p)
             effects.append(
                 Send(p, m.SharedStatePlan(sync_seq=rnd.seq, revision=rnd.revision, fetch=rows, peers=table))
             )
@@ -2742,6 +2745,13 @@ class MasterState:
         if rnd is None:
             return []
         if rnd.running:
+            if peer_id in rnd.participants and peer_id not in rnd.fetchers and rnd.fetchers:
+                # A donor only (issue 35): its fetchers ask the other holders for what it had not sent,
+                # and fail the sync themselves when none is left.
+                rnd.participants.discard(peer_id)
+                rnd.done.discard(peer_id)
+                return [Event(f"donor peer {peer_id} was lost during shared-state sync {rnd.seq}; "
+                              "its fetchers go on with the other holders"), *self._check_sync_done(group)]
             if peer_id in rnd.participants:
                 rnd.participants.discard(peer_id)
                 return self._fail_sync(

@@ -153,7 +153,8 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         self._pending_waiters: collections.deque[Waiter[m.PeersPendingResult]] = collections.deque()
         self._ops: dict[int, OpState] = {}  # the waiting side of the core's ops, by tag
         self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
-        self._state_server = shared_state.StateServer(plan_timeout=self.config.connect_timeout)
+        self._state_server = shared_state.StateServer(
+            plan_timeout=self.config.connect_timeout, stall_timeout=self.config.p2p_stall_timeout)
         self._dialer: P2PDialer | None = None
         # The P2P credentials the master issues per epoch (docs/security.md): the listener accepts only
         # connections that prove one; a listener waits up to half its hello timeout for a newer set.
@@ -246,7 +247,10 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         Keys: the core's (``peer_id``, ``world_size``, ``group_world_size``, ``epoch``,
         ``ops_in_flight``, ``op_tags``, ``ops`` (tag -> op_seq, -1 until commenced),
         ``membership_call``, ``topology_call_waiting``, ``master_ok``), then ``sync_call_waiting``,
-        ``sync`` (the running sync, see :meth:`pccl.peer.shared_state.StateServer.statistics`),
+        ``sync`` (the running sync, see :meth:`pccl.peer.shared_state.StateServer.statistics`; its
+        ``progress``: bytes, chunks, donors, rate of this peer's fetch), the ``heal_*`` counters over
+        this peer's fetches (:meth:`pccl.peer.shared_state.StateServer.count`), ``heal_last`` (its last
+        fetch's statistics),
         ``pending_queries_waiting``, ``data_planes_running``, ``pool``, ``phase_seconds``,
         ``last_op_phases``, ``spin_passes`` (polling passes while collectives ran, see
         ``PeerConfig.spin_seconds``), the per-kind ``<kind>_ok`` / ``<kind>_failed`` counters and
@@ -263,6 +267,8 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
             "last_op_phases": dict(self._last_phases),
             "spin_passes": self._spinner.passes,
             **dict(self._stats),
+            **self._state_server.totals,
+            "heal_last": self._state_server.last,
         }
 
     def __repr__(self) -> str:

@@ -24,7 +24,6 @@ from .._errors import (
     InvalidUsageError,
     MasterConnectionError,
     PCCLError,
-    RemoteProtocolError,
     Result,
     SharedStateSyncError,
 )
@@ -35,6 +34,7 @@ from ..transport import StreamBroken
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.stream import MessageStream
+from . import heal, swarm
 from .links import Dialer, MasterLink
 from .mailbox import Mailbox
 from .state import error_from_code
@@ -45,6 +45,8 @@ ProgressCallback = Callable[[int, int], None]
 """``callback(bytes_done, bytes_total)`` called as a fetch progresses."""
 
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
+_TOTALS = ("heal_fetches", "heal_bytes", "heal_chunks", "heal_donors_failed", "heal_donors_excluded",
+           "heal_bad_bytes", "heal_duplicate_bytes", "heal_stolen")
 _PROGRESS_LOG_BYTES = 64 * 1024 * 1024
 
 
@@ -204,6 +206,9 @@ class SyncContext:
     plan_ready: trio.Event = field(default_factory=trio.Event)
     tx: int = 0
     error: PCCLError | None = None
+    fetch: heal.SwarmFetch | None = None  # this peer's own fetch, while it runs
+    sums: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # (key, chunk bytes) -> chunk sums
+    host: dict[str, memoryview] = field(default_factory=dict)  # host copies of GPU tensors served
 
     def abort(self, error: PCCLError) -> None:
         """Fail the sync: holders stop serving it."""
@@ -216,11 +221,35 @@ class StateServer:
 
     Args:
         plan_timeout: how long a request may wait for this peer's own plan to arrive.
+        stall_timeout: how long a fetch waits for a donor that moves no byte before it asks the others.
+
+    Attributes:
+        totals: counters over this peer's fetches (see :meth:`count`).
+        last: the statistics of this peer's last fetch (:meth:`pccl.peer.heal.SwarmFetch.statistics`),
+            None before the first.
     """
 
-    def __init__(self, plan_timeout: float) -> None:
+    def __init__(self, plan_timeout: float, stall_timeout: float = 30.0) -> None:
         self.plan_timeout = plan_timeout
+        self.stall_timeout = stall_timeout
         self.ctx: SyncContext | None = None
+        self.totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
+        self.last: dict[str, Any] | None = None
+
+    def count(self, fetch: dict[str, Any]) -> None:
+        """Add a finished (or failed) fetch's statistics to :attr:`totals`: ``heal_fetches``,
+        ``heal_bytes`` (verified), ``heal_chunks``, ``heal_donors_failed``, ``heal_donors_excluded``
+        (bad bytes), ``heal_bad_bytes``, ``heal_duplicate_bytes`` (fetched twice), ``heal_stolen``."""
+        self.last = fetch
+        t = self.totals
+        t["heal_fetches"] += 1
+        t["heal_bytes"] += fetch["bytes_done"]
+        t["heal_chunks"] += fetch["chunks_done"]
+        t["heal_donors_failed"] += len(fetch["donors_failed"])
+        t["heal_donors_excluded"] += len(fetch["donors_excluded"])
+        t["heal_bad_bytes"] += fetch["bad_bytes"]
+        t["heal_duplicate_bytes"] += fetch["duplicate_bytes"]
+        t["heal_stolen"] += fetch["stolen"]
 
     def abort(self, error: PCCLError) -> None:
         """Fail the running sync, if any."""
@@ -229,12 +258,15 @@ class StateServer:
 
     def statistics(self) -> dict[str, Any] | None:
         """The running sync as this peer sees it, or None: its ``sync_seq`` (-1 until the plan
-        arrived), ``tx_bytes`` served so far and ``fetch``, the plan's ``{key: holder ids}``."""
+        arrived), ``tx_bytes`` served so far, ``fetch``, the plan's ``{key: holder ids}``, and
+        ``progress``: this peer's fetch (None when it fetches nothing), see
+        :meth:`pccl.peer.heal.SwarmFetch.statistics`."""
         ctx = self.ctx
         if ctx is None:
             return None
         fetch = {} if ctx.plan is None else {str(r[0]): [int(h) for h in r[2]] for r in ctx.plan.fetch}
-        return {"sync_seq": ctx.seq, "tx_bytes": ctx.tx, "fetch": fetch}
+        progress = None if ctx.fetch is None else ctx.fetch.statistics()
+        return {"sync_seq": ctx.seq, "tx_bytes": ctx.tx, "fetch": fetch, "progress": progress}
 
     def __repr__(self) -> str:
         ctx = self.ctx
@@ -263,20 +295,27 @@ def _apply(t: Any, data: np.ndarray) -> None:
     np.frombuffer(view, dtype=np.uint8)[:] = data
 
 
-def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int]]:
+def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int], dict[tuple[str, int], list[int]]]:
+    """The vote's rows, the hashes, and the chunk sums of large CPU tensors (the same pass over their
+    bytes: what a fetcher compares its own chunks with, and what a holder serves as manifests)."""
     rows: list[list[Any]] = []
     hashes: dict[str, int] = {}
+    sums: dict[tuple[str, int], list[int]] = {}
     for info in state.tensor_infos:
         d = backend.describe(info.tensor)
-        h = hashing.content_hash(info.tensor)
+        if d.nbytes > swarm.CHUNK_BYTES and not backend.is_cuda(info.tensor):
+            h, chunks = hashing.hash_and_chunk_sums(info.tensor, swarm.CHUNK_BYTES)
+            sums[(info.name, swarm.CHUNK_BYTES)] = chunks
+        else:
+            h = hashing.content_hash(info.tensor)
         hashes[info.name] = h
         rows.append([info.name, int(d.dtype), list(d.shape), d.nbytes, h, info.allow_content_inequality])
-    return rows, hashes
+    return rows, hashes, sums
 
 
 async def _fetch_watching(
     inbox: Mailbox, dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan,
-    progress: ProgressCallback | None,
+    progress: ProgressCallback | None, server: StateServer,
 ) -> tuple[dict[str, np.ndarray], int, str, list[m.Message]]:
     """Fetch what ``plan`` says this peer fetches, while watching the inbox: the master fails the sync
     without waiting for us when another participant is lost, and then the fetch stops at once instead
@@ -302,7 +341,7 @@ async def _fetch_watching(
 
         async def fetch() -> None:
             try:
-                fetched.append(await _fetch_all(dialer, ctx, plan, progress))
+                fetched.append(await _fetch_all(dialer, ctx, plan, progress, server))
             except PCCLError as exc:
                 errors.append(exc)
             nursery.cancel_scope.cancel()
@@ -351,10 +390,10 @@ async def run_sync(
     on_gpu = any(backend.is_cuda(i.tensor) for i in state.tensor_infos)
     if total >= _HASH_IN_THREAD_BYTES and not on_gpu:
         # Hash off the trio thread so heartbeats keep flowing while large states are hashed.
-        rows, hashes = await trio.to_thread.run_sync(_entries, state)
+        rows, hashes, sums = await trio.to_thread.run_sync(_entries, state)
     else:
-        rows, hashes = _entries(state)
-    ctx = SyncContext(state=state, hashes=hashes)
+        rows, hashes, sums = _entries(state)
+    ctx = SyncContext(state=state, hashes=hashes, sums=sums)
     inbox = link.inbox
     server.ctx = ctx
     try:
@@ -376,7 +415,8 @@ async def run_sync(
         ok, reason, rx = True, "", 0
         early: list[m.Message] = []
         if first.fetch:
-            staged, rx, reason, early = await _fetch_watching(link.inbox, dialer, ctx, first, progress)
+            staged, rx, reason, early = await _fetch_watching(link.inbox, dialer, ctx, first, progress,
+                                                                 server)
             ok = not reason
         if not early:
             await link.send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
@@ -401,139 +441,69 @@ async def run_sync(
 
 
 async def _fetch_all(
-    dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan, progress: ProgressCallback | None
+    dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan, progress: ProgressCallback | None,
+    server: StateServer,
 ) -> tuple[dict[str, np.ndarray], int]:
-    """Fetch every planned key, spreading over holders; a failed holder's keys go to the next one."""
+    """Fetch every planned key from all its holders, chunk by chunk (:class:`pccl.peer.heal.SwarmFetch`)."""
     addresses = {r.peer_id: (r.host, r.port) for r in plan.peers}
-    items = {str(row[0]): (int(row[1]), [int(h) for h in row[2]]) for row in plan.fetch}
+    fetch = [(str(row[0]), int(row[1]), [int(h) for h in row[2]]) for row in plan.fetch]
     by_name = {i.name: i for i in ctx.state.tensor_infos}
-    sizes = {k: backend.describe(by_name[k].tensor).nbytes for k in items if k in by_name}
-    missing = [k for k in items if k not in by_name]
+    missing = [k for k, _, _ in fetch if k not in by_name]
     if missing:
         raise SharedStateSyncError(f"plan names unknown keys {missing}")
+    sizes = {k: backend.describe(by_name[k].tensor).nbytes for k, _, _ in fetch}
+    large = [k for k, _, _ in fetch if sizes[k] > swarm.CHUNK_BYTES]
+    own = {k: np.frombuffer(_host_bytes(by_name[k].tensor), dtype=np.uint8) for k in large}
+
+    # Our own chunk sums, from the vote's hashing pass (GPU tensors: computed now, on a host copy).
+    todo = [k for k in large if (k, swarm.CHUNK_BYTES) not in ctx.sums]
+
+    def local() -> None:
+        for k in todo:
+            ctx.sums[(k, swarm.CHUNK_BYTES)] = hashing.chunk_sums(own[k], swarm.CHUNK_BYTES)
+
+    if sum(sizes[k] for k in todo) >= _HASH_IN_THREAD_BYTES:
+        await trio.to_thread.run_sync(local)  # off the trio thread when large, inline when small
+    else:
+        local()
+    local_sums = {k: ctx.sums[(k, swarm.CHUNK_BYTES)] for k in large}
     total = sum(sizes.values())
-    staged: dict[str, np.ndarray] = {}
-    tried: dict[str, int] = dict.fromkeys(items, 0)
     counter = {"done": 0, "logged": 0}
     started = trio.current_time()
 
     def on_bytes(n: int) -> None:
         counter["done"] += n
         if progress is not None:
-            progress(counter["done"], total)
+            progress(min(counter["done"], total), total)
         if counter["done"] - counter["logged"] >= _PROGRESS_LOG_BYTES:
             counter["logged"] = counter["done"]
             el = max(trio.current_time() - started, 1e-9)
-            log.info(
-                "shared state: %d / %d bytes (%.1f MB/s)", counter["done"], total, counter["done"] / el / 1e6
-            )
+            st = job.schedule.statistics()
+            log.info("shared state: %d / %d bytes, %d / %d chunks, %d donor(s) (%.1f MB/s)", st["bytes_done"],
+                     st["bytes_total"], st["chunks_done"], st["chunks_total"], st["donors_active"],
+                     counter["done"] / el / 1e6)
 
-    pending = list(items)
-    while pending:
-        by_holder: dict[int, list[str]] = {}
-        for key in pending:
-            holders = items[key][1]
-            if tried[key] >= len(holders):
-                raise SharedStateSyncError(f"no holder could deliver tensor {key!r} (tried {holders})")
-            by_holder.setdefault(holders[tried[key]], []).append(key)
-        failed: list[str] = []
-
-        async def from_holder(holder: int, keys: list[str]) -> None:
-            try:
-                await _fetch_from(
-                    dialer, plan.sync_seq, holder, addresses.get(holder), keys, items, sizes, staged, on_bytes
-                )
-            except (PCCLError, StreamBroken, trio.TooSlowError) as exc:
-                log.warning("fetching %d tensor(s) from peer %d failed: %s", len(keys), holder, exc)
-                for k in keys:
-                    if k not in staged:
-                        failed.append(k)
-
-        async with trio.open_nursery() as nursery:
-            for holder, keys in by_holder.items():
-                nursery.start_soon(from_holder, holder, keys)
-        for k in failed:
-            tried[k] += 1
-        pending = failed
-    return staged, sum(sizes.values())
-
-
-async def _fetch_from(
-    dialer: Dialer,
-    seq: int,
-    holder: int,
-    address: tuple[str, int] | None,
-    keys: list[str],
-    items: dict[str, tuple[int, list[int]]],
-    sizes: dict[str, int],
-    staged: dict[str, np.ndarray],
-    on_bytes: Callable[[int], None],
-) -> None:
-    """Receive ``keys`` from one holder into staging buffers, re-hashing each one."""
-    if address is None:
-        raise SharedStateSyncError(f"holder {holder} is not in the group table")
-
-    def check(key: str, buf: np.ndarray) -> None:
-        got = hashing.content_hash(buf)
-        expected = items[key][0]
-        if got != expected:
-            raise SharedStateSyncError(
-                f"tensor {key!r} from peer {holder} hashes to {got:#x}, expected {expected:#x}"
-            )
-        staged[key] = buf
-
-    async def verify(key: str, buf: np.ndarray) -> None:
-        await trio.to_thread.run_sync(check, key, buf)
-
-    ms = await dialer.dial(address[0], address[1], channel="state", peer_id=holder)
+    job = heal.SwarmFetch(dialer, plan.sync_seq, addresses, fetch, sizes, own, local_sums, on_bytes,
+                          server.stall_timeout)
+    ctx.fetch = job
     try:
-        async with trio.open_nursery() as nursery:
-            # One small request after another (issue 17 item 4), each once the previous one's tensors
-            # arrived: the holder serves the requests on this connection in turn.
-            chunks = limits.split_rows(keys)
-            asked = 0
-            for index, key in enumerate(keys):
-                if index == asked:
-                    await ms.send(m.StateRequest(sync_seq=seq, keys=chunks[0]))
-                    asked += len(chunks.pop(0))
-                hdr = await ms.receive()
-                if isinstance(hdr, m.Refused):
-                    raise SharedStateSyncError(f"peer {holder} refused the transfer: {hdr.reason}")
-                if not isinstance(hdr, m.StateTensor) or hdr.key != key or hdr.nbytes != sizes[key]:
-                    raise RemoteProtocolError(f"peer {holder} sent an unexpected tensor header {hdr!r:.120}")
-                buf = np.empty(hdr.nbytes, dtype=np.uint8)
-                view = buf.data
-                step = 4 * 1024 * 1024
-                for off in range(0, hdr.nbytes, step):
-                    part = view[off : off + step]
-                    await ms.receive_raw_into(part)
-                    on_bytes(len(part))
-                if hdr.nbytes >= _HASH_IN_THREAD_BYTES:
-                    # Verify in a worker thread while the next tensor arrives.
-                    nursery.start_soon(verify, key, buf)
-                else:
-                    check(key, buf)
-    except BaseExceptionGroup as group:
-        # Surface one domain error (a failed verification, a broken stream), not the group.
-        matched, _ = group.split((PCCLError, StreamBroken, trio.TooSlowError))
-        leaf: BaseException | None = matched
-        while isinstance(leaf, BaseExceptionGroup):
-            leaf = leaf.exceptions[0]
-        if leaf is not None:
-            raise leaf from None
-        raise
+        staged, rx = await job.run()
     finally:
-        await ms.aclose()
+        server.count(job.statistics())
+    if progress is not None:
+        progress(total, total)
+    return staged, rx
 
 
 async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.Hello) -> None:
-    """The "state" P2P channel: send requested tensors of the sync ``server`` publishes."""
+    """The "state" P2P channel: send requested tensors, chunk sums and chunks of the sync ``server``
+    publishes (StateRequest, StateManifestRequest, StateChunkRequest; docs/protocol.md)."""
     while True:
         try:
             req = await ms.receive()
         except StreamBroken:
             return
-        if not isinstance(req, m.StateRequest):
+        if not isinstance(req, (m.StateRequest, m.StateManifestRequest, m.StateChunkRequest)):
             await ms.send(m.Refused(reason=f"expected StateRequest, got {type(req).__name__}"))
             return
         ctx = server.ctx
@@ -545,14 +515,79 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
             await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))
             return
         by_name = {i.name: i for i in ctx.state.tensor_infos}
+        try:
+            refusal = await _serve_one(ctx, by_name, ms, req)
+        except StreamBroken:
+            # The fetcher closed: it has everything (a copy of a chunk it took from a faster donor
+            # too) or gave up on us. Normal at the end of a swarm fetch.
+            log.debug("shared state: a fetcher closed its connection while we sent")
+            return
+        if refusal:
+            await ms.send(m.Refused(reason=refusal))
+            return
+
+
+async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: MessageStream,
+                     req: m.StateRequest | m.StateManifestRequest | m.StateChunkRequest) -> str:
+    """Answer one request; returns a refusal reason ("" when served)."""
+    if isinstance(req, m.StateRequest):
         for key in req.keys:
             info = by_name.get(key)
             if info is None:
-                await ms.send(m.Refused(reason=f"unknown key {key!r}"))
-                return
+                return f"unknown key {key!r}"
             data = _host_bytes(info.tensor)
             await ms.send_with_raw(m.StateTensor(key=key, nbytes=len(data), hash=ctx.hashes[key]), data)
             ctx.tx += len(data)
+        return ""
+    if isinstance(req, m.StateManifestRequest):
+        info = by_name.get(req.key)
+        if info is None:
+            return f"unknown key {req.key!r}"
+        cb = req.chunk_bytes
+        if (cb <= 0 or cb % hashing.CHUNK_ALIGN or req.first < 0
+                or not 0 <= req.count <= heal.MANIFEST_SUMS_PER_REQUEST):
+            return f"bad manifest request (chunk_bytes {cb}, first {req.first}, count {req.count})"
+        sums = ctx.sums.get((req.key, cb))
+        if sums is None:
+            data = _served_bytes(ctx, info)
+            if len(data) >= _HASH_IN_THREAD_BYTES:
+                sums = await trio.to_thread.run_sync(hashing.chunk_sums, data, cb)
+            else:
+                sums = hashing.chunk_sums(data, cb)
+            ctx.sums[(req.key, cb)] = sums
+        part = sums[req.first : req.first + req.count]
+        await ms.send(m.StateManifest(key=req.key, first=req.first, sums=part))
+        return ""
+    for row in req.pieces:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in row[1:])):
+            return f"bad chunk row {row!r:.80}"
+        key, offset, n = row
+        info = by_name.get(key)
+        if info is None:
+            return f"unknown key {key!r}"
+        data = _served_bytes(ctx, info)
+        if offset < 0 or n < 0 or offset + n > len(data):
+            return f"chunk {offset}+{n} outside tensor {key!r} of {len(data)} bytes"
+        raw = chunk_bytes(ctx, info, offset, n)
+        await ms.send_with_raw(m.StateChunk(key=key, offset=offset, nbytes=n), raw)
+        ctx.tx += n
+    return ""
+
+
+def _served_bytes(ctx: SyncContext, info: TensorInfo) -> memoryview:
+    """The bytes of a tensor to serve (GPU tensors: a host copy, made once per sync)."""
+    if not backend.is_cuda(info.tensor):
+        return backend.byte_view(info.tensor)
+    data = ctx.host.get(info.name)
+    if data is None:
+        data = ctx.host[info.name] = _host_bytes(info.tensor)
+    return data
+
+
+def chunk_bytes(ctx: SyncContext, info: TensorInfo, offset: int, nbytes: int) -> memoryview:
+    """The bytes a holder sends for a chunk request (a seam for tests that make a donor lie)."""
+    return _served_bytes(ctx, info)[offset : offset + nbytes]
 
 
 __all__ = [

@@ -225,7 +225,8 @@ def p2p_inbound(max_frame: int) -> FrameLimits:
         name="on a P2P connection",
         max_frame=max_frame,
         default_tag_max=min(SMALL_MAX_FRAME, max_frame),
-        tag_max=MappingProxyType({m.StateRequest.TAG: min(STATE_SYNC_MAX_FRAME, max_frame)}),
+        tag_max=MappingProxyType({t: min(STATE_SYNC_MAX_FRAME, max_frame)
+                                  for t in (m.StateRequest.TAG, m.StateChunkRequest.TAG)}),
         unpack=_unpack(strings=SMALL_MAX_FRAME, arrays=1 << 17),
     )
 

@@ -856,6 +856,50 @@ class StateTensor(Message):
     hash: int
 
 
+@_register(64)
+@dataclass(frozen=True, kw_only=True)
+class StateManifestRequest(Message):
+    """Ask a holder for the chunk sums of tensor ``key`` (chunks of ``chunk_bytes``), chunks ``first`` to
+    ``first + count - 1``; it answers one StateManifest (see :func:`pccl.kernels.hashing.chunk_sums`)."""
+
+    sync_seq: int
+    key: str
+    chunk_bytes: int
+    first: int
+    count: int
+
+
+@_register(65)
+@dataclass(frozen=True, kw_only=True)
+class StateManifest(Message):
+    """The chunk sums a StateManifestRequest asked for (``sums[i]`` is chunk ``first + i``'s)."""
+
+    key: str
+    first: int
+    sums: list[int]
+
+
+@_register(66)
+@dataclass(frozen=True, kw_only=True)
+class StateChunkRequest(Message):
+    """Ask a holder for byte ranges of tensors: ``pieces`` rows ``[key, offset, nbytes]``; it answers one
+    StateChunk + raw bytes per row, in order. A fetcher splits its rows over frames like StateRequest's."""
+
+    sync_seq: int
+    pieces: list[list[Any]]
+
+
+@_register(67)
+@dataclass(frozen=True, kw_only=True)
+class StateChunk(Message):
+    """Header for ``nbytes`` raw bytes of tensor ``key`` from byte ``offset`` on (they follow on the
+    stream)."""
+
+    key: str
+    offset: int
+    nbytes: int
+
+
 @_register(62)
 @dataclass(frozen=True, kw_only=True)
 class BenchRequest(Message):

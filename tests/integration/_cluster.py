@@ -128,10 +128,11 @@ async def sync_all(
     return await gather(comms, one)
 
 
-async def sync_killing_the_holder(cl: LoopbackCluster, states: list[SharedState]) -> Any:
+async def sync_killing_the_holder(cl: LoopbackCluster, states: list[SharedState], *,
+                                  both: bool = False) -> Any:
     """Sync the three peers of ``cl`` (peers 0 and 1 hold the state, peer 2 fetches it) and kill the
-    holder peer 2 fetches from as soon as its first bytes arrived. Returns peer 2's result (the
-    PCCLError it raised, or what it returned)."""
+    holder peer 2 fetches from first (``both``: both holders) as soon as its first bytes arrived.
+    Returns peer 2's result (the PCCLError it raised, or what it returned)."""
     a, b, c = cl.comms
     progressed = trio.Event()
     results: dict[str, Any] = {}
@@ -157,6 +158,8 @@ async def sync_killing_the_holder(cl: LoopbackCluster, states: list[SharedState]
         first_holder = next(iter(sync["fetch"].values()))[0]
         holder = a if a.peer_id == first_holder else b
         cl.kill(holder)
+        if both:
+            cl.kill(b if holder is a else a)
     return results["c"]
 
 

@@ -115,16 +115,18 @@ async def test_holder_killed_mid_transfer_leaves_gpu_tensor_untouched(lib: str) 
     whose holder dies mid-transfer keeps its old bits, and a retry fills it."""
     size = 32 * 1024 * 1024
     async with loopback_cluster(3) as cl:
-        a, b, c = cl.comms
+        c = cl.comms[2]
         sa = SharedState([TensorInfo("w", np.full(size, 1, np.uint8))], revision=1)
         sb = SharedState([TensorInfo("w", np.full(size, 1, np.uint8))], revision=1)
         target = _to_gpu(lib, torch.zeros(size, dtype=torch.uint8))
         sc = SharedState([TensorInfo("w", target)], revision=1)
-        assert isinstance(await sync_killing_the_holder(cl, [sa, sb, sc]), pccl.PCCLError)
+        assert isinstance(await sync_killing_the_holder(cl, [sa, sb, sc], both=True), pccl.PCCLError)
         assert _bits(target) == bytes(size)  # atomic: old bits kept
-        remaining = [x for x in (a, b, c) if x in cl.comms]
-        sts = {id(a): sa, id(b): sb, id(c): sc}
-        res = await sync_all(remaining, [sts[id(x)] for x in remaining])
+        # a new holder arrives: the retry fills the same tensor
+        d = await cl.add_peer()
+        sd = SharedState([TensorInfo("w", np.full(size, 1, np.uint8))], revision=1)
+        res = await sync_all([c, d], [sc, sd], [pccl.SharedStateSyncStrategy.RECEIVE_ONLY,
+                                                pccl.SharedStateSyncStrategy.SEND_ONLY])
         assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res), res
         assert sc.tensor_infos[0].tensor is target
         assert _bits(target) == b"\x01" * size

@@ -129,21 +129,32 @@ async def test_strategies() -> None:
         assert all((s.tensor_infos[0].tensor == 9).all() for s in states)
 
 
-async def test_holder_killed_mid_transfer_keeps_old_bits_and_retry_succeeds() -> None:
+async def test_holder_killed_mid_transfer_the_other_holder_serves() -> None:
+    """Issue 35: a donor that dies mid-transfer costs only its chunks in flight; the other holder
+    sends them and the call succeeds, bit-exact."""
     size = 32 * 1024 * 1024
     async with loopback_cluster(3) as cl:
-        a, b, c = cl.comms
         sa = SharedState([TensorInfo.from_numpy(np.full(size, 1, np.uint8), "w")], revision=1)
         sb = SharedState([TensorInfo.from_numpy(np.full(size, 1, np.uint8), "w")], revision=1)
         sc = SharedState([TensorInfo.from_numpy(np.zeros(size, np.uint8), "w")], revision=1)
-        assert isinstance(await sync_killing_the_holder(cl, [sa, sb, sc]), pccl.PCCLError)
-        assert (sc.tensor_infos[0].tensor == 0).all()  # atomic: old bits kept
-        # retry with the survivor(s)
-        remaining = [x for x in (a, b, c) if x in cl.comms]
-        sts = {id(a): sa, id(b): sb, id(c): sc}
-        res = await sync_all(remaining, [sts[id(x)] for x in remaining])
-        assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res), res
+        info = await sync_killing_the_holder(cl, [sa, sb, sc])
+        assert isinstance(info, pccl.SharedStateSyncInfo), info
         assert (sc.tensor_infos[0].tensor == 1).all()
+        assert cl.comms[-1].statistics()["heal_donors_failed"] == 1
+
+
+async def test_all_holders_killed_mid_transfer_keeps_old_bits_and_retry_succeeds() -> None:
+    size = 32 * 1024 * 1024
+    async with loopback_cluster(3) as cl:
+        c = cl.comms[2]
+        sa = SharedState([TensorInfo.from_numpy(np.full(size, 1, np.uint8), "w")], revision=1)
+        sb = SharedState([TensorInfo.from_numpy(np.full(size, 1, np.uint8), "w")], revision=1)
+        sc = SharedState([TensorInfo.from_numpy(np.zeros(size, np.uint8), "w")], revision=1)
+        assert isinstance(await sync_killing_the_holder(cl, [sa, sb, sc], both=True), pccl.PCCLError)
+        assert (sc.tensor_infos[0].tensor == 0).all()  # atomic: old bits kept
+        # the survivor syncs again, alone
+        res = await sync_all([c], [sc])
+        assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res), res
 
 
 @pytest.mark.parametrize("steps", [6])

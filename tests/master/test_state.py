@@ -506,3 +506,33 @@ def test_pending_summary_names_whom_each_vote_waits_for() -> None:
     hs.h(c, m.CollectiveDone(tag=4, success=True))
     running = [ln for ln in hs.st.pending_summary() if ln.startswith("collective")]
     assert len(running) == 1 and running[0].endswith(f"waits for {[a, b]} to finish")
+
+
+@pytest.mark.parametrize("lost", ["donor", "fetcher"])
+def test_sync_a_lost_donor_leaves_the_running_sync_a_lost_fetcher_fails_it(lost: str) -> None:
+    """Issue 35: a participant with nothing to fetch that is lost while others fetch no longer fails the
+    sync (its fetchers ask the other holders); a lost fetcher still fails it for everyone."""
+    hs = Harness()
+    a, _ = hs.join()
+    ids = [a] + [hs.join()[0] for _ in range(2)]
+    hs.update([a])
+    _, b, c = ids
+    good, bad = [["w", 7, [8], 64, 123, False]], [["w", 7, [8], 64, 999, False]]
+    hs.h(a, m.SharedStateSync(revision=1, strategy=0, entries=good))
+    hs.h(b, m.SharedStateSync(revision=1, strategy=0, entries=good))
+    eff = hs.h(c, m.SharedStateSync(revision=1, strategy=0, entries=bad))
+    plans = dict(sends(eff, m.SharedStatePlan))
+    assert plans[c].fetch and not plans[a].fetch and not plans[b].fetch
+    seq = plans[c].sync_seq
+    hs.h(a, m.SharedStateDone(sync_seq=seq, success=True))
+    if lost == "donor":
+        eff = hs.st.peer_lost(b, "evicted")
+        assert not sends(eff, m.SharedStateResult)  # the sync goes on
+        eff = hs.h(c, m.SharedStateDone(sync_seq=seq, success=True))
+        results = dict(sends(eff, m.SharedStateResult))
+        assert set(results) == {a, c} and all(r.success for r in results.values())
+    else:
+        eff = hs.st.peer_lost(c, "evicted")
+        results = dict(sends(eff, m.SharedStateResult))
+        assert set(results) == {a, b}
+        assert all(not r.success and r.code == Result.RANK_CONNECTION_LOST for r in results.values())

@@ -1,0 +1,158 @@
+"""Swarm heal (issue 35): a newcomer fetches a shared state from 1, 2 and 3 donors, on the virtual network.
+
+The state: ``--state-mb`` MiB of float32 (default 256: one tensor of three quarters of it, 192 MiB, plus
+four equal smaller ones). Donors hold random content, the newcomer zeros. Every donor -> newcomer link
+has ``--donor-mbit`` Mbit/s (default 100, the donor's uplink: it sends to nobody else) and a one-way
+delay of half ``--rtt-ms`` (default 50 ms RTT); the newcomer's 1 Gbit/s downlink is not modelled (three
+donors at 100 Mbit/s stay below it).
+
+This runs on :class:`pccl.testing.VirtualNetwork` under trio's MockClock: the heal time printed is
+**virtual** time of the newcomer's whole ``sync_shared_state()`` call, what the network model takes
+(bandwidth, delay, a 4 MiB window per connection); CPU time (hashing, copies) is not in it (hashing
+runs inline here, not in worker threads, so that it cannot let virtual time jump). The project's WAN
+emulator (``pccl.testing.wan``: network namespaces, root) is not used here. Wall seconds are printed
+too (this process simulating every byte).
+
+Cases: 1, 2, 3 donors; 3 donors of which one has a quarter of the others' rate (its share follows its
+speed, and it does not hold the tail: compare with 2 donors); 3 donors with one killed at 50% of the
+transfer (bytes fetched twice, the heal still completes, no member's call fails); 3 donors with one that
+corrupts every chunk it sends (the chunks are re-fetched, the donor excluded). Each case checks the
+newcomer's state bit-identical to the donors'.
+
+usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 50] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+import numpy as np
+import trio
+import trio.testing
+
+from pccl.peer import shared_state as ss
+from pccl.peer.shared_state import SharedState, TensorInfo
+from pccl.testing import VirtualNetwork, open_test_cluster
+
+MIB = 1 << 20
+
+
+def _arrays(state_mb: int, fill: str) -> list[np.ndarray]:
+    total = state_mb * MIB // 4
+    big = total * 3 // 4
+    sizes = [big] + [(total - big) // 4] * 4
+    rng = np.random.default_rng(7)
+    return [rng.random(n, dtype=np.float32) if fill == "random" else np.zeros(n, np.float32) for n in sizes]
+
+
+def _state(arrays: list[np.ndarray]) -> SharedState:
+    return SharedState([TensorInfo.from_numpy(a, f"t{i}") for i, a in enumerate(arrays)], revision=1)
+
+
+async def _case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, Any]:
+    net = VirtualNetwork()
+    async with open_test_cluster(donors + 1, network=net) as cluster:
+        newcomer = donors
+        for d in range(donors):
+            mbit = args.donor_mbit / 4 if fault == "slow" and d == donors - 1 else args.donor_mbit
+            net.set_link(cluster.host(d), cluster.host(newcomer), bandwidth=mbit * 1e6 / 8,
+                         latency=args.rtt_ms / 2000)
+        content = _arrays(args.state_mb, "random")
+        states = {d: _state([a.copy() for a in content]) for d in range(donors)}
+        states[newcomer] = _state(_arrays(args.state_mb, "zeros"))
+        total = sum(a.nbytes for a in content)
+        killed: list[float] = []
+        restore = ss.chunk_bytes
+        if fault == "corrupt":
+            liar = states[donors - 1]
+
+            def lying(ctx: ss.SyncContext, info: TensorInfo, offset: int, nbytes: int) -> memoryview:
+                data = restore(ctx, info, offset, nbytes)
+                if ctx.state is not liar or nbytes == 0:
+                    return data
+                bad = bytearray(data)
+                bad[0] ^= 1
+                return memoryview(bytes(bad))
+
+            ss.chunk_bytes = lying  # type: ignore[assignment]
+
+        def on_progress(done: int, total_: int) -> None:
+            if fault == "kill" and not killed and done >= total_ // 2:
+                killed.append(done)
+                cluster.kill(donors - 1)
+
+        results: dict[int, Any] = {}
+
+        async def one(i: int) -> None:
+            comm = cluster.peer(i)
+            try:
+                results[i] = await comm.sync_shared_state(
+                    states[i], progress=on_progress if i == newcomer else None)
+            except Exception as exc:
+                results[i] = exc
+
+        t0 = trio.current_time()
+        w0 = time.perf_counter()
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in states:
+                    nursery.start_soon(one, i)
+        finally:
+            ss.chunk_bytes = restore  # type: ignore[assignment]
+        virtual = trio.current_time() - t0
+        wall = time.perf_counter() - w0
+        exact = all(a.tensor.tobytes() == b.tobytes()
+                    for a, b in zip(states[newcomer].tensor_infos, content, strict=True))
+        st = cluster.peer(newcomer).statistics()
+        last = st["heal_last"] or {}
+        # the killed donor's own call ends with it; every other call must succeed
+        failed_calls = [i for i, r in results.items()
+                        if isinstance(r, Exception) and not (fault == "kill" and i == donors - 1)]
+        return {
+            "donors": donors, "fault": fault or "-", "state_mib": total / MIB, "heal_s": virtual,
+            "wall_s": wall, "exact": exact, "failed_calls": failed_calls,
+            "rx_mib": last.get("rx_bytes", 0) / MIB,
+            "twice_mib": (last.get("rx_bytes", 0) - total) / MIB,
+            "per_donor_mib": [round(v / MIB, 1) for v in last.get("donors", {}).values()],
+            "excluded": len(last.get("donors_excluded", {})),
+            "failed_donors": len(last.get("donors_failed", {})),
+        }
+
+
+async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    for donors, fault in ((1, ""), (2, ""), (3, ""), (3, "slow"), (3, "kill"), (3, "corrupt")):
+        rows.append(await _case(args, donors, fault))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--state-mb", type=int, default=256)
+    p.add_argument("--donor-mbit", type=float, default=100.0)
+    p.add_argument("--rtt-ms", type=float, default=50.0)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    # Hash inline, never in a worker thread: under the autojump clock a thread's CPU time would let
+    # virtual time jump (to the next timeout), which is not what the network takes.
+    ss._HASH_IN_THREAD_BYTES = 1 << 62
+    rows = trio.run(_main, args, clock=trio.testing.MockClock(autojump_threshold=0))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    one = rows[0]["heal_s"]
+    print(f"swarm heal, virtual network: {args.state_mb} MiB float32, donors' links "
+          f"{args.donor_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms (virtual seconds)")
+    print(f"{'donors':>6} {'fault':>8} {'heal s':>8} {'x 1-donor':>9} {'fetched twice MiB':>17} "
+          f"{'per donor MiB':>22} {'excl':>4} {'exact':>5} {'failed calls':>12} {'wall s':>7}")
+    for r in rows:
+        print(f"{r['donors']:>6} {r['fault']:>8} {r['heal_s']:>8.2f} {r['heal_s'] / one:>9.2f} "
+              f"{r['twice_mib']:>17.1f} {r['per_donor_mib']!s:>22} {r['excluded']:>4} {r['exact']!s:>5} "
+              f"{r['failed_calls']!s:>12} {r['wall_s']:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Swarm heal (issue 35): chunked, verified, many-donor, resumable shared-state fetches (virtual network,
+MockClock)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+import pccl
+from pccl.peer import shared_state as ss
+from pccl.peer import swarm
+from pccl.peer.shared_state import SharedState, TensorInfo
+from pccl.testing import TestCluster
+from pccl.testing.pytest_plugin import ClusterFactory
+
+MIB = 1 << 20
+BIG = 6 * MIB  # six chunks
+
+
+def _content(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, BIG, dtype=np.uint8), rng.integers(0, 256, 1000, dtype=np.uint8)
+
+
+def _state(big: np.ndarray, small: np.ndarray) -> SharedState:
+    return SharedState(
+        [TensorInfo.from_numpy(big.copy(), "big"), TensorInfo.from_numpy(small.copy(), "small")], revision=1)
+
+
+def _slow_links(cluster: TestCluster, receivers: list[int], donors: list[int], rate: float = 8 * MIB) -> None:
+    """Donor -> receiver links at ``rate`` bytes/s (so that the transfer takes virtual time)."""
+    net = cluster.network
+    assert net is not None
+    for r in receivers:
+        for d in donors:
+            net.set_link(cluster.host(d), cluster.host(r), bandwidth=rate, latency=0.005)
+
+
+Result = pccl.SharedStateSyncInfo | pccl.PCCLError
+
+
+async def _sync(cluster: TestCluster, states: dict[int, SharedState],
+                progress: dict[int, Any] | None = None) -> dict[int, Result]:
+    results: dict[int, Result] = {}
+
+    async def one(i: int) -> None:
+        try:
+            results[i] = await cluster.peer(i).sync_shared_state(states[i], progress=(progress or {}).get(i))
+        except pccl.PCCLError as exc:
+            results[i] = exc
+
+    async with trio.open_nursery() as nursery:
+        for i in states:
+            nursery.start_soon(one, i)
+    return results
+
+
+def _bits(state: SharedState) -> list[bytes]:
+    return [bytes(backend_bytes(i.tensor)) for i in state.tensor_infos]
+
+
+def backend_bytes(t: Any) -> bytes:
+    return np.asarray(t).tobytes()
+
+
+async def test_only_differing_chunks_move_and_every_holder_serves(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    cluster = await pccl_cluster(4)
+    big, small = _content(1)
+    states = {i: _state(big, small) for i in range(3)}
+    mine = _state(big, small)
+    odd = mine.tensor_infos[0].tensor
+    odd[2 * MIB + 5] ^= 0xFF  # chunk 2
+    odd[5 * MIB + 7] ^= 0x01  # chunk 5
+    states[3] = mine
+    untouched = odd[: 2 * MIB].copy()
+    res = await _sync(cluster, states)
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res.values()), res
+    info = res[3]
+    assert isinstance(info, pccl.SharedStateSyncInfo)
+    assert info.rx_bytes == 2 * MIB  # two chunks, not the 6 MiB tensor
+    assert _bits(mine) == _bits(states[0])
+    assert mine.tensor_infos[0].tensor is odd and odd[: 2 * MIB].tobytes() == untouched.tobytes()
+    last = cluster.peer(3).statistics()["heal_last"]
+    assert last["chunks_total"] == 2 and last["chunks_done"] == 2 and last["bytes_done"] == 2 * MIB
+    sent = [r.tx_bytes for r in res.values() if isinstance(r, pccl.SharedStateSyncInfo)]
+    assert sum(sent) == 2 * MIB
+
+
+async def test_a_large_tensor_comes_from_every_donor_in_proportion(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    cluster = await pccl_cluster(4)
+    big, small = _content(2)
+    states = {i: _state(big, small) for i in range(3)}
+    states[3] = _state(np.zeros(BIG, np.uint8), np.zeros(1000, np.uint8))
+    net = cluster.network
+    assert net is not None
+    # donor 0 is three times as fast as donors 1 and 2
+    for d, rate in ((0, 12 * MIB), (1, 4 * MIB), (2, 4 * MIB)):
+        net.set_link(cluster.host(d), cluster.host(3), bandwidth=rate, latency=0.005)
+    seen: list[dict[str, Any]] = []
+
+    def on_progress(done: int, total: int) -> None:
+        sync = cluster.peer(3).statistics()["sync"]
+        if sync is not None and sync["progress"] is not None:
+            seen.append(sync["progress"])
+
+    res = await _sync(cluster, states, {3: on_progress})
+    assert isinstance(res[3], pccl.SharedStateSyncInfo), res
+    assert _bits(states[3]) == _bits(states[0])
+    last = cluster.peer(3).statistics()["heal_last"]
+    ids = {i: cluster.peer(i).peer_id for i in range(3)}
+    got = {i: last["donors"][ids[i]] for i in range(3)}
+    assert all(v > 0 for v in got.values()), got  # every holder served part of the one large tensor
+    assert got[0] > got[1] and got[0] > got[2], got
+    assert seen and seen[-1]["donors_active"] == 3 and seen[-1]["rate"] > 0
+    assert seen[-1]["chunks_total"] == 7  # six chunks of "big" and one batch holding "small"
+
+
+@pytest.mark.parametrize("after_chunks", range(6))
+async def test_a_donor_killed_mid_transfer_costs_only_its_chunks(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, after_chunks: int
+) -> None:
+    cluster = await pccl_cluster(3)
+    big, small = _content(3)
+    states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
+    _slow_links(cluster, [2], [0, 1])
+    killed: list[int] = []
+
+    def on_progress(done: int, total: int) -> None:
+        if not killed and done >= after_chunks * MIB:
+            killed.append(1)
+            cluster.kill(1)
+
+    res = await _sync(cluster, states, {2: on_progress})
+    assert killed
+    assert isinstance(res[2], pccl.SharedStateSyncInfo), res
+    assert isinstance(res[0], pccl.SharedStateSyncInfo), res  # no member's call failed
+    assert _bits(states[2]) == _bits(states[0])
+    st = cluster.peer(2).statistics()
+    # Killed at its first bytes it had items in flight; later, all it had to send may already be on the
+    # wire (the network delivers what a crashed host had sent) and its loss costs nothing.
+    assert st["heal_donors_failed"] == 1 if after_chunks == 0 else st["heal_donors_failed"] <= 1
+    # bytes fetched twice: at most the dead donor's items in flight (the pipeline depth), in chunks
+    assert res[2].rx_bytes - BIG <= swarm.DEPTH * MIB
+
+
+async def test_a_corrupting_donor_is_excluded_and_its_chunk_refetched(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = await pccl_cluster(4)
+    big, small = _content(4)
+    states = {i: _state(big, small) for i in range(3)}
+    states[3] = _state(np.zeros(BIG, np.uint8), np.zeros(1000, np.uint8))
+    _slow_links(cluster, [3], [0, 1, 2])
+    liar = states[1]
+    honest = ss.chunk_bytes
+
+    def lying(ctx: ss.SyncContext, info: TensorInfo, offset: int, nbytes: int) -> memoryview:
+        data = honest(ctx, info, offset, nbytes)
+        if ctx.state is not liar or nbytes == 0:
+            return data
+        bad = bytearray(data)
+        bad[nbytes // 2] ^= 0x10
+        return memoryview(bytes(bad))
+
+    monkeypatch.setattr(ss, "chunk_bytes", lying)
+    res = await _sync(cluster, states)
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res.values()), res
+    assert _bits(states[3]) == _bits(states[0])
+    st = cluster.peer(3).statistics()
+    liar_id = cluster.peer(1).peer_id
+    assert st["heal_donors_excluded"] == 1 and st["heal_bad_bytes"] > 0
+    assert liar_id in st["heal_last"]["donors_excluded"]
+    said = [r.getMessage() for r in caplog.records]
+    assert any("fail their hash" in s and f"peer {liar_id}" in s for s in said), said
+
+
+async def test_two_newcomers_heal_at_once(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    cluster = await pccl_cluster(4)
+    big, small = _content(5)
+    states = {0: _state(big, small), 1: _state(big, small),
+              2: _state(np.zeros(BIG, np.uint8), small), 3: _state(np.ones(BIG, np.uint8), small)}
+    _slow_links(cluster, [2, 3], [0, 1])
+    res = await _sync(cluster, states)
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res.values()), res
+    for i in (2, 3):
+        assert _bits(states[i]) == _bits(states[0])
+        last = cluster.peer(i).statistics()["heal_last"]
+        assert all(v > 0 for v in last["donors"].values()), last
+
+
+async def test_every_donor_lost_fails_cleanly_with_old_bits(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    cluster = await pccl_cluster(3)
+    big, small = _content(6)
+    states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
+    _slow_links(cluster, [2], [0, 1])
+
+    def on_progress(done: int, total: int) -> None:
+        if done >= 2 * MIB:
+            cluster.kill(0)
+            cluster.kill(1)
+
+    res = await _sync(cluster, states, {2: on_progress})
+    assert isinstance(res[2], pccl.PCCLError), res
+    assert not states[2].tensor_infos[0].tensor.any()  # nothing applied
+
+
+async def test_a_newcomer_killed_mid_heal_leaves_the_members_as_they_were(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    """The newcomer is a fetcher: its loss still fails the sync (RankConnectionLost, as before issue 35);
+    the members' tensors are untouched and their next sync, without it, succeeds and moves nothing."""
+    cluster = await pccl_cluster(3)
+    big, small = _content(7)
+    states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
+    _slow_links(cluster, [2], [0, 1])
+
+    def on_progress(done: int, total: int) -> None:
+        if done >= 3 * MIB:
+            cluster.kill(2)
+
+    res = await _sync(cluster, states, {2: on_progress})
+    for i in (0, 1):
+        r = res[i]
+        assert isinstance(r, pccl.PCCLError) and r.result == pccl.Result.RANK_CONNECTION_LOST, res
+        assert _bits(states[i]) == [big.tobytes(), small.tobytes()]
+    again = await _sync(cluster, {0: states[0], 1: states[1]})
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) and r.rx_bytes == 0 for r in again.values()), again
