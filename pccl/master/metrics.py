@@ -68,6 +68,12 @@ class MasterObserver:
                                    ["kind"], buckets=VOTE_BUCKETS, registry=r)
         self.state_bytes = Counter("pccl_shared_state_received_bytes",
                                    "Shared-state bytes the peers reported receiving", registry=r)
+        self.receiving = Gauge("pccl_shared_state_receiving_bytes",
+                               "Bytes each receiver of a running shared-state sync has reported so far "
+                               "(its SharedStateProgress)", ["peer"], registry=r)
+        self.receiving_total = Gauge("pccl_shared_state_receiving_total_bytes",
+                                     "Bytes each receiver of a running shared-state sync fetches in all",
+                                     ["peer"], registry=r)
         self.deadlocks = Counter("pccl_deadlocks", "Deadlocks detected (every call of the group failed)",
                                  registry=r)
         self.counts: dict[str, int] = {
@@ -170,14 +176,21 @@ class MasterObserver:
         recent = [t for t in self._completions if now - t <= self.throughput_window]
         return len(recent) / self.throughput_window
 
-    def render(self, state: MasterState) -> bytes:
-        """The metrics in the Prometheus text format, gauges refreshed from ``state``."""
+    def render(self, state: MasterState, now: float = 0.0) -> bytes:
+        """The metrics in the Prometheus text format, gauges refreshed from ``state`` (``now``: the
+        master's clock)."""
         by_phase = dict.fromkeys((p.value for p in Phase), 0)
         for rec in state.peers.values():
             by_phase[rec.phase.value] += 1
         for phase, n in by_phase.items():
             self.peers.labels(phase=phase).set(n)
         self.epoch.set(state.epoch)
+        self.receiving.clear()  # only the receivers of syncs running now
+        self.receiving_total.clear()
+        for t in state.transfer_progress(now):
+            for row in t["receivers"]:
+                self.receiving.labels(peer=str(row["peer"])).set(row["bytes"])
+                self.receiving_total.labels(peer=str(row["peer"])).set(row["total"])
         return generate_latest(self.registry)
 
     def summary(self, now: float) -> dict[str, Any]:

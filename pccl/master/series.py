@@ -235,7 +235,29 @@ def render_series_section(snapshot: Mapping[str, Any]) -> str:
     if not isinstance(series, Mapping):
         return ""
     return (f"<h2>Activity</h2>{render_series_svg(series)}"
-            f"<h2>Shared-state transfers</h2>{render_transfers_html(series)}")
+            f"<h2>Shared-state transfers</h2>{render_receiving_html(snapshot.get('receiving', []))}"
+            f"{render_transfers_html(series)}")
+
+
+def render_receiving_html(receiving: Sequence[Mapping[str, Any]]) -> str:
+    """Each running sync's receivers (``/status``'s ``receiving``): bytes, a bar, rate and ETA."""
+    rows = []
+    for t in receiving:
+        for r in t.get("receivers", []):
+            total = max(int(r["total"]), 1)
+            pct = min(100.0, 100.0 * int(r["bytes"]) / total)
+            eta = r["eta_s"]
+            when = ("done" if r["bytes"] >= r["total"] else "unknown (no report yet)" if eta is None
+                    else _fmt(float(eta), "s"))
+            rows.append(
+                f"<tr><td>group {t['group']}, sync {t['sync_seq']}</td><td>peer {r['peer']}</td>"
+                f"<td>{_bytes(float(r['bytes']))} / {_bytes(float(r['total']))} ({pct:.0f}%)"
+                f'<div class=bar><div style="width:{pct:.1f}%"></div></div></td>'
+                f"<td>{_fmt(float(r['bytes_per_s']), 'B/s')}</td><td>{when}</td></tr>")
+    if not rows:
+        return ""
+    return ("<table><tr><th>sync</th><th>receiver</th><th>received</th><th>rate</th><th>ETA</th></tr>"
+            + "".join(rows) + "</table>")
 
 
 def render_series_svg(series: Mapping[str, Any]) -> str:
@@ -257,8 +279,8 @@ def render_transfers_html(series: Mapping[str, Any]) -> str:
     for r in t.get("running", []):
         rows.append(f"<tr class=waited><td>group {r['group']}, sync {r['sync_seq']}</td><td>running</td>"
                     f"<td>{r['running_s']:.1f} s</td><td>{r['reported']} / {r['participants']} peers done, "
-                    f"{_bytes(float(r['bytes_so_far']))} of {_bytes(float(r['bytes_planned']))} reported "
-                    f"(each receiver reports at its end; it shows its own progress)</td></tr>")
+                    f"{_bytes(float(r['bytes_so_far']))} of {_bytes(float(r['bytes_planned']))} done "
+                    f"(each receiver's live progress above)</td></tr>")
     for f in reversed(t.get("finished", [])):
         state = "done" if f["ok"] else "failed"
         rows.append(f"<tr><td>group {f['group']}, sync {f['sync_seq']}</td><td>{state}"
@@ -272,7 +294,9 @@ def render_transfers_html(series: Mapping[str, Any]) -> str:
 
 
 SERIES_CSS = (".chart{margin:.3em 0 .8em} .charthead{font-size:.9em;margin-bottom:.15em} "
-              "svg{display:block}")
+              "svg{display:block} .bar{background:#eee;height:.4em;width:12em;margin-top:.15em} "
+              ".bar div{background:#339966;height:100%}")
 
 
-__all__ = ["SERIES_CSS", "RunSeries", "render_series_section", "render_series_svg", "render_transfers_html"]
+__all__ = ["SERIES_CSS", "RunSeries", "render_receiving_html", "render_series_section", "render_series_svg",
+           "render_transfers_html"]

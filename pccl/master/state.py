@@ -49,6 +49,7 @@ from .ops_in_doubt import Decision, DoubtBook, Key
 from .reported import ReportedRings
 from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
 from .tokens import MemberTokens
+from .transfers import SyncProgress
 from .votes import PendingRound, unanimous
 
 #: Which open vote: ``("pending", None)``, ``("topology", None)``, ``("op", (group, tag))``,
@@ -192,6 +193,7 @@ class _SyncRound:
     done: set[int] = field(default_factory=set)
     note: str = ""  # for the participants' result: which co-voters were refused and why (issue 37)
     fetchers: set[int] = field(default_factory=set)  # participants with something to fetch (issue 35)
+    progress: SyncProgress | None = None  # the receivers' reports while it runs (issue 37 item 5)
 
 
 @dataclass
@@ -2680,6 +2682,8 @@ class MasterState:
         if not rnd.participants:
             del self._syncs[group]
             return effects
+        rnd.progress = SyncProgress({p: sum(i.nbytes for i in plan) for p, plan in result.plans.items()},
+                                    self._now)
         rnd.note = "; ".join(f"peer {p} was refused: {r.reason}" for p, r in sorted(result.refused.items()))
         rnd.running = True
         table = self.table(members)
@@ -2707,7 +2711,33 @@ class MasterState:
                 rec.group, f"peer {rec.peer_id}: {msg.reason}", Result.SHARED_STATE_SYNC_FAILED
             )
         rnd.done.add(rec.peer_id)
+        if rnd.progress is not None:
+            rnd.progress.finished(rec.peer_id, self._now)
         return self._check_sync_done(rec.group)
+
+    def _on_shared_state_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """A receiver's progress (for the status page): recorded only for a participant of its group's
+        running sync, within its plan (:class:`SyncProgress`); a report for a sync that ended meanwhile
+        is stale and dropped, one for a sync never planned or breaking the rules kicks the sender."""
+        assert isinstance(msg, m.SharedStateProgress)
+        if msg.sync_seq > self._sync_seq:
+            return self.kick(rec.peer_id, f"SharedStateProgress for sync {msg.sync_seq}, never planned")
+        rnd = self._syncs.get(rec.group)
+        if rnd is None or not rnd.running or msg.sync_seq != rnd.seq or rnd.progress is None:
+            return []  # that sync ended (failed elsewhere) while the report travelled
+        if rec.peer_id not in rnd.participants:
+            return self.kick(rec.peer_id, f"SharedStateProgress for sync {msg.sync_seq}, which it takes no "
+                                          "part in")
+        if rec.peer_id in rnd.done:
+            return self.kick(rec.peer_id, "SharedStateProgress after its SharedStateDone")
+        bad = rnd.progress.report(rec.peer_id, msg.rx_bytes, msg.total_bytes, self._now)
+        return [] if bad is None else self.kick(rec.peer_id, bad)
+
+    def transfer_progress(self, now: float) -> list[dict[str, Any]]:
+        """Each running sync's receivers, for the status page: ``{"group", "sync_seq", "receivers"}``
+        with :meth:`SyncProgress.rows` as the receivers, by group."""
+        return [{"group": g, "sync_seq": rnd.seq, "receivers": rnd.progress.rows(now)}
+                for g, rnd in sorted(self._syncs.items()) if rnd.running and rnd.progress is not None]
 
     def _check_sync_done(self, group: int) -> list[Effect]:
         rnd = self._syncs.get(group)
@@ -2779,4 +2809,5 @@ class MasterState:
         m.SharedStateSync: _on_shared_state_sync,
         m.SharedStateEntries: _on_shared_state_entries,
         m.SharedStateDone: _on_shared_state_done,
+        m.SharedStateProgress: _on_shared_state_progress,
     }

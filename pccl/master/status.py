@@ -67,7 +67,9 @@ def build_status(
 
     Returns:
         ``{"version", "master", "epoch", "ring", "groups", "peers", "rounds", "calls", "revisions",
-        "bandwidth", "counts", "events"}``; peer ids are ints, times are seconds ago.
+        "bandwidth", "counts", "events", "receiving"}``; peer ids are ints, times are seconds ago;
+        ``receiving``: each running shared-state sync's receivers with their bytes, rate and ETA
+        (:meth:`MasterState.transfer_progress`, from their ``SharedStateProgress`` reports).
     """
     waited = state.waited_on()
     calls = {pid: [describe_call(w) for w in ws] for pid, ws in state.vote_waits().items()}
@@ -106,6 +108,7 @@ def build_status(
         "bandwidth": bandwidth,
         "counts": dict(counts or {}),
         "events": [{"ago_s": round(max(0.0, now - e.at), 3), "wall": e.wall, "text": e.text} for e in events],
+        "receiving": state.transfer_progress(now),
     }
 
 
@@ -118,6 +121,22 @@ def _rate(bps: float) -> str:
         if bps >= scale:
             return f"{bps / scale:.1f} {unit}"
     return f"{bps:.0f} B/s"
+
+
+def receiver_text(r: Mapping[str, Any]) -> str:
+    """One receiver of a running sync: ``"peer 2: 64.0 MB / 256 MB (25%), 85.3 MB/s, ETA 2.3 s"``."""
+    total = max(int(r["total"]), 1)
+    eta = r["eta_s"]
+    when = "done" if r["bytes"] >= r["total"] else ("ETA unknown" if eta is None else f"ETA {eta:.1f} s")
+    return (f"peer {r['peer']}: {_size(r['bytes'])} / {_size(r['total'])} ({100 * r['bytes'] // total}%), "
+            f"{_rate(r['bytes_per_s'])}, {when}")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
 
 
 def _ring_line(snapshot: Mapping[str, Any]) -> list[str]:
@@ -159,6 +178,9 @@ def render_text(snapshot: Mapping[str, Any]) -> str:
     if snapshot["revisions"]:
         out.append("shared-state revision: " + ", ".join(f"group {g}: {r}"
                                                          for g, r in snapshot["revisions"].items()))
+    for t in snapshot.get("receiving", []):
+        out.append(f"shared-state sync {t['sync_seq']} (group {t['group']}): " + "; ".join(
+            receiver_text(r) for r in t["receivers"]))
     if snapshot["bandwidth"]:
         out.append("bandwidth: " + ", ".join(f"{b['from']}->{b['to']} {_rate(b['bytes_per_s'])}"
                                              for b in snapshot["bandwidth"]))

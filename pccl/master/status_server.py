@@ -65,7 +65,7 @@ class StatusService:
             body = json.dumps(self.snapshot(), indent=1).encode()
             return Response(200, "application/json", body)
         if path == "/metrics":
-            return Response(200, CONTENT_TYPE, self.observer.render(self.state))
+            return Response(200, CONTENT_TYPE, self.observer.render(self.state, trio.current_time()))
         if path in ("/", "/index.html"):
             return Response(200, "text/html; charset=utf-8", render_html(self.snapshot()).encode())
         return None

@@ -36,7 +36,6 @@ from ..wire import messages as m
 from ..wire.stream import MessageStream
 from . import heal, swarm
 from .links import Dialer, MasterLink
-from .mailbox import Mailbox
 from .state import error_from_code
 
 log = logging.getLogger("pccl.shared_state")
@@ -48,6 +47,44 @@ _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
 _TOTALS = ("heal_fetches", "heal_bytes", "heal_chunks", "heal_donors_failed", "heal_donors_excluded",
            "heal_bad_bytes", "heal_duplicate_bytes", "heal_stolen")
 _PROGRESS_LOG_BYTES = 64 * 1024 * 1024
+#: Seconds between two ``SharedStateProgress`` reports of a running fetch to the master (its status page
+#: shows each receiver's bytes, rate and ETA; issue 37 item 5). None is sent when no byte came since.
+PROGRESS_EVERY = 1.0
+
+
+class _Seen:
+    """The fetch's progress callback: keeps its last values (for the master's reports) and passes them
+    on to the caller's callback, if any."""
+
+    def __init__(self, chained: ProgressCallback | None) -> None:
+        self.chained = chained
+        self.done = 0
+        self.total = 0
+
+    def __call__(self, done: int, total: int) -> None:
+        self.done, self.total = done, total
+        if self.chained is not None:
+            self.chained(done, total)
+
+
+async def _report_progress(link: MasterLink, sync_seq: int, seen: _Seen) -> None:
+    """Tell the master every :data:`PROGRESS_EVERY` seconds how far the fetch is (until cancelled, when
+    the fetch ends: its ``SharedStateDone`` follows, never a report after it)."""
+    sent = 0
+    while True:
+        await trio.sleep(PROGRESS_EVERY)
+        if seen.total <= 0 or seen.done == sent:
+            continue
+        sent = seen.done
+        msg = m.SharedStateProgress(sync_seq=sync_seq, rx_bytes=min(seen.done, seen.total),
+                                    total_bytes=seen.total)  # (a retried tensor counts twice in ``done``)
+        try:
+            # Shielded: a frame cut by the fetch's end would break the master link. A control frame of
+            # a few bytes; a master that stops reading is found by the link's watchdog, which closes it.
+            with trio.CancelScope(shield=True):
+                await link.send(msg)
+        except PCCLError:
+            return  # best effort: the fetch and the sync's outcome report a lost master
 
 
 class TensorInfo:
@@ -314,12 +351,13 @@ def _entries(state: SharedState) -> tuple[list[list[Any]], dict[str, int], dict[
 
 
 async def _fetch_watching(
-    inbox: Mailbox, dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan,
+    link: MasterLink, dialer: Dialer, ctx: SyncContext, plan: m.SharedStatePlan,
     progress: ProgressCallback | None, server: StateServer,
 ) -> tuple[dict[str, np.ndarray], int, str, list[m.Message]]:
     """Fetch what ``plan`` says this peer fetches, while watching the inbox: the master fails the sync
     without waiting for us when another participant is lost, and then the fetch stops at once instead
-    of trying holders that moved on.
+    of trying holders that moved on. Meanwhile the master hears how far the fetch is
+    (:func:`_report_progress`).
 
     Returns:
         ``(staged tensors, bytes received, failure reason ("" if none), the master's early messages)``.
@@ -330,6 +368,8 @@ async def _fetch_watching(
     fetched: list[tuple[dict[str, np.ndarray], int]] = []
     errors: list[PCCLError] = []
     early: list[m.Message] = []
+    inbox = link.inbox
+    seen = _Seen(progress)
     async with trio.open_nursery() as nursery:
 
         async def watch() -> None:
@@ -341,13 +381,14 @@ async def _fetch_watching(
 
         async def fetch() -> None:
             try:
-                fetched.append(await _fetch_all(dialer, ctx, plan, progress, server))
+                fetched.append(await _fetch_all(dialer, ctx, plan, seen, server))
             except PCCLError as exc:
                 errors.append(exc)
             nursery.cancel_scope.cancel()
 
         nursery.start_soon(watch)
         nursery.start_soon(fetch)
+        nursery.start_soon(_report_progress, link, plan.sync_seq, seen)
     staged: dict[str, np.ndarray] = {}
     rx, reason = 0, ""
     if fetched:
@@ -415,8 +456,7 @@ async def run_sync(
         ok, reason, rx = True, "", 0
         early: list[m.Message] = []
         if first.fetch:
-            staged, rx, reason, early = await _fetch_watching(link.inbox, dialer, ctx, first, progress,
-                                                                 server)
+            staged, rx, reason, early = await _fetch_watching(link, dialer, ctx, first, progress, server)
             ok = not reason
         if not early:
             await link.send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))

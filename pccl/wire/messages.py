@@ -829,6 +829,19 @@ class SharedStateEntries(Message):
     entries: list[list[Any]]
 
 
+@_register(45)
+@dataclass(frozen=True, kw_only=True)
+class SharedStateProgress(Message):
+    """How far the sender's fetch for ``sync_seq`` is: ``rx_bytes`` of the ``total_bytes`` its plan names
+    (sent at most every :data:`pccl.peer.shared_state.PROGRESS_EVERY` seconds while bytes arrive, never
+    after its ``SharedStateDone``; for the status page). The master checks ``rx_bytes <= total_bytes``,
+    that ``total_bytes`` is what it planned for the sender and that ``rx_bytes`` never goes back."""
+
+    sync_seq: Count
+    rx_bytes: Count
+    total_bytes: Count
+
+
 
 # ============================================================================================
 # Peer <-> peer (after Hello on a P2P connection)

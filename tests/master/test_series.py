@@ -67,7 +67,7 @@ def test_a_transfer_is_listed_while_it_runs_and_with_its_rate_after() -> None:
     # the two contents of 'w' differ: one of the peers fetches the elected one's 32 bytes
     assert running == [{"group": 0, "sync_seq": hs.st._sync_seq, "running_s": 2.5, "participants": 2,
                         "reported": 1, "bytes_so_far": 0, "bytes_planned": 32}]
-    assert "1 / 2 peers done, 0 B of 32 B reported" in render_transfers_html(hs.series.export(3.5))
+    assert "1 / 2 peers done, 0 B of 32 B done" in render_transfers_html(hs.series.export(3.5))
     hs.now = 5.0
     hs.h(b, m.SharedStateDone(sync_seq=hs.st._sync_seq, success=True, rx_bytes=32_000_000))
     done = hs.series.export(6.0)["transfers"]
