@@ -230,13 +230,14 @@ def _chart(title: str, values: Sequence[float | None], unit: str, interval: floa
 
 
 def render_series_section(snapshot: Mapping[str, Any]) -> str:
-    """The status page's "Activity" and "Transfers" sections (empty without a series)."""
+    """The status page's "Activity" and "Shared-state transfers" sections (without a series: only the
+    receivers of running syncs, if any)."""
     series = snapshot.get("series")
+    receiving = render_receiving_html(snapshot.get("receiving", []))
     if not isinstance(series, Mapping):
-        return ""
+        return f"<h2>Shared-state transfers</h2>{receiving}" if receiving else ""
     return (f"<h2>Activity</h2>{render_series_svg(series)}"
-            f"<h2>Shared-state transfers</h2>{render_receiving_html(snapshot.get('receiving', []))}"
-            f"{render_transfers_html(series)}")
+            f"<h2>Shared-state transfers</h2>{receiving}{render_transfers_html(series)}")
 
 
 def render_receiving_html(receiving: Sequence[Mapping[str, Any]]) -> str:
