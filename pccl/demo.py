@@ -46,6 +46,8 @@ import numpy as np
 import numpy.typing as npt
 import trio
 
+from ._cliutil import Parser
+
 F32 = npt.NDArray[np.float32]
 
 # ----------------------------------------------------------------------------------------------
@@ -687,8 +689,11 @@ def main(argv: list[str] | None = None) -> int:
 
     Returns:
         0 on success, 1 if an invariant failed or the run timed out.
+
+    Raises:
+        CliError: a bad option (``pccl demo`` prints it as one line, like ``pccl run``'s).
     """
-    p = argparse.ArgumentParser(prog="pccl demo", description=(
+    p = Parser(prog="pccl demo", description=(
         "Local demo: a master and peers training together, one peer killed mid-run, a new one joining "
         "and catching up through shared state."))
     p.add_argument("--steps", type=int, default=None, help="training steps (default 100; 40 with --quick)")
@@ -703,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=128, help="MLP width (state size grows with its square)")
     a = p.parse_args(argv)
     if a.peers < 2:
-        p.error("--peers must be at least 2")
+        p.error(f"--peers must be at least 2, got {a.peers}")
     if a.steps is not None and a.steps < 8:
         p.error(f"--steps must be at least 8 (a kill, then a few steps), got {a.steps}")
     if a.step_delay is not None and not a.step_delay >= 0:

@@ -25,13 +25,27 @@ def test_demo_quick_passes() -> None:
 
 
 def test_demo_rejects_bad_arguments() -> None:
+    from pccl._cliutil import CliError
     from pccl.demo import main
 
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(CliError) as exc:
         main(["--peers", "1"])
     assert exc.value.code == 2
-    with pytest.raises(SystemExit):
+    with pytest.raises(CliError):
         main(["--steps", "10", "--kill-at", "9"])
+
+
+@pytest.mark.parametrize("argv", [["--peers", "0"], ["--peers", "x"], ["--frob"]])
+def test_demo_errors_are_one_line_like_pccl_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """``pccl demo --peers 0`` used to print argparse's whole usage before its error line (issue 37)."""
+    from pccl.cli import main as pccl_main
+
+    assert pccl_main(["demo", *argv]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("pccl: error: "), err
+    assert err[0].endswith("(see pccl demo --help)") and "usage:" not in err[0]
+    assert pccl_main(["run", "-n", "0", "x.py"]) == 2  # the same shape as pccl run's
+    assert capsys.readouterr().err.splitlines() == ["pccl: error: -n must be at least 1, got 0"]
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -41,9 +55,8 @@ def test_demo_rejects_bad_arguments() -> None:
     (["--hidden", "0"], "--hidden must be at least 1"),
 ])
 def test_demo_names_the_bad_option(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from pccl.demo import main
+    from pccl.cli import main
 
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err.splitlines()[-1]
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and message in err[0], err
