@@ -2717,14 +2717,14 @@ class MasterState:
 
     def _on_shared_state_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         """A receiver's progress (for the status page): recorded only for a participant of its group's
-        running sync, within its plan (:class:`SyncProgress`); a report for a sync that ended meanwhile
-        is stale and dropped, one for a sync never planned or breaking the rules kicks the sender."""
+        running sync, within its plan (:class:`SyncProgress`); one breaking the rules kicks the sender.
+        A report for another sync than the running one is dropped: that sync ended (failed elsewhere)
+        while the report travelled, or it was a former master's (a peer whose fetch outlived its
+        master; its number may be anything here), and it records nothing."""
         assert isinstance(msg, m.SharedStateProgress)
-        if msg.sync_seq > self._sync_seq:
-            return self.kick(rec.peer_id, f"SharedStateProgress for sync {msg.sync_seq}, never planned")
         rnd = self._syncs.get(rec.group)
         if rnd is None or not rnd.running or msg.sync_seq != rnd.seq or rnd.progress is None:
-            return []  # that sync ended (failed elsewhere) while the report travelled
+            return []
         if rec.peer_id not in rnd.participants:
             return self.kick(rec.peer_id, f"SharedStateProgress for sync {msg.sync_seq}, which it takes no "
                                           "part in")
