@@ -4,8 +4,9 @@ Every function here returns *new* tensors and never writes the caller's: the pro
 results into the caller's tensors only once every step succeeded, so a failed call leaves them as
 they were. A peer lost, or a group that no longer has the configured size, is :class:`PeerLostError`.
 
-``reduce`` and ``all_to_all`` are emulated (one small function each, :func:`emulated_reduce` and
-:func:`emulated_all_to_all`) until the communicator has native kinds for them.
+``reduce`` and ``all_to_all`` run on the communicator's native kinds. An ``all_to_all`` whose chunks are
+not all of one size on every rank (uneven splits, which the native kind cannot express) falls back to
+:func:`padded_all_to_all`; every rank learns which case it is from one small all-gather of the split sizes.
 """
 
 from __future__ import annotations
@@ -120,6 +121,10 @@ class Kinds:
                 result = await self.comm.all_gather(send, recv, **kw)
             elif kind == "broadcast":
                 result = await self.comm.broadcast(recv, **kw)
+            elif kind == "reduce":
+                result = await self.comm.reduce(send, recv, **kw)
+            elif kind == "all_to_all":
+                result = await self.comm.all_to_all(send, recv, **kw)
             else:
                 result = await self.comm.reduce_scatter(send, recv, **kw)
         except (RankConnectionLostError, TooFewPeersError) as exc:
@@ -194,37 +199,55 @@ class Kinds:
 
     async def reduce(self, call: str, send: torch.Tensor, op: ReduceOp, root: int, tag: int,
                      ) -> torch.Tensor | None:
-        """``reduce``: the reduction on rank ``root`` (None elsewhere). Emulated, see the module doc."""
+        """``reduce``: the reduction of every rank's ``send`` (contiguous) on rank ``root``, None elsewhere
+        (the communicator's native reduce: only the root receives it)."""
         self._root_ok(call, root)
-        return await emulated_reduce(self, call, send, op, root, tag)
+        out = torch.empty_like(send)
+        if self.n == 1:
+            return out.copy_(send)
+        await self._run(call, "reduce", send, out, root=self.config.pos_of(root), op=op, tag=tag)
+        return out if self.config.rank == root else None
 
     async def all_to_all(self, call: str, chunks: Sequence[torch.Tensor], tag: int) -> list[torch.Tensor]:
         """``all_to_all``: ``chunks[r]`` goes to rank r; returns what each rank sent here, by rank (flat).
-        Emulated, see the module doc."""
-        return await emulated_all_to_all(self, call, chunks, tag)
+
+        One small all-gather of every rank's chunk sizes first: if every chunk of every rank has one size,
+        the communicator's native all-to-all moves them (chunks laid out in ring order); otherwise
+        :func:`padded_all_to_all`.
+        """
+        n = self.n
+        if len(chunks) != n:
+            raise InvalidArgumentError(f"{call}: {len(chunks)} chunks for a group of {n}")
+        flat = [c.reshape(-1) for c in chunks]
+        if n == 1:
+            return [flat[0].clone()]
+        sizes = torch.tensor([c.numel() for c in flat], dtype=torch.int64)
+        table = (await self.all_gather(call, sizes, tag)).reshape(n, n)  # table[src rank][dst rank]
+        if bool((table != table[0, 0]).any()):
+            return await padded_all_to_all(self, call, flat, table, tag)
+        if int(table[0, 0]) == 0:
+            return [c.clone() for c in flat]
+        send = torch.cat([flat[r] for r in self.config.rank_of_pos])  # block p goes to ring position p
+        recv = torch.empty_like(send)
+        await self._run(call, "all_to_all", send, recv, tag=tag)
+        blocks = recv.reshape(n, -1)  # block p came from ring position p
+        return [blocks[self.config.pos_of(r)].clone() for r in range(n)]
 
 
-async def emulated_reduce(kinds: Kinds, call: str, send: torch.Tensor, op: ReduceOp, root: int, tag: int,
-                          ) -> torch.Tensor | None:
-    """``reduce`` as an all-reduce whose result only the root keeps (n times the traffic of a native
-    reduce's root; the same bits as the all-reduce)."""
-    out = await kinds.all_reduce(call, send, op, tag)
-    return out if kinds.config.rank == root else None
+async def padded_all_to_all(kinds: Kinds, call: str, flat: Sequence[torch.Tensor], table: torch.Tensor,
+                            tag: int) -> list[torch.Tensor]:
+    """``all_to_all`` with uneven chunks, which the native kind (``n`` equal blocks) cannot carry: an
+    all-gather of every rank's chunks, padded to the largest rank's total, each rank keeping the chunks
+    addressed to it (n times the traffic of a native all-to-all).
 
-
-async def emulated_all_to_all(kinds: Kinds, call: str, chunks: Sequence[torch.Tensor], tag: int,
-                              ) -> list[torch.Tensor]:
-    """``all_to_all`` as two all-gathers: every peer's chunk sizes, then every peer's chunks (padded to the
-    largest peer's total); each peer keeps the chunks addressed to it (n times the traffic of a native
-    all-to-all)."""
+    Args:
+        flat: this rank's chunks (flat), by destination rank.
+        table: ``table[src][dst]``, the element count rank ``src`` sends rank ``dst`` (every rank's, as
+            gathered).
+    """
     n = kinds.n
-    if len(chunks) != n:
-        raise InvalidArgumentError(f"{call}: {len(chunks)} chunks for a group of {n}")
-    flat = [c.reshape(-1) for c in chunks]
-    sizes = torch.tensor([c.numel() for c in flat], dtype=torch.int64)
-    table = (await kinds.all_gather(call, sizes, tag)).reshape(n, n)  # table[src rank][dst rank]
     width = int(table.sum(dim=1).max())
-    mine = torch.cat(flat) if flat else torch.empty(0)
+    mine = torch.cat(list(flat))
     padded = torch.zeros(width, dtype=mine.dtype, device=mine.device)
     padded[: mine.numel()] = mine
     everything = (await kinds.all_gather(call, padded, tag)).reshape(n, width)

@@ -78,6 +78,11 @@ def collectives(rank: int, n: int) -> dict[str, Any]:
     dist.reduce(red, dst=0)
     if rank == 0:
         out["reduce/int64/root"] = red
+    for op in ("SUM", "MAX"):  # float64 with integer values (sums without rounding), root not rank 0
+        red64 = exact.clone()
+        dist.reduce(red64, dst=n - 1, op=getattr(dist.ReduceOp, op))
+        if rank == n - 1:
+            out[f"reduce/exact64/{op}/root"] = red64
     a2a = torch.zeros(n * 3, dtype=torch.int64)
     dist.all_to_all_single(a2a, torch.arange(n * 3, dtype=torch.int64) + 100 * rank)
     out["all_to_all_single/even"] = a2a
@@ -119,6 +124,11 @@ def pccl_only(rank: int, n: int) -> dict[str, Any]:
     t = torch.arange(6, dtype=torch.float64) * (rank + 1)
     dist.all_reduce(t, op=dist.ReduceOp.AVG)
     out["all_reduce/float64/AVG"] = t
+    mine = torch.arange(5, dtype=torch.int64) + 10 * rank
+    red = mine.clone()
+    dist.reduce(red, dst=1)
+    total = torch.arange(5, dtype=torch.int64) * n + 10 * sum(range(n))
+    out["reduce/kept_off_root"] = torch.equal(red, total if rank == 1 else mine)
     for call, fn in (("send", lambda: dist.send(torch.zeros(1), dst=(rank + 1) % n)),
                      ("recv", lambda: dist.recv(torch.zeros(1), src=(rank + 1) % n)),
                      ("BAND", lambda: dist.all_reduce(torch.zeros(1, dtype=torch.int64),

@@ -135,6 +135,7 @@ def test_collectives_match_gloo(master: str, tmp_path: Path) -> None:
         only = res["pccl_only"]
         expected_avg = torch.arange(6, dtype=torch.float64) * (1 + 2 + 3) / 3
         assert torch.equal(only["all_reduce/float64/AVG"], expected_avg)
+        assert only["reduce/kept_off_root"] is True  # the root has the sum; the others keep their bits
         assert "send" in only["unsupported/send"] and "not supported" in only["unsupported/send"]
         assert "recv" in only["unsupported/recv"]
         assert "BAND" in only["unsupported/BAND"]
