@@ -18,21 +18,18 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError, TooFewPeersError
+from .._errors import InvalidArgumentError
 from .._types import QuantizationOptions, ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
 from ._ops import (
     AllReduce,
-    Members,
     Op,
-    PeersPending,
-    Sleep,
     StartAllReduce,
     Sync,
-    UpdateTopology,
     WaitAllReduce,
     is_result,
+    wait_for_members,
 )
 from ._train import Backward, Step, StepResult
 
@@ -158,6 +155,12 @@ class DiLoCoCore:
             for p, o in zip(self.inner_params, self.outer_params, strict=True):
                 p.copy_(o)
 
+    def _settle_running(self) -> Generator[Op, Any, None]:
+        """Before admitting: a newcomer must receive the outer state with the running reduce applied."""
+        if self.running is not None:
+            yield from self._wait_running()
+            self._apply()
+
     # -- the round -----------------------------------------------------------------------------------
 
     def begin_round(self) -> Generator[Op, Any, bool]:
@@ -166,29 +169,8 @@ class DiLoCoCore:
         Returns False once ``total_outer_steps`` outer steps were applied.
         """
         core = self.members
-        waited = 0.0
-        while True:
-            if core.just_joined:
-                core.just_joined = False
-            else:
-                try:
-                    if (yield PeersPending()):
-                        if self.running is not None:  # the newcomer must receive outer state with it
-                            yield from self._wait_running()
-                            self._apply()
-                        yield UpdateTopology()
-                except Exception as exc:
-                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
-                        raise  # (RANK_CONNECTION_LOST: are_peers_pending's vote lost with the master)
-                    continue
-            core.rank, core.world_size = yield Members()
-            if core.world_size >= core.min_world_size:
-                break
-            if core.timeout is not None and waited >= core.timeout:
-                raise TooFewPeersError(f"waited {waited:g} s for {core.min_world_size} peers; the group "
-                                       f"has {core.world_size}")
-            yield Sleep(core.poll_interval, core.min_world_size)
-            waited += core.poll_interval
+        core.rank, core.world_size = yield from wait_for_members(
+            core, core.min_world_size, core.timeout, core.poll_interval, self._settle_running)
         last = self.total_outer_steps is not None and self.shared.revision + 1 >= self.total_outer_steps
         if self.running is not None and last:
             yield from self._wait_running()

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Generator, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from .._errors import PCCLError, Result
+from .._errors import PCCLError, Result, TooFewPeersError
 from .._types import QuantizationOptions, ReduceOp
 
 __all__ = [
     "AllGather",
     "AllReduce",
+    "Joining",
     "Members",
     "Op",
     "PeersPending",
@@ -30,6 +31,7 @@ __all__ = [
     "drive",
     "drive_async",
     "is_result",
+    "wait_for_members",
 ]
 
 T = TypeVar("T")
@@ -117,6 +119,48 @@ Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGa
 def is_result(exc: BaseException, *names: str) -> bool:
     """True when ``exc`` is a PCCLError whose result is one of ``names`` (Result member names)."""
     return isinstance(exc, PCCLError) and exc.result in {Result[n] for n in names}
+
+
+class Joining(Protocol):
+    """What :func:`wait_for_members` reads and clears: whether the next membership phase skips its
+    admission vote once (a newcomer, admitted by the running peers, does not vote on itself)."""
+
+    just_joined: bool
+
+
+def wait_for_members(
+    driver: Joining,
+    min_world_size: int,
+    timeout: float | None,
+    poll_interval: float,
+    before_update: Callable[[], Generator[Op, Any, None]] | None = None,
+) -> Generator[Op, Any, tuple[int, int]]:
+    """The membership phase every driver shares: admit pending peers (``before_update`` runs first, when
+    there are any), then wait, polling every ``poll_interval`` s, until the group has ``min_world_size``
+    peers; raises TooFewPeersError once ``timeout`` s (counted as polls) passed. Returns (rank, world size).
+    """
+    waited = 0.0
+    while True:
+        if driver.just_joined:
+            driver.just_joined = False
+        else:
+            try:
+                if (yield PeersPending()):
+                    if before_update is not None:
+                        yield from before_update()
+                    yield UpdateTopology()
+            except Exception as exc:
+                if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
+                    raise  # (RANK_CONNECTION_LOST: are_peers_pending's vote lost with the master)
+                continue  # every peer saw it: vote again
+        rank, world_size = yield Members()
+        if world_size >= min_world_size:
+            return rank, world_size
+        if timeout is not None and waited >= timeout:
+            raise TooFewPeersError(
+                f"waited {waited:g} s for {min_world_size} peers; the group has {world_size}")
+        yield Sleep(poll_interval, min_world_size)
+        waited += poll_interval
 
 
 def drive(gen: Generator[Op, Any, T], execute: Callable[[Op], Any]) -> T:

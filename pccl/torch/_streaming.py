@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError, TooFewPeersError
+from .._errors import InvalidArgumentError
 from .._types import ReduceOp
 from ._codec import ErrorFeedback, average_payloads, choose_codec, codec_from_spec
 from ._fragments import CodecSpec, Fragment, split_fragments
@@ -42,13 +42,11 @@ from ._ops import (
     AllReduce,
     Members,
     Op,
-    PeersPending,
-    Sleep,
     StartAllReduce,
     Sync,
-    UpdateTopology,
     WaitAllReduce,
     is_result,
+    wait_for_members,
 )
 from ._train import Backward, Step, StepResult
 
@@ -162,26 +160,8 @@ class StreamingCore:
     # -- the cycle's start: membership, sync ---------------------------------------------------------
 
     def _membership(self) -> Generator[Op, Any, None]:
-        waited = 0.0
-        while True:
-            if self.just_joined:
-                self.just_joined = False
-            else:
-                try:
-                    if (yield PeersPending()):
-                        yield UpdateTopology()
-                except Exception as exc:
-                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
-                        raise
-                    continue
-            self.rank, self.world_size = yield Members()
-            if self.world_size >= self.min_world_size:
-                return
-            if self.min_world_size_timeout is not None and waited >= self.min_world_size_timeout:
-                raise TooFewPeersError(
-                    f"waited {waited:g} s for {self.min_world_size} peers; the group has {self.world_size}")
-            yield Sleep(self.poll_interval, self.min_world_size)
-            waited += self.poll_interval
+        self.rank, self.world_size = yield from wait_for_members(
+            self, self.min_world_size, self.min_world_size_timeout, self.poll_interval)
 
     @property
     def cycle(self) -> int:

@@ -9,11 +9,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._errors import InvalidArgumentError, TooFewPeersError
+from .._errors import InvalidArgumentError
 from .._types import ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
-from ._ops import AllReduce, Members, Op, PeersPending, Sleep, Sync, UpdateTopology, is_result
+from ._ops import AllReduce, Op, Sync, is_result, wait_for_members
 from ._shard import shard_indices
 
 __all__ = ["Step", "StepResult", "TrainCore"]
@@ -118,26 +118,8 @@ class TrainCore:
 
     def membership(self) -> Generator[Op, Any, None]:
         """Phase 1: admit pending peers (skipped once by a newcomer); wait until enough peers."""
-        waited = 0.0
-        while True:
-            if self.just_joined:
-                self.just_joined = False
-            else:
-                try:
-                    if (yield PeersPending()):
-                        yield UpdateTopology()
-                except Exception as exc:
-                    if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
-                        raise  # (RANK_CONNECTION_LOST: are_peers_pending's vote lost with the master)
-                    continue  # every peer saw it: vote again
-            self.rank, self.world_size = yield Members()
-            if self.world_size >= self.min_world_size:
-                return
-            if self.min_world_size_timeout is not None and waited >= self.min_world_size_timeout:
-                raise TooFewPeersError(f"waited {waited:g} s for {self.min_world_size} peers; the group "
-                                       f"has {self.world_size}")
-            yield Sleep(self.poll_interval, self.min_world_size)
-            waited += self.poll_interval
+        self.rank, self.world_size = yield from wait_for_members(
+            self, self.min_world_size, self.min_world_size_timeout, self.poll_interval)
 
     def begin(self) -> Generator[Op, Any, Step | None]:
         """Phases 1-2 of an attempt: membership and sync; then the gradients are zeroed.

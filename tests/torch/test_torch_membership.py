@@ -13,7 +13,8 @@ from pccl.torch._train import TrainCore
 
 
 def test_a_pending_query_lost_with_the_master_is_asked_again() -> None:
-    core = SimpleNamespace(just_joined=False, min_world_size=2, poll_interval=0.1, rank=0, world_size=1)
+    core = SimpleNamespace(just_joined=False, min_world_size=2, min_world_size_timeout=None,
+                           poll_interval=0.1, rank=0, world_size=1)
     gen = TrainCore.membership(core)  # type: ignore[arg-type]
     assert isinstance(next(gen), PeersPending)
     lost = RankConnectionLostError("lost the master; reconnecting: retry")
