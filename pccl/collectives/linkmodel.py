@@ -177,6 +177,14 @@ def chain_time(lm: LinkModel, edges: Sequence[tuple[int, int]]) -> tuple[float, 
     return max(lm.alpha(i, j) for i, j in edges), max(1.0 / lm.beta(i, j) for i, j in edges)
 
 
+def pipelined_chain_cost(lm: LinkModel, n: int, first: int, s: float, block_bytes: int) -> float:
+    """Time of ``s`` bytes pipelined in blocks of ``block_bytes`` down the chain of ``n`` ranks
+    ``first -> first+1 -> ... `` (mod n): n - 1 hops paid once, then the blocks at the slowest edge's rate."""
+    a, spb = chain_time(lm, [((first + k) % n, (first + k + 1) % n) for k in range(n - 1)])
+    k = min(s, float(block_bytes))
+    return (n - 1) * a + (n - 2) * k * spb + s * spb
+
+
 def hd_time(n: int, s: float, lm: LinkModel, vsize: Sequence[float], *, halving: bool, doubling: bool,
             back: float) -> float:
     """Halving-doubling over ``n`` ranks: the fold (``s`` bytes from each extra rank), ``halving``

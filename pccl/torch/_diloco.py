@@ -26,9 +26,9 @@ from ._ops import (
     AllReduce,
     Op,
     StartAllReduce,
-    Sync,
     WaitAllReduce,
     is_result,
+    sync_until_done,
     wait_for_members,
 )
 from ._train import Backward, Step, StepResult
@@ -120,13 +120,7 @@ class DiLoCoCore:
         if self.first_sync and self.joined:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
         self.first_sync = False
-        while True:
-            try:
-                info = yield Sync(self.shared.state)
-                break
-            except Exception as exc:
-                if not is_result(exc, "RANK_CONNECTION_LOST"):
-                    raise
+        info = yield from sync_until_done(self.shared.state)
         self.syncs += 1
         self.unreported_rx += info.rx_bytes
 

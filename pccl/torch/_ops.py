@@ -31,6 +31,7 @@ __all__ = [
     "drive",
     "drive_async",
     "is_result",
+    "sync_until_done",
     "wait_for_members",
 ]
 
@@ -161,6 +162,18 @@ def wait_for_members(
                 f"waited {waited:g} s for {min_world_size} peers; the group has {world_size}")
         yield Sleep(poll_interval, min_world_size)
         waited += poll_interval
+
+
+def sync_until_done(state: Any) -> Generator[Op, Any, Any]:
+    """Sync ``state`` with the group, again after each peer lost during the sync (RANK_CONNECTION_LOST:
+    the group re-forms and the same revision is synced again); any other error propagates. Returns the
+    sync's info."""
+    while True:
+        try:
+            return (yield Sync(state))
+        except Exception as exc:
+            if not is_result(exc, "RANK_CONNECTION_LOST"):
+                raise
 
 
 def drive(gen: Generator[Op, Any, T], execute: Callable[[Op], Any]) -> T:

@@ -43,9 +43,9 @@ from ._ops import (
     Members,
     Op,
     StartAllReduce,
-    Sync,
     WaitAllReduce,
     is_result,
+    sync_until_done,
     wait_for_members,
 )
 from ._train import Backward, Step, StepResult
@@ -179,13 +179,7 @@ class StreamingCore:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
         elif not self.fresh:
             self.shared.revision += 1  # each sync advances the revision by one
-        while True:
-            try:
-                info = yield Sync(self.shared.state)
-                break
-            except Exception as exc:
-                if not is_result(exc, "RANK_CONNECTION_LOST"):
-                    raise
+        info = yield from sync_until_done(self.shared.state)
         self.syncs += 1
         self.unreported_rx += info.rx_bytes
         if self.total_outer_steps is not None and self.cycle >= self.total_outer_steps:

@@ -7,7 +7,7 @@ nothing to halve in a broadcast: a request for it runs the tree.
 
 from __future__ import annotations
 
-from ..linkmodel import LinkModel, chain_time, tree_down, tree_steady
+from ..linkmodel import LinkModel, pipelined_chain_cost, tree_down, tree_steady
 from ..plan import SRC_OUT, SRC_SEND, Builder, Plan, RecvFrame, SendFrame, block_ranges, finish, tree_bcast
 from .base import Kind, root_rows
 
@@ -45,9 +45,7 @@ class Broadcast(Kind):
 
     def ring_cost(self, n: int, s: float, lm: LinkModel, block_bytes: int, root: int) -> float:
         # a chain from root, pipelined in blocks; the chain does not use the edge into root
-        a, spb = chain_time(lm, [((root + k) % n, (root + k + 1) % n) for k in range(n - 1)])
-        k = min(s, float(block_bytes))
-        return (n - 1) * a + (n - 2) * k * spb + s * spb
+        return pipelined_chain_cost(lm, n, root, s, block_bytes)
 
     def tree_cost(self, n: int, s: float, lm: LinkModel, block_bytes: int, root: int) -> float:
         def rank(v: int) -> int:

@@ -9,7 +9,7 @@ Halving-doubling has no plan for a reduce to one rank: a request for it runs the
 
 from __future__ import annotations
 
-from ..linkmodel import LinkModel, chain_time, tree_steady, tree_up
+from ..linkmodel import LinkModel, pipelined_chain_cost, tree_steady, tree_up
 from ..plan import SRC_OUT, SRC_SEND, Builder, Plan, RecvFrame, SendFrame, block_ranges, finish, tree_reduce
 from .base import Kind, root_rows
 
@@ -45,9 +45,7 @@ class Reduce(Kind):
 
     def ring_cost(self, n: int, s: float, lm: LinkModel, block_bytes: int, root: int) -> float:
         # the chain root+1 -> ... -> root, pipelined in blocks (the edge out of root is not used)
-        a, spb = chain_time(lm, [((root + 1 + k) % n, (root + 2 + k) % n) for k in range(n - 1)])
-        k = min(s, float(block_bytes))
-        return (n - 1) * a + (n - 2) * k * spb + s * spb
+        return pipelined_chain_cost(lm, n, root + 1, s, block_bytes)
 
     def tree_cost(self, n: int, s: float, lm: LinkModel, block_bytes: int, root: int) -> float:
         def rank(v: int) -> int:
