@@ -18,11 +18,8 @@ Vote rules (docs/protocol.md sections 2-6):
 
 from __future__ import annotations
 
-import bisect
-import enum
 import math
 import secrets
-from collections import deque
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,6 +42,9 @@ from .effects import Send as Send
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .lost import LostBook
+from .membership import Membership
+from .membership import PeerRecord as PeerRecord
+from .membership import Phase as Phase
 from .ops_in_doubt import Decision, DoubtBook, Key
 from .reported import ReportedRings
 from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
@@ -55,45 +55,6 @@ from .votes import PendingRound, unanimous
 #: Which open vote: ``("pending", None)``, ``("topology", None)``, ``("op", (group, tag))``,
 #: ``("sync", group)``.
 VoteKey = tuple[str, tuple[int, int] | int | None]
-
-
-class Phase(enum.Enum):
-    """Lifecycle of a peer as the master sees it."""
-
-    CONNECTED = "connected"  # hello done, not registered yet
-    REGISTERED = "registered"  # waiting to be accepted
-    ACCEPTED = "accepted"
-
-
-@dataclass
-class PeerRecord:
-    """What the master knows about one peer."""
-
-    peer_id: int
-    host: str
-    phase: Phase = Phase.CONNECTED
-    p2p_port: int = 0
-    group: int = 0
-    public_key: bytes = b""  # its X25519 key for P2P credentials (b"": none)
-    last_seen: float = 0.0
-    # Recent gaps between consecutive messages (heartbeats included): how irregular this peer's
-    # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
-    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
-    # The collective votes it has cast that may still be open, by (group, tag); pruned lazily against
-    # the votes themselves (MasterState._over_vote_cap), so it may hold keys of votes closed since.
-    open_votes: set[tuple[int, int]] = field(default_factory=set)
-    # When an admission vote accepted it as a newcomer; None once it took part in a collective or a
-    # shared-state sync (or for a member taken back or accepted alone): MasterState.admission_overdue.
-    admitted: float | None = None
-
-    def row(self) -> m.PeerRow:
-        return m.PeerRow(self.peer_id, self.host, self.p2p_port, self.group)
-
-    def straggler_limit(self, minimum: float, cap: float) -> float:
-        """Silence tolerated while others wait on this peer: ``minimum``, or twice the longest
-        recent gap between its messages if that is longer, never more than ``cap``."""
-        longest = max(self.gaps, default=0.0)
-        return min(cap, max(minimum, 2.0 * longest))
 
 
 @dataclass
@@ -238,10 +199,6 @@ _TOPOLOGY_KEY = ("topology", -1, -1)
 _SEQ_SHIFT = 24
 
 
-def _is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("::1", "localhost")
-
-
 def _frozen_clock() -> float:
     """The default solver clock: never advances (see MasterState's ``clock``)."""
     return 0.0
@@ -310,15 +267,8 @@ class MasterState:
     ) -> None:
         if quorum not in ("auto", "on", "off"):
             raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
-        self.peers: dict[int, PeerRecord] = {}
-        self._group_sizes: dict[int, int] | None = None  # accepted peers per group; None: recount
-        self._ring: list[int] = []
-        # The list the ring was last sorted by (None: not known to be sorted), and that list's index.
-        self._ring_sorted_by: list[int] | None = None
-        self._ring_order: tuple[list[int] | None, dict[int, int]] = (None, {})
-        self.ring = []  # accepted peers, ring order
-        self._next_peer_id = 1
-        self._loopback: bool | None = None
+        self.members = Membership()  # the peer table and the ring (pccl/master/membership.py)
+        self.peers = self.members.peers
         self.epoch = 0
         self._topology: _TopologyRound | None = None
         self._pending = PendingRound()  # the are_peers_pending vote (pccl/master/votes.py)
@@ -416,64 +366,35 @@ class MasterState:
 
     @property
     def ring(self) -> list[int]:
-        """Accepted peers in ring order. Change it by assigning a new list, never in place: the
-        per-group counts that keep every vote O(1) per message are recounted on assignment."""
-        return self._ring
+        """Accepted peers in ring order (:attr:`Membership.ring`). Change it by assigning a new list,
+        never in place: the per-group counts that keep every vote O(1) per message are recounted on
+        assignment."""
+        return self.members.ring
 
     @ring.setter
     def ring(self, value: list[int]) -> None:
-        self._ring = value
-        self._group_sizes = None
+        self.members.ring = value
         self._base_held = None
-        self._ring_sorted_by = None
-
-    def _take_into_ring(self, peer_id: int, order_of: list[int]) -> None:
-        """Add ``peer_id`` to the ring, kept in ``order_of``'s order (ids it does not name after those it
-        does, ascending). While the ring stays sorted by the same list (every return of a rebuild,
-        ordered by its expected ring), an insertion: O(log n) comparisons and a copy, not a sort."""
-        if self._ring_order[0] is not order_of:
-            self._ring_order = (order_of, {p: i for i, p in enumerate(order_of)})
-        order = self._ring_order[1]
-        last = len(order)
-
-        def place(p: int) -> tuple[int, int]:
-            return (order.get(p, last), p)
-
-        if self._ring_sorted_by is order_of:
-            ring = list(self._ring)
-            bisect.insort(ring, peer_id, key=place)
-        else:
-            ring = sorted([*self._ring, peer_id], key=place)
-        self.ring = ring
-        self._ring_sorted_by = order_of
 
     def _group_size(self, group: int) -> int:
         """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
-        return self._sizes_by_group().get(group, 0)
+        return self.members.group_size(group)
 
     def _sizes_by_group(self) -> dict[int, int]:
         """Accepted peers per group (cached until the ring changes)."""
-        if self._group_sizes is None:
-            sizes: dict[int, int] = {}
-            for p in self._ring:
-                g = self.peers[p].group
-                sizes[g] = sizes.get(g, 0) + 1
-            self._group_sizes = sizes
-        return self._group_sizes
+        return self.members.sizes_by_group()
 
     def accepted(self, group: int | None = None) -> list[int]:
         """Accepted peers in ring order (optionally of one group)."""
-        if group is None:
-            return list(self.ring)
-        return [p for p in self.ring if self.peers[p].group == group]
+        return self.members.accepted(group)
 
     def registered(self) -> list[int]:
         """Peers waiting to be accepted, in arrival order."""
-        return [p.peer_id for p in self.peers.values() if p.phase is Phase.REGISTERED]
+        return self.members.registered()
 
     def table(self, ids: list[int]) -> list[m.PeerRow]:
         """Peer-table rows for ``ids`` (in that order)."""
-        return [self.peers[p].row() for p in ids]
+        return self.members.table(ids)
 
     def statistics(self) -> dict[str, Any]:
         """A summary of the master state (tests assert on it)."""
@@ -524,14 +445,7 @@ class MasterState:
                 Granted when no connected peer holds it; otherwise a fresh id is assigned (and the
                 ``Reregister`` that follows is refused).
         """
-        if claim > 0 and claim not in self.peers:
-            pid = claim
-            self._next_peer_id = max(self._next_peer_id, claim + 1)
-        else:
-            pid = self._next_peer_id
-            self._next_peer_id += 1
-        self.peers[pid] = PeerRecord(peer_id=pid, host=host, last_seen=now)
-        return pid
+        return self.members.new_connection(host, now, claim)
 
     @property
     def enforced(self) -> bool:
@@ -545,7 +459,7 @@ class MasterState:
         if not self._base:
             return True
         if self._base_held is None:  # counted once per ring or base change, not per vote
-            self._base_held = len(set(self._ring) & set(self._base))
+            self._base_held = len(set(self.ring) & set(self._base))
         return 2 * self._base_held > len(self._base)
 
     @property
@@ -1371,17 +1285,9 @@ class MasterState:
         bad_key = check_public_key(msg.public_key)
         if bad_key is not None:
             return self.kick(rec.peer_id, f"invalid Register: {bad_key}")
-        loop = _is_loopback(rec.host)
-        if self._loopback is None:
-            self._loopback = loop
-        elif loop != self._loopback:
-            kinds = ("loopback", "non-loopback")
-            this, run = (kinds[0], kinds[1]) if loop else (kinds[1], kinds[0])
-            return self.kick(
-                rec.peer_id,
-                f"this peer connects via {this} ({rec.host}) but the run's peers connect via {run}; "
-                "their addresses would be unreachable for each other - connect to the master the same way",
-            )
+        mismatch = self.members.address_mismatch(rec.host)
+        if mismatch is not None:
+            return self.kick(rec.peer_id, mismatch)
         rec.phase = Phase.REGISTERED
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
@@ -1646,9 +1552,9 @@ class MasterState:
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
         rec.public_key = msg.public_key
-        if self._loopback is None:
-            self._loopback = _is_loopback(rec.host)
-        self._take_into_ring(rec.peer_id, rb.expected if rb is not None else msg.ring)
+        self.members.note_address(rec.host)
+        self.members.take_into_ring(rec.peer_id, rb.expected if rb is not None else msg.ring)
+        self._base_held = None
         back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch,
                               token=self.tokens.issue(self.generation, rec.peer_id))
         effects.append(Send(rec.peer_id, back))
