@@ -46,6 +46,7 @@ from .membership import Membership
 from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
 from .ops_in_doubt import Decision, DoubtBook, Key
+from .quorum import Quorum
 from .reported import ReportedRings
 from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
 from .tokens import MemberTokens
@@ -265,8 +266,6 @@ class MasterState:
         tokens: MemberTokens | None = None,
         max_open_votes: int | None = None,
     ) -> None:
-        if quorum not in ("auto", "on", "off"):
-            raise ValueError(f"quorum must be 'auto', 'on' or 'off', not {quorum!r}")
         self.members = Membership()  # the peer table and the ring (pccl/master/membership.py)
         self.peers = self.members.peers
         self.epoch = 0
@@ -351,15 +350,7 @@ class MasterState:
         # since when the master is held (no quorum; None: it is not); the generation of a run this
         # master gave up for lack of a quorum (its members are refused from then on); and the peers
         # accepted alone at a master that held no run (they yield to re-registering members).
-        self.quorum_mode = quorum
-        self.failover = False
-        self._base: list[int] = []
-        self._base_held: int | None = None  # how many of ``base`` are in the ring; None: recount
-        self._held_since: float | None = None
-        self._dismissed_generation: int | None = None
-        self._fresh = True
-        self._provisional: set[int] = set()
-        self._yielding = False
+        self.quorum = Quorum(quorum)  # the live quorum rule and its hold (pccl/master/quorum.py)
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -374,7 +365,6 @@ class MasterState:
     @ring.setter
     def ring(self, value: list[int]) -> None:
         self.members.ring = value
-        self._base_held = None
 
     def _group_size(self, group: int) -> int:
         """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
@@ -451,26 +441,21 @@ class MasterState:
     def enforced(self) -> bool:
         """Whether the live quorum rule applies: ``quorum="on"``, or ``"auto"`` once a peer said it can
         fail over to another master (:class:`~pccl.wire.messages.Standbys`)."""
-        return self.quorum_mode == "on" or (self.quorum_mode == "auto" and self.failover)
+        return self.quorum.enforced
 
     @property
     def quorate(self) -> bool:
         """Whether the accepted peers this master holds are more than half of the epoch's members."""
-        if not self._base:
-            return True
-        if self._base_held is None:  # counted once per ring or base change, not per vote
-            self._base_held = len(set(self.ring) & set(self._base))
-        return 2 * self._base_held > len(self._base)
+        return self.quorum.quorate(self.ring)
 
     @property
     def base(self) -> list[int]:
         """The current epoch's members (ring order), whom the quorum rule counts. Assign a new list."""
-        return self._base
+        return self.quorum.base
 
     @base.setter
     def base(self, value: list[int]) -> None:
-        self._base = value
-        self._base_held = None
+        self.quorum.base = value
 
     @property
     def resumed(self) -> bool:
@@ -484,29 +469,21 @@ class MasterState:
     @property
     def _quorum_ok(self) -> bool:
         """The quorum part of :attr:`resumed` (what the hold clock of :meth:`_note_quorum` follows)."""
-        return self.rebuild is None and (not self.enforced or self.quorate)
+        return self.quorum.ok(self.ring, self.rebuild is not None)
 
     def _note_quorum(self) -> list[Effect]:
         """Start or end the hold after a membership change: a master that became held starts its
         hold clock; one that is no longer held re-checks every pending vote."""
-        held = not self._quorum_ok
-        if held and self._held_since is None:
-            self._held_since = self._now
-            if self.rebuild is None:
-                have = sum(1 for p in self.base if p in self.ring)
-                return [Event(f"no quorum: {have} of the epoch's {len(self.base)} member(s) held; "
-                              "votes wait for members to come back")]
-            return []
-        if not held and self._held_since is not None:
-            self._held_since = None
-            return self._recheck_votes()
-        return []
+        change = self.quorum.note(not self._quorum_ok, self._now)
+        if change == "held" and self.rebuild is None:
+            have = self.quorum.held_count(self.ring)
+            return [Event(f"no quorum: {have} of the epoch's {len(self.base)} member(s) held; "
+                          "votes wait for members to come back")]
+        return self._recheck_votes() if change == "resumed" else []
 
     def hold_deadline(self, timeout: float) -> float | None:
         """When the current hold (no quorum) runs out of time (None: not held)."""
-        if self._held_since is None:
-            return None
-        return self._held_since + timeout
+        return self.quorum.deadline(timeout)
 
     def hold_overdue(self, now: float, timeout: float) -> list[Effect]:
         """Give the run up when the master has been held (no quorum) for more than ``timeout``
@@ -524,19 +501,16 @@ class MasterState:
             The effects to execute (nothing before the deadline or when not held).
         """
         self._now = now
-        if self._held_since is None or now <= self._held_since + timeout:
+        if not self.quorum.overdue(now, timeout):
             return []
-        have = sum(1 for p in self.base if p in self.ring)
+        have = self.quorum.held_count(self.ring)
         reason = (f"no quorum: this master (generation {self.generation}) held only {have} of the epoch's "
                   f"{len(self.base)} member(s) for {timeout:g}s; look for a newer master")
         effects: list[Effect] = [Event(f"giving the run up: {reason}")]
         for pid in list(self.peers):
             effects += self.kick(pid, reason, Result.MASTER_CONNECTION_FAILED)
         self.rebuild = None
-        self.base = []
-        self._held_since = None
-        self._dismissed_generation = self.generation
-        self._fresh = True
+        self.quorum.give_up(self.generation)
         return effects
 
     def doubt_deadline(self, timeout: float) -> float | None:
@@ -1229,7 +1203,7 @@ class MasterState:
             effects += self._op_peer_lost(key, peer_id)
         for group in list(self._syncs):
             effects += self._sync_peer_lost(group, peer_id)
-        self._provisional.discard(peer_id)
+        self.quorum.provisional.discard(peer_id)
         if was_accepted:
             effects += self._note_quorum()
         if was_accepted and not self.ring:
@@ -1353,17 +1327,17 @@ class MasterState:
     def _yield_to_members(self, msg: m.Reregister) -> list[Effect]:
         """Rule 0, newcomer-first: the newcomers accepted alone at a master that held no run yield."""
         effects: list[Effect] = []
-        if self.ring and self.rebuild is None and set(self.ring) <= self._provisional:
+        if self.ring and self.rebuild is None and self.quorum.only_provisional(self.ring):
             # Newcomer-first at a master that held no run: the run's members win over the lone
             # newcomer accepted meanwhile, which must join again (docs/concepts.md rule 0). Its id
             # (a fresh master counts from 1 again) may be the one this member claims: then the
             # claim below fails once, and the member's next attempt gets it.
-            self._yielding = True  # no other newcomer is accepted alone meanwhile
-            for p in sorted(self._provisional):
+            self.quorum.yielding = True  # no other newcomer is accepted alone meanwhile
+            for p in sorted(self.quorum.provisional):
                 effects += self.kick(p, f"member {msg.peer_id} of the run this master serves re-registered: "
                                         "join again as a newcomer", Result.KICKED)
-            self._yielding = False
-            self._provisional.clear()
+            self.quorum.yielding = False
+            self.quorum.provisional.clear()
         return effects
 
     def _refuse_claim(
@@ -1379,11 +1353,11 @@ class MasterState:
         bad_key = check_public_key(msg.public_key)
         if bad_key is not None:
             return self.kick(rec.peer_id, f"invalid Reregister: {bad_key}")
-        if (not self.ring and self.rebuild is None and self._dismissed_generation is not None
-                and msg.generation <= self._dismissed_generation):
+        if (not self.ring and self.rebuild is None and self.quorum.dismissed_generation is not None
+                and msg.generation <= self.quorum.dismissed_generation):
             return self.kick(
-                rec.peer_id, f"this master gave the run of generation {self._dismissed_generation} up for "
-                             "lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
+                rec.peer_id, f"this master gave the run of generation {self.quorum.dismissed_generation} up "
+                             "for lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
         return None
 
     def _generation_rule(
@@ -1437,7 +1411,8 @@ class MasterState:
         at = reported_epoch(msg)
         # (A master that lost every member's link while it lived is not a restarted one: a member it
         # dropped that followed it last is taken back by the live rules, no rebuild.)
-        own = not self._fresh and msg.generation == self.generation and self.doubts.was_dropped(msg.peer_id)
+        own = (not self.quorum.fresh and msg.generation == self.generation
+               and self.doubts.was_dropped(msg.peer_id))
         if not self.ring and self.rebuild is None and self._topology is None and not own:
             self.generation = max(self.generation, msg.generation + 1)
             self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
@@ -1448,9 +1423,7 @@ class MasterState:
             self._rings = ReportedRings()
             self.rounds = RoundBook()
             self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
-            self.base = list(msg.ring)
-            self._fresh = False
-            self._held_since = self._now
+            self.quorum.start_rebuild(msg.ring, self._now)
             effects.append(Event(f"rebuilding the run from re-registrations: epoch {at}, "
                                  f"{len(msg.ring)} member(s), generation {self.generation}"))
         rb = self.rebuild
@@ -1554,7 +1527,6 @@ class MasterState:
         rec.public_key = msg.public_key
         self.members.note_address(rec.host)
         self.members.take_into_ring(rec.peer_id, rb.expected if rb is not None else msg.ring)
-        self._base_held = None
         back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch,
                               token=self.tokens.issue(self.generation, rec.peer_id))
         effects.append(Send(rec.peer_id, back))
@@ -1632,7 +1604,7 @@ class MasterState:
         # run from (a member back late); the rules below decide as before (a newer generation than
         # this master's: they refuse it as stale, changing nothing). Otherwise refused with the
         # retryable code, as a stale or foreign master refuses it: a standby may hold the peer's run.
-        if (self.rebuild is not None or not self.ring or set(self.ring) <= self._provisional
+        if (self.rebuild is not None or not self.ring or self.quorum.only_provisional(self.ring)
                 or msg.generation in self._adopted or msg.generation > self.generation):
             return None
         return ("Reregister without a member token of this master (no shared secret to verify another "
@@ -1751,9 +1723,9 @@ class MasterState:
     def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
         assert isinstance(msg, m.Standbys)
-        if msg.count <= 0 or self.failover:
+        if msg.count <= 0 or self.quorum.failover:
             return []
-        self.failover = True
+        self.quorum.failover = True
         effects: list[Effect] = []
         if self.enforced:
             effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
@@ -1797,7 +1769,7 @@ class MasterState:
     def _accept_first_if_alone(self) -> list[Effect]:
         """With no accepted peer, the earliest registered one is accepted at once (world size 1);
         never while rebuilding (the run's members are coming back)."""
-        if self.ring or self._topology is not None or not self.resumed or self._yielding:
+        if self.ring or self._topology is not None or not self.resumed or self.quorum.yielding:
             return []
         waiting = self.registered()
         if not waiting:
@@ -1805,9 +1777,7 @@ class MasterState:
         pid = waiting[0]
         self.peers[pid].phase = Phase.ACCEPTED
         self.ring = [pid]
-        self.base = [pid]
-        if self._fresh:
-            self._provisional = {pid}
+        self.quorum.alone(pid)
         self.epoch += 1
         # No P2P credentials: alone, it connects to nobody and nobody connects to it; the next topology
         # round issues them.
@@ -2001,8 +1971,8 @@ class MasterState:
             self.doubts.progressed(group)
         self.ring = list(rnd.members)
         self.base = list(self.ring)
-        self._fresh = False
-        self._provisional.clear()
+        self.quorum.fresh = False
+        self.quorum.provisional.clear()
         table = self.table(self.ring)
         # One Accepted and one TopologyResult object for all (SHARED: each encoded once).
         accepted = m.Accepted(peers=table, epoch=rnd.epoch)
