@@ -39,6 +39,7 @@ from .effects import Event as Event
 from .effects import FastStart as FastStart
 from .effects import Kick as Kick
 from .effects import Send as Send
+from .handout import CredentialHandout
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .lost import LostBook
@@ -339,6 +340,7 @@ class MasterState:
         # new row, batched over ``credentials_delay`` (pccl/master/issued.py).
         self._issued = IssuedSet(CredentialIssuer(credential_root or secrets.token_bytes(32)),
                                  delay=credentials_delay)
+        self.credentials = CredentialHandout(self._issued, self.members)  # pccl/master/handout.py
         # Re-registration only with proof of membership (docs/security.md "Re-registration").
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
         self._adopted: set[int] = set()  # generations of other masters this one rebuilt a run from
@@ -628,9 +630,7 @@ class MasterState:
     def _reissue(self) -> list[Effect]:
         """The epoch changed outside a topology round: a new credential set of this (generation, epoch)
         for every accepted member (the members back later get it at their return)."""
-        full = self._issued.issue(self.generation, self.epoch,
-                                  ((p, self.peers[p].public_key) for p in self.ring))
-        return [Send(p, full) for p in self.ring]
+        return self.credentials.reissue(self.generation, self.epoch)
 
     def _counted_pending(self) -> int:
         """are_peers_pending rounds completed at the members' epoch (members count them alike)."""
@@ -1531,7 +1531,7 @@ class MasterState:
                               token=self.tokens.issue(self.generation, rec.peer_id))
         effects.append(Send(rec.peer_id, back))
         # After Reregistered (the peer reads that one itself): this master's set of the epoch.
-        effects += self._issue_on_return(rec.peer_id)
+        effects += self.credentials.on_return(rec.peer_id, self.generation, self.epoch, self._now)
         effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
                              f"(group {msg.peer_group}){_reregister_report(msg)}"))
         if rb is not None or self._rings:
@@ -1672,53 +1672,21 @@ class MasterState:
             rounds[_TOPOLOGY_KEY] = self._round_state(_TOPOLOGY_KEY)
         return rounds
 
-    def _issue_on_return(self, peer_id: int) -> list[Effect]:
-        """The P2P credentials after ``peer_id``'s ``Reregistered``, O(n).
-
-        A set of this (generation, epoch) already issued: ``peer_id`` gets it, with every accepted member's
-        row, and the members holding it get the rows it lacked (``peer_id``'s, as one shared message), so
-        connections between members work whoever returned first. Otherwise (a restarted master's first
-        member back, or the rebuild moved to a newer epoch) every accepted member gets a new set.
-        """
-        if self._issued.serial != (self.generation, self.epoch):
-            full = self._issued.issue(self.generation, self.epoch,
-                                      ((p, self.peers[p].public_key) for p in self.ring))
-            return [Send(p, full) for p in self.ring]
-        # Within one serial the ring grows only by re-registrations (a topology round or a new epoch
-        # issues a new set), so the rows of the members back since are the only ones holders lack.
-        mine, owed = self._issued.take_back(peer_id, self.peers[peer_id].public_key, self._now)
-        effects: list[Effect] = [Send(peer_id, mine)]
-        if owed and self._issued.delay <= 0:
-            effects += self._pay_rows()
-        return effects  # (batched: paid by _rows_due, by the delay at the latest)
-
     def _rows_due(self) -> list[Effect]:
-        """The owed credential rows, if the master is not held. They are batched only while it is
-        (rebuilding, its roll call: no vote completes, so no P2P connection is due); once votes
-        complete, every member must hold them before a vote sends it to work with the others. Paid
+        """The owed credential rows, if the master is not held (:meth:`CredentialHandout.due`). Paid
         after every message (:meth:`handle`) and when the votes resume on a timer
         (:meth:`_recheck_votes`)."""
-        return self._pay_rows() if self._issued.owed and self.resumed else []
-
-    def _pay_rows(self) -> list[Effect]:
-        """The owed rows of the set issued last, one message for every member holding it."""
-        paid = self._issued.pay()
-        if paid is None:
-            return []
-        rows, last = paid
-        return [Send(p, rows) for p in self._issued.members() if p != last and p in self.peers
-                and self.peers[p].phase is not Phase.CONNECTED]
+        return self.credentials.due(self.resumed)
 
     def credentials_deadline(self) -> float | None:
         """When the rows of members taken back must go to the members holding the set (None: none is
         owed); :meth:`credentials_overdue` then sends them (``credentials_delay``)."""
-        return self._issued.deadline()
+        return self.credentials.deadline()
 
     def credentials_overdue(self, now: float) -> list[Effect]:
-        """The rows owed the holders of the set issued last, once their delay ran out by ``now``: one
-        message for each holder with the rows of every member taken back since the last one."""
+        """The rows owed the holders of the set issued last, once their delay ran out by ``now``."""
         self._now = now
-        return self._pay_rows() if self._issued.due(now) else []
+        return self.credentials.overdue(now)
 
     def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
