@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pccl.master.effects import Send
 from pccl.master.handout import CredentialHandout
 from pccl.master.issued import IssuedSet
@@ -22,7 +24,7 @@ def _handout(n: int, delay: float = 0.0) -> CredentialHandout:
     return CredentialHandout(IssuedSet(CredentialIssuer(bytes(32)), delay=delay), ms)
 
 
-def _sent(effects: list[object]) -> dict[int, m.P2PCredentials]:
+def _sent(effects: Sequence[object]) -> dict[int, m.P2PCredentials]:
     out: dict[int, m.P2PCredentials] = {}
     for e in effects:
         assert isinstance(e, Send) and isinstance(e.message, m.P2PCredentials)
