@@ -48,8 +48,9 @@ from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
 from .ops_in_doubt import Decision, DoubtBook, Key
 from .quorum import Quorum
+from .rejoin import Rebuild, Rejoin
 from .reported import ReportedRings
-from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
+from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision
 from .tokens import MemberTokens
 from .transfers import SyncProgress
 from .votes import PendingRound, unanimous
@@ -159,37 +160,6 @@ class _SyncRound:
     progress: SyncProgress | None = None  # the receivers' reports while it runs (issue 37 item 5)
 
 
-@dataclass
-class _Rebuild:
-    """A master rebuilding its run from re-registrations (docs/concepts.md "Surviving the master").
-
-    ``expected``: the last epoch's members (the ring of the re-registration with the highest epoch);
-    ``returned``: those that re-registered. Collectives, syncs and votes resume once a majority of
-    ``expected`` returned (:attr:`quorum`).
-    """
-
-    epoch: int
-    expected: list[int]
-    returned: set[int] = field(default_factory=set)
-    generations: dict[int, int] = field(default_factory=dict)  # the generation each returned one followed
-    epochs: dict[int, int] = field(default_factory=dict)  # the epoch each returned one reported
-    _members: tuple[list[int], frozenset[int]] | None = field(default=None, repr=False, compare=False)
-
-    def expected_set(self) -> frozenset[int]:
-        """``expected`` as a set, made again only when ``expected`` is replaced (not per return)."""
-        got = self._members
-        if got is None or got[0] is not self.expected:
-            got = self._members = (self.expected, frozenset(self.expected))
-        return got[1]
-
-    @property
-    def quorum(self) -> int:
-        """How many of ``expected`` must return: more than half."""
-        return len(self.expected) // 2 + 1
-
-    @property
-    def reached(self) -> bool:
-        return len(self.returned & self.expected_set()) >= self.quorum
 
 
 #: The key of the (ring-wide) topology round in :class:`~pccl.master.away.AwayBook`.
@@ -207,16 +177,6 @@ def _frozen_clock() -> float:
 
 
 
-def _reregister_report(msg: m.Reregister) -> str:
-    """What a re-registration says about operations across the master's loss, for the log line."""
-    parts = [f"{name} {val}" for name, val in (
-        ("in doubt", [r[:2] for r in msg.ops_in_doubt]), ("abandoned", msg.ops_abandoned),
-        ("committed", msg.ops_committed)) if val]
-    if msg.sync_in_doubt:
-        parts.append(f"sync in doubt {msg.sync_in_doubt[:1]}")
-    if msg.sync_abandoned != -1:
-        parts.append(f"sync abandoned {msg.sync_abandoned}")
-    return f": ops {'; '.join(parts)}" if parts else ""
 
 class MasterState:
     """Pure master state machine.
@@ -304,7 +264,7 @@ class MasterState:
         # Surviving the master (docs/concepts.md): this master's generation (fencing number) and the
         # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
         self.generation = 1
-        self.rebuild: _Rebuild | None = None
+        self.rebuild: Rebuild | None = None
         # Operations in doubt across a master's loss (pccl/master/ops_in_doubt.py): every vote waits while
         # one is undecided.
         self.doubts = DoubtBook()
@@ -327,7 +287,7 @@ class MasterState:
         # the last counted round after the run completed an operation since is behind (_behind_pending).
         self._pending_mark = 0
         # At a rebuilt master: the ring each member reported when it re-registered (who its group
-        # still lists; see _on_reregister).
+        # still lists; see Rejoin.on_reregister).
         self._rings = ReportedRings()
         # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
         # back yet once a majority returned (0: resume at the majority).
@@ -343,7 +303,7 @@ class MasterState:
         self.credentials = CredentialHandout(self._issued, self.members)  # pccl/master/handout.py
         # Re-registration only with proof of membership (docs/security.md "Re-registration").
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
-        self._adopted: set[int] = set()  # generations of other masters this one rebuilt a run from
+        self.rejoin = Rejoin(self)  # re-registration and the rebuild (pccl/master/rejoin.py)
         # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
         self.max_open_votes = max_open_votes
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
@@ -1247,6 +1207,9 @@ class MasterState:
     def _on_heartbeat(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         return []
 
+    def _on_reregister(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.rejoin.on_reregister(rec, msg)
+
     # ---------------------------------------------------------------------------------------
     # membership
 
@@ -1275,306 +1238,12 @@ class MasterState:
             effects += self._accept_first_if_alone()
         return effects
 
-    def _on_reregister(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        """A member that lost its master comes back (docs/concepts.md "Surviving the master").
-
-        Rules, in order:
-
-        0. newcomer-first: a master whose only accepted peers are newcomers it accepted alone while
-           holding no run (and that have completed no topology round) kicks them (``KICKED``: join
-           again): the run's members win;
-        1. its connection must hold the id it claims (granted at the hello), which ``msg.ring`` names;
-        1b. a master that gave a run up for lack of a quorum (:meth:`hold_overdue`) and holds none
-           refuses members of that generation or an older one ("look for a newer master");
-        2. a peer that followed a newer generation than this master's refuses this master: kicked
-           (this master is stale; fencing);
-        3. a master with no members (restarted or standby) starts rebuilding: it adopts the epoch,
-           ring, revision and ``generation + 1`` the re-registration reports;
-        4. while rebuilding, a re-registration with a newer epoch replaces the expected ring;
-           one with the expected epoch is taken back; an older one is kicked;
-        5. a master not rebuilding takes a member back only when its epoch is the master's
-           (it was dropped for a lost connection, nothing moved on); otherwise it is kicked and
-           must join again as a newcomer;
-        6. taken back: accepted at once (no admission vote), ``Reregistered`` sent, and once a
-           majority of the expected members returned, the rebuild ends and every vote resumes.
-        """
-        assert isinstance(msg, m.Reregister)
-        if rec.phase is not Phase.CONNECTED:
-            return self.kick(rec.peer_id, "Reregister after Register")
-        unproven = self._unproven(msg)
-        if unproven is not None:
-            # Before anything else (the newcomer-first kicks, a rebuild): an outsider's claim changes
-            # nothing, and its refusal says nothing about the run (issue 33).
-            return self.kick(rec.peer_id, *unproven)
-        effects = self._yield_to_members(msg)  # rule 0
-        listed = frozenset(msg.ring)  # (once: a rebuild's n returns each carry the n-member ring)
-        refused = self._refuse_claim(rec, msg, listed)  # rules 1, 1b
-        if refused is not None:
-            return effects + refused
-        gen, refused = self._generation_rule(rec, msg, effects)  # rule 2
-        if refused is None:
-            refused = self._refuse_in_doubt(rec, msg)  # its report contradicts what was decided here
-        if refused is not None:
-            return effects + refused
-        at = self._rebuild_rule(msg, effects)  # rule 3: the epoch it is at
-        refused = self._epoch_rule(rec, msg, at, effects)  # rules 4, 5
-        if refused is None:
-            refused = self._dropped_while_away(rec, msg, listed, effects)
-        if refused is not None:
-            return effects + refused
-        return self._take_back(rec, msg, listed, gen, at, effects)  # rule 6
-
-    def _yield_to_members(self, msg: m.Reregister) -> list[Effect]:
-        """Rule 0, newcomer-first: the newcomers accepted alone at a master that held no run yield."""
-        effects: list[Effect] = []
-        if self.ring and self.rebuild is None and self.quorum.only_provisional(self.ring):
-            # Newcomer-first at a master that held no run: the run's members win over the lone
-            # newcomer accepted meanwhile, which must join again (docs/concepts.md rule 0). Its id
-            # (a fresh master counts from 1 again) may be the one this member claims: then the
-            # claim below fails once, and the member's next attempt gets it.
-            self.quorum.yielding = True  # no other newcomer is accepted alone meanwhile
-            for p in sorted(self.quorum.provisional):
-                effects += self.kick(p, f"member {msg.peer_id} of the run this master serves re-registered: "
-                                        "join again as a newcomer", Result.KICKED)
-            self.quorum.yielding = False
-            self.quorum.provisional.clear()
-        return effects
-
-    def _refuse_claim(
-        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int]
-    ) -> list[Effect] | None:
-        """Rules 1 and 1b: the claimed id, the port and key, a run given up (None: none applies)."""
-        if rec.peer_id != msg.peer_id or msg.peer_id not in listed:
-            why = (f"Reregister as peer {msg.peer_id}: that id is still held by a connected peer or was "
-                   "not claimed in the hello (retry later)")
-            return self.kick(rec.peer_id, why)
-        if not 0 < msg.p2p_port < 65536:
-            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
-        bad_key = check_public_key(msg.public_key)
-        if bad_key is not None:
-            return self.kick(rec.peer_id, f"invalid Reregister: {bad_key}")
-        if (not self.ring and self.rebuild is None and self.quorum.dismissed_generation is not None
-                and msg.generation <= self.quorum.dismissed_generation):
-            return self.kick(
-                rec.peer_id, f"this master gave the run of generation {self.quorum.dismissed_generation} up "
-                             "for lack of a quorum: look for a newer master", Result.MASTER_CONNECTION_FAILED)
-        return None
-
-    def _generation_rule(
-        self, rec: PeerRecord, msg: m.Reregister, effects: list[Effect]
-    ) -> tuple[int, list[Effect] | None]:
-        """Rule 2, fencing: the generation it counts as having followed, or its refusal (a newer
-        generation than the others' moves the rebuild on: ``effects`` gets those kicks)."""
-        rb0 = self.rebuild
-        gen = msg.generation
-        if rb0 is not None and rec.peer_id in rb0.generations:
-            # Back once already during this rebuild, and it left since: this report replaces that one.
-            # If this master took it back, the generation it reports is this master's own, not a newer
-            # master's: it counts as the one it had followed then.
-            before = rb0.generations.pop(rec.peer_id)
-            rb0.epochs.pop(rec.peer_id, None)
-            rb0.returned.discard(rec.peer_id)
-            if gen == self.generation:
-                gen = before
-        if rb0 is not None and rb0.generations and gen < max(rb0.generations.values()):
-            # It missed a master the others followed: the run went on there without it (final).
-            return gen, self.kick(rec.peer_id, f"this peer followed master generation {msg.generation}, "
-                                                    f"the run went on at generation "
-                                                    f"{max(rb0.generations.values())} without it: join again",
-                                       Result.KICKED)
-        if rb0 is not None and rb0.generations and gen > max(rb0.generations.values()):
-            # Rebuilding from members that had missed a newer master: this one followed it. Those
-            # were away while the run went on at the newer master: they must join again (final), and
-            # the rebuild goes on at a newer generation. (Either order of arrival ends the same way.)
-            effects += self._newer_generation(gen)
-        elif gen > self.generation and (self.ring or self.rebuild is not None):
-            return gen, self.kick(rec.peer_id, f"this master (generation {self.generation}) is older "
-                                                    f"than the peer's (generation {msg.generation})",
-                                       Result.MASTER_CONNECTION_FAILED)
-        return gen, None
-
-    def _refuse_in_doubt(self, rec: PeerRecord, msg: m.Reregister) -> list[Effect] | None:
-        """Its report of operations and rounds in doubt contradicts what this master decided."""
-        conflict = self.doubts.conflict(msg.peer_group, msg)
-        if conflict is not None:
-            return self.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
-        conflict = (self.rounds.conflict(msg) or self.doubts.behind(msg.peer_group, msg)
-                    or self._behind_pending(msg))
-        if conflict is not None:
-            return self.kick(rec.peer_id, conflict, Result.KICKED)
-        return None
-
-    def _rebuild_rule(self, msg: m.Reregister, effects: list[Effect]) -> int:
-        """Rule 3: a master with no members starts rebuilding from this report; the epoch it is at."""
-        # The epochs it may be at: its table's, up to that of a topology round it was in (in doubt, or
-        # failed by the loss after its EstablishP2P): docs/concepts.md "Rounds in doubt".
-        at = reported_epoch(msg)
-        # (A master that lost every member's link while it lived is not a restarted one: a member it
-        # dropped that followed it last is taken back by the live rules, no rebuild.)
-        own = (not self.quorum.fresh and msg.generation == self.generation
-               and self.doubts.was_dropped(msg.peer_id))
-        if not self.ring and self.rebuild is None and self._topology is None and not own:
-            self.generation = max(self.generation, msg.generation + 1)
-            self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
-            self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
-            self.doubts.own_from(self._op_seq, self._sync_seq)
-            at = self.epoch = msg.epoch
-            self.rebuild = _Rebuild(epoch=at, expected=list(msg.ring))
-            self._rings = ReportedRings()
-            self.rounds = RoundBook()
-            self.doubts.roll_call(list(msg.ring), set(), self._now, self.rebuild_grace)
-            self.quorum.start_rebuild(msg.ring, self._now)
-            effects.append(Event(f"rebuilding the run from re-registrations: epoch {at}, "
-                                 f"{len(msg.ring)} member(s), generation {self.generation}"))
+    def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
+                      effects: list[Effect]) -> m.Reregister:
+        """The are_peers_pending round member ``peer_id`` back reports (``effects`` gets what its vote
+        completes); the report as the rounds in doubt should read it (``was_dropped``: this live master
+        dropped it, its link broke)."""
         rb = self.rebuild
-        run_epoch = rb.epoch if rb is not None else self.epoch
-        if msg.epoch <= run_epoch <= at:
-            at = run_epoch  # the run's epoch is one it may be at: the round it was in decides the rest
-        elif at < run_epoch and msg.topology_abandoned >= 0 and self.rounds.round_above(at):
-            at = run_epoch  # it voted in the round in doubt (or aborted) but got no EstablishP2P
-        elif at > run_epoch and rb is None and self.rounds.is_open(at):
-            at = run_epoch  # it committed the round the members here wait on: its report decides it
-        return at
-
-    def _epoch_rule(
-        self, rec: PeerRecord, msg: m.Reregister, at: int, effects: list[Effect]
-    ) -> list[Effect] | None:
-        """Rules 4 (rebuilding: a newer epoch replaces the expected ring, an older one is refused) and 5
-        (live: only in the current epoch, and only when its group did not go on without it)."""
-        rb = self.rebuild
-        if rb is not None:
-            if at > rb.epoch:
-                rb.epoch = self.epoch = at
-                rb.expected = list(msg.ring)
-                # Those back with an older epoch that are not members of the newer one are refused as
-                # if they had come after it (the outcome must not depend on the order of arrival).
-                for p, e in sorted(rb.epochs.items()):
-                    if e < at and p not in rb.expected:
-                        rb.returned.discard(p)
-                        rb.generations.pop(p, None)
-                        self._rings.pop(p)
-                        del rb.epochs[p]
-                        why = "re-registered with an older epoch than the run's: join again"
-                        effects += self.kick(p, why, Result.KICKED)
-                self.doubts.roll_call(rb.expected, rb.returned, self._now, self.rebuild_grace)
-                self.base = list(msg.ring)
-            elif at < rb.epoch:
-                # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
-                why = "re-registered with an older epoch than the run's: join again"
-                return self.kick(rec.peer_id, why, Result.KICKED)
-        elif self._runs_without(msg.peer_id, msg.peer_group):
-            # An operation its group started after dropping it may still complete (then the group went
-            # on without it) or fail (then it is taken back): it tries again once that is decided.
-            return self.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
-                                                    "this peer: retry later", Result.MASTER_CONNECTION_FAILED)
-        elif at != self.epoch and set(self.ring) & set(msg.ring):
-            # KICKED (final): the run this master serves (members the peer knows) moved to another
-            # epoch without it. (A master now serving another run refuses it with the retryable code
-            # below: a standby may hold its run.)
-            return self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
-                                                    "join again", Result.KICKED)
-        elif at != self.epoch:
-            # (The refusals name no epoch of the run: issue 33.)
-            return self.kick(rec.peer_id, "re-registered with another epoch than the run's: "
-                                                    "join again", Result.MASTER_CONNECTION_FAILED)
-        elif self.doubts.moved_on(msg.peer_id, msg.peer_group, absent=not self.enforced):
-            # KICKED: final for the peer (it stops reconnecting), unlike the refusals above, which a
-            # standby of the right epoch may not share.
-            return self.kick(rec.peer_id, f"group {msg.peer_group} went on without this peer "
-                                                    "since it was dropped: join again", Result.KICKED)
-        return None
-
-    def _dropped_while_away(
-        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int], effects: list[Effect]
-    ) -> list[Effect] | None:
-        """A member its group no longer lists was dropped while away (either order of arrival)."""
-        rb = self.rebuild
-        if self._rings:
-            # A peer drops the dead of its own group from its table at every operation: one that a
-            # member of its group back here no longer lists was dropped from the group while it was
-            # away (the run went on without it). Refused in either order of arrival (KICKED: final).
-            # (Only a ring of the same or a later epoch counts: an older one may not know newer members.)
-            for p in self._rings.not_listing(rec.peer_id, msg.epoch):
-                if p in self.peers and self.peers[p].group == msg.peer_group:
-                    return self.kick(rec.peer_id, f"peer {p} of group {msg.peer_group} no longer "
-                                                            "lists this peer: the run went on without it, "
-                                                            "join again", Result.KICKED)
-            for p in self._rings.not_in(listed, msg.epoch):
-                if p in self.peers and self.peers[p].group == msg.peer_group:
-                    self._rings.pop(p)
-                    if rb is not None:
-                        rb.returned.discard(p)
-                        rb.generations.pop(p, None)
-                        rb.epochs.pop(p, None)
-                    why = (f"peer {rec.peer_id} of group {msg.peer_group} no longer lists this peer: the run "
-                           "went on without it, join again")
-                    effects += self.kick(p, why, Result.KICKED)
-        return None
-
-    def _take_back(
-        self, rec: PeerRecord, msg: m.Reregister, listed: frozenset[int], gen: int, at: int,
-        effects: list[Effect],
-    ) -> list[Effect]:
-        """Rule 6: accepted at once in its old place, ``Reregistered``, its report of what is in doubt
-        decided; once a majority is back the rebuild ends and the votes resume."""
-        rb = self.rebuild
-        if msg.revision >= 0:
-            self.last_revision[msg.peer_group] = max(self.last_revision.get(msg.peer_group, -1), msg.revision)
-        rec.phase = Phase.ACCEPTED
-        was_away = self.away.back(rec.peer_id)
-        rec.p2p_port = msg.p2p_port
-        rec.group = msg.peer_group
-        rec.public_key = msg.public_key
-        self.members.note_address(rec.host)
-        self.members.take_into_ring(rec.peer_id, rb.expected if rb is not None else msg.ring)
-        back = m.Reregistered(peer_id=rec.peer_id, generation=self.generation, epoch=self.epoch,
-                              token=self.tokens.issue(self.generation, rec.peer_id))
-        effects.append(Send(rec.peer_id, back))
-        # After Reregistered (the peer reads that one itself): this master's set of the epoch.
-        effects += self.credentials.on_return(rec.peer_id, self.generation, self.epoch, self._now)
-        effects.append(Event(f"peer {rec.peer_id} re-registered from {rec.host}:{msg.p2p_port} "
-                             f"(group {msg.peer_group}){_reregister_report(msg)}"))
-        if rb is not None or self._rings:
-            self._rings.put(rec.peer_id, msg.epoch, listed)
-        msg = self._report_back(rec, msg, effects)
-        expected = rb.expected_set() if rb is not None else frozenset(self.base)
-        effects += self._execute_rounds(*self.rounds.report(rec.peer_id, msg, self._now, expected))
-        if rb is not None:
-            self._adopted.add(msg.generation)
-            rb.returned.add(rec.peer_id)
-            rb.generations[rec.peer_id] = gen
-            rb.epochs[rec.peer_id] = at
-            if rb.reached:
-                self.rebuild = None
-                effects.append(Event(f"{len(rb.returned)} of the last epoch's {len(rb.expected)} member(s) "
-                                     "re-registered: resuming"))
-        if was_away and self.resumed:
-            effects += self._recheck_votes()  # the last member the votes waited for is back
-        if self.rebuild is None and self.rebuild_quiet is not None:
-            # A majority is back: the roll call waits for the others only while they keep coming.
-            self.doubts.quiet(self._now, self._quiet_period())
-        return effects + self._note_quorum()
-
-
-    def _report_back(self, rec: PeerRecord, msg: m.Reregister, effects: list[Effect]) -> m.Reregister:
-        """What the member back reports in doubt, abandoned or pending, decided here (``effects`` gets
-        the answers); the report as the rounds in doubt should read it."""
-        rb = self.rebuild
-        was = self.doubts.undecided
-        missing = self.doubts.missing
-        decisions = self.doubts.report(rec.peer_id, msg.peer_group, msg, self._now)
-        if missing and not self.doubts.missing:
-            effects.append(Event("roll call over: every member is back"))
-        effects += self._execute_decisions(decisions, was)
-        # At a live master, the members that never left vote next for what the returning one reports
-        # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
-        group = msg.peer_group
-        effects += self._fail_lost(self.lost.report(rec.peer_id, group, msg, self.doubts.outcome,
-                                                    live=lambda: self.accepted(group),
-                                                    kept=lambda k: self._kept(rec.peer_id, k)))
-        if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
-            effects += self._fail_lost_topology(rec.peer_id, [p for p in self.ring if p != rec.peer_id])
-        was_dropped = self.away.forget(rec.peer_id)
         pend = msg.pending
         if len(pend) == 4 and pend[0] == self._pending_epoch():
             # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
@@ -1582,7 +1251,7 @@ class MasterState:
             if rb is None and pend[2] and pend[1] == self._counted_pending() and was_dropped:
                 # At a live master: it waits in the round still open here (its link broke while it
                 # voted): its vote counts again at once (docs/concepts.md "A member's link breaks").
-                self._pending.add([rec.peer_id], self._now)
+                self._pending.add([peer_id], self._now)
                 msg = replace(msg, pending=[])
                 effects += self._check_pending_vote()
             else:
@@ -1591,24 +1260,13 @@ class MasterState:
                     self._pending_count, self._pending_mark = counted, self.doubts.total_progress
         return msg
 
-    def _unproven(self, msg: m.Reregister) -> tuple[str, Result] | None:
-        """Why ``msg`` does not prove its sender is member ``msg.peer_id`` (None: it does, or it is
-        taken on trust while this master holds no run of its own; pccl/master/tokens.py)."""
-        if msg.token and self.tokens.valid(msg.generation, msg.peer_id, msg.token):
-            return None
-        if self.tokens.shared:  # every master of the run verifies every generation's tokens
-            return "Reregister without a valid member token: join again as a newcomer", Result.KICKED
-        # No shared secret: another master process's token (a restarted or standby master) cannot be
-        # told from a stranger's. Taken on trust while this master holds no run of its own (it may
-        # rebuild one from re-registrations), while it rebuilds, and for the generations it rebuilt its
-        # run from (a member back late); the rules below decide as before (a newer generation than
-        # this master's: they refuse it as stale, changing nothing). Otherwise refused with the
-        # retryable code, as a stale or foreign master refuses it: a standby may hold the peer's run.
-        if (self.rebuild is not None or not self.ring or self.quorum.only_provisional(self.ring)
-                or msg.generation in self._adopted or msg.generation > self.generation):
-            return None
-        return ("Reregister without a member token of this master (no shared secret to verify another "
-                "master's): look for the master of its run", Result.MASTER_CONNECTION_FAILED)
+    def _advance_generation(self, generation: int) -> None:
+        """Become master ``generation`` unless this one is newer: op_seq and sync_seq move into its
+        range, so no sequence number a peer saw from an older generation comes back (_SEQ_SHIFT)."""
+        self.generation = max(self.generation, generation)
+        self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
+        self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
+        self.doubts.own_from(self._op_seq, self._sync_seq)
 
     def _quiet_period(self) -> float:
         """The roll call's quiet period (``rebuild_quiet``; at least ``failover_quiet`` when the run's
@@ -1699,28 +1357,6 @@ class MasterState:
             effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
                                  "now need a majority of the epoch's members"))
         return effects + self._note_quorum()
-
-    def _newer_generation(self, generation: int) -> list[Effect]:
-        """While rebuilding, a member that followed master ``generation`` (newer than what the members
-        back so far followed) re-registers: move to ``generation + 1`` and refuse, for good, the
-        members back so far that followed an older one."""
-        rb = self.rebuild
-        assert rb is not None
-        self.generation = max(self.generation, generation + 1)
-        self._op_seq = max(self._op_seq, min(self.generation, 255) << _SEQ_SHIFT)
-        self._sync_seq = max(self._sync_seq, min(self.generation, 255) << _SEQ_SHIFT)
-        self.doubts.own_from(self._op_seq, self._sync_seq)
-        effects: list[Effect] = [Event(f"a member followed master generation {generation}: rebuilding as "
-                                       f"generation {self.generation}")]
-        for p, g in sorted(rb.generations.items()):
-            if g < generation:
-                rb.returned.discard(p)
-                del rb.generations[p]
-                rb.epochs.pop(p, None)
-                self._rings.pop(p)
-                effects += self.kick(p, f"this peer followed master generation {g}, the run went on at "
-                                        f"generation {generation} without it: join again", Result.KICKED)
-        return effects
 
     def _recheck_votes(self) -> list[Effect]:
         """Re-check every pending vote (the rebuild ended); credential rows still owed go out first
