@@ -21,12 +21,13 @@ from ..wire.credentials import check_public_key
 from .away import AwayBook
 from .effects import Effect, Event, Send
 from .handout import CredentialHandout
+from .holds import Holds
 from .lost import LostBook
 from .membership import Membership, PeerRecord, Phase
-from .ops_in_doubt import Decision, DoubtBook, Key
+from .ops_in_doubt import DoubtBook, Key
 from .quorum import Quorum
 from .reported import ReportedRings
-from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision, reported_epoch
+from .rounds_in_doubt import RoundBook, reported_epoch
 from .tokens import MemberTokens
 
 
@@ -92,6 +93,7 @@ class RejoinCore(Protocol):
     lost: LostBook
     tokens: MemberTokens
     credentials: CredentialHandout
+    holds: Holds
     last_revision: dict[int, int]
     rebuild_grace: float
     rebuild_quiet: float | None
@@ -121,11 +123,6 @@ class RejoinCore(Protocol):
     def _runs_without(self, peer_id: int, group: int) -> bool: ...
 
     def _kept(self, peer_id: int, key: Key) -> bool | None: ...
-
-    def _execute_decisions(self, decisions: list[Decision], was_undecided: bool) -> list[Effect]: ...
-
-    def _execute_rounds(self, topology: list[TopologyDecision],
-                        pending: list[PendingDecision]) -> list[Effect]: ...
 
     def _fail_lost(self, keys: list[Key]) -> list[Effect]: ...
 
@@ -418,7 +415,7 @@ class Rejoin:
             core._rings.put(rec.peer_id, msg.epoch, listed)
         msg = self._report_back(rec, msg, effects)
         expected = rb.expected_set() if rb is not None else frozenset(core.base)
-        effects += core._execute_rounds(*core.rounds.report(rec.peer_id, msg, core._now, expected))
+        effects += core.holds.execute_rounds(*core.rounds.report(rec.peer_id, msg, core._now, expected))
         if rb is not None:
             self._adopted.add(msg.generation)
             rb.returned.add(rec.peer_id)
@@ -445,7 +442,7 @@ class Rejoin:
         decisions = core.doubts.report(rec.peer_id, msg.peer_group, msg, core._now)
         if missing and not core.doubts.missing:
             effects.append(Event("roll call over: every member is back"))
-        effects += core._execute_decisions(decisions, was)
+        effects += core.holds.execute_decisions(decisions, was)
         # At a live master, the members that never left vote next for what the returning one reports
         # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
         group = msg.peer_group

@@ -40,17 +40,18 @@ from .effects import FastStart as FastStart
 from .effects import Kick as Kick
 from .effects import Send as Send
 from .handout import CredentialHandout
+from .holds import Holds
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .lost import LostBook
 from .membership import Membership
 from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
-from .ops_in_doubt import Decision, DoubtBook, Key
+from .ops_in_doubt import DoubtBook, Key
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
 from .reported import ReportedRings
-from .rounds_in_doubt import PendingDecision, RoundBook, TopologyDecision
+from .rounds_in_doubt import RoundBook
 from .tokens import MemberTokens
 from .transfers import SyncProgress
 from .votes import PendingRound, unanimous
@@ -304,6 +305,7 @@ class MasterState:
         # Re-registration only with proof of membership (docs/security.md "Re-registration").
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
         self.rejoin = Rejoin(self)  # re-registration and the rebuild (pccl/master/rejoin.py)
+        self.holds = Holds(self)  # the holds and the decisions in doubt that end them (pccl/master/holds.py)
         # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
         self.max_open_votes = max_open_votes
         # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
@@ -445,152 +447,21 @@ class MasterState:
 
     def hold_deadline(self, timeout: float) -> float | None:
         """When the current hold (no quorum) runs out of time (None: not held)."""
-        return self.quorum.deadline(timeout)
+        return self.holds.hold_deadline(timeout)
 
     def hold_overdue(self, now: float, timeout: float) -> list[Effect]:
-        """Give the run up when the master has been held (no quorum) for more than ``timeout``
-        seconds (MasterConfig.quorum_hold_timeout).
-
-        Every connection is closed with ``MASTER_CONNECTION_FAILED`` ("look for a newer master"):
-        members fail over through their address lists. The master then holds no run, refuses
-        re-registrations of this generation or older, and accepts newcomers as a fresh master does.
-
-        Args:
-            now: the current time (same clock as ``handle``).
-            timeout: seconds a hold may last.
-
-        Returns:
-            The effects to execute (nothing before the deadline or when not held).
-        """
-        self._now = now
-        if not self.quorum.overdue(now, timeout):
-            return []
-        have = self.quorum.held_count(self.ring)
-        reason = (f"no quorum: this master (generation {self.generation}) held only {have} of the epoch's "
-                  f"{len(self.base)} member(s) for {timeout:g}s; look for a newer master")
-        effects: list[Effect] = [Event(f"giving the run up: {reason}")]
-        for pid in list(self.peers):
-            effects += self.kick(pid, reason, Result.MASTER_CONNECTION_FAILED)
-        self.rebuild = None
-        self.quorum.give_up(self.generation)
-        return effects
+        """Give the run up when the master has been held (no quorum) for more than ``timeout`` seconds
+        (:meth:`Holds.hold_overdue`)."""
+        return self.holds.hold_overdue(now, timeout)
 
     def doubt_deadline(self, timeout: float) -> float | None:
         """When the oldest undecided operation in doubt runs out of time (see :meth:`doubts_overdue`)."""
-        ends = [d for d in (self.doubts.deadline(timeout), self.rounds.deadline(timeout)) if d is not None]
-        return min(ends, default=None)
+        return self.holds.doubt_deadline(timeout)
 
     def doubts_overdue(self, now: float, timeout: float) -> list[Effect]:
-        """Abort, for every peer waiting on it, each operation in doubt left undecided for longer than
-        ``timeout`` (a participant never came back after the master's loss), then resume the votes.
-
-        Args:
-            now: the current time (same clock as ``handle``).
-            timeout: seconds a decision may wait for the participants' re-registrations (the server
-                passes ``MasterConfig.heartbeat_timeout``: a peer silent that long is lost anyway).
-        """
-        self._now = now
-        was = self.doubts.undecided
-        missing = self.doubts.missing
-        effects = self._execute_decisions(self.doubts.overdue(now, timeout), was)
-        # The roll call's grace ran out (or its quiet period): the members it waited for are absent, so a
-        # topology or pending round still waiting for their reports is decided now (as at the timeout),
-        # not ``timeout`` seconds after it opened: the decision cannot change any more (docs/concepts.md
-        # "Rounds in doubt").
-        if missing and not self.doubts.missing:
-            why = (f"nobody came back for {self._quiet_period():g}s" if self.doubts.roll_call_end == "quiet"
-                   else f"its grace of {self.rebuild_grace:g}s ran out")
-            effects.insert(0, Event(f"roll call over ({why}): absent {sorted(missing)}"))
-            return effects + self._execute_rounds(*self.rounds.give_up())
-        return effects + self._execute_rounds(*self.rounds.overdue(now, timeout))
-
-    def _execute_decisions(self, decisions: list[Decision], was_undecided: bool) -> list[Effect]:
-        """Tell the waiting peers each decision; resume the votes once none is left open (and the
-        roll call is over)."""
-        effects: list[Effect] = []
-        for d in decisions:
-            kind, group, tag = d.key
-            peers = [p for p in d.peers if p in self.peers]
-            verdict = "committed" if d.commit else "aborted"
-            if kind == "op":
-                lost = int(Result.RANK_CONNECTION_LOST)
-                msg: m.Message = (m.CollectiveComplete(tag=tag, op_seq=d.seq) if d.commit else
-                                  m.CollectiveAbort(tag=tag, op_seq=d.seq, code=lost,
-                                                    reason=f"in doubt after the master's loss: {d.reason}"))
-                what = f"collective tag {tag} (group {group}, op {d.seq})"
-            else:
-                if d.commit and d.revision >= 0:
-                    self.last_revision[group] = max(self.last_revision.get(group, -1), d.revision)
-                msg = (m.SharedStateResult(sync_seq=d.seq, success=True, revision=d.revision) if d.commit else
-                       m.SharedStateResult(sync_seq=d.seq, success=False, revision=d.revision,
-                                           reason=f"in doubt after the master's loss: {d.reason}",
-                                           code=int(Result.RANK_CONNECTION_LOST)))
-                what = f"shared-state sync {d.seq} (group {group})"
-            effects += [Send(p, msg) for p in peers]
-            effects.append(Event(f"{what} in doubt: {verdict} for {peers} ({d.reason})"))
-        if (decisions or was_undecided) and self.resumed:
-            effects += self._recheck_votes()
-        return effects
-
-    def _execute_rounds(self, topology: list[TopologyDecision],
-                        pending: list[PendingDecision]) -> list[Effect]:
-        """Tell the waiting peers each round's outcome (pccl/master/rounds_in_doubt.py); resume the votes
-        once none is left open."""
-        effects: list[Effect] = []
-        for d in topology:
-            peers = [p for p in d.peers if p in self.peers]
-            if d.commit:
-                effects += self._adopt_round(d)
-                msg: m.Message = m.TopologyResult(success=True, epoch=d.epoch, peers=[])
-            else:
-                if d.epoch > self.epoch:
-                    # As after a failed round at the old master: every member moves to the round's epoch
-                    # with its table (never reused by a later round here).
-                    self.epoch = d.epoch
-                    effects += self._reissue()
-                code = (Result.UPDATE_TOPOLOGY_FAILED if d.kind == "update"
-                        else Result.TOPOLOGY_OPTIMIZATION_FAILED)
-                msg = m.TopologyResult(success=False, epoch=self.epoch, peers=[], code=int(code),
-                                       reason=f"in doubt after the master's loss: {d.reason}")
-            effects += [Send(p, msg) for p in peers]
-            verdict = "committed" if d.commit else "aborted"
-            effects.append(Event(f"{d.kind}_topology round of epoch {d.epoch} in doubt: {verdict} for "
-                                 f"{peers} ({d.reason})"))
-        for pd in pending:
-            peers = [p for p in pd.peers if p in self.peers and self.peers[p].phase is Phase.ACCEPTED]
-            if pd.answer is None:
-                self._pending.add(peers, self._now)
-            else:
-                effects += [Send(p, m.PeersPendingResult(pending=pd.answer)) for p in peers]
-            what = "runs here" if pd.answer is None else f"answered {pd.answer}"
-            effects.append(Event(f"are_peers_pending round {pd.key} in doubt: {what} for {peers} "
-                                 f"({pd.reason})"))
-        if (topology or pending) and self.resumed:
-            effects += self._recheck_votes()
-        return effects
-
-    def _adopt_round(self, d: TopologyDecision) -> list[Effect]:
-        """A topology round in doubt committed: its epoch and ring become the run's (the members back so
-        far get the epoch's P2P credentials of this master)."""
-        members = list(d.members)
-        changed = d.epoch != self.epoch
-        self.epoch = max(self.epoch, d.epoch)
-        rb = self.rebuild
-        if rb is not None and d.epoch >= rb.epoch:
-            rb.epoch, rb.expected = d.epoch, list(members)
-        self.base = list(members)
-        order = {p: i for i, p in enumerate(members)}
-        self.ring = sorted(self.ring, key=lambda p: (order.get(p, len(order)), p))
-        ring = frozenset(members)
-        for p in d.peers:
-            if p in self._rings:
-                self._rings.put(p, d.epoch, ring)
-        return self._reissue() if changed else []
-
-    def _reissue(self) -> list[Effect]:
-        """The epoch changed outside a topology round: a new credential set of this (generation, epoch)
-        for every accepted member (the members back later get it at their return)."""
-        return self.credentials.reissue(self.generation, self.epoch)
+        """Abort each operation in doubt left undecided for longer than ``timeout``, then resume the votes
+        (:meth:`Holds.doubts_overdue`)."""
+        return self.holds.doubts_overdue(now, timeout)
 
     def _counted_pending(self) -> int:
         """are_peers_pending rounds completed at the members' epoch (members count them alike)."""
