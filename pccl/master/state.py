@@ -27,9 +27,10 @@ from typing import Any
 from .._errors import Result
 from ..wire import limits as _limits
 from ..wire import messages as m
-from ..wire.credentials import CredentialIssuer, check_public_key
+from ..wire.credentials import CredentialIssuer
 from . import away as _away
 from . import election as _election
+from .admission import Admission, OpenVote
 from .away import AwayBook
 from .describe import VoteWait, describe_mismatch, too_few_peers_reason
 
@@ -305,6 +306,7 @@ class MasterState:
         # Re-registration only with proof of membership (docs/security.md "Re-registration").
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
         self.rejoin = Rejoin(self)  # re-registration and the rebuild (pccl/master/rejoin.py)
+        self.admission = Admission(self)  # registration and the newcomers' grace (pccl/master/admission.py)
         self.holds = Holds(self)  # the holds and the decisions in doubt that end them (pccl/master/holds.py)
         # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
         self.max_open_votes = max_open_votes
@@ -840,80 +842,33 @@ class MasterState:
             effects += self.kick(p, reason)
         return effects
 
-    def _newcomer_waits(self) -> list[tuple[int, float, str, list[int]]]:
-        """For every newcomer not yet proven (:attr:`PeerRecord.admitted`) that an open vote others
-        joined misses: ``(peer, since when it holds them up, which vote, its voters)``, the oldest
-        such vote. One pass over the open votes (a membership test per unproven newcomer of the
-        vote's group each), nothing without such a newcomer."""
-        if not self.resumed:
-            return []
-        unproven: dict[int, list[int]] = {}
-        for p in self.ring:
-            rec = self.peers[p]
-            if rec.admitted is not None:
-                unproven.setdefault(rec.group, []).append(p)
-        if not unproven:
-            return []
-        best: dict[int, tuple[float, str, Collection[int]]] = {}
-
-        def offer(peers: list[int], opened: float, what: str, votes: Collection[int]) -> None:
-            for p in peers:
-                if p not in votes and (p not in best or opened < best[p][0]):
-                    best[p] = (opened, what, votes)
-
-        everyone = [p for peers in unproven.values() for p in peers]
+    def _open_votes_by_age(self) -> list[OpenVote]:
+        """Every vote others joined that has not completed, for the newcomers' grace
+        (:func:`~pccl.master.admission.newcomer_waits`): the ring-wide ones, the syncs, the collective
+        votes, in that order (the first of equally old ones is blamed)."""
+        out: list[OpenVote] = []
         if self._pending.open:
-            offer(everyone, self._pending.opened, "are_peers_pending vote", self._pending.votes)
+            out.append(OpenVote("are_peers_pending", self._pending.opened, None, self._pending.votes))
         rnd = self._topology
         if rnd is not None and rnd.voting and rnd.votes:
-            offer(everyone, rnd.opened, f"{rnd.kind}_topology vote", rnd.votes)
+            out.append(OpenVote(f"{rnd.kind}_topology", rnd.opened, None, rnd.votes))
         for group, sync in self._syncs.items():
-            if group in unproven and not sync.running and sync.votes:
-                offer(unproven[group], sync.opened, f"shared-state sync vote (group {group})", sync.votes)
-        # Collective votes (up to members x max_open_votes): oldest first (timsort: about linear, they
-        # are kept in about that order), each newcomer stops at the first one it misses.
-        ops = sorted(((op.opened, key, op) for key, op in self._ops.items()
-                      if key[0] in unproven and not op.running and op.votes), key=lambda x: x[0])
-        for group, peers in unproven.items():
-            for p in peers:
-                for opened, (g, tag), op in ops:
-                    if p in best and best[p][0] <= opened:
-                        break
-                    if g == group and p not in op.votes:
-                        best[p] = (opened, f"collective tag {tag} (group {g}) vote", op.votes)
-                        break
-        out: list[tuple[int, float, str, list[int]]] = []
-        for p, (opened, what, votes) in sorted(best.items()):
-            admitted = self.peers[p].admitted
-            assert admitted is not None
-            out.append((p, max(opened, admitted), what, sorted(votes)))
+            if not sync.running and sync.votes:
+                out.append(OpenVote("sync", sync.opened, group, sync.votes))
+        for (group, tag), op in self._ops.items():
+            if not op.running and op.votes:
+                out.append(OpenVote("collective", op.opened, group, op.votes, tag))
         return out
 
     def admission_deadline(self, grace: float) -> float | None:
         """When the first unproven newcomer runs out of ``grace`` (see :meth:`admission_overdue`)."""
-        return min((since + grace for _, since, _, _ in self._newcomer_waits()), default=None)
+        return self.admission.deadline(grace)
 
     def admission_overdue(self, now: float, grace: float) -> list[Effect]:
-        """Evict every newcomer that others have waited on in a vote for ``grace`` seconds
-        (MasterConfig.admission_grace) without it ever having taken part in a collective or a
-        shared-state sync since its admission (issue 33 item 6).
-
-        An admitted peer that never votes (one that only answered ``P2PConnectionsDone``, or calls
-        nothing after ``connect``) used to hold every vote of its group until ``vote_timeout``. The
-        grace counts from the later of its admission and the vote's first ballot: a newcomer is
-        evicted at most ``grace`` seconds after it first holds the others up. A member taken back
-        after a master's loss, or proven once, is under ``vote_timeout`` alone.
-        """
+        """Evict every newcomer that others have waited on in a vote for ``grace`` seconds without it
+        ever taking part (:meth:`Admission.overdue`)."""
         self._now = now
-        effects: list[Effect] = []
-        for p, since, what, voters in self._newcomer_waits():
-            if now >= since + grace and p in self.peers:
-                rec = self.peers[p]
-                effects += self.kick(p, (
-                    f"evicted: admitted {now - (rec.admitted or now):.1f}s ago and has taken part in no "
-                    f"collective or shared-state sync since; {voters} waited {now - since:.1f}s on it in "
-                    f"the {what} (admission_grace {grace:g}s)"))
-        return effects
+        return self.admission.overdue(now, grace)
 
     def _fail_open_vote(self, key: VoteKey, voters: list[int], reason: str) -> list[Effect]:
         """Fail the call of every voter of the open vote ``key`` (it stays unanswered otherwise)."""
@@ -1086,28 +1041,7 @@ class MasterState:
 
     def _on_register(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.Register)
-        if rec.phase is not Phase.CONNECTED:
-            return self.kick(rec.peer_id, "duplicate Register")
-        if not 0 < msg.p2p_port < 65536:
-            return self.kick(rec.peer_id, f"invalid p2p port {msg.p2p_port}")
-        bad_key = check_public_key(msg.public_key)
-        if bad_key is not None:
-            return self.kick(rec.peer_id, f"invalid Register: {bad_key}")
-        mismatch = self.members.address_mismatch(rec.host)
-        if mismatch is not None:
-            return self.kick(rec.peer_id, mismatch)
-        rec.phase = Phase.REGISTERED
-        rec.p2p_port = msg.p2p_port
-        rec.group = msg.peer_group
-        rec.public_key = msg.public_key
-        effects: list[Effect] = [
-            Send(rec.peer_id, m.Registered(peer_id=rec.peer_id, generation=self.generation,
-                                           token=self.tokens.issue(self.generation, rec.peer_id))),
-            Event(f"peer {rec.peer_id} joined from {rec.host}:{msg.p2p_port} (group {msg.peer_group})"),
-        ]
-        if not self.ring and self._topology is None:
-            effects += self._accept_first_if_alone()
-        return effects
+        return self.admission.register(rec, msg)
 
     def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
                       effects: list[Effect]) -> m.Reregister:
@@ -1242,24 +1176,9 @@ class MasterState:
         return effects
 
     def _accept_first_if_alone(self) -> list[Effect]:
-        """With no accepted peer, the earliest registered one is accepted at once (world size 1);
-        never while rebuilding (the run's members are coming back)."""
-        if self.ring or self._topology is not None or not self.resumed or self.quorum.yielding:
-            return []
-        waiting = self.registered()
-        if not waiting:
-            return []
-        pid = waiting[0]
-        self.peers[pid].phase = Phase.ACCEPTED
-        self.ring = [pid]
-        self.quorum.alone(pid)
-        self.epoch += 1
-        # No P2P credentials: alone, it connects to nobody and nobody connects to it; the next topology
-        # round issues them.
-        return [
-            Send(pid, m.Accepted(peers=self.table(self.ring), epoch=self.epoch)),
-            Event(f"peer {pid} accepted (world size 1)"),
-        ]
+        """The earliest registered peer, accepted alone while nobody is accepted
+        (:meth:`Admission.accept_first_if_alone`)."""
+        return self.admission.accept_first_if_alone()
 
     def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None:
         if rec.phase is not Phase.ACCEPTED:
