@@ -32,7 +32,7 @@ from . import away as _away
 from . import election as _election
 from .admission import Admission, OpenVote
 from .away import AwayBook
-from .describe import VoteWait, describe_mismatch, too_few_peers_reason
+from .describe import VoteWait
 
 # The effects: re-exported here, where the state's callers have always taken them.
 from .effects import Effect as Effect
@@ -52,14 +52,14 @@ from .ops_in_doubt import DoubtBook, Key
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
 from .reported import ReportedRings
+from .rounds.base import Expel
+from .rounds.base import VoteKey as VoteKey
+from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
+from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
 from .rounds_in_doubt import RoundBook
 from .tokens import MemberTokens
 from .transfers import SyncProgress
 from .votes import PendingRound, unanimous
-
-#: Which open vote: ``("pending", None)``, ``("topology", None)``, ``("op", (group, tag))``,
-#: ``("sync", group)``.
-VoteKey = tuple[str, tuple[int, int] | int | None]
 
 
 @dataclass
@@ -90,61 +90,6 @@ class _TopologyRound:
         """Still collecting votes: neither measuring bandwidth (optimize) nor setting up the P2P
         connections of its epoch (``epoch`` >= 0 exactly while ``establishing``)."""
         return not self.establishing and not self.measuring and not self.measure_rounds
-
-
-@dataclass
-class _CollectiveOp:
-    group: int
-    tag: int
-    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
-    votes: dict[int, m.CollectiveDescriptor] = field(default_factory=dict)
-    running: bool = False
-    op_seq: int = -1
-    participants: list[int] = field(default_factory=list)
-    done: set[int] = field(default_factory=set)
-    # the same peers as ``participants``, for O(1) membership tests (kept in step with it)
-    participant_set: set[int] = field(default_factory=set)
-    # the speculative start: each voter's proposed op_seq (-1: none), and voters whose speculative
-    # attempt already reported success while the vote was still open
-    proposals: dict[int, int] = field(default_factory=dict)
-    early_done: set[int] = field(default_factory=set)
-    early_failed: dict[int, str] = field(default_factory=dict)  # ... or failure, with its reason
-    retired: set[int] = field(default_factory=set)  # proposals of voters that withdrew or were lost
-    fast: bool = False  # running under the reserved op_seq (no CollectiveCommence was sent)
-    # the speculating voters still owed the tableless commence (held back by ``go_delay``)
-    go_to: list[int] = field(default_factory=list)
-
-    def proposal(self, peer_id: int) -> int:
-        """The op_seq ``peer_id`` runs this op under as far as it knows (its proposal, or -1)."""
-        return self.op_seq if self.running else self.proposals.get(peer_id, -1)
-
-    def speculative_seqs(self) -> list[int]:
-        """The speculative op_seqs the voters proposed (their frames must be dropped everywhere)."""
-        return sorted({s for s in self.proposals.values() if s >= 0} | self.retired)
-
-    def drop_voter(self, peer_id: int) -> int:
-        """Take ``peer_id``'s vote back; returns its proposal (kept among the numbers to forget)."""
-        self.votes.pop(peer_id, None)
-        self.early_done.discard(peer_id)
-        self.early_failed.pop(peer_id, None)
-        seq = self.proposals.pop(peer_id, -1)
-        if seq >= 0:
-            self.retired.add(seq)
-        return seq
-
-
-@dataclass
-class _Reservation:
-    """The op_seq reserved for a group's next operation with one tag (sent in CollectiveComplete):
-    valid while the epoch is ``epoch`` and the group's ring is still ``members``."""
-
-    seq: int
-    epoch: int
-    members: list[int]
-
-
-#: Reservations kept per group (the oldest go first; peers keep the same number in the same order).
-RESERVATIONS_PER_GROUP = 1024
 
 
 @dataclass
@@ -234,15 +179,11 @@ class MasterState:
         self.epoch = 0
         self._topology: _TopologyRound | None = None
         self._pending = PendingRound()  # the are_peers_pending vote (pccl/master/votes.py)
-        self._ops: dict[tuple[int, int], _CollectiveOp] = {}
+        # The collective votes and runs, the speculative start's reservations and held-back commences
+        # (pccl/master/rounds/collective.py); ``_ops`` is its rounds by (group, tag).
+        self.collectives = CollectiveVotes(go_delay)
+        self._ops = self.collectives.ops
         self._op_seq = 0
-        # group -> tag -> the op_seq reserved for the next op (the speculative start), oldest first
-        self._reserved: dict[int, dict[int, _Reservation]] = {}
-        self.fast_starts = 0  # collectives that ran on the speculative start (statistics)
-        self.go_delay = go_delay
-        # (group, tag) -> (when, op_seq): the tableless commence held back for that running op
-        self._go_due: dict[tuple[int, int], tuple[float, int]] = {}
-        self.go_held = 0  # held-back commences the op's end made unnecessary (statistics)
         self._syncs: dict[int, _SyncRound] = {}
         # Per peer: the rows of its next SharedStateSync received so far in SharedStateEntries frames
         # (the rows, then how many frames brought them); dropped with the peer or consumed by its vote.
@@ -366,11 +307,11 @@ class MasterState:
             "topology_round": self._topology.kind if self._topology else None,
             "topology_votes": len(self._topology.votes) if self._topology else 0,
             "pending_votes": len(self._pending.votes),
-            "collectives_running": sum(1 for o in self._ops.values() if o.running),
-            "collectives_voting": sum(1 for o in self._ops.values() if not o.running),
-            "collectives_fast": self.fast_starts,
-            "speculative_go_held": self.go_held,
-            "reservations": sum(len(r) for r in self._reserved.values()),
+            "collectives_running": self.collectives.running(),
+            "collectives_voting": len(self._ops) - self.collectives.running(),
+            "collectives_fast": self.collectives.fast_starts,
+            "speculative_go_held": self.collectives.go_held,
+            "reservations": len(self.collectives.reserved),
             "syncs_in_progress": len(self._syncs),
             "revisions": dict(self.last_revision),
             "generation": self.generation,
@@ -609,30 +550,14 @@ class MasterState:
         """Withdraw the votes of ``peer_ids`` from every vote that has not completed and fail each of
         those calls with ``reason`` (a deadlock). are_peers_pending votes have no failure reply and stay."""
         effects: list[Effect] = []
-        for key, op in sorted(self._ops.items()):
-            if not op.running:
-                effects += self._withdraw_op_votes(key, op, peer_ids, reason, code)
+        for key in sorted(self._ops):
+            effects += self.collectives.withdraw(key, peer_ids, reason, code)
         for group, sync in sorted(self._syncs.items()):
             if not sync.running:
                 effects += self._withdraw_sync_votes(group, sync, peer_ids, reason, code)
         effects += self._withdraw_topology_votes(peer_ids, reason, code)
         if effects:
             effects.append(Event(reason))
-        return effects
-
-    def _withdraw_op_votes(self, key: tuple[int, int], op: _CollectiveOp, peer_ids: Collection[int],
-                           reason: str, code: Result) -> list[Effect]:
-        """Fail the votes of ``peer_ids`` in the open collective vote ``op``; drop it when none is left."""
-        effects: list[Effect] = []
-        for p in sorted(set(peer_ids) & set(op.votes)):
-            seq = op.drop_voter(p)
-            if seq >= 0:
-                self._take_reservation(key)  # frames may be out under it: it never runs again
-            abort = m.CollectiveAbort(tag=op.tag, op_seq=seq, code=int(code), reason=reason,
-                                      forget=op.speculative_seqs())
-            effects.append(Send(p, abort))
-        if not op.votes:
-            del self._ops[key]
         return effects
 
     def _withdraw_sync_votes(self, group: int, sync: _SyncRound, peer_ids: Collection[int], reason: str,
@@ -876,10 +801,7 @@ class MasterState:
         code = Result.INVALID_USAGE
         if kind == "op":
             assert isinstance(which, tuple)
-            op = self._ops.get(which)
-            if op is None or op.running:
-                return []
-            return self._withdraw_op_votes(which, op, voters, reason, code)
+            return self.collectives.withdraw(which, voters, reason, code)
         if kind == "sync":
             assert isinstance(which, int)
             sync = self._syncs.get(which)
@@ -971,8 +893,7 @@ class MasterState:
         self._topology_owed.discard(peer_id)
         self._sync_rows.pop(peer_id, None)
         revoked: list[Effect] = []
-        voided = self._reserved.pop(rec.group, {}) if was_accepted else {}
-        if voided:
+        if was_accepted and self.collectives.reserved.revoke(rec.group):
             # The group changed: no speculative start until its next op completes. Members that are not
             # voting yet hear it now, so their next call takes the slow path (whose commence names the
             # living members) instead of starting on a ring with the lost peer and being aborted.
@@ -986,7 +907,7 @@ class MasterState:
         effects += self._topology_peer_lost(peer_id)
         effects += self._check_pending_vote()
         for key in list(self._ops):
-            effects += self._op_peer_lost(key, peer_id)
+            effects += self.collectives.peer_lost(key, peer_id, self, self.resumed)
         for group in list(self._syncs):
             effects += self._sync_peer_lost(group, peer_id)
         self.quorum.provisional.discard(peer_id)
@@ -1115,7 +1036,7 @@ class MasterState:
                 return _away.NONE
             voting = topology.voting
             return _away.OPEN if voting else _away.RUNNING
-        rnd: _CollectiveOp | _SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
+        rnd: CollectiveRound | _SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
             else self._syncs.get(group)
         return _away.NONE if rnd is None else _away.RUNNING if rnd.running else _away.OPEN
 
@@ -1541,31 +1462,18 @@ class MasterState:
         over = self._over_vote_cap(rec, key, msg)
         if over is not None:
             return over
-        op = self._ops.get(key)
-        if op is None:
-            op = self._ops[key] = _CollectiveOp(group=rec.group, tag=msg.tag, opened=self._now)
+        op, opened = self.collectives.open(rec.group, msg.tag, self._now)
+        if opened:
             self.away.opened(("op", rec.group, msg.tag))
-        if rec.peer_id in op.votes or rec.peer_id in op.participant_set:
-            # The running op is unaffected; only this call is refused.
-            where = "in this group"
-        elif op.running:
-            where = "without this peer"
-        else:
-            where = ""
-        if where:
-            reason = f"tag {msg.tag} is already running {where}"
-            refusal = m.CollectiveAbort(tag=msg.tag, op_seq=msg.op_seq, code=int(Result.INVALID_USAGE),
-                                        reason=reason)
+        refusal = op.refusal(rec.peer_id, msg.op_seq)
+        if refusal is not None:
             return [Send(rec.peer_id, refusal)]
         if self.lost.owes(rec.peer_id, ("op", rec.group, msg.tag)):
-            if not op.votes:
-                del self._ops[key]
-            return [Send(rec.peer_id, self._lost_abort(msg.tag, msg.op_seq))]
-        op.votes[rec.peer_id] = msg.descriptor
+            self.collectives.discard_empty(key)
+            return [Send(rec.peer_id, lost_abort(msg.tag, msg.op_seq))]
+        op.vote(rec.peer_id, msg.descriptor, msg.op_seq)
         if self.max_open_votes is not None:
             rec.open_votes.add(key)
-        if msg.op_seq >= 0:
-            op.proposals[rec.peer_id] = msg.op_seq
         return self._check_op_vote(key)
 
     def _over_vote_cap(self, rec: PeerRecord, key: tuple[int, int],
@@ -1586,11 +1494,6 @@ class MasterState:
                                             reason=reason)), Event(f"peer {pid}: {reason}")]
 
     @staticmethod
-    def _lost_abort(tag: int, op_seq: int, forget: list[int] | None = None) -> m.CollectiveAbort:
-        return m.CollectiveAbort(tag=tag, op_seq=op_seq, code=int(Result.RANK_CONNECTION_LOST),
-                                 reason=LOST_REASON, forget=forget or [])
-
-    @staticmethod
     def _lost_sync_result(revision: int) -> m.SharedStateResult:
         return m.SharedStateResult(sync_seq=-1, success=False, revision=revision, reason=LOST_REASON,
                                    code=int(Result.RANK_CONNECTION_LOST))
@@ -1602,16 +1505,7 @@ class MasterState:
         for key in keys:
             kind, group, tag = key
             if kind == "op":
-                op = self._ops.get((group, tag))
-                if op is None or op.running:
-                    continue
-                for p in [p for p in op.votes if self.lost.owes(p, key)]:
-                    seq = op.drop_voter(p)
-                    if seq >= 0:
-                        self._take_reservation((group, tag))  # (as fail_votes: it never runs again)
-                    effects.append(Send(p, self._lost_abort(tag, seq, op.speculative_seqs())))
-                if not op.votes:
-                    del self._ops[(group, tag)]
+                effects += self.collectives.fail_lost((group, tag), lambda p: self.lost.owes(p, key))
             else:
                 rnd = self._syncs.get(group)
                 if rnd is None or rnd.running:
@@ -1622,127 +1516,48 @@ class MasterState:
                     del self._syncs[group]
         return effects
 
-    def _reserve(self, op: _CollectiveOp) -> int:
-        """Reserve the op_seq of ``op``'s group's next operation with ``op``'s tag (at its completion)."""
+    # What the collective rounds ask of the master (pccl/master/rounds/collective.py CollectiveContext).
+
+    @property
+    def now(self) -> float:
+        """The time of the event being handled."""
+        return self._now
+
+    def group_size(self, group: int) -> int:
+        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
+        return self._group_size(group)
+
+    def known(self, peer_id: int) -> bool:
+        """Whether ``peer_id`` is connected."""
+        return peer_id in self.peers
+
+    def registered_in(self, group: int) -> list[int]:
+        """The peers of ``group`` waiting to be accepted."""
+        return [r for r in self.registered() if self.peers[r].group == group]
+
+    def next_op_seq(self) -> int:
+        """A fresh op_seq of this master's generation."""
         self._op_seq += 1
-        group = self._reserved.setdefault(op.group, {})
-        group.pop(op.tag, None)
-        group[op.tag] = _Reservation(seq=self._op_seq, epoch=self.epoch, members=list(op.participants))
-        while len(group) > RESERVATIONS_PER_GROUP:
-            del group[next(iter(group))]
         return self._op_seq
 
-    def _take_reservation(self, key: tuple[int, int]) -> _Reservation | None:
-        group = self._reserved.get(key[0])
-        return None if group is None else group.pop(key[1], None)
+    def op_settled(self, group: int, tag: int, seq: int, committed: bool) -> None:
+        """A running collective ended: the books in doubt (and, committed, the lost book) learn it."""
+        self.doubts.settle(("op", group, tag), seq, committed)
+        if committed:
+            self.lost.settled(("op", group, tag))
+            self.doubts.progressed(group)
 
     def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]:
-        op = self._ops.get(key)
-        if op is None or op.running or not self.resumed:
-            return []
-        members = unanimous(op.votes, self._group_size(op.group), lambda: self.accepted(op.group))
-        if members is None:
-            return []
-        voters = [p for p in members if p in op.votes]
-        first = op.votes[voters[0]]
-        del self._ops[key]
-        # The reservation is used (or void) either way: a number is never run twice.
-        res = self._take_reservation(key)
-        forget = op.speculative_seqs()
-        if any(op.votes[p] != first for p in voters):
-            reason = describe_mismatch(op.tag, {p: op.votes[p] for p in voters})
-            return self._abort_to(op, voters, Result.INVALID_ARGUMENT, reason, forget)
-        if len(voters) < 2:
-            reason = too_few_peers_reason(
-                op.group, [r for r in self.registered() if self.peers[r].group == op.group]
-            )
-            return self._abort_to(op, voters, Result.TOO_FEW_PEERS, reason, forget)
-        # The speculative start holds when the reservation does (same epoch, the ring it was reserved
-        # for, nobody lost since: a loss drops it) and no voter started under another number. Voters
-        # without the number (they reconnected or cancelled and missed the last confirmation) join it
-        # through a CollectiveCommence naming it; a number a withdrawn voter already ran under is never
-        # run again (its frames may be out there): then everyone is aborted.
-        fast = (
-            res is not None
-            and bool(op.proposals)
-            and not op.retired
-            and res.epoch == self.epoch
-            and res.members == voters
-            and all(op.proposals.get(p, res.seq) == res.seq for p in voters)
-        )
-        if op.early_failed:
-            # A speculative attempt failed before the vote completed (and the descriptors agree):
-            # the op cannot complete; everyone is aborted, buffers intact.
-            p0 = min(op.early_failed)
-            reason = f"peer {p0} failed: {op.early_failed[p0]}"
-            return self._abort_to(op, voters, Result.RANK_CONNECTION_LOST, reason, forget)
-        if op.proposals and not fast:
-            # Some voters started speculatively but the start does not hold: their data planes ran on a
-            # number (or a ring) the others do not share. All-or-nothing: everyone is aborted with
-            # their buffers intact and forgets the speculative numbers; the retry has no reservation
-            # and takes the slow path.
-            why = self._why_not_fast(res, voters, op.proposals)
-            reason = f"tag {op.tag}: the speculative start was not confirmed ({why}): retry"
-            return self._abort_to(op, voters, Result.RANK_CONNECTION_LOST, reason, forget)
-        op.running = True
-        op.participants = voters
-        op.participant_set = set(voters)
-        self._ops[key] = op
-        if fast:
-            assert res is not None
-            # The speculative start holds: every participant already runs under the reserved number
-            # on the ring it names; the master's one answer is the confirmation (or an abort).
-            op.fast = True
-            op.op_seq = res.seq
-            op.done = op.early_done & op.participant_set
-            self.fast_starts += 1
-            # Off the critical path, the speculating voters hear that everyone voted (a commence
-            # without a table: their data planes already run; it starts their stall clocks); voters
-            # that did not have the number get the table and run under it.
-            # With ``go_delay`` the tableless commence waits: an op that ends sooner (every small one)
-            # needs none, its Complete or Abort follows; a longer one gets it from go_overdue().
-            go = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=[])
-            late = [p for p in voters if p not in op.proposals]
-            table = (m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=self.table(voters)) if late
-                     else go)  # the late voters' commence, with the table (one object for all of them)
-            held = self.go_delay > 0
-            if held:
-                op.go_to = [p for p in voters if p in op.proposals]
-                self._go_due[key] = (self._now + self.go_delay, op.op_seq)
-            return [
-                FastStart(op.group, op.tag, op.op_seq),
-                *(Send(p, go if p in op.proposals else table) for p in voters
-                  if not (held and p in op.proposals)),
-                *self._check_op_done(key),
-            ]
-        self._op_seq += 1
-        op.op_seq = self._op_seq
-        op.done = set()
-        # one object for every voter: the server's streams encode its n-row table once (SHARED)
-        commence = m.CollectiveCommence(tag=op.tag, op_seq=op.op_seq, peers=self.table(voters), forget=forget)
-        return [Send(p, commence) for p in voters]
-
-    def _why_not_fast(self, res: _Reservation | None, voters: list[int], proposals: dict[int, int]) -> str:
-        """Why the voters' speculative start does not hold (for the abort's reason)."""
-        if res is None:
-            return "no op_seq is reserved for this tag: the group changed or the last op did not complete"
-        if res.epoch != self.epoch:
-            return f"reserved in epoch {res.epoch}, the run is at epoch {self.epoch}"
-        if res.members != voters:
-            return f"reserved for the ring {res.members}, the group is {voters} now"
-        odd = sorted(p for p in voters if proposals.get(p, res.seq) != res.seq)
-        if odd:
-            return f"peer(s) {odd} started under another op_seq than the reserved {res.seq}"
-        return f"a voter withdrew after starting under the reserved op_seq {res.seq}"
+        return self.collectives.check(key, self) if self.resumed else []
 
     @property
     def go_waiting(self) -> bool:
         """True while a held-back tableless commence may still be due (:meth:`go_deadline`)."""
-        return bool(self._go_due)
+        return self.collectives.go_waiting
 
     def go_deadline(self) -> float | None:
         """When the earliest held-back tableless commence is due (None: none is held)."""
-        return min((due for due, _ in self._go_due.values()), default=None)
+        return self.collectives.go_deadline()
 
     def go_overdue(self, now: float) -> list[Effect]:
         """The tableless commences held back until ``now`` (``go_delay``) for ops still running: to
@@ -1753,105 +1568,12 @@ class MasterState:
             The effects to execute.
         """
         self._now = now
-        effects: list[Effect] = []
-        for key, (due, seq) in list(self._go_due.items()):
-            if due > now:
-                continue
-            del self._go_due[key]
-            op = self._ops.get(key)
-            if op is None or not op.running or not op.fast or op.op_seq != seq:
-                self.go_held += 1  # it ended (aborted) meanwhile
-                continue
-            go = m.CollectiveCommence(tag=op.tag, op_seq=seq, peers=[])
-            effects += [Send(p, go) for p in op.go_to if p in op.participant_set and p not in op.done]
-            op.go_to = []
-        return effects
+        return self.collectives.go_overdue(now)
 
     def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.CollectiveDone)
-        key = (rec.group, msg.tag)
-        op = self._ops.get(key)
-        if op is not None and not op.running and rec.peer_id in op.votes:
-            if not msg.success and msg.op_seq >= 0 and msg.op_seq == op.proposals.get(rec.peer_id, -1):
-                # Its speculative attempt failed before the vote completed: the op fails, but the
-                # verdict waits for the vote (a descriptor mismatch, the likely cause, is then named).
-                op.early_failed.setdefault(rec.peer_id, msg.reason)
-                return []
-            if not msg.success:
-                # The peer withdrew its vote (its call was cancelled): the op cannot run as voted.
-                return self._abort_op(
-                    key, f"peer {rec.peer_id} withdrew: {msg.reason}", Result.RANK_CONNECTION_LOST
-                )
-            if msg.op_seq >= 0 and msg.op_seq == op.proposals.get(rec.peer_id, -1):
-                # A speculative attempt finished before the vote did (a broadcast's upstream peers
-                # need nothing from the late ones): it counts if the vote confirms the number.
-                op.early_done.add(rec.peer_id)
-            return []
-        if op is None or not op.running or rec.peer_id not in op.participant_set:
-            # Late report for an op already aborted (the abort raced with it): harmless.
-            return []
-        if msg.op_seq >= 0 and msg.op_seq != op.op_seq:
-            # The report of a speculative attempt this op's CollectiveCommence replaced (sent before
-            # the peer read it): the peer runs again under op.op_seq and reports that.
-            return []
-        if rec.peer_id in op.done:
-            return self.kick(rec.peer_id, f"duplicate CollectiveDone for tag {msg.tag}")
-        if not msg.success:
-            return self._abort_op(
-                key, f"peer {rec.peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST
-            )
-        op.done.add(rec.peer_id)
-        return self._check_op_done(key)
-
-    def _check_op_done(self, key: tuple[int, int]) -> list[Effect]:
-        op = self._ops[key]
-        if len(op.done) >= len(op.participant_set) and op.participant_set <= op.done:
-            del self._ops[key]
-            if op.go_to and self._go_due.pop(key, None) is not None:
-                self.go_held += 1
-            self.doubts.settle(("op", op.group, op.tag), op.op_seq, True)
-            self.lost.settled(("op", op.group, op.tag))
-            self.doubts.progressed(op.group)
-            complete = m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=self._reserve(op))
-            return [Send(p, complete) for p in op.participants]  # one object: encoded once (SHARED)
-        return []
-
-    def _abort_op(self, key: tuple[int, int], reason: str, code: Result) -> list[Effect]:
-        op = self._ops.pop(key)
-        if op.running:
-            self.doubts.settle(("op", op.group, op.tag), op.op_seq, False)
-        self._take_reservation(key)
-        targets = [p for p in (op.participants if op.running else op.votes) if p in self.peers]
-        return self._abort_to(op, targets, code, reason, [] if op.running else op.speculative_seqs())
-
-    @staticmethod
-    def _abort_to(
-        op: _CollectiveOp, targets: list[int], code: Result, reason: str, forget: list[int]
-    ) -> list[Effect]:
-        """CollectiveAbort of ``op`` to each of ``targets``, each under the op_seq it knows the op by."""
-        return [
-            Send(p, m.CollectiveAbort(tag=op.tag, op_seq=op.proposal(p), code=int(code), reason=reason,
-                                      forget=forget))
-            for p in targets
-        ]
-
-    def _op_peer_lost(self, key: tuple[int, int], peer_id: int) -> list[Effect]:
-        op = self._ops.get(key)
-        if op is None:
-            return []
-        if op.running:
-            if peer_id in op.participant_set:
-                op.participants.remove(peer_id)
-                op.participant_set.discard(peer_id)
-                return self._abort_op(
-                    key, f"peer {peer_id} was lost during the operation", Result.RANK_CONNECTION_LOST
-                )
-            return []
-        op.drop_voter(peer_id)  # its number stays among those to forget: the others may hold its frames
-        if not op.votes:
-            del self._ops[key]
-            return []
-        return self._check_op_vote(key)
+        got = self.collectives.report(rec.peer_id, (rec.group, msg.tag), msg, self)
+        return self.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
 
     # ---------------------------------------------------------------------------------------
     # shared state
