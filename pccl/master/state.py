@@ -18,7 +18,6 @@ Vote rules (docs/protocol.md sections 2-6):
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
@@ -56,40 +55,20 @@ from .rounds.base import Expel
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
 from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
+from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
+from .rounds.topology import (
+    Loss,
+    TopologyRound,
+    bandwidth_matrix,
+    failed_result,
+    failure_code,
+    plan_measurements,
+    record_bandwidth,
+)
 from .rounds_in_doubt import RoundBook
 from .tokens import MemberTokens
 from .transfers import SyncProgress
 from .votes import PendingRound, unanimous
-
-
-@dataclass
-class _TopologyRound:
-    """An update_topology or optimize_topology round."""
-
-    kind: str  # "update" | "optimize"
-    votes: set[int] = field(default_factory=set)
-    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
-    # after the vote: P2P establishment
-    epoch: int = -1
-    members: list[int] = field(default_factory=list)  # ring order of the proposed set
-    member_set: set[int] = field(default_factory=set)  # the same peers, for O(1) membership tests
-    newcomers: set[int] = field(default_factory=set)
-    confirmed: set[int] = field(default_factory=set)
-    failed: bool = False
-    failure_reason: str = ""
-    # optimize only: bandwidth measurement rounds still to run
-    measure_rounds: list[list[tuple[int, int]]] = field(default_factory=list)
-    measuring: set[int] = field(default_factory=set)
-    establishing: bool = False
-    establish_started: float = 0.0  # ``now`` when EstablishP2P went out (the P2P setup deadline's start)
-    # the members' epoch while the round sets up (they move at its TopologyResult; -1: not set up yet)
-    from_epoch: int = -1
-
-    @property
-    def voting(self) -> bool:
-        """Still collecting votes: neither measuring bandwidth (optimize) nor setting up the P2P
-        connections of its epoch (``epoch`` >= 0 exactly while ``establishing``)."""
-        return not self.establishing and not self.measuring and not self.measure_rounds
 
 
 @dataclass
@@ -108,9 +87,6 @@ class _SyncRound:
 
 
 
-
-#: The key of the (ring-wide) topology round in :class:`~pccl.master.away.AwayBook`.
-_TOPOLOGY_KEY = ("topology", -1, -1)
 
 #: op_seq and sync_seq values of master generation g start at ``g << _SEQ_SHIFT``: a restarted master
 #: never hands out a sequence number a peer saw from an older generation (stale stashed frames); data
@@ -177,7 +153,7 @@ class MasterState:
         self.members = Membership()  # the peer table and the ring (pccl/master/membership.py)
         self.peers = self.members.peers
         self.epoch = 0
-        self._topology: _TopologyRound | None = None
+        self._topology: TopologyRound | None = None  # pccl/master/rounds/topology.py
         self._pending = PendingRound()  # the are_peers_pending vote (pccl/master/votes.py)
         # The collective votes and runs, the speculative start's reservations and held-back commences
         # (pccl/master/rounds/collective.py); ``_ops`` is its rounds by (group, tag).
@@ -578,11 +554,9 @@ class MasterState:
         if rnd is None or not rnd.voting:
             return []
         table = self.table(self.ring)
-        effects: list[Effect] = []
-        for p in sorted(set(peer_ids) & rnd.votes):
-            rnd.votes.discard(p)
-            effects.append(Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
-                                                    reason=reason, code=int(code))))
+        effects: list[Effect] = [Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
+                                                          reason=reason, code=int(code)))
+                                 for p in rnd.withdraw(peer_ids)]
         if not rnd.votes:
             self._topology = None
         return effects
@@ -640,14 +614,14 @@ class MasterState:
         rnd = self._topology
         if rnd is None or not rnd.establishing or now <= rnd.establish_started + timeout:
             return []
-        late = [p for p in rnd.members if p not in rnd.confirmed]
+        late = rnd.late()
         if not late:
             return []
         # The round is taken out first: the late members' removal must not fail it.
         self._topology = None
         self.rounds.settle(rnd.epoch, False)
         effects: list[Effect] = []
-        code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
+        code = failure_code(rnd.kind)
         for p in late:
             reason = f"did not finish P2P setup of epoch {rnd.epoch} within {timeout:g}s"
             effects += self.kick(p, reason, code)
@@ -655,7 +629,7 @@ class MasterState:
             return effects  # the kicks started something else (world of one): nothing to re-run
         members = [p for p in rnd.members if p in self.peers]
         newcomers = rnd.newcomers & set(members)
-        retry = _TopologyRound(kind=rnd.kind, votes=set(self.ring), from_epoch=rnd.from_epoch)
+        retry = rnd.retry(self.ring)
         self._topology = retry
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self._start_establish(retry, members, newcomers)
@@ -1141,19 +1115,16 @@ class MasterState:
             return [Send(rec.peer_id, self._lost_topology_result(kind))]
         rnd = self._topology
         if rnd is None:
-            rnd = self._topology = _TopologyRound(kind=kind, opened=self._now)
+            rnd = self._topology = TopologyRound(kind=kind, opened=self._now)
             self.away.opened(_TOPOLOGY_KEY)
-        elif rnd.kind != kind:
-            return self.kick(rec.peer_id, f"{kind}_topology while the others run {rnd.kind}_topology")
-        if rec.peer_id in rnd.votes or not rnd.voting:
-            return self.kick(rec.peer_id, f"duplicate {kind} topology vote")
+        refused = rnd.refusal(rec.peer_id, kind)
+        if refused is not None:
+            return self.kick(rec.peer_id, refused.reason)
         rnd.votes.add(rec.peer_id)
         return self._check_topology_vote()
 
     def _lost_topology_result(self, kind: str) -> m.TopologyResult:
-        code = Result.UPDATE_TOPOLOGY_FAILED if kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
-        return m.TopologyResult(success=False, epoch=self.epoch, peers=self.table(self.ring),
-                                reason=LOST_REASON, code=int(code))
+        return failed_result(kind, self.epoch, self.table(self.ring), LOST_REASON)
 
     def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
         """Member ``peer_id`` re-registered at this live master reporting the topology call its broken
@@ -1173,9 +1144,7 @@ class MasterState:
 
     def _check_topology_vote(self) -> list[Effect]:
         rnd = self._topology
-        if rnd is None or not rnd.voting or not self.resumed:
-            return []
-        if unanimous(rnd.votes, len(self.ring), lambda: self.ring) is None:
+        if rnd is None or not self.resumed or not rnd.complete(self.ring):
             return []
         if rnd.kind == "update":
             newcomers = self.registered()
@@ -1186,19 +1155,19 @@ class MasterState:
             self.improved_ring = None
             return effects + self._start_establish(rnd, self.ring + newcomers, set(newcomers))
         # optimize: measure what is missing, then solve
-        rnd.measure_rounds = self._plan_measurements()
+        rnd.measure_rounds = plan_measurements(self.ring, self._measured_at, self._now,
+                                               self.bandwidth_stale_after)
         return self._next_measure_round(rnd)
 
-    def _start_establish(self, rnd: _TopologyRound, members: list[int], newcomers: set[int]) -> list[Effect]:
-        if rnd.from_epoch < 0:
-            rnd.from_epoch = self.epoch
+    def _measured_at(self, a: int, b: int) -> float | None:
+        """When the link a -> b was last measured (None: never)."""
+        got = self.bandwidth.get((a, b))
+        return None if got is None else got[1]
+
+    def _start_establish(self, rnd: TopologyRound, members: list[int], newcomers: set[int]) -> list[Effect]:
+        """The round's P2P setup: a new epoch, its credentials, EstablishP2P to every member."""
         self.epoch += 1
-        rnd.epoch = self.epoch
-        rnd.members = list(members)
-        rnd.member_set = set(members)
-        rnd.newcomers = set(newcomers)
-        rnd.establishing = True
-        rnd.establish_started = self._now
+        rnd.begin_setup(self.epoch, self.epoch - 1, members, newcomers, self._now)
         table = self.table(rnd.members)
         by_group: dict[int, list[int]] = {}
         for p in rnd.members:
@@ -1244,37 +1213,24 @@ class MasterState:
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.P2PConnectionsDone)
         rnd = self._topology
-        if rnd is None or not rnd.establishing or msg.epoch != rnd.epoch or rec.peer_id not in rnd.member_set:
+        if rnd is None or not rnd.expects(rec.peer_id, msg.epoch):
             # A late answer for a round that already ended (e.g. failed because a peer died): ignore.
             return []
-        if rec.peer_id in rnd.confirmed:
-            return self.kick(rec.peer_id, "duplicate P2PConnectionsDone")
-        rnd.confirmed.add(rec.peer_id)
-        if not msg.success:
-            rnd.failed = True
-            rnd.failure_reason = (
-                f"peer {rec.peer_id} could not connect to {msg.failed_peers}: {msg.reason}".rstrip(": ")
-            )
-        return self._check_establish()
+        refused = rnd.confirm(rec.peer_id, msg)
+        return self.kick(rec.peer_id, refused.reason) if refused is not None else self._check_establish()
 
     def _check_establish(self) -> list[Effect]:
         rnd = self._topology
-        if rnd is None or not rnd.establishing:
-            return []
         # A failed round ends at once: members still busy connecting (possibly to a peer that just
         # died or hangs, which can take a connect timeout) must not hold everyone else back.
-        if not rnd.failed and (
-            len(rnd.confirmed) < len(rnd.member_set) or not rnd.member_set <= rnd.confirmed
-        ):
+        done = None if rnd is None else rnd.outcome()
+        if rnd is None or done is None:
             return []
         self._topology = None
-        old = [p for p in rnd.members if p not in rnd.newcomers]
+        old = rnd.old_members()
         effects: list[Effect] = []
-        code = Result.UPDATE_TOPOLOGY_FAILED if rnd.kind == "update" else Result.TOPOLOGY_OPTIMIZATION_FAILED
-        if rnd.failed:
-            table = self.table(self.ring)
-            failed = m.TopologyResult(success=False, epoch=self.epoch, peers=table, reason=rnd.failure_reason,
-                                      code=int(code))
+        if not done:
+            failed = failed_result(rnd.kind, self.epoch, self.table(self.ring), rnd.failure_reason)
             effects += [Send(p, failed) for p in old]  # one object for all: encoded once
             effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
             self.rounds.settle(rnd.epoch, False)
@@ -1306,106 +1262,53 @@ class MasterState:
         rnd = self._topology
         if rnd is None:
             return []
-        rnd.votes.discard(peer_id)
-        if rnd.establishing:
-            if peer_id in rnd.member_set:
-                rnd.members.remove(peer_id)
-                rnd.member_set.discard(peer_id)
-                rnd.newcomers.discard(peer_id)
-                rnd.confirmed.discard(peer_id)
-                # Its neighbours were told to connect to it: the proposed ring is broken.
-                rnd.failed = True
-                rnd.failure_reason = f"peer {peer_id} was lost during the topology update"
+        loss = rnd.peer_lost(peer_id)
+        if loss is Loss.CHECK_SETUP:
             effects = self._check_establish()
             if self._topology is rnd and not any(p in self.ring for p in rnd.members):
                 self._topology = None
                 self.rounds.settle(rnd.epoch, False)
             return effects
-        if rnd.measuring or rnd.measure_rounds:
-            rnd.measuring.discard(peer_id)
-            rnd.measure_rounds = [[e for e in r if peer_id not in e] for r in rnd.measure_rounds]
-            if not rnd.measuring:
-                return self._next_measure_round(rnd)
-            return []
-        if not rnd.votes:
+        if loss is Loss.NEXT_MEASUREMENT:
+            return self._next_measure_round(rnd)
+        if loss is Loss.DROP:
             self._topology = None
             return []
-        return self._check_topology_vote()
+        return self._check_topology_vote() if loss is Loss.CHECK_VOTE else []
 
     # ---------------------------------------------------------------------------------------
     # topology optimization
 
-    def _plan_measurements(self) -> list[list[tuple[int, int]]]:
-        """Missing or stale directed links, scheduled so no peer sends or receives twice per round."""
-        ring = self.ring
-        n = len(ring)
-        rounds: list[list[tuple[int, int]]] = []
-        for shift in range(1, n):
-            rnd = []
-            for i, a in enumerate(ring):
-                b = ring[(i + shift) % n]
-                got = self.bandwidth.get((a, b))
-                if got is None or self._now - got[1] > self.bandwidth_stale_after:
-                    rnd.append((a, b))
-            if rnd:
-                rounds.append(rnd)
-        return rounds
+    def _next_measure_round(self, rnd: TopologyRound) -> list[Effect]:
+        by_src = rnd.next_measurement(self._address)
+        if by_src is None:
+            return self._solve_and_establish(rnd)
+        return [
+            Send(a, m.MeasureBandwidth(epoch=self.epoch, targets=t, duration=self.bandwidth_probe_seconds))
+            for a, t in by_src.items()
+        ]
 
-    def _next_measure_round(self, rnd: _TopologyRound) -> list[Effect]:
-        while rnd.measure_rounds:
-            edges = rnd.measure_rounds.pop(0)
-            by_src: dict[int, list[list[Any]]] = {}
-            for a, b in edges:
-                if a in self.peers and b in self.peers:
-                    pb = self.peers[b]
-                    by_src.setdefault(a, []).append([b, pb.host, pb.p2p_port])
-            if not by_src:
-                continue
-            rnd.measuring = set(by_src)
-            return [
-                Send(
-                    a, m.MeasureBandwidth(epoch=self.epoch, targets=t, duration=self.bandwidth_probe_seconds)
-                )
-                for a, t in by_src.items()
-            ]
-        rnd.measuring = set()
-        return self._solve_and_establish(rnd)
+    def _address(self, peer_id: int) -> tuple[str, int] | None:
+        """A connected peer's P2P address (None: not connected)."""
+        rec = self.peers.get(peer_id)
+        return None if rec is None else (rec.host, rec.p2p_port)
 
     def _on_bandwidth_report(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.BandwidthReport)
         rnd = self._topology
         if rnd is None or rec.peer_id not in rnd.measuring:
             return []
-        for row in msg.results:
-            # [to, bytes/s] or [to, bytes/s, one-way seconds] (peers before protocol 5: bandwidth only)
-            if len(row) in (2, 3) and isinstance(row[0], int) and all(
-                isinstance(v, (int, float)) and not isinstance(v, bool) for v in row[1:]
-            ):
-                key = (rec.peer_id, row[0])
-                bw = float(row[1])
-                self.bandwidth[key] = (bw, self._now)
-                lat = float(row[2]) if len(row) == 3 else -1.0
-                if bw > 0 and math.isfinite(lat) and lat >= 0:
-                    self.latency[key] = lat
-                else:
-                    self.latency.pop(key, None)
-        rnd.measuring.discard(rec.peer_id)
-        if rnd.measuring:
+        record_bandwidth(rec.peer_id, msg.results, self._now, self.bandwidth, self.latency)
+        if not rnd.measured(rec.peer_id):
             return []
         return self._next_measure_round(rnd)
 
-    def _solve_and_establish(self, rnd: _TopologyRound) -> list[Effect]:
+    def _solve_and_establish(self, rnd: TopologyRound) -> list[Effect]:
         ring = list(self.ring)
         n = len(ring)
         effects: list[Effect] = []
         if n >= 3:
-            bw: list[list[float | None]] = [
-                [
-                    None if i == j else (self.bandwidth.get((a, b), (0.0, 0.0))[0] or None)
-                    for j, b in enumerate(ring)
-                ]
-                for i, a in enumerate(ring)
-            ]
+            bw = bandwidth_matrix(ring, self.bandwidth)
             try:
                 order = self._solve(bw)
             except Exception as exc:
