@@ -51,7 +51,7 @@ from .ops_in_doubt import DoubtBook, Key
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
 from .reported import ReportedRings
-from .rounds.base import Expel
+from .rounds.base import Expel, Round
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
 from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
@@ -84,6 +84,37 @@ class _SyncRound:
     note: str = ""  # for the participants' result: which co-voters were refused and why (issue 37)
     fetchers: set[int] = field(default_factory=set)  # participants with something to fetch (issue 35)
     progress: SyncProgress | None = None  # the receivers' reports while it runs (issue 37 item 5)
+
+    # -- the round interface (pccl/master/rounds/base.py)
+
+    @property
+    def key(self) -> VoteKey:
+        return ("sync", self.group)
+
+    @property
+    def voting(self) -> bool:
+        return not self.running
+
+    @property
+    def ballots(self) -> Collection[int]:
+        return self.votes.keys()
+
+    @property
+    def vote_name(self) -> str:
+        return f"shared-state sync vote (group {self.group})"
+
+    def waits(self, members: set[int]) -> tuple[str, set[int], str] | None:
+        if self.running:
+            return f"shared-state sync (group {self.group})", self.participants - self.done, ""
+        if self.votes:
+            return self.vote_name, members - set(self.votes), f"; voted {sorted(self.votes)}"
+        return None
+
+    def busy(self, ring: list[int]) -> set[int]:
+        return set(self.participants) if self.running else set()
+
+    def vote_waits(self) -> list[tuple[int, VoteWait]]:
+        return [] if self.running else [(p, VoteWait("sync")) for p in self.votes]
 
 
 
@@ -398,36 +429,33 @@ class MasterState:
         """Peers silent for longer than ``timeout``."""
         return [p.peer_id for p in self.peers.values() if now - p.last_seen > timeout]
 
+    def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]:
+        """Every open vote round (pccl/master/rounds/): are_peers_pending, topology, the collectives, the
+        syncs; ``ordered``: collectives and syncs by key, else in the order they opened (the order the
+        votes are re-checked in); ``with_ops`` False: without the collectives. A list: walks that act
+        on a round may close it."""
+        rounds: list[Round] = [self._pending]
+        if self._topology is not None:
+            rounds.append(self._topology)
+        if with_ops:
+            rounds += [op for _, op in sorted(self._ops.items())] if ordered else list(self._ops.values())
+        rounds += [sync for _, sync in sorted(self._syncs.items())] if ordered else list(self._syncs.values())
+        return rounds
+
+    def _group_sets(self) -> dict[int | None, set[int]]:
+        """Each group's accepted peers, and the ring's under None: once per walk, not once per vote (a
+        timer walks every open vote, up to members x max_open_votes)."""
+        groups: dict[int | None, set[int]] = {None: set(self.ring)}
+        for p in self.ring:
+            groups.setdefault(self.peers[p].group, set()).add(p)
+        return groups
+
     def _waits(self) -> list[tuple[str, set[int], str]]:
         """Every vote or round in progress as ``(what, peers it waits for, detail)``: the one place
         that knows who holds up what (:meth:`waited_on` and :meth:`pending_summary` read it)."""
-        waits: list[tuple[str, set[int], str]] = []
-        ring = set(self.ring)
-        if self._pending.open:
-            waits.append((self._pending.what, self._pending.waiting(ring), ""))
-        rnd = self._topology
-        if rnd is not None:
-            if rnd.establishing:
-                waits.append((f"{rnd.kind}_topology epoch {rnd.epoch}: P2P setup",
-                              set(rnd.members) - rnd.confirmed, f" (newcomers {sorted(rnd.newcomers)})"))
-            elif rnd.measuring or rnd.measure_rounds:
-                waits.append((f"{rnd.kind}_topology: bandwidth measurement", set(rnd.measuring), ""))
-            elif rnd.votes:
-                waits.append((f"{rnd.kind}_topology vote", ring - rnd.votes, ""))
-        for (group, tag), op in sorted(self._ops.items()):
-            if op.running:
-                waits.append((f"collective tag {tag} (group {group}, op {op.op_seq})",
-                              set(op.participants) - op.done, " to finish"))
-            elif op.votes:
-                waits.append((f"collective tag {tag} (group {group}) vote",
-                              set(self.accepted(group)) - set(op.votes), f"; voted {sorted(op.votes)}"))
-        for group, sync in sorted(self._syncs.items()):
-            if sync.running:
-                waits.append((f"shared-state sync (group {group})", sync.participants - sync.done, ""))
-            elif sync.votes:
-                waits.append((f"shared-state sync vote (group {group})",
-                              set(self.accepted(group)) - set(sync.votes), f"; voted {sorted(sync.votes)}"))
-        return waits
+        groups = self._group_sets()
+        waits = [rnd.waits(groups.get(rnd.group, set())) for rnd in self._open_rounds()]
+        return [w for w in waits if w is not None]
 
     def waited_on(self) -> set[int]:
         """Peers that others are waiting for right now.
@@ -449,20 +477,9 @@ class MasterState:
         """For every peer: the calls it has voted for whose votes have not completed (in-flight rounds
         such as a running collective are not votes)."""
         out: dict[int, list[VoteWait]] = {}
-        for p in sorted(self._pending.votes):
-            out.setdefault(p, []).append(VoteWait(self._pending.kind))
-        rnd = self._topology
-        if rnd is not None and rnd.voting:
-            for p in sorted(rnd.votes):
-                out.setdefault(p, []).append(VoteWait(f"{rnd.kind}_topology"))
-        for (_, tag), op in sorted(self._ops.items()):
-            if not op.running:
-                for p, d in op.votes.items():
-                    out.setdefault(p, []).append(VoteWait("collective", tag, tuple(d)))
-        for sync in self._syncs.values():
-            if not sync.running:
-                for p in sync.votes:
-                    out.setdefault(p, []).append(VoteWait("sync"))
+        for rnd in self._open_rounds():
+            for p, wait in rnd.vote_waits():
+                out.setdefault(p, []).append(wait)
         return out
 
     def _vote_sets(self) -> Iterator[tuple[int | None, Collection[int]]]:
@@ -470,16 +487,9 @@ class MasterState:
         are_peers_pending), without the work :meth:`_open_votes` does for the vote timeout (who is
         missing, when it opened). The one walk :meth:`voting_peers` and :meth:`deadlock_candidates`
         share, so that the bound can never miss a kind of vote the voter set has."""
-        yield None, self._pending.votes
-        rnd = self._topology
-        if rnd is not None and rnd.voting:
-            yield None, rnd.votes
-        for (group, _), op in self._ops.items():
-            if not op.running:
-                yield group, op.votes.keys()
-        for group, sync in self._syncs.items():
-            if not sync.running:
-                yield group, sync.votes.keys()
+        for rnd in self._open_rounds(ordered=False):
+            if rnd.voting:
+                yield rnd.group, rnd.ballots
 
     def voting_peers(self) -> set[int]:
         """The peers that :meth:`vote_waits` lists (``set(vote_waits())``), without building the waits:
@@ -509,15 +519,8 @@ class MasterState:
     def busy_peers(self) -> set[int]:
         """Peers taking part in a running collective, sync or topology round (not just voting)."""
         out: set[int] = set()
-        rnd = self._topology
-        if rnd is not None and not rnd.voting:
-            out |= set(rnd.members) | set(rnd.measuring) | set(self.ring)
-        for op in self._ops.values():
-            if op.running:
-                out |= set(op.participants)
-        for sync in self._syncs.values():
-            if sync.running:
-                out |= sync.participants
+        for rnd in self._open_rounds(ordered=False):
+            out |= rnd.busy(self.ring)
         return out
 
     def fail_votes(
@@ -526,12 +529,10 @@ class MasterState:
         """Withdraw the votes of ``peer_ids`` from every vote that has not completed and fail each of
         those calls with ``reason`` (a deadlock). are_peers_pending votes have no failure reply and stay."""
         effects: list[Effect] = []
-        for key in sorted(self._ops):
-            effects += self.collectives.withdraw(key, peer_ids, reason, code)
-        for group, sync in sorted(self._syncs.items()):
-            if not sync.running:
-                effects += self._withdraw_sync_votes(group, sync, peer_ids, reason, code)
-        effects += self._withdraw_topology_votes(peer_ids, reason, code)
+        rounds = self._open_rounds()
+        # (the ring-wide topology vote last, as it always was)
+        for rnd in [r for r in rounds if r.group is not None] + [r for r in rounds if r.key[0] == "topology"]:
+            effects += self._fail_round(rnd.key, peer_ids, reason, code)
         if effects:
             effects.append(Event(reason))
         return effects
@@ -640,34 +641,11 @@ class MasterState:
         (``with_ops`` False: all but the collective votes)."""
         if not self.resumed:
             return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
-        out: list[tuple[str, float, set[int], list[int], VoteKey]] = []
-        ring = set(self.ring)
-        if self._pending.open:
-            out.append(("are_peers_pending vote", self._pending.opened, self._pending.waiting(ring),
-                        sorted(self._pending.votes), ("pending", None)))
-        rnd = self._topology
-        voting = rnd is not None and rnd.voting
-        if rnd is not None and voting and rnd.votes:
-            out.append((f"{rnd.kind}_topology vote", rnd.opened, ring - rnd.votes, sorted(rnd.votes),
-                        ("topology", None)))
-        # Each group's members and the peer set once, not once per vote: a timer walks every open vote
-        # (up to members x max_open_votes), so each costs O(its group), not O(every peer).
-        groups: dict[int, set[int]] = {}
-        for p in self.ring:
-            groups.setdefault(self.peers[p].group, set()).add(p)
-        for (group, tag), op in sorted(self._ops.items()) if with_ops else ():
-            if not op.running and op.votes:
-                out.append((f"collective tag {tag} (group {group}) vote", op.opened,
-                            groups.get(group, set()).difference(op.votes), sorted(op.votes),
-                            ("op", (group, tag))))
-        for group, sync in sorted(self._syncs.items()):
-            if not sync.running and sync.votes:
-                out.append((f"shared-state sync vote (group {group})", sync.opened,
-                            groups.get(group, set()).difference(sync.votes), sorted(sync.votes),
-                            ("sync", group)))
+        groups = self._group_sets()
         known = self.peers.keys()
-        return [(what, opened, live, voted, key)
-                for what, opened, missing, voted, key in out if (live := missing & known)]
+        return [(rnd.vote_name, rnd.opened, live, sorted(rnd.ballots), rnd.key)
+                for rnd in self._open_rounds(with_ops=with_ops) if rnd.voting and rnd.ballots
+                if (live := groups.get(rnd.group, set()).difference(rnd.ballots) & known)]
 
     def vote_deadline(self, timeout: float) -> float | None:
         """When the earliest open vote (one others joined) runs out of time for its missing voters."""
@@ -735,7 +713,7 @@ class MasterState:
         for what, voted, key in alone:
             reason = (f"no other member joined the {what} within {timeout:g}s (voted: {voted}): every "
                       "member of a group must make the same calls")
-            effects += self._fail_open_vote(key, voted, reason)
+            effects += self._fail_round(key, voted, reason)
             effects.append(Event(f"vote timeout: {reason}"))
         for p, reason in late.items():
             effects += self.kick(p, reason)
@@ -745,18 +723,18 @@ class MasterState:
         """Every vote others joined that has not completed, for the newcomers' grace
         (:func:`~pccl.master.admission.newcomer_waits`): the ring-wide ones, the syncs, the collective
         votes, in that order (the first of equally old ones is blamed)."""
+        rounds = sorted(self._open_rounds(ordered=False), key=lambda r: r.key[0] == "op")
         out: list[OpenVote] = []
-        if self._pending.open:
-            out.append(OpenVote("are_peers_pending", self._pending.opened, None, self._pending.votes))
-        rnd = self._topology
-        if rnd is not None and rnd.voting and rnd.votes:
-            out.append(OpenVote(f"{rnd.kind}_topology", rnd.opened, None, rnd.votes))
-        for group, sync in self._syncs.items():
-            if not sync.running and sync.votes:
-                out.append(OpenVote("sync", sync.opened, group, sync.votes))
-        for (group, tag), op in self._ops.items():
-            if not op.running and op.votes:
-                out.append(OpenVote("collective", op.opened, group, op.votes, tag))
+        for rnd in rounds:
+            if rnd.voting and rnd.ballots:
+                kind, which = rnd.key
+                if kind == "op":
+                    assert isinstance(which, tuple)
+                    out.append(OpenVote("collective", rnd.opened, rnd.group, rnd.ballots, which[1]))
+                elif kind == "sync":
+                    out.append(OpenVote("sync", rnd.opened, rnd.group, rnd.ballots))
+                else:
+                    out.append(OpenVote(rnd.vote_name.removesuffix(" vote"), rnd.opened, None, rnd.ballots))
         return out
 
     def admission_deadline(self, grace: float) -> float | None:
@@ -769,10 +747,11 @@ class MasterState:
         self._now = now
         return self.admission.overdue(now, grace)
 
-    def _fail_open_vote(self, key: VoteKey, voters: list[int], reason: str) -> list[Effect]:
-        """Fail the call of every voter of the open vote ``key`` (it stays unanswered otherwise)."""
+    def _fail_round(self, key: VoteKey, voters: Collection[int], reason: str,
+                    code: Result = Result.INVALID_USAGE) -> list[Effect]:
+        """Fail the calls of ``voters`` in the open vote ``key`` (it stays unanswered otherwise);
+        are_peers_pending votes have no failure reply."""
         kind, which = key
-        code = Result.INVALID_USAGE
         if kind == "op":
             assert isinstance(which, tuple)
             return self.collectives.withdraw(which, voters, reason, code)
@@ -785,6 +764,29 @@ class MasterState:
         if kind == "topology":
             return self._withdraw_topology_votes(voters, reason, code)
         return []
+
+    def _check_round(self, key: VoteKey) -> list[Effect]:
+        """Complete the open vote ``key`` if every member it concerns voted (and the master is not held)."""
+        kind, which = key
+        if kind == "op":
+            assert isinstance(which, tuple)
+            return self._check_op_vote(which)
+        if kind == "sync":
+            assert isinstance(which, int)
+            return self._check_sync_vote(which)
+        return self._check_topology_vote() if kind == "topology" else self._check_pending_vote()
+
+    def _round_peer_lost(self, key: VoteKey, peer_id: int) -> list[Effect]:
+        """``peer_id`` left the round ``key``: its ballot or part is withdrawn, the round re-checked."""
+        kind, which = key
+        if kind == "op":
+            assert isinstance(which, tuple)
+            return self.collectives.peer_lost(which, peer_id, self, self.resumed)
+        if kind == "sync":
+            assert isinstance(which, int)
+            return self._sync_peer_lost(which, peer_id)
+        # (are_peers_pending: the ballot was dropped with the peer's other traces in _remove)
+        return self._topology_peer_lost(peer_id) if kind == "topology" else self._check_pending_vote()
 
     def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
                   broken: bool = False) -> list[Effect]:
@@ -877,13 +879,10 @@ class MasterState:
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
         self.latency = {k: v for k, v in self.latency.items() if peer_id not in k}
         effects: list[Effect] = revoked
-        # Re-check every vote with the peer gone.
-        effects += self._topology_peer_lost(peer_id)
-        effects += self._check_pending_vote()
-        for key in list(self._ops):
-            effects += self.collectives.peer_lost(key, peer_id, self, self.resumed)
-        for group in list(self._syncs):
-            effects += self._sync_peer_lost(group, peer_id)
+        # Re-check every vote with the peer gone (the topology round first, as it always was).
+        rounds = self._open_rounds(ordered=False)
+        for rnd in sorted(rounds, key=lambda r: r.key[0] != "topology"):
+            effects += self._round_peer_lost(rnd.key, peer_id)
         self.quorum.provisional.discard(peer_id)
         if was_accepted:
             effects += self._note_quorum()
@@ -1062,12 +1061,8 @@ class MasterState:
         """Re-check every pending vote (the rebuild ended); credential rows still owed go out first
         (:meth:`_rows_due`)."""
         effects = self._rows_due()
-        effects += self._check_pending_vote()
-        effects += self._check_topology_vote()
-        for key in list(self._ops):
-            effects += self._check_op_vote(key)
-        for group in list(self._syncs):
-            effects += self._check_sync_vote(group)
+        for rnd in self._open_rounds(ordered=False):
+            effects += self._check_round(rnd.key)
         return effects
 
     def _accept_first_if_alone(self) -> list[Effect]:

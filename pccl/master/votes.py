@@ -4,9 +4,9 @@ A vote completes when every accepted peer it concerns voted (docs/concepts.md): 
 rule for every kind of vote (are_peers_pending, update/optimize topology, collectives, shared-state syncs).
 
 :class:`PendingRound` is the are_peers_pending vote as an object with the round interface every vote is
-moving to (issue 32: one small object per open vote behind one interface): its voters, whom it waits on,
-when it opened, check (is it complete, and who gets the answer), peer lost. The other kinds still live in
-:class:`~pccl.master.state.MasterState` as records (docs/master.md "Where this is going").
+of pccl/master/rounds/base.py (issue 32: one small object per open vote behind one interface): its
+voters, whom it waits on, when it opened, check (is it complete, and who gets the answer), peer lost. The
+other kinds are in pccl/master/rounds/.
 
 Pure: no clock, no I/O (times are passed in).
 """
@@ -14,6 +14,8 @@ Pure: no clock, no I/O (times are passed in).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
+
+from .describe import VoteWait
 
 
 def unanimous(votes: Collection[int], size: int, members: Callable[[], list[int]]) -> list[int] | None:
@@ -38,10 +40,29 @@ class PendingRound:
 
     kind = "peers_pending"
     what = "peers-pending vote"  # as the stall logs and the status page name it
+    vote_name = "are_peers_pending vote"  # as the vote timeout names it
+    key = ("pending", None)
+    group = None  # ring-wide
+    voting = True  # it has no run after the vote
 
     def __init__(self) -> None:
         self.votes: set[int] = set()
         self.opened = 0.0  # when its first ballot came (the vote timeout counts from it)
+
+    # -- the round interface (pccl/master/rounds/base.py)
+
+    @property
+    def ballots(self) -> Collection[int]:
+        return self.votes
+
+    def waits(self, members: set[int]) -> tuple[str, set[int], str] | None:
+        return (self.what, members - self.votes, "") if self.votes else None
+
+    def busy(self, ring: list[int]) -> set[int]:
+        return set()
+
+    def vote_waits(self) -> list[tuple[int, VoteWait]]:
+        return [(p, VoteWait(self.kind)) for p in sorted(self.votes)]
 
     @property
     def open(self) -> bool:

@@ -50,12 +50,13 @@ class Round(Protocol):
     def ballots(self) -> Collection[int]: ...
 
     @property
-    def what(self) -> str:
-        """The vote, as the vote timeout's messages name it (e.g. ``collective tag 3 (group 0) vote``)."""
+    def vote_name(self) -> str:
+        """The vote, as the vote timeout's messages name it (e.g. ``collective tag 3 (group 0) vote``).."""
         ...
 
     def waits(self, members: set[int]) -> tuple[str, set[int], str] | None:
-        """``(what, peers it waits for, detail)`` given the accepted peers it concerns; None: nothing."""
+        """``(what, peers it waits for, detail)`` given the accepted peers it concerns (its group's, or
+        the ring's); None: it waits on nobody (a vote with no ballot)."""
         ...
 
     def busy(self, ring: list[int]) -> set[int]:

@@ -154,7 +154,7 @@ class CollectiveRound:
         return self.votes.keys()
 
     @property
-    def what(self) -> str:
+    def vote_name(self) -> str:
         return f"collective tag {self.tag} (group {self.group}) vote"
 
     def waits(self, members: set[int]) -> tuple[str, set[int], str] | None:
@@ -162,7 +162,7 @@ class CollectiveRound:
             return (f"collective tag {self.tag} (group {self.group}, op {self.op_seq})",
                     set(self.participants) - self.done, " to finish")
         if self.votes:
-            return self.what, members - set(self.votes), f"; voted {sorted(self.votes)}"
+            return self.vote_name, members - set(self.votes), f"; voted {sorted(self.votes)}"
         return None
 
     def busy(self, ring: list[int]) -> set[int]:

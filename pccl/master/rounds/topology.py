@@ -110,7 +110,7 @@ class TopologyRound:
         return self.votes
 
     @property
-    def what(self) -> str:
+    def vote_name(self) -> str:
         return f"{self.kind}_topology vote"
 
     def waits(self, members: set[int]) -> tuple[str, set[int], str] | None:
@@ -120,7 +120,7 @@ class TopologyRound:
         if self.measuring or self.measure_rounds:
             return f"{self.kind}_topology: bandwidth measurement", set(self.measuring), ""
         if self.votes:
-            return self.what, members - self.votes, ""
+            return self.vote_name, members - self.votes, ""
         return None
 
     def busy(self, ring: list[int]) -> set[int]:
