@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from .._errors import Result
@@ -55,6 +55,7 @@ from .rounds.base import Expel, Round
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
 from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
+from .rounds.sync import SyncRound, SyncVotes, lost_sync_result
 from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
 from .rounds.topology import (
     Loss,
@@ -67,57 +68,7 @@ from .rounds.topology import (
 )
 from .rounds_in_doubt import RoundBook
 from .tokens import MemberTokens
-from .transfers import SyncProgress
-from .votes import PendingRound, unanimous
-
-
-@dataclass
-class _SyncRound:
-    group: int
-    opened: float = 0.0  # ``now`` of the first vote (the vote deadline's start)
-    votes: dict[int, _election.SyncVote] = field(default_factory=dict)
-    running: bool = False
-    seq: int = -1
-    revision: int = 0
-    participants: set[int] = field(default_factory=set)
-    done: set[int] = field(default_factory=set)
-    note: str = ""  # for the participants' result: which co-voters were refused and why (issue 37)
-    fetchers: set[int] = field(default_factory=set)  # participants with something to fetch (issue 35)
-    progress: SyncProgress | None = None  # the receivers' reports while it runs (issue 37 item 5)
-
-    # -- the round interface (pccl/master/rounds/base.py)
-
-    @property
-    def key(self) -> VoteKey:
-        return ("sync", self.group)
-
-    @property
-    def voting(self) -> bool:
-        return not self.running
-
-    @property
-    def ballots(self) -> Collection[int]:
-        return self.votes.keys()
-
-    @property
-    def vote_name(self) -> str:
-        return f"shared-state sync vote (group {self.group})"
-
-    def waits(self, members: set[int]) -> tuple[str, set[int], str] | None:
-        if self.running:
-            return f"shared-state sync (group {self.group})", self.participants - self.done, ""
-        if self.votes:
-            return self.vote_name, members - set(self.votes), f"; voted {sorted(self.votes)}"
-        return None
-
-    def busy(self, ring: list[int]) -> set[int]:
-        return set(self.participants) if self.running else set()
-
-    def vote_waits(self) -> list[tuple[int, VoteWait]]:
-        return [] if self.running else [(p, VoteWait("sync")) for p in self.votes]
-
-
-
+from .votes import PendingRound
 
 #: op_seq and sync_seq values of master generation g start at ``g << _SEQ_SHIFT``: a restarted master
 #: never hands out a sequence number a peer saw from an older generation (stale stashed frames); data
@@ -191,7 +142,9 @@ class MasterState:
         self.collectives = CollectiveVotes(go_delay)
         self._ops = self.collectives.ops
         self._op_seq = 0
-        self._syncs: dict[int, _SyncRound] = {}
+        # The shared-state syncs by group (pccl/master/rounds/sync.py); ``_syncs`` is its rounds.
+        self.syncs = SyncVotes()
+        self._syncs = self.syncs.rounds
         # Per peer: the rows of its next SharedStateSync received so far in SharedStateEntries frames
         # (the rows, then how many frames brought them); dropped with the peer or consumed by its vote.
         self._sync_rows: dict[int, tuple[list[list[Any]], int]] = {}
@@ -537,18 +490,6 @@ class MasterState:
             effects.append(Event(reason))
         return effects
 
-    def _withdraw_sync_votes(self, group: int, sync: _SyncRound, peer_ids: Collection[int], reason: str,
-                             code: Result) -> list[Effect]:
-        """Fail the votes of ``peer_ids`` in the open sync vote of ``group``; drop it when none is left."""
-        effects: list[Effect] = []
-        for p in sorted(set(peer_ids) & set(sync.votes)):
-            vote = sync.votes.pop(p)
-            effects.append(Send(p, m.SharedStateResult(sync_seq=-1, success=False, revision=vote.revision,
-                                                       reason=reason, code=int(code))))
-        if not sync.votes:
-            del self._syncs[group]
-        return effects
-
     def _withdraw_topology_votes(self, peer_ids: Collection[int], reason: str, code: Result) -> list[Effect]:
         """Fail the votes of ``peer_ids`` in the open topology vote; drop it when none is left."""
         rnd = self._topology
@@ -757,10 +698,7 @@ class MasterState:
             return self.collectives.withdraw(which, voters, reason, code)
         if kind == "sync":
             assert isinstance(which, int)
-            sync = self._syncs.get(which)
-            if sync is None or sync.running:
-                return []
-            return self._withdraw_sync_votes(which, sync, voters, reason, code)
+            return self.syncs.withdraw(which, voters, reason, code)
         if kind == "topology":
             return self._withdraw_topology_votes(voters, reason, code)
         return []
@@ -784,7 +722,7 @@ class MasterState:
             return self.collectives.peer_lost(which, peer_id, self, self.resumed)
         if kind == "sync":
             assert isinstance(which, int)
-            return self._sync_peer_lost(which, peer_id)
+            return self.syncs.peer_lost(which, peer_id, self, self.resumed)
         # (are_peers_pending: the ballot was dropped with the peer's other traces in _remove)
         return self._topology_peer_lost(peer_id) if kind == "topology" else self._check_pending_vote()
 
@@ -1009,7 +947,7 @@ class MasterState:
                 return _away.NONE
             voting = topology.voting
             return _away.OPEN if voting else _away.RUNNING
-        rnd: CollectiveRound | _SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
+        rnd: CollectiveRound | SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
             else self._syncs.get(group)
         return _away.NONE if rnd is None else _away.RUNNING if rnd.running else _away.OPEN
 
@@ -1391,11 +1329,6 @@ class MasterState:
         return [Send(pid, m.CollectiveAbort(tag=msg.tag, op_seq=msg.op_seq, code=int(Result.INVALID_USAGE),
                                             reason=reason)), Event(f"peer {pid}: {reason}")]
 
-    @staticmethod
-    def _lost_sync_result(revision: int) -> m.SharedStateResult:
-        return m.SharedStateResult(sync_seq=-1, success=False, revision=revision, reason=LOST_REASON,
-                                   code=int(Result.RANK_CONNECTION_LOST))
-
     def _fail_lost(self, keys: list[Key]) -> list[Effect]:
         """A re-registration named ``keys`` lost with the master: fail the votes for them already
         waiting here (members that voted at this master before the report came), once each."""
@@ -1405,13 +1338,7 @@ class MasterState:
             if kind == "op":
                 effects += self.collectives.fail_lost((group, tag), lambda p: self.lost.owes(p, key))
             else:
-                rnd = self._syncs.get(group)
-                if rnd is None or rnd.running:
-                    continue
-                for p in [p for p in rnd.votes if self.lost.owes(p, key)]:
-                    effects.append(Send(p, self._lost_sync_result(rnd.votes.pop(p).revision)))
-                if not rnd.votes:
-                    del self._syncs[group]
+                effects += self.syncs.fail_lost(group, lambda p: self.lost.owes(p, key))
         return effects
 
     # What the collective rounds ask of the master (pccl/master/rounds/collective.py CollectiveContext).
@@ -1481,8 +1408,8 @@ class MasterState:
         bad = self._require_accepted(rec, what)
         if bad is not None:
             return bad
-        rnd = self._syncs.get(rec.group)
-        if rnd is not None and (rec.peer_id in rnd.votes or rnd.running):
+        rnd = self.syncs.get(rec.group)
+        if rnd is not None and not rnd.takes_ballot_from(rec.peer_id):
             return self.kick(rec.peer_id, f"{what} while this peer's previous sync is still running")
         return None
 
@@ -1533,156 +1460,50 @@ class MasterState:
                 )
             ]
         if self.lost.owes(rec.peer_id, ("sync", rec.group, -1)):
-            return [Send(rec.peer_id, self._lost_sync_result(msg.revision))]
-        rnd = self._syncs.get(rec.group)
-        if rnd is None:
-            rnd = self._syncs[rec.group] = _SyncRound(group=rec.group, opened=self._now)
+            return [Send(rec.peer_id, lost_sync_result(msg.revision))]
+        if self.syncs.vote(rec.peer_id, rec.group, vote, self._now):
             self.away.opened(("sync", rec.group, -1))
-        rnd.votes[rec.peer_id] = vote
         return self._check_sync_vote(rec.group)
 
     def _check_sync_vote(self, group: int) -> list[Effect]:
-        rnd = self._syncs.get(group)
-        if rnd is None or rnd.running or not self.resumed:
-            return []
-        members = unanimous(rnd.votes, self._group_size(group), lambda: self.accepted(group))
-        if members is None:
-            return []
-        votes = {p: rnd.votes[p] for p in members if p in rnd.votes}
-        result = _election.elect(votes, last_revision=self.last_revision.get(group))
-        effects: list[Effect] = []
-        self._sync_seq += 1
-        rnd.seq = self._sync_seq
-        rnd.revision = result.revision
-        for p, refusal in sorted(result.refused.items()):
-            effects.append(
-                Send(
-                    p,
-                    m.SharedStateResult(
-                        sync_seq=rnd.seq,
-                        success=False,
-                        revision=votes[p].revision,
-                        reason=refusal.reason,
-                        code=int(refusal.code),
-                    ),
-                )
-            )
-            effects.append(Event(f"peer {p} refused by shared-state sync: {refusal.reason}"))
-        rnd.participants = set(result.plans)
-        if not rnd.participants:
-            del self._syncs[group]
-            return effects
-        rnd.progress = SyncProgress({p: sum(i.nbytes for i in plan) for p, plan in result.plans.items()},
-                                    self._now)
-        rnd.note = "; ".join(f"peer {p} was refused: {r.reason}" for p, r in sorted(result.refused.items()))
-        rnd.running = True
-        table = self.table(members)
-        for p in members:
-            plan = result.plans.get(p)
-            if plan is None:
-                continue
-            rows = _election.fetch_rows(plan)
-            if rows:
-                rnd.fetchers.add(p)
-            effects.append(
-                Send(p, m.SharedStatePlan(sync_seq=rnd.seq, revision=rnd.revision, fetch=rows, peers=table))
-            )
-        return effects
+        return self.syncs.check(group, self) if self.resumed else []
 
     def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.SharedStateDone)
-        rnd = self._syncs.get(rec.group)
-        if rnd is None or not rnd.running or msg.sync_seq != rnd.seq or rec.peer_id not in rnd.participants:
-            return []
-        if rec.peer_id in rnd.done:
-            return self.kick(rec.peer_id, "duplicate SharedStateDone")
-        if not msg.success:
-            return self._fail_sync(
-                rec.group, f"peer {rec.peer_id}: {msg.reason}", Result.SHARED_STATE_SYNC_FAILED
-            )
-        rnd.done.add(rec.peer_id)
-        if rnd.progress is not None:
-            rnd.progress.finished(rec.peer_id, self._now)
-        return self._check_sync_done(rec.group)
+        got = self.syncs.report(rec.peer_id, rec.group, msg, self)
+        return self.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
 
     def _on_shared_state_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        """A receiver's progress (for the status page): recorded only for a participant of its group's
-        running sync, within its plan (:class:`SyncProgress`); one breaking the rules kicks the sender.
-        A report for another sync than the running one is dropped: that sync ended (failed elsewhere)
-        while the report travelled, or it was a former master's (a peer whose fetch outlived its
-        master; its number may be anything here), and it records nothing."""
+        """A receiver's progress (for the status page; :meth:`SyncVotes.progress`): one breaking the rules
+        kicks the sender."""
         assert isinstance(msg, m.SharedStateProgress)
-        rnd = self._syncs.get(rec.group)
-        if rnd is None or not rnd.running or msg.sync_seq != rnd.seq or rnd.progress is None:
-            return []
-        if rec.peer_id not in rnd.participants:
-            return self.kick(rec.peer_id, f"SharedStateProgress for sync {msg.sync_seq}, which it takes no "
-                                          "part in")
-        if rec.peer_id in rnd.done:
-            return self.kick(rec.peer_id, "SharedStateProgress after its SharedStateDone")
-        bad = rnd.progress.report(rec.peer_id, msg.rx_bytes, msg.total_bytes, self._now)
-        return [] if bad is None else self.kick(rec.peer_id, bad)
+        bad = self.syncs.progress(rec.peer_id, rec.group, msg, self._now)
+        return [] if bad is None else self.kick(rec.peer_id, bad.reason)
 
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:
         """Each running sync's receivers, for the status page: ``{"group", "sync_seq", "receivers"}``
         with :meth:`SyncProgress.rows` as the receivers, by group."""
-        return [{"group": g, "sync_seq": rnd.seq, "receivers": rnd.progress.rows(now)}
-                for g, rnd in sorted(self._syncs.items()) if rnd.running and rnd.progress is not None]
+        return self.syncs.transfer_progress(now)
 
-    def _check_sync_done(self, group: int) -> list[Effect]:
-        rnd = self._syncs.get(group)
-        if rnd is None or not rnd.running or len(rnd.done) < len(rnd.participants):
-            return []
-        if not rnd.participants <= rnd.done:
-            return []
-        del self._syncs[group]
-        self.last_revision[group] = rnd.revision
-        self.doubts.settle(("sync", group, -1), rnd.seq, True)
-        self.lost.settled(("sync", group, -1))
-        self.doubts.progressed(group)
-        return [
-            Send(p, m.SharedStateResult(sync_seq=rnd.seq, success=True, revision=rnd.revision,
-                                        reason=rnd.note))
-            for p in sorted(rnd.participants)
-        ]
+    # What the sync rounds ask of the master (pccl/master/rounds/sync.py SyncContext).
 
-    def _fail_sync(self, group: int, reason: str, code: Result) -> list[Effect]:
-        rnd = self._syncs.pop(group)
-        self.doubts.settle(("sync", group, -1), rnd.seq, False)
-        return [
-            Send(
-                p,
-                m.SharedStateResult(
-                    sync_seq=rnd.seq, success=False, revision=rnd.revision, reason=reason, code=int(code)
-                ),
-            )
-            for p in sorted(rnd.participants)
-            if p in self.peers
-        ]
+    def revision_of(self, group: int) -> int | None:
+        """The revision ``group``'s last sync committed (None: none)."""
+        return self.last_revision.get(group)
 
-    def _sync_peer_lost(self, group: int, peer_id: int) -> list[Effect]:
-        rnd = self._syncs.get(group)
-        if rnd is None:
-            return []
-        if rnd.running:
-            if peer_id in rnd.participants and peer_id not in rnd.fetchers and rnd.fetchers:
-                # A donor only (issue 35): its fetchers ask the other holders for what it had not sent,
-                # and fail the sync themselves when none is left.
-                rnd.participants.discard(peer_id)
-                rnd.done.discard(peer_id)
-                return [Event(f"donor peer {peer_id} was lost during shared-state sync {rnd.seq}; "
-                              "its fetchers go on with the other holders"), *self._check_sync_done(group)]
-            if peer_id in rnd.participants:
-                rnd.participants.discard(peer_id)
-                return self._fail_sync(
-                    group, f"peer {peer_id} was lost during the sync", Result.RANK_CONNECTION_LOST
-                )
-            return []
-        rnd.votes.pop(peer_id, None)
-        if not rnd.votes:
-            del self._syncs[group]
-            return []
-        return self._check_sync_vote(group)
+    def next_sync_seq(self) -> int:
+        """A fresh sync_seq of this master's generation."""
+        self._sync_seq += 1
+        return self._sync_seq
+
+    def sync_settled(self, group: int, seq: int, committed: bool, revision: int) -> None:
+        """A running sync ended: committed, its revision is the group's; the books in doubt learn it."""
+        if committed:
+            self.last_revision[group] = revision
+        self.doubts.settle(("sync", group, -1), seq, committed)
+        if committed:
+            self.lost.settled(("sync", group, -1))
+            self.doubts.progressed(group)
 
     _HANDLERS: dict[type[m.Message], Callable[[MasterState, PeerRecord, m.Message], list[Effect]]] = {
         m.Heartbeat: _on_heartbeat,
