@@ -4,6 +4,10 @@ No trio, no sockets, no clocks: the trio server feeds it events and executes the
 effects. ``handle(peer_id, message, now)`` and ``peer_lost(peer_id, reason)`` are the only ways
 in; both return a list of effects (:class:`Send`, :class:`Kick`, :class:`Event`).
 
+Each open vote is an object of pccl/master/rounds/ (and :class:`~pccl.master.votes.PendingRound`): this
+class routes the vote messages to them and walks them in one loop (:meth:`MasterState._open_rounds`;
+docs/master.md "Vote rounds").
+
 Vote rules (docs/protocol.md sections 2-6):
 
 * A vote completes when every *accepted* peer it concerns has voted. Registered (not yet
