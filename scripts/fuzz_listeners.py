@@ -144,7 +144,7 @@ def bounds_broken(victim: Any) -> str | None:
     if s["stashed_frames"] > cfg.recv_stash_frames or s["stash_peak_bytes"] > cfg.recv_stash_limit:
         return f"peer {victim.peer_id}'s stash is over its bounds: {s}"
     for channel, cap in CHANNEL_CAPS.items():
-        for pid in {p for p, _i in victim.pool._in} | {-1}:
+        for pid in {p for p, _i in victim.pool.readers.conns} | {-1}:
             if victim.p2p_connections.count(pid, channel) > cap:
                 return f"peer {pid} holds more than {cap} {channel!r} connections at peer {victim.peer_id}"
     return None

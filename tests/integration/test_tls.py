@@ -20,7 +20,7 @@ from pccl._errors import MasterConnectionError
 from pccl.blocking import Communicator as BlockingCommunicator
 from pccl.blocking import MasterNode, ReduceOp
 from pccl.peer.communicator import Communicator, open_communicator
-from pccl.peer.pool import _SocketConn
+from pccl.peer.ring_conn import SocketConn
 from pccl.peer.shared_state import SharedState, TensorInfo
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
@@ -61,10 +61,11 @@ async def test_all_reduce_exact_over_tls_on_loopback_without_the_fast_path(
         await _all_reduce_exact(cluster, tag=tag)
     for comm in cluster.live_peers:
         pool = comm.pool
-        conns = [*pool._in.values(), *(c for cs in pool._out.values() for c in cs if c is not None)]
+        outgoing = (c for cs in pool.links.conns.values() for c in cs if c is not None)
+        conns = [*pool.readers.conns.values(), *outgoing]
         assert len(conns) == 4  # two to the successor, two from the predecessor
         # Under TLS every byte goes through the SSL stream: never the raw-socket fast path.
-        assert all(isinstance(c.stream, TlsStream) and not isinstance(c, _SocketConn) for c in conns)
+        assert all(isinstance(c.stream, TlsStream) and not isinstance(c, SocketConn) for c in conns)
         assert comm._ms is not None
         assert isinstance(comm._ms.stream, TlsStream) and comm._ms.stream.handshake_done
         assert pool.statistics()["connections_lost"] == 0

@@ -46,7 +46,7 @@ async def main():
             exact &= bool((x == sum(r.peer_id + i for r in comm.table)).all())
         link = comm._sending_link().stream
         out = {str(p): [c.stream.same_host for c in conns if isinstance(c.stream, TcpStream)]
-               for p, conns in comm.pool._out.items()}
+               for p, conns in comm.pool.links.conns.items()}
         hosts = {str(r.peer_id): r.host for r in comm.table}
         print(json.dumps({"peer": comm.peer_id, "exact": exact, "hosts": hosts,
                           "master_same_host": isinstance(link, TcpStream) and link.same_host, "out": out}),

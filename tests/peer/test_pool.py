@@ -21,7 +21,8 @@ from pccl import (
 from pccl import transport as transport_module
 from pccl._errors import LocalProtocolError, RemoteProtocolError
 from pccl.peer.p2p import open_p2p, serve_p2p
-from pccl.peer.pool import P2PPool, _SocketConn
+from pccl.peer.pool import P2PPool
+from pccl.peer.ring_conn import SocketConn
 from pccl.testing import BareTransport, wait_until
 from pccl.transport import Address, StreamBroken, TcpStream, TcpTransport, Transport
 from pccl.wire.data import (
@@ -145,10 +146,10 @@ async def test_reader_lets_a_runnable_op_register_before_stashing(monkeypatch: p
     registered its receives yet lands straight in the destination instead of being stashed: the
     reader yields a few scheduler passes first (a stashed frame costs a fresh buffer and a second
     copy, and filling the stash kept the operation's task from running)."""
-    import pccl.peer.pool as pool_module
+    import pccl.peer.ring_reader as reader_module
 
     header_seen = trio.Event()
-    real_unpack = unpack_data_header_fields  # the function pool_module imported (not re-exported)
+    real_unpack = unpack_data_header_fields  # the function reader_module imported (not re-exported)
 
     def unpack(buf: Any) -> Any:
         fields = real_unpack(buf)
@@ -156,7 +157,7 @@ async def test_reader_lets_a_runnable_op_register_before_stashing(monkeypatch: p
             header_seen.set()
         return fields
 
-    monkeypatch.setattr(pool_module, "unpack_data_header_fields", unpack)
+    monkeypatch.setattr(reader_module, "unpack_data_header_fields", unpack)
     async with pools([1, 2]) as ((a, b), (_, b_addr)):
         await connected_pair(a, b, b_addr)
         dest = bytearray(3 << 20)
@@ -373,8 +374,8 @@ async def test_tcp_ring_sockets_are_tuned_for_bulk_frames() -> None:
 
     async with pools([1, 2], transport=tcp_only) as ((a, b), (_, b_addr)):
         await connected_pair(a, b, b_addr)
-        (conn,) = a._out[2]
-        assert isinstance(conn, _SocketConn) and conn.sock is not None
+        (conn,) = a.links.conns[2]
+        assert isinstance(conn, SocketConn) and conn.sock is not None
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT) >= 1 << 30
         assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
 
@@ -387,13 +388,13 @@ async def test_same_host_ring_sockets_take_the_fast_path_with_a_large_send_buffe
 
     async with pools([1, 2]) as ((a, b), (_, b_addr)):
         await connected_pair(a, b, b_addr)
-        (conn,) = a._out[2]
-        assert isinstance(conn, _SocketConn) and conn.sock.family == socket.AF_UNIX
+        (conn,) = a.links.conns[2]
+        assert isinstance(conn, SocketConn) and conn.sock.family == socket.AF_UNIX
         assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(
             1 << 20, int(open("/proc/sys/net/core/wmem_max").read()))
         await wait_until(lambda: incoming(b, 1) == 1)
-        (inc,) = [c for (peer, _), c in b._in.items() if peer == 1]
-        assert isinstance(inc, _SocketConn) and inc.lowat_cap == 1
+        (inc,) = [c for (peer, _), c in b.readers.conns.items() if peer == 1]
+        assert isinstance(inc, SocketConn) and inc.lowat_cap == 1
         dest = bytearray(3 << 20)
         payload = bytes(range(256)) * (3 << 12)
         slot = b.expect(1, 4, 1, 0, memoryview(dest))

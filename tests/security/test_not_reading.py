@@ -47,15 +47,15 @@ async def test_a_member_that_stops_reading_is_removed_after_two_stalls(
     async with open_test_cluster(4, network=net, config=CFG) as cl:
         evil = cl.peer(2)
         # It stops reading every ring connection (it still heartbeats and votes).
-        real = type(evil.pool)._read_frame
+        real = type(evil.pool.readers).read_frame
 
         async def stop(self: object, conn: object) -> bool:
-            if self is evil.pool:
+            if self is evil.pool.readers:
                 await trio.sleep_forever()
             waited: bool = await real(self, conn)
             return waited
 
-        monkeypatch.setattr(type(evil.pool), "_read_frame", stop)
+        monkeypatch.setattr(type(evil.pool.readers), "read_frame", stop)
         stalls = 0
         t0 = trio.current_time()
         for r in range(STRIKES + 2):

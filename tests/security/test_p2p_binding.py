@@ -79,7 +79,7 @@ async def test_a_forged_ring_hello_is_refused_and_the_live_connection_stays(
     await exact_all_reduces(cluster, rounds=1)
     victim = cluster.peer(1)
     prev = predecessor(victim)
-    live = dict(victim.pool._in)
+    live = dict(victim.pool.readers.conns)
     assert (prev, 0) in live and not live[(prev, 0)].closed
     lost = victim.pool.statistics()["connections_lost"]
     evil = hostile(cluster)
@@ -90,7 +90,8 @@ async def test_a_forged_ring_hello_is_refused_and_the_live_connection_stays(
         assert want in reply.reason and f"peer {prev}" in reply.reason
     assert f"refused P2P connection from {evil.address}" in caplog.text and want in caplog.text
     # The live connection kept its slot, open, and no other connection got in.
-    assert victim.pool._in == live and all(victim.pool._in[k] is c and not c.closed for k, c in live.items())
+    incoming = victim.pool.readers.conns
+    assert incoming == live and all(incoming[k] is c and not c.closed for k, c in live.items())
     assert victim.pool.statistics()["connections_lost"] == lost
     assert cluster.alive == [0, 1, 2]
     await exact_all_reduces(cluster, rounds=3, tag=10)
@@ -123,7 +124,8 @@ async def test_forged_data_frames_during_running_all_reduces_change_nothing(
     await exact_all_reduces(cluster, rounds=1)
     baseline = await timed_rounds(cluster, rounds, tag=100)
     lost = [cluster.peer(i).pool.statistics()["connections_lost"] for i in cluster.alive]
-    live = [dict(cluster.peer(i).pool._in) for i in cluster.alive]  # incoming (peer, index) -> connection
+    # incoming (peer, index) -> connection
+    live = [dict(cluster.peer(i).pool.readers.conns) for i in cluster.alive]
     # Well-formed ring frames of the right chunk length for the tags about to run and the op_seqs the
     # master is about to hand out, full of 0xFF: one landing anywhere would show in the exact sums.
     chunk = (chunk_bounds(COUNT, 3)[0][1] - chunk_bounds(COUNT, 3)[0][0]) * 8
@@ -171,7 +173,7 @@ async def test_forged_data_frames_during_running_all_reduces_change_nothing(
     for i, before in zip(cluster.alive, lost, strict=True):
         s = cluster.peer(i).pool.statistics()
         assert s["connections_lost"] == before and s["stashed_frames"] == 0
-        incoming = cluster.peer(i).pool._in
+        incoming = cluster.peer(i).pool.readers.conns
         # No connection was replaced, and every incoming one is from a member (the schedules may open more
         # than the ring's: the tree and halving-doubling partners).
         assert all(incoming.get(k) is c for k, c in live[cluster.alive.index(i)].items())

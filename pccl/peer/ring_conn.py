@@ -1,0 +1,385 @@
+"""One connection of the ring pool (:mod:`pccl.peer.pool`) and how its bytes move.
+
+:class:`Conn` works on any :class:`~pccl.transport.Stream`; :class:`SocketConn` is the fast path on a
+:class:`~pccl.transport.TcpStream` (TCP, or the Unix socket of its same-host shortcut, docs/transport.md):
+it drives a private ``dup`` of the socket with non-blocking ``sendmsg``/``recv_into`` and waits with
+``trio.lowlevel.wait_readable`` / ``wait_writable`` only when the kernel says EAGAIN (or a short read/write
+says the same). This skips the two scheduler round trips per syscall that trio's socket methods spend on
+checkpoints. Two socket options matter as much as the code (measured on loopback, 64 MB all-reduce):
+
+* ``TCP_NOTSENT_LOWAT``: ``trio.open_tcp_stream`` sets it to 16 KiB for interactive latency,
+  which caps each ``send`` at a few segments; with it lifted a 64 MB operation needs ~10 send
+  wake-ups instead of ~300.
+* ``SO_RCVLOWAT``: while a frame's payload is outstanding the reader asks to be woken only once
+  ``min(rest of frame, 1 MiB)`` has arrived, so it copies in large pieces with few wake-ups.
+
+The pool's read and write logic is written once against a connection's ``receive_into`` /
+``send_frame`` (:mod:`pccl.peer.ring_reader`, :mod:`pccl.peer.ring_links`).
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Any
+
+import trio
+
+from ..transport import Stream, StreamBroken
+from ..wire.data import DATA_HEADER_SIZE, pack_data_header_into
+
+__all__ = [
+    "DEFAULT_RCVLOWAT",
+    "DEFAULT_SOCKET_BUFFER",
+    "Blocked",
+    "Broken",
+    "Conn",
+    "Eof",
+    "Retired",
+    "SocketConn",
+    "open_conn",
+    "path_estimate",
+    "tcp_wmem_max",
+]
+
+_MSG_NOSIGNAL = getattr(socket, "MSG_NOSIGNAL", 0)
+_MSG_PEEK_DONTWAIT = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
+_AF_UNIX = getattr(socket, "AF_UNIX", None)  # the same-host shortcut's sockets (pccl.transport)
+
+# SO_SNDBUF/SO_RCVBUF for ring connections; None leaves the kernel's autotuning alone, which
+# measured best on loopback (it grows the receive side well past what a fixed SO_RCVBUF may).
+DEFAULT_SOCKET_BUFFER: int | None = None
+
+# Largest SO_RCVLOWAT used while a frame's payload is outstanding: the reader wakes once per MiB
+# (or per frame rest) instead of once per arriving segment.
+DEFAULT_RCVLOWAT = 1 << 20
+
+
+class Broken(Exception):
+    """This connection is unusable (closed locally, EOF, reset)."""
+
+
+class Eof(Broken):
+    """The other side closed the connection (end of stream)."""
+
+
+class Retired(Broken):
+    """The other side closed the connection between two frames (:meth:`~pccl.peer.pool.P2PPool.retire`:
+    it no longer sends to this peer), which loses nothing."""
+
+
+class Blocked(Exception):
+    """A frame waited longer than the bound for a receive or stash room (backpressure)."""
+
+
+def fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | None:
+    """A private non-blocking ``dup`` of the stream's TCP socket, or None for other transports.
+
+    A dup (rather than the trio socket's own fd) means a closed connection can never leave us
+    holding a stale fd number that the OS hands to a different socket.
+    """
+    tsock: Any = getattr(stream, "socket", None)  # TcpStream.socket
+    if not isinstance(tsock, trio.socket.SocketType):
+        return None
+    try:
+        fd = tsock.fileno()
+        if fd < 0:
+            return None
+        sock = socket.fromfd(fd, tsock.family, tsock.type, tsock.proto)
+        sock.setblocking(False)
+    except OSError:
+        return None
+    notsent = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    if notsent is not None and sock.family != _AF_UNIX:
+        # trio.SocketStream (used by trio.open_tcp_stream) sets TCP_NOTSENT_LOWAT to 16 KiB for
+        # interactive latency. For bulk frames it caps every send() at a few 64 KiB segments and
+        # makes the socket "writable" again after each: ~300 scheduler round trips per 64 MB
+        # instead of ~10. Put the kernel default (no limit) back.
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, notsent, 0x7FFFFFFF)
+        except OSError:
+            pass
+    if buffer_bytes:
+        # Only the direction this connection is used in matters; the kernel caps (and doubles) it.
+        for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, buffer_bytes)
+            except OSError:
+                pass
+    return sock
+
+
+_TCP_INFO_RTT_OFFSET = 68  # struct tcp_info: tcpi_rtt (microseconds, u32)
+_wmem_max: int | None = None
+
+
+def tcp_wmem_max() -> int:
+    """The send buffer's maximum (``net.ipv4.tcp_wmem``, read once; 4 MiB where it cannot be read)."""
+    global _wmem_max
+    if _wmem_max is None:
+        try:
+            with open("/proc/sys/net/ipv4/tcp_wmem") as f:
+                _wmem_max = int(f.read().split()[2])
+        except (OSError, ValueError, IndexError):
+            _wmem_max = 4 << 20
+    return _wmem_max
+
+
+def path_estimate(stream: Stream) -> tuple[float, int] | None:
+    """``(round trip in seconds, window in bytes)`` of an open connection, or None when unknown.
+
+    A stream may say itself (``stream.path_estimate()``, as the virtual network's do); on a TCP
+    socket the kernel's smoothed round trip (``TCP_INFO``) and the send buffer's maximum are used;
+    other streams (TLS, Unix sockets) are unknown.
+    """
+    own = getattr(stream, "path_estimate", None)
+    if callable(own):
+        result: tuple[float, int] | None = own()
+        return result
+    tsock: Any = getattr(stream, "socket", None)
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+        return None
+    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 104)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_RTT_OFFSET + 4:
+        return None
+    rtt_us = int.from_bytes(info[_TCP_INFO_RTT_OFFSET : _TCP_INFO_RTT_OFFSET + 4], sys.byteorder)
+    return rtt_us / 1e6, tcp_wmem_max()
+
+
+def open_conn(
+    stream: Stream, peer_id: int, index: int, *, outgoing: bool, buffer_bytes: int | None = None
+) -> Conn:
+    """The connection object for ``stream``: the TCP fast path where there is a socket to drive."""
+    sock = fast_socket(stream, buffer_bytes)
+    if sock is None:
+        return Conn(stream, peer_id, index, outgoing=outgoing)
+    return SocketConn(stream, peer_id, index, outgoing=outgoing, sock=sock)
+
+
+class Conn:
+    """One P2P connection of the pool (send-only if outgoing, receive-only if incoming).
+
+    The pool's read and write logic is written once, against :meth:`receive_into` and
+    :meth:`send_frame`; how bytes move is this object's business. This base class works on any
+    :class:`~pccl.transport.Stream`; :class:`SocketConn` is the TCP fast path.
+    """
+
+    __slots__ = ("bounce", "closed", "hdr", "hdr_view", "index", "lock", "outgoing", "peer_id",
+                 "recv_waits", "rx_bytes", "send_waits", "sent", "stashed", "stream", "tx_bytes", "waited")
+
+    # True if receive_into never writes into ``view`` after a checkpoint, so a destination that may be
+    # cancelled meanwhile can be handed to it directly (the check before each call suffices); else the
+    # pool receives through a bounce buffer (see :meth:`~pccl.peer.ring_reader.RingReaders.fill`).
+    direct = False
+    # True if receive_into always waits (a checkpoint per call), as a generic stream does.
+    always_waits = True
+
+    def __init__(self, stream: Stream, peer_id: int, index: int, *, outgoing: bool) -> None:
+        self.stream = stream
+        self.peer_id = peer_id
+        self.index = index
+        self.outgoing = outgoing
+        self.closed = False
+        self.lock = trio.StrictFIFOLock()
+        self.hdr = bytearray(DATA_HEADER_SIZE)
+        self.hdr_view = memoryview(self.hdr)
+        self.bounce: memoryview | None = None
+        self.sent = 0  # bytes of the frame being sent that left (0 < sent < total: a partial frame)
+        self.waited = False  # set by receive_into when it had to wait
+        self.send_waits = 0
+        self.recv_waits = 0
+        self.tx_bytes = 0
+        self.rx_bytes = 0
+        self.stashed = 0  # bytes of this (incoming) connection's frames in the pool's stash
+
+    def alive(self) -> bool:
+        """False once closed (a generic stream cannot tell more without reading)."""
+        return not self.closed
+
+    def _close_io(self) -> None:
+        """Release what this connection drives besides its stream."""
+
+    async def aclose(self) -> None:
+        """Close (idempotent, never raises, safe under cancellation)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._close_io()
+        with trio.CancelScope(shield=True):
+            try:
+                await self.stream.aclose()
+            except Exception:  # closing an already broken stream: nothing left to do
+                pass
+
+    async def receive_into(self, view: memoryview, want: int) -> int:
+        """Receive up to ``len(view)`` bytes into ``view``.
+
+        Returns 0 when it only waited for bytes to arrive (the fast path never writes into ``view``
+        after a checkpoint): the caller re-checks whether it still wants them and calls again.
+
+        Args:
+            view: where the bytes go.
+            want: bytes certain to arrive (the rest of the header or frame): how long a wake-up may
+                be put off.
+
+        Raises:
+            Broken: closed here, or EOF.
+        """
+        self.waited = True
+        k = await self.stream.receive_into(view)
+        if k == 0:
+            raise Eof("connection closed by the other side")
+        return k
+
+    async def _send_parts(self, header: memoryview, data: memoryview, total: int) -> None:
+        self.sent = 1  # from here on, any failure may have left a partial frame behind
+        await self.stream.send_all(header)
+        await self.stream.send_all(data)
+        self.sent = total
+
+    async def send_frame(self, tag: int, op_seq: int, seq: int, data: memoryview) -> None:
+        """Send header + payload as one uninterrupted frame.
+
+        A frame cut short (error or cancellation after its first byte) leaves the byte stream
+        unparseable, so the connection is closed.
+
+        Raises:
+            Broken: the connection is (now) unusable.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        lock = self.lock
+        try:
+            lock.acquire_nowait()
+        except trio.WouldBlock:
+            await lock.acquire()
+        total = DATA_HEADER_SIZE + len(data)
+        self.sent = 0
+        try:
+            if self.closed:
+                raise Broken("connection closed")
+            pack_data_header_into(self.hdr, tag, op_seq, seq, len(data))
+            await self._send_parts(self.hdr_view, data, total)
+            self.tx_bytes += len(data)
+        except (OSError, StreamBroken, trio.ClosedResourceError, trio.BrokenResourceError) as exc:
+            await self.aclose()
+            raise Broken(str(exc) or type(exc).__name__) from exc
+        except BaseException:
+            if 0 < self.sent < total:
+                await self.aclose()
+            raise
+        finally:
+            lock.release()
+
+
+class SocketConn(Conn):
+    """The TCP fast path: non-blocking syscalls on a private dup of the socket, waiting for readiness
+    only when the kernel says EAGAIN (or a short read/write says the same). See the module docstring."""
+
+    __slots__ = ("drained", "lowat", "lowat_cap", "sock")
+
+    direct = True  # the receive syscall is synchronous: nothing can cancel a destination during it
+    always_waits = False
+
+    def __init__(
+        self, stream: Stream, peer_id: int, index: int, *, outgoing: bool, sock: socket.socket
+    ) -> None:
+        super().__init__(stream, peer_id, index, outgoing=outgoing)
+        self.sock = sock
+        self.lowat = 1  # current SO_RCVLOWAT (incoming connections)
+        # 1 once the kernel refused SO_RCVLOWAT, and on a Unix socket (the same-host shortcut of
+        # pccl.transport), whose epoll ignores it: setting it would only cost a syscall per frame.
+        self.lowat_cap = 1 if sock.family == _AF_UNIX else DEFAULT_RCVLOWAT
+        self.drained = False  # the last read was short: the socket is empty, wait before the next
+
+    def alive(self) -> bool:
+        """False once closed or (outgoing) once the other side has closed or reset it."""
+        if self.closed:
+            return False
+        if not self.outgoing:
+            return True
+        try:
+            self.sock.recv(1, _MSG_PEEK_DONTWAIT)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        # EOF, or bytes on a connection the other side must never write to: either way unusable.
+        return False
+
+    def _close_io(self) -> None:
+        sock = self.sock
+        # wake any task parked in wait_readable/wait_writable on our dup first
+        trio.lowlevel.notify_closing(sock)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+
+    def _set_lowat(self, want: int) -> None:
+        """Set SO_RCVLOWAT so that epoll reports the socket readable only with ``want`` bytes queued.
+
+        Never above what is certain to arrive (the rest of the current header or frame), so it
+        cannot stall; the kernel also wakes us when the receive window fills or the peer closes.
+        """
+        if want != self.lowat:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, max(1, want))
+                self.lowat = want
+            except OSError:  # not supported: plain wake-ups still work
+                self.lowat_cap = 1
+
+    async def _wait_readable(self, want: int) -> None:
+        # Wake up only once a worthwhile amount has arrived (or the rest of the frame): fewer, larger
+        # recv_into calls and far fewer trips through the scheduler than retrying on every trickle.
+        self.waited = True
+        self._set_lowat(min(want, self.lowat_cap))
+        self.recv_waits += 1
+        await trio.lowlevel.wait_readable(self.sock)
+
+    async def receive_into(self, view: memoryview, want: int) -> int:
+        """See :meth:`Conn.receive_into`: one ``recv_into`` without a checkpoint while the kernel has
+        bytes, else (EAGAIN, or the previous read was short, which means the same) one wait."""
+        if self.closed:
+            raise Broken("connection closed")
+        if not self.drained:
+            try:
+                k = self.sock.recv_into(view)
+            except BlockingIOError:
+                k = -1
+            if k == 0:
+                raise Eof("connection closed by the other side")
+            if k > 0:
+                self.drained = k < len(view)
+                return k
+        self.drained = False
+        await self._wait_readable(want)
+        return 0
+
+    async def _send_parts(self, header: memoryview, data: memoryview, total: int) -> None:
+        sock = self.sock
+        sent = 0
+        while True:
+            try:
+                if sent < DATA_HEADER_SIZE:
+                    sent += sock.sendmsg([header[sent:], data], (), _MSG_NOSIGNAL)
+                else:
+                    sent += sock.send(data[sent - DATA_HEADER_SIZE :], _MSG_NOSIGNAL)
+            except BlockingIOError:
+                pass
+            self.sent = sent
+            if sent >= total:
+                return
+            # The send buffer is full (a short write means the same). Retrying at once would spin on
+            # whatever trickle the receiver frees; epoll reports writable only once a good part of the
+            # buffer is free again, so each send is large.
+            self.send_waits += 1
+            await trio.lowlevel.wait_writable(sock)
+            if self.closed:
+                raise Broken("connection closed")

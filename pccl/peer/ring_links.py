@@ -1,0 +1,268 @@
+"""The sending side of the ring pool (:mod:`pccl.peer.pool`): the outgoing connections to each partner,
+opened, sized (striping), reopened and retired, and the frames sent on them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from .._config import PeerConfig
+from .._errors import RankConnectionFailedError, RankConnectionLostError
+from ..transport import Transport
+from .credentials import CredentialStore
+from .p2p import open_p2p
+from .ring_conn import Broken, Conn, open_conn, path_estimate
+from .striping import stripe_count
+
+__all__ = ["RING_CHANNEL", "RingLinks"]
+
+log = logging.getLogger("pccl.p2p")
+
+RING_CHANNEL = "ring"
+
+
+class RingLinks:
+    """This peer's outgoing ring connections, ``pool_size`` per partner (or sized per partner when 0).
+
+    The arguments are those of :class:`pccl.peer.pool.P2PPool`.
+    """
+
+    def __init__(
+        self,
+        *,
+        transport: Transport,
+        my_peer_id: int,
+        pool_size: int,
+        config: PeerConfig,
+        secret: str,
+        socket_buffer_bytes: int | None,
+        credentials: CredentialStore | None,
+    ) -> None:
+        self.transport = transport
+        self.my_peer_id = my_peer_id
+        self.pool_size = pool_size
+        self.config = config
+        self.secret = secret
+        self.socket_buffer_bytes = socket_buffer_bytes
+        self.credentials = credentials
+        self.closed = False
+        self.conns: dict[int, list[Conn | None]] = {}
+        self._addr: dict[int, tuple[str, int]] = {}
+        self._connect_locks: dict[int, trio.Lock] = {}
+        # counters for statistics()
+        self.tx_bytes = 0
+        self.frames_sent = 0
+        self.connections_lost = 0
+        self.retired = 0  # peers whose connections retire() closed
+
+    async def connect(self, peer_id: int, host: str, port: int) -> None:
+        """Make sure all ``pool_size`` outgoing connections to ``peer_id`` are open.
+
+        Idempotent: open, healthy connections are kept; closed or broken ones are replaced; all
+        missing ones are opened concurrently. If the address changed, the old ones are closed.
+
+        Raises:
+            RankConnectionFailedError: some connection could not be opened (those that did
+                open are kept; calling again opens the rest).
+        """
+        if self.closed:
+            raise RankConnectionFailedError("the P2P pool is closed")
+        lock = self._connect_locks.setdefault(peer_id, trio.Lock())
+        async with lock:
+            conns = self.conns.get(peer_id)
+            if conns is not None and self._addr.get(peer_id) != (host, port):
+                self.conns.pop(peer_id, None)
+                for c in conns:
+                    if c is not None:
+                        await c.aclose()
+                conns = None
+            if conns is None:
+                conns = [None] * (self.pool_size or 1)
+                self.conns[peer_id] = conns
+                self._addr[peer_id] = (host, port)
+                if not self.pool_size:
+                    await self._open_sized(peer_id, host, port, conns)
+            for i, c in enumerate(conns):
+                if c is not None and not c.alive():
+                    conns[i] = None
+                    await c.aclose()
+            missing = [i for i, c in enumerate(conns) if c is None]
+            if not missing:
+                await trio.lowlevel.checkpoint()
+                return
+            errors: list[str] = []
+            async with trio.open_nursery() as nursery:
+                for i in missing:
+                    nursery.start_soon(self._open_one, peer_id, host, port, i, conns, errors)
+            if errors:
+                raise RankConnectionFailedError(
+                    f"{len(errors)} of {len(missing)} connections to peer {peer_id} failed: {errors[0]}"
+                )
+
+    async def _open_sized(self, peer_id: int, host: str, port: int, conns: list[Conn | None]) -> None:
+        """Open the first connection to ``peer_id``, then size the stripe from its round trip:
+        ``conns`` grows (in place) to the count :func:`~pccl.peer.striping.stripe_count` gives."""
+        errors: list[str] = []
+        await self._open_one(peer_id, host, port, 0, conns, errors)
+        first = conns[0]
+        if errors or first is None:
+            # Forget the unsized list: the next connect() starts over and sizes the stripe then.
+            if self.conns.get(peer_id) is conns:
+                del self.conns[peer_id]
+                self._addr.pop(peer_id, None)
+            raise RankConnectionFailedError(
+                f"the first connection to peer {peer_id} failed: {errors[0] if errors else 'closed'}"
+            )
+        path = path_estimate(first.stream)
+        n = 1
+        if path is not None:
+            rtt, window = path
+            n = stripe_count(
+                rtt,
+                window_bytes=window,
+                target_bytes_per_s=self.config.p2p_stripe_target_mbit * 1e6 / 8,
+                max_stripes=self.config.p2p_max_stripes,
+            )
+            log.debug("peer %d: rtt %.2f ms, window %d: %d connection(s)", peer_id, rtt * 1e3, window, n)
+        conns.extend([None] * (n - 1))
+
+    async def reopen(self, peer_id: int) -> None:
+        """Reopen the lost connections to ``peer_id`` at the address it was connected at (one of a
+        stripe broke while the operation using it runs).
+
+        Raises:
+            RankConnectionFailedError: not connected before, or a connection could not be opened
+                (the peer is gone: its listener refuses, or the connect times out).
+        """
+        addr = self._addr.get(peer_id)
+        if addr is None:
+            await trio.lowlevel.checkpoint()
+            raise RankConnectionFailedError(f"no connections to peer {peer_id} to reopen")
+        await self.connect(peer_id, *addr)
+
+    def stripes(self, peer_id: int) -> int:
+        """How many connections an operation stripes over to ``peer_id`` (its open pool's size,
+        before it is connected the configured size, at least 1)."""
+        conns = self.conns.get(peer_id)
+        return len(conns) if conns else max(1, self.pool_size)
+
+    async def _open_one(
+        self, peer_id: int, host: str, port: int, index: int, conns: list[Conn | None], errors: list[str]
+    ) -> None:
+        try:
+            ms = await open_p2p(
+                self.transport,
+                host,
+                port,
+                my_peer_id=self.my_peer_id,
+                channel=RING_CHANNEL,
+                index=index,
+                config=self.config,
+                secret=self.secret,
+                to_peer=peer_id,
+                credentials=self.credentials,
+            )
+        except RankConnectionFailedError as exc:
+            errors.append(exc.message)
+            return
+        conn = open_conn(ms.stream, peer_id, index, outgoing=True, buffer_bytes=self.socket_buffer_bytes)
+        if self.closed or self.conns.get(peer_id) is not conns:
+            # disconnect() or aclose() ran while we were connecting: this connection is unwanted
+            await conn.aclose()
+            errors.append("disconnected while connecting")
+            return
+        conns[index] = conn
+
+    def blocked_partners(self) -> list[int]:
+        """Peers with a frame being sent to them right now (a stall watch asks this when no frame has
+        moved for ``p2p_stall_timeout``: a send still under way then is one the receiver does not take)."""
+        return sorted(p for p, cs in self.conns.items()
+                      if any(c is not None and not c.closed and c.lock.locked() for c in cs))
+
+    def is_connected(self, peer_id: int) -> bool:
+        """True if all outgoing connections to ``peer_id`` (``pool_size``, or as many as its sizing
+        chose) are open and healthy."""
+        conns = self.conns.get(peer_id)
+        return conns is not None and all(c is not None and c.alive() for c in conns)
+
+    async def retire(self, keep: set[int]) -> list[int]:
+        """Close the outgoing connections to every peer not in ``keep``: after a topology change the
+        peers no plan of this one sends to any more (the ring successor and the halving-doubling and
+        tree partners of the new ring are kept). Without it, every membership change of a long run
+        would leave each peer holding connections to every peer it ever sent to: ``n`` of each kind
+        per peer, twice that in file descriptors with the incoming side, at hundreds of peers beyond
+        a process's usual limit. The other side sees a clean close between two frames, not a loss.
+
+        Call it only with no operation of this pool in flight (its frames could be on one of them).
+        A later :meth:`connect` reopens a retired peer's connections.
+
+        Returns:
+            The peers whose connections were closed.
+        """
+        gone = [p for p in self.conns if p not in keep]
+        conns: list[Conn] = []
+        for p in gone:
+            conns += [c for c in self.conns.pop(p) if c is not None]
+            self._addr.pop(p, None)
+        self.retired += len(gone)
+        with trio.CancelScope(shield=True):
+            for c in conns:
+                await c.aclose()
+        return gone
+
+    async def send(
+        self, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview, *, conn_index: int
+    ) -> None:
+        """Send one data frame to ``peer_id`` on outgoing connection ``conn_index % pool_size``.
+
+        Frames on one connection never interleave (a per-connection FIFO lock); concurrent sends
+        on different connections proceed in parallel.
+
+        Args:
+            peer_id: destination (must be connected).
+            tag: operation tag.
+            op_seq: operation sequence number.
+            seq: frame number within the operation.
+            data: the payload, a contiguous byte memoryview (format "B").
+            conn_index: preferred connection.
+
+        Raises:
+            RankConnectionLostError: no open connection, or it broke while sending (it is then
+                closed).
+        """
+        conns = self.conns.get(peer_id)
+        conn = conns[conn_index % len(conns)] if conns else None
+        if conn is None or conn.closed:
+            await trio.lowlevel.checkpoint()
+            raise RankConnectionLostError(f"no open connection to peer {peer_id}")
+        try:
+            await conn.send_frame(tag, op_seq, seq, data)
+        except Broken as exc:
+            self.connections_lost += 1
+            raise RankConnectionLostError(f"connection to peer {peer_id} lost while sending: {exc}") from None
+        self.tx_bytes += len(data)
+        self.frames_sent += 1
+
+    # ------------------------------------------------------------------------------------------
+    # receiving
+
+    def pop_peer(self, peer_id: int) -> list[Conn]:
+        """Take every connection to ``peer_id`` out (the caller closes them); its address is kept."""
+        return [c for c in self.conns.pop(peer_id, []) if c is not None]
+
+    def close(self) -> list[Conn]:
+        """Refuse new connections; take every connection out (the caller closes them)."""
+        self.closed = True
+        conns = [c for cs in self.conns.values() for c in cs if c is not None]
+        self.conns.clear()
+        return conns
+
+    def statistics(self) -> dict[int, int]:
+        """Per peer, how many outgoing connections are open."""
+        return {p: sum(1 for c in cs if c is not None and not c.closed) for p, cs in self.conns.items()}
+
+    def send_waits(self) -> int:
+        """How many times a send waited for room in a socket's buffer (open connections)."""
+        return sum(c.send_waits for cs in self.conns.values() for c in cs if c is not None)
