@@ -166,6 +166,12 @@ class MasterConfig:
             or calls nothing after ``connect``, otherwise holds every vote of its group until
             ``vote_timeout`` (issue 33 item 6). Members taken back after a master's loss and members
             that took part once are under ``vote_timeout`` alone. None disables it. Default 60 s.
+        live_heal_rounds: > 0: a shared-state sync in which some participants must fetch while others
+            hold the elected content runs as a *live heal* (docs/concepts.md "Live heals"): the holders
+            return at once and serve a pinned copy, the fetchers heal alone, left out of their group's
+            votes until done; a fetcher that ends behind the group catches up in the same call, live
+            for at most this many rounds in a row, then as an ordinary (blocking) participant. 0
+            (default): every sync holds its participants until the fetchers have everything.
     """
 
     heartbeat_interval: float = 0.5
@@ -193,12 +199,15 @@ class MasterConfig:
     run: str | None = None
     max_open_votes: int | None = 256
     admission_grace: float | None = 60.0
+    live_heal_rounds: int = 0
 
     def __post_init__(self) -> None:
         _reject_nan(self)
         if self.admission_grace is not None and self.admission_grace <= 0:
             raise ValueError(f"admission_grace ({self.admission_grace}) must be > 0 or None")
         check_run_name(self.run, "MasterConfig.run")
+        if self.live_heal_rounds < 0:
+            raise ValueError(f"live_heal_rounds ({self.live_heal_rounds}) must be >= 0")
         if self.max_open_votes is not None and self.max_open_votes < 1:
             raise ValueError(f"max_open_votes ({self.max_open_votes}) must be >= 1 or None")
         if self.speculative_go_delay < 0:
@@ -284,6 +293,10 @@ class PeerConfig:
             Also the bound on how long a P2P reader waits for stash room (see ``recv_stash_limit``),
             and on how long a collective keeps trying to open a connection its plan needs
             (docs/topology.md "Connections").
+        state_serve_rate: bytes per second this peer sends at most to shared-state fetchers, over all
+            of them (a token bucket; a chunk waits its turn). Bounds the share of the uplink a heal
+            takes from a member that serves it while it trains (docs/concepts.md "Live heals"). None
+            (default): no cap.
         schedule: how collectives move data: "auto" (default: per operation, the cost model picks
             the ring, recursive halving-doubling or a binomial tree from the operation's kind and
             size and the group size; docs/topology.md "Running them live"), or "ring", "hd",
@@ -344,6 +357,7 @@ class PeerConfig:
     recv_stash_limit: int = DEFAULT_RECV_STASH_LIMIT
     recv_stash_frames: int = DEFAULT_RECV_STASH_FRAMES
     p2p_stall_timeout: float = 30.0
+    state_serve_rate: float | None = None
     schedule: str = "auto"
     secret: str | None = None
     accept_timeout: float | None = None
@@ -371,6 +385,8 @@ class PeerConfig:
             raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
         if self.recv_stash_frames < 1:
             raise ValueError(f"recv_stash_frames must be >= 1, not {self.recv_stash_frames}")
+        if self.state_serve_rate is not None and not self.state_serve_rate > 0:
+            raise ValueError(f"state_serve_rate must be > 0 bytes/s or None, not {self.state_serve_rate}")
         if not self.p2p_stall_timeout > 0:
             raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=True, who="PeerConfig")

@@ -92,7 +92,8 @@ class MasterServer:
                                  go_delay=self.config.speculative_go_delay,
                                  credentials_delay=self.config.credentials_batch_delay,
                                  tokens=MemberTokens.for_secret(self.config.secret),
-                                 max_open_votes=self.config.max_open_votes)
+                                 max_open_votes=self.config.max_open_votes,
+                                 live_heal_rounds=self.config.live_heal_rounds)
         self._conns: dict[int, _Conn] = {}
         self.address: Address | None = None
         self.kicked_total = 0

@@ -79,6 +79,7 @@ from .state import (
     Lost,
     Measure,
     PeerState,
+    ReleasePin,
     RemoveMember,
     Resolve,
     error_from_code,
@@ -154,7 +155,8 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         self._ops: dict[int, OpState] = {}  # the waiting side of the core's ops, by tag
         self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
         self._state_server = shared_state.StateServer(
-            plan_timeout=self.config.connect_timeout, stall_timeout=self.config.p2p_stall_timeout)
+            plan_timeout=self.config.connect_timeout, stall_timeout=self.config.p2p_stall_timeout,
+            serve_rate=self.config.state_serve_rate)
         self._dialer: P2PDialer | None = None
         # The P2P credentials the master issues per epoch (docs/security.md): the listener accepts only
         # connections that prove one; a listener waits up to half its hello timeout for a newer set.
@@ -503,6 +505,10 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         if self.pool is not None and self._nursery is not None:
             self._nursery.start_soon(self.pool.disconnect, effect.peer_id)
 
+    def _on_release_pin(self, effect: Effect) -> None:
+        assert isinstance(effect, ReleasePin)
+        self._state_server.release(effect.sync_seq)
+
     #: How each of the core's effects is executed (a table: every effect type has its one entry).
     _EFFECTS: dict[type, Callable[[Communicator, Effect], PCCLError | None]] = {
         Lost: _on_lost,
@@ -514,6 +520,7 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         Forget: _on_forget,
         InstallCredentials: _on_credentials,
         RemoveMember: _on_member_removed,
+        ReleasePin: _on_release_pin,
     }
 
     def _resolve_commence(self, effect: Resolve) -> None:
@@ -659,6 +666,10 @@ class _SyncLink:
     @property
     def inbox(self) -> Mailbox:
         return self._inbox
+
+    def revote(self) -> None:
+        """The sync votes again in the same call (a live heal that ended behind the group)."""
+        self._comm._core.revote_sync()
 
     async def send(self, msg: m.Message) -> None:
         core = self._comm._core

@@ -36,6 +36,7 @@ from ..wire import messages as m
 from ..wire.stream import MessageStream
 from . import heal, swarm
 from .links import Dialer, MasterLink
+from .ratecap import RateCap
 from .state import error_from_code
 
 log = logging.getLogger("pccl.shared_state")
@@ -47,6 +48,8 @@ _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
 _TOTALS = ("heal_fetches", "heal_bytes", "heal_chunks", "heal_donors_failed", "heal_donors_excluded",
            "heal_bad_bytes", "heal_duplicate_bytes", "heal_stolen")
 _PROGRESS_LOG_BYTES = 64 * 1024 * 1024
+#: Snapshots a holder keeps pinned for live heals at once (each holds a copy of the keys fetched).
+PINS_KEPT = 4
 #: Seconds between two ``SharedStateProgress`` reports of a running fetch to the master (its status page
 #: shows each receiver's bytes, rate and ETA; issue 37 item 5). None is sent when no byte came since.
 PROGRESS_EVERY = 1.0
@@ -266,10 +269,14 @@ class StateServer:
             None before the first.
     """
 
-    def __init__(self, plan_timeout: float, stall_timeout: float = 30.0) -> None:
+    def __init__(self, plan_timeout: float, stall_timeout: float = 30.0,
+                 serve_rate: float | None = None) -> None:
         self.plan_timeout = plan_timeout
         self.stall_timeout = stall_timeout
         self.ctx: SyncContext | None = None
+        # Live heals this peer serves (issue 35 item 4): sync_seq -> the snapshot pinned for its fetchers
+        self.pins: dict[int, SyncContext] = {}
+        self.cap = RateCap(serve_rate) if serve_rate is not None else None
         self.totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
         self.last: dict[str, Any] | None = None
 
@@ -292,6 +299,32 @@ class StateServer:
         """Fail the running sync, if any."""
         if self.ctx is not None:
             self.ctx.abort(error)
+
+    def pin(self, ctx: SyncContext) -> None:
+        """Serve snapshot ``ctx`` under its ``seq`` until :meth:`release` (at most :data:`PINS_KEPT`:
+        the oldest goes first, with a warning: its fetchers then ask the other holders)."""
+        self.pins[ctx.seq] = ctx
+        while len(self.pins) > PINS_KEPT:
+            old = next(iter(self.pins))
+            log.warning("shared state: dropping the snapshot pinned for live heal %d (more than %d pinned)",
+                        old, PINS_KEPT)
+            self.release(old)
+
+    def release(self, seq: int) -> None:
+        """The master released live heal ``seq``: drop its snapshot, refuse its requests from now on."""
+        ctx = self.pins.pop(seq, None)
+        if ctx is not None:
+            ctx.abort(SharedStateSyncError(f"live heal {seq} ended"))
+
+    def context_for(self, seq: int) -> SyncContext | None:
+        """The sync or pinned snapshot that serves requests for ``seq`` (None: neither)."""
+        pinned = self.pins.get(seq)
+        return pinned if pinned is not None else self.ctx
+
+    def pinned_bytes(self) -> int:
+        """Bytes held by pinned snapshots."""
+        return sum(backend.describe(i.tensor).nbytes
+                   for c in self.pins.values() for i in c.state.tensor_infos)
 
     def statistics(self) -> dict[str, Any] | None:
         """The running sync as this peer sees it, or None: its ``sync_seq`` (-1 until the plan
@@ -427,6 +460,27 @@ async def run_sync(
     """
     if not isinstance(state, SharedState):
         raise InvalidArgumentError("sync_shared_state needs a pccl.SharedState")
+    tx = rx = 0
+    while True:
+        # A live heal (catch_up) applied its revision: vote again, in this call, to join the group at its
+        # next sync and fetch what changed since (docs/concepts.md "Live heals").
+        round_tx, round_rx, again = await _sync_round(link, dialer, server, state, strategy, progress)
+        tx, rx = tx + round_tx, rx + round_rx
+        if not again:
+            return SharedStateSyncInfo(tx_bytes=tx, rx_bytes=rx)
+        log.info("shared state: healed to revision %d (live); joining the group at its next sync",
+                 state.revision)
+        revote = getattr(link, "revote", None)
+        if revote is not None:
+            revote()
+
+
+async def _sync_round(
+    link: MasterLink, dialer: Dialer, server: StateServer, state: SharedState,
+    strategy: SharedStateSyncStrategy, progress: ProgressCallback | None,
+) -> tuple[int, int, bool]:
+    """One vote and its plan: ``(tx bytes, rx bytes, catch up)``; catch up: a live heal ended at a
+    revision the group has left (applied: the caller votes again)."""
     total = sum(backend.describe(i.tensor).nbytes for i in state.tensor_infos)
     on_gpu = any(backend.is_cuda(i.tensor) for i in state.tensor_infos)
     if total >= _HASH_IN_THREAD_BYTES and not on_gpu:
@@ -449,6 +503,9 @@ async def run_sync(
             # Refused before any transfer (revision skip, key mismatch, no state available...).
             raise error_from_code(first.code, first.reason)
         assert isinstance(first, m.SharedStatePlan)
+        if first.live and first.pin:
+            # A live heal: our part ends now; first a copy of what its fetchers fetch, served from here on.
+            server.pin(await _snapshot(ctx, first))
         ctx.seq = first.sync_seq
         ctx.plan = first
         ctx.plan_ready.set()
@@ -458,7 +515,7 @@ async def run_sync(
         if first.fetch:
             staged, rx, reason, early = await _fetch_watching(link, dialer, ctx, first, progress, server)
             ok = not reason
-        if not early:
+        if not early and not (first.live and not first.fetch):  # a live holder's result comes unasked
             await link.send(m.SharedStateDone(sync_seq=ctx.seq, success=ok, rx_bytes=rx, reason=reason))
         result = early[0] if early else await inbox.get()
         if not isinstance(result, m.SharedStateResult) or result.sync_seq != ctx.seq:
@@ -475,9 +532,31 @@ async def run_sync(
         for key, data in staged.items():
             _apply(by_name[key].tensor, data)
         state.revision = result.revision
-        return SharedStateSyncInfo(tx_bytes=ctx.tx, rx_bytes=rx)
+        return ctx.tx, rx, result.catch_up
     finally:
         server.ctx = None
+
+
+async def _snapshot(ctx: SyncContext, plan: m.SharedStatePlan) -> SyncContext:
+    """A copy of the keys ``plan.pin`` names, at this revision, as a context that serves them under the
+    plan's ``sync_seq`` (its chunk sums and hashes are those of the vote: the same bytes)."""
+    by_name = {i.name: i for i in ctx.state.tensor_infos}
+    keys = [k for k in plan.pin if k in by_name]
+    on_gpu = any(backend.is_cuda(by_name[k].tensor) for k in keys)
+
+    def copy() -> list[TensorInfo]:
+        return [TensorInfo(k, np.frombuffer(_host_bytes(by_name[k].tensor), dtype=np.uint8).copy())
+                for k in keys]
+
+    nbytes = sum(backend.describe(by_name[k].tensor).nbytes for k in keys)
+    infos = await trio.to_thread.run_sync(copy) if nbytes >= _HASH_IN_THREAD_BYTES and not on_gpu else copy()
+    pinned = SyncContext(state=SharedState(infos) if infos else ctx.state, hashes=dict(ctx.hashes),
+                         sums={k: v for k, v in ctx.sums.items() if k[0] in keys}, seq=plan.sync_seq,
+                         plan=plan)
+    if not infos:
+        pinned.abort(SharedStateSyncError("nothing pinned"))
+    pinned.plan_ready.set()
+    return pinned
 
 
 async def _fetch_all(
@@ -546,17 +625,18 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
         if not isinstance(req, (m.StateRequest, m.StateManifestRequest, m.StateChunkRequest)):
             await ms.send(m.Refused(reason=f"expected StateRequest, got {type(req).__name__}"))
             return
-        ctx = server.ctx
+        ctx = server.context_for(req.sync_seq)
         if ctx is not None and ctx.seq == -1:
             # The requester may have received its plan before we processed ours.
             with trio.move_on_after(server.plan_timeout):
                 await ctx.plan_ready.wait()
+            ctx = server.context_for(req.sync_seq)  # (a live heal's plan pins a snapshot before it is ready)
         if ctx is None or ctx.seq != req.sync_seq or ctx.error is not None:
             await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))
             return
         by_name = {i.name: i for i in ctx.state.tensor_infos}
         try:
-            refusal = await _serve_one(ctx, by_name, ms, req)
+            refusal = await _serve_one(ctx, by_name, ms, req, server.cap)
         except StreamBroken:
             # The fetcher closed: it has everything (a copy of a chunk it took from a faster donor
             # too) or gave up on us. Normal at the end of a swarm fetch.
@@ -568,7 +648,8 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
 
 
 async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: MessageStream,
-                     req: m.StateRequest | m.StateManifestRequest | m.StateChunkRequest) -> str:
+                     req: m.StateRequest | m.StateManifestRequest | m.StateChunkRequest,
+                     cap: RateCap | None = None) -> str:
     """Answer one request; returns a refusal reason ("" when served)."""
     if isinstance(req, m.StateRequest):
         for key in req.keys:
@@ -576,6 +657,8 @@ async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: Messa
             if info is None:
                 return f"unknown key {key!r}"
             data = _host_bytes(info.tensor)
+            if cap is not None:
+                await trio.sleep(cap.take(len(data), trio.current_time()))
             await ms.send_with_raw(m.StateTensor(key=key, nbytes=len(data), hash=ctx.hashes[key]), data)
             ctx.tx += len(data)
         return ""
@@ -610,6 +693,8 @@ async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: Messa
         if offset < 0 or n < 0 or offset + n > len(data):
             return f"chunk {offset}+{n} outside tensor {key!r} of {len(data)} bytes"
         raw = chunk_bytes(ctx, info, offset, n)
+        if cap is not None:
+            await trio.sleep(cap.take(n, trio.current_time()))  # PeerConfig.state_serve_rate
         await ms.send_with_raw(m.StateChunk(key=key, offset=offset, nbytes=n), raw)
         ctx.tx += n
     return ""

@@ -123,6 +123,13 @@ class RemoveMember:
 
 
 @dataclass(frozen=True)
+class ReleasePin:
+    """The master ended live heal ``sync_seq``: drop the snapshot pinned for it (docs/concepts.md)."""
+
+    sync_seq: int
+
+
+@dataclass(frozen=True)
 class Measure:
     """Probe the links of ``request`` and answer ``BandwidthReport``."""
 
@@ -154,7 +161,7 @@ class Dismissed:
 
 
 Effect = (Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed | InstallCredentials
-          | RemoveMember)
+          | RemoveMember | ReleasePin)
 
 #: Reserved op_seqs a peer keeps (per tag, the oldest go first): the master keeps as many per group,
 #: in the same order (pccl.master.state.RESERVATIONS_PER_GROUP).
@@ -437,6 +444,11 @@ class PeerState(CollectiveRules):
         op = self.ops.get(tag)
         return op is not None and op.done
 
+    def revote_sync(self) -> None:
+        """The running sync votes again (a live heal that ended behind the group): a fresh record."""
+        if self.sync is not None:
+            self.sync = SyncRecord()
+
     def sync_done(self) -> None:
         """This peer's part of the running sync is finished: it reports SharedStateDone(success) now
         (in doubt from here on, like :meth:`op_done`)."""
@@ -474,10 +486,18 @@ class PeerState(CollectiveRules):
         self.reserved.clear()
 
     def reconcile_group(self, group_rows: list[m.PeerRow]) -> None:
-        """A collective or sync named who is alive in this group: drop the others from the table."""
+        """A collective or sync named who takes part in this group: drop the others from the table; a
+        member it names that the table lacks (left out while it healed, docs/concepts.md "Live heals")
+        comes back, the group's rows then in the order the master named them."""
         alive = {r.peer_id for r in group_rows}
-        table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
-        if len(table) != len(self.table):
+        known = {r.peer_id for r in self.table if r.group == self.group}
+        if alive <= known:
+            table = [r for r in self.table if r.group != self.group or r.peer_id in alive]
+        else:
+            at = next((i for i, r in enumerate(self.table) if r.group == self.group), len(self.table))
+            others = [r for r in self.table if r.group != self.group]
+            table = [*others[:at], *group_rows, *others[at:]]
+        if [r.peer_id for r in table] != [r.peer_id for r in self.table]:
             self.drop_reservations()
         self.table = table
 
@@ -732,6 +752,10 @@ class PeerState(CollectiveRules):
                 self.refused_note = msg.reason  # co-voters refused by this sync, and why
         return [Resolve(Call.SYNC, msg)]
 
+    def _on_release(self, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStateRelease)
+        return [ReleasePin(msg.sync_seq)]
+
     def _on_measure(self, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.MeasureBandwidth)
         return [Measure(msg)]
@@ -760,6 +784,7 @@ class PeerState(CollectiveRules):
         m.ReservationsRevoked: _on_revoked,
         m.SharedStatePlan: _on_sync_plan,
         m.SharedStateResult: _on_sync_result,
+        m.SharedStateRelease: _on_release,
         m.MeasureBandwidth: _on_measure,
         m.P2PCredentials: _on_credentials,
         m.MemberRemoved: _on_member_removed,
@@ -789,6 +814,7 @@ __all__ = [
     "Measure",
     "OpRecord",
     "PeerState",
+    "ReleasePin",
     "Resolve",
     "SyncRecord",
     "error_from_code",

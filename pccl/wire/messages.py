@@ -794,6 +794,13 @@ class SharedStatePlan(Message):
     revision: Seq
     fetch: list[list[Any]]
     peers: list[PeerRow]
+    #: A live heal (issue 35 item 4; docs/concepts.md "Live heals"), to a holder: the keys it pins (a copy
+    #: of their bytes at this revision, served under ``sync_seq`` until a ``SharedStateRelease``).
+    pin: list[str] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
+    #: A live heal: a holder (empty ``fetch``) gets its ``SharedStateResult`` at once and sends no
+    #: ``SharedStateDone``; a fetcher fetches alone (the group does not wait for it), reports, and takes
+    #: part in its group's votes again only after its result. False: an ordinary sync.
+    live: bool = dataclasses.field(default=False, metadata=OPTIONAL)
 
 
 @_register(42)
@@ -817,6 +824,9 @@ class SharedStateResult(Message):
     revision: Seq
     reason: str = ""
     code: int = 0
+    #: A live heal ended at ``revision`` while the group moved on: the receiver applies it (a complete,
+    #: verified state) and votes again at once, in the same call, to fetch what changed since.
+    catch_up: bool = dataclasses.field(default=False, metadata=OPTIONAL)
 
 
 @_register(44)
@@ -840,6 +850,15 @@ class SharedStateProgress(Message):
     sync_seq: Count
     rx_bytes: Count
     total_bytes: Count
+
+
+@_register(46)
+@dataclass(frozen=True, kw_only=True)
+class SharedStateRelease(Message):
+    """Every fetcher of live heal ``sync_seq`` finished or was lost: the receiving holder drops the
+    snapshot it pinned for it (``SharedStatePlan.pin``) and refuses further requests for it."""
+
+    sync_seq: Count
 
 
 

@@ -1,0 +1,229 @@
+"""Live heals (issue 35 item 4): the group keeps running while a newcomer fetches the shared state.
+
+Pure: no trio, sockets or clocks. :class:`~pccl.master.state.MasterState` asks this book at a few hooks.
+
+When a sync vote elects a content and some participants (the *fetchers*) must fetch part of it, an
+ordinary sync holds every participant until they have. A live heal instead:
+
+* sends the *holders* (participants with nothing to fetch) their plan with the keys to **pin** and
+  their success result at once: each copies those keys' bytes at the elected revision and serves the
+  copy under the heal's ``sync_seq`` until a ``SharedStateRelease``; their call returns at once;
+* sends each fetcher a *live* plan; while it fetches (**healing**) the master leaves it out of its
+  group's collective and sync votes and hands out no speculative op numbers in its group (the members'
+  rings are named by each commence), so no member's call waits on it or fails with it;
+* when the fetcher's ``SharedStateDone(success)`` comes (and its group runs no sync): a ``catch_up``
+  result; the fetcher applies the healed revision (complete and verified) and votes again in the same
+  call (**behind**: still out of collective votes, but in sync votes). So it joins at the group's next
+  sync, where the members' loop has them (sync, then collectives), and that sync plans what changed
+  since the healed revision, if anything: nothing (an ordinary round, everyone returns together,
+  current), or some chunks (a live round again, up to ``max_live_rounds`` in a row; after that an
+  ordinary, blocking round, which bounds the catch-up when the state changes faster than it can be
+  fetched: data-parallel training changes every byte at every step);
+* a fetcher lost, or failing, costs the members nothing: its pins are released; its own call fails.
+
+Pins are released when the last fetcher of a heal is done, failed or lost (a donor lost meanwhile costs
+the fetcher its chunks in flight only, :mod:`pccl.peer.heal`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import Result
+from ..wire import messages as m
+from .effects import Effect, Event, Send
+
+
+@dataclass
+class Heal:
+    """One live heal round: who fetches which revision from whom."""
+
+    seq: int
+    group: int
+    revision: int
+    fetchers: set[int]
+    donors: set[int]
+    results: dict[int, m.SharedStateResult] = field(default_factory=dict)  # fetchers' results held back
+
+
+class HealBook:
+    """The live heals of the run, and the peers out of their group's votes meanwhile.
+
+    Args:
+        max_live_rounds: live rounds one peer may run in a row (0: live heals off, every sync holds
+            its participants until the fetchers have everything, as before issue 35 item 4).
+    """
+
+    def __init__(self, max_live_rounds: int = 0) -> None:
+        if max_live_rounds < 0:
+            raise ValueError(f"max_live_rounds must be >= 0, not {max_live_rounds}")
+        self.max_live_rounds = max_live_rounds
+        self.heals: dict[int, Heal] = {}  # seq -> heal
+        self.healing: dict[int, int] = {}  # fetcher -> the seq of the heal it runs
+        self.behind: dict[int, int] = {}  # fetcher -> its group, between a catch_up result and its next sync
+        self.rounds: dict[int, int] = {}  # fetcher -> live rounds run in a row
+        self.groups: dict[int, int] = {}  # fetcher -> group
+        # fetcher -> (its result, final): reported, the result held until its group can take it back
+        self.held: dict[int, tuple[m.SharedStateResult, bool]] = {}
+        self.started = 0
+        self.fetched = 0
+        self.failed = 0
+        self.rejoined = 0
+        self.lost_fetchers = 0
+
+    # -- who is out of which vote ------------------------------------------------------------
+
+    def out_of_ops(self, group: int) -> frozenset[int]:
+        """Peers of ``group`` that no collective vote waits on (healing, or behind)."""
+        if not self.groups:
+            return frozenset()
+        return frozenset(p for p, g in self.groups.items() if g == group)
+
+    def out_of_syncs(self, group: int) -> frozenset[int]:
+        """Peers of ``group`` that no sync vote waits on (healing)."""
+        if not self.healing:
+            return frozenset()
+        return frozenset(p for p in self.healing if self.groups.get(p) == group)
+
+    def is_healing(self, peer_id: int) -> bool:
+        """True while ``peer_id`` fetches a live heal."""
+        return peer_id in self.healing
+
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
+        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal: live heals are on,
+        someone fetches, someone holds, and no fetcher has run ``max_live_rounds`` live rounds in a row."""
+        fetchers = [p for p, rows in rows_of.items() if rows]
+        return (self.max_live_rounds > 0 and bool(fetchers) and len(fetchers) < len(rows_of)
+                and all(self.rounds.get(p, 0) < self.max_live_rounds for p in fetchers))
+
+    def joined(self, peer_id: int) -> None:
+        """``peer_id`` ended an ordinary sync successfully: it is current and counts everywhere."""
+        if self.behind.get(peer_id) is not None:
+            self.rejoined += 1
+        self.rounds.pop(peer_id, None)
+        self.behind.pop(peer_id, None)
+        self.groups.pop(peer_id, None)
+
+    # -- transitions -----------------------------------------------------------------------
+
+    def start(self, seq: int, group: int, revision: int, fetchers: list[int], donors: list[int]) -> None:
+        """A live round ``seq`` of ``group`` at ``revision`` begins."""
+        self.heals[seq] = Heal(seq=seq, group=group, revision=revision, fetchers=set(fetchers),
+                               donors=set(donors))
+        for p in fetchers:
+            self.healing[p] = seq
+            self.behind.pop(p, None)
+            self.groups[p] = group
+            self.rounds[p] = self.rounds.get(p, 0) + 1
+        self.started += 1
+
+    def go_live(self, seq: int, group: int, revision: int, rows_of: dict[int, list[list[Any]]],
+                table: list[m.PeerRow], note: str) -> list[Effect]:
+        """Run sync ``seq`` (elected ``revision``) as a live heal: ``rows_of`` is each participant's fetch
+        rows (``[key, hash, holder ids]``; empty for a holder). Each holder gets its plan naming the keys
+        it pins (those it is a donor of) and its success result; each fetcher its live plan."""
+        fetchers = sorted(p for p, rows in rows_of.items() if rows)
+        pins: dict[int, set[str]] = {}
+        for p in fetchers:
+            for key, _, holders in rows_of[p]:
+                for h in holders:
+                    pins.setdefault(int(h), set()).add(str(key))
+        self.start(seq, group, revision, fetchers, sorted(pins))
+        effects: list[Effect] = []
+        for p, rows in sorted(rows_of.items()):
+            if rows:
+                effects.append(Send(p, m.SharedStatePlan(sync_seq=seq, revision=revision, fetch=rows,
+                                                         peers=table, live=True)))
+                continue
+            effects.append(Send(p, m.SharedStatePlan(sync_seq=seq, revision=revision, fetch=[], peers=table,
+                                                     pin=sorted(pins.get(p, ())), live=True)))
+            effects.append(Send(p, m.SharedStateResult(sync_seq=seq, success=True, revision=revision,
+                                                       reason=note)))
+        effects.append(Event(f"shared-state sync {seq} of group {group} (revision {revision}) runs as a live "
+                             f"heal: peer(s) {fetchers} fetch from {sorted(pins)} while the others go on"))
+        return effects
+
+    def done(self, peer_id: int, msg: m.SharedStateDone) -> list[Effect]:
+        """The healing ``peer_id`` reports ``msg``. Its result is held (:meth:`flush` sends it: not while
+        its group runs a sync, which its catch-up vote could not join); the pins are released when it was
+        the last fetcher."""
+        seq = self.healing.get(peer_id)
+        if seq is None or msg.sync_seq != seq or peer_id in self.held:
+            return []
+        heal = self.heals[seq]
+        heal.fetchers.discard(peer_id)
+        if not msg.success:
+            result = m.SharedStateResult(sync_seq=seq, success=False, revision=heal.revision,
+                                         reason=f"peer {peer_id}: {msg.reason}",
+                                         code=int(Result.SHARED_STATE_SYNC_FAILED))
+            self.held[peer_id] = (result, True)
+        else:
+            # Always a catch-up: the healed peer joins its group at the group's next sync (where the members'
+            # loop has them: sync, then collectives), fetching there what changed since, if anything.
+            result = m.SharedStateResult(sync_seq=seq, success=True, revision=heal.revision, catch_up=True)
+            self.held[peer_id] = (result, False)
+        return self._release_if_unused(heal)
+
+    def flush(self, busy: Callable[[int, bool], bool]) -> list[Effect]:
+        """Send the held results whose group is not ``busy(group, final)`` (a running sync; for a final
+        result, also a running collective): the receiver leaves the heal (counted again in votes, or,
+        behind, in sync votes only until its catch-up ends)."""
+        if not self.held:
+            return []
+        effects: list[Effect] = []
+        for p, (result, final) in list(self.held.items()):
+            group = self.groups[p]
+            if busy(group, final):
+                continue
+            del self.held[p]
+            del self.healing[p]
+            if result.catch_up:
+                self.behind[p] = group
+                self.fetched += 1
+            else:
+                self.groups.pop(p, None)
+                self.rounds.pop(p, None)
+                self.failed += 1
+            effects.append(Send(p, result))
+        return effects
+
+    def peer_lost(self, peer_id: int) -> list[Effect]:
+        """``peer_id`` left: a fetcher's heal ends for it (the members are not in any call with it);
+        a donor is dropped from the heals it pins for (its fetchers already ask the others)."""
+        effects: list[Effect] = []
+        self.behind.pop(peer_id, None)
+        self.groups.pop(peer_id, None)
+        self.rounds.pop(peer_id, None)
+        seq = self.healing.pop(peer_id, None)
+        self.held.pop(peer_id, None)
+        if seq is not None:
+            heal = self.heals.get(seq)
+            if heal is not None:
+                heal.fetchers.discard(peer_id)
+            self.lost_fetchers += 1
+            effects.append(Event(f"peer {peer_id} was lost while it healed (live sync {seq}); "
+                                 "the members go on"))
+            if heal is not None:
+                effects += self._release_if_unused(heal)
+        for heal in self.heals.values():
+            heal.donors.discard(peer_id)
+        return effects
+
+    def _release_if_unused(self, heal: Heal) -> list[Effect]:
+        if heal.fetchers:
+            return []
+        del self.heals[heal.seq]
+        return [Send(d, m.SharedStateRelease(sync_seq=heal.seq)) for d in sorted(heal.donors)]
+
+    def statistics(self) -> dict[str, int]:
+        """Counters for the master's statistics: live rounds ``started``, ``fetched`` (the fetcher then voted
+        again), ``failed``; peers ``rejoined`` (behind, then current at an ordinary sync),
+        ``lost_fetchers``; and ``healing`` / ``behind`` now."""
+        return {"started": self.started, "fetched": self.fetched, "failed": self.failed,
+                "rejoined": self.rejoined, "lost_fetchers": self.lost_fetchers, "healing": len(self.healing),
+                "behind": len(self.behind)}
+
+
+__all__ = ["Heal", "HealBook"]
