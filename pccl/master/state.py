@@ -1026,10 +1026,12 @@ class MasterState:
         return self._check_pending_vote()
 
     def _check_pending_vote(self) -> list[Effect]:
-        if not self.resumed or not self._pending.complete(self.ring):
+        healing = self.heals.groups  # out of this vote too; admissions wait for their heals to end
+        ring = [p for p in self.ring if p not in healing] if healing else self.ring
+        if not self.resumed or not self._pending.complete(ring):
             return []
-        pending = bool(self.registered())
-        voters = self._pending.take(self.ring)
+        pending = bool(self.registered()) and not healing
+        voters = self._pending.take(ring)
         self._pending_count = (self._pending_epoch(), self._counted_pending() + 1)
         self._pending_mark = self.doubts.total_progress
         self.rounds.answered(self._pending_count, pending)

@@ -80,6 +80,8 @@ class Run:
 
     async def _step(self, i: int) -> None:
         comm = self.cluster.peer(i)
+        # as a training loop asks at each step (a ring-wide vote: a healing peer is left out of it too)
+        assert not await comm.are_peers_pending()
         x = np.full(256, float(i + 1))
         try:
             info = await comm.all_reduce(x)
