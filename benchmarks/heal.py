@@ -20,11 +20,24 @@ corrupts every chunk it sends (the chunks are re-fetched, the donor excluded). E
 newcomer's state bit-identical to the donors'.
 
 usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 50] [--json]
+
+``--training`` (issue 35 item 4) measures instead the members' training during a heal: ``--members`` (3)
+peers loop {all-reduce of ``--grad-mb`` MiB; every ``--sync-every`` steps push the revision and sync}
+(the shared state unchanged between syncs, as in DiLoCo's inner steps) while a newcomer heals the state
+from them; every link (member <-> member and donor -> newcomer) has ``--donor-mbit`` and half the RTT.
+Printed: the members' all-reduces per virtual second while the newcomer heals, against the same loop
+with no newcomer, for live heals (``MasterConfig.live_heal_rounds=1``) and without (the members wait in
+the sync). The virtual network models each directed pair of hosts as its own link: a donor's serving
+does not take bandwidth from its collectives here (what ``PeerConfig.state_serve_rate`` bounds on a
+real uplink is not measured by this mode).
+
+usage: python benchmarks/heal.py --training [--state-mb 256] [--grad-mb 4] [--members 3] [--sync-every 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
@@ -35,7 +48,7 @@ import trio.testing
 
 from pccl.peer import shared_state as ss
 from pccl.peer.shared_state import SharedState, TensorInfo
-from pccl.testing import VirtualNetwork, open_test_cluster
+from pccl.testing import DEFAULT_MASTER_CONFIG, VirtualNetwork, open_test_cluster
 
 MIB = 1 << 20
 
@@ -122,6 +135,91 @@ async def _case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, 
         }
 
 
+async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """One ``--training`` run: ``mode`` "alone" (no newcomer), "live" or "blocking" (a newcomer heals)."""
+    net = VirtualNetwork()
+    members = args.members
+    n = members + (mode != "alone")
+    cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, live_heal_rounds=1 if mode == "live" else 0)
+    async with open_test_cluster(n, network=net, master_config=cfg) as cluster:
+        for a in range(n):
+            for b in range(n):
+                if a != b:
+                    net.set_link(cluster.host(a), cluster.host(b), bandwidth=args.donor_mbit * 1e6 / 8,
+                                 latency=args.rtt_ms / 2000, oneway=True)
+        content = _arrays(args.state_mb, "random")
+        states = {i: _state([a.copy() for a in content]) for i in range(members)}
+        if mode != "alone":
+            states[members] = _state(_arrays(args.state_mb, "zeros"))
+        h = args.sync_every
+        last = 1 + args.train_steps // h  # the revision the loop ends at (a newcomer may move it on)
+        stop = {"rev": last}
+        done: dict[int, list[float]] = {i: [] for i in states}
+        healed: list[float] = []
+
+        async def loop(i: int, first_step: int) -> None:
+            comm = cluster.peer(i)
+            grad = np.ones(args.grad_mb * MIB // 4, np.float32)
+            step = first_step
+            while True:
+                await comm.all_reduce(grad)
+                done[i].append(trio.current_time())
+                step += 1
+                if step % h == 0:
+                    states[i].push_revision()
+                    await comm.sync_shared_state(states[i])
+                    if states[i].revision >= stop["rev"]:
+                        return
+
+        async def member(i: int) -> None:
+            await cluster.peer(i).sync_shared_state(states[i])
+            await loop(i, 0)
+
+        async def newcomer(i: int) -> None:
+            await cluster.peer(i).sync_shared_state(states[i])
+            healed.append(trio.current_time())
+            rev = states[i].revision
+            stop["rev"] = max(stop["rev"], rev + 1)  # everyone runs one more sync period with it
+            await loop(i, (rev - 1) * h)
+
+        t0 = trio.current_time()
+        w0 = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for i in range(members):
+                nursery.start_soon(member, i)
+            if mode != "alone":
+                nursery.start_soon(newcomer, members)
+        wall = time.perf_counter() - w0
+        end = healed[0] if healed else max(done[0])
+        during = [t for t in done[0] if t0 <= t <= end]
+        exact = all(a.tensor.tobytes() == b.tobytes() for s in states.values()
+                    for a, b in zip(s.tensor_infos, content, strict=True))
+        fetched = cluster.peer(members).statistics()["heal_last"] if mode != "alone" else None
+        return {"mode": mode, "heal_s": (healed[0] - t0) if healed else 0.0, "window_s": end - t0,
+                "fetch_s": fetched["elapsed"] if fetched else 0.0,
+                "steps_in_window": len(during), "steps_per_s": len(during) / (end - t0),
+                "steps": len(done[0]), "exact": exact, "wall_s": wall}
+
+
+async def _training(args: argparse.Namespace) -> list[dict[str, Any]]:
+    return [await _training_case(args, mode) for mode in ("alone", "live", "blocking")]
+
+
+def _print_training(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    base = rows[0]["steps_per_s"]
+    print(f"members' training during a heal, virtual network: {args.members} members, all-reduce of "
+          f"{args.grad_mb} MiB, sync every {args.sync_every} steps, {args.state_mb} MiB state, links "
+          f"{args.donor_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms (virtual seconds)")
+    print("fetch s: the newcomer's transfer; heal s: its whole sync_shared_state call (live: until it "
+          "joins at the members' next sync); steps: the members' all-reduces meanwhile")
+    print(f"{'mode':>9} {'fetch s':>7} {'heal s':>7} {'window s':>8} {'steps':>6} {'steps/s':>8} "
+          f"{'x alone':>7} {'exact':>5} {'wall s':>7}")
+    for r in rows:
+        print(f"{r['mode']:>9} {r['fetch_s']:>7.2f} {r['heal_s']:>7.2f} {r['window_s']:>8.2f} "
+              f"{r['steps_in_window']:>6} {r['steps_per_s']:>8.2f} {r['steps_per_s'] / base:>7.2f} "
+              f"{r['exact']!s:>5} {r['wall_s']:>7.1f}")
+
+
 async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for donors, fault in ((1, ""), (2, ""), (3, ""), (3, "slow"), (3, "kill"), (3, "corrupt")):
@@ -135,10 +233,22 @@ def main() -> None:
     p.add_argument("--donor-mbit", type=float, default=100.0)
     p.add_argument("--rtt-ms", type=float, default=50.0)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--training", action="store_true", help="members' steps per second during a heal")
+    p.add_argument("--members", type=int, default=3)
+    p.add_argument("--grad-mb", type=int, default=4)
+    p.add_argument("--sync-every", type=int, default=10)
+    p.add_argument("--train-steps", type=int, default=40, help="steps of the loop without a newcomer")
     args = p.parse_args()
     # Hash inline, never in a worker thread: under the autojump clock a thread's CPU time would let
     # virtual time jump (to the next timeout), which is not what the network takes.
     ss._HASH_IN_THREAD_BYTES = 1 << 62
+    if args.training:
+        trows = trio.run(_training, args, clock=trio.testing.MockClock(autojump_threshold=0))
+        if args.json:
+            print(json.dumps(trows, indent=1))
+        else:
+            _print_training(args, trows)
+        return
     rows = trio.run(_main, args, clock=trio.testing.MockClock(autojump_threshold=0))
     if args.json:
         print(json.dumps(rows, indent=1))
