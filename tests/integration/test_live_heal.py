@@ -12,7 +12,7 @@ import trio.testing
 
 import pccl
 from pccl.peer.shared_state import SharedState, TensorInfo
-from pccl.testing import DEFAULT_MASTER_CONFIG, TestCluster
+from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
 
 MIB = 1 << 20
@@ -67,6 +67,7 @@ class Run:
         self.gone: set[int] = set()  # newcomers killed
         self.errors: dict[int, BaseException] = {}
         self.until: Any = None  # extra stop condition for the members (a callable)
+        self.progress: dict[int, Any] = {}  # newcomer -> its progress callback
 
     def log(self, who: int, what: str, value: Any = None) -> None:
         self.events.append((trio.current_time(), who, what, value))
@@ -122,7 +123,7 @@ class Run:
 
     async def newcomer(self, i: int) -> None:
         try:
-            info = await self.cluster.peer(i).sync_shared_state(self.states[i])
+            info = await self.cluster.peer(i).sync_shared_state(self.states[i], progress=self.progress.get(i))
         except pccl.PCCLError:
             if i in self.gone:
                 return
@@ -280,3 +281,32 @@ async def test_a_donor_killed_mid_heal_while_the_members_train(
     assert _bits(states[3]) == _bits(states[0]) == _bits(states[2])
     last = cluster.peer(3).statistics()["heal_last"]
     assert last["duplicate_bytes"] <= 2 * MIB  # at most its two chunks in flight fetched again
+
+
+async def test_the_serving_rate_cap_bounds_what_each_donor_sends(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    """Links of infinite bandwidth: the donors' ``state_serve_rate`` (1 MiB/s each) alone sets the heal's
+    pace, while their collectives and syncs run at full speed."""
+    capped = dataclasses.replace(DEFAULT_PEER_CONFIG, state_serve_rate=float(MIB))
+    cluster = await pccl_cluster(3, master_config=LIVE, config=capped)
+    big, small = _content(5)
+    states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
+    net = cluster.network
+    assert net is not None
+    net.set_link(cluster.host(0), cluster.host(1), latency=0.03)
+    run = Run(cluster, states, [0, 1], [2])
+    fetched: list[float] = []
+
+    def on_progress(done: int, total: int) -> None:
+        if not fetched and total >= BIG and done >= total:
+            fetched.append(trio.current_time())
+
+    run.progress[2] = on_progress
+    await run.run()
+    # 6 MiB at 2 x 1 MiB/s, less the two 1 MiB bursts: at least 2 s; uncapped it takes milliseconds
+    assert fetched and fetched[0] - run.times(0, "first sync")[0] >= 2.0
+    assert run.healed_bits[2] == run.snapshots[run.joined[2]]
+    for i in (0, 1):
+        assert len([t for t in run.times(i, "all_reduce") if t < 2.0]) >= 10
+        assert cluster.peer(i)._state_server.cap is not None

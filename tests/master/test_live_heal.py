@@ -1,0 +1,155 @@
+"""Live heals (issue 35 item 4), message by message: holders are answered with the plan, so their call
+returns; the fetcher is out of its group's collective, sync and peers-pending votes while it heals; its
+result waits while the group runs a sync; it rejoins at the group's next sync; its loss fails nobody."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pccl.master.heals import HealBook
+from pccl.master.state import MasterState, Send
+from pccl.wire import messages as m
+
+from .test_state import Harness
+
+MB = 1_000_000
+HELD = [["w", 10, [1000], 4000, 111, False]]
+ZERO = [["w", 10, [1000], 4000, 999, False]]
+
+
+def _live(rounds: int = 2) -> tuple[Harness, list[int]]:
+    hs = Harness()
+    hs.st = MasterState(live_heal_rounds=rounds)
+    peers = [hs.join()[0] for _ in range(3)]
+    hs.update([peers[0]])
+    assert hs.st.ring == peers
+    return hs, peers
+
+
+def _to(eff: list[Any], pid: int, kind: type[m.Message]) -> list[Any]:
+    return [e.message for e in eff
+            if isinstance(e, Send) and e.peer_id == pid and isinstance(e.message, kind)]
+
+
+def _start(hs: Harness, peers: list[int]) -> tuple[list[Any], int]:
+    a, b, c = peers
+    eff = hs.h(a, m.SharedStateSync(revision=1, strategy=0, entries=HELD))
+    eff += hs.h(b, m.SharedStateSync(revision=1, strategy=0, entries=HELD))
+    eff += hs.h(c, m.SharedStateSync(revision=1, strategy=0, entries=ZERO))
+    return eff, hs.st._sync_seq
+
+
+def _all_reduce(hs: Harness, voters: list[int], tag: int = 0) -> list[Any]:
+    desc = m.CollectiveDescriptor(kind="all_reduce", dtype=10, element_count=4, op=0, root=-1, quantization=0,
+                                  quantized_dtype=10)
+    eff: list[Any] = []
+    for p in voters:
+        eff += hs.h(p, m.CollectiveInitiate(tag=tag, descriptor=desc, op_seq=-1))
+    return eff
+
+
+def test_holders_are_answered_with_their_plan_and_pin_what_the_fetcher_fetches() -> None:
+    hs, (a, b, c) = _live()
+    eff, seq = _start(hs, [a, b, c])
+    for p in (a, b):
+        (plan,) = _to(eff, p, m.SharedStatePlan)
+        assert plan.live and plan.fetch == [] and plan.pin == ["w"]
+        (res,) = _to(eff, p, m.SharedStateResult)
+        assert res.success and res.sync_seq == seq and res.revision == 1
+    (plan,) = _to(eff, c, m.SharedStatePlan)
+    assert plan.live and plan.pin == [] and [r[0] for r in plan.fetch] == ["w"]
+    assert not _to(eff, c, m.SharedStateResult)
+    assert hs.st.last_revision[0] == 1 and not hs.st._syncs
+    assert hs.st.heals.is_healing(c) and hs.st.statistics()["heals"]["healing"] == 1
+
+
+def test_the_members_vote_without_the_fetcher_and_it_rejoins_at_their_next_sync() -> None:
+    hs, (a, b, c) = _live()
+    _, seq = _start(hs, [a, b, c])
+    # the members' collectives and syncs complete without it, and no op number is reserved meanwhile
+    eff = _all_reduce(hs, [a, b])
+    (commence,) = _to(eff, a, m.CollectiveCommence)
+    assert [r.peer_id for r in commence.peers] == [a, b]
+    for p in (a, b):
+        eff = hs.h(p, m.CollectiveDone(tag=0, op_seq=commence.op_seq, success=True))
+    assert all(msg.next_op_seq == -1 for msg in _to(eff, a, m.CollectiveComplete))
+    assert not hs.h(a, m.PeersPendingVote())  # its answer waits for b only, not for the fetcher
+    eff = hs.h(b, m.PeersPendingVote())
+    assert [msg.pending for msg in _to(eff, a, m.PeersPendingResult)] == [False]
+    eff = hs.h(a, m.SharedStateSync(revision=2, strategy=0, entries=HELD))
+    eff += hs.h(b, m.SharedStateSync(revision=2, strategy=0, entries=HELD))
+    (plan,) = _to(eff, a, m.SharedStatePlan)
+    assert not plan.live and [r.peer_id for r in plan.peers] == [a, b]
+    members_sync = plan.sync_seq
+    # the fetcher is done while that sync runs: its result waits for the sync's end
+    assert hs.h(c, m.SharedStateDone(sync_seq=seq, success=True, rx_bytes=4000)) == [
+        Send(a, m.SharedStateRelease(sync_seq=seq)), Send(b, m.SharedStateRelease(sync_seq=seq))]
+    hs.h(a, m.SharedStateDone(sync_seq=members_sync, success=True))
+    eff = hs.h(b, m.SharedStateDone(sync_seq=members_sync, success=True))
+    (res,) = _to(eff, c, m.SharedStateResult)
+    assert res.success and res.catch_up and res.revision == 1 and res.sync_seq == seq
+    # behind: out of collectives, in the sync vote, which waits for it now
+    eff = _all_reduce(hs, [a, b], tag=1)
+    assert _to(eff, a, m.CollectiveCommence)
+    eff = hs.h(a, m.SharedStateSync(revision=3, strategy=0, entries=HELD))
+    eff += hs.h(b, m.SharedStateSync(revision=3, strategy=0, entries=HELD))
+    assert not _to(eff, a, m.SharedStatePlan)
+    eff = hs.h(c, m.SharedStateSync(revision=1, strategy=0, entries=HELD))  # same content: nothing to fetch
+    plans = {p: _to(eff, p, m.SharedStatePlan)[0] for p in (a, b, c)}
+    assert all(not pl.live and pl.fetch == [] for pl in plans.values())
+    for p in (a, b, c):
+        eff = hs.h(p, m.SharedStateDone(sync_seq=plans[a].sync_seq, success=True))
+    assert {p for p in (a, b, c) if _to(eff, p, m.SharedStateResult)} == {a, b, c}
+    assert hs.st.heals.statistics()["rejoined"] == 1 and not hs.st.heals.groups
+    # current: the next collective needs all three
+    assert not _to(_all_reduce(hs, [a, b], tag=2), a, m.CollectiveCommence)
+    assert _to(_all_reduce(hs, [c], tag=2), a, m.CollectiveCommence)
+
+
+def test_live_rounds_are_bounded_then_the_sync_holds_everyone() -> None:
+    hs, (a, b, c) = _live(rounds=1)
+    _, seq = _start(hs, [a, b, c])
+    hs.h(c, m.SharedStateDone(sync_seq=seq, success=True))  # (flushed: no sync runs)
+    eff = hs.h(a, m.SharedStateSync(revision=2, strategy=0, entries=HELD))
+    eff += hs.h(b, m.SharedStateSync(revision=2, strategy=0, entries=HELD))
+    eff += hs.h(c, m.SharedStateSync(revision=1, strategy=0, entries=ZERO))  # it still differs
+    plan = _to(eff, c, m.SharedStatePlan)[0]
+    assert not plan.live and plan.fetch  # its second round is an ordinary one: the members wait
+    assert not _to(eff, a, m.SharedStateResult)
+
+
+def test_a_fetcher_lost_mid_heal_fails_no_member_and_releases_the_pins() -> None:
+    hs, (a, b, c) = _live()
+    _, seq = _start(hs, [a, b, c])
+    eff = hs.st.peer_lost(c, "killed")
+    assert _to(eff, a, m.SharedStateRelease) == [m.SharedStateRelease(sync_seq=seq)]
+    assert not any(isinstance(e, Send) and isinstance(e.message, (m.SharedStateResult, m.CollectiveAbort))
+                   for e in eff)
+    assert hs.st.heals.statistics()["lost_fetchers"] == 1 and not hs.st.heals.heals
+    assert _to(_all_reduce(hs, [a, b]), a, m.CollectiveCommence)
+
+
+def test_a_failed_fetch_fails_the_fetcher_alone() -> None:
+    hs, (a, b, c) = _live()
+    _, seq = _start(hs, [a, b, c])
+    eff = hs.h(c, m.SharedStateDone(sync_seq=seq, success=False, reason="no holder left"))
+    (res,) = _to(eff, c, m.SharedStateResult)
+    assert not res.success and "no holder left" in res.reason
+    assert not _to(eff, a, m.SharedStateResult) and _to(eff, a, m.SharedStateRelease)
+    assert not hs.st.heals.groups
+
+
+def test_off_by_default_and_with_nothing_to_fetch() -> None:
+    hs = Harness()  # live_heal_rounds=0: an ordinary sync
+    peers = [hs.join()[0] for _ in range(3)]
+    hs.update([peers[0]])
+    eff, _ = _start(hs, peers)
+    assert not any(_to(eff, p, m.SharedStateResult) for p in peers)
+    assert not any(pl.live for p in peers for pl in _to(eff, p, m.SharedStatePlan))
+    book = HealBook(2)
+    assert not book.may_go_live({1: [], 2: []}) and not book.may_go_live({1: [["w", 1, [2]]]})
+    assert book.may_go_live({1: [["w", 1, [2]]], 2: []})
+    with pytest.raises(ValueError):
+        HealBook(-1)
