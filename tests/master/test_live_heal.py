@@ -153,3 +153,11 @@ def test_off_by_default_and_with_nothing_to_fetch() -> None:
     assert book.may_go_live({1: [["w", 1, [2]]], 2: []})
     with pytest.raises(ValueError):
         HealBook(-1)
+
+
+def test_a_collective_vote_that_waited_for_the_fetcher_completes_when_its_heal_starts() -> None:
+    hs, (a, b, c) = _live()
+    assert not _to(_all_reduce(hs, [a, b], tag=5), a, m.CollectiveCommence)  # waits for c
+    eff, _ = _start(hs, [a, b, c])
+    (commence,) = _to(eff, a, m.CollectiveCommence)
+    assert commence.tag == 5 and [r.peer_id for r in commence.peers] == [a, b]
