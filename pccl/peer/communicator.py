@@ -271,6 +271,7 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
             **dict(self._stats),
             **self._state_server.totals,
             "heal_last": self._state_server.last,
+            "heal_pins": self._state_server.pin_statistics(),
         }
 
     def __repr__(self) -> str:

@@ -321,6 +321,12 @@ class StateServer:
         pinned = self.pins.get(seq)
         return pinned if pinned is not None else self.ctx
 
+    def pin_statistics(self) -> dict[int, dict[str, int]]:
+        """Per live heal this peer serves a pinned snapshot for: its ``bytes`` held and ``tx_bytes``
+        served so far (a holder's call returned before it served; this is where its serving shows)."""
+        return {seq: {"bytes": sum(backend.describe(i.tensor).nbytes for i in c.state.tensor_infos),
+                      "tx_bytes": c.tx} for seq, c in self.pins.items()}
+
     def pinned_bytes(self) -> int:
         """Bytes held by pinned snapshots."""
         return sum(backend.describe(i.tensor).nbytes

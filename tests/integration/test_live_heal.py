@@ -175,6 +175,7 @@ async def test_members_keep_training_while_a_newcomer_heals(
     assert heals["fetched"] >= 1 and heals["rejoined"] == 1 and heals["healing"] == heals["behind"] == 0
     # every pinned snapshot was released once its fetcher was done
     assert all(not cluster.peer(i)._state_server.pins for i in (0, 1))
+    assert all(cluster.peer(i).statistics()["heal_pins"] == {} for i in (0, 1))
 
 
 async def test_a_newcomer_killed_mid_heal_fails_no_members_call(
@@ -186,10 +187,13 @@ async def test_a_newcomer_killed_mid_heal_fails_no_members_call(
     _slow_links(cluster, [2], [0, 1])
     run = Run(cluster, states, [0, 1], [2])
     master = cluster.master.state
-    seen = {"pinned": False}
+    seen: dict[str, Any] = {"pinned": False, "stats": []}
 
     def killed_and_released() -> bool:
-        seen["pinned"] = seen["pinned"] or any(cluster.peer(i)._state_server.pins for i in (0, 1))
+        for i in (0, 1):
+            pins = cluster.peer(i).statistics()["heal_pins"]
+            seen["pinned"] = seen["pinned"] or bool(pins)
+            seen["stats"] += list(pins.values())
         return master.heals.lost_fetchers == 1 and not master.heals.heals
 
     run.until = killed_and_released
@@ -210,6 +214,7 @@ async def test_a_newcomer_killed_mid_heal_fails_no_members_call(
             nursery.start_soon(run.member, i)
         nursery.start_soon(newcomer)
     assert 2 in run.gone and seen["pinned"]
+    assert any(st["tx_bytes"] > 0 for st in seen["stats"])  # the pins served while the members trained
     assert not run.errors  # no member's call failed (a failure would also have raised above)
     for i in (0, 1):
         assert len(run.times(i, "all_reduce")) >= 10
