@@ -27,9 +27,11 @@ peers loop {all-reduce of ``--grad-mb`` MiB; every ``--sync-every`` steps push t
 from them; every link (member <-> member and donor -> newcomer) has ``--donor-mbit`` and half the RTT.
 Printed: the members' all-reduces per virtual second while the newcomer heals, against the same loop
 with no newcomer, for live heals (``MasterConfig.live_heal_rounds=1``) and without (the members wait in
-the sync). The virtual network models each directed pair of hosts as its own link: a donor's serving
-does not take bandwidth from its collectives here (what ``PeerConfig.state_serve_rate`` bounds on a
-real uplink is not measured by this mode).
+the sync); with ``--changing`` also the same where each sync follows a change of every byte of the state
+(DiLoCo's outer step, data-parallel), where the newcomer's last difference moves in an ordinary sync
+(docs/concepts.md "Live heals"). The virtual network models each directed pair of hosts as its own
+link: a donor's serving does not take bandwidth from its collectives here (what
+``PeerConfig.state_serve_rate`` bounds on a real uplink is not measured by this mode).
 
 usage: python benchmarks/heal.py --training [--state-mb 256] [--grad-mb 4] [--members 3] [--sync-every 10]
 """
@@ -136,8 +138,11 @@ async def _case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, 
 
 
 async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
-    """One ``--training`` run: ``mode`` "alone" (no newcomer), "live" or "blocking" (a newcomer heals)."""
+    """One ``--training`` run: ``mode`` "alone" (no newcomer), "live" or "blocking" (a newcomer heals);
+    a "changing" prefix: every sync follows a change of every byte of the state."""
     net = VirtualNetwork()
+    changing = mode.startswith("changing ")
+    mode = mode.removeprefix("changing ")
     members = args.members
     n = members + (mode != "alone")
     cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, live_heal_rounds=1 if mode == "live" else 0)
@@ -166,6 +171,9 @@ async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 done[i].append(trio.current_time())
                 step += 1
                 if step % h == 0:
+                    if changing:  # an outer step: every parameter moves (DiLoCo, data-parallel)
+                        for info in states[i].tensor_infos:
+                            info.tensor += np.float32(1.0)
                     states[i].push_revision()
                     await comm.sync_shared_state(states[i])
                     if states[i].revision >= stop["rev"]:
@@ -192,31 +200,37 @@ async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
         wall = time.perf_counter() - w0
         end = healed[0] if healed else max(done[0])
         during = [t for t in done[0] if t0 <= t <= end]
-        exact = all(a.tensor.tobytes() == b.tobytes() for s in states.values()
-                    for a, b in zip(s.tensor_infos, content, strict=True))
+        ref = states[0].tensor_infos
+        exact = all(a.tensor.tobytes() == b.tensor.tobytes() for s in states.values()
+                    for a, b in zip(s.tensor_infos, ref, strict=True))
         fetched = cluster.peer(members).statistics()["heal_last"] if mode != "alone" else None
-        return {"mode": mode, "heal_s": (healed[0] - t0) if healed else 0.0, "window_s": end - t0,
+        return {"mode": ("changing " if changing else "") + mode,
+                "heal_s": (healed[0] - t0) if healed else 0.0, "window_s": end - t0,
                 "fetch_s": fetched["elapsed"] if fetched else 0.0,
                 "steps_in_window": len(during), "steps_per_s": len(during) / (end - t0),
                 "steps": len(done[0]), "exact": exact, "wall_s": wall}
 
 
 async def _training(args: argparse.Namespace) -> list[dict[str, Any]]:
-    return [await _training_case(args, mode) for mode in ("alone", "live", "blocking")]
+    modes = ["alone", "live", "blocking"]
+    if args.changing:
+        modes += ["changing alone", "changing live", "changing blocking"]
+    return [await _training_case(args, mode) for mode in modes]
 
 
 def _print_training(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    base = rows[0]["steps_per_s"]
+    bases = {r["mode"].startswith("changing"): r["steps_per_s"] for r in rows if r["mode"].endswith("alone")}
     print(f"members' training during a heal, virtual network: {args.members} members, all-reduce of "
           f"{args.grad_mb} MiB, sync every {args.sync_every} steps, {args.state_mb} MiB state, links "
           f"{args.donor_mbit:g} Mbit/s, RTT {args.rtt_ms:g} ms (virtual seconds)")
     print("fetch s: the newcomer's transfer; heal s: its whole sync_shared_state call (live: until it "
           "joins at the members' next sync); steps: the members' all-reduces meanwhile")
-    print(f"{'mode':>9} {'fetch s':>7} {'heal s':>7} {'window s':>8} {'steps':>6} {'steps/s':>8} "
+    print(f"{'mode':>17} {'fetch s':>7} {'heal s':>7} {'window s':>8} {'steps':>6} {'steps/s':>8} "
           f"{'x alone':>7} {'exact':>5} {'wall s':>7}")
     for r in rows:
-        print(f"{r['mode']:>9} {r['fetch_s']:>7.2f} {r['heal_s']:>7.2f} {r['window_s']:>8.2f} "
-              f"{r['steps_in_window']:>6} {r['steps_per_s']:>8.2f} {r['steps_per_s'] / base:>7.2f} "
+        print(f"{r['mode']:>17} {r['fetch_s']:>7.2f} {r['heal_s']:>7.2f} {r['window_s']:>8.2f} "
+              f"{r['steps_in_window']:>6} {r['steps_per_s']:>8.2f} "
+              f"{r['steps_per_s'] / bases[r['mode'].startswith('changing')]:>7.2f} "
               f"{r['exact']!s:>5} {r['wall_s']:>7.1f}")
 
 
@@ -238,6 +252,8 @@ def main() -> None:
     p.add_argument("--grad-mb", type=int, default=4)
     p.add_argument("--sync-every", type=int, default=10)
     p.add_argument("--train-steps", type=int, default=40, help="steps of the loop without a newcomer")
+    p.add_argument("--changing", action="store_true",
+                   help="also the runs where every sync follows a change of every byte (DiLoCo's outer step)")
     args = p.parse_args()
     # Hash inline, never in a worker thread: under the autojump clock a thread's CPU time would let
     # virtual time jump (to the next timeout), which is not what the network takes.
