@@ -44,6 +44,7 @@ from .effects import FastStart as FastStart
 from .effects import Kick as Kick
 from .effects import Send as Send
 from .handout import CredentialHandout
+from .heals import HealBook
 from .holds import Holds
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
@@ -135,6 +136,7 @@ class MasterState:
         credentials_delay: float = 0.0,
         tokens: MemberTokens | None = None,
         max_open_votes: int | None = None,
+        live_heal_rounds: int = 0,
     ) -> None:
         self.members = Membership()  # the peer table and the ring (pccl/master/membership.py)
         self.peers = self.members.peers
@@ -148,6 +150,7 @@ class MasterState:
         self._op_seq = 0
         # The shared-state syncs by group (pccl/master/rounds/sync.py); ``_syncs`` is its rounds.
         self.syncs = SyncVotes()
+        self.heals = HealBook(live_heal_rounds)  # live heals (issue 35 item 4, pccl/master/heals.py)
         self._syncs = self.syncs.rounds
         # Per peer: the rows of its next SharedStateSync received so far in SharedStateEntries frames
         # (the rows, then how many frames brought them); dropped with the peer or consumed by its vote.
@@ -277,6 +280,7 @@ class MasterState:
             "speculative_go_held": self.collectives.go_held,
             "reservations": len(self.collectives.reserved),
             "syncs_in_progress": len(self._syncs),
+            "heals": self.heals.statistics(),
             "revisions": dict(self.last_revision),
             "generation": self.generation,
             "rebuilding": self.rebuild is not None,
@@ -820,7 +824,7 @@ class MasterState:
                        for p in self.ring if self.peers[p].group == rec.group]
         self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
         self.latency = {k: v for k, v in self.latency.items() if peer_id not in k}
-        effects: list[Effect] = revoked
+        effects: list[Effect] = revoked + self.heals.peer_lost(peer_id)
         # Re-check every vote with the peer gone (the topology round first, as it always was).
         rounds = self._open_rounds(ordered=False)
         for rnd in sorted(rounds, key=lambda r: r.key[0] != "topology"):
@@ -854,6 +858,8 @@ class MasterState:
             rec.admitted = None  # a newcomer proven: it reports on a round it ran with the others
         effects = handler(self, rec, msg)
         effects[:0] = self._rows_due()  # first: before anything this message lets the members do
+        if self.heals.held:
+            effects += self.heals.flush(self._heal_busy)
         return effects
 
     def _takes_part(self, rec: PeerRecord, msg: m.Message) -> bool:
@@ -1476,6 +1482,8 @@ class MasterState:
 
     def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         assert isinstance(msg, m.SharedStateDone)
+        if self.heals.is_healing(rec.peer_id):
+            return self.heals.done(rec.peer_id, msg)
         got = self.syncs.report(rec.peer_id, rec.group, msg, self)
         return self.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
 
@@ -1501,6 +1509,46 @@ class MasterState:
         """A fresh sync_seq of this master's generation."""
         self._sync_seq += 1
         return self._sync_seq
+
+    # -- live heals (pccl/master/heals.py): what the rounds ask, and the few hooks above
+
+    def left_out(self, group: int, kind: str) -> frozenset[int]:
+        """Peers of ``group`` that no vote of ``kind`` ("op" or "sync") waits on: they heal (or, for
+        collectives, are behind after a heal)."""
+        return self.heals.out_of_ops(group) if kind == "op" else self.heals.out_of_syncs(group)
+
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
+        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
+        return self.heals.may_go_live(rows_of)
+
+    def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
+                table: list[m.PeerRow], note: str) -> list[Effect]:
+        """Sync ``seq`` of ``group`` (its round already closed) runs as a live heal: settled for its
+        holders now; no speculative start in the group meanwhile; the votes that waited for a fetcher
+        are checked again."""
+        self.sync_settled(group, seq, True, revision)
+        effects: list[Effect] = []
+        for p in rows_of:
+            self.peers[p].admitted = None  # (proven: it takes part in a sync; no admission grace)
+        if self.collectives.reserved.revoke(group):  # the members' next rings leave the fetchers out
+            revoked = m.ReservationsRevoked(reason="a member of the group heals")
+            effects += [Send(p, revoked) for p in rows_of]
+        effects += self.heals.go_live(seq, group, revision, rows_of, table, note)
+        for key in [k for k in self._ops if k[0] == group]:
+            effects += self._check_op_vote(key)
+        return effects + self._check_pending_vote()
+
+    def synced(self, peers: Collection[int]) -> None:
+        """``peers`` ended an ordinary sync successfully: one behind after a live heal is current again."""
+        for p in peers:
+            self.heals.joined(p)
+
+    def _heal_busy(self, group: int, final: bool) -> bool:
+        """Whether a healed peer's result must wait: its group runs a sync (or, for a final result, a
+        collective) that it could not join."""
+        rnd = self._syncs.get(group)
+        return (rnd is not None and rnd.running) or (
+            final and any(op.running for (g, _), op in self._ops.items() if g == group))
 
     def sync_settled(self, group: int, seq: int, committed: bool, revision: int) -> None:
         """A running sync ended: committed, its revision is the group's; the books in doubt learn it."""

@@ -47,6 +47,19 @@ class Master:
     def sync_settled(self, group: int, seq: int, committed: bool, revision: int) -> None:
         self.settled.append((group, seq, committed, revision))
 
+    def left_out(self, group: int, kind: str) -> frozenset[int]:
+        return frozenset()  # no live heals here (tests/master/test_live_heal.py)
+
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
+        return False
+
+    def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
+                table: list[m.PeerRow], note: str) -> list[Any]:
+        raise AssertionError("no live heals here")
+
+    def synced(self, peers: Any) -> None:
+        pass
+
     def lose(self, peer_id: int) -> None:
         self.gone.add(peer_id)
         self.members.remove(peer_id)

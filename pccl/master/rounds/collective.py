@@ -66,6 +66,10 @@ class CollectiveContext(Protocol):
         """A fresh op_seq (never handed out before by this master's generation)."""
         ...
 
+    def left_out(self, group: int, kind: str) -> frozenset[int]:
+        """Peers of ``group`` no vote of ``kind`` ("op") waits on (healing: pccl/master/heals.py)."""
+        ...
+
     def op_settled(self, group: int, tag: int, seq: int, committed: bool) -> None:
         """A running op ended (the books of operations in doubt and lost learn it)."""
         ...
@@ -291,7 +295,9 @@ class CollectiveVotes:
         op = self.ops.get(key)
         if op is None or op.running:
             return []
-        members = unanimous(op.votes, ctx.group_size(op.group), lambda: ctx.accepted(op.group))
+        out = ctx.left_out(op.group, "op")  # healing or behind after a heal: not waited on
+        members = unanimous(op.votes, ctx.group_size(op.group) - len(out),
+                            lambda: [p for p in ctx.accepted(op.group) if p not in out])
         if members is None:
             return []
         voters = [p for p in members if p in op.votes]
@@ -407,8 +413,10 @@ class CollectiveVotes:
             if op.go_to and self.go_due.pop(key, None) is not None:
                 self.go_held += 1
             ctx.op_settled(op.group, op.tag, op.op_seq, True)
-            seq = ctx.next_op_seq()
-            self.reserved.reserve(op.group, op.tag, seq, ctx.epoch, op.participants)
+            seq = -1  # none while a member heals: the rings leave it out (each commence names them)
+            if not ctx.left_out(op.group, "op"):
+                seq = ctx.next_op_seq()
+                self.reserved.reserve(op.group, op.tag, seq, ctx.epoch, op.participants)
             complete = m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=seq)
             return [Send(p, complete) for p in op.participants]  # one object: encoded once (SHARED)
         return []

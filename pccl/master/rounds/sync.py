@@ -62,6 +62,25 @@ class SyncContext(Protocol):
         """A running sync ended (the run's revision, the books of operations in doubt and lost learn it)."""
         ...
 
+    # live heals (issue 35 item 4, pccl/master/heals.py)
+
+    def left_out(self, group: int, kind: str) -> frozenset[int]:
+        """Peers of ``group`` no vote of ``kind`` ("sync") waits on: they heal."""
+        ...
+
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
+        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
+        ...
+
+    def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
+                table: list[m.PeerRow], note: str) -> list[Effect]:
+        """Run the (closed) sync ``seq`` as a live heal: the plans and the holders' results."""
+        ...
+
+    def synced(self, peers: Collection[int]) -> None:
+        """``peers`` ended an ordinary sync successfully."""
+        ...
+
 
 def lost_sync_result(revision: int) -> m.SharedStateResult:
     """The failed result of a sync call lost with the master (docs/concepts.md "A member's link breaks")."""
@@ -157,7 +176,9 @@ class SyncVotes:
         rnd = self.rounds.get(group)
         if rnd is None or rnd.running:
             return []
-        members = unanimous(rnd.votes, ctx.group_size(group), lambda: ctx.accepted(group))
+        out = ctx.left_out(group, "sync")  # healing peers: not waited on
+        members = unanimous(rnd.votes, ctx.group_size(group) - len(out),
+                            lambda: [p for p in ctx.accepted(group) if p not in out])
         if members is None:
             return []
         votes = {p: rnd.votes[p] for p in members if p in rnd.votes}
@@ -179,6 +200,10 @@ class SyncVotes:
         rnd.note = "; ".join(f"peer {p} was refused: {r.reason}" for p, r in sorted(result.refused.items()))
         rnd.running = True
         table = ctx.table(members)
+        rows_of = {p: _election.fetch_rows(result.plans[p]) for p in members if p in result.plans}
+        if ctx.may_go_live(rows_of):  # the holders return now, the fetchers heal alone
+            del self.rounds[group]
+            return effects + ctx.go_live(group, rnd.seq, rnd.revision, rows_of, table, rnd.note)
         for p in members:
             plan = result.plans.get(p)
             if plan is None:
@@ -236,6 +261,7 @@ class SyncVotes:
             return []
         del self.rounds[group]
         ctx.sync_settled(group, rnd.seq, True, rnd.revision)
+        ctx.synced(rnd.participants)
         return rnd.results(sorted(rnd.participants), True, rnd.note)
 
     def fail(self, group: int, reason: str, code: Result, ctx: SyncContext) -> list[Effect]:
