@@ -34,6 +34,7 @@ from typing import Any
 from .._errors import Result
 from ..wire import messages as m
 from .effects import Effect, Event, Send
+from .transfers import SyncProgress
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Heal:
     fetchers: set[int]
     donors: set[int]
     results: dict[int, m.SharedStateResult] = field(default_factory=dict)  # fetchers' results held back
+    progress: SyncProgress | None = None  # the fetchers' reports, for the status page
 
 
 class HealBook:
@@ -120,7 +122,7 @@ class HealBook:
         self.started += 1
 
     def go_live(self, seq: int, group: int, revision: int, rows_of: dict[int, list[list[Any]]],
-                table: list[m.PeerRow], note: str) -> list[Effect]:
+                table: list[m.PeerRow], note: str, progress: SyncProgress | None = None) -> list[Effect]:
         """Run sync ``seq`` (elected ``revision``) as a live heal: ``rows_of`` is each participant's fetch
         rows (``[key, hash, holder ids]``; empty for a holder). Each holder gets its plan naming the keys
         it pins (those it is a donor of) and its success result; each fetcher its live plan."""
@@ -131,6 +133,7 @@ class HealBook:
                 for h in holders:
                     pins.setdefault(int(h), set()).add(str(key))
         self.start(seq, group, revision, fetchers, sorted(pins))
+        self.heals[seq].progress = progress
         effects: list[Effect] = []
         for p, rows in sorted(rows_of.items()):
             if rows:
@@ -188,6 +191,27 @@ class HealBook:
                 self.failed += 1
             effects.append(Send(p, result))
         return effects
+
+    def report(self, peer_id: int, msg: m.SharedStateProgress, now: float) -> str | None:
+        """The healing ``peer_id``'s progress report: recorded (for the status page), or why it is
+        illegal (the caller kicks it). One for another sync than its heal is dropped."""
+        heal = self.heals.get(self.healing.get(peer_id, -1))
+        if heal is None or msg.sync_seq != heal.seq or heal.progress is None:
+            return None
+        if peer_id in self.held:
+            return "SharedStateProgress after its SharedStateDone"
+        return heal.progress.report(peer_id, msg.rx_bytes, msg.total_bytes, now)
+
+    def transfer_progress(self, now: float) -> list[dict[str, Any]]:
+        """Each live heal's fetchers still at work, as :meth:`SyncProgress.rows` (``live``: True)."""
+        out = []
+        for seq, heal in sorted(self.heals.items()):
+            if heal.progress is None:
+                continue
+            rows = [r for r in heal.progress.rows(now) if r["peer"] in heal.fetchers]
+            if rows:
+                out.append({"group": heal.group, "sync_seq": seq, "receivers": rows, "live": True})
+        return out
 
     def peer_lost(self, peer_id: int) -> list[Effect]:
         """``peer_id`` left: a fetcher's heal ends for it (the members are not in any call with it);

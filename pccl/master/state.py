@@ -73,6 +73,7 @@ from .rounds.topology import (
 )
 from .rounds_in_doubt import RoundBook
 from .tokens import MemberTokens
+from .transfers import SyncProgress
 from .votes import PendingRound
 
 #: op_seq and sync_seq values of master generation g start at ``g << _SEQ_SHIFT``: a restarted master
@@ -1491,13 +1492,16 @@ class MasterState:
         """A receiver's progress (for the status page; :meth:`SyncVotes.progress`): one breaking the rules
         kicks the sender."""
         assert isinstance(msg, m.SharedStateProgress)
+        if self.heals.is_healing(rec.peer_id):  # a live heal's fetcher (pccl/master/heals.py)
+            why = self.heals.report(rec.peer_id, msg, self._now)
+            return [] if why is None else self.kick(rec.peer_id, why)
         bad = self.syncs.progress(rec.peer_id, rec.group, msg, self._now)
         return [] if bad is None else self.kick(rec.peer_id, bad.reason)
 
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:
         """Each running sync's receivers, for the status page: ``{"group", "sync_seq", "receivers"}``
         with :meth:`SyncProgress.rows` as the receivers, by group."""
-        return self.syncs.transfer_progress(now)
+        return self.syncs.transfer_progress(now) + self.heals.transfer_progress(now)
 
     # What the sync rounds ask of the master (pccl/master/rounds/sync.py SyncContext).
 
@@ -1522,7 +1526,7 @@ class MasterState:
         return self.heals.may_go_live(rows_of)
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
-                table: list[m.PeerRow], note: str) -> list[Effect]:
+                table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:
         """Sync ``seq`` of ``group`` (its round already closed) runs as a live heal: settled for its
         holders now; no speculative start in the group meanwhile; the votes that waited for a fetcher
         are checked again."""
@@ -1533,7 +1537,7 @@ class MasterState:
         if self.collectives.reserved.revoke(group):  # the members' next rings leave the fetchers out
             revoked = m.ReservationsRevoked(reason="a member of the group heals")
             effects += [Send(p, revoked) for p in rows_of]
-        effects += self.heals.go_live(seq, group, revision, rows_of, table, note)
+        effects += self.heals.go_live(seq, group, revision, rows_of, table, note, progress)
         for key in [k for k in self._ops if k[0] == group]:
             effects += self._check_op_vote(key)
         return effects + self._check_pending_vote()

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pccl.master.heals import HealBook
+from pccl.master.status import build_status, render_text
 from pccl.master.state import MasterState, Send
 from pccl.wire import messages as m
 
@@ -161,3 +162,20 @@ def test_a_collective_vote_that_waited_for_the_fetcher_completes_when_its_heal_s
     eff, _ = _start(hs, [a, b, c])
     (commence,) = _to(eff, a, m.CollectiveCommence)
     assert commence.tag == 5 and [r.peer_id for r in commence.peers] == [a, b]
+
+
+def test_a_healing_peers_progress_shows_on_the_status_page_until_it_is_done() -> None:
+    hs, (a, b, c) = _live()
+    _, seq = _start(hs, [a, b, c])
+    assert hs.st.transfer_progress(0.0)[0]["receivers"][0]["bytes"] == 0
+    hs.now = 2.0
+    assert hs.h(c, m.SharedStateProgress(sync_seq=seq, rx_bytes=1000, total_bytes=4000)) == []
+    (row,) = hs.st.transfer_progress(2.0)
+    assert row["live"] and row["sync_seq"] == seq and row["receivers"][0]["peer"] == c
+    assert row["receivers"][0]["bytes"] == 1000 and row["receivers"][0]["bytes_per_s"] == 500.0
+    snap = build_status(hs.st, [], 2.0)
+    assert f"sync {seq} (group 0): peer {c}: 1.0 kB / 4.0 kB (25%), 500 B/s, ETA 6.0 s" in render_text(snap)
+    # a report that goes back kicks the sender; one for another sync is dropped
+    assert hs.h(c, m.SharedStateProgress(sync_seq=seq + 5, rx_bytes=0, total_bytes=4000)) == []
+    hs.h(c, m.SharedStateDone(sync_seq=seq, success=True))
+    assert hs.st.transfer_progress(3.0) == []

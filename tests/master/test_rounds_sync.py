@@ -54,7 +54,7 @@ class Master:
         return False
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
-                table: list[m.PeerRow], note: str) -> list[Any]:
+                table: list[m.PeerRow], note: str, progress: Any) -> list[Any]:
         raise AssertionError("no live heals here")
 
     def synced(self, peers: Any) -> None:

@@ -73,7 +73,7 @@ class SyncContext(Protocol):
         ...
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
-                table: list[m.PeerRow], note: str) -> list[Effect]:
+                table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:
         """Run the (closed) sync ``seq`` as a live heal: the plans and the holders' results."""
         ...
 
@@ -203,7 +203,7 @@ class SyncVotes:
         rows_of = {p: _election.fetch_rows(result.plans[p]) for p in members if p in result.plans}
         if ctx.may_go_live(rows_of):  # the holders return now, the fetchers heal alone
             del self.rounds[group]
-            return effects + ctx.go_live(group, rnd.seq, rnd.revision, rows_of, table, rnd.note)
+            return effects + ctx.go_live(group, rnd.seq, rnd.revision, rows_of, table, rnd.note, rnd.progress)
         for p in members:
             plan = result.plans.get(p)
             if plan is None:
