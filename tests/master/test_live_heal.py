@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from pccl.master.heals import HealBook
-from pccl.master.status import build_status, render_text
 from pccl.master.state import MasterState, Send
+from pccl.master.status import build_status, render_text
 from pccl.wire import messages as m
 
 from .test_state import Harness
