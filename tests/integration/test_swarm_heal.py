@@ -220,7 +220,9 @@ async def test_every_donor_lost_fails_cleanly_with_old_bits(
 async def test_a_newcomer_killed_mid_heal_leaves_the_members_as_they_were(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
-    """The newcomer is a fetcher: its loss still fails the sync (RankConnectionLost, as before issue 35);
+    """Without live heals (the default) the newcomer is a fetcher of the group's sync: its loss fails the
+    sync (RankConnectionLost; with MasterConfig.live_heal_rounds it fails nobody else:
+    tests/integration/test_live_heal.py);
     the members' tensors are untouched and their next sync, without it, succeeds and moves nothing."""
     cluster = await pccl_cluster(3)
     big, small = _content(7)
