@@ -20,6 +20,7 @@ from ..wire import messages as m
 from ..wire.credentials import check_public_key
 from .effects import Effect, Event, Send
 from .membership import Membership, PeerRecord, Phase
+from .penalties import RepeatOffenders, identities
 from .quorum import Quorum
 from .tokens import MemberTokens
 
@@ -77,6 +78,8 @@ class AdmissionCore(Protocol):
     generation: int
     epoch: int
     tokens: MemberTokens
+    offenders: RepeatOffenders
+    _now: float
 
     @property
     def resumed(self) -> bool: ...
@@ -85,6 +88,9 @@ class AdmissionCore(Protocol):
     def _topology(self) -> object: ...
 
     def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]: ...
+
+    def evict_for_liveness(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE,
+                           now: float | None = None) -> list[Effect]: ...
 
     def _open_votes_by_age(self) -> list[OpenVote]: ...
 
@@ -109,6 +115,10 @@ class Admission:
         mismatch = core.members.address_mismatch(rec.host)
         if mismatch is not None:
             return core.kick(rec.peer_id, mismatch)
+        refused = (core.offenders.refusal(rec.peer_id, identities(rec.host, msg.public_key), core._now)
+                   if len(core.offenders) else None)
+        if refused is not None:  # evicted for liveness lately (pccl/master/penalties.py)
+            return core.kick(rec.peer_id, refused, Result.KICKED)
         rec.phase = Phase.REGISTERED
         rec.p2p_port = msg.p2p_port
         rec.group = msg.peer_group
@@ -160,7 +170,8 @@ class Admission:
 
     def deadline(self, grace: float) -> float | None:
         """When the first unproven newcomer runs out of ``grace`` (see :meth:`overdue`)."""
-        return min((since + grace for _, since, _, _ in self.waits()), default=None)
+        grace_of = self.core.offenders.grace  # shorter for a repeat offender
+        return min((since + grace_of(p, grace) for p, since, _, _ in self.waits()), default=None)
 
     def overdue(self, now: float, grace: float) -> list[Effect]:
         """Evict every newcomer that others have waited on in a vote for ``grace`` seconds
@@ -176,10 +187,11 @@ class Admission:
         core = self.core
         effects: list[Effect] = []
         for p, since, what, voters in self.waits():
-            if now >= since + grace and p in core.peers:
+            own = core.offenders.grace(p, grace)  # shorter for a repeat offender
+            if now >= since + own and p in core.peers:
                 rec = core.peers[p]
-                effects += core.kick(p, (
+                effects += core.evict_for_liveness(p, (
                     f"evicted: admitted {now - (rec.admitted or now):.1f}s ago and has taken part in no "
                     f"collective or shared-state sync since; {voters} waited {now - since:.1f}s on it in "
-                    f"the {what} (admission_grace {grace:g}s)"))
+                    f"the {what} (admission_grace {own:g}s)"), now=now)
         return effects

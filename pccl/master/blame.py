@@ -16,6 +16,7 @@ removes **both** the accused and its accuser once the same accuser has reported 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 #: Reports of the same (accuser, accused) pair that remove both.
@@ -33,11 +34,14 @@ class StallBlame:
     _reports: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     removed_total: int = 0
 
-    def report(self, accuser: int, accused: int, now: float, members: set[int]) -> list[tuple[int, str]]:
+    def report(self, accuser: int, accused: int, now: float, members: set[int],
+               repeat: Callable[[int], bool] | None = None) -> list[tuple[int, str]]:
         """Peer ``accuser`` reports that its frames to ``accused`` were not taken for ``p2p_stall_timeout``.
 
         Args:
             members: the accepted members now (a report naming anything else is ignored).
+            repeat: True for a peer registered under an identity evicted for liveness before
+                (pccl/master/penalties.py): one report naming it is enough.
 
         Returns:
             ``(peer, reason)`` for each peer to remove now (empty: none yet).
@@ -47,16 +51,17 @@ class StallBlame:
         times = [t for t in self._reports.get((accuser, accused), []) if now - t <= self.window]
         times.append(now)
         self._reports[(accuser, accused)] = times
-        if len(times) < self.strikes:
+        if len(times) < (1 if repeat is not None and repeat(accused) else self.strikes):
             return []
         self.forget(accuser)
         self.forget(accused)
         self.removed_total += 2
         n = len(times)
+        ops = f"{n} operation{'s' if n > 1 else ''}"
         return [
-            (accused, f"evicted: peer {accuser}'s frames to it were not taken in {n} operations within "
+            (accused, f"evicted: peer {accuser}'s frames to it were not taken in {ops} within "
                       f"{self.window:g}s (it does not read its P2P connections, or their link is cut)"),
-            (accuser, f"evicted: it reported peer {accused} not reading in {n} operations; a report cannot "
+            (accuser, f"evicted: it reported peer {accused} not reading in {ops}; a report cannot "
                       "be checked, so accuser and accused leave together"),
         ]
 

@@ -343,9 +343,11 @@ class MasterServer:
         pair repeats (pccl/master/blame.py)."""
         log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout", accuser,
                     accused)
-        for pid, reason in self.blame.report(accuser, accused, now, set(self.state.ring)):
+        for pid, reason in self.blame.report(accuser, accused, now, set(self.state.ring),
+                                             repeat=self.state.offenders.repeat):
             log.warning("peer %d %s", pid, reason)
-            self._execute(self.state.kick(pid, reason, Result.KICKED))
+            # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
+            self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
 
     async def _writer(self, conn: _Conn) -> None:
         try:

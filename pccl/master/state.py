@@ -53,6 +53,7 @@ from .membership import Membership
 from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
 from .ops_in_doubt import DoubtBook, Key
+from .penalties import RepeatOffenders, identities
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
 from .reported import ReportedRings
@@ -216,6 +217,8 @@ class MasterState:
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
         self.rejoin = Rejoin(self)  # re-registration and the rebuild (pccl/master/rejoin.py)
         self.admission = Admission(self)  # registration and the newcomers' grace (pccl/master/admission.py)
+        # Peers evicted for liveness, remembered by source address and key (pccl/master/penalties.py).
+        self.offenders = RepeatOffenders()
         self.holds = Holds(self)  # the holds and the decisions in doubt that end them (pccl/master/holds.py)
         # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
         self.max_open_votes = max_open_votes
@@ -697,6 +700,18 @@ class MasterState:
         self._now = now
         return self.admission.overdue(now, grace)
 
+    def evict_for_liveness(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE,
+                           now: float | None = None) -> list[Effect]:
+        """Kick ``peer_id`` for stalling the others, remembered against its source address and key: a
+        rejoin is refused for a back-off, then held to a shorter grace (pccl/master/penalties.py)."""
+        if now is not None:
+            self._now = now
+        rec = self.peers.get(peer_id)
+        if rec is None:
+            return []
+        strikes = self.offenders.strike(identities(rec.host, rec.public_key), self._now, reason[:120])
+        return self.kick(peer_id, f"{reason} [strike {strikes}]", code)
+
     def _fail_round(self, key: VoteKey, voters: Collection[int], reason: str,
                     code: Result = Result.INVALID_USAGE) -> list[Effect]:
         """Fail the calls of ``voters`` in the open vote ``key`` (it stays unanswered otherwise);
@@ -802,6 +817,7 @@ class MasterState:
 
     def _remove(self, peer_id: int) -> list[Effect]:
         rec = self.peers.pop(peer_id)
+        self.offenders.forget(peer_id)
         was_accepted = rec.phase is Phase.ACCEPTED
         undecided = self.doubts.undecided or self.rounds.undecided
         self.doubts.peer_lost(peer_id)

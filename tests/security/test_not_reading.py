@@ -77,4 +77,7 @@ async def test_a_member_that_stops_reading_is_removed_after_two_stalls(
         assert stalls == STRIKES  # then it was gone, and nothing stalled again
         assert evil.peer_id not in cl.master.state.peers
         assert f"peer {evil.peer_id} evicted: " in caplog.text and "not taken in 2 operations" in caplog.text
+        # Remembered (pccl/master/penalties.py): both removed peers' identities hold a strike, so a rejoin
+        # from the non-reader is refused for a back-off and then removed at its first report.
+        assert cl.master.state.offenders.struck_total == 2 and "[strike 1]" in caplog.text
         assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
