@@ -173,6 +173,10 @@ class MasterConfig:
             votes until done; a fetcher that ends behind the group catches up in the same call, live
             for at most this many rounds in a row, then as an ordinary (blocking) participant. 0
             (default): every sync holds its participants until the fetchers have everything.
+        token_key_file: without a ``secret``, a file holding the key of the member tokens (made,
+            mode 0600, on first start): a restarted master, or a standby reading the same file,
+            verifies its predecessor's tokens and refuses a stranger's claim on a place in its
+            rebuild (docs/security.md "Re-registration"). None (default): a random key per process.
     """
 
     heartbeat_interval: float = 0.5
@@ -201,6 +205,7 @@ class MasterConfig:
     max_open_votes: int | None = 256
     admission_grace: float | None = 60.0
     live_heal_rounds: int = 0
+    token_key_file: str | None = None
 
     def __post_init__(self) -> None:
         _reject_nan(self)

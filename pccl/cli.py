@@ -92,6 +92,10 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
                         "prefer --secret-file or $PCCL_SECRET)")
     p.add_argument("--secret-file", default=None,
                    help="read the shared secret from this file (default $PCCL_SECRET_FILE)")
+    p.add_argument("--token-key-file", default=None, metavar="PATH",
+                   help="without a secret: keep the member-token key in this file (made, mode 0600, if "
+                        "missing), so that a restarted master refuses strangers' claims on places in its "
+                        "rebuild (docs/security.md \"Re-registration\")")
     p.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve TLS with this certificate chain (default $PCCL_TLS_CERT; peers then need "
                         "TLS too)")
@@ -130,6 +134,7 @@ def _master_config(args: argparse.Namespace) -> MasterConfig:
             speculative_go_delay=args.speculative_go_delay,
             credentials_batch_delay=args.credentials_batch_delay,
             secret=secret,
+            token_key_file=args.token_key_file,
             status_port=args.status_port,
             status_host=args.status_host,
             tls_cert=cert,

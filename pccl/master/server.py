@@ -43,7 +43,7 @@ from .http import HttpStats, Response, bound_address, open_http_listeners, serve
 from .state import MasterState, Phase
 from .status_server import StatusService
 from .timers import MasterTimers, TimerConfig
-from .tokens import MemberTokens
+from .token_key import member_tokens
 
 log = logging.getLogger("pccl.master")
 
@@ -91,7 +91,7 @@ class MasterServer:
                                  rejoin_grace=self.config.rejoin_grace,
                                  go_delay=self.config.speculative_go_delay,
                                  credentials_delay=self.config.credentials_batch_delay,
-                                 tokens=MemberTokens.for_secret(self.config.secret),
+                                 tokens=member_tokens(self.config.secret, self.config.token_key_file),
                                  max_open_votes=self.config.max_open_votes,
                                  live_heal_rounds=self.config.live_heal_rounds)
         self._conns: dict[int, _Conn] = {}

@@ -10,16 +10,20 @@ stranger was in the ring, held the epoch's P2P credentials, and every honest col
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
+import stat
 from collections.abc import Sequence
 
+import pytest
 import trio
 import trio.testing
 
-from pccl._errors import Result
+from pccl._errors import InvalidArgumentError, Result
 from pccl.master.state import Effect, Kick, MasterState, Send
+from pccl.master.token_key import load_or_create, member_tokens
 from pccl.master.tokens import MemberTokens
-from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG
+from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.wire import messages as m
 from pccl.wire.handshake import offer_hello
@@ -166,3 +170,121 @@ def test_member_tokens_are_the_documented_prf_bound_to_key_generation_and_id() -
     assert t.valid(5, 7, t.issue(5, 7)) and not t.valid(5, 7, t.issue(5, 8))
     assert MemberTokens.for_secret("s").issue(1, 2) == MemberTokens.for_secret("s").issue(1, 2)
     assert MemberTokens.for_secret(None).issue(1, 2) != MemberTokens.for_secret(None).issue(1, 2)
+
+
+# --- Without a secret: the token key kept in a file (MasterConfig.token_key_file, pccl/master/token_key.py)
+
+
+def _claim(st: MasterState, pid: int, ring: list[int], epoch: int, generation: int, token: bytes = b"",
+           host: str = "10.9.9.9") -> list[Effect]:
+    got = st.new_connection(host, 0.0, claim=pid)
+    assert got == pid
+    return st.handle(got, m.Reregister(peer_id=pid, p2p_port=41000 + pid, peer_group=0, epoch=epoch,
+                                       ring=ring, revision=-1, generation=generation, token=token), 0.0)
+
+
+def test_a_restarted_master_with_the_key_file_refuses_strangers_and_takes_every_member_back(
+    tmp_path: pathlib.Path,
+) -> None:
+    key_file = str(tmp_path / "token.key")
+    old = MasterState(tokens=member_tokens(None, key_file))
+    ids, tokens = _run(old, 3)
+    gen, epoch = old.generation, old.epoch
+    new = MasterState(tokens=member_tokens(None, key_file))  # the restarted process: same file, same key
+    new.generation = 0
+    # A stranger first, before any member is back: claiming a run of its own (an unused id) changes
+    # nothing, no rebuild starts.
+    (kick,) = _kicks(_claim(new, 77, [77], 9, gen))
+    assert kick.code == int(Result.KICKED) and "member token" in kick.reason
+    assert not new.statistics()["rebuilding"] and new.accepted() == []
+    # The first member back starts the rebuild.
+    eff = _claim(new, ids[0], ids, epoch, gen, tokens[ids[0]], host="127.0.0.1")
+    assert _effects_sends(eff, m.Reregistered) and new.statistics()["rebuilding"]
+    # A stranger claiming an unused id with the run's ring, and one claiming a member's id before that
+    # member is back (with no token, another member's, or random bytes): refused, nothing changes.
+    for pid, forged in ((88, b""), (ids[1], b""), (ids[1], tokens[ids[0]]), (ids[2], bytes(32))):
+        ring = [*ids, 88] if pid == 88 else ids
+        eff = _claim(new, pid, ring, epoch, gen, forged)
+        (kick,) = _kicks(eff)
+        assert kick.code == int(Result.KICKED) and "member token" in kick.reason, kick
+        assert not re.search(r"epoch \d", kick.reason)
+        assert not _effects_sends(eff, m.Reregistered) and not _effects_sends(eff, m.P2PCredentials)
+        assert new.accepted() == [ids[0]]
+    # Every member is back.
+    for p in ids[1:]:
+        eff = _claim(new, p, ids, epoch, gen, tokens[p], host="127.0.0.1")
+        assert not _kicks(eff) and [q for q, _ in _effects_sends(eff, m.Reregistered)] == [p]
+    assert sorted(new.accepted()) == ids and not new.statistics()["rebuilding"]
+
+
+def test_without_the_key_file_a_restarted_master_cannot_tell_a_stranger_from_a_member() -> None:
+    """The gap the key file closes: a secret-less master with a key of its own process takes a
+    stranger's claim on trust while it rebuilds (and a stranger first even starts the rebuild)."""
+    old = MasterState()
+    _run(old, 3)
+    new = MasterState()
+    new.generation = 0
+    eff = _claim(new, 77, [77], 9, old.generation)
+    assert _effects_sends(eff, m.Reregistered) and new.accepted() == [77]
+
+
+def test_the_key_file_is_made_private_reread_and_checked(tmp_path: pathlib.Path) -> None:
+    path = tmp_path / "k"
+    key = load_or_create(str(path))
+    assert len(key) == 32 and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create(str(path)) == key  # a restart reads the same key
+    t1, t2 = member_tokens(None, str(path)), member_tokens(None, str(path))
+    assert t1.shared and t1.issue(3, 4) == t2.issue(3, 4)
+    # a secret wins over the file
+    assert member_tokens("s", str(path)).issue(3, 4) == MemberTokens.for_secret("s").issue(3, 4)
+    path.chmod(0o644)
+    with pytest.raises(InvalidArgumentError, match="chmod 600"):
+        load_or_create(str(path))
+    bad = tmp_path / "bad"
+    bad.write_text("not a key\n")
+    bad.chmod(0o600)
+    with pytest.raises(InvalidArgumentError, match="hex digits"):
+        load_or_create(str(bad))
+    with pytest.raises(InvalidArgumentError, match="cannot create"):
+        load_or_create(str(tmp_path / "no" / "such" / "dir"))
+
+
+async def test_a_stranger_cannot_claim_a_place_in_a_restarted_masters_rebuild(
+    autojump_clock: trio.testing.MockClock, tmp_path: pathlib.Path
+) -> None:
+    """End to end, no secret: the master keeps its token key in a file and is restarted; a stranger
+    claims an unused id and a member's id at once; it is refused, every member is back, results exact."""
+    master_cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, token_key_file=str(tmp_path / "token.key"))
+    peer_cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
+    async with open_test_cluster(3, network=VirtualNetwork(latency=0.0005), config=peer_cfg,
+                                 master_config=master_cfg) as cluster:
+        await exact_all_reduces(cluster, rounds=1)
+        ring = [cluster.peer(i).peer_id for i in range(3)]
+        await cluster.restart_master()
+        evil = hostile(cluster)
+        reasons: list[str] = []
+
+        async def claim(pid: int, claimed_ring: list[int]) -> None:
+            stream = await evil.connect(*master_port(cluster))
+            ms = MessageStream(stream, max_frame_size=1 << 20)
+            await offer_hello(ms, purpose="master", secret=None, peer_id=pid)
+            await ms.send(m.Reregister(peer_id=pid, p2p_port=45000, peer_group=0, epoch=1, ring=claimed_ring,
+                                       revision=-1, generation=1, token=bytes(32)))
+            while True:
+                reply = await ms.receive()
+                if not isinstance(reply, m.Heartbeat):
+                    break
+            assert isinstance(reply, m.Refused), reply
+            reasons.append(reply.reason)
+            await ms.aclose()
+
+        async with trio.open_nursery() as nursery:  # at once, racing the members' returns
+            nursery.start_soon(claim, 99, [*ring, 99])
+            nursery.start_soon(claim, 98, [98])
+        state = cluster.master.state
+        with trio.fail_after(10):
+            while not (sorted(state.accepted()) == ring and not cluster.master.statistics()["held"]):
+                await trio.sleep(0.001)
+        assert len(reasons) == 2 and all("member token" in r for r in reasons), reasons
+        assert 98 not in state.peers and 99 not in state.peers
+        await exact_all_reduces(cluster, rounds=2, tag=10)
