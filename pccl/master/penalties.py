@@ -107,6 +107,8 @@ class RepeatOffenders:
     def refusal(self, peer_id: int, keys: Iterable[str], now: float) -> str | None:
         """Why a peer registering now under ``keys`` is refused (None: admitted; then its strikes are
         kept for :meth:`grace` and :meth:`repeat` until :meth:`forget`)."""
+        if not self._records:  # the usual case: nobody was evicted for liveness lately
+            return None
         keys = list(keys)
         rec = self._live(keys, now)
         if rec is None:
