@@ -167,6 +167,8 @@ class MasterConfig:
             or calls nothing after ``connect``, otherwise holds every vote of its group until
             ``vote_timeout`` (issue 33 item 6). Members taken back after a master's loss and members
             that took part once are under ``vote_timeout`` alone. None disables it. Default 60 s.
+            A peer evicted so is remembered by source address and key: its rejoin is refused for a
+            back-off, then held to a halved grace per strike (pccl/master/penalties.py).
         live_heal_rounds: > 0: a shared-state sync in which some participants must fetch while others
             hold the elected content runs as a *live heal* (docs/concepts.md "Live heals"): the holders
             return at once and serve a pinned copy, the fetchers heal alone, left out of their group's

@@ -12,6 +12,9 @@ removes **both** the accused and its accuser once the same accuser has reported 
 * a false report costs its maker its own place: a lying member can remove at most one honest member, once;
 * the honest accuser, and the two ends of a link that is cut one way, leave too (they may join again); a
   link that stalls every operation left the run failing them all until then.
+
+Both are remembered as evicted for liveness (pccl/master/penalties.py): a rejoin is refused for a
+back-off, and once back one report naming it is enough (``repeat``).
 """
 
 from __future__ import annotations
