@@ -16,8 +16,11 @@ import trio.testing
 from pccl import MasterConfig, PeerConfig
 from pccl.peer.communicator import Communicator
 from pccl.testing import VirtualNetwork, open_test_cluster
+from pccl.wire import messages as m
+from pccl.wire.handshake import offer_hello
+from pccl.wire.stream import MessageStream
 
-from ._helpers import COUNT, contribution, exact_all_reduces, expected
+from ._helpers import COUNT, contribution, exact_all_reduces, expected, master_port
 
 GRACE = 5.0
 PEER_CFG = PeerConfig(heartbeat_interval=0.2, heartbeat_timeout=2.0)
@@ -53,4 +56,18 @@ async def test_a_newcomer_that_never_votes_is_evicted_within_the_admission_grace
         assert "taken part in no collective or shared-state sync" in caplog.text
         assert idle not in cl.master.state.peers
         # The run goes on at world size 2, exact.
+        assert await cl.run_all(one, indexes=[0, 1]) == [(expected(ids), 2)] * 2
+        # It is remembered (pccl/master/penalties.py): registering again from its host is refused with
+        # the reason and when to retry, and costs the members nothing.
+        stream = await cl.host(idle_index).connect(*master_port(cl))
+        ms = MessageStream(stream, max_frame_size=1 << 20)
+        await offer_hello(ms, purpose="master", secret=None)
+        await ms.send(m.Register(p2p_port=45000, public_key=bytes(range(1, 33))))
+        reply = await ms.receive()
+        while isinstance(reply, m.Heartbeat):
+            reply = await ms.receive()
+        assert isinstance(reply, m.Refused), reply
+        assert "evicted 1 time(s) for liveness" in reply.reason and "retry in 60s" in reply.reason
+        await ms.aclose()
+        assert len(cl.master.state.accepted()) == 2
         assert await cl.run_all(one, indexes=[0, 1]) == [(expected(ids), 2)] * 2
