@@ -42,6 +42,7 @@ from .effects import Drop, Effect, Event, Kick, Send
 from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
 from .state import MasterState, Phase
 from .status_server import StatusService
+from .testimony import StallTestimony
 from .timers import MasterTimers, TimerConfig
 from .token_key import member_tokens
 
@@ -119,6 +120,7 @@ class MasterServer:
         self.frames = FrameBudget()
         self.http = HttpStats()  # the status page's connections
         self.blame = StallBlame()  # members that stop reading (pccl/master/blame.py)
+        self.testimony = StallTestimony()  # ... found by the bytes of a stalled operation (testimony.py)
         # The run this master serves ("": none yet); see pccl.wire.hello.check_run.
         self.run: str = self.config.run or ""
 
@@ -318,8 +320,8 @@ class MasterServer:
                 # guard, so that nothing a peer sends can fail the master outside it (issue 33).
                 if self.status is not None:
                     self.status.on_message(conn.peer_id, msg, now)
-                if isinstance(msg, m.CollectiveDone) and msg.stalled_on >= 0:
-                    self._stall_report(conn.peer_id, msg.stalled_on, now)
+                if isinstance(msg, m.CollectiveDone) and (msg.stalled_on >= 0 or msg.io):
+                    self._stall_report(conn.peer_id, msg, now)
                     if conn.closing:
                         return
                 effects = self.state.handle(conn.peer_id, msg, now)
@@ -338,16 +340,29 @@ class MasterServer:
             if conn.closing:
                 return
 
-    def _stall_report(self, accuser: int, accused: int, now: float) -> None:
-        """A member's data plane stalled on ``accused`` not taking its frames: remove both once the
-        pair repeats (pccl/master/blame.py)."""
-        log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout", accuser,
-                    accused)
-        for pid, reason in self.blame.report(accuser, accused, now, set(self.state.ring),
-                                             repeat=self.state.offenders.repeat):
-            log.warning("peer %d %s", pid, reason)
-            # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
-            self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
+    def _stall_report(self, reporter: int, msg: m.CollectiveDone, now: float) -> None:
+        """A member's operation stalled: it names the partner that did not take its frames
+        (``stalled_on``), or testifies its bytes per partner (``io``: pccl/master/testimony.py). Each
+        pair found counts once per operation; the second within the window removes both
+        (pccl/master/blame.py)."""
+        pairs: list[tuple[int, int]] = []
+        if msg.stalled_on >= 0:
+            log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout",
+                        reporter, msg.stalled_on)
+            pairs.append((reporter, msg.stalled_on))
+        if msg.io and msg.op_seq >= 0:
+            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io):
+                log.warning("operation %d stalled: peer %d sent peer %d %d bytes, peer %d took %d of them",
+                            msg.op_seq, a, b, sent, b, taken)
+                pairs.append((a, b))
+        for accuser, accused in pairs:
+            if not self.testimony.first(msg.op_seq, accuser, accused):
+                continue
+            for pid, reason in self.blame.report(accuser, accused, now, set(self.state.ring),
+                                                 repeat=self.state.offenders.repeat):
+                log.warning("peer %d %s", pid, reason)
+                # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
+                self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
 
     async def _writer(self, conn: _Conn) -> None:
         try:

@@ -524,10 +524,13 @@ class CollectiveCalls:
                 reason = str(exc)
                 stalled_on = exc.peer_id if isinstance(exc, StalledOn) else -1
         st.scope = None
+        io = self._testimony(st, attempt) if not ok else []
         if st.abort_error is not None:
+            if io:  # aborted while its data plane stood still: the master compares the pairs' bytes
+                await self._report_failure(st, "aborted: its data plane had stalled", io=io)
             raise st.abort_error
         if not ok or attempt is None:
-            await self._report_failure(st, reason, stalled_on)
+            await self._report_failure(st, reason, stalled_on, io=io)
             if c.proposal >= 0:
                 # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
                 # size): the master's verdict names the real cause, and it is an abort.
@@ -555,11 +558,20 @@ class CollectiveCalls:
         for name, seconds in phases.items():
             self._phase_seconds[name] += seconds
 
-    async def _report_failure(self, st: OpState, reason: str, stalled_on: int = -1) -> None:
+    def _testimony(self, st: OpState, attempt: Attempt | None) -> list[m.IoRow]:
+        """The operation's bytes per partner, when its data plane moved nothing for at least half
+        ``p2p_stall_timeout`` (issue 33 item 6: the master finds a member that does not read by
+        comparing what each end of a pair counted); else empty."""
+        if attempt is None or self._stall.quiet() < self.config.p2p_stall_timeout / 2:
+            return []
+        return [m.IoRow(p, sent, taken) for p, sent, taken in self.pool.op_io(st.op_seq)]
+
+    async def _report_failure(self, st: OpState, reason: str, stalled_on: int = -1,
+                              io: list[m.IoRow] | None = None) -> None:
         st.concluded = True
         try:
             await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq,
-                                              stalled_on=stalled_on))
+                                              stalled_on=stalled_on, io=io or []))
         except PCCLError:
             pass
 

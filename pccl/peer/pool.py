@@ -99,6 +99,7 @@ from ..transport import Transport
 from ..wire.messages import Hello
 from ..wire.stream import MessageStream
 from .credentials import CredentialStore
+from .op_io import OpIo
 from .ring_conn import DEFAULT_RCVLOWAT, DEFAULT_SOCKET_BUFFER, Conn, path_estimate
 from .ring_inbox import ReceiveSlot, RingInbox, SlotKey
 from .ring_links import RING_CHANNEL, RingLinks
@@ -161,6 +162,8 @@ class P2PPool:
         )
         self.inbox = RingInbox(config)
         self.readers = RingReaders(self.inbox, socket_buffer_bytes)
+        # Data bytes by operation and partner: what a member testifies when an operation stalls.
+        self.io = self.links.io = self.readers.io = OpIo()
 
     # ------------------------------------------------------------------------------------------
     # connections
@@ -188,6 +191,11 @@ class P2PPool:
         """How many connections an operation stripes over to ``peer_id`` (its open pool's size,
         before it is connected the configured size, at least 1)."""
         return self.links.stripes(peer_id)
+
+    def op_io(self, op_seq: int) -> list[tuple[int, int, int]]:
+        """``(peer, bytes sent to it, bytes taken from it)`` of operation ``op_seq`` (one of the last
+        few): what this member testifies when the operation stalls (:class:`~pccl.peer.op_io.OpIo`)."""
+        return self.io.rows(op_seq)
 
     def blocked_partners(self) -> list[int]:
         """Peers with a frame being sent to them right now (a stall watch asks this when no frame has

@@ -12,6 +12,7 @@ from .._config import PeerConfig
 from .._errors import RankConnectionFailedError, RankConnectionLostError
 from ..transport import Transport
 from .credentials import CredentialStore
+from .op_io import OpIo
 from .p2p import open_p2p
 from .ring_conn import Broken, Conn, open_conn, path_estimate
 from .striping import stripe_count
@@ -54,6 +55,7 @@ class RingLinks:
         # counters for statistics()
         self.tx_bytes = 0
         self.frames_sent = 0
+        self.io: OpIo | None = None  # bytes per operation and partner (the pool sets it)
         self.connections_lost = 0
         self.retired = 0  # peers whose connections retire() closed
 
@@ -244,6 +246,8 @@ class RingLinks:
             raise RankConnectionLostError(f"connection to peer {peer_id} lost while sending: {exc}") from None
         self.tx_bytes += len(data)
         self.frames_sent += 1
+        if self.io is not None:
+            self.io.count(op_seq, peer_id, 0, len(data))
 
     # ------------------------------------------------------------------------------------------
     # receiving

@@ -20,6 +20,7 @@ from ..transport import StreamBroken
 from ..wire.data import DATA_HEADER_SIZE, MAX_DATA_FRAME_LENGTH, unpack_data_header_fields
 from ..wire.messages import Hello
 from ..wire.stream import MessageStream
+from .op_io import OpIo
 from .ring_conn import Blocked, Broken, Conn, Eof, Retired, open_conn
 from .ring_inbox import ReceiveSlot, RingInbox, SlotKey
 
@@ -49,6 +50,7 @@ class RingReaders:
     def __init__(self, inbox: RingInbox, socket_buffer_bytes: int | None) -> None:
         self.inbox = inbox
         self.socket_buffer_bytes = socket_buffer_bytes
+        self.io: OpIo | None = None  # bytes per operation and partner (the pool sets it)
         self.closed = False
         self.conns: dict[tuple[int, int], Conn] = {}
         self._discard = memoryview(bytearray(_DISCARD_BYTES))
@@ -170,6 +172,8 @@ class RingReaders:
         tag, op_seq, seq, length = unpack_data_header_fields(conn.hdr)
         if length > MAX_DATA_FRAME_LENGTH:
             raise RemoteProtocolError(f"data frame length {length} exceeds the limit")
+        if self.io is not None:
+            self.io.count(op_seq, conn.peer_id, 1, length)
         inbox = self.inbox
         key = (conn.peer_id, tag, op_seq, seq)
         slot = inbox.slots.get(key)

@@ -61,11 +61,22 @@ class StallWatch:
         self.name = name
         self._guards: set[_Guard] = set()
         self._changed = trio.Event()
+        # The counters as the monitor last sampled them and since when they had not changed.
+        self._last: object = None
+        self._since: float | None = None
 
     @property
     def running(self) -> int:
         """Data planes being watched now."""
         return len(self._guards)
+
+    def quiet(self) -> float:
+        """Seconds since the data plane last moved a byte, as the monitor last sampled it (0.0 when it
+        moved since, or nothing was watched yet): an operation aborted while its data plane had been
+        this quiet testifies with its bytes per partner (``CollectiveDone.io``)."""
+        if self._since is None or self._progress() != self._last:
+            return 0.0
+        return trio.current_time() - self._since
 
     async def guarded(
         self, run: Callable[[], Awaitable[T]], *, arm_when: Callable[[], bool] | None = None
@@ -127,6 +138,7 @@ class StallWatch:
                 await self._changed.wait()
                 continue
             last, since = self._progress(), trio.current_time()
+            self._last, self._since = last, since
             while self._guards:
                 await trio.sleep(limit / 8)
                 now, cur = trio.current_time(), self._progress()
@@ -135,6 +147,7 @@ class StallWatch:
                         guard.arm_when, guard.started = None, now
                 if cur != last:
                     last, since = cur, now
+                    self._last, self._since = last, since
                     continue
                 for guard in list(self._guards):
                     quiet = now - max(since, guard.started)

@@ -681,6 +681,15 @@ class CollectiveInitiate(Message):
     op_seq: Seq = -1
 
 
+
+class IoRow(NamedTuple):
+    """One partner's bytes in a stalled operation, as a member counted them (``CollectiveDone.io``)."""
+
+    peer_id: Count
+    sent: Count  # data bytes this member sent to the partner in the operation
+    taken: Count  # data bytes of the partner's frames this member read off its connections
+
+
 @_register(31)
 @dataclass(frozen=True, kw_only=True)
 class CollectiveDone(Message):
@@ -689,7 +698,10 @@ class CollectiveDone(Message):
     ``op_seq``: the sequence number the sender ran under (the master ignores a report under another
     number than the operation's); -1: whatever this tag runs now (a withdrawal). ``stalled_on``: the
     operation failed because no data moved for ``p2p_stall_timeout`` while the sender's frames to this
-    peer were not taken (it does not read, or the link is cut); -1: not so.
+    peer were not taken (it does not read, or the link is cut); -1: not so. ``io``: a failed or aborted
+    operation's data plane had moved no byte for at least half ``p2p_stall_timeout``; rows ``[peer,
+    bytes sent to it, bytes taken from it]`` for this operation (the master compares the two ends of
+    each pair: docs/security.md "Members"); empty: not so.
     """
 
     tag: Count
@@ -697,6 +709,7 @@ class CollectiveDone(Message):
     reason: str = ""
     op_seq: Seq = -1
     stalled_on: Seq = dataclasses.field(default=-1, metadata=OPTIONAL)
+    io: list[IoRow] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
 
 
 @_register(32)

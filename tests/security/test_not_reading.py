@@ -17,6 +17,7 @@ import trio.testing
 
 from pccl import PCCLError
 from pccl.master.blame import STRIKES, StallBlame
+from pccl.master.testimony import StallTestimony
 from pccl.peer.communicator import Communicator
 from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 
@@ -81,3 +82,71 @@ async def test_a_member_that_stops_reading_is_removed_after_two_stalls(
         # from the non-reader is refused for a back-off and then removed at its first report.
         assert cl.master.state.offenders.struck_total == 2 and "[strike 1]" in caplog.text
         assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
+
+
+async def test_a_member_that_stops_reading_small_operations_is_removed_by_the_bytes_testified(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same member, but each operation's chunks fit the links' buffers (4 KiB of data, 1 MiB
+    windows): every send completes and the members wait on receives, so nobody is send-blocked to name
+    it. The members whose operation stood still testify their bytes per partner; the master finds the
+    pair whose sender sent more than its receiver took (pccl/master/testimony.py) and, at the second
+    operation, removes that pair. Bound: two stalled operations; then exact without it."""
+    caplog.set_level(logging.WARNING, logger="pccl")
+    small = 1024
+    net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
+    async with open_test_cluster(4, network=net, config=CFG) as cl:
+        evil = cl.peer(2)
+        real = type(evil.pool.readers).read_frame
+
+        async def stop(self: object, conn: object) -> bool:
+            if self is evil.pool.readers:
+                await trio.sleep_forever()
+            waited: bool = await real(self, conn)  # type: ignore[arg-type]
+            return waited
+
+        monkeypatch.setattr(type(evil.pool.readers), "read_frame", stop)
+        stalls = 0
+        t0 = trio.current_time()
+        for r in range(STRIKES + 2):
+            members = [i for i in cl.alive if cl.is_member(i)]
+
+            async def one(i: int, comm: Communicator, r: int = r) -> bytes:
+                out = np.zeros(small, np.int32)
+                await comm.all_reduce(np.full(small, comm.peer_id + 1, np.int32), out, tag=r)
+                return out.tobytes()
+
+            results = await cl.run_all(one, indexes=members)
+            if any(isinstance(x, PCCLError) for x in results):
+                stalls += 1
+                await cl.update_topology()
+                continue
+            ids = [cl.peer(i).peer_id for i in members]
+            want = np.full(small, sum(p + 1 for p in ids), np.int32).tobytes()
+            assert all(x == want for x in results)
+        assert "did not take its frames" not in caplog.text  # nobody was send-blocked
+        assert "peer 2 took 0 of them" in caplog.text or f"peer {evil.peer_id} took" in caplog.text
+        assert stalls == STRIKES  # then it was gone, and nothing stalled again
+        assert evil.peer_id not in cl.master.state.peers
+        assert f"peer {evil.peer_id} evicted: " in caplog.text and "not taken in 2 operations" in caplog.text
+        assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
+
+
+def test_testimony_names_the_receiver_that_took_less_than_was_sent_once_per_operation() -> None:
+    # A ring 1 -> 2 -> 3 -> 1 stuck at 2, which did not read: 1 sent 2 4096 bytes, 2 took none.
+    t2 = StallTestimony()
+    assert t2.add(7, 1, [(2, 4096, 0), (3, 0, 1024)]) == []  # alone: nothing to compare with
+    assert t2.add(7, 3, [(1, 1024, 1024), (2, 0, 1024)]) == []  # 3 -> 1 agrees both ways
+    assert t2.add(7, 2, [(1, 0, 0), (3, 1024, 0)]) == [(1, 2, 4096, 0)]  # 1 sent, 2 took nothing
+    assert t2.first(7, 1, 2) and not t2.first(7, 1, 2)  # an operation counts once per pair
+    assert t2.first(8, 1, 2)
+    # A member that claims what it did not read is not found (the limitation, docs/security.md).
+    t3 = StallTestimony()
+    t3.add(9, 1, [(2, 4096, 0)])
+    assert t3.add(9, 2, [(1, 0, 4096)]) == []
+    # Bounded: the oldest operations are forgotten.
+    t4 = StallTestimony(keep=2)
+    t4.add(1, 1, [(2, 10, 0)])
+    t4.add(2, 1, [(2, 10, 0)])
+    t4.add(3, 1, [(2, 10, 0)])
+    assert t4.add(1, 2, [(1, 0, 0)]) == []  # operation 1's first testimony is gone

@@ -1,0 +1,37 @@
+"""Data bytes per operation and partner: what a member testifies when an operation stalls (issue 33
+item 6; the master compares the two ends of each pair: pccl/master/testimony.py)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+#: Operations whose bytes per partner are kept (the oldest forgotten first).
+KEEP = 16
+
+
+class OpIo:
+    """``[sent to it, taken from it]`` by operation and partner, for the last :data:`KEEP` operations.
+    Two dictionary lookups per data frame (:meth:`count`)."""
+
+    def __init__(self, keep: int = KEEP) -> None:
+        self.keep = keep
+        self._ops: OrderedDict[int, dict[int, list[int]]] = OrderedDict()
+
+    def count(self, op_seq: int, peer: int, which: int, n: int) -> None:
+        """Add ``n`` bytes sent to (``which`` 0) or taken from (1) ``peer`` in operation ``op_seq``."""
+        io = self._ops.get(op_seq)
+        if io is None:
+            io = self._ops[op_seq] = {}
+            if len(self._ops) > self.keep:
+                self._ops.popitem(last=False)
+        row = io.get(peer)
+        if row is None:
+            row = io[peer] = [0, 0]
+        row[which] += n
+
+    def rows(self, op_seq: int) -> list[tuple[int, int, int]]:
+        """``(peer, sent, taken)`` of operation ``op_seq`` (one of the last few), each partner once."""
+        return [(p, sent, taken) for p, (sent, taken) in sorted(self._ops.get(op_seq, {}).items())]
+
+
+__all__ = ["KEEP", "OpIo"]
