@@ -18,9 +18,11 @@ attacks ran and the longest virtual time one all-reduce took while they did.
 all-reduce honestly, and meanwhile attacks the other members' P2P listeners *with its own credentials*:
 fresh ring connections (any pool index) carrying data frames of length 0 to 16 KiB for random (tag, op_seq)
 in a range the master never hands out, junk after a valid hello, bench probes of random sizes and junk
-requests, state requests for keys nobody holds, more connections per channel than its share. Besides the
-exact results it checks that every victim's stash stays within ``recv_stash_frames`` frames and
-``recv_stash_limit`` bytes and its connections per peer and channel within ``CHANNEL_CAPS``.
+requests, state requests for keys nobody holds, more connections per channel than its share, and false
+stall testimonies to the master (``CollectiveDone.io`` for operations that never ran, up to 2000 rows).
+Besides the exact results it checks that every victim's stash stays within ``recv_stash_frames`` frames
+and ``recv_stash_limit`` bytes, its connections per peer and channel within ``CHANNEL_CAPS``, and the
+master's testimony rows within ``pccl.master.testimony.MAX_ROWS`` (no member removed).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import trio.testing
 
 from pccl._config import PROTOCOL_VERSION
 from pccl._errors import PCCLError
+from pccl.master.testimony import MAX_ROWS as TESTIMONY_ROWS
 from pccl.peer.p2p import CHANNEL_CAPS, open_p2p
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.transport import StreamBroken
@@ -96,13 +99,25 @@ def attack_bytes(rng: random.Random, purpose: str, cred: tuple[int, int] = (0, -
 
 
 JUNK_OP_SEQ = 1 << 31  # insider frames use op_seqs from here: the master never hands these out
+JUNK_TAG = 1 << 40  # and tags from here, which no member calls
 
 
 async def member_attack(rng: random.Random, evil: Any, victim: Any, config: Any) -> str:
     """One attack by member ``evil`` on member ``victim``'s P2P listener, with ``evil``'s own credentials;
     returns its name."""
     host, port = victim.p2p_address
-    kind = rng.choice(["frames", "junk", "bench", "state", "flood"])
+    kind = rng.choice(["frames", "junk", "bench", "state", "flood", "testimony"])
+    if kind == "testimony":
+        # False stall testimony to the master (CollectiveDone.io) for operations that never ran: rows
+        # for every member and made-up ones, claiming bytes sent that nobody took. The master keeps
+        # them bounded and accuses nobody (no honest member testified for those operations).
+        n = rng.randrange(1, 2000)
+        rows = [m.IoRow(rng.randrange(1 << 10), rng.randrange(1 << 40), 0) for _ in range(n)]
+        rows.append(m.IoRow(victim.peer_id, 1 << 20, 0))
+        op_seq = JUNK_OP_SEQ + rng.randrange(1 << 30)
+        await evil._send(m.CollectiveDone(tag=JUNK_TAG + rng.randrange(1 << 20), success=False,
+                                          reason="fuzz", op_seq=op_seq, io=rows))
+        return kind
     channel = {"frames": "ring", "junk": "ring", "bench": "bench", "state": "state", "flood": "bench"}[kind]
     opened = []
     try:
@@ -219,6 +234,10 @@ async def fuzz(args: argparse.Namespace) -> int:
                     return 1
             if len(cluster.alive) != members or len(cluster.master.state.accepted()) != members:
                 print(f"round {r}: a member was lost ({cluster.alive})")
+                return 1
+            held = cluster.master._server.testimony.rows
+            if held > TESTIMONY_ROWS:
+                print(f"round {r}: the master holds {held} stall testimony rows")
                 return 1
             for i in cluster.alive:
                 broken = bounds_broken(cluster.peer(i))

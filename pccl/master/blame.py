@@ -13,8 +13,10 @@ removes **both** the accused and its accuser once the same accuser has reported 
 * the honest accuser, and the two ends of a link that is cut one way, leave too (they may join again); a
   link that stalls every operation left the run failing them all until then.
 
-Both are remembered as evicted for liveness (pccl/master/penalties.py): a rejoin is refused for a
-back-off, and once back one report naming it is enough (``repeat``).
+A report is either a ``stalled_on`` (the accuser's send to the accused stayed under way) or a pair found
+in the bytes both ends testified for a stalled operation (pccl/master/testimony.py: the frames fit the
+socket buffers). Both are remembered as evicted for liveness (pccl/master/penalties.py): a rejoin is
+refused for a back-off, and once back one report naming it is enough (``repeat``).
 """
 
 from __future__ import annotations

@@ -351,7 +351,8 @@ class MasterServer:
                         reporter, msg.stalled_on)
             pairs.append((reporter, msg.stalled_on))
         if msg.io and msg.op_seq >= 0:
-            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io):
+            members = set(self.state.ring)
+            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members):
                 log.warning("operation %d stalled: peer %d sent peer %d %d bytes, peer %d took %d of them",
                             msg.op_seq, a, b, sent, b, taken)
                 pairs.append((a, b))

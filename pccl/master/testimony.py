@@ -20,26 +20,30 @@ then stalls operations as before this check (each ended after ``p2p_stall_timeou
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Container, Iterable
 
 #: Operations whose testimonies are kept (the oldest forgotten first).
 KEEP = 16
-#: Partners one testimony may name (a member's partners in one operation are far fewer).
-MAX_ROWS = 4096
+#: Rows kept in all (the oldest operations forgotten first): a member that testifies for operations
+#: that never stalled, with a row for every member, holds at most this many (a few MiB).
+MAX_ROWS = 65536
 
 
 class StallTestimony:
     """The testimonies of the last :data:`KEEP` stalled operations (see the module docstring)."""
 
-    def __init__(self, keep: int = KEEP) -> None:
+    def __init__(self, keep: int = KEEP, max_rows: int = MAX_ROWS) -> None:
         self.keep = keep
+        self.max_rows = max_rows
+        self.rows = 0  # rows held now
         # op_seq -> testifier -> partner -> (sent to it, taken from it)
         self._ops: OrderedDict[int, dict[int, dict[int, tuple[int, int]]]] = OrderedDict()
         self._judged: OrderedDict[tuple[int, int, int], None] = OrderedDict()
 
-    def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]]
-            ) -> list[tuple[int, int, int, int]]:
-        """``peer`` testifies ``rows`` (``(partner, sent, taken)``) for operation ``op_seq``.
+    def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]],
+            members: Container[int] | None = None) -> list[tuple[int, int, int, int]]:
+        """``peer`` testifies ``rows`` (``(partner, sent, taken)``) for operation ``op_seq``; rows
+        naming no member (``members``, None: any) are ignored.
 
         Returns:
             ``(sender, receiver, sent, taken)`` for each pair newly found where the sender says it sent
@@ -48,15 +52,19 @@ class StallTestimony:
         op = self._ops.get(op_seq)
         if op is None:
             op = self._ops[op_seq] = {}
-            while len(self._ops) > self.keep:
-                self._ops.popitem(last=False)
         mine: dict[int, tuple[int, int]] = {}
         for partner, sent, taken in rows:
-            if len(mine) >= MAX_ROWS:
+            if len(mine) >= self.max_rows:
                 break
-            if partner != peer:
+            if partner != peer and (members is None or partner in members):
                 mine[partner] = (sent, taken)
+        self.rows += len(mine) - len(op.get(peer, ()))
         op[peer] = mine
+        while len(self._ops) > 1 and (len(self._ops) > self.keep or self.rows > self.max_rows):
+            _, gone = self._ops.popitem(last=False)
+            self.rows -= sum(len(r) for r in gone.values())
+        if op_seq not in self._ops:
+            return []
         found: list[tuple[int, int, int, int]] = []
         for partner, (sent, taken) in mine.items():
             theirs = op.get(partner)

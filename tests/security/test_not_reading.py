@@ -150,3 +150,13 @@ def test_testimony_names_the_receiver_that_took_less_than_was_sent_once_per_oper
     t4.add(2, 1, [(2, 10, 0)])
     t4.add(3, 1, [(2, 10, 0)])
     assert t4.add(1, 2, [(1, 0, 0)]) == []  # operation 1's first testimony is gone
+
+
+def test_testimonies_are_bounded_in_rows_and_ignore_non_members() -> None:
+    t = StallTestimony(keep=16, max_rows=100)
+    for op in range(50):  # an insider testifying for operations that never stalled, a row per member
+        t.add(op, 1, [(p, 10, 0) for p in range(2, 40)], members=range(1, 40))
+        assert t.rows <= 100
+    assert t.add(49, 2, [(1, 0, 0)], members={1, 2}) == [(1, 2, 10, 0)]  # the latest is still there
+    assert t.add(60, 1, [(99, 10, 0)], members={1, 2}) == []
+    assert t.add(60, 99, [(1, 0, 0)], members={1, 2}) == []  # 1 named no member
