@@ -301,15 +301,20 @@ class SwarmFetch:
         n = len(view)
         got = len(pre := ms.take_buffered(n))
         view[:got] = pre
+        if got:
+            self._count(got)
         with trio.CancelScope(deadline=trio.current_time() + self.stall_timeout) as idle:
             while got < n:
                 k = await ms.stream.receive_into(view[got:])
                 if k == 0:
                     raise StreamBroken(f"connection closed after {got} of {n} bytes")
                 got += k
+                self._count(k)  # (every byte received counts: those of a chunk cut short too)
                 idle.deadline = trio.current_time() + self.stall_timeout
         if idle.cancelled_caught:
             raise trio.TooSlowError
+
+    def _count(self, n: int) -> None:
         self.rx += n
         self.on_bytes(n)
 
