@@ -68,6 +68,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from pccl.peer import heal
 from pccl.peer import shared_state as ss
 from pccl.peer.shared_state import SharedState, TensorInfo
 from pccl.testing import DEFAULT_MASTER_CONFIG, VirtualNetwork, open_test_cluster
@@ -287,6 +288,7 @@ def main() -> None:
     # Hash inline, never in a worker thread: under the autojump clock a thread's CPU time would let
     # virtual time jump (to the next timeout), which is not what the network takes.
     ss._HASH_IN_THREAD_BYTES = 1 << 62
+    heal.VERIFY_IN_THREAD_BYTES = 1 << 62  # (the fetch's chunk verification too)
     if args.training:
         trows = trio.run(_training, args, clock=trio.testing.MockClock(autojump_threshold=0))
         if args.json:
