@@ -1,4 +1,4 @@
-"""Swarm heal (issue 35): a newcomer fetches a shared state from 1, 2 and 3 donors, on the virtual network.
+"""Swarm heal (issue 35): a newcomer fetches a shared state from 1, 2 and 3 donors (virtual network, --wan).
 
 The state: ``--state-mb`` MiB of float32 (default 256: one tensor of three quarters of it, 192 MiB, plus
 four equal smaller ones). Donors hold random content, the newcomer zeros. Every donor -> newcomer link
@@ -19,7 +19,20 @@ transfer (bytes fetched twice, the heal still completes, no member's call fails)
 corrupts every chunk it sends (the chunks are re-fetched, the donor excluded). Each case checks the
 newcomer's state bit-identical to the donors'.
 
+``--wan``: the same cases on the project's WAN emulator (:mod:`pccl.testing.wan`; root only), in real
+time with real processes: a fresh emulator per case (namespaces ``healops-<pid>-<i>``), one host per
+donor and one for the newcomer (the last), the master on host 0 beside the first donor. Every donor ->
+newcomer direction is capped at ``--donor-mbit`` (the donor's uplink); the newcomer -> donor directions
+and those between donors at ``--newcomer-mbit`` (default 1000: the newcomer's downlink is no bottleneck
+for three 100 Mbit/s donors, so each donor's direction carries its own cap); RTT ``--rtt-ms``
+everywhere, queues of one bandwidth-delay product. The heal time is the newcomer's whole
+``sync_shared_state()`` call in wall seconds (the donors vote first). "kill": the newcomer SIGKILLs the
+last donor's process when half of its bytes are in; "corrupt": the last donor flips a bit in the first
+chunk it serves (one chunk). Each case checks the newcomer's tensors bit-identical to every donor's and
+that no surviving member's call failed. ``--wan-cases`` picks cases (1,2,3,kill,corrupt).
+
 usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 50] [--json]
+       sudo python benchmarks/heal.py --wan [--wan-cases 1,2,3,kill,corrupt] [--state-mb 256]
 
 ``--training`` (issue 35 item 4) measures instead the members' training during a heal: ``--members`` (3)
 peers loop {all-reduce of ``--grad-mb`` MiB; every ``--sync-every`` steps push the revision and sync}
@@ -41,13 +54,21 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
 import trio.testing
 
+from pccl.peer import heal
 from pccl.peer import shared_state as ss
 from pccl.peer.shared_state import SharedState, TensorInfo
 from pccl.testing import DEFAULT_MASTER_CONFIG, VirtualNetwork, open_test_cluster
@@ -242,9 +263,13 @@ async def _main(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main() -> None:
+    if len(sys.argv) > 2 and sys.argv[1] == "--child":
+        _wan_child(json.loads(sys.argv[2]))
+        return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--state-mb", type=int, default=256)
     p.add_argument("--donor-mbit", type=float, default=100.0)
+    p.add_argument("--newcomer-mbit", type=float, default=1000.0)
     p.add_argument("--rtt-ms", type=float, default=50.0)
     p.add_argument("--json", action="store_true")
     p.add_argument("--training", action="store_true", help="members' steps per second during a heal")
@@ -254,10 +279,16 @@ def main() -> None:
     p.add_argument("--train-steps", type=int, default=40, help="steps of the loop without a newcomer")
     p.add_argument("--changing", action="store_true",
                    help="also the runs where every sync follows a change of every byte (DiLoCo's outer step)")
+    p.add_argument("--wan", action="store_true", help="on the WAN emulator (root), real processes")
+    p.add_argument("--wan-cases", default="1,2,3,kill,corrupt")
     args = p.parse_args()
+    if args.wan:
+        _wan_main(args)
+        return
     # Hash inline, never in a worker thread: under the autojump clock a thread's CPU time would let
     # virtual time jump (to the next timeout), which is not what the network takes.
     ss._HASH_IN_THREAD_BYTES = 1 << 62
+    heal.VERIFY_IN_THREAD_BYTES = 1 << 62  # (the fetch's chunk verification too)
     if args.training:
         trows = trio.run(_training, args, clock=trio.testing.MockClock(autojump_threshold=0))
         if args.json:
@@ -278,6 +309,209 @@ def main() -> None:
         print(f"{r['donors']:>6} {r['fault']:>8} {r['heal_s']:>8.2f} {r['heal_s'] / one:>9.2f} "
               f"{r['twice_mib']:>17.1f} {r['per_donor_mib']!s:>22} {r['excluded']:>4} {r['exact']!s:>5} "
               f"{r['failed_calls']!s:>12} {r['wall_s']:>7.1f}")
+
+
+# ----------------------------------------------------------------------------------------------
+# --wan: real processes on the WAN emulator
+
+MASTER_PORT = 29_450
+
+
+def _wan_child(cfg: dict[str, Any]) -> None:
+    """A donor or the newcomer, in its host's namespace: join, wait for the whole group, sync once,
+    print a JSON result line (and, the newcomer, SIGKILL a donor at half of the bytes if asked)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    trio.run(_wan_peer, cfg)
+
+
+async def _wan_peer(cfg: dict[str, Any]) -> None:
+    from pccl import PeerConfig, UpdateTopologyFailedError
+    from pccl.kernels import hashing
+    from pccl.peer.communicator import open_communicator
+
+    newcomer = cfg["role"] == "newcomer"
+    arrays = _arrays(cfg["state_mb"], "zeros" if newcomer else "random")
+    state = _state(arrays)
+    if cfg.get("corrupt"):
+        honest = ss.chunk_bytes
+        spoiled: list[int] = []
+
+        def lying(ctx: ss.SyncContext, info: TensorInfo, offset: int, nbytes: int) -> memoryview:
+            data = honest(ctx, info, offset, nbytes)
+            if spoiled or nbytes == 0:
+                return data
+            spoiled.append(offset)
+            bad = bytearray(data)
+            bad[nbytes // 2] ^= 0x01
+            return memoryview(bytes(bad))
+
+        ss.chunk_bytes = lying  # type: ignore[assignment]
+    total = sum(a.nbytes for a in arrays)
+    killed: list[float] = []
+
+    def on_progress(done: int, total_: int) -> None:
+        if cfg.get("kill_pid") and not killed and done >= total_ // 2:
+            killed.append(done)
+            os.kill(cfg["kill_pid"], signal.SIGKILL)
+            print(json.dumps({"event": "killed", "at": done}), flush=True)
+
+    async with open_communicator(cfg["master"], config=PeerConfig(p2p_listen_host=cfg["addr"])) as comm:
+        print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
+        while comm.world_size < cfg["world"]:
+            if await comm.are_peers_pending():
+                try:
+                    await comm.update_topology()
+                except UpdateTopologyFailedError:
+                    pass
+            await trio.sleep(0.01)
+        t0 = time.perf_counter()
+        error = ""
+        try:
+            await comm.sync_shared_state(state, progress=on_progress if newcomer else None)
+        except Exception as exc:  # reported, not raised: the driver checks every member's call
+            error = f"{type(exc).__name__}: {exc}"
+        heal_s = time.perf_counter() - t0
+        last = comm.statistics().get("heal_last") or {}
+        hashes = [hashing.content_hash(a) for a in arrays]
+        print(json.dumps({"event": "result", "role": cfg["role"], "error": error, "heal_s": heal_s,
+                          "hashes": hashes, "total": total, "rx": last.get("rx_bytes", 0),
+                          "donors": {str(k): v for k, v in last.get("donors", {}).items()},
+                          "failed": len(last.get("donors_failed", {})),
+                          "excluded": len(last.get("donors_excluded", {})),
+                          "bad": last.get("bad_bytes", 0), "stolen": last.get("stolen", 0),
+                          "killed_at": killed[0] if killed else None}), flush=True)
+        if not newcomer:
+            # stay a member until the driver has the newcomer's result (a donor leaving at once would
+            # be a lost peer in the newcomer's next steps; the driver ends us)
+            await trio.sleep_forever()
+
+
+def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, Any]:
+    from pccl.testing.wan import WanEmulator
+
+    hosts = donors + 1
+    nc = donors  # the newcomer's host
+    script = str(Path(__file__).resolve())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    with WanEmulator(hosts, prefix="healops") as wan:
+        for a in range(hosts):
+            for b in range(a + 1, hosts):
+                wan.set_pair(a, b, rtt_ms=args.rtt_ms, rate_mbit=args.newcomer_mbit)
+        for d in range(donors):
+            wan.set_pair(d, nc, rtt_ms=args.rtt_ms, rate_mbit=args.newcomer_mbit)
+            wan.set_link(d, nc, _link(args, args.donor_mbit))  # the donor's uplink
+        log = tempfile.NamedTemporaryFile("w+", prefix="pccl-heal-master-", suffix=".log", delete=False)
+        master = wan.popen(0, [sys.executable, "-m", "pccl", "master", "--host", wan.addresses[0],
+                               "--port", str(MASTER_PORT)], stdout=subprocess.DEVNULL, stderr=log, env=env)
+        procs: dict[int, subprocess.Popen[str]] = {}
+        errs: dict[int, Any] = {}
+        lines: dict[int, list[dict[str, Any]]] = {}
+        try:
+            deadline = time.monotonic() + 30
+            while "listening" not in Path(log.name).read_text():
+                if master.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the master did not start")
+                time.sleep(0.05)  # polling a child's log file for its first line
+            base = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "world": hosts, "state_mb": args.state_mb}
+            pids: dict[int, int] = {}
+            for h in range(hosts):
+                cfg = {**base, "addr": wan.addresses[h], "role": "newcomer" if h == nc else "donor",
+                       "corrupt": fault == "corrupt" and h == donors - 1,
+                       "kill_pid": pids.get(donors - 1) if fault == "kill" and h == nc else None}
+                errs[h] = tempfile.TemporaryFile("w+")  # (a pipe nobody drains could block the child)
+                p = wan.popen(h, [sys.executable, script, "--child", json.dumps(cfg)], stdout=subprocess.PIPE,
+                              stderr=errs[h], text=True, env=env)
+                procs[h] = p
+                assert p.stdout is not None
+                first = p.stdout.readline()
+                if "joined" not in first:
+                    raise RuntimeError(f"host {h} did not join: {_tail(errs[h])}")
+                pids[h] = json.loads(first)["pid"]
+                lines[h] = []
+
+            def read(h: int) -> None:
+                out = procs[h].stdout
+                assert out is not None
+                for line in out:
+                    if line.startswith("{"):
+                        lines[h].append(json.loads(line))
+
+            readers = [threading.Thread(target=read, args=(h,), daemon=True) for h in procs]
+            for t in readers:
+                t.start()
+            budget = 120 + 4 * args.state_mb * 8 / args.donor_mbit
+            deadline = time.monotonic() + budget
+            expect = [h for h in range(hosts) if not (fault == "kill" and h == donors - 1)]
+            while not all(any(x["event"] == "result" for x in lines[h]) for h in expect):
+                dead = [h for h in expect if procs[h].poll() is not None
+                        and not any(x["event"] == "result" for x in lines[h])]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"case {donors}/{fault or '-'}: no result from hosts "
+                                       f"{dead or 'some (timeout)'}: {[_tail(errs[h]) for h in dead]}")
+                time.sleep(0.1)  # the readers fill ``lines``; a result line ends the wait
+            results = {h: next(x for x in lines[h] if x["event"] == "result") for h in expect}
+        finally:
+            for p in procs.values():
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            master.terminate()
+            try:
+                master.wait(10)
+            except subprocess.TimeoutExpired:
+                master.kill()
+            log.close()
+            os.unlink(log.name)
+            for f in errs.values():
+                f.close()
+    new = results[nc]
+    exact = all(r["hashes"] == new["hashes"] for h, r in results.items() if h != nc)
+    failed = [h for h, r in results.items() if r["error"]]
+    return {"donors": donors, "fault": fault or "-", "heal_s": new["heal_s"], "exact": exact,
+            "failed_calls": failed, "rx_mib": new["rx"] / MIB, "twice_mib": (new["rx"] - new["total"]) / MIB,
+            "per_donor_mib": [round(v / MIB, 1) for v in new["donors"].values()],
+            "excluded": new["excluded"], "failed_donors": new["failed"], "bad_mib": new["bad"] / MIB,
+            "stolen": new["stolen"], "killed_at_mib": (new["killed_at"] or 0) / MIB}
+
+
+def _tail(f: Any) -> str:
+    f.seek(0)
+    return str(f.read()[-1500:])
+
+
+def _link(args: argparse.Namespace, mbit: float) -> Any:
+    from pccl.testing.wan import LinkSpec
+
+    return LinkSpec(delay_ms=args.rtt_ms / 2, rate_mbit=mbit, rtt_ms=args.rtt_ms)
+
+
+def _wan_main(args: argparse.Namespace) -> None:
+    from pccl.testing.wan import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return
+    load = os.getloadavg()
+    cases = {"1": (1, ""), "2": (2, ""), "3": (3, ""), "kill": (3, "kill"), "corrupt": (3, "corrupt")}
+    rows = [_wan_case(args, *cases[c]) for c in args.wan_cases.split(",")]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    one = next((r["heal_s"] for r in rows if r["donors"] == 1 and r["fault"] == "-"), None)
+    print(f"swarm heal, WAN emulator (processes, wall seconds): {args.state_mb} MiB float32, donors' "
+          f"uplinks {args.donor_mbit:g} Mbit/s, other directions {args.newcomer_mbit:g} Mbit/s, RTT "
+          f"{args.rtt_ms:g} ms; {os.cpu_count()} CPUs, load average {load[0]:.1f} at the start, "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"{'donors':>6} {'fault':>8} {'heal s':>8} {'x 1-donor':>9} {'fetched twice MiB':>17} "
+          f"{'per donor MiB':>22} {'lost':>4} {'excl':>4} {'bad MiB':>7} {'exact':>5} {'failed calls':>12}")
+    for r in rows:
+        ratio = f"{r['heal_s'] / one:.2f}" if one else "-"
+        print(f"{r['donors']:>6} {r['fault']:>8} {r['heal_s']:>8.2f} {ratio:>9} {r['twice_mib']:>17.1f} "
+              f"{r['per_donor_mib']!s:>22} {r['failed_donors']:>4} {r['excluded']:>4} {r['bad_mib']:>7.1f} "
+              f"{r['exact']!s:>5} {r['failed_calls']!s:>12}")
 
 
 if __name__ == "__main__":

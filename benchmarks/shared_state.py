@@ -8,7 +8,8 @@
    tensors and syncs again. Reported: the newcomer's whole ``sync_shared_state()`` call (its own hashing,
    the vote, the fetch, re-hashing what it received, the atomic apply) and the wire phase alone (bytes
    between the first and the last progress callback over the time between them; the library re-hashes each
-   tensor as it completes, so that time is inside this phase too).
+   tensor as it completes, so that time is inside this phase too), and the newcomer process's CPU time
+   during its call (all its threads: less sensitive than wall time to other load on a shared machine).
 3. Baseline: the same bytes between two processes over plain trio sockets (``send`` / ``recv_into`` in 4 MB
    slices), measured in the same run: what the machine allows at that moment.
 
@@ -79,12 +80,12 @@ async def _newcomer(cfg: dict[str, Any]) -> None:
             def progress(done: int, total: int, marks: list[tuple[float, int]] = marks) -> None:
                 marks.append((time.perf_counter(), done))
 
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.process_time()
             info = await comm.sync_shared_state(state, progress=progress)
-            dt = time.perf_counter() - t0
+            dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             ok = all(float(a[-1]) != 0.0 for a in arrays)
             wire = (marks[-1][1] - marks[0][1]) / (marks[-1][0] - marks[0][0]) if len(marks) > 1 else 0.0
-            c.emit("round", round=r, rx=info.rx_bytes, sync_s=dt, wire_bps=wire, content_ok=ok,
+            c.emit("round", round=r, rx=info.rx_bytes, sync_s=dt, cpu_s=cpu, wire_bps=wire, content_ok=ok,
                    world=comm.world_size)
         c.emit("done")
 
@@ -179,7 +180,8 @@ async def bench_transfer(args: argparse.Namespace) -> list[list[Any]]:
             rounds.append(msg)
             print(f"  round {msg['round']}: {msg['rx'] / 2**20:.0f} MB in {msg['sync_s'] * 1e3:.0f} ms "
                   f"(whole sync {msg['rx'] / msg['sync_s'] / 1e9:.2f} GB/s, wire phase "
-                  f"{msg['wire_bps'] / 1e9:.2f} GB/s){'' if msg['content_ok'] else '  CONTENT WRONG'}",
+                  f"{msg['wire_bps'] / 1e9:.2f} GB/s, newcomer CPU {msg['cpu_s'] * 1e3:.0f} ms)"
+                  f"{'' if msg['content_ok'] else '  CONTENT WRONG'}",
                   flush=True)
     for msg in rounds:
         if msg["rx"] != cfg["state_bytes"] or not msg["content_ok"]:
@@ -200,8 +202,9 @@ async def bench_transfer(args: argparse.Namespace) -> list[list[Any]]:
         print(f"  raw trio socket baseline: {statistics.median(raw) / 1e9:.2f} GB/s (median of {len(raw)})",
               flush=True)
     sync_s = statistics.median(float(m["sync_s"]) for m in rounds)
+    cpu_s = statistics.median(float(m["cpu_s"]) for m in rounds)
     wire = statistics.median(float(m["wire_bps"]) for m in rounds)
-    rows.append([f"{args.state_mb} MB", args.tensors, args.holders, sync_s * 1e3,
+    rows.append([f"{args.state_mb} MB", args.tensors, args.holders, sync_s * 1e3, cpu_s * 1e3,
                  cfg["state_bytes"] / sync_s / 1e9, wire / 1e9,
                  statistics.median(raw) / 1e9 if raw else float("nan")])
     return rows
@@ -230,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         print(flush=True)
     rows = trio.run(bench_transfer, args)
     print()
-    print(c.format_table(["state", "tensors", "holders", "newcomer sync median ms", "whole sync GB/s",
+    print(c.format_table(["state", "tensors", "holders", "newcomer sync median ms", "newcomer CPU ms",
+                          "whole sync GB/s",
                           "wire phase GB/s", "raw socket GB/s"], rows))
     return 0
 

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 from ._tls import TlsFiles, check_pairing
 
 DEFAULT_MASTER_PORT = 48148
-# 7: live heals (issue 35 item 4); 6: SharedStateProgress (issue 37 item 5); docs/protocol.md section 10
+# 7: live heals (issue 35 item 4) and the swarm fetch's chunks and donors in SharedStateProgress (item 5);
+# 6: SharedStateProgress (issue 37 item 5); docs/protocol.md section 10
 PROTOCOL_VERSION = 7
 
 #: The longest pause between a reconnecting peer's rounds over its master addresses (the backoff

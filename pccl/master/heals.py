@@ -34,7 +34,7 @@ from typing import Any
 from .._errors import Result
 from ..wire import messages as m
 from .effects import Effect, Event, Send
-from .transfers import SyncProgress
+from .transfers import SwarmCounts, SyncProgress
 
 
 @dataclass
@@ -200,7 +200,7 @@ class HealBook:
             return None
         if peer_id in self.held:
             return "SharedStateProgress after its SharedStateDone"
-        return heal.progress.report(peer_id, msg.rx_bytes, msg.total_bytes, now)
+        return heal.progress.report(peer_id, msg.rx_bytes, msg.total_bytes, now, SwarmCounts.of(msg))
 
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:
         """Each live heal's fetchers still at work, as :meth:`SyncProgress.rows` (``live``: True)."""

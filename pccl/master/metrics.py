@@ -74,6 +74,19 @@ class MasterObserver:
         self.receiving_total = Gauge("pccl_shared_state_receiving_total_bytes",
                                      "Bytes each receiver of a running shared-state sync fetches in all",
                                      ["peer"], registry=r)
+        self.receiving_chunks = Gauge("pccl_shared_state_receiving_chunks",
+                                      "Chunks each receiver of a running shared-state sync has verified "
+                                      "(its swarm fetch)", ["peer"], registry=r)
+        self.receiving_chunks_total = Gauge("pccl_shared_state_receiving_chunks_total",
+                                            "Chunks each receiver of a running shared-state sync knows it "
+                                            "fetches so far", ["peer"], registry=r)
+        self.receiving_donors = Gauge("pccl_shared_state_receiving_donors",
+                                      "Donors serving each receiver of a running shared-state sync now",
+                                      ["peer"], registry=r)
+        self.receiving_donors_lost = Gauge("pccl_shared_state_receiving_donors_lost",
+                                           "Donors each receiver of a running shared-state sync lost "
+                                           "(failed, stalled or excluded for bad bytes)", ["peer"],
+                                           registry=r)
         self.deadlocks = Counter("pccl_deadlocks", "Deadlocks detected (every call of the group failed)",
                                  registry=r)
         self.counts: dict[str, int] = {
@@ -185,12 +198,15 @@ class MasterObserver:
         for phase, n in by_phase.items():
             self.peers.labels(phase=phase).set(n)
         self.epoch.set(state.epoch)
-        self.receiving.clear()  # only the receivers of syncs running now
-        self.receiving_total.clear()
+        per_receiver = ((self.receiving, "bytes"), (self.receiving_total, "total"),
+                        (self.receiving_chunks, "chunks"), (self.receiving_chunks_total, "chunks_total"),
+                        (self.receiving_donors, "donors"), (self.receiving_donors_lost, "donors_lost"))
+        for gauge, _ in per_receiver:
+            gauge.clear()  # only the receivers of syncs running now
         for t in state.transfer_progress(now):
             for row in t["receivers"]:
-                self.receiving.labels(peer=str(row["peer"])).set(row["bytes"])
-                self.receiving_total.labels(peer=str(row["peer"])).set(row["total"])
+                for gauge, field in per_receiver:
+                    gauge.labels(peer=str(row["peer"])).set(row[field])
         return generate_latest(self.registry)
 
     def summary(self, now: float) -> dict[str, Any]:

@@ -254,11 +254,23 @@ def render_receiving_html(receiving: Sequence[Mapping[str, Any]]) -> str:
                 f"<tr><td>group {t['group']}, sync {t['sync_seq']}</td><td>peer {r['peer']}</td>"
                 f"<td>{_bytes(float(r['bytes']))} / {_bytes(float(r['total']))} ({pct:.0f}%)"
                 f'<div class=bar><div style="width:{pct:.1f}%"></div></div></td>'
-                f"<td>{_fmt(float(r['bytes_per_s']), 'B/s')}</td><td>{when}</td></tr>")
+                f"<td>{_fmt(float(r['bytes_per_s']), 'B/s')}</td><td>{when}</td>"
+                f"<td>{_heal_cells(r)}</td></tr>")
     if not rows:
         return ""
-    return ("<table><tr><th>sync</th><th>receiver</th><th>received</th><th>rate</th><th>ETA</th></tr>"
+    return ("<table><tr><th>sync</th><th>receiver</th><th>received</th><th>rate</th><th>ETA</th>"
+            "<th>chunks, donors</th></tr>"
             + "".join(rows) + "</table>")
+
+
+def _heal_cells(r: Mapping[str, Any]) -> str:
+    """A receiver's chunks done of those known and its donors (lost ones too), "-" when not reported."""
+    if not r.get("chunks_total"):
+        return "-"
+    lost = int(r.get("donors_lost", 0))
+    donors = int(r.get("donors", 0))
+    return (f"{r['chunks']} / {r['chunks_total']} chunks, {donors} donor{'' if donors == 1 else 's'}"
+            f"{f' ({lost} lost)' if lost else ''}")
 
 
 def render_series_svg(series: Mapping[str, Any]) -> str:

@@ -124,12 +124,24 @@ def _rate(bps: float) -> str:
 
 
 def receiver_text(r: Mapping[str, Any]) -> str:
-    """One receiver of a running sync: ``"peer 2: 64.0 MB / 256 MB (25%), 85.3 MB/s, ETA 2.3 s"``."""
+    """One receiver of a running sync: ``"peer 2: 64.0 MB / 256 MB (25%), 85.3 MB/s, ETA 2.3 s"``, then,
+    when its swarm fetch reported them, ``", chunks 61 / 244, 3 donors (1 lost)"``."""
     total = max(int(r["total"]), 1)
     eta = r["eta_s"]
     when = "done" if r["bytes"] >= r["total"] else ("ETA unknown" if eta is None else f"ETA {eta:.1f} s")
     return (f"peer {r['peer']}: {_size(r['bytes'])} / {_size(r['total'])} ({100 * r['bytes'] // total}%), "
-            f"{_rate(r['bytes_per_s'])}, {when}")
+            f"{_rate(r['bytes_per_s'])}, {when}{heal_text(r)}")
+
+
+def heal_text(r: Mapping[str, Any]) -> str:
+    """A receiver's chunks and donors (``", chunks 61 / 244, 3 donors (1 lost)"``; "" when it reported
+    none)."""
+    if not r.get("chunks_total"):
+        return ""
+    lost = int(r.get("donors_lost", 0))
+    donors = int(r.get("donors", 0))
+    return (f", chunks {r['chunks']} / {r['chunks_total']}, {donors} donor{'' if donors == 1 else 's'}"
+            f"{f' ({lost} lost)' if lost else ''}")
 
 
 def _size(n: float) -> str:

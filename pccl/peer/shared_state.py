@@ -70,17 +70,25 @@ class _Seen:
             self.chained(done, total)
 
 
-async def _report_progress(link: MasterLink, sync_seq: int, seen: _Seen) -> None:
-    """Tell the master every :data:`PROGRESS_EVERY` seconds how far the fetch is (until cancelled, when
-    the fetch ends: its ``SharedStateDone`` follows, never a report after it)."""
+async def _report_progress(link: MasterLink, sync_seq: int, seen: _Seen,
+                           fetch: Callable[[], heal.SwarmFetch | None] = lambda: None) -> None:
+    """Tell the master every :data:`PROGRESS_EVERY` seconds how far the fetch is: bytes, and the swarm
+    fetch's chunks and donors (``fetch()``: the running one, if any) (until cancelled, when the fetch ends:
+    its ``SharedStateDone`` follows, never a report after it)."""
     sent = 0
     while True:
         await trio.sleep(PROGRESS_EVERY)
         if seen.total <= 0 or seen.done == sent:
             continue
         sent = seen.done
-        msg = m.SharedStateProgress(sync_seq=sync_seq, rx_bytes=min(seen.done, seen.total),
-                                    total_bytes=seen.total)  # (a retried tensor counts twice in ``done``)
+        job = fetch()
+        st = job.schedule.statistics() if job is not None else None
+        msg = m.SharedStateProgress(  # (bytes fetched twice count twice in ``done``: capped)
+            sync_seq=sync_seq, rx_bytes=min(seen.done, seen.total), total_bytes=seen.total,
+            **({} if st is None else {
+                "chunks_done": st["chunks_done"], "chunks_total": st["chunks_total"],
+                "donors": st["donors_active"],
+                "donors_lost": len(st["donors"]) - st["donors_active"]}))
         try:
             # Shielded: a frame cut by the fetch's end would break the master link. A control frame of
             # a few bytes; a master that stops reading is found by the link's watchdog, which closes it.
@@ -427,7 +435,7 @@ async def _fetch_watching(
 
         nursery.start_soon(watch)
         nursery.start_soon(fetch)
-        nursery.start_soon(_report_progress, link, plan.sync_seq, seen)
+        nursery.start_soon(_report_progress, link, plan.sync_seq, seen, lambda: ctx.fetch)
     staged: dict[str, np.ndarray] = {}
     rx, reason = 0, ""
     if fetched:

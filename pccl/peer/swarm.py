@@ -82,6 +82,8 @@ class SwarmSchedule:
         self.stolen = 0
         self.bytes_total = 0
         self.bytes_done = 0
+        self._undone = 0  # items not delivered (finished: none)
+        self._orphans = 0  # items without any holder (stranded from the start)
         for item in items:
             self.add(item)
 
@@ -96,13 +98,15 @@ class SwarmSchedule:
         self.items[item.id] = item
         self.pending.append(item.id)
         self.bytes_total += item.nbytes
+        self._undone += not item.done
+        self._orphans += not item.holders
 
     # -- queries ---------------------------------------------------------------------------------
 
     @property
     def finished(self) -> bool:
         """Every item delivered."""
-        return all(i.done for i in self.items.values())
+        return self._undone == 0
 
     def usable(self, donor: int) -> bool:
         """Whether ``donor`` is neither failed nor excluded."""
@@ -111,6 +115,8 @@ class SwarmSchedule:
 
     def stranded(self) -> list[Item]:
         """Items not delivered that no usable donor can serve (the fetch cannot complete)."""
+        if not self._orphans and all(self.usable(d) for d in self.donors):
+            return []  # (called after every delivery: no scan of every item while nothing was lost)
         return [i for i in self.items.values()
                 if not i.done and not any(self.usable(h) for h in i.holders)]
 
@@ -168,8 +174,17 @@ class SwarmSchedule:
             took = max(now - started, 0.0)
             self._typical = took if self._typical <= 0 else 0.8 * self._typical + 0.2 * took
         item.done = True
+        self._undone -= 1
         self.bytes_done += item.nbytes
         return True
+
+    def reopen(self, item: Item) -> None:
+        """A delivered ``item``'s bytes may have been overwritten since (a copy received in place, whose
+        sums then failed): it is to be delivered again (hand it back with :meth:`returned`)."""
+        if item.done:
+            item.done = False
+            self._undone += 1
+            self.bytes_done -= item.nbytes
 
     def manifest_items(self, items: Iterable[Item]) -> None:
         """Add the data items a verified manifest produced."""

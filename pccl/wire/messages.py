@@ -858,11 +858,20 @@ class SharedStateProgress(Message):
     """How far the sender's fetch for ``sync_seq`` is: ``rx_bytes`` of the ``total_bytes`` its plan names
     (sent at most every :data:`pccl.peer.shared_state.PROGRESS_EVERY` seconds while bytes arrive, never
     after its ``SharedStateDone``; for the status page). The master checks ``rx_bytes <= total_bytes``,
-    that ``total_bytes`` is what it planned for the sender and that ``rx_bytes`` never goes back."""
+    that ``total_bytes`` is what it planned for the sender and that ``rx_bytes`` never goes back.
+
+    Since protocol version 7 (issue 35 item 5) also the swarm fetch's ``chunks_done`` of ``chunks_total``
+    items known so far (a large tensor's chunks are known once its manifest is verified, so the total
+    may grow; ``chunks_done <= chunks_total``), the ``donors`` serving it now and the ``donors_lost``
+    (failed, stalled or excluded for bad bytes); all 0: not known."""
 
     sync_seq: Count
     rx_bytes: Count
     total_bytes: Count
+    chunks_done: Count = dataclasses.field(default=0, metadata=OPTIONAL)
+    chunks_total: Count = dataclasses.field(default=0, metadata=OPTIONAL)
+    donors: Count = dataclasses.field(default=0, metadata=OPTIONAL)
+    donors_lost: Count = dataclasses.field(default=0, metadata=OPTIONAL)
 
 
 @_register(46)

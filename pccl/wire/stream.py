@@ -13,7 +13,7 @@ import trio
 
 from .._errors import RemoteProtocolError
 from ..transport import Stream, StreamBroken, receive_exactly_into
-from .framing import Framer, encode_frame
+from .framing import HEADER_SIZE, Framer, encode_frame
 from .limits import HANDSHAKE_TAGS, PRE_AUTH_MAX_FRAME, FrameLimits
 from .messages import Message, decode, encode
 
@@ -211,8 +211,14 @@ class MessageStream:
             await self.stream.send_all(self._owed)
             self._owed = None
 
-    async def receive(self) -> Message:
+    async def receive(self, *, read_ahead: bool = True) -> Message:
         """Receive the next message.
+
+        Args:
+            read_ahead: read as much as the transport has (fewer reads); False: read no byte past this
+                frame (two reads: its length, then the rest), for raw bytes that follow it and that the
+                caller reads in place (:meth:`receive_raw_into`) instead of copying them out of the
+                buffer.
 
         Raises:
             StreamBroken: the stream broke or closed (EOF between frames included).
@@ -244,17 +250,24 @@ class MessageStream:
             self._check_large()
             if self._reserved:
                 with trio.move_on_at(self._reserved_until):
-                    data = await self.stream.receive_some(_RECV_SIZE)
+                    data = await self.stream.receive_some(self._read_size(read_ahead))
                     self._framer.feed(data)
                     continue
                 assert self.guard is not None
                 raise RemoteProtocolError(
                     f"a {self._reserved}-byte frame did not arrive whole within {self.guard.deadline:g}s"
                 )
-            data = await self.stream.receive_some(_RECV_SIZE)
+            data = await self.stream.receive_some(self._read_size(read_ahead))
             if len(self._head) < 5:
                 self._head += data[: 5 - len(self._head)]
             self._framer.feed(data)
+
+    def _read_size(self, read_ahead: bool) -> int:
+        if read_ahead:
+            return _RECV_SIZE
+        length = self._framer.pending_length()
+        want = HEADER_SIZE if length is None else HEADER_SIZE + length
+        return max(1, min(want - self._framer.buffered, _RECV_SIZE))
 
     def take_buffered(self, n: int) -> bytes:
         """Up to ``n`` raw bytes after the last frame that this stream already read off the

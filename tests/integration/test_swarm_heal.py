@@ -11,8 +11,8 @@ import trio
 import trio.testing
 
 import pccl
+from pccl.peer import heal, swarm
 from pccl.peer import shared_state as ss
-from pccl.peer import swarm
 from pccl.peer.shared_state import SharedState, TensorInfo
 from pccl.testing import TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
@@ -181,6 +181,40 @@ async def test_a_corrupting_donor_is_excluded_and_its_chunk_refetched(
     assert liar_id in st["heal_last"]["donors_excluded"]
     said = [r.getMessage() for r in caplog.records]
     assert any("fail their hash" in s and f"peer {liar_id}" in s for s in said), said
+
+
+async def test_chunks_verified_in_worker_threads_over_tcp(
+    pccl_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Real sockets and the real clock: each chunk lands in place and is verified in a worker thread
+    while the next ones arrive (what a fetch of 8 MiB or more does); a corrupting donor's chunk is
+    still refused and fetched again, and what the newcomer applies is exact."""
+    monkeypatch.setattr(heal, "VERIFY_IN_THREAD_BYTES", 0)
+    cluster = await pccl_cluster(4, network=None)
+    big, small = _content(8)
+    states = {i: _state(big, small) for i in range(3)}
+    states[3] = _state(np.zeros(BIG, np.uint8), np.zeros(1000, np.uint8))
+    liar = states[2]
+    honest = ss.chunk_bytes
+
+    def lying(ctx: ss.SyncContext, info: TensorInfo, offset: int, nbytes: int) -> memoryview:
+        data = honest(ctx, info, offset, nbytes)
+        if ctx.state is not liar or nbytes == 0:
+            return data
+        bad = bytearray(data)
+        bad[-1] ^= 0x01
+        return memoryview(bytes(bad))
+
+    monkeypatch.setattr(ss, "chunk_bytes", lying)
+    res = await _sync(cluster, states)
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res.values()), res
+    assert _bits(states[3]) == _bits(states[0])
+    last = cluster.peer(3).statistics()["heal_last"]
+    assert last["chunks_done"] == last["chunks_total"] == 7 and last["bytes_done"] == BIG + 1000
+    liar_id = cluster.peer(2).peer_id
+    assert last["donors"][liar_id] == 0  # none of its bytes was taken
+    # (it is excluded at its first chunk, unless the others had sent everything before it sent one)
+    assert (liar_id in last["donors_excluded"]) == (last["bad_bytes"] > 0)
 
 
 async def test_two_newcomers_heal_at_once(

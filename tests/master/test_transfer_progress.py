@@ -37,8 +37,8 @@ def _running(three: bool = False) -> tuple[Harness, list[int], int]:
     return hs, peers, hs.st._sync_seq
 
 
-def _progress(hs: Harness, pid: int, seq: int, rx: int, total: int = 32 * MB) -> list[Any]:
-    return hs.h(pid, m.SharedStateProgress(sync_seq=seq, rx_bytes=rx, total_bytes=total))
+def _progress(hs: Harness, pid: int, seq: int, rx: int, total: int = 32 * MB, **heal: int) -> list[Any]:
+    return hs.h(pid, m.SharedStateProgress(sync_seq=seq, rx_bytes=rx, total_bytes=total, **heal))
 
 
 def test_progress_shows_bytes_rate_and_eta_then_goes_with_the_sync() -> None:
@@ -46,7 +46,8 @@ def test_progress_shows_bytes_rate_and_eta_then_goes_with_the_sync() -> None:
     snap = build_status(hs.st, [], 10.0)
     # before any report: the receiver listed with 0 bytes, no rate, no ETA; the holders not at all
     assert snap["receiving"] == [{"group": 0, "sync_seq": seq, "receivers": [
-        {"peer": c, "bytes": 0, "total": 32 * MB, "bytes_per_s": 0.0, "eta_s": None, "reported_s": None}]}]
+        {"peer": c, "bytes": 0, "total": 32 * MB, "bytes_per_s": 0.0, "eta_s": None, "reported_s": None,
+         "chunks": 0, "chunks_total": 0, "donors": 0, "donors_lost": 0}]}]
     hs.now = 12.0
     assert _progress(hs, c, seq, 8 * MB) == []
     hs.now = 14.0
@@ -54,7 +55,7 @@ def test_progress_shows_bytes_rate_and_eta_then_goes_with_the_sync() -> None:
     snap = build_status(hs.st, [], 14.5)
     row = snap["receiving"][0]["receivers"][0]
     assert row == {"peer": c, "bytes": 16 * MB, "total": 32 * MB, "bytes_per_s": 4 * MB, "eta_s": 4.0,
-                   "reported_s": 0.5}
+                   "reported_s": 0.5, "chunks": 0, "chunks_total": 0, "donors": 0, "donors_lost": 0}
     text = render_text(snap)
     line = f"shared-state sync {seq} (group 0): peer {c}: 16.0 MB / 32.0 MB (50%), 4.0 MB/s, ETA 4.0 s"
     assert line in text
@@ -107,6 +108,10 @@ def test_illegal_reports_kick_their_sender_only() -> None:
         eff = send(hs, b, seq)
         assert [k.peer_id for k in kicks(eff)] == [b] and why in kicks(eff)[0].reason, (why, eff)
         assert a in hs.st.peers
+    # more chunks done than known
+    hs, (a, b), seq = _running()
+    eff = _progress(hs, b, seq, MB, chunks_done=5, chunks_total=4)
+    assert [k.peer_id for k in kicks(eff)] == [b] and "5 chunks, past its 4" in kicks(eff)[0].reason
     # going back
     hs, (a, b), seq = _running()
     assert _progress(hs, b, seq, 2 * MB) == []
@@ -137,3 +142,49 @@ def test_the_record_is_bounded_by_the_participants() -> None:
     assert sp.rows(2000.0)[0]["bytes"] == 99
     sp.finished(1, 2000.0)
     assert sp.rows(2000.0)[0]["eta_s"] == 0.0
+
+
+def test_a_healing_newcomers_chunks_and_donors_on_the_page_and_in_the_metrics() -> None:
+    """Issue 35 item 5: a swarm fetch reports its chunks and donors with its bytes; the status JSON, its
+    text, the page and /metrics show them while the sync runs, and they go with it."""
+    hs, (a, b, c), seq = _running(three=True)
+    hs.now = 12.0
+    assert _progress(hs, c, seq, 8 * MB, chunks_done=7, chunks_total=31, donors=2) == []
+    hs.now = 14.0
+    # a donor lost, the manifest of the large tensor verified meanwhile: more chunks known
+    assert _progress(hs, c, seq, 16 * MB, chunks_done=15, chunks_total=32, donors=1, donors_lost=1) == []
+    snap = build_status(hs.st, [], 14.0)
+    row = snap["receiving"][0]["receivers"][0]
+    assert {k: row[k] for k in ("peer", "bytes", "chunks", "chunks_total", "donors", "donors_lost")} == {
+        "peer": c, "bytes": 16 * MB, "chunks": 15, "chunks_total": 32, "donors": 1, "donors_lost": 1}
+    assert f"peer {c}: 16.0 MB / 32.0 MB (50%), 4.0 MB/s, ETA 4.0 s, chunks 15 / 32, 1 donor (1 lost)" in (
+        render_text(snap))
+    page = render_html(snap)
+    assert "<th>chunks, donors</th>" in page and "<td>15 / 32 chunks, 1 donor (1 lost)</td>" in page
+    obs = MasterObserver()
+    samples = {(s.name, tuple(s.labels.items())): s.value
+               for fam in text_string_to_metric_families(obs.render(hs.st, 14.0).decode())
+               for s in fam.samples}
+    peer = (("peer", str(c)),)
+    assert samples[("pccl_shared_state_receiving_chunks", peer)] == 15
+    assert samples[("pccl_shared_state_receiving_chunks_total", peer)] == 32
+    assert samples[("pccl_shared_state_receiving_donors", peer)] == 1
+    assert samples[("pccl_shared_state_receiving_donors_lost", peer)] == 1
+    # done: every chunk counted, no donor serving any more; then the sync is over and the rows go
+    hs.h(c, m.SharedStateDone(sync_seq=seq, success=True, rx_bytes=32 * MB))
+    done = build_status(hs.st, [], 15.0)["receiving"][0]["receivers"][0]
+    assert (done["chunks"], done["chunks_total"], done["donors"], done["donors_lost"]) == (32, 32, 0, 1)
+    for p in (a, b):
+        hs.h(p, m.SharedStateDone(sync_seq=seq, success=True))
+    after = obs.render(hs.st, 16.0).decode()
+    assert "pccl_shared_state_receiving_chunks{" not in after
+    assert "pccl_shared_state_receiving_donors{" not in after
+
+
+def test_a_report_without_chunks_shows_none() -> None:
+    """A fetch that reports no chunks (all 0): no chunk or donor text, "-" on the page."""
+    hs, (_, b), seq = _running()
+    assert _progress(hs, b, seq, MB) == []
+    snap = build_status(hs.st, [], hs.now)
+    assert ", chunks" not in render_text(snap)
+    assert "<td>-</td>" in render_html(snap)

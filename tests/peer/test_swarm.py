@@ -85,3 +85,23 @@ def test_items_without_a_usable_holder_are_stranded() -> None:
     assert not s.stranded()
     s.failed(1, "gone", [item])
     assert len(s.stranded()) == 2 and not s.finished
+
+
+def test_a_delivered_item_overwritten_by_a_bad_copy_is_delivered_again() -> None:
+    # Donor 1 receives its chunk in place; donor 2 stole it and delivered first; donor 1's bytes (which
+    # overwrote the staged ones) then fail their sums: the item is open again, for donor 3.
+    s = _schedule(2, (1, 2, 3))
+    first = s.next_for(3, 0)
+    assert first is not None and s.delivered(first, 3, 1.0)  # one item time: 1 s
+    item = s.next_for(1, 1.0)
+    assert item is not None
+    assert s.next_for(2, 3.5) is item  # stolen after more than two item times
+    assert s.delivered(item, 2, 4.0) and s.finished and s.bytes_done == 2 * MIB
+    s.reopen(item)
+    assert not s.finished and s.bytes_done == MIB and s.statistics()["chunks_done"] == 1
+    s.corrupt(1, "bad sum", MIB, [item])
+    assert s.next_for(3, 5.0) is item
+    assert s.delivered(item, 3, 6.0) and s.finished and s.bytes_done == 2 * MIB
+    s.reopen(item)
+    s.reopen(item)  # twice: undone once
+    assert s.bytes_done == MIB and not s.finished

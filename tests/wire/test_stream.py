@@ -218,6 +218,35 @@ async def test_send_nowait_without_try_send_falls_back(autojump_clock: trio.test
     await ms_b.aclose()
 
 
+async def test_receive_without_read_ahead_leaves_the_raw_bytes_in_the_transport(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The swarm fetch reads a chunk's header this way and the chunk itself in place: no byte of it may
+    # sit in the frame buffer (a copy, and fresh memory per chunk, which cost it half its speed).
+    _, ms_a, ms_b = await message_pair(VirtualNetwork())
+    raw = bytes(range(256)) * 64
+    hdr = m.StateChunk(key="k", offset=0, nbytes=len(raw))
+    await ms_a.send_with_raw(hdr, raw)
+    await ms_a.send_with_raw(hdr, raw)
+    await trio.testing.wait_all_tasks_blocked()  # both frames and their bytes have arrived
+    for _ in range(2):
+        assert await ms_b.receive(read_ahead=False) == hdr
+        assert ms_b.take_buffered(len(raw)) == b""
+        assert await read_exactly(ms_b.stream, len(raw)) == raw
+    # The default reads ahead: the raw bytes after the frame come out of its buffer first.
+    await ms_a.send_with_raw(hdr, raw)
+    await trio.testing.wait_all_tasks_blocked()
+    assert await ms_b.receive() == hdr
+    got = bytearray(len(raw))
+    pre = ms_b.take_buffered(len(raw))
+    assert pre
+    got[: len(pre)] = pre
+    await ms_b.receive_raw_into(memoryview(got)[len(pre) :])
+    assert bytes(got) == raw
+    await ms_a.aclose()
+    await ms_b.aclose()
+
+
 # ----------------------------------------------------------------------------------------------
 # The master's immediate sends
 

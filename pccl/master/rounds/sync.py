@@ -23,7 +23,7 @@ from .. import election as _election
 from ..describe import VoteWait
 from ..effects import Effect, Event, Send
 from ..lost import REASON as LOST_REASON
-from ..transfers import SyncProgress
+from ..transfers import SwarmCounts, SyncProgress
 from ..votes import unanimous
 from .base import Expel, VoteKey
 
@@ -244,7 +244,7 @@ class SyncVotes:
             return Expel(f"SharedStateProgress for sync {msg.sync_seq}, which it takes no part in")
         if peer_id in rnd.done:
             return Expel("SharedStateProgress after its SharedStateDone")
-        bad = rnd.progress.report(peer_id, msg.rx_bytes, msg.total_bytes, now)
+        bad = rnd.progress.report(peer_id, msg.rx_bytes, msg.total_bytes, now, SwarmCounts.of(msg))
         return None if bad is None else Expel(bad)
 
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:

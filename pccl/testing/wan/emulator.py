@@ -44,6 +44,8 @@ class WanEmulator:
         mtu: the MTU of every host's device.
         rt_priority: the forwarder's ``SCHED_FIFO`` priority (0: normal scheduling).
         seed: seeds the forwarder's loss and jitter draws (``None``: random).
+        prefix: the namespaces' names start with it (``<prefix>-<pid>-<i>``; users sharing a machine
+            may each take their own).
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class WanEmulator:
         mtu: int = 1500,
         rt_priority: int = 50,
         seed: int | None = None,
+        prefix: str = "wan",
     ) -> None:
         if not 2 <= n_hosts <= 250:
             raise ValueError("n_hosts must be in 2..250")
@@ -66,7 +69,8 @@ class WanEmulator:
         self.mtu = mtu
         self.rt_priority = rt_priority
         self.seed = seed
-        self.namespaces = [namespace_name(os.getpid(), i) for i in range(n_hosts)]
+        self.prefix = prefix
+        self.namespaces = [namespace_name(os.getpid(), i, prefix) for i in range(n_hosts)]
         self.addresses = [f"10.99.0.{i + 1}" for i in range(n_hosts)]
         self._proc: subprocess.Popen[bytes] | None = None
         self._ctl: socket.socket | None = None
@@ -89,7 +93,7 @@ class WanEmulator:
             raise WanUnavailable(reason)
         if self._proc is not None:
             raise RuntimeError("already started")
-        remove_stale()
+        remove_stale(self.prefix)
         for ns in self.namespaces:
             remove_namespace(ns)  # a leftover of this very pid (a reused pid)
             subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True, timeout=30)

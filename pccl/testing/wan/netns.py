@@ -1,8 +1,8 @@
 """Network namespaces and TUN devices for the WAN emulator (Linux, root only).
 
-Namespaces are named ``wan-<pid>-<i>`` after the process that owns the emulator, so a run killed
-before it could clean up leaves names that :func:`remove_stale` recognises (their owner is gone) and
-removes at the next start.
+Namespaces are named ``wan-<pid>-<i>`` (or ``<prefix>-<pid>-<i>``) after the process that owns the
+emulator, so a run killed before it could clean up leaves names that :func:`remove_stale` recognises
+(their owner is gone) and removes at the next start with that prefix.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ _IFF_VNET_HDR = 0x4000
 _TUN_F_CSUM = 0x01
 _TUN_F_TSO4 = 0x02
 _TUN_F_TSO6 = 0x04
-_NAME = re.compile(r"^wan-(\d+)-(\d+)$")
+_PREFIX = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -53,9 +53,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def namespace_name(owner_pid: int, index: int) -> str:
+def namespace_name(owner_pid: int, index: int, prefix: str = "wan") -> str:
     """The name of host ``index``'s namespace for an emulator owned by ``owner_pid``."""
-    return f"wan-{owner_pid}-{index}"
+    if not _PREFIX.match(prefix):
+        raise ValueError(f"a namespace prefix is 1..12 lowercase letters and digits, not {prefix!r}")
+    return f"{prefix}-{owner_pid}-{index}"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -83,11 +85,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def remove_stale() -> list[str]:
-    """Delete the ``wan-<pid>-<i>`` namespaces whose owner process is gone; return their names."""
+def remove_stale(prefix: str = "wan") -> list[str]:
+    """Delete the ``<prefix>-<pid>-<i>`` namespaces whose owner process is gone; return their names."""
     removed = []
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-(\d+)$")
     for name in list_namespaces():
-        m = _NAME.match(name)
+        m = pattern.match(name)
         if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
             remove_namespace(name)
             removed.append(name)
