@@ -26,7 +26,8 @@ newcomer direction is capped at ``--donor-mbit`` (the donor's uplink); the newco
 and those between donors at ``--newcomer-mbit`` (default 1000: the newcomer's downlink is no bottleneck
 for three 100 Mbit/s donors, so each donor's direction carries its own cap); RTT ``--rtt-ms``
 everywhere, queues of one bandwidth-delay product. The heal time is the newcomer's whole
-``sync_shared_state()`` call in wall seconds (the donors vote first). "kill": the newcomer SIGKILLs the
+``sync_shared_state()`` call in wall seconds (the donors vote first; "fetch s": its fetch alone, from the
+plan's arrival, without hashing its own state for the vote and the apply). "kill": the newcomer SIGKILLs the
 last donor's process when half of its bytes are in; "corrupt": the last donor flips a bit in the first
 chunk it serves (one chunk). Each case checks the newcomer's tensors bit-identical to every donor's and
 that no surviving member's call failed. ``--wan-cases`` picks cases (1,2,3,kill,corrupt).
@@ -381,6 +382,7 @@ async def _wan_peer(cfg: dict[str, Any]) -> None:
                           "failed": len(last.get("donors_failed", {})),
                           "excluded": len(last.get("donors_excluded", {})),
                           "bad": last.get("bad_bytes", 0), "stolen": last.get("stolen", 0),
+                          "fetch_s": last.get("elapsed", 0.0),
                           "killed_at": killed[0] if killed else None}), flush=True)
         if not newcomer:
             # stay a member until the driver has the newcomer's result (a donor leaving at once would
@@ -469,7 +471,8 @@ def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, An
     new = results[nc]
     exact = all(r["hashes"] == new["hashes"] for h, r in results.items() if h != nc)
     failed = [h for h, r in results.items() if r["error"]]
-    return {"donors": donors, "fault": fault or "-", "heal_s": new["heal_s"], "exact": exact,
+    return {"donors": donors, "fault": fault or "-", "heal_s": new["heal_s"], "fetch_s": new["fetch_s"],
+            "exact": exact,
             "failed_calls": failed, "rx_mib": new["rx"] / MIB, "twice_mib": (new["rx"] - new["total"]) / MIB,
             "per_donor_mib": [round(v / MIB, 1) for v in new["donors"].values()],
             "excluded": new["excluded"], "failed_donors": new["failed"], "bad_mib": new["bad"] / MIB,
@@ -505,11 +508,13 @@ def _wan_main(args: argparse.Namespace) -> None:
           f"uplinks {args.donor_mbit:g} Mbit/s, other directions {args.newcomer_mbit:g} Mbit/s, RTT "
           f"{args.rtt_ms:g} ms; {os.cpu_count()} CPUs, load average {load[0]:.1f} at the start, "
           f"{os.getloadavg()[0]:.1f} at the end")
-    print(f"{'donors':>6} {'fault':>8} {'heal s':>8} {'x 1-donor':>9} {'fetched twice MiB':>17} "
-          f"{'per donor MiB':>22} {'lost':>4} {'excl':>4} {'bad MiB':>7} {'exact':>5} {'failed calls':>12}")
+    print(f"{'donors':>6} {'fault':>8} {'heal s':>8} {'x 1-donor':>9} {'fetch s':>8} "
+          f"{'fetched twice MiB':>17} {'per donor MiB':>22} {'lost':>4} {'excl':>4} {'bad MiB':>7} "
+          f"{'exact':>5} {'failed calls':>12}")
     for r in rows:
         ratio = f"{r['heal_s'] / one:.2f}" if one else "-"
-        print(f"{r['donors']:>6} {r['fault']:>8} {r['heal_s']:>8.2f} {ratio:>9} {r['twice_mib']:>17.1f} "
+        print(f"{r['donors']:>6} {r['fault']:>8} {r['heal_s']:>8.2f} {ratio:>9} {r['fetch_s']:>8.2f} "
+              f"{r['twice_mib']:>17.1f} "
               f"{r['per_donor_mib']!s:>22} {r['failed_donors']:>4} {r['excluded']:>4} {r['bad_mib']:>7.1f} "
               f"{r['exact']!s:>5} {r['failed_calls']!s:>12}")
 
