@@ -392,7 +392,7 @@ class MasterState:
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
-        return [p.peer_id for p in self.peers.values() if now - p.last_seen > timeout]
+        return self.members.expired(now, timeout)
 
     def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]:
         """Every open vote round (pccl/master/rounds/): are_peers_pending, topology, the collectives, the
@@ -522,10 +522,7 @@ class MasterState:
     def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
         """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
         plus :meth:`PeerRecord.straggler_limit`)."""
-        return {
-            p: self.peers[p].last_seen + self.peers[p].straggler_limit(minimum, cap)
-            for p in sorted(self.waited_on())
-        }
+        return self.members.straggler_deadlines(self.waited_on(), minimum, cap)
 
     def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
         """Peers others are waiting for that have been silent past their straggler limit
