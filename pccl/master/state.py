@@ -174,63 +174,37 @@ class MasterState:
         self._improvement_job: tuple[list[int], list[list[float | None]]] | None = None
         self.improved_ring: list[int] | None = None
         self._now = 0.0
-        # Surviving the master (docs/concepts.md): this master's generation (fencing number) and the
-        # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
+        # Surviving the master (docs/concepts.md): the generation (fencing number), a rebuild from
+        # re-registrations, and what a master's loss or a broken link leaves open (every vote waits while
+        # any is): operations in doubt (ops_in_doubt.py) and lost (lost.py), members away for at most
+        # ``rejoin_grace`` (away.py), membership rounds in doubt (rounds_in_doubt.py), the rings members
+        # reported at their return (reported.py); the rebuilt master's roll call waits ``rebuild_grace``.
         self.generation = 1
         self.rebuild: Rebuild | None = None
-        # Operations in doubt across a master's loss (pccl/master/ops_in_doubt.py): every vote waits while
-        # one is undecided.
-        self.doubts = DoubtBook()
-        # Operations a member reported failed at the master's loss (pccl/master/lost.py): every other
-        # member's vote for one fails once, so all of them fail it alike.
-        self.lost = LostBook()
-        # Members whose connection to this (live) master broke: every vote waits for them to
-        # re-register, for at most ``rejoin_grace`` seconds (pccl/master/away.py; 0: no hold); and
-        # where their group's vote rounds stood when each member was dropped.
-        self.away = AwayBook()
-        self.rejoin_grace = rejoin_grace
-        self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
-        # Membership rounds in doubt (pccl/master/rounds_in_doubt.py): topology and are_peers_pending
-        # rounds the master's loss split; every vote waits while one is undecided. The count of
-        # are_peers_pending rounds completed at ``epoch`` (the members count them alike: docs/concepts.md
-        # "Rounds in doubt").
-        self.rounds = RoundBook()
-        self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
-        # DoubtBook.total_progress when that count last changed: a member that comes back waiting in
-        # the last counted round after the run completed an operation since is behind (_behind_pending).
-        self._pending_mark = 0
-        # At a rebuilt master: the ring each member reported when it re-registered (who its group
-        # still lists; see Rejoin.on_reregister).
+        self.doubts, self.lost, self.away, self.rounds = DoubtBook(), LostBook(), AwayBook(), RoundBook()
         self._rings = ReportedRings()
-        # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
-        # back yet once a majority returned (0: resume at the majority).
-        self.rebuild_grace = rebuild_grace
-        self.rebuild_quiet = rebuild_quiet
-        self.failover_quiet = failover_quiet
-        # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
-        # before the epoch's EstablishP2P, and after Reregistered.
-        # The set issued last, so that a member taken back into it is sent to those holding it as one
-        # new row, batched over ``credentials_delay`` (pccl/master/issued.py).
+        self.rejoin_grace, self.rebuild_grace = rejoin_grace, rebuild_grace
+        self.rebuild_quiet, self.failover_quiet = rebuild_quiet, failover_quiet
+        self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
+        # are_peers_pending rounds completed at an epoch (the members count them alike: docs/concepts.md
+        # "Rounds in doubt"), and DoubtBook.total_progress when that count last changed (_behind_pending).
+        self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
+        self._pending_mark = 0
+        # P2P bound to membership (docs/security.md): the set issued last, its rows owed batched over
+        # ``credentials_delay`` (issued.py), and who gets which message (handout.py).
         self._issued = IssuedSet(CredentialIssuer(credential_root or secrets.token_bytes(32)),
                                  delay=credentials_delay)
-        self.credentials = CredentialHandout(self._issued, self.members)  # pccl/master/handout.py
+        self.credentials = CredentialHandout(self._issued, self.members)
         # Re-registration only with proof of membership (docs/security.md "Re-registration").
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
-        self.rejoin = Rejoin(self)  # re-registration and the rebuild (pccl/master/rejoin.py)
-        self.removal = Removal(self)  # peers leaving (pccl/master/removal.py)
-        self.admission = Admission(self)  # registration and the newcomers' grace (pccl/master/admission.py)
-        # Peers evicted for liveness, remembered by source address and key (pccl/master/penalties.py).
-        self.offenders = RepeatOffenders()
-        self.holds = Holds(self)  # the holds and the decisions in doubt that end them (pccl/master/holds.py)
-        # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
-        self.max_open_votes = max_open_votes
-        # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
-        # this master holds must be a majority for any vote to complete (when the rule applies);
-        # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
-        # since when the master is held (no quorum; None: it is not); the generation of a run this
-        # master gave up for lack of a quorum (its members are refused from then on); and the peers
-        # accepted alone at a master that held no run (they yield to re-registering members).
-        self.quorum = Quorum(quorum)  # the live quorum rule and its hold (pccl/master/quorum.py)
+        self.max_open_votes = max_open_votes  # collective votes one member may hold open (None: no cap)
+        self.quorum = Quorum(quorum)  # no split brain: the live quorum rule and its hold (quorum.py)
+        self.offenders = RepeatOffenders()  # peers evicted for liveness, by address and key (penalties.py)
+        # The dispatcher's parts, each working on this core through its Protocol (docs/master.md).
+        self.rejoin = Rejoin(self)  # re-registration and the rebuild
+        self.removal = Removal(self)  # peers leaving
+        self.admission = Admission(self)  # registration and the newcomers' grace
+        self.holds = Holds(self)  # the holds and the decisions in doubt that end them
 
     # ---------------------------------------------------------------------------------------
     # queries
