@@ -577,7 +577,8 @@ class _Sender:
         """Send the frames ``queue`` gives, in its order, to ``peer_id`` on connection ``conn`` (one of a
         stripe of several if ``striped``) until it is closed; a failure goes to ``errors`` and cancels
         ``cancel`` (raising here would surface as an ExceptionGroup)."""
-        staging = self.staging
+        pool, ex, staging, tag, op_seq = self.pool, self.ex, self.staging, self.tag, self.op_seq
+        sends = ex.plan.sends
         sent: list[int] = []  # frames of this operation sent on this connection
         reopened = 0
         try:
@@ -592,7 +593,10 @@ class _Sender:
                 await trio.lowlevel.checkpoint()
                 if staging is not None:
                     await staging.before_send(j)
-                reopened = await self._send(peer_id, conn, j, sent, striped, reopened)
+                try:
+                    await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                except RankConnectionLostError as exc:
+                    reopened = await self._recover(exc, peer_id, conn, j, sent, striped, reopened)
                 sent.append(j)
                 if staging is not None:
                     staging.after_send(j)
@@ -600,27 +604,30 @@ class _Sender:
             errors.append(exc)
             cancel.cancel()
 
-    async def _send(
-        self, peer_id: int, conn: int, j: int, sent: list[int], striped: bool, reopened: int
+    async def _recover(
+        self, lost: RankConnectionLostError, peer_id: int, conn: int, j: int, sent: list[int], striped: bool,
+        reopened: int,
     ) -> int:
-        """Send frame ``j``; if the connection is lost, reopen it and resend ``sent`` first. Returns the
-        reopens so far on this connection."""
+        """Sending frame ``j`` lost the connection (``lost``): reopen it, resend ``sent`` and ``j``, as
+        often as allowed. Returns the reopens so far on this connection; raises ``lost`` (or the
+        latest loss) when the connection may not be reopened."""
+        # One connection of a stripe lost (a reset on the path): reopen it and
+        # resend everything this operation sent on it, since what arrived is
+        # unknown (the receiver drops the copies of frames it has). A peer that
+        # is gone refuses the reopen, and a single connection keeps failing fast.
+        # A staged (device) operation is not resent: its host stage may already
+        # hold final ranges (AVG divided in place) that an older frame would carry.
         pool, ex, sends, tag, op_seq = self.pool, self.ex, self.ex.plan.sends, self.tag, self.op_seq
         while True:
+            if (self.staging is not None or not ex.resendable or not striped
+                    or reopened >= _REOPENS_PER_CONNECTION):
+                raise lost
+            reopened += 1
+            await pool.reopen(peer_id)
+            for k in sent:
+                await pool.send(peer_id, tag, op_seq, sends[k].seq, ex.payload(k), conn_index=conn)
             try:
                 await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
                 return reopened
-            except RankConnectionLostError:
-                # One connection of a stripe lost (a reset on the path): reopen it and
-                # resend everything this operation sent on it, since what arrived is
-                # unknown (the receiver drops the copies of frames it has). A peer that
-                # is gone refuses the reopen, and a single connection keeps failing fast.
-                # A staged (device) operation is not resent: its host stage may already
-                # hold final ranges (AVG divided in place) that an older frame would carry.
-                if (self.staging is not None or not ex.resendable or not striped
-                        or reopened >= _REOPENS_PER_CONNECTION):
-                    raise
-                reopened += 1
-                await pool.reopen(peer_id)
-                for k in sent:
-                    await pool.send(peer_id, tag, op_seq, sends[k].seq, ex.payload(k), conn_index=conn)
+            except RankConnectionLostError as exc:
+                lost = exc
