@@ -37,16 +37,19 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import numpy.typing as npt
 import trio
 
 from ._cliutil import Parser
+
+if TYPE_CHECKING:
+    from ._config import PeerConfig
 
 F32 = npt.NDArray[np.float32]
 
@@ -261,18 +264,35 @@ async def run_peer(opts: PeerOptions) -> None:
     Adam step in place -> revision + 1 -> admit pending peers. A peer that joins a running group starts
     at the sync, which is where the group goes right after admitting it.
     """
-    from ._config import PeerConfig
-    from ._errors import RankConnectionLostError, TooFewPeersError
-    from ._types import ReduceOp
     from .peer.communicator import open_communicator
     from .peer.shared_state import SharedState, TensorInfo
 
     model = Model(opts.in_dim, opts.hidden, opts.seed)
     state = SharedState([TensorInfo(name, t) for name, t in model.state_tensors()], revision=0)
-    # [gradient..., loss, stop flag]: the loss and the stop decision ride along in the same all-reduce,
-    # so every peer sees the same global loss and stops at the same step.
-    vec: F32 = np.zeros(model.size + 2, np.float32)
     cmds = _Commands()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_read_commands, cmds)
+        if opts.standby:
+            emit("standby")
+            await cmds.join.wait()
+        t_call = time.monotonic()
+        async with open_communicator(opts.master, config=_peer_config(opts)) as comm:
+            cmds.comm = comm
+            emit("accepted", peer=comm.peer_id, world=comm.world_size, join_s=time.monotonic() - t_call,
+                 state_bytes=model.state_bytes)
+            while comm.world_size < opts.min_world:
+                await _admit_pending(comm)
+                await trio.sleep(0.005)
+            await _train(opts, comm, model, state, cmds)
+            emit("done", peer=comm.peer_id, revision=state.revision, hash=model.state_hash(),
+                 world=comm.world_size)
+        nursery.cancel_scope.cancel()
+
+
+def _peer_config(opts: PeerOptions) -> PeerConfig:
+    """The peer's PeerConfig: the demo's loopback listener and the timeouts ``opts`` sets."""
+    from ._config import PeerConfig
+
     kw: dict[str, Any] = {"p2p_listen_host": "127.0.0.1"}
     if opts.heartbeat_timeout is not None:
         kw["heartbeat_timeout"] = opts.heartbeat_timeout
@@ -280,78 +300,81 @@ async def run_peer(opts: PeerOptions) -> None:
         kw["heartbeat_interval"] = opts.heartbeat_interval
     if opts.p2p_stall_timeout is not None:
         kw["p2p_stall_timeout"] = opts.p2p_stall_timeout
-    config = PeerConfig(**kw)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_read_commands, cmds)
-        if opts.standby:
-            emit("standby")
-            await cmds.join.wait()
-        t_call = time.monotonic()
-        async with open_communicator(opts.master, config=config) as comm:
-            cmds.comm = comm
-            emit("accepted", peer=comm.peer_id, world=comm.world_size, join_s=time.monotonic() - t_call,
-                 state_bytes=model.state_bytes)
-            while comm.world_size < opts.min_world:
-                await _admit_pending(comm)
-                await trio.sleep(0.005)
-            syncs = 0
-            stopping = False
-            while True:
-                # 1. shared state: identical content moves nothing; a newcomer or outdated peer fetches.
-                cmds.enter("sync_shared_state")
-                while True:
-                    try:
-                        sync = await comm.sync_shared_state(state)
-                        break
-                    except RankConnectionLostError:
-                        continue
-                syncs += 1
-                emit("sync", peer=comm.peer_id, n=syncs, revision=state.revision, tx=sync.tx_bytes,
-                     rx=sync.rx_bytes)
-                if state.revision >= opts.steps or stopping:
-                    break
-                if comm.world_size < 2:
-                    await _admit_pending(comm)
-                    await trio.sleep(0.01)
-                    continue
-                # 2. gradients on this peer's own batch.
-                step = state.revision
-                x, y = model.batch(opts.seed, step, comm.rank, opts.batch)
-                vec[-2] = model.loss_and_grad(x, y, vec)
-                vec[-1] = 1.0 if cmds.stop else 0.0
-                # 3. all-reduce AVG; on a lost peer the buffer is unchanged: retry with the survivors.
-                retries = 0
-                info = None
-                cmds.enter("all_reduce")
-                while True:
-                    try:
-                        info = await comm.all_reduce(vec, op=ReduceOp.AVG)
-                        break
-                    except RankConnectionLostError:
-                        retries += 1
-                    except TooFewPeersError:
-                        break
-                if info is None:
-                    continue  # alone now: back to the top, wait for company
-                # 4. identical update everywhere; the revision counts optimizer steps.
-                model.adam_step(vec, step + 1)
-                state.revision += 1
-                stopping = bool(vec[-1] > 0)
-                if state.revision % opts.report_every == 0 or stopping or state.revision >= opts.steps:
-                    emit("step", peer=comm.peer_id, step=state.revision, world=info.local_world_size,
-                         loss=float(vec[-2]), tx=info.tx_bytes + sync.tx_bytes,
-                         rx=info.rx_bytes + sync.rx_bytes, retries=retries, hash=model.state_hash())
-                else:
-                    emit("progress", peer=comm.peer_id, step=state.revision, world=info.local_world_size)
-                # 5. membership (not once the group decided to stop: nobody new should be admitted).
-                if not stopping:
-                    cmds.enter("admit")
-                    await _admit_pending(comm)
-                    if opts.step_delay > 0:
-                        await trio.sleep(opts.step_delay)
-            emit("done", peer=comm.peer_id, revision=state.revision, hash=model.state_hash(),
-                 world=comm.world_size)
-        nursery.cancel_scope.cancel()
+    return PeerConfig(**kw)
+
+
+async def _train(opts: PeerOptions, comm: Any, model: Model, state: Any, cmds: _Commands) -> None:
+    """The steps of :func:`run_peer`'s loop until the group reaches ``opts.steps`` or decides to stop."""
+    # [gradient..., loss, stop flag]: the loss and the stop decision ride along in the same all-reduce,
+    # so every peer sees the same global loss and stops at the same step.
+    vec: F32 = np.zeros(model.size + 2, np.float32)
+    syncs = 0
+    stopping = False
+    while True:
+        # 1. shared state: identical content moves nothing; a newcomer or outdated peer fetches.
+        cmds.enter("sync_shared_state")
+        sync = await _sync(comm, state)
+        syncs += 1
+        emit("sync", peer=comm.peer_id, n=syncs, revision=state.revision, tx=sync.tx_bytes, rx=sync.rx_bytes)
+        if state.revision >= opts.steps or stopping:
+            return
+        if comm.world_size < 2:
+            await _admit_pending(comm)
+            await trio.sleep(0.01)
+            continue
+        # 2. gradients on this peer's own batch.
+        step = state.revision
+        x, y = model.batch(opts.seed, step, comm.rank, opts.batch)
+        vec[-2] = model.loss_and_grad(x, y, vec)
+        vec[-1] = 1.0 if cmds.stop else 0.0
+        # 3. all-reduce AVG; on a lost peer the buffer is unchanged: retry with the survivors.
+        cmds.enter("all_reduce")
+        info, retries = await _average(comm, vec)
+        if info is None:
+            continue  # alone now: back to the top, wait for company
+        # 4. identical update everywhere; the revision counts optimizer steps.
+        model.adam_step(vec, step + 1)
+        state.revision += 1
+        stopping = bool(vec[-1] > 0)
+        if state.revision % opts.report_every == 0 or stopping or state.revision >= opts.steps:
+            emit("step", peer=comm.peer_id, step=state.revision, world=info.local_world_size,
+                 loss=float(vec[-2]), tx=info.tx_bytes + sync.tx_bytes,
+                 rx=info.rx_bytes + sync.rx_bytes, retries=retries, hash=model.state_hash())
+        else:
+            emit("progress", peer=comm.peer_id, step=state.revision, world=info.local_world_size)
+        # 5. membership (not once the group decided to stop: nobody new should be admitted).
+        if not stopping:
+            cmds.enter("admit")
+            await _admit_pending(comm)
+            if opts.step_delay > 0:
+                await trio.sleep(opts.step_delay)
+
+
+async def _sync(comm: Any, state: Any) -> Any:
+    """Sync the shared state, asking again while a peer is lost during it; its info."""
+    from ._errors import RankConnectionLostError
+
+    while True:
+        try:
+            return await comm.sync_shared_state(state)
+        except RankConnectionLostError:
+            continue
+
+
+async def _average(comm: Any, vec: F32) -> tuple[Any, int]:
+    """All-reduce AVG ``vec`` in place, retried while a peer is lost (the buffer is then unchanged);
+    ``(info, retries)``, info None when this peer is alone now."""
+    from ._errors import RankConnectionLostError, TooFewPeersError
+    from ._types import ReduceOp
+
+    retries = 0
+    while True:
+        try:
+            return await comm.all_reduce(vec, op=ReduceOp.AVG), retries
+        except RankConnectionLostError:
+            retries += 1
+        except TooFewPeersError:
+            return None, retries
 
 
 def peer_main(argv: list[str] | None = None) -> int:
@@ -498,132 +521,127 @@ async def _send_cmd(peer: _Peer, cmd: str) -> None:
         await peer.proc.stdin.send_all((json.dumps({"cmd": cmd}) + "\n").encode())
 
 
+class _Run:
+    """The parent's side of one demo run: the peer processes and what their reports said so far."""
+
+    def __init__(self, opts: DemoOptions, out: Callable[[str], None], logdir: Path) -> None:
+        self.opts = opts
+        self.out = out
+        self.logdir = logdir
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+        self.peers: list[_Peer] = []
+        self.view = _View(out)
+        self.newcomer: _Peer | None = None
+        self.victim: _Peer | None = None
+        self.join_sent = False
+        self.ok = True
+
+    async def spawn(
+        self, nursery: trio.Nursery, master: str, send: trio.MemorySendChannel[tuple[_Peer, dict[str, Any]]],
+        name: str, role: str, extra: list[str],
+    ) -> _Peer:
+        """Start a peer process whose reports go to ``send``."""
+        opts = self.opts
+        log = self.logdir / f"{name}.log"
+        argv = [sys.executable, "-c", PEER_CODE, "--master", master,
+                "--steps", str(opts.steps), "--step-delay", str(opts.step_delay),
+                "--seed", str(opts.seed), "--hidden", str(opts.hidden), *extra]
+        with log.open("w") as errf:
+            proc = await trio.lowlevel.open_process(
+                argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, env=self.env)
+        peer = _Peer(name=name, proc=proc, log=log, role=role)
+        self.peers.append(peer)
+        nursery.start_soon(_reader, peer, send.clone())
+        return peer
+
+    async def handle(self, peer: _Peer, msg: dict[str, Any]) -> bool:
+        """Take one report of ``peer`` in; False once the run is over (nobody left, or a failure)."""
+        newcomer = self.newcomer
+        assert newcomer is not None
+        ev = msg.get("event")
+        if ev == "standby":
+            peer.status = "standby"
+        elif ev == "accepted":
+            self._accepted(peer, msg)
+        elif ev == "sync":
+            peer.syncs.append(msg)
+            if int(msg["rx"]) > 0:
+                self.out(f"  << peer {peer.peer_id} received {int(msg['rx']) / 1024:.1f} KB of "
+                         f"shared state (now at revision {msg['revision']})")
+        elif ev in ("step", "progress"):
+            await self._stepped(peer, msg)
+        elif ev == "done":
+            peer.done = msg
+            peer.status = "done"
+        elif ev == "error":
+            self.out(f"  ** {peer.name} failed: {msg.get('message')}")
+            self.ok = False
+        elif ev == "exit" and peer.status not in ("killed", "done"):
+            peer.status = "exited"
+            if peer.role == "initial" or newcomer.status != "standby":
+                self.out(f"  ** {peer.name} exited unexpectedly (code {msg.get('code')})")
+                self.ok = False
+        alive = [p for p in self.peers if p.status in ("running", "starting")]
+        return self.ok and (bool(alive) or newcomer.status == "standby")
+
+    def _accepted(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        peer.peer_id = int(msg["peer"])
+        peer.status = "running"
+        peer.join_s = float(msg.get("join_s", float("nan")))
+        peer.state_bytes = int(msg["state_bytes"])
+        if peer.role == "newcomer":
+            self.out(f"  ++ {peer.name} is peer {peer.peer_id}: accepted into a world of "
+                     f"{msg['world']}, {peer.join_s * 1e3:.1f} ms after calling open_communicator")
+        elif not self.view.header_done and sum(p.status == "running" for p in self.peers) == self.opts.peers:
+            self.view.header_done = True
+            self.view.header()
+
+    async def _stepped(self, peer: _Peer, msg: dict[str, Any]) -> None:
+        """A step (or progress) report: the view, the replacement's join, the kill."""
+        opts, newcomer = self.opts, self.newcomer
+        assert newcomer is not None
+        peer.steps = int(msg["step"])
+        peer.worlds.append((int(msg["step"]), int(msg["world"])))
+        if msg["event"] == "step":
+            self.view.add(msg)
+        # The replacement joins only once a survivor has trained a step without the
+        # victim: told at the moment of the kill, it could be admitted in the very round
+        # that drops the victim, and the world would never be seen shrinking.
+        if (self.victim is not None and not self.join_sent and peer is not self.victim
+                and int(msg["world"]) == opts.peers - 1):
+            self.join_sent = True
+            self.out(f"  ++ telling the replacement process to join (pid {newcomer.proc.pid})")
+            await _send_cmd(newcomer, "join")
+        if self.victim is None and int(msg["step"]) >= opts.kill_at:
+            self.victim = next(p for p in self.peers if p.role == "initial" and p.status == "running"
+                               and p is not peer) if opts.peers > 1 else None
+            if self.victim is not None:
+                os.kill(self.victim.proc.pid, signal.SIGKILL)
+                self.victim.status = "killed"
+                self.out(f"  !! SIGKILL peer {self.victim.peer_id} (pid {self.victim.proc.pid}) "
+                         f"at step {msg['step']}")
+
+
 async def _run_demo(opts: DemoOptions, out: Callable[[str], None]) -> bool:
     from ._config import MasterConfig
     from .master.server import open_master
 
     logdir = Path(tempfile.mkdtemp(prefix="pccl-demo-"))
-    master_log = logging.getLogger("pccl.master")
-    handler = _MasterEvents(out)
-    old_level, old_propagate = master_log.level, master_log.propagate
-    master_log.addHandler(handler)
-    master_log.setLevel(logging.INFO)
-    master_log.propagate = False
-    peers: list[_Peer] = []
+    run = _Run(opts, out, logdir)
     t_start = time.monotonic()
-    try:
-        async with open_master("127.0.0.1:0", config=MasterConfig()) as master, \
-                trio.open_nursery() as nursery:
-            out(f"master listening on {master.connect_address}")
-            send, recv = trio.open_memory_channel[tuple[_Peer, dict[str, Any]]](10_000)
-            env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-
-            async def spawn(name: str, role: str, extra: list[str]) -> _Peer:
-                log = logdir / f"{name}.log"
-                argv = [sys.executable, "-c", PEER_CODE, "--master", master.connect_address,
-                        "--steps", str(opts.steps), "--step-delay", str(opts.step_delay),
-                        "--seed", str(opts.seed), "--hidden", str(opts.hidden), *extra]
-                with log.open("w") as errf:
-                    proc = await trio.lowlevel.open_process(
-                        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=errf, env=env)
-                peer = _Peer(name=name, proc=proc, log=log, role=role)
-                peers.append(peer)
-                nursery.start_soon(_reader, peer, send.clone())
-                return peer
-
-            for i in range(opts.peers):
-                await spawn(f"peer{i}", "initial", ["--min-world", str(opts.peers)])
-            newcomer = await spawn("newcomer", "newcomer", ["--standby"])
-            send.close()
-            out(f"started {opts.peers} peer processes (+1 standby replacement); training {opts.steps} steps, "
-                f"one peer SIGKILLed at step {opts.kill_at}")
-            view = _View(out)
-            victim: _Peer | None = None
-            join_sent = False
-            ok = True
-            with trio.move_on_after(opts.timeout) as timeout_scope:
-                async for peer, msg in recv:
-                    ev = msg.get("event")
-                    if ev == "standby":
-                        peer.status = "standby"
-                    elif ev == "accepted":
-                        peer.peer_id = int(msg["peer"])
-                        peer.status = "running"
-                        peer.join_s = float(msg.get("join_s", float("nan")))
-                        peer.state_bytes = int(msg["state_bytes"])
-                        if peer.role == "newcomer":
-                            out(f"  ++ {peer.name} is peer {peer.peer_id}: accepted into a world of "
-                                f"{msg['world']}, {peer.join_s * 1e3:.1f} ms after calling open_communicator")
-                        elif not view.header_done and sum(p.status == "running" for p in peers) == opts.peers:
-                            view.header_done = True
-                            view.header()
-                    elif ev == "sync":
-                        peer.syncs.append(msg)
-                        if int(msg["rx"]) > 0:
-                            out(f"  << peer {peer.peer_id} received {int(msg['rx']) / 1024:.1f} KB of "
-                                f"shared state (now at revision {msg['revision']})")
-                    elif ev in ("step", "progress"):
-                        peer.steps = int(msg["step"])
-                        peer.worlds.append((int(msg["step"]), int(msg["world"])))
-                        if ev == "step":
-                            view.add(msg)
-                        # The replacement joins only once a survivor has trained a step without the
-                        # victim: told at the moment of the kill, it could be admitted in the very round
-                        # that drops the victim, and the world would never be seen shrinking.
-                        if (victim is not None and not join_sent and peer is not victim
-                                and int(msg["world"]) == opts.peers - 1):
-                            join_sent = True
-                            out(f"  ++ telling the replacement process to join (pid {newcomer.proc.pid})")
-                            await _send_cmd(newcomer, "join")
-                        if victim is None and int(msg["step"]) >= opts.kill_at:
-                            victim = next(p for p in peers if p.role == "initial" and p.status == "running"
-                                          and p is not peer) if opts.peers > 1 else None
-                            if victim is not None:
-                                os.kill(victim.proc.pid, signal.SIGKILL)
-                                victim.status = "killed"
-                                out(f"  !! SIGKILL peer {victim.peer_id} (pid {victim.proc.pid}) "
-                                    f"at step {msg['step']}")
-                    elif ev == "done":
-                        peer.done = msg
-                        peer.status = "done"
-                    elif ev == "error":
-                        out(f"  ** {peer.name} failed: {msg.get('message')}")
-                        ok = False
-                    elif ev == "exit":
-                        if peer.status not in ("killed", "done"):
-                            peer.status = "exited"
-                            if peer.role == "initial" or newcomer.status != "standby":
-                                out(f"  ** {peer.name} exited unexpectedly (code {msg.get('code')})")
-                                ok = False
-                    alive = [p for p in peers if p.status in ("running", "starting")]
-                    if not alive and newcomer.status != "standby":
-                        break
-                    if not ok:
-                        break
-            view.flush()
-            if timeout_scope.cancelled_caught:
-                out(f"  ** timed out after {opts.timeout:g}s")
-                ok = False
-            nursery.cancel_scope.cancel()
-    finally:
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
-            for p in peers:  # finished peers leave on their own; give them a moment
-                if p.status == "done":
-                    await p.proc.wait()
-        for p in peers:
-            if p.proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.proc.pid, signal.SIGKILL)
-        with trio.CancelScope(shield=True), trio.move_on_after(5):
-            for p in peers:
-                await p.proc.wait()
-        master_log.removeHandler(handler)
-        master_log.setLevel(old_level)
-        master_log.propagate = old_propagate
+    with _master_events_to(out):
+        try:
+            async with open_master("127.0.0.1:0", config=MasterConfig()) as master, \
+                    trio.open_nursery() as nursery:
+                out(f"master listening on {master.connect_address}")
+                await _drive(run, nursery, master.connect_address)
+                nursery.cancel_scope.cancel()
+        finally:
+            await _reap(run.peers)
     elapsed = time.monotonic() - t_start
-    passed = _summary(peers, opts, out, elapsed) and ok
+    passed = _summary(run.peers, opts, out, elapsed) and run.ok
     if not passed:
-        for p in peers:
+        for p in run.peers:
             tail = p.log.read_text(errors="replace").strip().splitlines()[-15:] if p.log.exists() else []
             if tail:
                 out(f"--- {p.name} stderr (last lines) ---")
@@ -635,6 +653,58 @@ async def _run_demo(opts: DemoOptions, out: Callable[[str], None]) -> bool:
     with contextlib.suppress(OSError):
         logdir.rmdir()
     return passed
+
+
+async def _drive(run: _Run, nursery: trio.Nursery, master: str) -> None:
+    """Start the peers and follow their reports until the run ends or times out."""
+    opts, out = run.opts, run.out
+    send, recv = trio.open_memory_channel[tuple[_Peer, dict[str, Any]]](10_000)
+    for i in range(opts.peers):
+        await run.spawn(nursery, master, send, f"peer{i}", "initial", ["--min-world", str(opts.peers)])
+    run.newcomer = await run.spawn(nursery, master, send, "newcomer", "newcomer", ["--standby"])
+    send.close()
+    out(f"started {opts.peers} peer processes (+1 standby replacement); training {opts.steps} steps, "
+        f"one peer SIGKILLed at step {opts.kill_at}")
+    with trio.move_on_after(opts.timeout) as timeout_scope:
+        async for peer, msg in recv:
+            if not await run.handle(peer, msg):
+                break
+    run.view.flush()
+    if timeout_scope.cancelled_caught:
+        out(f"  ** timed out after {opts.timeout:g}s")
+        run.ok = False
+
+
+@contextlib.contextmanager
+def _master_events_to(out: Callable[[str], None]) -> Iterator[None]:
+    """The in-process master's INFO log goes to ``out`` (only there) while the block runs."""
+    master_log = logging.getLogger("pccl.master")
+    handler = _MasterEvents(out)
+    old_level, old_propagate = master_log.level, master_log.propagate
+    master_log.addHandler(handler)
+    master_log.setLevel(logging.INFO)
+    master_log.propagate = False
+    try:
+        yield
+    finally:
+        master_log.removeHandler(handler)
+        master_log.setLevel(old_level)
+        master_log.propagate = old_propagate
+
+
+async def _reap(peers: list[_Peer]) -> None:
+    """Let finished peers leave on their own for a moment, then kill what is left and wait for it."""
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        for p in peers:
+            if p.status == "done":
+                await p.proc.wait()
+    for p in peers:
+        if p.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.proc.pid, signal.SIGKILL)
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        for p in peers:
+            await p.proc.wait()
 
 
 def _summary(peers: list[_Peer], opts: DemoOptions, out: Callable[[str], None], elapsed: float) -> bool:

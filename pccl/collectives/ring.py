@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import trio
@@ -520,9 +520,65 @@ async def _run_pipelined(
     conn_of = [(f.peer, (tag + f.lane) % stripes[f.peer]) for f in sends]
     queues = {c: _ReadyFrames() for c in sorted(set(conn_of))}
     errors: list[BaseException] = []
+    sender = _Sender(pool, ex, tag, op_seq, staging)
 
-    async def sender(key: tuple[int, int], queue: _ReadyFrames, cancel: trio.CancelScope) -> None:
-        peer_id, conn = ids[key[0]], key[1]
+    def ready(j: int) -> None:
+        queues[conn_of[j]].push(sends[j], j)
+
+    async with trio.open_nursery() as nursery:
+        for (p, conn), q in queues.items():
+            nursery.start_soon(sender.run, ids[p], conn, stripes[p] > 1, q, errors, nursery.cancel_scope)
+        try:
+            for j in plan.initial:
+                ready(j)
+            await _receive_all(ex, slots, staging, ready)
+        except PCCLError as exc:
+            errors.append(exc)
+            nursery.cancel_scope.cancel()
+        finally:
+            for q in queues.values():
+                q.close()
+    if errors:
+        raise errors[0]
+
+
+async def _receive_all(
+    ex: _Exec, slots: list[Receive], staging: Staging | None, ready: Callable[[int], None]
+) -> None:
+    """Wait for each receive in plan order, take it in, and hand the sends it unlocks to ``ready``."""
+    unlocks = ex.plan.unlocks
+    for i in range(len(slots)):
+        await slots[i].wait()
+        if staging is not None:
+            await staging.before_receive(i)
+        ex.received(i)
+        if staging is not None:
+            staging.after_receive(i)
+        for j in unlocks[i]:
+            ready(j)
+
+
+class _Sender:
+    """Sends one operation's frames, one task per (partner, connection) of the pipelined executor."""
+
+    __slots__ = ("ex", "op_seq", "pool", "staging", "tag")
+
+    def __init__(self, pool: DataPool, ex: _Exec, tag: int, op_seq: int, staging: Staging | None) -> None:
+        self.pool = pool
+        self.ex = ex
+        self.tag = tag
+        self.op_seq = op_seq
+        self.staging = staging
+
+    async def run(
+        self, peer_id: int, conn: int, striped: bool, queue: _ReadyFrames,
+        errors: list[BaseException], cancel: trio.CancelScope,
+    ) -> None:
+        """Send the frames ``queue`` gives, in its order, to ``peer_id`` on connection ``conn`` (one of a
+        stripe of several if ``striped``) until it is closed; a failure goes to ``errors`` and cancels
+        ``cancel`` (raising here would surface as an ExceptionGroup)."""
+        pool, ex, staging, tag, op_seq = self.pool, self.ex, self.staging, self.tag, self.op_seq
+        sends = ex.plan.sends
         sent: list[int] = []  # frames of this operation sent on this connection
         reopened = 0
         try:
@@ -537,55 +593,41 @@ async def _run_pipelined(
                 await trio.lowlevel.checkpoint()
                 if staging is not None:
                     await staging.before_send(j)
-                while True:
-                    try:
-                        await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
-                        break
-                    except RankConnectionLostError:
-                        # One connection of a stripe lost (a reset on the path): reopen it and
-                        # resend everything this operation sent on it, since what arrived is
-                        # unknown (the receiver drops the copies of frames it has). A peer that
-                        # is gone refuses the reopen, and a single connection keeps failing fast.
-                        # A staged (device) operation is not resent: its host stage may already
-                        # hold final ranges (AVG divided in place) that an older frame would carry.
-                        if (staging is not None or not ex.resendable or stripes[key[0]] < 2
-                                or reopened >= _REOPENS_PER_CONNECTION):
-                            raise
-                        reopened += 1
-                        await pool.reopen(peer_id)
-                        for k in sent:
-                            await pool.send(
-                                peer_id, tag, op_seq, sends[k].seq, ex.payload(k), conn_index=conn
-                            )
+                try:
+                    await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                except RankConnectionLostError as exc:
+                    reopened = await self._recover(exc, peer_id, conn, j, sent, striped, reopened)
                 sent.append(j)
                 if staging is not None:
                     staging.after_send(j)
         except PCCLError as exc:
-            # Record and stop the whole operation; raising here would surface as an ExceptionGroup.
             errors.append(exc)
             cancel.cancel()
 
-    async with trio.open_nursery() as nursery:
-        for c, q in queues.items():
-            nursery.start_soon(sender, c, q, nursery.cancel_scope)
-        try:
-            for j in plan.initial:
-                queues[conn_of[j]].push(sends[j], j)
-            unlocks = plan.unlocks
-            for i in range(len(slots)):
-                await slots[i].wait()
-                if staging is not None:
-                    await staging.before_receive(i)
-                ex.received(i)
-                if staging is not None:
-                    staging.after_receive(i)
-                for j in unlocks[i]:
-                    queues[conn_of[j]].push(sends[j], j)
-        except PCCLError as exc:
-            errors.append(exc)
-            nursery.cancel_scope.cancel()
-        finally:
-            for q in queues.values():
-                q.close()
-    if errors:
-        raise errors[0]
+    async def _recover(
+        self, lost: RankConnectionLostError, peer_id: int, conn: int, j: int, sent: list[int], striped: bool,
+        reopened: int,
+    ) -> int:
+        """Sending frame ``j`` lost the connection (``lost``): reopen it, resend ``sent`` and ``j``, as
+        often as allowed. Returns the reopens so far on this connection; raises ``lost`` (or the
+        latest loss) when the connection may not be reopened."""
+        # One connection of a stripe lost (a reset on the path): reopen it and
+        # resend everything this operation sent on it, since what arrived is
+        # unknown (the receiver drops the copies of frames it has). A peer that
+        # is gone refuses the reopen, and a single connection keeps failing fast.
+        # A staged (device) operation is not resent: its host stage may already
+        # hold final ranges (AVG divided in place) that an older frame would carry.
+        pool, ex, sends, tag, op_seq = self.pool, self.ex, self.ex.plan.sends, self.tag, self.op_seq
+        while True:
+            if (self.staging is not None or not ex.resendable or not striped
+                    or reopened >= _REOPENS_PER_CONNECTION):
+                raise lost
+            reopened += 1
+            await pool.reopen(peer_id)
+            for k in sent:
+                await pool.send(peer_id, tag, op_seq, sends[k].seq, ex.payload(k), conn_index=conn)
+            try:
+                await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                return reopened
+            except RankConnectionLostError as exc:
+                lost = exc

@@ -474,62 +474,14 @@ def elect(votes: Mapping[int, SyncVote], *, last_revision: int | None) -> Electi
         The :class:`ElectionResult`: every voter is either in ``plans`` or in ``refused``.
     """
     refused: dict[int, Refusal] = {}
-    peers: list[_Peer] = []
-
-    # Rule 0: structure.
-    for peer_id in sorted(votes):
-        vote = votes[peer_id]
-        refusal = validate_vote(vote)
-        if refusal is not None:
-            refused[peer_id] = refusal
-        else:
-            peers.append(_Peer.from_vote(peer_id, vote))
-
-    # Rule 1: revisions.
-    if last_revision is not None:
-        allowed = last_revision + 1
-        for peer in peers:
-            if peer.revision > allowed:
-                refused[peer.peer_id] = Refusal(
-                    code=Result.SHARED_STATE_SYNC_FAILED,
-                    reason=(
-                        f"revision {peer.revision} skips ahead of {allowed}: the group's last synced "
-                        f"revision is {last_revision} and each sync must advance it by exactly one"
-                    ),
-                )
-        peers = [p for p in peers if p.peer_id not in refused]
+    peers = _structure_rule(votes, refused)
+    peers = _revision_rule(peers, last_revision, refused)
     if not peers:
         return _finish(
             revision=last_revision if last_revision is not None else 0, refused=refused, plans={}, holders=()
         )
     revision = max(p.revision for p in peers)
-
-    # Rule 2: SEND_ONLY peers must be up-to-date and agree with each other.
-    for peer in peers:
-        if peer.strategy == SharedStateSyncStrategy.SEND_ONLY and peer.revision < revision:
-            refused[peer.peer_id] = Refusal(
-                code=Result.SHARED_STATE_SYNC_FAILED,
-                reason=(
-                    f"SEND_ONLY peer is outdated: its revision {peer.revision} is below the group's "
-                    f"newest revision {revision}; a SEND_ONLY peer must hold the newest state"
-                ),
-            )
-    peers = [p for p in peers if p.peer_id not in refused]
-    senders = [p for p in peers if p.strategy == SharedStateSyncStrategy.SEND_ONLY]
-    if len({(p.schema, p.content) for p in senders}) > 1:
-        sender_ids = ", ".join(str(p.peer_id) for p in senders)
-        for peer in senders:
-            other = next(q for q in senders if (q.schema, q.content) != (peer.schema, peer.content))
-            refused[peer.peer_id] = Refusal(
-                code=Result.SHARED_STATE_SYNC_FAILED,
-                reason=(
-                    f"conflicting SEND_ONLY content at revision {revision}: this peer and SEND_ONLY "
-                    f"peer {other.peer_id} disagree ({_content_difference(peer, other)}); every "
-                    f"SEND_ONLY peer ({sender_ids}) is refused"
-                ),
-            )
-        peers = [p for p in peers if p.peer_id not in refused]
-        senders = []
+    peers, senders = _send_only_rule(peers, revision, refused)
 
     # Rule 3: candidates are the up-to-date peers that do not declare their content wrong.
     candidates = [
@@ -543,6 +495,89 @@ def elect(votes: Mapping[int, SyncVote], *, last_revision: int | None) -> Electi
 
     # 3a: schema.
     schema: _Schema = senders[0].schema if senders else _most_popular(candidates, "schema")
+    peers = _schema_rule(peers, schema, revision, refused)
+    candidates = [p for p in candidates if p.peer_id not in refused]
+
+    # 3b: content among the schema-matching candidates (never empty: the elected schema has a holder).
+    content: _Content = senders[0].content if senders else _most_popular(candidates, "content")
+    holders = tuple(p.peer_id for p in candidates if p.content == content)
+    primary = next(p for p in candidates if p.peer_id == holders[0])
+
+    # Rule 4: plans.
+    return _finish(
+        revision=revision,
+        refused=refused,
+        plans=_plans(peers, schema, content, holders, primary, revision),
+        holders=holders,
+    )
+
+
+def _structure_rule(votes: Mapping[int, SyncVote], refused: dict[int, Refusal]) -> list[_Peer]:
+    """Rule 0: the votes that are well-formed, as peers (by id); the others refused."""
+    peers: list[_Peer] = []
+    for peer_id in sorted(votes):
+        vote = votes[peer_id]
+        refusal = validate_vote(vote)
+        if refusal is not None:
+            refused[peer_id] = refusal
+        else:
+            peers.append(_Peer.from_vote(peer_id, vote))
+    return peers
+
+
+def _revision_rule(peers: list[_Peer], last_revision: int | None, refused: dict[int, Refusal]) -> list[_Peer]:
+    """Rule 1: a peer whose revision skips ahead of the group's next is refused."""
+    if last_revision is None:
+        return peers
+    allowed = last_revision + 1
+    for peer in peers:
+        if peer.revision > allowed:
+            refused[peer.peer_id] = Refusal(
+                code=Result.SHARED_STATE_SYNC_FAILED,
+                reason=(
+                    f"revision {peer.revision} skips ahead of {allowed}: the group's last synced "
+                    f"revision is {last_revision} and each sync must advance it by exactly one"
+                ),
+            )
+    return [p for p in peers if p.peer_id not in refused]
+
+
+def _send_only_rule(
+    peers: list[_Peer], revision: int, refused: dict[int, Refusal]
+) -> tuple[list[_Peer], list[_Peer]]:
+    """Rule 2: SEND_ONLY peers must be up-to-date and agree with each other. Returns the peers left and
+    the SEND_ONLY ones among them (none when they disagreed: all of them refused)."""
+    for peer in peers:
+        if peer.strategy == SharedStateSyncStrategy.SEND_ONLY and peer.revision < revision:
+            refused[peer.peer_id] = Refusal(
+                code=Result.SHARED_STATE_SYNC_FAILED,
+                reason=(
+                    f"SEND_ONLY peer is outdated: its revision {peer.revision} is below the group's "
+                    f"newest revision {revision}; a SEND_ONLY peer must hold the newest state"
+                ),
+            )
+    peers = [p for p in peers if p.peer_id not in refused]
+    senders = [p for p in peers if p.strategy == SharedStateSyncStrategy.SEND_ONLY]
+    if len({(p.schema, p.content) for p in senders}) <= 1:
+        return peers, senders
+    sender_ids = ", ".join(str(p.peer_id) for p in senders)
+    for peer in senders:
+        other = next(q for q in senders if (q.schema, q.content) != (peer.schema, peer.content))
+        refused[peer.peer_id] = Refusal(
+            code=Result.SHARED_STATE_SYNC_FAILED,
+            reason=(
+                f"conflicting SEND_ONLY content at revision {revision}: this peer and SEND_ONLY "
+                f"peer {other.peer_id} disagree ({_content_difference(peer, other)}); every "
+                f"SEND_ONLY peer ({sender_ids}) is refused"
+            ),
+        )
+    return [p for p in peers if p.peer_id not in refused], []
+
+
+def _schema_rule(
+    peers: list[_Peer], schema: _Schema, revision: int, refused: dict[int, Refusal]
+) -> list[_Peer]:
+    """Rule 3a: a peer whose layout is not the elected ``schema`` is refused, with the difference."""
     elected_rows = {row[0]: row for row in schema}
     for peer in peers:
         if peer.schema != schema:
@@ -553,16 +588,15 @@ def elect(votes: Mapping[int, SyncVote], *, last_revision: int | None) -> Electi
                     f"{_schema_difference(peer, elected_rows)}"
                 ),
             )
-    peers = [p for p in peers if p.peer_id not in refused]
-    candidates = [p for p in candidates if p.peer_id not in refused]
+    return [p for p in peers if p.peer_id not in refused]
 
-    # 3b: content among the schema-matching candidates (never empty: the elected schema has a holder).
-    content: _Content = senders[0].content if senders else _most_popular(candidates, "content")
-    holders = tuple(p.peer_id for p in candidates if p.content == content)
-    primary = next(p for p in candidates if p.peer_id == holders[0])
+
+def _plans(
+    peers: list[_Peer], schema: _Schema, content: _Content, holders: tuple[int, ...], primary: _Peer,
+    revision: int,
+) -> dict[int, tuple[FetchItem, ...]]:
+    """Rule 4: what each peer fetches, and from which holders (first choices spread by bytes)."""
     by_id = {p.peer_id: p for p in peers}
-
-    # Rule 4: plans.
     key_position = {row[0]: i for i, row in enumerate(schema)}
     elected_hash = dict(content)
     requests: list[_Request] = []
@@ -598,12 +632,7 @@ def elect(votes: Mapping[int, SyncVote], *, last_revision: int | None) -> Electi
         plans[req.requester].append(
             FetchItem(key=req.key, expected_hash=req.expected_hash, nbytes=req.nbytes, holders=req.holders)
         )
-    return _finish(
-        revision=revision,
-        refused=refused,
-        plans={peer_id: tuple(items) for peer_id, items in plans.items()},
-        holders=holders,
-    )
+    return {peer_id: tuple(items) for peer_id, items in plans.items()}
 
 
 def _no_candidate_reason(

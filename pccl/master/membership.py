@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..wire import messages as m
@@ -158,6 +159,16 @@ class Membership:
     def registered(self) -> list[int]:
         """Peers waiting to be accepted, in arrival order."""
         return [p.peer_id for p in self.peers.values() if p.phase is Phase.REGISTERED]
+
+    def expired(self, now: float, timeout: float) -> list[int]:
+        """Peers silent for longer than ``timeout`` at ``now``."""
+        return [p.peer_id for p in self.peers.values() if now - p.last_seen > timeout]
+
+    def straggler_deadlines(self, waited_on: Iterable[int], minimum: float, cap: float) -> dict[int, float]:
+        """For every peer of ``waited_on`` (by id): when it becomes a straggler if it stays silent (its last
+        message plus :meth:`PeerRecord.straggler_limit`)."""
+        peers = self.peers
+        return {p: peers[p].last_seen + peers[p].straggler_limit(minimum, cap) for p in sorted(waited_on)}
 
     def table(self, ids: list[int]) -> list[m.PeerRow]:
         """Peer-table rows for ``ids`` (in that order)."""

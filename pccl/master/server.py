@@ -191,50 +191,9 @@ class MasterServer:
         ms = MessageStream(stream, max_frame_size=self.config.max_frame_size,
                            limits=limits.pre_auth(self.config.max_frame_size))
         host = stream.peer_address[0]
-        timeout = self.config.hello_timeout
-        try:
-            with trio.fail_after(timeout):
-                hello, refusal = await accept_hello(ms, purpose="master", secret=self.config.secret,
-                                                    listener="the master", run=self.run)
-            if refusal is not None:
-                log.warning("refused connection from %s: %s", host, refusal.reason)
-                await self._goodbye(ms, refusal.reason, int(refusal.result))
-                return
-        except trio.TooSlowError:
-            log.warning("connection from %s dropped during hello: it sent no complete hello within %gs "
-                        "(MasterConfig.hello_timeout; a silent client, a port scanner, or not a pccl peer)",
-                        host, timeout)
-            await ms.aclose()
+        hello = await self._hello(ms, host)
+        if hello is None or not await self._run_of(ms, hello, host):
             return
-        except RemoteProtocolError as exc:
-            log.warning("connection from %s dropped during hello: not a pccl peer: %s", host, exc.message)
-            await ms.aclose()
-            return
-        except StreamBroken as exc:
-            if not ms.received_any and str(exc) == CLOSED_BY_PEER:
-                # A port probe (a health check, a scanner) connects and closes without a byte.
-                log.info("connection from %s closed before sending a hello (a port probe?)", host)
-            else:
-                log.warning("connection from %s dropped during hello: %s", host, exc)
-            await ms.aclose()
-            return
-        assert hello is not None  # accepted
-        late = check_run(self.run, hello.run)  # the master took a name during this hello
-        if late is not None:
-            log.warning("refused connection from %s: %s", host, late)
-            await self._goodbye(ms, late, int(Result.INVALID_USAGE))
-            return
-        if self.run and not hello.run:
-            # Accepted (the established API names no run), but said: a foreign job's peers on the same
-            # address would otherwise join without a word (docs/concepts.md "Run names", rule 1).
-            log.warning("connection from %s names no run; accepted into run %r (set PCCL_RUN or "
-                        "PeerConfig.run on its peers to keep other jobs out)", host, self.run)
-        if hello.run and not self.run:
-            # An unnamed master takes its run's name from the first named peer (a restarted master
-            # takes the name back from the members that re-register): docs/concepts.md "Run names".
-            self.run = hello.run
-            log.warning("this master now serves run %r (taken from %s peer from %s)", self.run,
-                        "a returning" if hello.peer_id >= 0 else "the first named", host)
         hello_done()
         ms.set_limits(limits.master_inbound(self.config.max_frame_size))
         now = trio.current_time()
@@ -250,7 +209,64 @@ class MasterServer:
                 await ms.send(m.Refused(reason=over, code=int(Result.MASTER_CONNECTION_FAILED)))
             await ms.aclose()
             return
-        pid = self.state.new_connection(host, now, claim=claim)
+        await self._serve(ms, self.state.new_connection(host, now, claim=claim))
+
+    async def _hello(self, ms: MessageStream, host: str) -> m.Hello | None:
+        """The hello of a new connection (None: refused or dropped, the stream closed, logged why)."""
+        timeout = self.config.hello_timeout
+        try:
+            with trio.fail_after(timeout):
+                hello, refusal = await accept_hello(ms, purpose="master", secret=self.config.secret,
+                                                    listener="the master", run=self.run)
+            if refusal is not None:
+                log.warning("refused connection from %s: %s", host, refusal.reason)
+                await self._goodbye(ms, refusal.reason, int(refusal.result))
+                return None
+        except trio.TooSlowError:
+            log.warning("connection from %s dropped during hello: it sent no complete hello within %gs "
+                        "(MasterConfig.hello_timeout; a silent client, a port scanner, or not a pccl peer)",
+                        host, timeout)
+            await ms.aclose()
+            return None
+        except RemoteProtocolError as exc:
+            log.warning("connection from %s dropped during hello: not a pccl peer: %s", host, exc.message)
+            await ms.aclose()
+            return None
+        except StreamBroken as exc:
+            if not ms.received_any and str(exc) == CLOSED_BY_PEER:
+                # A port probe (a health check, a scanner) connects and closes without a byte.
+                log.info("connection from %s closed before sending a hello (a port probe?)", host)
+            else:
+                log.warning("connection from %s dropped during hello: %s", host, exc)
+            await ms.aclose()
+            return None
+        assert hello is not None  # accepted
+        return hello
+
+    async def _run_of(self, ms: MessageStream, hello: m.Hello, host: str) -> bool:
+        """Whether the run ``hello`` names may join this master's (False: refused, the stream closed); an
+        unnamed master takes the first name it hears (docs/concepts.md "Run names")."""
+        late = check_run(self.run, hello.run)  # the master took a name during this hello
+        if late is not None:
+            log.warning("refused connection from %s: %s", host, late)
+            await self._goodbye(ms, late, int(Result.INVALID_USAGE))
+            return False
+        if self.run and not hello.run:
+            # Accepted (the established API names no run), but said: a foreign job's peers on the same
+            # address would otherwise join without a word (docs/concepts.md "Run names", rule 1).
+            log.warning("connection from %s names no run; accepted into run %r (set PCCL_RUN or "
+                        "PeerConfig.run on its peers to keep other jobs out)", host, self.run)
+        if hello.run and not self.run:
+            # An unnamed master takes its run's name from the first named peer (a restarted master
+            # takes the name back from the members that re-register): docs/concepts.md "Run names".
+            self.run = hello.run
+            log.warning("this master now serves run %r (taken from %s peer from %s)", self.run,
+                        "a returning" if hello.peer_id >= 0 else "the first named", host)
+        return True
+
+    async def _serve(self, ms: MessageStream, pid: int) -> None:
+        """Peer ``pid``'s connection after its hello, until it closes: a reader, a serialized writer and
+        the heartbeats; its loss goes to the state unless the master itself stops."""
         ms.set_guard(_GuestFrames(self.frames, self.state, pid))
         send, recv = trio.open_memory_channel[Any](self.config.send_queue_size)
         conn = _Conn(peer_id=pid, ms=ms, send=send, recv=recv)

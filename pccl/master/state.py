@@ -56,6 +56,7 @@ from .ops_in_doubt import DoubtBook, Key
 from .penalties import RepeatOffenders, identities
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
+from .removal import Removal
 from .reported import ReportedRings
 from .rounds.base import Expel, Round
 from .rounds.base import VoteKey as VoteKey
@@ -173,62 +174,37 @@ class MasterState:
         self._improvement_job: tuple[list[int], list[list[float | None]]] | None = None
         self.improved_ring: list[int] | None = None
         self._now = 0.0
-        # Surviving the master (docs/concepts.md): this master's generation (fencing number) and the
-        # rebuild from re-registrations, while it waits for a majority of the last epoch's members.
+        # Surviving the master (docs/concepts.md): the generation (fencing number), a rebuild from
+        # re-registrations, and what a master's loss or a broken link leaves open (every vote waits while
+        # any is): operations in doubt (ops_in_doubt.py) and lost (lost.py), members away for at most
+        # ``rejoin_grace`` (away.py), membership rounds in doubt (rounds_in_doubt.py), the rings members
+        # reported at their return (reported.py); the rebuilt master's roll call waits ``rebuild_grace``.
         self.generation = 1
         self.rebuild: Rebuild | None = None
-        # Operations in doubt across a master's loss (pccl/master/ops_in_doubt.py): every vote waits while
-        # one is undecided.
-        self.doubts = DoubtBook()
-        # Operations a member reported failed at the master's loss (pccl/master/lost.py): every other
-        # member's vote for one fails once, so all of them fail it alike.
-        self.lost = LostBook()
-        # Members whose connection to this (live) master broke: every vote waits for them to
-        # re-register, for at most ``rejoin_grace`` seconds (pccl/master/away.py; 0: no hold); and
-        # where their group's vote rounds stood when each member was dropped.
-        self.away = AwayBook()
-        self.rejoin_grace = rejoin_grace
-        self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
-        # Membership rounds in doubt (pccl/master/rounds_in_doubt.py): topology and are_peers_pending
-        # rounds the master's loss split; every vote waits while one is undecided. The count of
-        # are_peers_pending rounds completed at ``epoch`` (the members count them alike: docs/concepts.md
-        # "Rounds in doubt").
-        self.rounds = RoundBook()
-        self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
-        # DoubtBook.total_progress when that count last changed: a member that comes back waiting in
-        # the last counted round after the run completed an operation since is behind (_behind_pending).
-        self._pending_mark = 0
-        # At a rebuilt master: the ring each member reported when it re-registered (who its group
-        # still lists; see Rejoin.on_reregister).
+        self.doubts, self.lost, self.away, self.rounds = DoubtBook(), LostBook(), AwayBook(), RoundBook()
         self._rings = ReportedRings()
-        # A rebuilt master's roll call: how long votes wait for the last epoch's members that are not
-        # back yet once a majority returned (0: resume at the majority).
-        self.rebuild_grace = rebuild_grace
-        self.rebuild_quiet = rebuild_quiet
-        self.failover_quiet = failover_quiet
-        # P2P bound to membership (docs/security.md): every member gets its credentials of the epoch
-        # before the epoch's EstablishP2P, and after Reregistered.
-        # The set issued last, so that a member taken back into it is sent to those holding it as one
-        # new row, batched over ``credentials_delay`` (pccl/master/issued.py).
+        self.rejoin_grace, self.rebuild_grace = rejoin_grace, rebuild_grace
+        self.rebuild_quiet, self.failover_quiet = rebuild_quiet, failover_quiet
+        self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
+        # are_peers_pending rounds completed at an epoch (the members count them alike: docs/concepts.md
+        # "Rounds in doubt"), and DoubtBook.total_progress when that count last changed (_behind_pending).
+        self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
+        self._pending_mark = 0
+        # P2P bound to membership (docs/security.md): the set issued last, its rows owed batched over
+        # ``credentials_delay`` (issued.py), and who gets which message (handout.py).
         self._issued = IssuedSet(CredentialIssuer(credential_root or secrets.token_bytes(32)),
                                  delay=credentials_delay)
-        self.credentials = CredentialHandout(self._issued, self.members)  # pccl/master/handout.py
+        self.credentials = CredentialHandout(self._issued, self.members)
         # Re-registration only with proof of membership (docs/security.md "Re-registration").
         self.tokens = tokens if tokens is not None else MemberTokens.for_secret(None)
-        self.rejoin = Rejoin(self)  # re-registration and the rebuild (pccl/master/rejoin.py)
-        self.admission = Admission(self)  # registration and the newcomers' grace (pccl/master/admission.py)
-        # Peers evicted for liveness, remembered by source address and key (pccl/master/penalties.py).
-        self.offenders = RepeatOffenders()
-        self.holds = Holds(self)  # the holds and the decisions in doubt that end them (pccl/master/holds.py)
-        # The most collective votes one member may hold open (tags nobody else called yet); None: no cap.
-        self.max_open_votes = max_open_votes
-        # No split brain (docs/concepts.md): the current epoch's members, of which the accepted peers
-        # this master holds must be a majority for any vote to complete (when the rule applies);
-        # whether a peer said it can fail over to another master ("auto" mode turns the rule on);
-        # since when the master is held (no quorum; None: it is not); the generation of a run this
-        # master gave up for lack of a quorum (its members are refused from then on); and the peers
-        # accepted alone at a master that held no run (they yield to re-registering members).
-        self.quorum = Quorum(quorum)  # the live quorum rule and its hold (pccl/master/quorum.py)
+        self.max_open_votes = max_open_votes  # collective votes one member may hold open (None: no cap)
+        self.quorum = Quorum(quorum)  # no split brain: the live quorum rule and its hold (quorum.py)
+        self.offenders = RepeatOffenders()  # peers evicted for liveness, by address and key (penalties.py)
+        # The dispatcher's parts, each working on this core through its Protocol (docs/master.md).
+        self.rejoin = Rejoin(self)  # re-registration and the rebuild
+        self.removal = Removal(self)  # peers leaving
+        self.admission = Admission(self)  # registration and the newcomers' grace
+        self.holds = Holds(self)  # the holds and the decisions in doubt that end them
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -392,7 +368,7 @@ class MasterState:
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
-        return [p.peer_id for p in self.peers.values() if now - p.last_seen > timeout]
+        return self.members.expired(now, timeout)
 
     def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]:
         """Every open vote round (pccl/master/rounds/): are_peers_pending, topology, the collectives, the
@@ -522,10 +498,7 @@ class MasterState:
     def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
         """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
         plus :meth:`PeerRecord.straggler_limit`)."""
-        return {
-            p: self.peers[p].last_seen + self.peers[p].straggler_limit(minimum, cap)
-            for p in sorted(self.waited_on())
-        }
+        return self.members.straggler_deadlines(self.waited_on(), minimum, cap)
 
     def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
         """Peers others are waiting for that have been silent past their straggler limit
@@ -750,28 +723,36 @@ class MasterState:
         # (are_peers_pending: the ballot was dropped with the peer's other traces in _remove)
         return self._topology_peer_lost(peer_id) if kind == "topology" else self._check_pending_vote()
 
+    def _leave_votes(self, peer_id: int, group: int, was_accepted: bool) -> list[Effect]:
+        """Peer ``peer_id`` of ``group`` is gone: it leaves every vote, round and live heal, its group's
+        reservations are revoked (it was a member: ``was_accepted``), and every vote is re-checked without
+        it (the topology round first, as it always was)."""
+        self._pending.peer_lost(peer_id)
+        self._topology_owed.discard(peer_id)
+        self._sync_rows.pop(peer_id, None)
+        revoked: list[Effect] = []
+        if was_accepted and self.collectives.reserved.revoke(group):
+            # The group changed: no speculative start until its next op completes. Members that are not
+            # voting yet hear it now, so their next call takes the slow path (whose commence names the
+            # living members) instead of starting on a ring with the lost peer and being aborted.
+            why = f"peer {peer_id} of group {group} was lost"
+            revoked = [Send(p, m.ReservationsRevoked(reason=why))
+                       for p in self.ring if self.peers[p].group == group]
+        effects: list[Effect] = revoked + self.heals.peer_lost(peer_id)
+        rounds = self._open_rounds(ordered=False)
+        for rnd in sorted(rounds, key=lambda r: r.key[0] != "topology"):
+            effects += self._round_peer_lost(rnd.key, peer_id)
+        return effects
+
     def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
                   broken: bool = False) -> list[Effect]:
-        """The peer's connection broke, it was evicted, or it left. Unknown ids are ignored.
+        """The peer's connection broke (``broken``), it was evicted, or it left (:meth:`Removal.peer_lost`).
+        Unknown ids are ignored."""
+        return self.removal.peer_lost(peer_id, reason, now, broken=broken)
 
-        Args:
-            now: when (optional); it starts the hold clock if the loss costs the quorum.
-            broken: the connection itself closed (not an eviction): an accepted member may be back
-                in a moment (its link broke, the peer lives), so every vote waits up to
-                ``rejoin_grace`` for its re-registration (pccl/master/away.py).
-        """
-        if now is not None:
-            self._now = now
-        rec = self.peers.get(peer_id)
-        if rec is None:
-            return []
-        effects: list[Effect] = [Event(f"peer {peer_id} ({rec.host}) {reason}")]
-        if broken and rec.phase is Phase.ACCEPTED and self.away.left(peer_id, self._now, self.rejoin_grace):
-            effects.append(Event(f"votes wait up to {self.rejoin_grace:g}s for peer {peer_id} to come back"))
-        if not broken:
-            effects += self._removal_notices(rec, reason)
-        effects += self._remove(peer_id)
-        return effects
+    def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]:
+        """Remove a peer on purpose (:meth:`Removal.kick`)."""
+        return self.removal.kick(peer_id, reason, code)
 
     def rejoin_deadline(self) -> float | None:
         """When the earliest hold for a member whose connection broke runs out (see
@@ -779,81 +760,8 @@ class MasterState:
         return self.away.deadline()
 
     def rejoin_overdue(self, now: float) -> list[Effect]:
-        """End the holds whose ``rejoin_grace`` ran out: those members are absent, and the votes go on
-        without them (one that comes back later finds its group gone on: refused, join again)."""
-        self._now = now
-        gone = self.away.overdue(now)
-        if not gone:
-            return []
-        effects: list[Effect] = [Event(f"peer(s) {gone} did not re-register within {self.rejoin_grace:g}s: "
-                                       "the votes go on without them")]
-        if self.resumed:
-            effects += self._recheck_votes()
-            if not self.ring:
-                effects += self._accept_first_if_alone()
-        return effects
-
-    def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]:
-        """Remove a peer on purpose."""
-        if peer_id not in self.peers:
-            return []
-        effects: list[Effect] = [Kick(peer_id, reason, int(code)), Event(f"peer {peer_id} kicked: {reason}")]
-        # A member refused for good (KICKED) will not come back: its place is not held any more.
-        unheld = code is Result.KICKED and self.away.back(peer_id)
-        effects += self._removal_notices(self.peers[peer_id], reason)
-        effects += self._remove(peer_id)
-        if unheld and self.resumed:
-            effects += self._recheck_votes()
-        return effects
-
-    def _removal_notices(self, rec: PeerRecord, reason: str) -> list[Effect]:
-        """An evicted or kicked member's P2P credentials stop working at every other member at once
-        (issue 33 item 5), not at the next epoch. Not for a broken connection: that member may
-        re-register within ``rejoin_grace`` under its id and epoch."""
-        if rec.phase is not Phase.ACCEPTED:
-            return []
-        notice = m.MemberRemoved(peer_id=rec.peer_id, reason=reason[:200])
-        return [Send(p, notice) for p in self.ring if p != rec.peer_id]
-
-    def _remove(self, peer_id: int) -> list[Effect]:
-        rec = self.peers.pop(peer_id)
-        self.offenders.forget(peer_id)
-        was_accepted = rec.phase is Phase.ACCEPTED
-        undecided = self.doubts.undecided or self.rounds.undecided
-        self.doubts.peer_lost(peer_id)
-        self.rounds.peer_lost(peer_id)
-        self.lost.peer_lost(peer_id)
-        if was_accepted:
-            self.doubts.dropped(peer_id, rec.group)
-            self.away.dropped(peer_id, rec.group, self._rounds_of(rec.group))
-        if peer_id in self.ring:
-            self.ring = [p for p in self.ring if p != peer_id]
-        self._pending.peer_lost(peer_id)
-        self._topology_owed.discard(peer_id)
-        self._sync_rows.pop(peer_id, None)
-        revoked: list[Effect] = []
-        if was_accepted and self.collectives.reserved.revoke(rec.group):
-            # The group changed: no speculative start until its next op completes. Members that are not
-            # voting yet hear it now, so their next call takes the slow path (whose commence names the
-            # living members) instead of starting on a ring with the lost peer and being aborted.
-            why = f"peer {peer_id} of group {rec.group} was lost"
-            revoked = [Send(p, m.ReservationsRevoked(reason=why))
-                       for p in self.ring if self.peers[p].group == rec.group]
-        self.bandwidth = {k: v for k, v in self.bandwidth.items() if peer_id not in k}
-        self.latency = {k: v for k, v in self.latency.items() if peer_id not in k}
-        effects: list[Effect] = revoked + self.heals.peer_lost(peer_id)
-        # Re-check every vote with the peer gone (the topology round first, as it always was).
-        rounds = self._open_rounds(ordered=False)
-        for rnd in sorted(rounds, key=lambda r: r.key[0] != "topology"):
-            effects += self._round_peer_lost(rnd.key, peer_id)
-        self.quorum.provisional.discard(peer_id)
-        if was_accepted:
-            effects += self._note_quorum()
-        if was_accepted and not self.ring:
-            effects += self._accept_first_if_alone()
-        if undecided and self.resumed:
-            effects += self._recheck_votes()  # the last peer waiting on a decision left
-        return effects
+        """End the holds whose ``rejoin_grace`` ran out (:meth:`Removal.rejoin_overdue`)."""
+        return self.removal.rejoin_overdue(now)
 
     # ---------------------------------------------------------------------------------------
     # dispatch

@@ -794,6 +794,71 @@ def _nearest_neighbour(w: list[list[float]], start: int) -> list[int]:
     return t
 
 
+class _PathSearch:
+    """The state of one backtracking search for a ring (:func:`_hamiltonian_dfs`): the path so far from
+    ``start``, and for every unvisited peer how many usable predecessors (unvisited, or the path end) and
+    successors (unvisited, or the start) it has left."""
+
+    def __init__(self, w: list[list[float]], start: int, rng: random.Random | None) -> None:
+        n = len(w)
+        self.w = w
+        self.succ = [[j for j in range(n) if j != i and w[i][j] > 0.0] for i in range(n)]
+        self.pred: list[list[int]] = [[] for _ in range(n)]
+        for i in range(n):
+            for j in self.succ[i]:
+                self.pred[j].append(i)
+        self.visited = [False] * n
+        self.visited[start] = True
+        self.noise = [rng.random() for _ in range(n)] if rng is not None else [0.0] * n
+        self.avail_in = [len(self.pred[u]) for u in range(n)]
+        self.avail_out = [len(self.succ[u]) for u in range(n)]
+        self.path = [start]
+
+    def candidates(self, v: int) -> list[int]:
+        """The successors of ``v`` to try, the next one last (a stack): a forced one alone, none when two
+        are forced, else by fewest usable successors, then noise, then the fastest link."""
+        visited, avail_in, avail_out = self.visited, self.avail_in, self.avail_out
+        noise, wv = self.noise, self.w[v]
+        cand = [u for u in self.succ[v] if not visited[u]]
+        forced = [u for u in cand if avail_in[u] == 1]
+        if len(forced) > 1:
+            return []
+        if forced:
+            return forced
+        # The stack pops from the end: fewest usable successors (then fastest link) last.
+        cand.sort(key=lambda u: (-avail_out[u], noise[u], wv[u]))
+        return cand
+
+    def append(self, v: int) -> tuple[tuple[int, list[int], list[int]], bool]:
+        """Append ``v`` to the path: what to undo, and whether a peer is left without a usable
+        predecessor or successor (a dead end)."""
+        visited, avail_in, avail_out = self.visited, self.avail_in, self.avail_out
+        end = self.path[-1]
+        visited[v] = True
+        self.path.append(v)
+        # ``end`` stops being a usable predecessor, ``v`` stops being a usable successor.
+        dec_in = [u for u in self.succ[end] if not visited[u]]
+        dec_out = [u for u in self.pred[v] if not visited[u]]
+        dead = False
+        for u in dec_in:
+            avail_in[u] -= 1
+            dead = dead or avail_in[u] == 0
+        for u in dec_out:
+            avail_out[u] -= 1
+            dead = dead or avail_out[u] == 0
+        return (v, dec_in, dec_out), dead
+
+    def revert(self, rec: tuple[int, list[int], list[int]]) -> None:
+        """Undo one :meth:`append`."""
+        v, dec_in, dec_out = rec
+        for u in dec_in:
+            self.avail_in[u] += 1
+        for u in dec_out:
+            self.avail_out[u] += 1
+        self.visited[v] = False
+        self.path.pop()
+
+
 def _hamiltonian_dfs(
     w: list[list[float]],
     clock: Callable[[], float],
@@ -813,39 +878,9 @@ def _hamiltonian_dfs(
     expansions or at ``deadline``.
     """
     n = len(w)
-    succ = [[j for j in range(n) if j != i and w[i][j] > 0.0] for i in range(n)]
-    pred: list[list[int]] = [[] for _ in range(n)]
-    for i in range(n):
-        for j in succ[i]:
-            pred[j].append(i)
-    visited = [False] * n
-    visited[start] = True
-    noise = [rng.random() for _ in range(n)] if rng is not None else [0.0] * n
-    avail_in = [len(pred[u]) for u in range(n)]
-    avail_out = [len(succ[u]) for u in range(n)]
-    path = [start]
-
-    def candidates(v: int) -> list[int]:
-        cand = [u for u in succ[v] if not visited[u]]
-        forced = [u for u in cand if avail_in[u] == 1]
-        if len(forced) > 1:
-            return []
-        if forced:
-            return forced
-        # The stack pops from the end: fewest usable successors (then fastest link) last.
-        cand.sort(key=lambda u: (-avail_out[u], noise[u], w[v][u]))
-        return cand
-
-    def revert(rec: tuple[int, list[int], list[int]]) -> None:
-        v, dec_in, dec_out = rec
-        for u in dec_in:
-            avail_in[u] += 1
-        for u in dec_out:
-            avail_out[u] += 1
-        visited[v] = False
-        path.pop()
-
-    frames = [candidates(start)]  # frames[k]: untried successors of path[k]
+    search = _PathSearch(w, start, rng)
+    path = search.path
+    frames = [search.candidates(start)]  # frames[k]: untried successors of path[k]
     undo: list[tuple[int, list[int], list[int]]] = []  # undo[k]: what appending path[k + 1] changed
     steps = 0
     while frames:
@@ -856,33 +891,20 @@ def _hamiltonian_dfs(
         if not cands:
             frames.pop()
             if undo:
-                revert(undo.pop())
+                search.revert(undo.pop())
             continue
         v = cands.pop()
-        end = path[-1]
-        visited[v] = True
-        path.append(v)
-        # ``end`` stops being a usable predecessor, ``v`` stops being a usable successor.
-        dec_in = [u for u in succ[end] if not visited[u]]
-        dec_out = [u for u in pred[v] if not visited[u]]
-        dead = False
-        for u in dec_in:
-            avail_in[u] -= 1
-            dead = dead or avail_in[u] == 0
-        for u in dec_out:
-            avail_out[u] -= 1
-            dead = dead or avail_out[u] == 0
-        rec = (v, dec_in, dec_out)
+        rec, dead = search.append(v)
         if len(path) == n:
             if w[v][start] > 0.0:
                 return list(path)
-            revert(rec)
+            search.revert(rec)
             continue
         if dead:
-            revert(rec)
+            search.revert(rec)
             continue
         undo.append(rec)
-        frames.append(candidates(v))
+        frames.append(search.candidates(v))
     return None
 
 
@@ -915,38 +937,11 @@ def _heuristic(
         starts = rng.sample(range(n), min(n, 8))
         tours = [_nearest_neighbour(w, s) for s in starts]
         tour = min(tours, key=lambda t: (search.evaluate(t)[0], -_bottleneck(t, w), _cost(t, w)))
-
-    # 2. Feasibility: get rid of unreachable edges. The first descent ignores the deadline so a
-    # tiny budget still yields a usable ring when one is easy to find.
-    if search.evaluate(tour)[0] > 0:
-        search.descend(tour, None, stop_at_zero=True)
-    if search.evaluate(tour)[0] > 0:
-        # Restarts from random peers with random tie-breaks and growing step limits: one unlucky
-        # early choice can trap a single long backtracking run for its whole budget.
-        found = None
-        limit = 20 * n
-        dfs_end = clock() + 0.5 * max(0.0, deadline - clock())
-        tries = 0
-        while found is None and (tries < 4 or clock() < dfs_end):
-            found = _hamiltonian_dfs(
-                w, clock, dfs_end, limit, start=rng.randrange(n), rng=rng if tries else None
-            )
-            limit = limit * 3 // 2
-            tries += 1
-        if found is not None:
-            tour = found
-        else:
-            tour, _ = search.ils(tour, deadline, max(stall_a, 4 * n), stop_at_zero=True)
-        if search.evaluate(tour)[0] > 0:
-            raise NoRingError(
-                f"heuristic search found no ring through all {n} peers over reachable links "
-                "(none may exist; not proven)",
-                isolated=[],
-                components=[list(range(n))],
-            )
+    # 2. Feasibility: get rid of unreachable edges.
+    tour = _feasible(w, tour, search, rng, clock, deadline, max(stall_a, 4 * n))
 
     # 3. Raise the bottleneck: binary search over the distinct bandwidths between what we have and
-    # a proven upper bound. Each probe asks the local search for a ring with no edge below it.
+    # a proven upper bound.
     if known_bottleneck is not None:
         bound = known_bottleneck
     else:
@@ -954,22 +949,7 @@ def _heuristic(
         # caller how far from optimal the ring can be.
         bound = _bottleneck_upper_bound(w, vals)
     phase_a_end = start + _PHASE_A_SHARE * (deadline - start)
-    lo = bisect.bisect_left(vals, _bottleneck(tour, w))
-    hi = bisect.bisect_right(vals, bound) - 1
-    while lo < hi:
-        now = clock()
-        if now >= phase_a_end:
-            break
-        mid = (lo + hi + 1) // 2
-        probes_left = max(1, math.ceil(math.log2(hi - lo + 1)))
-        probe_end = now + (phase_a_end - now) / probes_left
-        search.set_target(vals[mid])
-        cand, key = search.ils(tour, probe_end, stall_a, stop_at_zero=True)
-        if key[0] == 0:
-            tour = cand
-            lo = bisect.bisect_left(vals, _bottleneck(tour, w))
-        else:
-            hi = mid - 1
+    tour = _raise_bottleneck(w, tour, search, vals, bound, clock, phase_a_end, stall_a)
     best_b = _bottleneck(tour, w)
 
     # 4. Lower the cost among rings within tolerance of the bottleneck found.
@@ -977,6 +957,70 @@ def _heuristic(
     search.set_target(threshold)
     tour, _ = search.ils(tour, deadline, stall_b, stop_at_zero=False)
     return tour, bound
+
+
+def _feasible(
+    w: list[list[float]], tour: list[int], search: _Search, rng: random.Random, clock: Callable[[], float],
+    deadline: float, stall: int,
+) -> list[int]:
+    """Step 2 of :func:`_heuristic`: ``tour`` rid of unreachable edges (raises :class:`NoRingError` when
+    no ring is found). The first descent ignores the deadline so a tiny budget still yields a usable
+    ring when one is easy to find; then backtracking from random peers, then the local search."""
+    n = len(w)
+    if search.evaluate(tour)[0] > 0:
+        search.descend(tour, None, stop_at_zero=True)
+    if search.evaluate(tour)[0] == 0:
+        return tour
+    # Restarts from random peers with random tie-breaks and growing step limits: one unlucky
+    # early choice can trap a single long backtracking run for its whole budget.
+    found = None
+    limit = 20 * n
+    dfs_end = clock() + 0.5 * max(0.0, deadline - clock())
+    tries = 0
+    while found is None and (tries < 4 or clock() < dfs_end):
+        found = _hamiltonian_dfs(
+            w, clock, dfs_end, limit, start=rng.randrange(n), rng=rng if tries else None
+        )
+        limit = limit * 3 // 2
+        tries += 1
+    if found is not None:
+        tour = found
+    else:
+        tour, _ = search.ils(tour, deadline, stall, stop_at_zero=True)
+    if search.evaluate(tour)[0] > 0:
+        raise NoRingError(
+            f"heuristic search found no ring through all {n} peers over reachable links "
+            "(none may exist; not proven)",
+            isolated=[],
+            components=[list(range(n))],
+        )
+    return tour
+
+
+def _raise_bottleneck(
+    w: list[list[float]], tour: list[int], search: _Search, vals: list[float], bound: float,
+    clock: Callable[[], float], end: float, stall: int,
+) -> list[int]:
+    """Step 3 of :func:`_heuristic`: binary search over the distinct bandwidths ``vals`` between
+    ``tour``'s bottleneck and ``bound``, until ``end``. Each probe asks the local search for a ring with
+    no edge below it."""
+    lo = bisect.bisect_left(vals, _bottleneck(tour, w))
+    hi = bisect.bisect_right(vals, bound) - 1
+    while lo < hi:
+        now = clock()
+        if now >= end:
+            break
+        mid = (lo + hi + 1) // 2
+        probes_left = max(1, math.ceil(math.log2(hi - lo + 1)))
+        probe_end = now + (end - now) / probes_left
+        search.set_target(vals[mid])
+        cand, key = search.ils(tour, probe_end, stall, stop_at_zero=True)
+        if key[0] == 0:
+            tour = cand
+            lo = bisect.bisect_left(vals, _bottleneck(tour, w))
+        else:
+            hi = mid - 1
+    return tour
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1045,17 +1089,10 @@ def solve_ring(
     known: float | None = None
     if n <= exact_limit:
         # The exact search may use half the budget, so that a fallback still has time to search.
-        exact_deadline = start + _EXACT_SHARE * time_budget
-
-        def check_time() -> None:
-            if clock() > exact_deadline:
-                raise _BudgetExceeded(None, None)
-
-        try:
-            tour, best_b = _exact(w, tolerance, 0.0, check_time)
-            return _solution(tour, w, True, best_b)
-        except _BudgetExceeded as exc:
-            initial, known = exc.tour, exc.bottleneck
+        exact = _exact_within(w, tolerance, clock, start + _EXACT_SHARE * time_budget)
+        if isinstance(exact, RingSolution):
+            return exact
+        initial, known = exact
 
     tour, bound = _heuristic(
         w,
@@ -1069,6 +1106,24 @@ def solve_ring(
         deadline=deadline,
     )
     return _solution(tour, w, False, bound)
+
+
+def _exact_within(
+    w: list[list[float]], tolerance: float, clock: Callable[[], float], deadline: float
+) -> RingSolution | tuple[list[int] | None, float | None]:
+    """The exact (Held-Karp) solution if found by ``deadline``; else what the search knew when it ran
+    out: the bottleneck-optimal ring and its bottleneck, when its first DP finished (None otherwise),
+    to seed the heuristic."""
+
+    def check_time() -> None:
+        if clock() > deadline:
+            raise _BudgetExceeded(None, None)
+
+    try:
+        tour, best_b = _exact(w, tolerance, 0.0, check_time)
+        return _solution(tour, w, True, best_b)
+    except _BudgetExceeded as exc:
+        return exc.tour, exc.bottleneck
 
 
 def improve_ring(

@@ -357,29 +357,15 @@ class CollectiveCalls:
         await self._await_link()
         call = self._describe(get_kind(kind), send, recv, op, tag, root, quantization)
         t_start = time.perf_counter()
-        st = OpState(tag=tag, commence=Waiter(), complete=Waiter())
-        self._notices.begin(("op", tag), functools.partial(self._describe_op_wait, call.kind.name, st))
-        self._core.begin_op(tag)
-        self._spinner.begin()  # poll instead of sleeping while it runs (pccl/peer/spin.py)
-        self._ops[tag] = st
-        work: np.ndarray | None = None
+        st = self._begin(call)
         attempt: Attempt | None = None
         plane_ok = False  # this peer's data plane finished (the op may still fail elsewhere)
-        stage: np.ndarray | None = None
         staging: Staging | None = None
         committed = False
         try:
             c = await self._vote(call, st)
             root = self._core.root_position(call.descriptor, c.ring)  # the root's position in this ring
-            if call.staging_device is not None:
-                # Host staging, pipelined with the data plane (pccl/collectives/staging.py): the ring
-                # runs on a host stage of ``send`` filled block by block; an in-place result goes
-                # back range by range, and is rolled back if the operation fails.
-                stage = self._gpu_cache.take(backend.dtype_to_numpy(call.dtype), call.count, call.send)
-                staging = Staging(
-                    call.staging_device, call.send, stage, recv=call.recv,
-                    average_over=len(c.ring) if call.op == ReduceOp.AVG else 0, dtype=call.dtype,
-                )
+            stage, staging = self._stage(call, len(c.ring))
             cache = self._gpu_cache if call.on_gpu else self._work_cache
             send_np = stage if stage is not None else backend.as_numpy(call.send)
             work = cache.take(send_np.dtype, call.count, call.recv if call.on_gpu else None)
@@ -397,7 +383,6 @@ class CollectiveCalls:
             self._core.op_committed(tag, st.op_seq)
             # Only buffers of successful ops are reused: a failed op's buffer may still be referenced.
             cache.give_back(work)
-            work = None
             if stage is not None:
                 cache.give_back(stage)
             self._stats[f"{call.kind.name}_ok"] += 1
@@ -411,19 +396,46 @@ class CollectiveCalls:
                 await attempt.fail()
             raise
         finally:
-            if not st.concluded and st.abort_error is None and self._core.lost is None \
-                    and not self._core.reconnecting:
-                # Cancelled by the caller while voting or running: withdraw, so the master aborts the
-                # op for the other participants instead of leaving them waiting for us.
-                self._send_soon(m.CollectiveDone(tag=tag, success=False, reason="cancelled on peer"))
-            self._ops.pop(tag, None)
-            self._notices.end(("op", tag))
-            self._core.end_op(tag)
-            self._spinner.end()
-            if staging is not None and not committed:
-                # Failed or cancelled: no device copy may outlive this call, and recv gets back the
-                # bits a pipelined delivery overwrote (shielded inside; raises if it cannot).
-                await staging.abort()
+            await self._end(st, None if committed else staging)
+
+    def _begin(self, call: _Call) -> OpState:
+        """The state of a new call, registered with the core, the notices and the spinner."""
+        st = OpState(tag=call.tag, commence=Waiter(), complete=Waiter())
+        self._notices.begin(("op", call.tag), functools.partial(self._describe_op_wait, call.kind.name, st))
+        self._core.begin_op(call.tag)
+        self._spinner.begin()  # poll instead of sleeping while it runs (pccl/peer/spin.py)
+        self._ops[call.tag] = st
+        return st
+
+    def _stage(self, call: _Call, world: int) -> tuple[np.ndarray | None, Staging | None]:
+        """A device tensor's host stage and its staging (None, None for host tensors)."""
+        if call.staging_device is None:
+            return None, None
+        # Host staging, pipelined with the data plane (pccl/collectives/staging.py): the ring
+        # runs on a host stage of ``send`` filled block by block; an in-place result goes
+        # back range by range, and is rolled back if the operation fails.
+        stage = self._gpu_cache.take(backend.dtype_to_numpy(call.dtype), call.count, call.send)
+        staging = Staging(
+            call.staging_device, call.send, stage, recv=call.recv,
+            average_over=world if call.op == ReduceOp.AVG else 0, dtype=call.dtype,
+        )
+        return stage, staging
+
+    async def _end(self, st: OpState, staging: Staging | None) -> None:
+        """The call ends, however it ends; ``staging``: that of a call that did not commit."""
+        if not st.concluded and st.abort_error is None and self._core.lost is None \
+                and not self._core.reconnecting:
+            # Cancelled by the caller while voting or running: withdraw, so the master aborts the
+            # op for the other participants instead of leaving them waiting for us.
+            self._send_soon(m.CollectiveDone(tag=st.tag, success=False, reason="cancelled on peer"))
+        self._ops.pop(st.tag, None)
+        self._notices.end(("op", st.tag))
+        self._core.end_op(st.tag)
+        self._spinner.end()
+        if staging is not None:
+            # Failed or cancelled: no device copy may outlive this call, and recv gets back the
+            # bits a pipelined delivery overwrote (shielded inside; raises if it cannot).
+            await staging.abort()
 
     def _describe_op_wait(self, kind: str, st: OpState, waited: float) -> str | None:
         group = f"peer group {self.peer_group}"

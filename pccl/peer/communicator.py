@@ -286,22 +286,42 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
 
     async def _start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+        ms, reply = await self._dial_first_master()
+        self._ms = ms
+        self._core.peer_id = reply.peer_id
+        self.p2p_address = address = await self._open_data_plane(nursery, ms)
+        self._core.last_heard = trio.current_time()
+        self._start_link_tasks(ms)
+        self._stall.name = f"peer {self.peer_id}"
+        nursery.start_soon(self._stall.run)
+        nursery.start_soon(self._spinner.run)
+        await self._send(m.Register(p2p_port=address[1], peer_group=self.peer_group,
+                                     public_key=self._credentials.public_key))
+        if self._standbys():
+            await self._send(m.Standbys(count=self._standbys()))
+        nursery.start_soon(self._notices.run)
+        await self._await_accept()
+        log.info("peer %d accepted (world size %d)", self.peer_id, len(self._core.table))
+
+    async def _dial_first_master(self) -> tuple[MessageStream, m.HelloOk]:
+        """The link to the first of ``master_addresses`` that answers, and its reply."""
         errors: list[MasterConnectionError] = []
-        for host, port in self.master_addresses:  # the first master that answers
+        for host, port in self.master_addresses:
             try:
                 ms, reply = await self._dial(host, port)
             except MasterConnectionError as exc:
                 errors.append(exc)
                 continue
             self.master_host, self.master_port = host, port
-            break
-        else:
-            text = "; ".join(e.message for e in errors) + self._origin
-            if all(isinstance(e, HelloRefusedError) for e in errors):
-                raise HelloRefusedError(text)
-            raise MasterConnectionError(text)
-        self._ms = ms
-        self._core.peer_id = reply.peer_id
+            return ms, reply
+        text = "; ".join(e.message for e in errors) + self._origin
+        if all(isinstance(e, HelloRefusedError) for e in errors):
+            raise HelloRefusedError(text)
+        raise MasterConnectionError(text)
+
+    async def _open_data_plane(self, nursery: trio.Nursery, ms: MessageStream) -> tuple[str, int]:
+        """Open the P2P dialer, the ring pool and the P2P listener; the listener's address. Closes ``ms``
+        if the listener cannot be opened."""
         self._dialer = P2PDialer(
             self.transport, my_peer_id=self.peer_id, config=self.config, secret=self.config.secret or "",
             credentials=self._credentials,
@@ -322,7 +342,7 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         serve = functools.partial(serve_p2p, config=self.config, secret=self.config.secret or "",
                                   credentials=self._credentials, connections=self.p2p_connections)
         try:
-            self.p2p_address = await nursery.start(
+            address: tuple[str, int] = await nursery.start(
                 _guard(serve, "P2P listener"),
                 self.transport,
                 self.config.p2p_listen_host,
@@ -332,17 +352,11 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         except (ConnectFailed, PCCLError) as exc:
             await ms.aclose()
             raise MasterConnectionError(f"cannot open the P2P listener: {exc}") from exc
-        assert self.p2p_address is not None
-        self._core.last_heard = trio.current_time()
-        self._start_link_tasks(ms)
-        self._stall.name = f"peer {self.peer_id}"
-        nursery.start_soon(self._stall.run)
-        nursery.start_soon(self._spinner.run)
-        await self._send(m.Register(p2p_port=self.p2p_address[1], peer_group=self.peer_group,
-                                     public_key=self._credentials.public_key))
-        if self._standbys():
-            await self._send(m.Standbys(count=self._standbys()))
-        nursery.start_soon(self._notices.run)
+        return address
+
+    async def _await_accept(self) -> None:
+        """Wait until the master accepts this peer (a notice while it waits long), or raise after
+        ``accept_timeout``."""
         deadline = trio.current_time() + _no_limit(self.config.accept_timeout)
         accepted = False
         with self._notices.waiting("accept", self._describe_accept_wait):
@@ -364,7 +378,6 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
                 "connects waits until the accepted peers call update_topology()",
                 Result.MASTER_CONNECTION_FAILED,
             )
-        log.info("peer %d accepted (world size %d)", self.peer_id, len(self._core.table))
 
     def _describe_accept_wait(self, waited: float) -> str:
         run = f" (run {self.config.run!r})" if self.config.run else ""

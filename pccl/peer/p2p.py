@@ -272,6 +272,42 @@ async def _serve_connection(
                 pass
 
 
+async def _credential_args(
+    credentials: CredentialStore | None, to_peer: int, channel: str, where: str
+) -> dict[str, Any]:
+    """The Hello's credential fields for dialing ``to_peer`` on ``channel`` (none without credentials).
+
+    Raises:
+        RankConnectionFailedError: this peer holds no credential for it.
+    """
+    if credentials is None:
+        return {}
+    cred = credentials.for_dial(to_peer, channel)
+    if cred is None:
+        await trio.lowlevel.checkpoint()
+        cur = credentials.current
+        held = "none yet" if cur is None else f"epoch {cur.epoch} of generation {cur.generation}"
+        raise RankConnectionFailedError(
+            f"no P2P credential for {where}: the master issued none for it in this peer's set ({held})"
+        )
+    return {"credential": cred.key, "generation": cred.generation, "epoch": cred.epoch}
+
+
+async def _connect(transport: Transport, host: str, port: int, timeout: float, where: str) -> Stream:
+    """A connection to ``host:port`` within ``timeout`` seconds.
+
+    Raises:
+        RankConnectionFailedError: it timed out or failed.
+    """
+    try:
+        with trio.fail_after(timeout):
+            return await transport.connect(host, port)
+    except trio.TooSlowError as exc:
+        raise RankConnectionFailedError(f"P2P connect to {where} timed out") from exc
+    except StreamBroken as exc:
+        raise RankConnectionFailedError(f"P2P connect to {where} failed: {exc}") from exc
+
+
 async def open_p2p(
     transport: Transport,
     host: str,
@@ -309,24 +345,8 @@ async def open_p2p(
             for ``to_peer``.
     """
     where = f"{host}:{port}" if to_peer < 0 else f"peer {to_peer} at {host}:{port}"
-    cred_args: dict[str, Any] = {}
-    if credentials is not None:
-        cred = credentials.for_dial(to_peer, channel)
-        if cred is None:
-            await trio.lowlevel.checkpoint()
-            cur = credentials.current
-            held = "none yet" if cur is None else f"epoch {cur.epoch} of generation {cur.generation}"
-            raise RankConnectionFailedError(
-                f"no P2P credential for {where}: the master issued none for it in this peer's set ({held})"
-            )
-        cred_args = {"credential": cred.key, "generation": cred.generation, "epoch": cred.epoch}
-    try:
-        with trio.fail_after(config.connect_timeout):
-            stream = await transport.connect(host, port)
-    except trio.TooSlowError as exc:
-        raise RankConnectionFailedError(f"P2P connect to {where} timed out") from exc
-    except StreamBroken as exc:
-        raise RankConnectionFailedError(f"P2P connect to {where} failed: {exc}") from exc
+    cred_args = await _credential_args(credentials, to_peer, channel, where)
+    stream = await _connect(transport, host, port, config.connect_timeout, where)
     ms = MessageStream(stream, max_frame_size=config.max_frame_size, limits=pre_auth(config.max_frame_size))
     ok = False
     try:

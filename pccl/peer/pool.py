@@ -89,7 +89,7 @@ connection.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 import trio
@@ -247,9 +247,9 @@ class P2PPool:
     # ------------------------------------------------------------------------------------------
     # data
 
-    async def send(
+    def send(
         self, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview, *, conn_index: int
-    ) -> None:
+    ) -> Coroutine[Any, Any, None]:
         """Send one data frame to ``peer_id`` on outgoing connection ``conn_index % pool_size``.
 
         Frames on one connection never interleave (a per-connection FIFO lock); concurrent sends
@@ -267,7 +267,8 @@ class P2PPool:
             RankConnectionLostError: no open connection, or it broke while sending (it is then
                 closed).
         """
-        await self.links.send(peer_id, tag, op_seq, seq, data, conn_index=conn_index)
+        # The links' coroutine itself (no wrapper of its own): this is on every frame's path.
+        return self.links.send(peer_id, tag, op_seq, seq, data, conn_index=conn_index)
 
     def expect(self, peer_id: int, tag: int, op_seq: int, seq: int, dest: memoryview) -> ReceiveSlot:
         """Register a receive of frame ``(tag, op_seq, seq)`` from ``peer_id`` into ``dest``.

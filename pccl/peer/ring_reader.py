@@ -180,7 +180,17 @@ class RingReaders:
         if slot is None and length >= _REGISTER_WAIT_MIN_BYTES and op_seq not in inbox.dead_ops:
             slot = await self._let_register(key)
         if slot is not None:
-            return await self._fill_slot(conn, key, slot, length)
+            # straight into the registered receive (inline: this is every frame's path)
+            if slot.filling:
+                raise RemoteProtocolError(f"frame {key} received twice")
+            slot.filler = conn
+            if length != slot.nbytes:
+                inbox.reject(key, slot, length)
+                raise RemoteProtocolError(f"frame {key}: {length} bytes, expected {slot.nbytes}")
+            slot.filling = True
+            blocked = await self.fill(conn, slot.dest, slot)
+            inbox.filled(key, slot, length)
+            return blocked
         if inbox.is_straggler(key):
             inbox.bytes_discarded += length
             return await self.drop(conn, length)
@@ -215,19 +225,6 @@ class RingReaders:
             if slot is not None or key[2] in inbox.dead_ops:
                 return slot
         return None
-
-    async def _fill_slot(self, conn: Conn, key: SlotKey, slot: ReceiveSlot, length: int) -> bool:
-        """Read the frame straight into its registered receive; True if it had to wait."""
-        if slot.filling:
-            raise RemoteProtocolError(f"frame {key} received twice")
-        slot.filler = conn
-        if length != slot.nbytes:
-            self.inbox.reject(key, slot, length)
-            raise RemoteProtocolError(f"frame {key}: {length} bytes, expected {slot.nbytes}")
-        slot.filling = True
-        blocked = await self.fill(conn, slot.dest, slot)
-        self.inbox.filled(key, slot, length)
-        return blocked
 
     async def _stash(self, conn: Conn, key: SlotKey, length: int) -> bool:
         """Read the frame into a fresh stash buffer; True if it had to wait."""

@@ -442,8 +442,8 @@ class VirtualStream:
     def path_estimate(self) -> tuple[float, int]:
         """``(round trip in seconds, window in bytes)`` of this connection now, as a kernel's
         ``TCP_INFO`` would tell a TCP socket's (the P2P pool sizes its stripes with it)."""
-        there = self._net._link(self._out.src, self._out.dst).latency
-        back = self._net._link(self._out.dst, self._out.src).latency
+        there = self._net._wire.link(self._out.src, self._out.dst).latency
+        back = self._net._wire.link(self._out.dst, self._out.src).latency
         return there + back, self._net.buffer_size
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -523,7 +523,7 @@ class VirtualStream:
         if room <= 0:
             return 0
         n = min(room, self._net.segment_size, len(view) - pos)
-        self._net._transmit(self, bytes(view[pos : pos + n]), now)
+        self._net._wire.transmit(self, bytes(view[pos : pos + n]), now)
         self._bytes_sent += n
         return n
 
@@ -571,7 +571,7 @@ class VirtualStream:
         Idempotent. The close happens even if the call is cancelled.
         """
         if self._dead is None:
-            self._net._kill_end(self, "stream closed", _FIN)
+            self._net._wire.kill_end(self, "stream closed", _FIN)
         await trio.lowlevel.checkpoint()
 
     # -- extras ------------------------------------------------------------------------------
@@ -637,7 +637,7 @@ class VirtualStream:
             if head.kind == _FIN:
                 return
             if head.kind == _RST:
-                self._net._kill_end(self, "connection reset by peer", None)
+                self._net._wire.kill_end(self, "connection reset by peer", None)
                 self._raise_if_dead()
             got = 0
             while got < limit and queue:
@@ -654,7 +654,7 @@ class VirtualStream:
                 else:
                     pipe.head_pos = start + take
             self._bytes_received += got
-            self._net._consumed(pipe, got, now)
+            self._net._wire.consumed(pipe, got, now)
             self._conn.signal.fire()
             return
 
@@ -711,7 +711,7 @@ class VirtualListener:
 
     async def aclose(self) -> None:
         """Stop listening; connections not yet accepted are reset. Idempotent."""
-        self._net._close_listener(self)
+        self._net._sockets.close_listener(self)
         await trio.lowlevel.checkpoint()
 
     def __repr__(self) -> str:
@@ -771,7 +771,7 @@ class VirtualHost:
                 target is partitioned away or crashed and stays so for ``connect_timeout``; the
                 address is unknown; or this host crashed.
         """
-        return await self._net._connect(self, host, port)
+        return await self._net._sockets.connect(self, host, port)
 
     async def listen(self, host: str, port: int) -> VirtualListener:
         """Listen on (host, port) of this host.
@@ -787,7 +787,7 @@ class VirtualHost:
         Raises:
             ConnectFailed: the address is not this host's, the port is in use, or the host crashed.
         """
-        return await self._net._listen(self, host, port)
+        return await self._net._sockets.listen(self, host, port)
 
     def __repr__(self) -> str:
         state = "crashed" if not self._alive else ("hung" if self._hung else "up")
@@ -811,6 +811,366 @@ class _Unset:
 _UNSET: Final = _Unset()
 
 HostRef = str | VirtualHost
+
+
+class _Wire:
+    """The traffic between hosts: links, partitions, the segments queued on each connection, hooks and
+    the bytes moved. Schedules every segment on its link (the "next free time" token model of the module
+    docstring), reschedules when partitions change, and kills connection ends.
+
+    Args:
+        latency: default one-way latency of links between distinct hosts.
+        bandwidth: their default bandwidth (``None``: infinite).
+        topology: fired when partitions change (connects waiting for a path look again).
+        release_port: frees the port of a dead end that owns one.
+    """
+
+    def __init__(
+        self, latency: float, bandwidth: float | None, topology: _Signal,
+        release_port: Callable[[VirtualStream], None],
+    ) -> None:
+        self.default_latency = latency
+        self.default_bandwidth = bandwidth
+        self.topology = topology
+        self.release_port = release_port
+        self.links: dict[tuple[str, str], _Link] = {}
+        self.blocked: set[tuple[str, str]] = set()
+        self.conns: dict[int, _Connection] = {}
+        self.hooks: list[Hook] = []
+        self.bytes_sent = 0
+        self.bytes_delivered = 0
+        self.bytes_discarded = 0
+
+    def link(self, src: str, dst: str) -> _Link:
+        link = self.links.get((src, dst))
+        if link is None:
+            if src == dst:
+                link = _Link(0.0, None)
+            else:
+                link = _Link(self.default_latency, self.default_bandwidth)
+            self.links[(src, dst)] = link
+        return link
+
+    def is_blocked(self, src: str, dst: str) -> bool:
+        return src != dst and (src, dst) in self.blocked
+
+    def schedule(self, pipe: _Pipe, seg: _Segment, now: float) -> None:
+        if pipe.stalled or self.is_blocked(pipe.src, pipe.dst):
+            seg.arrival = None
+            return
+        link = self.link(pipe.src, pipe.dst)
+        done = now
+        if seg.kind == _DATA and link.bandwidth is not None:
+            start = max(now, link.next_free)
+            done = start + len(seg.data) / link.bandwidth
+            link.next_free = done
+        arrival = max(done + link.latency + seg.delay, pipe.last_arrival)
+        pipe.last_arrival = arrival
+        seg.arrival = arrival
+
+    def reschedule(self) -> None:
+        """Apply the current partition set to every queued segment, then wake everyone."""
+        now = _now()
+        for (s, d), link in self.links.items():
+            if self.is_blocked(s, d):
+                # Bandwidth reserved for data that will now be retransmitted is not used.
+                link.next_free = min(link.next_free, now)
+        for conn in list(self.conns.values()):
+            for pipe in (conn.a._out, conn.b._out):
+                if pipe.stalled:
+                    continue
+                if self.is_blocked(pipe.src, pipe.dst):
+                    for seg in pipe.queue:
+                        if seg.arrival is not None and not _reached(seg.arrival, now):
+                            seg.arrival = None
+                    pipe.last_arrival = min(pipe.last_arrival, now)
+                else:
+                    for seg in pipe.queue:
+                        if seg.arrival is None:
+                            self.schedule(pipe, seg, now)
+            conn.signal.fire()
+        self.topology.fire()
+
+    def enqueue(self, pipe: _Pipe, seg: _Segment, now: float, signal: _Signal) -> None:
+        if pipe.receiver_gone:
+            self.bytes_discarded += len(seg.data)
+            return
+        pipe.queue.append(seg)
+        if seg.kind == _DATA:
+            pipe.unacked += len(seg.data)
+        else:
+            pipe.terminal = seg
+        self.schedule(pipe, seg, now)
+        signal.fire()
+
+    def transmit(self, end: VirtualStream, chunk: bytes, now: float) -> None:
+        """Hand one chunk from ``end`` to the network, running the hooks. Raises StreamBroken."""
+        pipe = end._out
+        signal = end._conn.signal
+        self.bytes_sent += len(chunk)
+        while chunk:
+            action = self._hook_action(end, chunk, now) if self.hooks else None
+            if action is None:
+                pipe.offset += len(chunk)
+                self.enqueue(pipe, _Segment(_DATA, chunk, 0.0), now, signal)
+                return
+            if isinstance(action, Delay):
+                k = len(chunk) if action.nbytes is None else min(action.nbytes, len(chunk))
+                pipe.offset += k
+                self.enqueue(pipe, _Segment(_DATA, chunk[:k], action.seconds), now, signal)
+                chunk = chunk[k:]
+                continue
+            k = max(0, min(action.after, len(chunk)))
+            if k:
+                pipe.offset += k
+                self.enqueue(pipe, _Segment(_DATA, chunk[:k], 0.0), now, signal)
+            rest = chunk[k:]
+            if isinstance(action, Stall):
+                pipe.stalled = True
+                if rest:
+                    pipe.offset += len(rest)
+                    self.enqueue(pipe, _Segment(_DATA, rest, 0.0), now, signal)
+                return
+            self.bytes_discarded += len(rest)
+            if isinstance(action, Reset):
+                self.kill_end(end, "connection reset (hook)", _RST)
+            else:
+                self.kill_end(end, "stream closed (hook)", _FIN)
+            end._raise_if_dead()
+            return
+
+    def _hook_action(self, end: VirtualStream, chunk: bytes, now: float) -> HookAction | None:
+        """What the first hook that acts on ``chunk`` wants done with it (None: no hook acts)."""
+        pipe = end._out
+        event = TrafficEvent(
+            connection=end._conn.id,
+            src=pipe.src,
+            dst=pipe.dst,
+            src_address=end._local,
+            dst_address=end._peer,
+            offset=pipe.offset,
+            data=chunk,
+            time=now,
+        )
+        for hook in list(self.hooks):
+            action = hook(event)
+            if action is not None:
+                return action
+        return None
+
+    def consumed(self, pipe: _Pipe, nbytes: int, now: float) -> None:
+        """The receiving application read ``nbytes``: the ack reaches the sender one latency later."""
+        self.bytes_delivered += nbytes
+        back = self.link(pipe.dst, pipe.src).latency
+        if back <= 0:
+            pipe.unacked -= nbytes
+        else:
+            pipe.credits.append((now + back, nbytes))
+
+    def kill_end(self, end: VirtualStream, reason: str, send: int | None) -> None:
+        """Make ``end`` dead: fail its operations, tell the peer (FIN/RST, in-band), drop its input."""
+        if end._dead is not None:
+            return
+        end._dead = reason
+        now = _now()
+        signal = end._conn.signal
+        if send is not None and end._out.terminal is None:
+            self.enqueue(end._out, _Segment(send, b"", 0.0), now, signal)
+        # Nothing will read this end any more: drop what is queued and give the sender its window
+        # back so it is not stuck on a dead receiver.
+        inp = end._in
+        inp.receiver_gone = True
+        discarded = sum(len(s.data) for s in inp.queue if s.kind == _DATA) - inp.head_pos
+        self.bytes_discarded += max(0, discarded)
+        inp.queue.clear()
+        inp.head_pos = 0
+        inp.unacked = 0
+        inp.credits.clear()
+        end._host._ends.discard(end)
+        if end._owns_port:
+            self.release_port(end)
+        conn = end._conn
+        if conn.a._dead is not None and conn.b._dead is not None:
+            self.conns.pop(conn.id, None)
+        signal.fire()
+
+
+class _Sockets:
+    """Ports, listeners and connection set-up of a :class:`VirtualNetwork`: which host an address names,
+    whether a path is open, the SYN / SYN-ACK round trip, refusals and connect timeouts.
+
+    Args:
+        net: the network (its hosts, their addresses, loopback mode).
+        wire: its traffic (links, partitions, connections).
+        topology: fired when hosts or partitions change (connects waiting for a path look again).
+    """
+
+    def __init__(self, net: VirtualNetwork, wire: _Wire, topology: _Signal) -> None:
+        self.net = net
+        self.wire = wire
+        self.topology = topology
+        self.spaces: dict[str, _PortSpace] = {}
+        self.shared_space = _PortSpace()
+        self.next_conn_id = 1
+        self.opened = 0
+        self.refused = 0
+        self.timeouts = 0
+
+    def space_of(self, host: VirtualHost) -> _PortSpace:
+        if self.net.loopback:
+            return self.shared_space
+        space = self.spaces.get(host.name)
+        if space is None:
+            space = self.spaces[host.name] = _PortSpace()
+        return space
+
+    def release_port(self, end: VirtualStream) -> None:
+        """The port ``end`` owns is free again."""
+        self.space_of(end._host).used.discard(end._local[1])
+
+    def close_listener(self, lst: VirtualListener) -> None:
+        if lst._closed:
+            return
+        lst._closed = True
+        port = lst._address[1]
+        if lst._space.listeners.get(port) is lst:
+            del lst._space.listeners[port]
+            lst._space.used.discard(port)
+        lst._host._listeners.discard(lst)
+        while lst._backlog:
+            _, end = lst._backlog.popleft()
+            self.wire.kill_end(end, "listener closed", _RST)
+        lst._signal.fire()
+
+    async def listen(self, host: VirtualHost, bind: str, port: int) -> VirtualListener:
+        await trio.lowlevel.checkpoint()
+        while host._hung:
+            await self.topology.wait()
+        if not host._alive:
+            raise ConnectFailed(f"cannot listen on {bind}:{port}: host {host.name} crashed")
+        if not 0 <= port <= 65535:
+            raise ConnectFailed(f"cannot listen on {bind}:{port}: invalid port")
+        addr = _normalize(bind)
+        if addr == host.name:
+            addr = host.address
+        if addr not in (_WILDCARD, _LOOPBACK, host.address):
+            raise ConnectFailed(f"cannot listen on {bind}:{port}: cannot assign requested address")
+        space = self.space_of(host)
+        if port == 0:
+            port = space.allocate()
+        elif port in space.used:
+            raise ConnectFailed(f"cannot listen on {bind}:{port}: address already in use")
+        else:
+            space.used.add(port)
+        lst = VirtualListener(self.net, host, (addr, port), space)
+        space.listeners[port] = lst
+        host._listeners.add(lst)
+        return lst
+
+    def find_listener(self, space: _PortSpace, ip: str, port: int) -> VirtualListener | None:
+        lst = space.listeners.get(port)
+        if lst is None or lst._closed or not lst._host._alive:
+            return None
+        if lst._address[0] not in (_WILDCARD, ip):
+            return None
+        return lst
+
+    async def connect(self, src: VirtualHost, host: str, port: int) -> VirtualStream:
+        await trio.lowlevel.checkpoint()
+        target = f"{host}:{port}"
+        while src._hung:
+            await self.topology.wait()
+        if not src._alive:
+            raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
+        if not 1 <= port <= 65535:
+            raise ConnectFailed(f"connect to {target} failed: invalid port")
+        dst_ip, dst_name, space = self._resolve(src, host, target)
+        peer = await self._wait_for_path(src, dst_name, dst_ip, space, port, target)
+        there = self.wire.link(src.name, peer).latency
+        back = self.wire.link(peer, src.name).latency
+        await trio.sleep(there)  # the SYN travels
+        if not src._alive:
+            raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
+        lst = self.find_listener(space, dst_ip, port)
+        if lst is None:
+            await trio.sleep(back)  # the RST travels back
+            self.refused += 1
+            raise ConnectFailed(f"connect to {target} failed: connection refused")
+        client = self._open(src, lst, dst_ip, port)
+        # The server's accept completes when the client's final ACK arrives: one round trip from now.
+        lst._backlog.append((trio.current_time() + back + there, client._conn.b))
+        lst._signal.fire()
+        try:
+            await trio.sleep(back)  # the SYN/ACK travels back
+        except BaseException:
+            self.wire.kill_end(client, "connect cancelled", _FIN)
+            raise
+        if not src._alive:
+            raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
+        return client
+
+    def _resolve(self, src: VirtualHost, host: str, target: str) -> tuple[str, str | None, _PortSpace]:
+        """``(destination ip, destination host name or None, port space)`` of ``host`` seen from ``src``
+        (None: loopback mode, the listener decides)."""
+        net = self.net
+        addr = _normalize(host)
+        if net.loopback:
+            if addr == _LOOPBACK or addr in net._hosts:
+                return _LOOPBACK, None, self.shared_space
+            raise ConnectFailed(f"connect to {target} failed: no route to host (loopback network)")
+        if addr == _LOOPBACK:
+            return _LOOPBACK, src.name, self.space_of(src)
+        name = addr if addr in net._hosts else net._by_address.get(addr)
+        if name is None:
+            raise ConnectFailed(f"connect to {target} failed: no route to host")
+        return net._hosts[name].address, name, self.space_of(net._hosts[name])
+
+    async def _wait_for_path(
+        self, src: VirtualHost, dst_name: str | None, dst_ip: str, space: _PortSpace, port: int, target: str
+    ) -> str:
+        """Wait for a path: SYN and SYN/ACK both need to cross, and someone must be there to answer.
+        Returns the destination host's name."""
+        deadline = trio.current_time() + src.connect_timeout
+        while True:
+            if src._hung:
+                await self.topology.wait()
+                continue
+            if not src._alive:
+                raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
+            peer = dst_name
+            if peer is None:  # loopback: whoever listens on the port is the destination
+                lst = self.find_listener(space, dst_ip, port)
+                peer = lst._host.name if lst is not None else src.name
+            reachable = (
+                not self.wire.is_blocked(src.name, peer)
+                and not self.wire.is_blocked(peer, src.name)
+                and self.net._hosts[peer]._alive
+            )
+            if reachable:
+                return peer
+            if _reached(deadline, trio.current_time()):
+                self.timeouts += 1
+                raise ConnectFailed(f"connect to {target} timed out after {src.connect_timeout}s")
+            await self.topology.wait(deadline)
+
+    def _open(self, src: VirtualHost, lst: VirtualListener, dst_ip: str, port: int) -> VirtualStream:
+        """A new connection from ``src`` to listener ``lst``; its client end."""
+        src_ip = _LOOPBACK if dst_ip == _LOOPBACK else src.address
+        dst_host = lst._host
+        src_port = self.space_of(src).allocate()
+        conn = _Connection(self.next_conn_id)
+        self.next_conn_id += 1
+        up = _Pipe(src.name, dst_host.name)
+        down = _Pipe(dst_host.name, src.name)
+        net = self.net
+        client = VirtualStream(net, conn, src, up, down, (src_ip, src_port), (dst_ip, port), True)
+        server = VirtualStream(net, conn, dst_host, down, up, (dst_ip, port), (src_ip, src_port), False)
+        conn.a, conn.b = client, server
+        self.wire.conns[conn.id] = conn
+        src._ends.add(client)
+        dst_host._ends.add(server)
+        self.opened += 1
+        return client
 
 
 class VirtualNetwork:
@@ -849,28 +1209,28 @@ class VirtualNetwork:
         if buffer_size < 1 or segment_size < 1:
             raise ValueError("buffer_size and segment_size must be >= 1")
         self.loopback = loopback
-        self.default_latency = latency
-        self.default_bandwidth = bandwidth
         self.connect_timeout = connect_timeout
         self.buffer_size = buffer_size
         self.segment_size = segment_size
         self._hosts: dict[str, VirtualHost] = {}
         self._by_address: dict[str, str] = {}
-        self._spaces: dict[str, _PortSpace] = {}
-        self._shared_space = _PortSpace()
-        self._links: dict[tuple[str, str], _Link] = {}
-        self._blocked: set[tuple[str, str]] = set()
-        self._conns: dict[int, _Connection] = {}
-        self._hooks: list[Hook] = []
         self._topology = _Signal()
-        self._next_conn_id = 1
         self._next_auto_ip = 1
-        self._opened = 0
-        self._refused = 0
-        self._timeouts = 0
-        self._bytes_sent = 0
-        self._bytes_delivered = 0
-        self._bytes_discarded = 0
+        self._wire = _Wire(latency, bandwidth, self._topology, self._release_port)
+        self._sockets = _Sockets(self, self._wire, self._topology)
+
+    @property
+    def default_latency(self) -> float:
+        """One-way latency (seconds) of links between distinct hosts not configured otherwise."""
+        return self._wire.default_latency
+
+    @property
+    def default_bandwidth(self) -> float | None:
+        """Bandwidth (bytes/s, None: infinite) of links between distinct hosts not configured otherwise."""
+        return self._wire.default_bandwidth
+
+    def _release_port(self, end: VirtualStream) -> None:
+        self._sockets.release_port(end)
 
     # -- hosts --------------------------------------------------------------------------------
 
@@ -930,16 +1290,6 @@ class VirtualNetwork:
 
     # -- links --------------------------------------------------------------------------------
 
-    def _link(self, src: str, dst: str) -> _Link:
-        link = self._links.get((src, dst))
-        if link is None:
-            if src == dst:
-                link = _Link(0.0, None)
-            else:
-                link = _Link(self.default_latency, self.default_bandwidth)
-            self._links[(src, dst)] = link
-        return link
-
     def set_link(
         self,
         a: HostRef,
@@ -968,7 +1318,7 @@ class VirtualNetwork:
         na, nb = self._name(a), self._name(b)
         pairs = [(na, nb)] if oneway or na == nb else [(na, nb), (nb, na)]
         for s, d in pairs:
-            link = self._link(s, d)
+            link = self._wire.link(s, d)
             if not isinstance(latency, _Unset):
                 link.latency = float(latency)
             if not isinstance(bandwidth, _Unset):
@@ -980,7 +1330,7 @@ class VirtualNetwork:
         Raises:
             ValueError: unknown host.
         """
-        link = self._link(self._name(a), self._name(b))
+        link = self._wire.link(self._name(a), self._name(b))
         return LinkConfig(latency=link.latency, bandwidth=link.bandwidth)
 
     # -- faults -------------------------------------------------------------------------------
@@ -1001,10 +1351,10 @@ class VirtualNetwork:
         for nb in others:
             if nb == na:
                 raise ValueError("a host cannot be partitioned from itself")
-            self._blocked.add((na, nb))
+            self._wire.blocked.add((na, nb))
             if not oneway:
-                self._blocked.add((nb, na))
-        self._reschedule()
+                self._wire.blocked.add((nb, na))
+        self._wire.reschedule()
 
     def heal(self, a: HostRef | None = None, b: HostRef | None = None) -> None:
         """Lift partitions: all of them, all involving ``a``, or those between ``a`` and ``b``.
@@ -1014,20 +1364,20 @@ class VirtualNetwork:
         if a is None:
             if b is not None:
                 raise ValueError("heal(b=...) needs a")
-            self._blocked.clear()
+            self._wire.blocked.clear()
         else:
             na = self._name(a)
             nb = self._name(b) if b is not None else None
-            self._blocked = {
+            self._wire.blocked = {
                 (s, d)
-                for (s, d) in self._blocked
+                for (s, d) in self._wire.blocked
                 if not ((nb is None and na in (s, d)) or (nb is not None and {s, d} == {na, nb}))
             }
-        self._reschedule()
+        self._wire.reschedule()
 
     def is_partitioned(self, a: HostRef, b: HostRef) -> bool:
         """Whether traffic a -> b is currently blocked."""
-        return (self._name(a), self._name(b)) in self._blocked
+        return (self._name(a), self._name(b)) in self._wire.blocked
 
     def reset(self, a: HostRef, b: HostRef) -> int:
         """Reset every connection between hosts ``a`` and ``b`` now, as a middlebox that drops its
@@ -1041,8 +1391,8 @@ class VirtualNetwork:
         conns = {end._conn.id: end._conn for end in list(ha._ends)
                  if (end._conn.b if end._conn.a is end else end._conn.a)._host is hb}
         for conn in conns.values():
-            self._kill_end(conn.a, "connection reset by the network", _RST)
-            self._kill_end(conn.b, "connection reset by the network", _RST)
+            self._wire.kill_end(conn.a, "connection reset by the network", _RST)
+            self._wire.kill_end(conn.b, "connection reset by the network", _RST)
         self._topology.fire()
         return len(conns)
 
@@ -1077,9 +1427,9 @@ class VirtualNetwork:
         h._alive = False
         h._hung = False
         for lst in list(h._listeners):
-            self._close_listener(lst)
+            self._sockets.close_listener(lst)
         for end in list(h._ends):
-            self._kill_end(end, "host crashed", _RST)
+            self._wire.kill_end(end, "host crashed", _RST)
         self._topology.fire()
 
     def restart(self, host: HostRef) -> VirtualHost:
@@ -1112,13 +1462,13 @@ class VirtualNetwork:
         Returns:
             ``hook``, for :meth:`remove_hook`.
         """
-        self._hooks.append(hook)
+        self._wire.hooks.append(hook)
         return hook
 
     def remove_hook(self, hook: Hook) -> None:
         """Unregister a hook (no error if absent)."""
-        if hook in self._hooks:
-            self._hooks.remove(hook)
+        if hook in self._wire.hooks:
+            self._wire.hooks.remove(hook)
 
     # -- reporting ----------------------------------------------------------------------------
 
@@ -1133,15 +1483,15 @@ class VirtualNetwork:
             hosts=tuple(h.name for h in hosts),
             crashed=tuple(h.name for h in hosts if not h._alive),
             hung=tuple(h.name for h in hosts if h._hung),
-            partitions=tuple(sorted(self._blocked)),
+            partitions=tuple(sorted(self._wire.blocked)),
             listeners=sum(len(h._listeners) for h in hosts),
-            open_connections=len(self._conns),
-            connections_opened=self._opened,
-            connections_refused=self._refused,
-            connect_timeouts=self._timeouts,
-            bytes_sent=self._bytes_sent,
-            bytes_delivered=self._bytes_delivered,
-            bytes_discarded=self._bytes_discarded,
+            open_connections=len(self._wire.conns),
+            connections_opened=self._sockets.opened,
+            connections_refused=self._sockets.refused,
+            connect_timeouts=self._sockets.timeouts,
+            bytes_sent=self._wire.bytes_sent,
+            bytes_delivered=self._wire.bytes_delivered,
+            bytes_discarded=self._wire.bytes_discarded,
         )
 
     def __repr__(self) -> str:
@@ -1158,292 +1508,6 @@ class VirtualNetwork:
             f" listeners={s.listeners} connections={s.open_connections} open/{s.connections_opened} total"
             f" bytes sent={s.bytes_sent} delivered={s.bytes_delivered}>"
         )
-
-    # -- internals: scheduling ----------------------------------------------------------------
-
-    def _is_blocked(self, src: str, dst: str) -> bool:
-        return src != dst and (src, dst) in self._blocked
-
-    def _schedule(self, pipe: _Pipe, seg: _Segment, now: float) -> None:
-        if pipe.stalled or self._is_blocked(pipe.src, pipe.dst):
-            seg.arrival = None
-            return
-        link = self._link(pipe.src, pipe.dst)
-        done = now
-        if seg.kind == _DATA and link.bandwidth is not None:
-            start = max(now, link.next_free)
-            done = start + len(seg.data) / link.bandwidth
-            link.next_free = done
-        arrival = max(done + link.latency + seg.delay, pipe.last_arrival)
-        pipe.last_arrival = arrival
-        seg.arrival = arrival
-
-    def _reschedule(self) -> None:
-        """Apply the current partition set to every queued segment, then wake everyone."""
-        now = _now()
-        for (s, d), link in self._links.items():
-            if self._is_blocked(s, d):
-                # Bandwidth reserved for data that will now be retransmitted is not used.
-                link.next_free = min(link.next_free, now)
-        for conn in list(self._conns.values()):
-            for pipe in (conn.a._out, conn.b._out):
-                if pipe.stalled:
-                    continue
-                if self._is_blocked(pipe.src, pipe.dst):
-                    for seg in pipe.queue:
-                        if seg.arrival is not None and not _reached(seg.arrival, now):
-                            seg.arrival = None
-                    pipe.last_arrival = min(pipe.last_arrival, now)
-                else:
-                    for seg in pipe.queue:
-                        if seg.arrival is None:
-                            self._schedule(pipe, seg, now)
-            conn.signal.fire()
-        self._topology.fire()
-
-    def _enqueue(self, pipe: _Pipe, seg: _Segment, now: float, signal: _Signal) -> None:
-        if pipe.receiver_gone:
-            self._bytes_discarded += len(seg.data)
-            return
-        pipe.queue.append(seg)
-        if seg.kind == _DATA:
-            pipe.unacked += len(seg.data)
-        else:
-            pipe.terminal = seg
-        self._schedule(pipe, seg, now)
-        signal.fire()
-
-    def _transmit(self, end: VirtualStream, chunk: bytes, now: float) -> None:
-        """Hand one chunk from ``end`` to the network, running the hooks. Raises StreamBroken."""
-        pipe = end._out
-        signal = end._conn.signal
-        self._bytes_sent += len(chunk)
-        while chunk:
-            action: HookAction | None = None
-            if self._hooks:
-                event = TrafficEvent(
-                    connection=end._conn.id,
-                    src=pipe.src,
-                    dst=pipe.dst,
-                    src_address=end._local,
-                    dst_address=end._peer,
-                    offset=pipe.offset,
-                    data=chunk,
-                    time=now,
-                )
-                for hook in list(self._hooks):
-                    action = hook(event)
-                    if action is not None:
-                        break
-            if action is None:
-                pipe.offset += len(chunk)
-                self._enqueue(pipe, _Segment(_DATA, chunk, 0.0), now, signal)
-                return
-            if isinstance(action, Delay):
-                k = len(chunk) if action.nbytes is None else min(action.nbytes, len(chunk))
-                pipe.offset += k
-                self._enqueue(pipe, _Segment(_DATA, chunk[:k], action.seconds), now, signal)
-                chunk = chunk[k:]
-                continue
-            k = max(0, min(action.after, len(chunk)))
-            if k:
-                pipe.offset += k
-                self._enqueue(pipe, _Segment(_DATA, chunk[:k], 0.0), now, signal)
-            rest = chunk[k:]
-            if isinstance(action, Stall):
-                pipe.stalled = True
-                if rest:
-                    pipe.offset += len(rest)
-                    self._enqueue(pipe, _Segment(_DATA, rest, 0.0), now, signal)
-                return
-            self._bytes_discarded += len(rest)
-            if isinstance(action, Reset):
-                self._kill_end(end, "connection reset (hook)", _RST)
-            else:
-                self._kill_end(end, "stream closed (hook)", _FIN)
-            end._raise_if_dead()
-            return
-
-    def _consumed(self, pipe: _Pipe, nbytes: int, now: float) -> None:
-        """The receiving application read ``nbytes``: the ack reaches the sender one latency later."""
-        self._bytes_delivered += nbytes
-        back = self._link(pipe.dst, pipe.src).latency
-        if back <= 0:
-            pipe.unacked -= nbytes
-        else:
-            pipe.credits.append((now + back, nbytes))
-
-    def _kill_end(self, end: VirtualStream, reason: str, send: int | None) -> None:
-        """Make ``end`` dead: fail its operations, tell the peer (FIN/RST, in-band), drop its input."""
-        if end._dead is not None:
-            return
-        end._dead = reason
-        now = _now()
-        signal = end._conn.signal
-        if send is not None and end._out.terminal is None:
-            self._enqueue(end._out, _Segment(send, b"", 0.0), now, signal)
-        # Nothing will read this end any more: drop what is queued and give the sender its window
-        # back so it is not stuck on a dead receiver.
-        inp = end._in
-        inp.receiver_gone = True
-        discarded = sum(len(s.data) for s in inp.queue if s.kind == _DATA) - inp.head_pos
-        self._bytes_discarded += max(0, discarded)
-        inp.queue.clear()
-        inp.head_pos = 0
-        inp.unacked = 0
-        inp.credits.clear()
-        end._host._ends.discard(end)
-        if end._owns_port:
-            self._space_of(end._host).used.discard(end._local[1])
-        conn = end._conn
-        if conn.a._dead is not None and conn.b._dead is not None:
-            self._conns.pop(conn.id, None)
-        signal.fire()
-
-    # -- internals: addressing, connect, listen -----------------------------------------------
-
-    def _space_of(self, host: VirtualHost) -> _PortSpace:
-        if self.loopback:
-            return self._shared_space
-        space = self._spaces.get(host.name)
-        if space is None:
-            space = self._spaces[host.name] = _PortSpace()
-        return space
-
-    def _close_listener(self, lst: VirtualListener) -> None:
-        if lst._closed:
-            return
-        lst._closed = True
-        port = lst._address[1]
-        if lst._space.listeners.get(port) is lst:
-            del lst._space.listeners[port]
-            lst._space.used.discard(port)
-        lst._host._listeners.discard(lst)
-        while lst._backlog:
-            _, end = lst._backlog.popleft()
-            self._kill_end(end, "listener closed", _RST)
-        lst._signal.fire()
-
-    async def _listen(self, host: VirtualHost, bind: str, port: int) -> VirtualListener:
-        await trio.lowlevel.checkpoint()
-        while host._hung:
-            await self._topology.wait()
-        if not host._alive:
-            raise ConnectFailed(f"cannot listen on {bind}:{port}: host {host.name} crashed")
-        if not 0 <= port <= 65535:
-            raise ConnectFailed(f"cannot listen on {bind}:{port}: invalid port")
-        addr = _normalize(bind)
-        if addr == host.name:
-            addr = host.address
-        if addr not in (_WILDCARD, _LOOPBACK, host.address):
-            raise ConnectFailed(f"cannot listen on {bind}:{port}: cannot assign requested address")
-        space = self._space_of(host)
-        if port == 0:
-            port = space.allocate()
-        elif port in space.used:
-            raise ConnectFailed(f"cannot listen on {bind}:{port}: address already in use")
-        else:
-            space.used.add(port)
-        lst = VirtualListener(self, host, (addr, port), space)
-        space.listeners[port] = lst
-        host._listeners.add(lst)
-        return lst
-
-    def _find_listener(self, space: _PortSpace, ip: str, port: int) -> VirtualListener | None:
-        lst = space.listeners.get(port)
-        if lst is None or lst._closed or not lst._host._alive:
-            return None
-        if lst._address[0] not in (_WILDCARD, ip):
-            return None
-        return lst
-
-    async def _connect(self, src: VirtualHost, host: str, port: int) -> VirtualStream:
-        await trio.lowlevel.checkpoint()
-        target = f"{host}:{port}"
-        while src._hung:
-            await self._topology.wait()
-        if not src._alive:
-            raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
-        if not 1 <= port <= 65535:
-            raise ConnectFailed(f"connect to {target} failed: invalid port")
-
-        # Resolve (host, port) to (destination host name or None, destination ip, port space).
-        addr = _normalize(host)
-        dst_name: str | None
-        if self.loopback:
-            if addr == _LOOPBACK or addr in self._hosts:
-                dst_ip, dst_name, space = _LOOPBACK, None, self._shared_space
-            else:
-                raise ConnectFailed(f"connect to {target} failed: no route to host (loopback network)")
-        elif addr == _LOOPBACK:
-            dst_ip, dst_name, space = _LOOPBACK, src.name, self._space_of(src)
-        else:
-            name = addr if addr in self._hosts else self._by_address.get(addr)
-            if name is None:
-                raise ConnectFailed(f"connect to {target} failed: no route to host")
-            dst_ip, dst_name, space = self._hosts[name].address, name, self._space_of(self._hosts[name])
-        src_ip = _LOOPBACK if dst_ip == _LOOPBACK else src.address
-
-        # Wait for a path: SYN and SYN/ACK both need to cross, and someone must be there to answer.
-        deadline = trio.current_time() + src.connect_timeout
-        while True:
-            if src._hung:
-                await self._topology.wait()
-                continue
-            if not src._alive:
-                raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
-            peer = dst_name
-            if peer is None:  # loopback: whoever listens on the port is the destination
-                lst = self._find_listener(space, dst_ip, port)
-                peer = lst._host.name if lst is not None else src.name
-            reachable = (
-                not self._is_blocked(src.name, peer)
-                and not self._is_blocked(peer, src.name)
-                and self._hosts[peer]._alive
-            )
-            if reachable:
-                break
-            if _reached(deadline, trio.current_time()):
-                self._timeouts += 1
-                raise ConnectFailed(f"connect to {target} timed out after {src.connect_timeout}s")
-            await self._topology.wait(deadline)
-
-        there = self._link(src.name, peer).latency
-        back = self._link(peer, src.name).latency
-        await trio.sleep(there)  # the SYN travels
-        if not src._alive:
-            raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
-        lst = self._find_listener(space, dst_ip, port)
-        if lst is None:
-            await trio.sleep(back)  # the RST travels back
-            self._refused += 1
-            raise ConnectFailed(f"connect to {target} failed: connection refused")
-        dst_host = lst._host
-        src_space = self._space_of(src)
-        src_port = src_space.allocate()
-        conn = _Connection(self._next_conn_id)
-        self._next_conn_id += 1
-        up = _Pipe(src.name, dst_host.name)
-        down = _Pipe(dst_host.name, src.name)
-        client = VirtualStream(self, conn, src, up, down, (src_ip, src_port), (dst_ip, port), True)
-        server = VirtualStream(self, conn, dst_host, down, up, (dst_ip, port), (src_ip, src_port), False)
-        conn.a, conn.b = client, server
-        self._conns[conn.id] = conn
-        src._ends.add(client)
-        dst_host._ends.add(server)
-        self._opened += 1
-        # The server's accept completes when the client's final ACK arrives: one round trip from now.
-        lst._backlog.append((trio.current_time() + back + there, server))
-        lst._signal.fire()
-        try:
-            await trio.sleep(back)  # the SYN/ACK travels back
-        except BaseException:
-            self._kill_end(client, "connect cancelled", _FIN)
-            raise
-        if not src._alive:
-            raise ConnectFailed(f"connect to {target} failed: host {src.name} crashed")
-        return client
-
 
 # --------------------------------------------------------------------------------------------
 # Ready-made hooks

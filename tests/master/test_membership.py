@@ -59,3 +59,13 @@ def test_registered_and_table() -> None:
     assert ms.registered() == [2]
     row = ms.table([2])[0]
     assert (row.peer_id, row.host, row.port, row.group) == (2, "127.0.0.1", 4000, 3)
+
+
+def test_silence_and_straggler_deadlines() -> None:
+    ms = _members(0, 0, 0)
+    ms.peers[1].last_seen, ms.peers[2].last_seen, ms.peers[3].last_seen = 1.0, 5.0, 9.0
+    assert ms.expired(10.0, 4.5) == [1, 2] and ms.expired(10.0, 9.0) == []
+    ms.peers[2].gaps.extend([0.5, 3.0])  # an irregular peer: twice its longest gap, under the cap
+    assert ms.straggler_deadlines([3, 2], 1.0, 10.0) == {2: 11.0, 3: 10.0}
+    assert ms.straggler_deadlines([2], 1.0, 4.0) == {2: 9.0}  # capped
+    assert ms.straggler_deadlines([], 1.0, 4.0) == {}
