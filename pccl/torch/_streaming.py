@@ -155,8 +155,46 @@ class StreamingCore:
         self.world_size = 1
         self.inner_step = 0  # inner steps done in this cycle
         self.fresh = True  # the inner model has not started from the outer parameters yet
+        self.restored = False  # resumed with this peer's local state (inner model, residuals)
         self.syncs = 0
         self.unreported_rx = 0
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def local_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this peer at a cycle's end: the inner model (streaming merges it
+        with the outer one, so it is not a function of the outer state), the inner optimizer's state
+        and the compression residuals."""
+        return {"inner_model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+                "residuals": {str(f.index): f.feedback.residual.clone() for f in self.fragments
+                              if f.feedback is not None},
+                "chunk_residuals": {str(f.index): (f.server_residual.clone(), torch.tensor(f.server_key))
+                                    for f in self.fragments if f.server_residual is not None}}
+
+    def resumed(self, local: dict[str, Any] | None) -> None:
+        """After a resume: the inner model restarts from the loaded outer parameters, or, with the
+        checkpoint's local state, from its own inner model, optimizer and residuals, unless the first
+        sync brings another state (a peer restarted into a running group: its local state is stale)."""
+        self.fresh = True
+        self.restored = local is not None
+        if local is None:
+            return
+        self.model.load_state_dict(local["inner_model"])
+        self.inner_optimizer.load_state_dict(local["inner_optimizer"])
+        for f in self.fragments:
+            if f.feedback is not None and str(f.index) in local["residuals"]:
+                f.feedback.residual = local["residuals"][str(f.index)].clone()
+            if str(f.index) in local["chunk_residuals"]:
+                residual, key = local["chunk_residuals"][str(f.index)]
+                f.server_residual = residual.clone()
+                f.server_key = (int(key[0]), int(key[1]))
+
+    def _forget_local(self) -> None:
+        for f in self.fragments:
+            if f.feedback is not None:
+                f.feedback.residual.zero_()
+            f.server_residual = None
 
     # -- the cycle's start: membership, sync ---------------------------------------------------------
 
@@ -187,9 +225,13 @@ class StreamingCore:
             self._inner_from_outer()  # the run is over: the model takes the final outer parameters
             return False
         if self.fresh or info.rx_bytes:
-            # a newcomer (or a peer whose outer state was repaired) starts from the group's parameters
-            self._inner_from_outer()
-            self.fresh = False
+            # a newcomer (or a peer whose outer state was repaired) starts from the group's parameters;
+            # a run restarted from its checkpoints (the sync brought nothing) keeps the inner state
+            if info.rx_bytes or not self.restored:
+                if self.restored:
+                    self._forget_local()
+                self._inner_from_outer()
+            self.fresh = self.restored = False
         if self.budget_bytes is not None:
             total = sum(f.numel for f in self.fragments)
             for f in self.fragments:

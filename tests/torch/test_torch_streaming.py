@@ -187,7 +187,8 @@ def test_split_fragments() -> None:
 @pytest.mark.parametrize(("codec", "overlap"), [(None, 1), ("int8", 1), ("int4", 1), ("int4", 2)],
                          ids=["fp32", "int8", "int4", "int4-overlap2"])
 async def test_streaming_fragments_bit_identical_and_converging(
-        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, codec: Any, overlap: int) -> None:
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, codec: Any,
+        overlap: int) -> None:
     cluster = await pccl_cluster(3)
     cycles = 12
     out: dict[int, Any] = {}
