@@ -258,10 +258,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     return out
 
 
-def time_to(curve: list[tuple[float, int, float]], target: float) -> float | None:
-    """Wall time at which the curve first reaches ``target`` (interpolated between evaluations)."""
+def time_to(curve: list[tuple[float, int, float]], target: float, column: int = 0) -> float | None:
+    """Wall time (``column`` 0) or inner step (1) at which the curve first reaches ``target``
+    (interpolated between evaluations)."""
     prev = (0.0, float("inf"))
-    for t, _, loss in curve:
+    for point in curve:
+        t, loss = point[column], point[2]
         if loss <= target:
             if prev[1] == float("inf"):
                 return t
@@ -325,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="wan: pccl.testing.wan (root); seam: benchmarks/_shaped.py; auto: wan if it can")
     parser.add_argument("--int4-block", type=int, default=16384,
                         help="elements per min/max pair of the int4 codec (one pair per chunk here)")
+    parser.add_argument("--json", type=Path, help="write every run's reports (curves, waits, bytes) here")
     parser.add_argument("--as-peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.as_peer:
@@ -365,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if wan is not None:
             wan.close()
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}))
     rows = []
     for mode, reps in runs.items():
         r0 = reps[0]
@@ -389,9 +394,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{dp['steps'] + 1}: {target:.4f} after {dp['wall']:.1f} s")
         verdicts.append(f"data-parallel waits >= 70%: {'yes' if dp_wait >= 0.7 else 'NO'}")
         for mode in modes[1:]:
-            t = time_to(runs[mode][0]["curve"], target)
+            r0 = runs[mode][0]
+            t = time_to(r0["curve"], target)
+            at = time_to(r0["curve"], target, column=1)
+            # what decides the wall time of a compute-bound run: its compute per inner step (the
+            # machine's load), and the inner steps it needs (training, not the machine)
+            compute = (r0["wall"] - r0["wait"]) / max(1, r0["steps"])
             print(f"[{mode}] reaches it after "
-                  + (f"{t:.1f} s = 1/{dp['wall'] / t:.1f} of data-parallel's time" if t else "(never)"))
+                  + (f"{t:.1f} s = 1/{dp['wall'] / t:.1f} of data-parallel's time, at inner step {at:.0f}"
+                     if t and at else "(never)")
+                  + f"; {1e3 * compute:.0f} ms of compute per inner step (peer 0)")
     if "diloco-fp32" in runs and "streaming-int4" in runs:
         fp = runs["diloco-fp32"][0]
         st = runs["streaming-int4"][0]
