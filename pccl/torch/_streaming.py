@@ -5,8 +5,11 @@ The model's parameters are split into ``P`` fragments. Every fragment is synced 
 traffic is spread over the cycle instead of arriving all at once):
 
 1. its pseudo-gradient ``outer_p - inner_p`` is measured and its average over the peers is launched
-   in the background (a ring all-reduce, or, with a codec, an all-gather of every peer's compressed
-   payload, each decoded and averaged in rank order on every peer), on its own tag;
+   in the background on its own tag: a ring all-reduce; with a codec and 2 peers, an all-gather of
+   both payloads, decoded and averaged in rank order on both; with a codec and 3 or more peers, the
+   two-stage exchange (an all-to-all of chunk payloads, each chunk's owner averaging its chunk in rank
+   order and encoding the result again with its chunk residual, ``overlap // 2`` steps later an
+   all-gather of the encoded chunks): a ring all-reduce's ``2 (n - 1) / n`` of the compressed size;
 2. ``overlap`` inner steps later (at the end of the cycle at the latest) the average is waited for,
    the outer optimizer steps the fragment's outer parameters with it, and the fragment's inner
    parameters are merged: ``inner_p := mixing * inner_p + (1 - mixing) * outer_p``.
@@ -21,8 +24,9 @@ pseudo-gradient measures the whole distance again); the others go on. Should one
 round that another lost, the next cycle's sync gives every peer the same outer state again.
 
 Codecs with error feedback (``_codec.py``): a peer's residual (what its compressed contribution
-lost) is added to its next pseudo-gradient of that fragment; a lost round keeps the previous
-residual.
+lost) is added to its next pseudo-gradient of that fragment, and in the two-stage exchange the chunk
+owner's residual (what encoding the chunk's average lost) to its next average of that chunk; a lost
+round keeps the previous residuals.
 """
 
 from __future__ import annotations
