@@ -70,7 +70,8 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
     starts, eval_starts = starts_all[:-held], starts_all[-held:]
     eval_x, eval_y = lm.batch(data, eval_starts, np.arange(0, held, max(1, held // 64))[:64])
     model = lm.build_model(seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    lr = args.lr if mode == "dp" or args.inner_lr is None else args.inner_lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     host, port = address.rsplit(":", 1)
     transport = None  # on the WAN emulator the kernel's TCP crosses the emulated links
     if args.link == "seam":
@@ -108,7 +109,7 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
     else:
         driver = StreamingDiLoCo(address, model, optimizer, inner_steps=args.inner_steps,
                                  outer_optimizer=outer_sgd, fragments=args.fragments, overlap=args.overlap,
-                                 mixing=0.5, codec=MinMaxCodec(4, block=args.int4_block),
+                                 mixing=args.mixing, codec=MinMaxCodec(4, block=args.int4_block),
                                  sync_every=args.sync_every,
                                  total_outer_steps=args.diloco_steps // args.inner_steps, **common)
         steps = args.diloco_steps
@@ -316,8 +317,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=3)
     parser.add_argument("--overlap", type=int, default=10)
     parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--mixing", type=float, default=0.5, help="streaming's inner merge factor")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--inner-lr", type=float, default=None,
+                        help="the DiLoCo runs' AdamW lr (default: --lr)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "slow_link_training.png")
