@@ -34,9 +34,13 @@ sent, per 100 inner steps. Prints a table and the targets, and writes ``--plot``
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
+import os
 import queue
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -51,12 +55,13 @@ MODES = ["dp", "diloco-fp32", "diloco-int8", "streaming-int4"]
 
 
 def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, results: Any) -> None:
+    """One peer of one run; reports through ``results.put`` (an mp queue, or a JSON file writer)."""
     import torch
     import torch_charlm as lm  # examples/torch_charlm.py
     from _shaped import ShapedTransport
 
     import pccl
-    from pccl.torch import DiLoCo, SharedModel, StreamingDiLoCo, TrainingRun
+    from pccl.torch import DiLoCo, MinMaxCodec, SharedModel, StreamingDiLoCo, TrainingRun
 
     torch.set_num_threads(1)
     data = torch.from_numpy(lm.load_text())
@@ -65,11 +70,14 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
     starts, eval_starts = starts_all[:-held], starts_all[-held:]
     eval_x, eval_y = lm.batch(data, eval_starts, np.arange(0, held, max(1, held // 64))[:64])
     model = lm.build_model(seed=0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+    lr = args.lr if mode == "dp" or args.inner_lr is None else args.inner_lr
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     host, port = address.rsplit(":", 1)
-    # the master's side is unshaped: the peer -> master direction gets the whole RTT
-    transport = ShapedTransport(rate=args.rate_mbit * 1e6 / 8, delay=args.rtt_ms / 2000,
-                                control={(host, int(port))}, control_delay=args.rtt_ms / 1000)
+    transport = None  # on the WAN emulator the kernel's TCP crosses the emulated links
+    if args.link == "seam":
+        # the master's side is unshaped: the peer -> master direction gets the whole RTT
+        transport = ShapedTransport(rate=args.rate_mbit * 1e6 / 8, delay=args.rtt_ms / 2000,
+                                    control={(host, int(port))}, control_delay=args.rtt_ms / 1000)
     outer = None
 
     def outer_sgd(params: list[Any]) -> Any:
@@ -82,7 +90,9 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
         loss.backward()
         return float(loss.detach())
 
-    common: dict[str, Any] = dict(min_world_size=args.peers, transport=transport)
+    common: dict[str, Any] = dict(min_world_size=args.peers)
+    if transport is not None:
+        common["transport"] = transport
     driver: Any
     if mode == "dp":
         driver = TrainingRun(address, SharedModel(model, optimizer), total_steps=args.dp_steps, **common)
@@ -99,7 +109,8 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
     else:
         driver = StreamingDiLoCo(address, model, optimizer, inner_steps=args.inner_steps,
                                  outer_optimizer=outer_sgd, fragments=args.fragments, overlap=args.overlap,
-                                 mixing=0.5, codec="int4", sync_every=args.sync_every,
+                                 mixing=args.mixing, codec=MinMaxCodec(4, block=args.int4_block),
+                                 sync_every=args.sync_every,
                                  total_outer_steps=args.diloco_steps // args.inner_steps, **common)
         steps = args.diloco_steps
         outer = driver.outer_model
@@ -141,6 +152,79 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
                                "by_op": by_op}))
 
 
+class _FileReport:
+    """``put`` writes the peer's report as JSON to ``path`` (a peer on the WAN emulator's host)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def put(self, item: tuple[str, int, dict[str, Any]]) -> None:
+        tmp = self.path + ".tmp"
+        Path(tmp).write_text(json.dumps(item[2]))
+        os.replace(tmp, self.path)
+
+
+def as_peer(spec_path: str) -> int:
+    """``--as-peer SPEC``: one peer process started on an emulated host by :func:`run_mode_wan`."""
+    spec = json.loads(Path(spec_path).read_text())
+    args = argparse.Namespace(**spec["args"])
+    peer_main(spec["mode"], spec["address"], spec["index"], args, _FileReport(spec["out"]))
+    return 0
+
+
+def run_mode_wan(mode: str, args: argparse.Namespace, wan: Any, port: int) -> dict[int, dict[str, Any]]:
+    """One run on the WAN emulator: peer ``i`` on host ``i``, the master on host ``peers``."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+               PYTHONUNBUFFERED="1")
+    mhost = args.peers
+    address = f"{wan.addresses[mhost]}:{port}"
+    before = {(x["src"], x["dst"]): x["bytes"] for x in wan.stats()["links"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "master.log"
+        with log.open("w") as f:
+            master = wan.popen(mhost, [sys.executable, "-m", "pccl", "master", "--host", wan.addresses[mhost],
+                                       "--port", str(port)], stdout=subprocess.DEVNULL, stderr=f, env=env)
+        procs: list[subprocess.Popen[Any]] = []
+        try:
+            deadline = time.monotonic() + 30
+            while "listening" not in log.read_text():
+                if master.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"[{mode}] the master did not start:\n{log.read_text()[-2000:]}")
+                time.sleep(0.05)  # polling the master's log for its first line
+            plain = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+            outs = []
+            for i in range(args.peers):
+                out = Path(tmp) / f"peer{i}.json"
+                spec = Path(tmp) / f"spec{i}.json"
+                spec.write_text(json.dumps({"mode": mode, "address": address, "index": i, "out": str(out),
+                                            "args": plain}))
+                outs.append(out)
+                procs.append(wan.popen(i, [sys.executable, str(Path(__file__).resolve()), "--as-peer",
+                                           str(spec)], env=env))
+            deadline = time.monotonic() + args.timeout
+            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                time.sleep(0.5)  # the peers run for minutes; their exit is what is waited for
+            result = {i: json.loads(o.read_text()) for i, o in enumerate(outs) if o.exists()}
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
+            master.terminate()
+            try:
+                master.wait(10)
+            except subprocess.TimeoutExpired:
+                master.kill()
+                master.wait()
+    if len(result) < args.peers:
+        raise SystemExit(f"[{mode}] FAILED: {args.peers - len(result)} peers did not report")
+    after = {(x["src"], x["dst"]): x["bytes"] for x in wan.stats()["links"]}
+    # what peer 0's host put on its links to the other peers (IP packets: headers, control and all),
+    # over the whole run (connection set-up and the first step included)
+    result[0]["wire"] = sum(after[(0, j)] - before.get((0, j), 0) for j in range(1, args.peers))
+    return result
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     from pccl.blocking import MasterNode
 
@@ -175,10 +259,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     return out
 
 
-def time_to(curve: list[tuple[float, int, float]], target: float) -> float | None:
-    """Wall time at which the curve first reaches ``target`` (interpolated between evaluations)."""
+def time_to(curve: list[tuple[float, int, float]], target: float, column: int = 0) -> float | None:
+    """Wall time (``column`` 0) or inner step (1) at which the curve first reaches ``target``
+    (interpolated between evaluations)."""
     prev = (0.0, float("inf"))
-    for t, _, loss in curve:
+    for point in curve:
+        t, loss = point[column], point[2]
         if loss <= target:
             if prev[1] == float("inf"):
                 return t
@@ -208,8 +294,9 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace, p
     ax.axhline(target, color="black", ls=":", lw=1)
     ax.set_xlabel("wall-clock seconds (evaluation excluded)")
     ax.set_ylabel("held-out loss (nats/char)")
+    how = "pccl.testing.wan" if args.link == "wan" else "transport-seam emulation"
     ax.set_title(f"char-LM ({args.params:,} params), 3 peers, {args.rtt_ms:g} ms RTT, "
-                 f"{args.rate_mbit:g} Mbit/s uplinks (emulated)", fontsize=10)
+                 f"{args.rate_mbit:g} Mbit/s links ({how})", fontsize=10)
     ax.set_xscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -230,37 +317,74 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=3)
     parser.add_argument("--overlap", type=int, default=10)
     parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--mixing", type=float, default=0.5, help="streaming's inner merge factor")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--inner-lr", type=float, default=None,
+                        help="the DiLoCo runs' AdamW lr (default: --lr)")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "slow_link_training.png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--timeout", type=float, default=900.0, help="per run")
+    parser.add_argument("--link", choices=["auto", "wan", "seam"], default="auto",
+                        help="wan: pccl.testing.wan (root); seam: benchmarks/_shaped.py; auto: wan if it can")
+    parser.add_argument("--int4-block", type=int, default=16384,
+                        help="elements per min/max pair of the int4 codec (one pair per chunk here)")
+    parser.add_argument("--json", type=Path, help="write every run's reports (curves, waits, bytes) here")
+    parser.add_argument("--as-peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.as_peer:
+        return as_peer(args.as_peer)
     import torch_charlm as lm
 
+    from pccl.testing.wan import unavailable_reason
+
+    why = unavailable_reason()
+    if args.link == "auto":
+        args.link = "seam" if why else "wan"
+        if why:
+            print(f"the WAN emulator cannot run ({why}): the link is emulated at the transport seam")
+    elif args.link == "wan" and why:
+        raise SystemExit(f"--link wan: {why}")
     args.params = sum(p.numel() for p in lm.build_model(0).parameters())
     modes = args.modes.split(",")
+    how = ("pccl.testing.wan: every pair of hosts on its own link, the master on a 4th host"
+           if args.link == "wan" else "userspace-shaped at the transport seam, benchmarks/_shaped.py")
     print(f"model {args.params:,} parameters ({args.params * 4 / 1e3:.0f} KB fp32); {args.peers} peers; "
-          f"link: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s uplink per peer (userspace-shaped, "
-          f"benchmarks/_shaped.py); H={args.inner_steps}")
+          f"link: {args.rtt_ms:g} ms RTT, {args.rate_mbit:g} Mbit/s ({how}); H={args.inner_steps}; "
+          f"load average {os.getloadavg()[0]:.1f}")
     runs: dict[str, dict[int, dict[str, Any]]] = {}
-    for mode in modes:
-        runs[mode] = run_mode(mode, args)
-        r0 = runs[mode][0]
-        print(f"[{mode}] {r0['steps'] + 1} steps, {r0['wall']:.1f} s, final loss {r0['curve'][-1][2]:.4f}; "
-              "peer 0 waited in: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r0["by_op"].items())),
-              flush=True)
+    wan: Any = None
+    if args.link == "wan":
+        from pccl.testing.wan import WanEmulator
+
+        wan = WanEmulator(args.peers + 1).start()
+        wan.set_all(rtt_ms=args.rtt_ms, rate_mbit=args.rate_mbit)
+    try:
+        for k, mode in enumerate(modes):
+            runs[mode] = run_mode(mode, args) if wan is None else run_mode_wan(mode, args, wan, 29_500 + k)
+            r0 = runs[mode][0]
+            print(f"[{mode}] {r0['steps'] + 1} steps, {r0['wall']:.1f} s, "
+                  f"final loss {r0['curve'][-1][2]:.4f}; "
+                  "peer 0 waited in: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r0["by_op"].items())),
+                  flush=True)
+    finally:
+        if wan is not None:
+            wan.close()
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}))
     rows = []
     for mode, reps in runs.items():
         r0 = reps[0]
         per100 = r0["tx"] / max(1, r0["steps"]) * 100
         waiting = sum(r["wait"] / r["wall"] for r in reps.values()) / len(reps)
+        wire = f"{r0['wire'] / (r0['steps'] + 1) * 100 / 1e6:.3f}" if "wire" in r0 else "-"
         rows.append((mode, r0["steps"] + 1, f"{r0['wall']:.1f}", f"{r0['curve'][-1][2]:.4f}",
-                     f"{per100 / 1e6:.3f}", f"{100 * waiting:.1f}"))
+                     f"{per100 / 1e6:.3f}", wire, f"{100 * waiting:.1f}"))
     widths = [max(len(str(c)) for c in col) for col in zip(*rows, strict=True)]
-    heads = ["mode", "steps", "wall s", "final loss", "MB sent / 100 steps (peer 0)", "waiting % of wall"]
+    heads = ["mode", "steps", "wall s", "final loss", "MB sent / 100 steps (peer 0)",
+             "MB on its links / 100 steps", "waiting % of wall"]
     widths = [max(w, len(h)) for w, h in zip(widths, heads, strict=True)]
     print("  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True)))
     for row in rows:
@@ -274,13 +398,23 @@ def main(argv: list[str] | None = None) -> int:
               f"{dp['steps'] + 1}: {target:.4f} after {dp['wall']:.1f} s")
         verdicts.append(f"data-parallel waits >= 70%: {'yes' if dp_wait >= 0.7 else 'NO'}")
         for mode in modes[1:]:
-            t = time_to(runs[mode][0]["curve"], target)
+            r0 = runs[mode][0]
+            t = time_to(r0["curve"], target)
+            at = time_to(r0["curve"], target, column=1)
+            # what decides the wall time of a compute-bound run: its compute per inner step (the
+            # machine's load), and the inner steps it needs (training, not the machine)
+            compute = (r0["wall"] - r0["wait"]) / max(1, r0["steps"])
             print(f"[{mode}] reaches it after "
-                  + (f"{t:.1f} s = 1/{dp['wall'] / t:.1f} of data-parallel's time" if t else "(never)"))
+                  + (f"{t:.1f} s = 1/{dp['wall'] / t:.1f} of data-parallel's time, at inner step {at:.0f}"
+                     if t and at else "(never)")
+                  + f"; {1e3 * compute:.0f} ms of compute per inner step (peer 0)")
     if "diloco-fp32" in runs and "streaming-int4" in runs:
         fp = runs["diloco-fp32"][0]
         st = runs["streaming-int4"][0]
         ratio = (fp["tx"] / max(1, fp["steps"])) / max(1e-9, st["tx"] / max(1, st["steps"]))
+        if "wire" in fp:
+            wire_ratio = (fp["wire"] / (fp["steps"] + 1)) / max(1e-9, st["wire"] / (st["steps"] + 1))
+            print(f"on the emulated links (IP packets, control traffic included): {wire_ratio:.2f}x")
         st_wait = sum(r["wait"] / r["wall"] for r in runs["streaming-int4"].values()) / args.peers
         print(f"streaming int4 sends {ratio:.2f}x fewer bytes than DiLoCo fp32 (target >= 8x); waits "
               f"{100 * st_wait:.1f}% of its wall time (target < 5%)")

@@ -28,8 +28,8 @@ import torch
 
 from .._errors import InvalidArgumentError
 
-__all__ = ["Codec", "ErrorFeedback", "MinMaxCodec", "TopKCodec", "average_payloads", "choose_codec",
-           "codec_from_spec"]
+__all__ = ["ChunkedCodec", "Codec", "ErrorFeedback", "MinMaxCodec", "TopKCodec", "average_payloads",
+           "choose_codec", "codec_from_spec"]
 
 
 class Codec(Protocol):
@@ -168,6 +168,52 @@ class TopKCodec:
         return out
 
 
+class ChunkedCodec:
+    """``codec`` applied to ``parts`` equal chunks of ``c = ceil(numel / parts)`` elements each (the last
+    one padded with copies of the last element): the payload is the chunks' payloads end to end, all of
+    one size, so chunk ``j``'s payload can be sent to peer ``j`` (an all-to-all) and the peers' payloads
+    of one chunk laid end to end decode with the chunk's codec.
+
+    Args:
+        codec: the codec of each chunk.
+        parts: the number of chunks (>= 1).
+    """
+
+    def __init__(self, codec: Codec, parts: int) -> None:
+        if parts < 1:
+            raise InvalidArgumentError(f"ChunkedCodec: parts must be >= 1, not {parts}")
+        self.codec = codec
+        self.parts = parts
+        self.name = codec.name
+
+    def __repr__(self) -> str:
+        return f"ChunkedCodec({self.codec!r}, parts={self.parts})"
+
+    def chunk(self, numel: int) -> int:
+        """Elements of each chunk of ``numel``."""
+        return max(1, math.ceil(numel / self.parts))
+
+    def payload_bytes(self, numel: int) -> int:
+        return self.parts * self.codec.payload_bytes(self.chunk(numel))
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().reshape(-1).to(torch.float32)
+        n, c = x.numel(), self.chunk(x.numel())
+        padded = x.new_empty(self.parts * c)
+        padded[:n] = x
+        padded[n:] = x[-1] if n else 0.0
+        return torch.cat([self.codec.encode(padded[j * c:(j + 1) * c]) for j in range(self.parts)])
+
+    def decode(self, payload: torch.Tensor, numel: int) -> torch.Tensor:
+        c = self.chunk(numel)
+        size = self.codec.payload_bytes(c)
+        if payload.dtype != torch.uint8 or payload.numel() != self.parts * size:
+            raise InvalidArgumentError(f"{self.name} payload of {numel} elements in {self.parts} chunks "
+                                       f"must be {self.parts * size} bytes of uint8")
+        parts = [self.codec.decode(payload[j * size:(j + 1) * size], c) for j in range(self.parts)]
+        return torch.cat(parts)[:numel]
+
+
 def codec_from_spec(spec: str | Codec | None) -> Codec | None:
     """A codec from its name: None or ``"fp32"`` (no compression), ``"int8"``, ``"int4"``,
     ``"topk:F"`` (top-k, fraction F), ``"topk:F:int4"``; a codec object is returned as it is.
@@ -202,12 +248,16 @@ _LADDER: tuple[str, ...] = ("fp32", "int8", "int4", "topk:0.25:int4", "topk:0.1:
 def wire_bytes(codec: Codec | None, numel: int, element_size: int, world_size: int) -> int:
     """Bytes one peer sends to average ``numel`` elements over ``world_size`` peers.
 
-    Uncompressed: a ring all-reduce, ``2 (n - 1) / n`` of the tensor; compressed: an all-gather of the
-    payloads, ``n - 1`` payloads.
+    Uncompressed: a ring all-reduce, ``2 (n - 1) / n`` of the tensor; compressed, 2 peers: an
+    all-gather of the payloads (one payload); compressed, ``n >= 3`` peers: the two-stage exchange of
+    :mod:`pccl.torch._streaming` (an all-to-all of ``n - 1`` chunk payloads, an all-gather of ``n - 1``
+    reduced-chunk payloads: ``2 (n - 1)`` payloads of ``ceil(numel / n)`` elements).
     """
     n = max(1, world_size)
     if codec is None:
         return 2 * (n - 1) * numel * element_size // n
+    if n >= 3:
+        return 2 * (n - 1) * codec.payload_bytes(math.ceil(numel / n))
     return (n - 1) * codec.payload_bytes(numel)
 
 

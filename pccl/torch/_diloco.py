@@ -102,6 +102,16 @@ class DiLoCoCore:
         self.unreported_rx = 0  # bytes received by syncs since the last StepResult
         self.unreported_tx = 0  # bytes sent by pseudo-gradient reduces since the last StepResult
 
+    def local_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this peer (the inner optimizer's state: the inner model restarts
+        from the outer parameters at every round)."""
+        return {"inner_optimizer": self.inner_optimizer.state_dict()}
+
+    def resumed(self, local: dict[str, Any] | None) -> None:
+        """After a resume: the inner optimizer's state from the checkpoint, when it has one."""
+        if local is not None and "inner_optimizer" in local:
+            self.inner_optimizer.load_state_dict(local["inner_optimizer"])
+
     # -- pieces ---------------------------------------------------------------------------------------
 
     def _reduce(self) -> AllReduce:

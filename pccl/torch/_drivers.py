@@ -117,8 +117,15 @@ class _RunInfo:
         """Write this peer's copy of the shared state (and its revision) to ``path`` (``torch.save``).
 
         Between steps, every peer holds the same shared state: any one copy is the run's checkpoint.
+        DiLoCo and streaming DiLoCo add this peer's local state under ``"local"`` (the inner
+        optimizer's state; streaming: the inner model and the compression residuals too), so that a
+        run restarted with each peer's own checkpoint continues exactly where it stopped.
         """
-        self.shared.save(path)
+        state = self.shared.state_dict()
+        local = self._local_state()
+        if local is not None:
+            state["local"] = local
+        torch.save(state, path)
 
     def resume(self, path: Any) -> None:
         """Load a checkpoint written by :meth:`save` before the first step.
@@ -130,11 +137,21 @@ class _RunInfo:
         Raises:
             InvalidArgumentError: not a checkpoint of this model (keys, shapes, dtypes).
         """
-        self.shared.load(path)
-        self._resumed()
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        self.shared.load_state_dict(state)
+        self._resumed(state.get("local") if isinstance(state, dict) else None)
 
-    def _resumed(self) -> None:
-        """Hook: what the driver's core must redo after a resume."""
+    def _local_state(self) -> dict[str, Any] | None:
+        """Hook: this peer's local state that a checkpoint keeps (None: nothing)."""
+        core = getattr(self, "core", None)
+        return core.local_state() if core is not None and hasattr(core, "local_state") else None
+
+    def _resumed(self, local: dict[str, Any] | None) -> None:
+        """Hook: what the driver's core must redo after a resume (``local``: what :meth:`_local_state`
+        saved, when the checkpoint has it)."""
+        core = getattr(self, "core", None)
+        if core is not None and hasattr(core, "resumed"):
+            core.resumed(local)
 
     @property
     def network_wait_s(self) -> float:

@@ -17,6 +17,7 @@ from ..peer.communicator import Communicator, open_communicator
 from ._ops import (
     AllGather,
     AllReduce,
+    AllToAll,
     Members,
     Op,
     PeersPending,
@@ -89,6 +90,8 @@ class Executor:
             return await self.all_reduce(op)
         if isinstance(op, AllGather):
             return await comm.all_gather(op.send, op.recv, tag=op.tag)
+        if isinstance(op, AllToAll):
+            return await comm.all_to_all(op.send, op.recv, tag=op.tag)
         if isinstance(op, StartAllReduce):
             if self.nursery is None:
                 raise InvalidUsageError("background all-reduces need a nursery")
@@ -103,7 +106,7 @@ class Executor:
             return handle.info
         raise TypeError(f"unknown request {op!r}")
 
-    async def _background(self, op: AllReduce | AllGather, handle: _Background) -> None:
+    async def _background(self, op: AllReduce | AllGather | AllToAll, handle: _Background) -> None:
         try:
             handle.info = await self(op)
         except PCCLError as exc:

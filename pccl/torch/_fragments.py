@@ -76,6 +76,13 @@ class Fragment:
     feedback: ErrorFeedback | None = None
     handle: Any = None
     world: int = 1
+    rank: int = 0
+    stage: int = 0  # 0: one collective (all-reduce, all-gather); 1, 2: the two-stage exchange's stages
+    round_tx: int = 0  # bytes the round's first stage sent
+    server_residual: torch.Tensor | None = None  # the two-stage exchange's residual of this peer's chunk
+    server_key: tuple[int, int] = (0, 0)  # (world, rank) that residual belongs to
+    server_proposed: torch.Tensor | None = None
+    done: Any = None  # the info of an exchange already complete (restarted as a 2-peer all-gather)
     local: torch.Tensor | None = None  # alone: the pseudo-gradient, applied as it is
     payload: torch.Tensor | None = None
     gathered: torch.Tensor | None = None
@@ -91,4 +98,4 @@ class Fragment:
 
     @property
     def in_flight(self) -> bool:
-        return self.handle is not None or self.local is not None
+        return self.handle is not None or self.local is not None or self.done is not None

@@ -19,6 +19,7 @@ from .._types import QuantizationOptions, ReduceOp
 __all__ = [
     "AllGather",
     "AllReduce",
+    "AllToAll",
     "Joining",
     "Members",
     "Op",
@@ -99,11 +100,22 @@ class AllGather:
 
 
 @dataclasses.dataclass(frozen=True)
-class StartAllReduce:
-    """Launch ``reduce`` (an all-reduce, with its ``retry_lost``, or an all-gather) in the background;
-    result: a handle for WaitAllReduce."""
+class AllToAll:
+    """``all_to_all(send, recv, tag=tag)``: block ``j`` of ``send`` to rank ``j``, block ``i`` of ``recv``
+    from rank ``i`` (``world_size`` equal blocks each); result: ``ReduceInfo``. INVALID_ARGUMENT when
+    the group changed size since."""
 
-    reduce: AllReduce | AllGather
+    send: Any
+    recv: Any
+    tag: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class StartAllReduce:
+    """Launch ``reduce`` (an all-reduce, with its ``retry_lost``, an all-gather or an all-to-all) in the
+    background; result: a handle for WaitAllReduce."""
+
+    reduce: AllReduce | AllGather | AllToAll
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +125,8 @@ class WaitAllReduce:
     handle: Any
 
 
-Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGather | StartAllReduce
-      | WaitAllReduce)
+Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGather | AllToAll
+      | StartAllReduce | WaitAllReduce)
 
 
 def is_result(exc: BaseException, *names: str) -> bool:

@@ -100,9 +100,6 @@ class AsyncStreamingDiLoCo(_RunInfo):
         """Per fragment: size, codec, rounds, rounds lost, bytes sent."""
         return self.core.statistics()
 
-    def _resumed(self) -> None:
-        self.core.fresh = True
-
 
 class StreamingDiLoCo(_RunInfo):
     """:class:`AsyncStreamingDiLoCo` for ordinary programs; connects like :class:`~pccl.torch.TrainingRun`
@@ -158,9 +155,6 @@ class StreamingDiLoCo(_RunInfo):
     def statistics(self) -> dict[str, Any]:
         """Per fragment: size, codec, rounds, rounds lost, bytes sent."""
         return self.core.statistics()
-
-    def _resumed(self) -> None:
-        self.core.fresh = True  # the inner model restarts from the loaded outer parameters
 
     def close(self) -> None:
         """Leave the run (exchanges in flight are abandoned) and stop the background thread."""

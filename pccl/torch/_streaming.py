@@ -5,8 +5,11 @@ The model's parameters are split into ``P`` fragments. Every fragment is synced 
 traffic is spread over the cycle instead of arriving all at once):
 
 1. its pseudo-gradient ``outer_p - inner_p`` is measured and its average over the peers is launched
-   in the background (a ring all-reduce, or, with a codec, an all-gather of every peer's compressed
-   payload, each decoded and averaged in rank order on every peer), on its own tag;
+   in the background on its own tag: a ring all-reduce; with a codec and 2 peers, an all-gather of
+   both payloads, decoded and averaged in rank order on both; with a codec and 3 or more peers, the
+   two-stage exchange (an all-to-all of chunk payloads, each chunk's owner averaging its chunk in rank
+   order and encoding the result again with its chunk residual, ``overlap // 2`` steps later an
+   all-gather of the encoded chunks): a ring all-reduce's ``2 (n - 1) / n`` of the compressed size;
 2. ``overlap`` inner steps later (at the end of the cycle at the latest) the average is waited for,
    the outer optimizer steps the fragment's outer parameters with it, and the fragment's inner
    parameters are merged: ``inner_p := mixing * inner_p + (1 - mixing) * outer_p``.
@@ -21,8 +24,9 @@ pseudo-gradient measures the whole distance again); the others go on. Should one
 round that another lost, the next cycle's sync gives every peer the same outer state again.
 
 Codecs with error feedback (``_codec.py``): a peer's residual (what its compressed contribution
-lost) is added to its next pseudo-gradient of that fragment; a lost round keeps the previous
-residual.
+lost) is added to its next pseudo-gradient of that fragment, and in the two-stage exchange the chunk
+owner's residual (what encoding the chunk's average lost) to its next average of that chunk; a lost
+round keeps the previous residuals.
 """
 
 from __future__ import annotations
@@ -34,12 +38,13 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._types import ReduceOp
-from ._codec import ErrorFeedback, average_payloads, choose_codec, codec_from_spec
+from ._codec import ChunkedCodec, Codec, ErrorFeedback, average_payloads, choose_codec, codec_from_spec
 from ._fragments import CodecSpec, Fragment, split_fragments
 from ._model import SharedModel
 from ._ops import (
     AllGather,
     AllReduce,
+    AllToAll,
     Members,
     Op,
     StartAllReduce,
@@ -154,8 +159,46 @@ class StreamingCore:
         self.world_size = 1
         self.inner_step = 0  # inner steps done in this cycle
         self.fresh = True  # the inner model has not started from the outer parameters yet
+        self.restored = False  # resumed with this peer's local state (inner model, residuals)
         self.syncs = 0
         self.unreported_rx = 0
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+
+    def local_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this peer at a cycle's end: the inner model (streaming merges it
+        with the outer one, so it is not a function of the outer state), the inner optimizer's state
+        and the compression residuals."""
+        return {"inner_model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+                "residuals": {str(f.index): f.feedback.residual.clone() for f in self.fragments
+                              if f.feedback is not None},
+                "chunk_residuals": {str(f.index): (f.server_residual.clone(), torch.tensor(f.server_key))
+                                    for f in self.fragments if f.server_residual is not None}}
+
+    def resumed(self, local: dict[str, Any] | None) -> None:
+        """After a resume: the inner model restarts from the loaded outer parameters, or, with the
+        checkpoint's local state, from its own inner model, optimizer and residuals, unless the first
+        sync brings another state (a peer restarted into a running group: its local state is stale)."""
+        self.fresh = True
+        self.restored = local is not None
+        if local is None:
+            return
+        self.model.load_state_dict(local["inner_model"])
+        self.inner_optimizer.load_state_dict(local["inner_optimizer"])
+        for f in self.fragments:
+            if f.feedback is not None and str(f.index) in local["residuals"]:
+                f.feedback.residual = local["residuals"][str(f.index)].clone()
+            if str(f.index) in local["chunk_residuals"]:
+                residual, key = local["chunk_residuals"][str(f.index)]
+                f.server_residual = residual.clone()
+                f.server_key = (int(key[0]), int(key[1]))
+
+    def _forget_local(self) -> None:
+        for f in self.fragments:
+            if f.feedback is not None:
+                f.feedback.residual.zero_()
+            f.server_residual = None
 
     # -- the cycle's start: membership, sync ---------------------------------------------------------
 
@@ -186,9 +229,13 @@ class StreamingCore:
             self._inner_from_outer()  # the run is over: the model takes the final outer parameters
             return False
         if self.fresh or info.rx_bytes:
-            # a newcomer (or a peer whose outer state was repaired) starts from the group's parameters
-            self._inner_from_outer()
-            self.fresh = False
+            # a newcomer (or a peer whose outer state was repaired) starts from the group's parameters;
+            # a run restarted from its checkpoints (the sync brought nothing) keeps the inner state
+            if info.rx_bytes or not self.restored:
+                if self.restored:
+                    self._forget_local()
+                self._inner_from_outer()
+            self.fresh = self.restored = False
         if self.budget_bytes is not None:
             total = sum(f.numel for f in self.fragments)
             for f in self.fragments:
@@ -219,22 +266,100 @@ class StreamingCore:
         return f.send
 
     def _launch(self, f: Fragment) -> Generator[Op, Any, None]:
-        _, f.world = yield Members()
+        f.rank, f.world = yield Members()
         delta = self._pseudo_gradient(f)
         if f.world < 2:
             f.local = delta.clone()  # alone: nothing to average, nothing to compress
             return
-        tag = self.base_tag + f.index
         if f.codec is None:
-            reduce = AllReduce([(f.send, f.recv)], ReduceOp.AVG, None, 1, base_tag=tag)
+            reduce = AllReduce([(f.send, f.recv)], ReduceOp.AVG, None, 1, base_tag=self.base_tag + f.index)
             f.handle = yield StartAllReduce(reduce)
             return
+        f.handle = yield StartAllReduce(self._compressed(f))
+
+    def _compressed(self, f: Fragment) -> AllGather | AllToAll:
+        """Encode ``f``'s pseudo-gradient (``f.send``) for a group of ``f.world`` peers and return the
+        exchange's first collective: with 2 peers an all-gather of whole payloads (one payload each
+        way), with 3 or more the two-stage exchange's all-to-all (its ``2 (n - 1)`` chunk payloads in
+        all are what a ring all-reduce of the codes would send)."""
+        assert f.codec is not None
+        tag = self.base_tag + f.index
+        codec: Codec = f.codec if f.world == 2 else ChunkedCodec(f.codec, f.world)
         if f.feedback is not None:
-            f.payload, _ = f.feedback.encode(delta)
+            f.feedback.codec = codec
+            f.payload, _ = f.feedback.encode(f.send)
         else:
-            f.payload = f.codec.encode(delta)
+            f.payload = codec.encode(f.send)
+        if f.world == 2:
+            f.stage = 0
+            f.gathered = torch.empty(2 * f.payload.numel(), dtype=torch.uint8)
+            return AllGather(f.payload, f.gathered, tag=tag)
+        f.stage = 1
+        f.gathered = torch.empty(f.payload.numel(), dtype=torch.uint8)
+        return AllToAll(f.payload, f.gathered, tag=tag)
+
+    def _wait(self, f: Fragment) -> Generator[Op, Any, Any]:
+        """Wait for ``f``'s collective in flight: its info, or None when the round is lost (a peer lost,
+        or the group changed size under a collective sized by it): nothing of it is applied, the
+        residuals stay as they were. A compressed exchange's first collective refused because the group
+        changed size before it began (nothing was received) starts again, now, for the peers left."""
+        handle, f.handle = f.handle, None
+        op: Op = WaitAllReduce(handle)
+        while True:
+            try:
+                return (yield op)
+            except Exception as exc:
+                lost = is_result(exc, "RANK_CONNECTION_LOST", "TOO_FEW_PEERS")
+                if not lost and is_result(exc, "INVALID_ARGUMENT") and f.codec is not None:
+                    rank, now = yield Members()
+                    if now != f.world and now >= 2 and f.stage != 2:
+                        if f.feedback is not None:
+                            f.feedback.discard()
+                        f.rank, f.world = rank, now
+                        op = self._compressed(f)
+                        continue
+                    lost = now != f.world
+                if not lost:
+                    raise
+            break
+        f.lost += 1
+        if f.feedback is not None:
+            f.feedback.discard()
+        f.server_proposed = None
+        f.payload = f.gathered = None
+        f.stage = f.round_tx = 0
+        return None
+
+    def _second_stage(self, f: Fragment) -> Generator[Op, Any, bool]:
+        """The two-stage exchange's middle: wait for the all-to-all (this peer now holds every peer's
+        payload of chunk ``rank``), average them in rank order, add this peer's chunk residual,
+        compress the result once more and launch the all-gather of the compressed chunks. False
+        when the round was lost."""
+        assert f.codec is not None
+        info = yield from self._wait(f)
+        if info is None:
+            return False
+        if f.stage == 0:  # restarted for 2 peers, as one all-gather: the exchange is complete
+            f.done = info
+            return True
+        assert f.gathered is not None
+        f.round_tx = int(info.tx_bytes)
+        c = ChunkedCodec(f.codec, f.world).chunk(f.numel)
+        w = average_payloads(f.codec, f.gathered, f.world, c)
+        if self.error_feedback:
+            if f.server_key != (f.world, f.rank) or f.server_residual is None:
+                # a new chunking (the group changed): the old chunk's residual, at most half a
+                # quantization step of the average per element, is dropped
+                f.server_residual = torch.zeros(c, dtype=torch.float32)
+                f.server_key = (f.world, f.rank)
+            w = w + f.server_residual
+        f.payload = f.codec.encode(w)
+        if self.error_feedback:
+            f.server_proposed = w - f.codec.decode(f.payload, c)
         f.gathered = torch.empty(f.world * f.payload.numel(), dtype=torch.uint8)
-        f.handle = yield StartAllReduce(AllGather(f.payload, f.gathered, tag=tag))
+        f.stage = 2
+        f.handle = yield StartAllReduce(AllGather(f.payload, f.gathered, tag=self.base_tag + f.index))
+        return True
 
     def _finish(self, f: Fragment) -> Generator[Op, Any, int]:
         """Wait for ``f``'s exchange and apply it; returns the bytes it sent (0 when the round is lost)."""
@@ -243,42 +368,31 @@ class StreamingCore:
             avg, f.local = f.local, None
             self._apply(f, avg)
             return 0
-        handle, f.handle = f.handle, None
-        op: Op = WaitAllReduce(handle)
-        while True:
-            try:
-                info = yield op
-                break
-            except Exception as exc:
-                lost = is_result(exc, "RANK_CONNECTION_LOST", "TOO_FEW_PEERS")
-                if not lost and is_result(exc, "INVALID_ARGUMENT") and f.codec is not None:
-                    _, now = yield Members()
-                    if now != f.world and now >= 2 and f.payload is not None:
-                        # The group changed size before the all-gather began (nothing was received):
-                        # gather the same payloads again, now, from the peers that are left.
-                        f.world = now
-                        f.gathered = torch.empty(now * f.payload.numel(), dtype=torch.uint8)
-                        op = AllGather(f.payload, f.gathered, tag=self.base_tag + f.index)
-                        continue
-                    lost = now != f.world
-                if not lost:
-                    raise
-                f.lost += 1
-                if f.feedback is not None:
-                    f.feedback.discard()
-                f.payload = f.gathered = None
-                return 0
+        if f.stage == 1 and not (yield from self._second_stage(f)):
+            return 0
+        info, f.done = f.done, None
+        if info is None:
+            info = yield from self._wait(f)
+        if info is None:
+            return 0
         if f.codec is None:
             avg = f.recv
         else:
             assert f.gathered is not None
-            avg = average_payloads(f.codec, f.gathered, f.world, f.numel)
+            if f.stage == 2:
+                avg = ChunkedCodec(f.codec, f.world).decode(f.gathered, f.numel)
+                if f.server_proposed is not None:
+                    f.server_residual, f.server_proposed = f.server_proposed, None
+            else:
+                avg = average_payloads(f.codec, f.gathered, f.world, f.numel)
             if f.feedback is not None:
                 f.feedback.commit()
             f.payload = f.gathered = None
         self._apply(f, avg)
-        f.tx_bytes += info.tx_bytes
-        return int(info.tx_bytes)
+        tx = f.round_tx + int(info.tx_bytes)
+        f.stage = f.round_tx = 0
+        f.tx_bytes += tx
+        return tx
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
         """The outer step of ``f``'s parameters with the average ``avg``, then the inner merge."""
@@ -311,6 +425,10 @@ class StreamingCore:
         for f in self.fragments:
             if f.offset == s:
                 yield from self._launch(f)
+        for f in self.fragments:
+            if f.stage == 1 and self.overlap >= 2 and f.offset + self.overlap // 2 == s:
+                if not (yield from self._second_stage(f)):
+                    f.rounds += 1  # lost in its first stage: nothing left in flight
         for f in self.fragments:
             if f.in_flight and f.offset + self.overlap == s:
                 tx += yield from self._finish(f)

@@ -17,6 +17,7 @@ CASES = [
     ("hello_world.py", [], "hello world: OK"),
     ("digits_ddp.py", ["--short"], "digits data-parallel training: OK"),
     ("diloco.py", ["--short", "--mode", "both"], "[async] DiLoCo: OK"),
+    ("streaming_diloco.py", ["--short"], "streaming DiLoCo: OK"),
     # the default runs both modes; one case each keeps a case within the timeout on a busy machine
     ("torch_charlm.py", ["--short", "--mode", "ddp"], "torch char-LM with kill and join: OK"),
     ("torch_charlm.py", ["--short", "--mode", "diloco"], "torch char-LM with kill and join: OK"),
@@ -27,7 +28,7 @@ CASES = [
 def test_example_runs(script: str, args: list[str], ok_line: str) -> None:
     if script != "hello_world.py":
         pytest.importorskip("torch")
-    if script in ("digits_ddp.py", "diloco.py"):
+    if script in ("digits_ddp.py", "diloco.py", "streaming_diloco.py"):
         pytest.importorskip("sklearn", reason="the training examples use scikit-learn's digits data")
     # The timeout only turns a hang into a failure; the examples give up on their own well before it.
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True,

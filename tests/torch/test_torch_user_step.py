@@ -228,3 +228,82 @@ async def test_min_world_size_timeout_gives_up(autojump_clock: trio.testing.Mock
     with pytest.raises(pccl.TooFewPeersError):
         await run.step(lambda step: None)
     assert 1.5 <= trio.current_time() - start < 2.5
+
+
+def _poison(model: nn.Module) -> None:
+    grad = next(model.parameters()).grad
+    assert grad is not None
+    grad.view(-1)[0] = float("inf")
+
+
+def _scaled_step(model: nn.Module, opt: torch.optim.Optimizer, scaler: Any) -> None:
+    """The update once the averaged (scaled) gradients are in ``.grad``."""
+    scaler.unscale_(opt)
+    nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+    scaler.step(opt)  # skipped where the unscaled gradients are not finite
+    scaler.update()
+
+
+async def test_grad_scaler_with_the_user_owned_step_skips_and_rescales_on_every_peer(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """torch.amp.GradScaler("cpu") in the user-owned step, 3 peers, float64: the scaled gradients are
+    averaged, unscaled, clipped; peer 1's gradient made infinite at step 5 poisons the average on every
+    peer, so all of them skip that step and halve the scale; the scale grows every 3 clean steps alike.
+    Every peer ends with the same scale history and parameters as single-process training that sees the
+    same infinity, within 1e-12."""
+    if not hasattr(torch, "amp") or not hasattr(torch.amp, "GradScaler"):
+        pytest.skip("this torch has no torch.amp.GradScaler")
+    cluster = await pccl_cluster(3)
+    x, y = float_data(dtype=torch.float64)
+    bad = 5
+
+    def scaler() -> Any:
+        return torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+
+    ref_model, ref_opt, _ = make()
+    ref_scaler = scaler()
+    ref_scales, ref_skipped = [], []
+    for step in range(STEPS):
+        idx = torch.from_numpy(global_batch_indices(step, BATCH, len(x)))
+        ref_opt.zero_grad(set_to_none=False)
+        ref_scaler.scale(nn.functional.mse_loss(ref_model(x[idx]), y[idx])).backward()
+        if step == bad:
+            _poison(ref_model)
+        before = [p.detach().clone() for p in ref_model.parameters()]
+        _scaled_step(ref_model, ref_opt, ref_scaler)
+        after = list(ref_model.parameters())
+        ref_skipped.append(all(torch.equal(a, p) for a, p in zip(before, after, strict=True)))
+        ref_scales.append(ref_scaler.get_scale())
+    assert ref_skipped == [s == bad for s in range(STEPS)]  # the reference does what the test claims
+    assert ref_scales[bad] == ref_scales[bad - 1] / 2 and max(ref_scales) > 2.0**10
+    ref = SharedModel(ref_model, ref_opt)
+
+    out: dict[int, Any] = {}
+
+    async def peer(i: int) -> None:
+        model, opt, _ = make()
+        shared = SharedModel(model, opt)
+        grad_scaler = scaler()
+        scales: list[float] = []
+        run = AsyncTrainingRun(cluster.peer(i), shared, total_steps=STEPS)
+        while True:
+            async with run.step() as s:
+                if s.done:
+                    break
+                idx = torch.from_numpy(s.shard(BATCH, len(x)))
+                grad_scaler.scale(nn.functional.mse_loss(model(x[idx]), y[idx])).backward()
+                if i == 1 and s.index == bad:
+                    _poison(model)
+                if await s.all_reduce_grads():
+                    _scaled_step(model, opt, grad_scaler)
+                    scales.append(grad_scaler.get_scale())
+        out[i] = (shared, scales)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(peer, i)
+    for i in range(3):
+        shared, scales = out[i]
+        assert scales == ref_scales
+        assert max_difference(shared, ref) < 1e-12
+    assert state_bytes(out[0][0]) == state_bytes(out[1][0]) == state_bytes(out[2][0])
