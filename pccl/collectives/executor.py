@@ -26,6 +26,7 @@ import trio
 from .._errors import InvalidArgumentError, PCCLError, RankConnectionFailedError
 from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, ReduceOp
 from ..kernels import backend, reduce
+from .gate import SendGate
 from .interface import DataPool
 from .kinds import Kind, get_kind
 from .ring import (
@@ -205,12 +206,13 @@ class Attempt:
             raise
 
     async def run(
-        self, send: np.ndarray, work: np.ndarray, staging: Staging | None = None
+        self, send: np.ndarray, work: np.ndarray, staging: Staging | None = None, gate: SendGate | None = None
     ) -> tuple[int, int]:
         """Run the plan's data plane: ``work`` (a buffer this peer owns) gets the result; ``send`` is
         never modified. On any error or cancellation the attempt fails (:meth:`fail`). ``staging``:
         ``send`` is a device tensor's host stage, filled block by block (see
         :func:`pccl.collectives.ring.run_plan`; the caller awaits ``staging.abort()`` after a failure).
+        ``gate``: a speculative start's send gate (:mod:`pccl.collectives.gate`).
 
         Returns:
             ``(tx_bytes, rx_bytes)``.
@@ -227,7 +229,7 @@ class Attempt:
             raise InvalidArgumentError("too many frames for one operation: raise block_bytes")
         ex = make_exec(self.plan, len(self.ring), send, work, self.ring_op, self.quantization)
         try:
-            await run_plan(self.pool, ex, self.ring, self.tag, self.op_seq, send, work, staging)
+            await run_plan(self.pool, ex, self.ring, self.tag, self.op_seq, send, work, staging, gate)
         except BaseException:
             await self.fail()
             raise

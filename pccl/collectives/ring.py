@@ -51,6 +51,7 @@ from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, Reduc
 from ..kernels.buffers import BufferCache
 from ..kernels.quantize import dequantize, metadata_size, quantize
 from ._reduce import reduce_into
+from .gate import SendGate
 from .interface import DataPool, Receive
 from .kinds import Kind, get_kind
 from .schedule import (
@@ -235,12 +236,15 @@ def plan_partners(plan: Plan) -> tuple[list[int], list[int]]:
 
 async def run_plan(
     pool: DataPool, ex: _Exec, ids: Sequence[int], tag: int, op_seq: int, send: np.ndarray, out: np.ndarray,
-    staging: Staging | None = None,
+    staging: Staging | None = None, gate: SendGate | None = None,
 ) -> None:
     """Execute ``ex.plan`` over ``pool``: register every receive, make the local copy, then send and
     apply frames as their dependencies complete (inline for small operations, with one sender task
     per connection for large ones). Failure handling is the caller's
     (:meth:`pccl.collectives.executor.Attempt.fail`).
+
+    ``gate``: a speculative start's :class:`~pccl.collectives.gate.SendGate`: every frame passes it
+    before it is sent (at most its limit before the master's go-ahead).
 
     ``staging``: ``send`` is the host stage of a device tensor that ``staging`` fills block by block
     (:mod:`pccl.collectives.staging`): each block is waited for before it is read, and every range of
@@ -259,7 +263,7 @@ async def run_plan(
             staging.after_local_copy()
     if plan.sends or plan.recvs:
         runner = _run_inline if ex.tx <= INLINE_SEND_LIMIT else _run_pipelined
-        await runner(pool, ex, slots, ids, tag, op_seq, staging)
+        await runner(pool, ex, slots, ids, tag, op_seq, staging, gate)
     else:
         await trio.lowlevel.checkpoint()
     if staging is not None:
@@ -443,13 +447,14 @@ async def _run_inline(
     tag: int,
     op_seq: int,
     staging: Staging | None = None,
+    gate: SendGate | None = None,
 ) -> None:
     sends = ex.plan.sends
     for j in ex.plan.initial:
         f = sends[j]
         if staging is not None:
             await staging.before_send(j)
-        await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+        await _gated_send(pool, gate, ids[f.peer], tag, op_seq, f.seq, ex.payload(j), tag + f.lane)
         if staging is not None:
             staging.after_send(j)
     unlocks = ex.plan.unlocks
@@ -464,9 +469,18 @@ async def _run_inline(
             f = sends[j]
             if staging is not None:
                 await staging.before_send(j)
-            await pool.send(ids[f.peer], tag, op_seq, f.seq, ex.payload(j), conn_index=tag + f.lane)
+            await _gated_send(pool, gate, ids[f.peer], tag, op_seq, f.seq, ex.payload(j), tag + f.lane)
             if staging is not None:
                 staging.after_send(j)
+
+
+async def _gated_send(
+    pool: DataPool, gate: SendGate | None, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview,
+    conn_index: int,
+) -> None:
+    if gate is not None:
+        await gate.admit(data.nbytes)
+    await pool.send(peer_id, tag, op_seq, seq, data, conn_index=conn_index)
 
 
 class _ReadyFrames:
@@ -512,6 +526,7 @@ async def _run_pipelined(
     tag: int,
     op_seq: int,
     staging: Staging | None = None,
+    gate: SendGate | None = None,
 ) -> None:
     plan = ex.plan
     sends = plan.sends
@@ -520,7 +535,7 @@ async def _run_pipelined(
     conn_of = [(f.peer, (tag + f.lane) % stripes[f.peer]) for f in sends]
     queues = {c: _ReadyFrames() for c in sorted(set(conn_of))}
     errors: list[BaseException] = []
-    sender = _Sender(pool, ex, tag, op_seq, staging)
+    sender = _Sender(pool, ex, tag, op_seq, staging, gate)
 
     def ready(j: int) -> None:
         queues[conn_of[j]].push(sends[j], j)
@@ -561,10 +576,14 @@ async def _receive_all(
 class _Sender:
     """Sends one operation's frames, one task per (partner, connection) of the pipelined executor."""
 
-    __slots__ = ("ex", "op_seq", "pool", "staging", "tag")
+    __slots__ = ("ex", "gate", "op_seq", "pool", "staging", "tag")
 
-    def __init__(self, pool: DataPool, ex: _Exec, tag: int, op_seq: int, staging: Staging | None) -> None:
+    def __init__(
+        self, pool: DataPool, ex: _Exec, tag: int, op_seq: int, staging: Staging | None,
+        gate: SendGate | None = None,
+    ) -> None:
         self.pool = pool
+        self.gate = gate
         self.ex = ex
         self.tag = tag
         self.op_seq = op_seq
@@ -593,8 +612,11 @@ class _Sender:
                 await trio.lowlevel.checkpoint()
                 if staging is not None:
                     await staging.before_send(j)
+                payload = ex.payload(j)
+                if self.gate is not None:
+                    await self.gate.admit(payload.nbytes)
                 try:
-                    await pool.send(peer_id, tag, op_seq, sends[j].seq, ex.payload(j), conn_index=conn)
+                    await pool.send(peer_id, tag, op_seq, sends[j].seq, payload, conn_index=conn)
                 except RankConnectionLostError as exc:
                     reopened = await self._recover(exc, peer_id, conn, j, sent, striped, reopened)
                 sent.append(j)

@@ -30,6 +30,7 @@ from .._types import DataType, QuantizationAlgorithm, QuantizationOptions, Reduc
 from .._waits import format_wait
 from ..collectives.cost import LinkModel, same_host, schedule_for
 from ..collectives.executor import Attempt
+from ..collectives.gate import SendGate, early_send_limit
 from ..collectives.kinds import Kind, get_kind
 from ..collectives.staging import Staging, device_for
 from ..kernels import backend
@@ -76,7 +77,6 @@ class _Call:
     tag: int
     dtype: DataType
     count: int  # elements of recv
-    nbytes: int  # bytes of recv
     descriptor: m.CollectiveDescriptor
     quantization: QuantizationOptions
     staging_device: Any  # pccl.collectives.staging.device_for(send): None for host tensors
@@ -470,7 +470,7 @@ class CollectiveCalls:
             root=root, quantization=q, schedule=self.config.schedule,
         )
         staging_device = device_for(send)  # None for host tensors
-        return _Call(kind, send, recv, op, tag, sdesc.dtype, rdesc.count, rdesc.nbytes, descriptor, q,
+        return _Call(kind, send, recv, op, tag, sdesc.dtype, rdesc.count, descriptor, q,
                      staging_device, staging_device is not None, len(self._core.group_ring))
 
     async def _vote(self, call: _Call, st: OpState) -> _Commenced:
@@ -478,7 +478,7 @@ class CollectiveCalls:
         section 4: with the op_seq the last confirmation of this tag reserved, the data plane starts
         right after the vote, on the current ring, and the master's one answer settles it), else from
         the master's commence. An op that cannot run on that ring is reported failed here."""
-        proposal = self._core.speculate(call.tag, call.nbytes)
+        proposal = self._core.speculate(call.tag)
         st.op_seq = proposal
         await self._send_now(m.CollectiveInitiate(tag=call.tag, descriptor=call.descriptor, op_seq=proposal))
         if proposal >= 0:
@@ -526,12 +526,17 @@ class CollectiveCalls:
                 )
                 # A speculative data plane may wait for peers that have not voted yet: its stall
                 # clock starts with the master's commence (every participant voted), which comes
-                # off the critical path; the master's vote timeout bounds the wait before.
+                # off the critical path; the master's vote timeout bounds the wait before. Until
+                # then it sends at most half a partner's stash (pccl/collectives/gate.py).
+                gate = SendGate(early_send_limit(self.config.recv_stash_limit), st.commence) \
+                    if c.proposal >= 0 else None
                 tx, rx = await self._stall.guarded(
-                    functools.partial(attempt.run, send_np, work, staging),
+                    functools.partial(attempt.run, send_np, work, staging, gate),
                     arm_when=(lambda: st.commence.done) if c.proposal >= 0 else None,
                 )
                 ok = st.plane_done = True
+                if gate is not None and gate.waited:
+                    self._stats["speculative_gate_waits"] += 1
             except PCCLError as exc:
                 reason = str(exc)
                 stalled_on = exc.peer_id if isinstance(exc, StalledOn) else -1

@@ -167,13 +167,6 @@ Effect = (Resolve | AbortOp | Establish | Measure | Forget | Lost | Dismissed | 
 #: in the same order (pccl.master.state.RESERVATIONS_PER_GROUP).
 RESERVATIONS_KEPT = 1024
 
-#: Operations whose receive buffer is larger than this never start speculatively (docs/protocol.md
-#: section 4): the saved round trip matters for latency-bound operations only, and the data a speculative
-#: start sends to a peer that has not voted yet waits in that peer's stash (bounded by recv_stash_limit),
-#: possibly ahead of other operations' frames on the same connection. Derived from the descriptor alone,
-#: so equal on every peer of an operation.
-SPECULATIVE_MAX_BYTES = 4 << 20
-
 
 # ============================================================================================
 # the state machine
@@ -460,9 +453,10 @@ class PeerState(CollectiveRules):
         """True when the running sync is finished here and waits for the master's result."""
         return self.sync is not None and self.sync.done
 
-    def speculate(self, tag: int, nbytes: int = 0) -> int:
-        """Start registered op ``tag`` under its reserved op_seq, if it has one for this epoch and its
-        receive buffer (``nbytes``) is at most :data:`SPECULATIVE_MAX_BYTES`.
+    def speculate(self, tag: int) -> int:
+        """Start registered op ``tag`` under its reserved op_seq, if it has one for this epoch (any
+        size: what the data plane sends before every participant voted is bounded by
+        :mod:`pccl.collectives.gate`).
 
         The number is used once (taken out either way). The op then runs on the current group ring
         before the master answered: its ``CollectiveComplete`` commits, its ``CollectiveAbort``
@@ -473,8 +467,7 @@ class PeerState(CollectiveRules):
         """
         res = self.reserved.pop(tag, None)
         op = self.ops.get(tag)
-        if res is None or op is None or res[1] != self.epoch or len(self.group_ring) < 2 \
-                or nbytes > SPECULATIVE_MAX_BYTES:
+        if res is None or op is None or res[1] != self.epoch or len(self.group_ring) < 2:
             return -1
         op.op_seq, op.speculative = res[0], True
         op.participants = self.group_ring  # the ring it runs on (for an in-doubt report)
@@ -802,7 +795,6 @@ def ring_neighbours(rows: Sequence[m.PeerRow], me: int) -> tuple[m.PeerRow | Non
 
 __all__ = [
     "RESERVATIONS_KEPT",
-    "SPECULATIVE_MAX_BYTES",
     "AbortOp",
     "Call",
     "Dismissed",

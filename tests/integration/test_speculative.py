@@ -17,7 +17,6 @@ import trio.testing
 
 import pccl
 from pccl.peer.communicator import Communicator
-from pccl.peer.state import SPECULATIVE_MAX_BYTES
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.testing.cluster import TestCluster
 from pccl.wire import messages as m
@@ -267,24 +266,6 @@ async def test_a_peer_that_missed_the_last_confirmation_joins_the_others_under_t
         expect_sum(bufs, before)
         assert got[1] == {"CollectiveCommence": 1, "CollectiveComplete": 1}  # commenced under the number
         assert got[0] == got[2] == {"go": 1, "CollectiveComplete": 1}  # the others never waited
-        assert cl.master.state.statistics()["collectives_fast"] == 1
-
-
-async def test_operations_above_the_speculative_limit_keep_the_slow_path(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    async with open_test_cluster(2, network=VirtualNetwork(latency=0.001)) as cl:
-        got = [count_received(c) for c in cl.peers]
-        count = SPECULATIVE_MAX_BYTES // 8 + 1  # int64: one element over the limit
-        for _ in range(2):
-            bufs = fresh(2, count)
-            before = [b.copy() for b in bufs]
-            res = await all_reduce_all(cl, bufs)
-            assert all(isinstance(r, pccl.ReduceInfo) for r in res), res
-            expect_sum(bufs, before)
-        assert all(g == {"CollectiveCommence": 2, "CollectiveComplete": 2} for g in got), got
-        bufs = fresh(2, SPECULATIVE_MAX_BYTES // 8)  # at the limit: fast (the last op reserved a number)
-        await all_reduce_all(cl, bufs)
         assert cl.master.state.statistics()["collectives_fast"] == 1
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pccl
 from pccl.peer.state import (
     RESERVATIONS_KEPT,
-    SPECULATIVE_MAX_BYTES,
     AbortOp,
     Call,
     Forget,
@@ -112,18 +111,6 @@ def test_an_epoch_change_a_smaller_group_or_a_lost_link_drops_the_reservations()
     st.reserved[5] = (41, 3)  # reserved in an older epoch (cannot happen through handle: belt and braces)
     st.begin_op(5)
     assert st.speculate(5) == -1
-
-
-def test_large_operations_never_speculate_and_spend_the_number() -> None:
-    st = completed()
-    st.begin_op(5)
-    assert st.speculate(5, SPECULATIVE_MAX_BYTES + 1) == -1
-    st.end_op(5)
-    st.begin_op(5)
-    assert st.speculate(5, 0) == -1  # the number went with the large op (the master drops it too)
-    st = completed()
-    st.begin_op(5)
-    assert st.speculate(5, SPECULATIVE_MAX_BYTES) == 41
 
 
 def test_a_group_of_one_never_speculates() -> None:
