@@ -27,10 +27,11 @@ size and without ``optimize_topology()``; ``--pool N`` adds a column with ``p2p_
 
 Each row states the issue's target for ours and whether it was met; ``--ab TREE`` adds a column
 with ours from another checkout run right after, on the same emulator (an interleaved A/B). The
-emulator's namespaces take ``$PCCL_WAN_PREFIX`` (default ``wan``) as their prefix.
+emulator's namespaces are named ``<prefix>-<pid>-<i>`` with ``--prefix`` (default ``$PCCL_WAN_PREFIX`` or
+``wan``): people sharing a machine each use their own.
 
 usage: sudo python benchmarks/wan.py [--quick] [--cases a,b,...] [--iters 5] [--pool N] [--no-gloo]
-                                     [--ab TREE]
+                                     [--ab TREE] [--prefix NAME]
 """
 
 from __future__ import annotations
@@ -326,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                          "right after ours from this one, on the same emulator: an interleaved A/B column")
     ap.add_argument("--quick", action="store_true",
                     help="3 iterations, and only 2p-50ms, 4KB-50ms and 4p-asym")
+    ap.add_argument("--prefix", default=os.environ.get("PCCL_WAN_PREFIX") or "wan",
+                    help="namespace prefix (<prefix>-<pid>-<i>; default $PCCL_WAN_PREFIX or wan)")
     ap.add_argument("--child", nargs=2, metavar=("KIND", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -359,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name in names:
         case = by_name[name]
-        with WanEmulator(case.hosts) as wan:
+        with WanEmulator(case.hosts, prefix=args.prefix) as wan:
             _setup_links(wan, case)
             far = case.hosts - 1
             ping = _ping_ms(wan, 0, far)
