@@ -77,6 +77,7 @@ class _Call:
     tag: int
     dtype: DataType
     count: int  # elements of recv
+    nbytes: int  # bytes of recv
     descriptor: m.CollectiveDescriptor
     quantization: QuantizationOptions
     staging_device: Any  # pccl.collectives.staging.device_for(send): None for host tensors
@@ -470,7 +471,7 @@ class CollectiveCalls:
             root=root, quantization=q, schedule=self.config.schedule,
         )
         staging_device = device_for(send)  # None for host tensors
-        return _Call(kind, send, recv, op, tag, sdesc.dtype, rdesc.count, descriptor, q,
+        return _Call(kind, send, recv, op, tag, sdesc.dtype, rdesc.count, rdesc.nbytes, descriptor, q,
                      staging_device, staging_device is not None, len(self._core.group_ring))
 
     async def _vote(self, call: _Call, st: OpState) -> _Commenced:
@@ -478,7 +479,11 @@ class CollectiveCalls:
         section 4: with the op_seq the last confirmation of this tag reserved, the data plane starts
         right after the vote, on the current ring, and the master's one answer settles it), else from
         the master's commence. An op that cannot run on that ring is reported failed here."""
-        proposal = self._core.speculate(call.tag)
+        # Large operations start speculatively on far links only: where this peer stripes to a
+        # partner (by default a round trip over ~20 ms, pccl/peer/striping.py), a master round trip
+        # is a visible share of the operation; on loopback or a LAN it is not.
+        far = any(self.pool.stripes(p) > 1 for p in self._core.group_ring if p != self.peer_id)
+        proposal = self._core.speculate(call.tag, call.nbytes, far)
         st.op_seq = proposal
         await self._send_now(m.CollectiveInitiate(tag=call.tag, descriptor=call.descriptor, op_seq=proposal))
         if proposal >= 0:

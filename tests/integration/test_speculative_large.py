@@ -1,6 +1,8 @@
 """Issue 34 item 3 on the virtual network: one master round trip for operations of every size while
-membership is stable (docs/protocol.md section 4). Until the master says that every participant voted,
-a speculative data plane sends at most half a partner's stash (pccl/collectives/gate.py).
+membership is stable and the links are far (the peer stripes to a partner: by default a round trip
+over ~20 ms; docs/protocol.md section 4). Until the master says that every participant voted, a
+speculative data plane sends at most half a partner's stash (pccl/collectives/gate.py). On near links
+(one connection per partner) operations over 4 MiB keep the slow path.
 
 Message counts, not timings, show the saved round trip; an aborted large speculative operation leaves
 every buffer byte for byte as it was; a peer lost mid-operation still fails it at once.
@@ -17,6 +19,7 @@ import trio.testing
 
 import pccl
 from pccl.peer.communicator import Communicator
+from pccl.peer.state import SPECULATIVE_NEAR_MAX_BYTES
 from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 
 from .test_speculative import all_reduce_all, count_received, count_sent, expect_sum, fresh
@@ -28,7 +31,7 @@ LARGE = 2 << 20
 
 async def test_a_large_all_reduce_costs_one_master_round_trip(autojump_clock: trio.testing.MockClock) -> None:
     net = VirtualNetwork(latency=0.025, bandwidth=125e6)  # 50 ms round trip, 1 Gbit/s
-    async with open_test_cluster(2, network=net) as cl:
+    async with open_test_cluster(2, network=net, pool_size=0) as cl:  # the default: sized from the RTT
         got = [count_received(c) for c in cl.peers]
         sent = count_sent(cl)
         for k in range(3):
@@ -49,6 +52,26 @@ async def test_a_large_all_reduce_costs_one_master_round_trip(autojump_clock: tr
         # both voted together: the go came long before half the stash (32 MiB) was sent
         assert all(c.statistics()["speculative_starts"] == 2 for c in cl.peers)
         assert all(c.statistics().get("speculative_gate_waits", 0) == 0 for c in cl.peers)
+        assert all(c.pool.stripes(c.group_ring[1 - c.rank]) > 1 for c in cl.peers)  # far
+
+
+async def test_on_near_links_operations_over_4_mib_keep_the_slow_path(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_test_cluster(2, network=VirtualNetwork(latency=0.001), pool_size=0) as cl:
+        got = [count_received(c) for c in cl.peers]
+        count = SPECULATIVE_NEAR_MAX_BYTES // 8 + 1  # int64: one element over the limit
+        for _ in range(2):
+            bufs = fresh(2, count)
+            before = [b.copy() for b in bufs]
+            res = await all_reduce_all(cl, bufs)
+            assert all(isinstance(r, pccl.ReduceInfo) for r in res), res
+            expect_sum(bufs, before)
+        assert all(c.pool.stripes(c.group_ring[1 - c.rank]) == 1 for c in cl.peers)  # near
+        assert all(g == {"CollectiveCommence": 2, "CollectiveComplete": 2} for g in got), got
+        bufs = fresh(2, SPECULATIVE_NEAR_MAX_BYTES // 8)  # at the limit: fast (the last op reserved a number)
+        await all_reduce_all(cl, bufs)
+        assert cl.master.state.statistics()["collectives_fast"] == 1
 
 
 async def test_a_late_voter_holds_a_large_speculative_sender_to_half_its_stash(
@@ -57,7 +80,7 @@ async def test_a_late_voter_holds_a_large_speculative_sender_to_half_its_stash(
     # an 8 MiB stash: the early voter may send 4 MiB (one block) before everyone voted; without the
     # gate it would fill the late voter's stash with both 4 MiB blocks of its reduce-scatter chunk
     cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, recv_stash_limit=8 << 20, p2p_stall_timeout=5.0)
-    async with open_test_cluster(2, network=VirtualNetwork(latency=0.001), config=cfg) as cl:
+    async with open_test_cluster(2, network=VirtualNetwork(latency=0.001), config=cfg, pool_size=2) as cl:
         await all_reduce_all(cl, fresh(2, LARGE))
         bufs = fresh(2, LARGE)
         before = [b.copy() for b in bufs]
@@ -79,7 +102,8 @@ async def test_a_late_voter_holds_a_large_speculative_sender_to_half_its_stash(
 async def test_an_aborted_large_speculative_op_leaves_every_buffer_exactly_as_it_was(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with open_test_cluster(3, network=VirtualNetwork(latency=0.005, bandwidth=125e6)) as cl:
+    net = VirtualNetwork(latency=0.005, bandwidth=125e6)
+    async with open_test_cluster(3, network=net, pool_size=2) as cl:
         await all_reduce_all(cl, fresh(3, LARGE))
         # peer 2 disagrees on the element count: the speculative planes run (and fail on frames of
         # the wrong size) before the vote completes; the master aborts everyone
@@ -106,7 +130,8 @@ async def test_a_peer_lost_mid_way_through_a_large_speculative_op_fails_it_at_on
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     # 100 MB/s links: the 16 MiB op takes ~0.3 s of virtual time; the stall timeout is far away
-    async with open_test_cluster(3, network=VirtualNetwork(latency=0.005, bandwidth=100e6)) as cl:
+    net = VirtualNetwork(latency=0.005, bandwidth=100e6)
+    async with open_test_cluster(3, network=net, pool_size=2) as cl:
         await all_reduce_all(cl, fresh(3, LARGE))
         bufs = fresh(3, LARGE)
         before = [b.copy() for b in bufs]
