@@ -159,10 +159,12 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             if i >= cfg["warmup"]:
                 times.append(time.perf_counter() - t)
         stripes = comm.pool.statistics().get("outgoing")
+        stats = comm.statistics()
+        spec = {k: stats.get(k, 0) for k in ("speculative_starts", "speculative_gate_waits")}
         ring = comm.group_ring
         await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
     print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
-                      "optimize_s": opt_s, "ring": ring, "outgoing": stripes}), flush=True)
+                      "optimize_s": opt_s, "ring": ring, "outgoing": stripes, **spec}), flush=True)
 
 
 def _gloo_child(cfg: dict[str, Any]) -> None:
@@ -286,6 +288,9 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
             tail = Path(log.name).read_text().splitlines()[-30:]
             print("  our master's log (last lines):\n    " + "\n    ".join(tail), file=sys.stderr)
         os.unlink(log.name)
+    if os.environ.get("PCCL_WAN_VERBOSE"):
+        print(f"  ours ({case.name}, {tree or 'this tree'}): " + "; ".join(
+            json.dumps({k: v for k, v in r.items() if k not in ("times", "event")}) for r in res), flush=True)
     return {"median_s": max(r["median_s"] for r in res), "ring": res[0]["ring"],
             "optimize_s": max(r["optimize_s"] for r in res), "outgoing": [r["outgoing"] for r in res]}
 
