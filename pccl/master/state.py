@@ -214,7 +214,7 @@ class MasterState:
         """Accepted peers in ring order (:attr:`Membership.ring`). Change it by assigning a new list,
         never in place: the per-group counts that keep every vote O(1) per message are recounted on
         assignment."""
-        return self.members.ring
+        return self.members._ring  # (the attribute itself: read on every vote, a property less)
 
     @ring.setter
     def ring(self, value: list[int]) -> None:
@@ -324,7 +324,7 @@ class MasterState:
     @property
     def _quorum_ok(self) -> bool:
         """The quorum part of :attr:`resumed` (what the hold clock of :meth:`_note_quorum` follows)."""
-        return self.quorum.ok(self.ring, self.rebuild is not None)
+        return self.rebuild is None and (not self.quorum.enforced or self.quorum.quorate(self.members.ring))
 
     def _note_quorum(self) -> list[Effect]:
         """Start or end the hold after a membership change: a master that became held starts its
@@ -905,8 +905,9 @@ class MasterState:
     def _rows_due(self) -> list[Effect]:
         """The owed credential rows, if the master is not held (:meth:`CredentialHandout.due`). Paid
         after every message (:meth:`handle`) and when the votes resume on a timer
-        (:meth:`_recheck_votes`)."""
-        return self.credentials.due(self.resumed)
+        (:meth:`_recheck_votes`). Nothing owed (the common case) is decided before :attr:`resumed`
+        is asked: this runs after every message."""
+        return self.credentials.due(self.resumed) if self._issued.owed else []
 
     def credentials_deadline(self) -> float | None:
         """When the rows of members taken back must go to the members holding the set (None: none is
