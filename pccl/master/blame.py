@@ -37,7 +37,31 @@ class StallBlame:
     strikes: int = STRIKES
     window: float = WINDOW
     _reports: dict[tuple[int, int], list[float]] = field(default_factory=dict)
+    _holds: dict[int, list[float]] = field(default_factory=dict)
     removed_total: int = 0
+
+    def hold(self, holder: int, now: float, members: set[int],
+             repeat: Callable[[int], bool] | None = None) -> list[tuple[int, str]]:
+        """By its own testimony and its neighbours', ``holder`` held a stalled ring all-reduce
+        (pccl/master/testimony.py ``ring_holders``): the evidence names it alone, so it alone is struck;
+        :attr:`strikes` within :attr:`window` (one for a ``repeat`` offender) remove it.
+
+        Returns:
+            ``[(holder, reason)]`` when it is to be removed now, else empty.
+        """
+        if holder not in members:
+            return []
+        times = [t for t in self._holds.get(holder, []) if now - t <= self.window]
+        times.append(now)
+        self._holds[holder] = times
+        if len(times) < (1 if repeat is not None and repeat(holder) else self.strikes):
+            return []
+        self.forget(holder)
+        self.removed_total += 1
+        n = len(times)
+        ops = f"{n} operation{'s' if n > 1 else ''}"
+        return [(holder, f"evicted: it held the ring in {ops} within {self.window:g}s (it testified taking "
+                         "more from its predecessor than the ring lets a peer hold without passing it on)")]
 
     def report(self, accuser: int, accused: int, now: float, members: set[int],
                repeat: Callable[[int], bool] | None = None) -> list[tuple[int, str]]:
@@ -74,6 +98,7 @@ class StallBlame:
         """Drop every report by or about ``peer`` (it left)."""
         for key in [k for k in self._reports if peer in k]:
             del self._reports[key]
+        self._holds.pop(peer, None)
 
 
 __all__ = ["STRIKES", "WINDOW", "StallBlame"]

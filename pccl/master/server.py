@@ -27,6 +27,7 @@ from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, RECONNECT_BACKOFF_MAX, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError, Result
 from .._exc import sole_exception
+from .._types import DataType
 from .._waits import WaitBoard, format_wait
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
@@ -336,7 +337,7 @@ class MasterServer:
                 # guard, so that nothing a peer sends can fail the master outside it (issue 33).
                 if self.status is not None:
                     self.status.on_message(conn.peer_id, msg, now)
-                if isinstance(msg, m.CollectiveDone) and (msg.stalled_on >= 0 or msg.io):
+                if isinstance(msg, m.CollectiveDone) and not msg.success:
                     self._stall_report(conn.peer_id, msg, now)
                     if conn.closing:
                         return
@@ -362,16 +363,28 @@ class MasterServer:
         pair found counts once per operation; the second within the window removes both
         (pccl/master/blame.py)."""
         pairs: list[tuple[int, int]] = []
+        if msg.op_seq >= 0:
+            self._note_ring(msg.op_seq)
         if msg.stalled_on >= 0:
             log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout",
                         reporter, msg.stalled_on)
             pairs.append((reporter, msg.stalled_on))
         if msg.io and msg.op_seq >= 0:
             members = set(self.state.ring)
-            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members):
+            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members, msg.blocked):
                 log.warning("operation %d stalled: peer %d sent peer %d %d bytes, peer %d took %d of them",
                             msg.op_seq, a, b, sent, b, taken)
                 pairs.append((a, b))
+            # a send under way is the sender's word that the partner does not take its frames
+            pairs.extend((reporter, b) for b in msg.blocked if b in members and b != msg.stalled_on)
+            for holder, succ, took, passed in self.testimony.holders(msg.op_seq):
+                log.warning("operation %d stalled: peer %d says it took %d bytes from its ring predecessor "
+                            "but its successor %d took only %d from it",
+                            msg.op_seq, holder, took, succ, passed)
+                for pid, reason in self.blame.hold(holder, now, set(self.state.ring),
+                                                   repeat=self.state.offenders.repeat):
+                    log.warning("peer %d %s", pid, reason)
+                    self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
         for accuser, accused in pairs:
             if not self.testimony.first(msg.op_seq, accuser, accused):
                 continue
@@ -380,6 +393,23 @@ class MasterServer:
                 log.warning("peer %d %s", pid, reason)
                 # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
                 self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
+
+    def _note_ring(self, op_seq: int) -> None:
+        """Record a running ring all-reduce's order and largest chunk for the ring rule
+        (pccl/master/testimony.py ``ring_holders``): the first failure report comes while it runs."""
+        for op in self.state.collectives:
+            if not op.running or op.op_seq != op_seq or not op.participants:
+                continue
+            d = op.votes.get(op.participants[0])
+            if d is None or d.kind != "all_reduce" or d.schedule != "ring" or d.quantization != 0:
+                return
+            try:
+                itemsize = DataType(d.dtype).itemsize
+            except ValueError:
+                return
+            n = len(op.participants)
+            self.testimony.ring(op_seq, op.participants, -(-d.element_count // n) * itemsize)
+            return
 
     async def _writer(self, conn: _Conn) -> None:
         try:

@@ -13,14 +13,22 @@ holds them: a link cut one way). :class:`StallTestimony` finds such pairs, once 
 the master then counts them like a ``stalled_on`` report (pccl/master/blame.py: the second report of a
 pair within the window removes both, so a false testimony costs its maker its place).
 
-A member that lies about what it took (claiming the bytes it did not read) is not found this way; it
-then stalls operations as before this check (each ended after ``p2p_stall_timeout``).
+A member that lies about what it took (claiming the bytes it did not read) is not found by the pairs.
+In a ring all-reduce it is found by the schedule's own rule (:func:`ring_holders`): a ring peer takes
+only from its predecessor and sends only to its successor, and every frame it takes, except the last
+step's, releases one frame of the same block (the same bytes) to its successor; its first step's send
+needs nothing. So at a standstill an honest peer whose sends all completed has passed on at least what
+it took, less the last step's chunk: ``took - passed <= max chunk bytes``. A peer that testifies it took
+more than that beyond what its successor testifies it took from it, while the successor is not behind
+on its frames (it took at least what the peer says it sent) and no send of the predecessor to it or of
+it to the successor was under way (``CollectiveDone.blocked``: such frames are released but not sent),
+holds the ring: it alone is blamed (pccl/master/blame.py ``hold``).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Mapping, Sequence
 
 #: Operations whose testimonies are kept (the oldest forgotten first).
 KEEP = 16
@@ -39,11 +47,35 @@ class StallTestimony:
         # op_seq -> testifier -> partner -> (sent to it, taken from it)
         self._ops: OrderedDict[int, dict[int, dict[int, tuple[int, int]]]] = OrderedDict()
         self._judged: OrderedDict[tuple[int, int, int], None] = OrderedDict()
+        # op_seq -> (ring order, the most an honest peer holds back), for ring all-reduces
+        self._rings: dict[int, tuple[tuple[int, ...], int]] = {}
+        # op_seq -> testifier -> partners whose send was under way
+        self._blocked: dict[int, dict[int, frozenset[int]]] = {}
+
+    def ring(self, op_seq: int, order: Sequence[int], slack: int) -> None:
+        """Operation ``op_seq`` is a ring all-reduce over ``order`` (ring order) whose honest peers hold
+        back at most ``slack`` bytes (its largest chunk); the first record counts."""
+        if op_seq not in self._rings and len(order) >= 3:
+            self._rings[op_seq] = (tuple(order), slack)
+            while len(self._rings) > self.keep:
+                del self._rings[next(iter(self._rings))]
+
+    def holders(self, op_seq: int) -> list[tuple[int, int, int, int]]:
+        """``(holder, successor, took, passed)`` of operation ``op_seq`` by :func:`ring_holders`, each
+        holder once per operation; empty unless the operation is a recorded ring all-reduce."""
+        facts = self._rings.get(op_seq)
+        op = self._ops.get(op_seq)
+        if facts is None or op is None:
+            return []
+        found = ring_holders(facts[0], facts[1], op, self._blocked.get(op_seq, {}))
+        return [h for h in found if self.first(op_seq, h[0], h[0])]
 
     def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]],
-            members: Container[int] | None = None) -> list[tuple[int, int, int, int]]:
+            members: Container[int] | None = None,
+            blocked: Iterable[int] = ()) -> list[tuple[int, int, int, int]]:
         """``peer`` testifies ``rows`` (``(partner, sent, taken)``) for operation ``op_seq``; rows
-        naming no member (``members``, None: any) are ignored.
+        naming no member (``members``, None: any) are ignored. ``blocked``: the partners its sends to
+        were under way then (:meth:`holders` reads them).
 
         Returns:
             ``(sender, receiver, sent, taken)`` for each pair newly found where the sender says it sent
@@ -60,9 +92,11 @@ class StallTestimony:
                 mine[partner] = (sent, taken)
         self.rows += len(mine) - len(op.get(peer, ()))
         op[peer] = mine
+        self._blocked.setdefault(op_seq, {})[peer] = frozenset(p for p in blocked if p in mine)
         while len(self._ops) > 1 and (len(self._ops) > self.keep or self.rows > self.max_rows):
-            _, gone = self._ops.popitem(last=False)
+            old, gone = self._ops.popitem(last=False)
             self.rows -= sum(len(r) for r in gone.values())
+            self._blocked.pop(old, None)
         if op_seq not in self._ops:
             return []
         found: list[tuple[int, int, int, int]] = []
@@ -89,4 +123,40 @@ class StallTestimony:
         return True
 
 
-__all__ = ["KEEP", "MAX_ROWS", "StallTestimony"]
+def ring_holders(order: Sequence[int], slack: int, testimony: Mapping[int, Mapping[int, tuple[int, int]]],
+                 blocked: Mapping[int, Container[int]]) -> list[tuple[int, int, int, int]]:
+    """The peers of a stalled ring all-reduce over ``order`` that hold the ring (module docstring).
+
+    Args:
+        order: the ring order (predecessor of ``order[i]``: ``order[i - 1]``; at least 3 peers).
+        slack: the most bytes an honest peer takes beyond what it passed on (the largest chunk).
+        testimony: testifier -> partner -> ``(sent to it, taken from it)``.
+        blocked: testifier -> partners its sends to were under way.
+
+    Returns:
+        ``(holder, successor, took from its predecessor, what the successor took from it)``, for each
+        peer that, its predecessor and its successor all testified, no send between them under way,
+        the successor not behind on the holder's frames, took more than ``slack`` beyond what it passed.
+    """
+    n = len(order)
+    found: list[tuple[int, int, int, int]] = []
+    if n < 3:
+        return found
+    for i, peer in enumerate(order):
+        pred, succ = order[i - 1], order[(i + 1) % n]
+        mine, theirs = testimony.get(peer), testimony.get(succ)
+        if mine is None or theirs is None or pred not in testimony:
+            continue
+        if peer in blocked.get(pred, ()) or succ in blocked.get(peer, ()):
+            continue  # released frames not written: the pair and stalled_on rules judge that link
+        took = mine.get(pred, (0, 0))[1]
+        sent = mine.get(succ, (0, 0))[0]
+        passed = theirs.get(peer, (0, 0))[1]
+        if passed < sent:
+            continue  # the successor is behind on its frames: the pair rule judges them
+        if took - passed > slack:
+            found.append((peer, succ, took, passed))
+    return found
+
+
+__all__ = ["KEEP", "MAX_ROWS", "StallTestimony", "ring_holders"]

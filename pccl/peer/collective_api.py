@@ -546,13 +546,15 @@ class CollectiveCalls:
                 reason = str(exc)
                 stalled_on = exc.peer_id if isinstance(exc, StalledOn) else -1
         st.scope = None
-        io = self._testimony(st, attempt) if not ok else []
+        # not before the vote completed: until then the speculative gate may hold sends back
+        io = self._testimony(st, attempt) if not ok and (c.proposal < 0 or st.commence.done) else []
+        blocked = self.pool.op_blocked(st.op_seq) if io else []
         if st.abort_error is not None:
             if io:  # aborted while its data plane stood still: the master compares the pairs' bytes
-                await self._report_failure(st, "aborted: its data plane had stalled", io=io)
+                await self._report_failure(st, "aborted: its data plane had stalled", io=io, blocked=blocked)
             raise st.abort_error
         if not ok or attempt is None:
-            await self._report_failure(st, reason, stalled_on, io=io)
+            await self._report_failure(st, reason, stalled_on, io=io, blocked=blocked)
             if c.proposal >= 0:
                 # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
                 # size): the master's verdict names the real cause, and it is an abort.
@@ -589,11 +591,11 @@ class CollectiveCalls:
         return [m.IoRow(p, sent, taken) for p, sent, taken in self.pool.op_io(st.op_seq)]
 
     async def _report_failure(self, st: OpState, reason: str, stalled_on: int = -1,
-                              io: list[m.IoRow] | None = None) -> None:
+                              io: list[m.IoRow] | None = None, blocked: list[int] | None = None) -> None:
         st.concluded = True
         try:
             await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq,
-                                              stalled_on=stalled_on, io=io or []))
+                                              stalled_on=stalled_on, io=io or [], blocked=blocked or []))
         except PCCLError:
             pass
 

@@ -10,15 +10,16 @@ KEEP = 16
 
 
 class OpIo:
-    """``[sent to it, taken from it]`` by operation and partner, for the last :data:`KEEP` operations.
-    Two dictionary lookups per data frame (:meth:`count`)."""
+    """``[sent to it, taken from it, sends under way to it]`` by operation and partner, for the last
+    :data:`KEEP` operations. Two dictionary lookups per data frame (:meth:`count`)."""
 
     def __init__(self, keep: int = KEEP) -> None:
         self.keep = keep
         self._ops: OrderedDict[int, dict[int, list[int]]] = OrderedDict()
 
     def count(self, op_seq: int, peer: int, which: int, n: int) -> None:
-        """Add ``n`` bytes sent to (``which`` 0) or taken from (1) ``peer`` in operation ``op_seq``."""
+        """Add ``n`` bytes sent to (``which`` 0) or taken from (1) ``peer`` in operation ``op_seq``, or
+        ``n`` sends begun (2; -1 when one ended: a send cut off stays counted as under way)."""
         io = self._ops.get(op_seq)
         if io is None:
             io = self._ops[op_seq] = {}
@@ -26,12 +27,17 @@ class OpIo:
                 self._ops.popitem(last=False)
         row = io.get(peer)
         if row is None:
-            row = io[peer] = [0, 0]
+            row = io[peer] = [0, 0, 0]
         row[which] += n
 
     def rows(self, op_seq: int) -> list[tuple[int, int, int]]:
         """``(peer, sent, taken)`` of operation ``op_seq`` (one of the last few), each partner once."""
-        return [(p, sent, taken) for p, (sent, taken) in sorted(self._ops.get(op_seq, {}).items())]
+        return [(p, row[0], row[1]) for p, row in sorted(self._ops.get(op_seq, {}).items())]
+
+    def blocked(self, op_seq: int) -> list[int]:
+        """The partners of operation ``op_seq`` whose send was under way when it ended (released frames
+        not written, so not in ``sent``: the master's ring rule must not read them as held back)."""
+        return [p for p, row in sorted(self._ops.get(op_seq, {}).items()) if row[2] > 0]
 
 
 __all__ = ["KEEP", "OpIo"]

@@ -197,6 +197,10 @@ class P2PPool:
         few): what this member testifies when the operation stalls (:class:`~pccl.peer.op_io.OpIo`)."""
         return self.io.rows(op_seq)
 
+    def op_blocked(self, op_seq: int) -> list[int]:
+        """The partners of operation ``op_seq`` whose send was under way when it ended."""
+        return self.io.blocked(op_seq)
+
     def blocked_partners(self) -> list[int]:
         """Peers with a frame being sent to them right now (a stall watch asks this when no frame has
         moved for ``p2p_stall_timeout``: a send still under way then is one the receiver does not take)."""

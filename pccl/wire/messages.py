@@ -701,7 +701,8 @@ class CollectiveDone(Message):
     peer were not taken (it does not read, or the link is cut); -1: not so. ``io``: a failed or aborted
     operation's data plane had moved no byte for at least half ``p2p_stall_timeout``; rows ``[peer,
     bytes sent to it, bytes taken from it]`` for this operation (the master compares the two ends of
-    each pair: docs/security.md "Members"); empty: not so.
+    each pair: docs/security.md "Members"); empty: not so. ``blocked``: with ``io``, the partners this
+    member's sends to were under way then (frames released but not written: they are not in ``sent``).
     """
 
     tag: Count
@@ -710,6 +711,7 @@ class CollectiveDone(Message):
     op_seq: Seq = -1
     stalled_on: Seq = dataclasses.field(default=-1, metadata=OPTIONAL)
     io: list[IoRow] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
+    blocked: list[Count] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
 
 
 @_register(32)

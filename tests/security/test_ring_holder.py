@@ -1,0 +1,147 @@
+"""Issue 33 finding 7 (item 6), the liar: a member that stops reading and testifies that it took the
+bytes its predecessor sent. The pairs agree then (pccl/master/testimony.py), so before the ring rule it
+stalled every operation for ``p2p_stall_timeout`` and stayed. The ring rule (``ring_holders``): in a
+ring all-reduce every frame a peer takes, except the last step's, releases one frame of the same bytes
+to its successor, so an honest peer at a standstill holds back at most one chunk; a peer that testifies
+it took more than that beyond what its successor took from it holds the ring and is struck alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+
+from pccl import PCCLError
+from pccl.master.blame import STRIKES, StallBlame
+from pccl.master.testimony import StallTestimony, ring_holders
+from pccl.peer.communicator import Communicator
+from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+
+STALL = 5.0
+CFG = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=STALL, schedule="ring")
+CHUNK = 100
+
+# A ring 1 -> 2 -> 3 -> 4 -> 1 stalled with peer 2 holding: 1 sent it 400 bytes, it passed 100 to 3.
+HOLDING = {
+    1: {2: (400, 0), 4: (0, 300)},
+    2: {1: (0, 400), 3: (100, 0)},  # the liar says it took all 400
+    3: {2: (0, 100), 4: (200, 0)},
+    4: {3: (0, 200), 1: (300, 0)},
+}
+
+
+def test_ring_holder_is_the_peer_that_took_more_than_a_chunk_beyond_what_it_passed() -> None:
+    assert ring_holders([1, 2, 3, 4], CHUNK, HOLDING, {}) == [(2, 3, 400, 100)]
+    # Honest at the last step: it holds exactly the last chunk it took (its send of it is not owed).
+    honest = {1: {2: (600, 0), 3: (0, 500)}, 2: {1: (0, 600), 3: (500, 0)}, 3: {2: (0, 500), 1: (500, 0)}}
+    assert ring_holders([1, 2, 3], CHUNK, honest, {}) == []
+    one_more = {**honest, 2: {1: (0, 601), 3: (500, 0)}}
+    assert ring_holders([1, 2, 3], CHUNK, one_more, {}) == [(2, 3, 601, 500)]
+
+
+def test_ring_rule_leaves_what_other_rules_judge_or_cannot_tell() -> None:
+    order = [1, 2, 3, 4]
+    # the successor is behind on the holder's frames (took less than it was sent): the pair rule's case
+    behind = {**HOLDING, 3: {2: (0, 50), 4: (200, 0)}}
+    assert ring_holders(order, CHUNK, behind, {}) == []
+    # a send of the holder to its successor, or of its predecessor to it, was under way: released frames
+    # not written are not in the bytes (a successor that does not read can hold the holder's sends)
+    assert ring_holders(order, CHUNK, HOLDING, {2: {3}}) == []
+    assert ring_holders(order, CHUNK, HOLDING, {1: {2}}) == []
+    # every one of the three must have testified
+    for gone in (1, 2, 3):
+        assert ring_holders(order, CHUNK, {k: v for k, v in HOLDING.items() if k != gone}, {}) == []
+    # a two-peer "ring" is no ring (predecessor and successor are one peer)
+    assert ring_holders([1, 2], CHUNK, {1: {2: (400, 0)}, 2: {1: (100, 400)}}, {}) == []
+
+
+def test_testimony_names_a_holder_once_per_operation_and_only_for_recorded_rings() -> None:
+    t = StallTestimony()
+    for peer, rows in HOLDING.items():
+        t.add(7, peer, [(p, s, k) for p, (s, k) in rows.items()])
+    assert t.holders(7) == []  # not recorded as a ring all-reduce
+    t.ring(7, [1, 2, 3, 4], CHUNK)
+    assert t.holders(7) == [(2, 3, 400, 100)]
+    assert t.holders(7) == []  # once per operation
+    t.ring(8, [1, 2, 3, 4], CHUNK)
+    for peer, rows in HOLDING.items():
+        t.add(8, peer, [(p, s, k) for p, (s, k) in rows.items()], blocked=[3] if peer == 2 else [])
+    assert t.holders(8) == []  # its send to its successor was under way
+
+
+def test_a_holder_is_struck_alone() -> None:
+    b = StallBlame()
+    members = {1, 2, 3, 4}
+    assert b.hold(2, 0.0, members) == [] and b.hold(9, 0.0, members) == []
+    gone = b.hold(2, 1.0, members)
+    assert [p for p, _ in gone] == [2] and "held the ring in 2 operations" in gone[0][1]
+    assert b.hold(2, 2.0, members) == []  # forgotten with it
+    assert b.hold(3, 0.0, members) == [] and b.hold(3, 700.0, members) == []  # outside the window
+    assert b.hold(4, 0.0, members, repeat=lambda p: p == 4) != []  # a repeat offender: one is enough
+
+
+async def test_a_member_that_stops_reading_and_lies_about_it_is_removed_alone_after_two_stalls(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caplog.set_level(logging.WARNING, logger="pccl")
+    small = 1024  # 1 KiB chunks in 1 MiB windows: every send completes, nobody is send-blocked
+    net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
+    async with open_test_cluster(4, network=net, config=CFG) as cl:
+        evil = cl.peer(2)
+        real_read = type(evil.pool.readers).read_frame
+
+        async def stop(self: object, conn: object) -> bool:
+            if self is evil.pool.readers:
+                await trio.sleep_forever()
+            waited: bool = await real_read(self, conn)  # type: ignore[arg-type]
+            return waited
+
+        real_rows = type(evil.pool).op_io
+
+        def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
+            rows: list[tuple[int, int, int]] = real_rows(self, op_seq)  # type: ignore[arg-type]
+            if self is not evil.pool:
+                return rows
+            # It claims it took every byte each partner says it sent it: the pairs then agree.
+            mine = {p: (s, k) for p, s, k in rows}
+            for i in cl.alive:
+                other = cl.peer(i)
+                if other is evil or other.pool is None:
+                    continue
+                sent = {p: s for p, s, _ in real_rows(other.pool, op_seq)}.get(evil.peer_id, 0)
+                s, k = mine.get(other.peer_id, (0, 0))
+                mine[other.peer_id] = (s, max(k, sent))
+            return [(p, s, k) for p, (s, k) in sorted(mine.items())]
+
+        monkeypatch.setattr(type(evil.pool.readers), "read_frame", stop)
+        monkeypatch.setattr(type(evil.pool), "op_io", lying)
+        honest = [cl.peer(i).peer_id for i in cl.alive if cl.peer(i) is not evil]
+        stalls = 0
+        t0 = trio.current_time()
+        for r in range(STRIKES + 2):
+            members = [i for i in cl.alive if cl.is_member(i)]
+
+            async def one(i: int, comm: Communicator, r: int = r) -> bytes:
+                out = np.zeros(small, np.int32)
+                await comm.all_reduce(np.full(small, comm.peer_id + 1, np.int32), out, tag=r)
+                return out.tobytes()
+
+            results = await cl.run_all(one, indexes=members)
+            if any(isinstance(x, PCCLError) for x in results):
+                stalls += 1
+                await cl.update_topology()
+                continue
+            ids = [cl.peer(i).peer_id for i in members]
+            assert sorted(ids) == sorted(honest)
+            want = np.full(small, sum(p + 1 for p in ids), np.int32).tobytes()
+            assert all(x == want for x in results)
+        assert "took 0 of them" not in caplog.text  # the pairs agreed: the lie hid it from them
+        assert stalls == STRIKES  # then it was gone, and nothing stalled again
+        assert evil.peer_id not in cl.master.state.peers
+        assert all(p in cl.master.state.peers for p in honest)  # the successor was not struck with it
+        assert f"peer {evil.peer_id} evicted: it held the ring in 2 operations" in caplog.text
+        assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
