@@ -69,6 +69,10 @@ class HealBook:
         self.groups: dict[int, int] = {}  # fetcher -> group
         # fetcher -> (its result, final): reported, the result held until its group can take it back
         self.held: dict[int, tuple[m.SharedStateResult, bool]] = {}
+        # Fetchers whose group voted (a collective or a sync, without them) since their heal began: they
+        # must join at the group's next sync; the others are where the members are (right after the
+        # heal's sync) and are answered current at once.
+        self.moved: set[int] = set()
         self.started = 0
         self.fetched = 0
         self.failed = 0
@@ -88,6 +92,11 @@ class HealBook:
         if not self.healing:
             return frozenset()
         return frozenset(p for p in self.healing if self.groups.get(p) == group)
+
+    def group_voted(self, group: int) -> None:
+        """A vote of ``group`` went on without its healing peers: they can no longer rejoin where they
+        left (the members are past the heal's sync), only at the group's next sync."""
+        self.moved.update(p for p in self.healing if self.groups.get(p) == group)
 
     def is_healing(self, peer_id: int) -> bool:
         """True while ``peer_id`` fetches a live heal."""
@@ -119,6 +128,7 @@ class HealBook:
             self.behind.pop(p, None)
             self.groups[p] = group
             self.rounds[p] = self.rounds.get(p, 0) + 1
+            self.moved.discard(p)
         self.started += 1
 
     def go_live(self, seq: int, group: int, revision: int, rows_of: dict[int, list[list[Any]]],
@@ -178,11 +188,18 @@ class HealBook:
         effects: list[Effect] = []
         for p, (result, final) in list(self.held.items()):
             group = self.groups[p]
-            if busy(group, final):
+            current = result.catch_up and p not in self.moved  # its group did nothing since: current now
+            if busy(group, final or current):
                 continue
             del self.held[p]
             del self.healing[p]
-            if result.catch_up:
+            self.moved.discard(p)
+            if current:
+                result = m.SharedStateResult(sync_seq=result.sync_seq, success=True, revision=result.revision)
+                self.groups.pop(p, None)
+                self.rounds.pop(p, None)
+                self.fetched += 1
+            elif result.catch_up:
                 self.behind[p] = group
                 self.fetched += 1
             else:
@@ -222,6 +239,7 @@ class HealBook:
         self.rounds.pop(peer_id, None)
         seq = self.healing.pop(peer_id, None)
         self.held.pop(peer_id, None)
+        self.moved.discard(peer_id)
         if seq is not None:
             heal = self.heals.get(seq)
             if heal is not None:

@@ -1443,8 +1443,12 @@ class MasterState:
 
     def left_out(self, group: int, kind: str) -> frozenset[int]:
         """Peers of ``group`` that no vote of ``kind`` ("op" or "sync") waits on: they heal (or, for
-        collectives, are behind after a heal)."""
-        return self.heals.out_of_ops(group) if kind == "op" else self.heals.out_of_syncs(group)
+        collectives, are behind after a heal). Asked by the group's votes only: a vote that leaves a
+        healing peer out means the group went on without it (:meth:`HealBook.group_voted`)."""
+        out = self.heals.out_of_ops(group) if kind == "op" else self.heals.out_of_syncs(group)
+        if out and self.heals.healing:
+            self.heals.group_voted(group)
+        return out
 
     def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
         """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""

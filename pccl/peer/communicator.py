@@ -410,6 +410,13 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         self._fail_calls(error)
         self._link_up.set()  # calls waiting for a reconnection see the loss
 
+    def _new_master_generation(self) -> None:
+        """A master of another generation took this peer back: it knows none of its predecessor's live
+        heals, so it never releases their pinned snapshots; their fetchers' calls failed with that master
+        (a fetch not finished is abandoned at its loss) or wait in doubt with every byte fetched, so
+        nobody asks for those snapshots any more (docs/concepts.md "Live heals")."""
+        self._state_server.release_all("the master they were pinned for is gone")
+
     def _fail_calls(self, error: PCCLError, *, keep_in_doubt: bool = False) -> None:
         """Fail every call waiting on the master with ``error`` (topology calls with their own
         retryable error when ``error`` is retryable).

@@ -264,6 +264,11 @@ class MasterConnection:
                 f"lost the master and could not reconnect within the reconnect window ({window:g}s): {last}"))
         self._link_up.set()
 
+    def _new_master_generation(self) -> None:
+        """This peer was taken back by a master of another generation (a restarted master or a standby):
+        what it held for its predecessor's rounds alone ends here (the communicator drops the snapshots
+        pinned for live heals, which only the old master could release)."""
+
     async def _try_reregister(self, host: str, port: int) -> PCCLError | None:
         """One attempt: hello claiming our id, Reregister, the master's answer. None: the link is up."""
         assert self.p2p_address is not None
@@ -281,10 +286,13 @@ class MasterConnection:
         except (StreamBroken, RemoteProtocolError, trio.TooSlowError) as exc:
             await self._close_stream(ms)
             return MasterConnectionError(f"re-registration failed: {exc}")
+        before = self._core.generation
         problem = self._core.reregistered(reply, trio.current_time())
         if problem is not None:
             await self._close_stream(ms)
             return problem
+        if self._core.generation != before:
+            self._new_master_generation()
         self._ms = ms
         self.master_host, self.master_port = host, port
         log.warning("peer %d reconnected to the master at %s:%d (generation %d)",

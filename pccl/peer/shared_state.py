@@ -324,6 +324,14 @@ class StateServer:
         if ctx is not None:
             ctx.abort(SharedStateSyncError(f"live heal {seq} ended"))
 
+    def release_all(self, why: str) -> None:
+        """Drop every pinned snapshot (``why``: logged), as if the master had released each."""
+        if self.pins:
+            log.warning("shared state: dropping the snapshot(s) pinned for live heal(s) %s: %s",
+                        sorted(self.pins), why)
+        for seq in list(self.pins):
+            self.release(seq)
+
     def context_for(self, seq: int) -> SyncContext | None:
         """The sync or pinned snapshot that serves requests for ``seq`` (None: neither)."""
         pinned = self.pins.get(seq)

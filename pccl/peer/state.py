@@ -196,6 +196,9 @@ class SyncRecord:
     revision: int = -1  # the plan's revision
     members: list[int] = field(default_factory=list)  # peer ids of the plan's table
     done: bool = False  # SharedStateDone(success) sent or being sent: in doubt if the master is lost
+    # A live heal's fetch (SharedStatePlan(live=True) with rows to fetch): a round of this peer alone, the
+    # holders having committed it at once; lost with the master it fails here and nowhere else.
+    live_fetch: bool = False
 
 
 _TOPOLOGY_CALLS = ("update_topology", "optimize_topology")
@@ -533,7 +536,9 @@ class PeerState(CollectiveRules):
             # the others' votes for it alike (docs/concepts.md "Operations lost with the master").
             self.abandoned_ops = [[t, op.op_seq] for t, op in sorted(self.ops.items()) if not op.done]
             sync = self.sync
-            self.sync_abandoned = -1 if sync is None or sync.done else \
+            # (A live heal's unfinished fetch is abandoned here alone: reported, it would abort at the
+            # rebuilt master the round its holders committed, and refuse them as a step ahead.)
+            self.sync_abandoned = -1 if sync is None or sync.done or sync.live_fetch else \
                 sync.sync_seq if sync.sync_seq >= 0 else m.SYNC_ABANDONED_VOTED
             if self.membership in _TOPOLOGY_CALLS and not self.topology_in_doubt:
                 self.topology_abandoned = self.setup[0] if self.setup is not None else self.epoch
@@ -739,6 +744,7 @@ class PeerState(CollectiveRules):
         self.sync.plans += 1
         self.sync.revision = msg.revision
         self.sync.members = [r.peer_id for r in msg.peers]
+        self.sync.live_fetch = bool(msg.live and msg.fetch)
         self.reconcile_group(msg.peers)
         return [Resolve(Call.SYNC, msg)]
 

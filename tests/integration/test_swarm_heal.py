@@ -3,6 +3,7 @@ MockClock)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -14,11 +15,14 @@ import pccl
 from pccl.peer import heal, swarm
 from pccl.peer import shared_state as ss
 from pccl.peer.shared_state import SharedState, TensorInfo
-from pccl.testing import TestCluster
+from pccl.testing import DEFAULT_MASTER_CONFIG, TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
+from pccl.testing.waiting import wait_until
 
 MIB = 1 << 20
 BIG = 6 * MIB  # six chunks
+BLOCKING = dataclasses.replace(DEFAULT_MASTER_CONFIG, live_heal_rounds=0)  # every sync holds its participants
+LIVE = dataclasses.replace(DEFAULT_MASTER_CONFIG, live_heal_rounds=1)  # docs/concepts.md "Live heals"
 
 
 def _content(seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -254,11 +258,11 @@ async def test_every_donor_lost_fails_cleanly_with_old_bits(
 async def test_a_newcomer_killed_mid_heal_leaves_the_members_as_they_were(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
-    """Without live heals (the default) the newcomer is a fetcher of the group's sync: its loss fails the
-    sync (RankConnectionLost; with MasterConfig.live_heal_rounds it fails nobody else:
-    tests/integration/test_live_heal.py);
+    """Without live heals (``live_heal_rounds=0``, pinned here: the mode must keep working whatever the
+    default) the newcomer is a fetcher of the group's sync: its loss fails the sync (RankConnectionLost;
+    with live heals it fails nobody else: the test below and tests/integration/test_live_heal.py);
     the members' tensors are untouched and their next sync, without it, succeeds and moves nothing."""
-    cluster = await pccl_cluster(3)
+    cluster = await pccl_cluster(3, master_config=BLOCKING)
     big, small = _content(7)
     states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
     _slow_links(cluster, [2], [0, 1])
@@ -274,3 +278,34 @@ async def test_a_newcomer_killed_mid_heal_leaves_the_members_as_they_were(
         assert _bits(states[i]) == [big.tobytes(), small.tobytes()]
     again = await _sync(cluster, {0: states[0], 1: states[1]})
     assert all(isinstance(r, pccl.SharedStateSyncInfo) and r.rx_bytes == 0 for r in again.values()), again
+
+
+async def test_with_live_heals_a_newcomer_killed_mid_heal_fails_no_member(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    """The counterpart with live heals (``live_heal_rounds=1``): the members' sync returns at once,
+    successful and moving nothing, the newcomer's loss mid-transfer fails only its own call, the snapshots
+    the members pinned for it are released, and their next sync succeeds and moves nothing."""
+    cluster = await pccl_cluster(3, master_config=LIVE)
+    big, small = _content(7)
+    states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
+    _slow_links(cluster, [2], [0, 1])
+    pinned: list[int] = []
+
+    def on_progress(done: int, total: int) -> None:
+        if done >= 3 * MIB and not pinned:
+            pinned.extend(len(cluster.peer(i)._state_server.pins) for i in (0, 1))
+            cluster.kill(2)
+
+    res = await _sync(cluster, states, {2: on_progress})
+    assert isinstance(res[2], pccl.PCCLError), res
+    assert pinned == [1, 1]  # both members served it from a pinned snapshot, their calls long returned
+    for i in (0, 1):
+        r = res[i]
+        assert isinstance(r, pccl.SharedStateSyncInfo) and r.rx_bytes == 0, res
+        assert _bits(states[i]) == [big.tobytes(), small.tobytes()]
+    again = await _sync(cluster, {0: states[0], 1: states[1]})
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) and r.rx_bytes == 0 for r in again.values()), again
+    # the master counts the fetcher lost once its link is (the heartbeat timeout) and releases the pins
+    await wait_until(lambda: cluster.master.state.statistics()["heals"]["lost_fetchers"] == 1)
+    await wait_until(lambda: all(not cluster.peer(i)._state_server.pins for i in (0, 1)))

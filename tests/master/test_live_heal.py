@@ -112,6 +112,7 @@ def test_the_members_vote_without_the_fetcher_and_it_rejoins_at_their_next_sync(
 def test_live_rounds_are_bounded_then_the_sync_holds_everyone() -> None:
     hs, (a, b, c) = _live(rounds=1)
     _, seq = _start(hs, [a, b, c])
+    _all_reduce(hs, [a, b])  # the members go on while it heals: it must catch up at their next sync
     hs.h(c, m.SharedStateDone(sync_seq=seq, success=True))  # (flushed: no sync runs)
     eff = hs.h(a, m.SharedStateSync(revision=2, strategy=0, entries=HELD))
     eff += hs.h(b, m.SharedStateSync(revision=2, strategy=0, entries=HELD))
@@ -179,3 +180,20 @@ def test_a_healing_peers_progress_shows_on_the_status_page_until_it_is_done() ->
     assert hs.h(c, m.SharedStateProgress(sync_seq=seq + 5, rx_bytes=0, total_bytes=4000)) == []
     hs.h(c, m.SharedStateDone(sync_seq=seq, success=True))
     assert hs.st.transfer_progress(3.0) == []
+
+
+def test_a_fetcher_whose_group_did_nothing_meanwhile_is_current_at_once() -> None:
+    """The members made no call since the heal's sync (a one-shot sync, then local work): the fetcher is
+    where they are, so its call returns as after an ordinary sync (no catch-up round, which would wait for
+    a next sync the members may never make) and their next collective waits for it again."""
+    hs, (a, b, c) = _live()
+    _, seq = _start(hs, [a, b, c])
+    eff = hs.h(c, m.SharedStateDone(sync_seq=seq, success=True))
+    res = _to(eff, c, m.SharedStateResult)
+    assert len(res) == 1 and res[0].success and not res[0].catch_up and res[0].revision == 1
+    assert not hs.st.heals.is_healing(c) and not hs.st.heals.out_of_ops(0)
+    eff = _all_reduce(hs, [a, b])
+    assert not _to(eff, a, m.CollectiveCommence)  # c counts again: the vote waits for it
+    eff = _all_reduce(hs, [c])
+    assert _to(eff, c, m.CollectiveCommence)
+    assert hs.st.heals.statistics()["fetched"] == 1

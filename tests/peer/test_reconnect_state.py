@@ -143,6 +143,24 @@ def test_an_unfinished_sync_is_reported_abandoned() -> None:
     assert rr.sync_in_doubt == [] and rr.sync_abandoned == 4
 
 
+def test_a_live_heals_unfinished_fetch_is_not_reported_abandoned() -> None:
+    """A live heal's fetch is the fetcher's round alone (its holders committed the sync at once): reported,
+    the rebuilt master would abort what the holders committed and refuse them (docs/concepts.md "Live
+    heals"). An ordinary sync's unfinished fetch still is."""
+    st = member()
+    st.begin_sync()
+    rows = [["big", "h", [1]]]
+    st.handle(m.SharedStatePlan(sync_seq=4, revision=7, fetch=rows, peers=ROWS, live=True), now=0.0)
+    st.link_down(1.0, 60.0)
+    rr = st.reregister(41002)
+    assert rr.sync_in_doubt == [] and rr.sync_abandoned == -1
+    other = member()
+    other.begin_sync()
+    other.handle(m.SharedStatePlan(sync_seq=4, revision=7, fetch=rows, peers=ROWS), now=0.0)
+    other.link_down(1.0, 60.0)
+    assert other.reregister(41002).sync_abandoned == 4  # an ordinary sync's fetch: the group's round
+
+
 def test_a_refusal_because_the_run_went_on_is_final() -> None:
     st = member()
     st.link_down(1.0, 60.0)
