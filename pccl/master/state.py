@@ -47,7 +47,6 @@ from .handout import CredentialHandout
 from .heals import HealBook
 from .holds import Holds
 from .issued import IssuedSet
-from .lost import REASON as LOST_REASON
 from .lost import LostBook
 from .membership import Membership
 from .membership import PeerRecord as PeerRecord
@@ -58,6 +57,7 @@ from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
 from .removal import Removal
 from .reported import ReportedRings
+from .ring_setup import RingSetup
 from .rounds.base import Expel, Round
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
@@ -65,13 +65,7 @@ from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
 from .rounds.sync import SyncRound, SyncVotes, lost_sync_result
 from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
 from .rounds.topology import (
-    Loss,
     TopologyRound,
-    bandwidth_matrix,
-    failed_result,
-    failure_code,
-    plan_measurements,
-    record_bandwidth,
 )
 from .rounds_in_doubt import RoundBook
 from .tokens import MemberTokens
@@ -205,6 +199,7 @@ class MasterState:
         self.removal = Removal(self)  # peers leaving
         self.admission = Admission(self)  # registration and the newcomers' grace
         self.holds = Holds(self)  # the holds and the decisions in doubt that end them
+        self.ring_setup = RingSetup(self)  # the topology round: vote, measurements, solve, P2P setup
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -513,54 +508,6 @@ class MasterState:
         """When the earliest waited-on peer would become a straggler if it stays silent."""
         return min(self._straggler_deadlines(minimum, cap).values(), default=None)
 
-    def setup_deadline(self, timeout: float) -> float | None:
-        """When the P2P setup of the topology round in progress runs out of time (None: no setup)."""
-        rnd = self._topology
-        if rnd is None or not rnd.establishing:
-            return None
-        return rnd.establish_started + timeout
-
-    def setup_overdue(self, now: float, timeout: float) -> list[Effect]:
-        """Drop the members that have not confirmed their P2P setup ``timeout`` seconds after
-        EstablishP2P went out, and re-run the setup with the rest.
-
-        Each late member (a newcomer that ignores EstablishP2P, or an accepted peer that never
-        reports) is kicked with the reason logged; the remaining members get a fresh EstablishP2P
-        for a new epoch (their neighbours changed) with a fresh deadline, so the others'
-        update_topology() / optimize_topology() completes without the late ones. Nothing happens
-        before the deadline or when no setup is in progress.
-
-        Args:
-            now: the current time (same clock as ``handle``).
-            timeout: seconds a member has to confirm (MasterConfig.p2p_setup_timeout).
-
-        Returns:
-            The effects to execute.
-        """
-        self._now = now
-        rnd = self._topology
-        if rnd is None or not rnd.establishing or now <= rnd.establish_started + timeout:
-            return []
-        late = rnd.late()
-        if not late:
-            return []
-        # The round is taken out first: the late members' removal must not fail it.
-        self._topology = None
-        self.rounds.settle(rnd.epoch, False)
-        effects: list[Effect] = []
-        code = failure_code(rnd.kind)
-        for p in late:
-            reason = f"did not finish P2P setup of epoch {rnd.epoch} within {timeout:g}s"
-            effects += self.kick(p, reason, code)
-        if self._topology is not None or not self.ring:
-            return effects  # the kicks started something else (world of one): nothing to re-run
-        members = [p for p in rnd.members if p in self.peers]
-        newcomers = rnd.newcomers & set(members)
-        retry = rnd.retry(self.ring)
-        self._topology = retry
-        effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
-        return effects + self._start_establish(retry, members, newcomers)
-
     def _open_votes(self, with_ops: bool = True) -> list[tuple[str, float, set[int], list[int], VoteKey]]:
         """Every vote that others have joined and that still misses some accepted peers, as
         ``(what, when its first vote came, peers that have not voted, peers that have, which vote)``
@@ -709,7 +656,7 @@ class MasterState:
         if kind == "sync":
             assert isinstance(which, int)
             return self._check_sync_vote(which)
-        return self._check_topology_vote() if kind == "topology" else self._check_pending_vote()
+        return self.ring_setup.check_vote() if kind == "topology" else self._check_pending_vote()
 
     def _round_peer_lost(self, key: VoteKey, peer_id: int) -> list[Effect]:
         """``peer_id`` left the round ``key``: its ballot or part is withdrawn, the round re-checked."""
@@ -721,7 +668,7 @@ class MasterState:
             assert isinstance(which, int)
             return self.syncs.peer_lost(which, peer_id, self, self.resumed)
         # (are_peers_pending: the ballot was dropped with the peer's other traces in _remove)
-        return self._topology_peer_lost(peer_id) if kind == "topology" else self._check_pending_vote()
+        return self.ring_setup.peer_lost(peer_id) if kind == "topology" else self._check_pending_vote()
 
     def _leave_votes(self, peer_id: int, group: int, was_accepted: bool) -> list[Effect]:
         """Peer ``peer_id`` of ``group`` is gone: it leaves every vote, round and live heal, its group's
@@ -969,260 +916,42 @@ class MasterState:
         self.rounds.answered(self._pending_count, pending)
         return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
 
+    # The topology round (pccl/master/ring_setup.py): its messages and the calls of the server and timers.
+
     def _on_update_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self._topology_vote(rec, "update")
+        return self.ring_setup.vote(rec, "update")
 
     def _on_optimize_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self._topology_vote(rec, "optimize")
-
-    def _topology_vote(self, rec: PeerRecord, kind: str) -> list[Effect]:
-        bad = self._require_accepted(rec, f"{kind} topology vote")
-        if bad is not None:
-            return bad
-        if rec.peer_id in self._topology_owed:
-            # Another member's topology call failed when its link to this master broke: this member's
-            # call of that round fails too, once (docs/concepts.md "A member's link breaks").
-            self._topology_owed.discard(rec.peer_id)
-            return [Send(rec.peer_id, self._lost_topology_result(kind))]
-        rnd = self._topology
-        if rnd is None:
-            rnd = self._topology = TopologyRound(kind=kind, opened=self._now)
-            self.away.opened(_TOPOLOGY_KEY)
-        refused = rnd.refusal(rec.peer_id, kind)
-        if refused is not None:
-            return self.kick(rec.peer_id, refused.reason)
-        rnd.votes.add(rec.peer_id)
-        return self._check_topology_vote()
-
-    def _lost_topology_result(self, kind: str) -> m.TopologyResult:
-        return failed_result(kind, self.epoch, self.table(self.ring), LOST_REASON)
-
-    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
-        """Member ``peer_id`` re-registered at this live master reporting the topology call its broken
-        link failed: the others' calls of that round fail too, once each (the votes waiting here now,
-        the others' next topology vote), unless that round ended for everybody since its drop."""
-        if not self._kept(peer_id, _TOPOLOGY_KEY):
-            return []
-        rnd = self._topology
-        failed: list[Effect] = []
-        if rnd is not None and rnd.votes and rnd.voting:
-            result = self._lost_topology_result(rnd.kind)
-            failed = [Send(p, result) for p in sorted(rnd.votes)]
-            self._topology = None
-        voted = {e.peer_id for e in failed if isinstance(e, Send)}
-        self._topology_owed |= {p for p in others if p not in voted}
-        return failed
-
-    def _check_topology_vote(self) -> list[Effect]:
-        rnd = self._topology
-        if rnd is None or not self.resumed or not rnd.complete(self.ring):
-            return []
-        if rnd.kind == "update":
-            newcomers = self.registered()
-            effects: list[Effect] = []
-            if self.improved_ring is not None and sorted(self.improved_ring) == sorted(self.ring):
-                effects.append(Event(f"adopting background-improved ring {self.improved_ring}"))
-                self.ring = list(self.improved_ring)
-            self.improved_ring = None
-            return effects + self._start_establish(rnd, self.ring + newcomers, set(newcomers))
-        # optimize: measure what is missing, then solve
-        rnd.measure_rounds = plan_measurements(self.ring, self._measured_at, self._now,
-                                               self.bandwidth_stale_after)
-        return self._next_measure_round(rnd)
-
-    def _measured_at(self, a: int, b: int) -> float | None:
-        """When the link a -> b was last measured (None: never)."""
-        got = self.bandwidth.get((a, b))
-        return None if got is None else got[1]
-
-    def _start_establish(self, rnd: TopologyRound, members: list[int], newcomers: set[int]) -> list[Effect]:
-        """The round's P2P setup: a new epoch, its credentials, EstablishP2P to every member."""
-        self.epoch += 1
-        rnd.begin_setup(self.epoch, self.epoch - 1, members, newcomers, self._now)
-        table = self.table(rnd.members)
-        by_group: dict[int, list[int]] = {}
-        for p in rnd.members:
-            by_group.setdefault(self.peers[p].group, []).append(p)
-        links = {g: self.link_summary(ps) for g, ps in by_group.items()}
-        # One set for every member (the same object: encoded once), O(n) to build.
-        creds = self._issued.issue(self.generation, rnd.epoch,
-                                   ((p, self.peers[p].public_key) for p in rnd.members))
-        effects: list[Effect] = []
-        # One EstablishP2P per group (the same object for its members: encoded once).
-        ests = {g: m.EstablishP2P(epoch=rnd.epoch, peers=table, links=links[g]) for g in by_group}
-        for p in rnd.members:
-            # The credentials first: the peer connects as soon as it reads EstablishP2P.
-            effects.append(Send(p, creds))
-            effects.append(Send(p, ests[self.peers[p].group]))
-        return effects
-
-    def link_summary(self, members: list[int]) -> list[float]:
-        """What the peers' schedule choice knows of the links between ``members``: the same for every
-        member of a group, so every member chooses the same schedule (docs/topology.md).
-
-        Returns:
-            ``[slowest bytes/s, fastest / slowest, slowest one-way latency in seconds]`` over the
-            measured reachable pairs of ``members``; without the latency (two entries) when no pair
-            has one (measured by a peer that reports bandwidth only); ``[]`` when nothing is measured
-            (the peers then use the model's defaults).
-        """
-        inside = set(members)
-        pairs = [
-            (k, bw) for k, (bw, _t) in self.bandwidth.items() if k[0] in inside and k[1] in inside and bw > 0
-        ]
-        if not pairs:
-            return []
-        vals = [bw for _k, bw in pairs]
-        lo = min(vals)
-        summary = [lo, max(vals) / lo]
-        lats = [self.latency[k] for k, _bw in pairs if k in self.latency]
-        if lats:
-            # the slowest: a ring step, and a round of the other schedules, waits for its slowest link
-            summary.append(max(lats))
-        return summary
+        return self.ring_setup.vote(rec, "optimize")
 
     def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.P2PConnectionsDone)
-        rnd = self._topology
-        if rnd is None or not rnd.expects(rec.peer_id, msg.epoch):
-            # A late answer for a round that already ended (e.g. failed because a peer died): ignore.
-            return []
-        refused = rnd.confirm(rec.peer_id, msg)
-        return self.kick(rec.peer_id, refused.reason) if refused is not None else self._check_establish()
-
-    def _check_establish(self) -> list[Effect]:
-        rnd = self._topology
-        # A failed round ends at once: members still busy connecting (possibly to a peer that just
-        # died or hangs, which can take a connect timeout) must not hold everyone else back.
-        done = None if rnd is None else rnd.outcome()
-        if rnd is None or done is None:
-            return []
-        self._topology = None
-        old = rnd.old_members()
-        effects: list[Effect] = []
-        if not done:
-            failed = failed_result(rnd.kind, self.epoch, self.table(self.ring), rnd.failure_reason)
-            effects += [Send(p, failed) for p in old]  # one object for all: encoded once
-            effects.append(Event(f"{rnd.kind}_topology failed: {rnd.failure_reason}"))
-            self.rounds.settle(rnd.epoch, False)
-            return effects
-        self.rounds.settle(rnd.epoch, True)
-        self._topology_owed.clear()
-        for group in {self.peers[p].group for p in rnd.members if p in self.peers}:
-            # Its members went on: one dropped before it is refused when it comes back (moved_on).
-            self.doubts.progressed(group)
-        self.ring = list(rnd.members)
-        self.base = list(self.ring)
-        self.quorum.fresh = False
-        self.quorum.provisional.clear()
-        table = self.table(self.ring)
-        # One Accepted and one TopologyResult object for all (SHARED: each encoded once).
-        accepted = m.Accepted(peers=table, epoch=rnd.epoch)
-        for p in rnd.newcomers:
-            self.peers[p].phase = Phase.ACCEPTED
-            self.peers[p].admitted = self._now
-            effects.append(Send(p, accepted))
-            effects.append(Event(f"peer {p} accepted (world size {len(self.ring)})"))
-        result = m.TopologyResult(success=True, epoch=rnd.epoch, peers=table)
-        effects += [Send(p, result) for p in old]
-        if rnd.kind == "optimize":
-            effects.append(Event(f"ring optimized: {self.ring}"))
-        return effects
-
-    def _topology_peer_lost(self, peer_id: int) -> list[Effect]:
-        rnd = self._topology
-        if rnd is None:
-            return []
-        loss = rnd.peer_lost(peer_id)
-        if loss is Loss.CHECK_SETUP:
-            effects = self._check_establish()
-            if self._topology is rnd and not any(p in self.ring for p in rnd.members):
-                self._topology = None
-                self.rounds.settle(rnd.epoch, False)
-            return effects
-        if loss is Loss.NEXT_MEASUREMENT:
-            return self._next_measure_round(rnd)
-        if loss is Loss.DROP:
-            self._topology = None
-            return []
-        return self._check_topology_vote() if loss is Loss.CHECK_VOTE else []
-
-    # ---------------------------------------------------------------------------------------
-    # topology optimization
-
-    def _next_measure_round(self, rnd: TopologyRound) -> list[Effect]:
-        by_src = rnd.next_measurement(self._address)
-        if by_src is None:
-            return self._solve_and_establish(rnd)
-        return [
-            Send(a, m.MeasureBandwidth(epoch=self.epoch, targets=t, duration=self.bandwidth_probe_seconds))
-            for a, t in by_src.items()
-        ]
-
-    def _address(self, peer_id: int) -> tuple[str, int] | None:
-        """A connected peer's P2P address (None: not connected)."""
-        rec = self.peers.get(peer_id)
-        return None if rec is None else (rec.host, rec.p2p_port)
+        return self.ring_setup.on_p2p_done(rec, msg)
 
     def _on_bandwidth_report(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.BandwidthReport)
-        rnd = self._topology
-        if rnd is None or rec.peer_id not in rnd.measuring:
-            return []
-        record_bandwidth(rec.peer_id, msg.results, self._now, self.bandwidth, self.latency)
-        if not rnd.measured(rec.peer_id):
-            return []
-        return self._next_measure_round(rnd)
+        return self.ring_setup.on_bandwidth_report(rec, msg)
 
-    def _solve_and_establish(self, rnd: TopologyRound) -> list[Effect]:
-        ring = list(self.ring)
-        n = len(ring)
-        effects: list[Effect] = []
-        if n >= 3:
-            bw = bandwidth_matrix(ring, self.bandwidth)
-            try:
-                order = self._solve(bw)
-            except Exception as exc:
-                isolated = list(getattr(exc, "isolated", []) or [])
-                if isolated:
-                    for idx in isolated:
-                        pid = ring[idx]
-                        effects += self.kick(
-                            pid,
-                            "no other peer can reach this peer (bandwidth tests failed)",
-                            Result.TOPOLOGY_OPTIMIZATION_FAILED,
-                        )
-                    if self._topology is rnd:
-                        effects += self._start_establish(rnd, list(self.ring), set())
-                    return effects
-                order = list(range(n))
-                effects.append(Event(f"topology solver failed ({exc}); keeping the current ring"))
-            ring = [ring[i] for i in order]
-            if n > self.exact_limit:
-                # The heuristic stopped at its budget: keep improving in the background.
-                self._improvement_job = (list(ring), [[bw[i][j] for j in order] for i in order])
-        return effects + self._start_establish(rnd, ring, set())
+    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
+        return self.ring_setup.fail_lost(peer_id, others)
+
+    def setup_deadline(self, timeout: float) -> float | None:
+        """When the P2P setup of the topology round in progress runs out of time (None: no setup)."""
+        return self.ring_setup.setup_deadline(timeout)
+
+    def setup_overdue(self, now: float, timeout: float) -> list[Effect]:
+        """Drop the members late for the P2P setup and re-run it (:meth:`RingSetup.setup_overdue`)."""
+        return self.ring_setup.setup_overdue(now, timeout)
+
+    def link_summary(self, members: list[int]) -> list[float]:
+        """What the schedule choice knows of the links of ``members`` (:meth:`RingSetup.link_summary`)."""
+        return self.ring_setup.link_summary(members)
 
     def take_improvement_job(self) -> tuple[list[int], list[list[float | None]]] | None:
         """A ``(ring ids, bandwidth matrix in that order)`` to improve off the event loop, once."""
-        job, self._improvement_job = self._improvement_job, None
-        return job
+        return self.ring_setup.take_improvement_job()
 
     def offer_ring(self, ring: list[int]) -> list[Effect]:
         """A background improvement finished: adopt it at the next topology change if still valid."""
-        if sorted(ring) != sorted(self.ring) or ring == self.ring:
-            return []
-        self.improved_ring = list(ring)
-        return [Event(f"background ring improvement ready: {ring}")]
-
-    def _solve(self, bw: list[list[float | None]]) -> list[int]:
-        if self._solver is not None:
-            return self._solver(bw)
-        from . import topology
-
-        # A short budget: this runs inside the master's event loop. Exact (Held-Karp) up to 12 peers
-        # takes ~10 ms; beyond that the heuristic stops at the budget.
-        return list(topology.solve_ring(bw, time_budget=self.solver_time_budget, clock=self._clock).order)
+        return self.ring_setup.offer_ring(ring)
 
     # ---------------------------------------------------------------------------------------
     # collectives
