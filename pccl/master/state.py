@@ -28,11 +28,9 @@ from dataclasses import replace
 from typing import Any
 
 from .._errors import Result
-from ..wire import limits as _limits
 from ..wire import messages as m
 from ..wire.credentials import CredentialIssuer
 from . import away as _away
-from . import election as _election
 from .admission import Admission, OpenVote
 from .away import AwayBook
 from .describe import VoteWait
@@ -62,12 +60,13 @@ from .rounds.base import Expel, Round
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
 from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
-from .rounds.sync import SyncRound, SyncVotes, lost_sync_result
+from .rounds.sync import SyncRound, SyncVotes
 from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
 from .rounds.topology import (
     TopologyRound,
 )
 from .rounds_in_doubt import RoundBook
+from .sync_messages import SyncMessages
 from .tokens import MemberTokens
 from .transfers import SyncProgress
 from .votes import PendingRound
@@ -200,6 +199,7 @@ class MasterState:
         self.admission = Admission(self)  # registration and the newcomers' grace
         self.holds = Holds(self)  # the holds and the decisions in doubt that end them
         self.ring_setup = RingSetup(self)  # the topology round: vote, measurements, solve, P2P setup
+        self.sync_messages = SyncMessages(self)  # the shared-state ballots, reports and progress
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -1070,87 +1070,22 @@ class MasterState:
     # ---------------------------------------------------------------------------------------
     # shared state
 
-    def _sync_in_phase(self, rec: PeerRecord, what: str) -> list[Effect] | None:
-        """None when ``rec`` may send (the rows of) a new vote now; else the kick for a frame out of phase."""
-        bad = self._require_accepted(rec, what)
-        if bad is not None:
-            return bad
-        rnd = self.syncs.get(rec.group)
-        if rnd is not None and not rnd.takes_ballot_from(rec.peer_id):
-            return self.kick(rec.peer_id, f"{what} while this peer's previous sync is still running")
-        return None
-
-    def _add_sync_rows(self, rec: PeerRecord, rows: list[list[Any]], what: str) -> list[Effect] | None:
-        """Append one frame's rows to the peer's vote in progress; the kick when it goes over the bounds."""
-        held, frames = self._sync_rows.get(rec.peer_id, ([], 0))
-        frames += 1
-        total = len(held) + len(rows)
-        if frames > _limits.SHARED_STATE_MAX_FRAMES or total > _limits.SHARED_STATE_MAX_ENTRIES:
-            self._sync_rows.pop(rec.peer_id, None)
-            most = _limits.SHARED_STATE_MAX_ENTRIES, _limits.SHARED_STATE_MAX_FRAMES
-            return self.kick(
-                rec.peer_id,
-                f"{what}: shared-state vote over its bound (at least {total} entries in {frames} frames; "
-                f"at most {most[0]} entries in {most[1]} frames)",
-            )
-        held.extend(rows)
-        self._sync_rows[rec.peer_id] = (held, frames)
-        return None
+    # The shared-state messages (pccl/master/sync_messages.py).
 
     def _on_shared_state_entries(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.SharedStateEntries)
-        bad = self._sync_in_phase(rec, "SharedStateEntries")
-        if bad is None:
-            bad = self._add_sync_rows(rec, msg.entries, "SharedStateEntries")
-        return bad or []
+        return self.sync_messages.on_entries(rec, msg)
 
     def _on_shared_state_sync(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.SharedStateSync)
-        bad = self._sync_in_phase(rec, "SharedStateSync")
-        if bad is None:
-            bad = self._add_sync_rows(rec, msg.entries, "SharedStateSync")
-        if bad is not None:
-            return bad
-        entries, _ = self._sync_rows.pop(rec.peer_id)
-        vote = _election.vote_from_wire(revision=msg.revision, strategy=msg.strategy, entries=entries)
-        if isinstance(vote, _election.Refusal):
-            return [
-                Send(
-                    rec.peer_id,
-                    m.SharedStateResult(
-                        sync_seq=-1,
-                        success=False,
-                        revision=msg.revision,
-                        reason=f"malformed shared state: {vote.reason}",
-                        code=int(vote.code),
-                    ),
-                )
-            ]
-        if self.lost.owes(rec.peer_id, ("sync", rec.group, -1)):
-            return [Send(rec.peer_id, lost_sync_result(msg.revision))]
-        if self.syncs.vote(rec.peer_id, rec.group, vote, self._now):
-            self.away.opened(("sync", rec.group, -1))
-        return self._check_sync_vote(rec.group)
+        return self.sync_messages.on_sync(rec, msg)
+
+    def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.sync_messages.on_done(rec, msg)
+
+    def _on_shared_state_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.sync_messages.on_progress(rec, msg)
 
     def _check_sync_vote(self, group: int) -> list[Effect]:
         return self.syncs.check(group, self) if self.resumed else []
-
-    def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.SharedStateDone)
-        if self.heals.is_healing(rec.peer_id):
-            return self.heals.done(rec.peer_id, msg)
-        got = self.syncs.report(rec.peer_id, rec.group, msg, self)
-        return self.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
-
-    def _on_shared_state_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        """A receiver's progress (for the status page; :meth:`SyncVotes.progress`): one breaking the rules
-        kicks the sender."""
-        assert isinstance(msg, m.SharedStateProgress)
-        if self.heals.is_healing(rec.peer_id):  # a live heal's fetcher (pccl/master/heals.py)
-            why = self.heals.report(rec.peer_id, msg, self._now)
-            return [] if why is None else self.kick(rec.peer_id, why)
-        bad = self.syncs.progress(rec.peer_id, rec.group, msg, self._now)
-        return [] if bad is None else self.kick(rec.peer_id, bad.reason)
 
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:
         """Each running sync's receivers, for the status page: ``{"group", "sync_seq", "receivers"}``

@@ -1,0 +1,138 @@
+"""The shared-state messages a member sends the master: its sync ballot (``SharedStateEntries`` frames,
+then ``SharedStateSync``), its report (``SharedStateDone``) and its receiving progress
+(``SharedStateProgress``).
+
+Pure (no trio, sockets or clocks). :class:`SyncMessages` checks the sender (accepted, in phase for a new
+ballot, within the ballot's bounds: pccl/wire/limits.py), gathers a ballot's rows over its frames, turns a
+malformed one into a refused result, fails a sync the master's loss left lost for this member (once), hands
+the ballot to the group's :class:`~pccl.master.rounds.sync.SyncRound` and asks the dispatcher to check
+the vote; a report or progress goes to the round or, for a member healing live, to
+:class:`~pccl.master.heals.HealBook`. A frame that breaks the rules kicks only its sender. It works on the
+dispatcher through :class:`SyncMessagesCore`; the rows in progress (``_sync_rows``) stay there, dropped
+with the peer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from .._errors import Result
+from ..wire import limits as _limits
+from ..wire import messages as m
+from . import election as _election
+from .away import AwayBook
+from .effects import Effect, Send
+from .heals import HealBook
+from .lost import LostBook
+from .membership import PeerRecord
+from .rounds.base import Expel
+from .rounds.sync import SyncContext, SyncVotes, lost_sync_result
+
+
+class SyncMessagesCore(SyncContext, Protocol):
+    """What :class:`SyncMessages` uses of the master's dispatcher (:class:`~pccl.master.state.MasterState`);
+    the sync rounds' own context (:class:`~pccl.master.rounds.sync.SyncContext`) comes with it."""
+
+    syncs: SyncVotes
+    heals: HealBook
+    lost: LostBook
+    away: AwayBook
+    _sync_rows: dict[int, tuple[list[list[Any]], int]]
+    _now: float
+
+    def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]: ...
+
+    def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None: ...
+
+    def _check_sync_vote(self, group: int) -> list[Effect]: ...
+
+
+class SyncMessages:
+    """The shared-state messages of ``core``'s members (see the module docstring)."""
+
+    def __init__(self, core: SyncMessagesCore) -> None:
+        self.core = core
+
+    def in_phase(self, rec: PeerRecord, what: str) -> list[Effect] | None:
+        """None when ``rec`` may send (the rows of) a new vote now; else the kick for a frame out of phase."""
+        core = self.core
+        bad = core._require_accepted(rec, what)
+        if bad is not None:
+            return bad
+        rnd = core.syncs.get(rec.group)
+        if rnd is not None and not rnd.takes_ballot_from(rec.peer_id):
+            return core.kick(rec.peer_id, f"{what} while this peer's previous sync is still running")
+        return None
+
+    def add_rows(self, rec: PeerRecord, rows: list[list[Any]], what: str) -> list[Effect] | None:
+        """Append one frame's rows to the peer's vote in progress; the kick when it goes over the bounds."""
+        core = self.core
+        held, frames = core._sync_rows.get(rec.peer_id, ([], 0))
+        frames += 1
+        total = len(held) + len(rows)
+        if frames > _limits.SHARED_STATE_MAX_FRAMES or total > _limits.SHARED_STATE_MAX_ENTRIES:
+            core._sync_rows.pop(rec.peer_id, None)
+            most = _limits.SHARED_STATE_MAX_ENTRIES, _limits.SHARED_STATE_MAX_FRAMES
+            return core.kick(
+                rec.peer_id,
+                f"{what}: shared-state vote over its bound (at least {total} entries in {frames} frames; "
+                f"at most {most[0]} entries in {most[1]} frames)",
+            )
+        held.extend(rows)
+        core._sync_rows[rec.peer_id] = (held, frames)
+        return None
+
+    def on_entries(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        assert isinstance(msg, m.SharedStateEntries)
+        bad = self.in_phase(rec, "SharedStateEntries")
+        if bad is None:
+            bad = self.add_rows(rec, msg.entries, "SharedStateEntries")
+        return bad or []
+
+    def on_sync(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        core = self.core
+        assert isinstance(msg, m.SharedStateSync)
+        bad = self.in_phase(rec, "SharedStateSync")
+        if bad is None:
+            bad = self.add_rows(rec, msg.entries, "SharedStateSync")
+        if bad is not None:
+            return bad
+        entries, _ = core._sync_rows.pop(rec.peer_id)
+        vote = _election.vote_from_wire(revision=msg.revision, strategy=msg.strategy, entries=entries)
+        if isinstance(vote, _election.Refusal):
+            return [
+                Send(
+                    rec.peer_id,
+                    m.SharedStateResult(
+                        sync_seq=-1,
+                        success=False,
+                        revision=msg.revision,
+                        reason=f"malformed shared state: {vote.reason}",
+                        code=int(vote.code),
+                    ),
+                )
+            ]
+        if core.lost.owes(rec.peer_id, ("sync", rec.group, -1)):
+            return [Send(rec.peer_id, lost_sync_result(msg.revision))]
+        if core.syncs.vote(rec.peer_id, rec.group, vote, core._now):
+            core.away.opened(("sync", rec.group, -1))
+        return core._check_sync_vote(rec.group)
+
+    def on_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        core = self.core
+        assert isinstance(msg, m.SharedStateDone)
+        if core.heals.is_healing(rec.peer_id):
+            return core.heals.done(rec.peer_id, msg)
+        got = core.syncs.report(rec.peer_id, rec.group, msg, core)
+        return core.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
+
+    def on_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """A receiver's progress (for the status page; :meth:`SyncVotes.progress`): one breaking the rules
+        kicks the sender."""
+        core = self.core
+        assert isinstance(msg, m.SharedStateProgress)
+        if core.heals.is_healing(rec.peer_id):  # a live heal's fetcher (pccl/master/heals.py)
+            why = core.heals.report(rec.peer_id, msg, core._now)
+            return [] if why is None else core.kick(rec.peer_id, why)
+        bad = core.syncs.progress(rec.peer_id, rec.group, msg, core._now)
+        return [] if bad is None else core.kick(rec.peer_id, bad.reason)
