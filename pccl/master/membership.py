@@ -39,7 +39,7 @@ class PeerRecord:
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
     gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
     # The collective votes it has cast that may still be open, by (group, tag); pruned lazily against
-    # the votes themselves (MasterState._over_vote_cap), so it may hold keys of votes closed since.
+    # the votes themselves (CollectiveMessages.over_vote_cap), so it may hold keys of votes closed since.
     open_votes: set[tuple[int, int]] = field(default_factory=set)
     # When an admission vote accepted it as a newcomer; None once it took part in a collective or a
     # shared-state sync (or for a member taken back or accepted alone): MasterState.admission_overdue.

@@ -33,6 +33,7 @@ from ..wire.credentials import CredentialIssuer
 from . import away as _away
 from .admission import Admission, OpenVote
 from .away import AwayBook
+from .collective_messages import CollectiveMessages
 from .describe import VoteWait
 
 # The effects: re-exported here, where the state's callers have always taken them.
@@ -56,10 +57,10 @@ from .rejoin import Rebuild, Rejoin
 from .removal import Removal
 from .reported import ReportedRings
 from .ring_setup import RingSetup
-from .rounds.base import Expel, Round
+from .rounds.base import Round
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
-from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
+from .rounds.collective import CollectiveRound, CollectiveVotes
 from .rounds.sync import SyncRound, SyncVotes
 from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
 from .rounds.topology import (
@@ -200,6 +201,7 @@ class MasterState:
         self.holds = Holds(self)  # the holds and the decisions in doubt that end them
         self.ring_setup = RingSetup(self)  # the topology round: vote, measurements, solve, P2P setup
         self.sync_messages = SyncMessages(self)  # the shared-state ballots, reports and progress
+        self.collective_messages = CollectiveMessages(self)  # the collective ballots and reports
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -956,45 +958,13 @@ class MasterState:
     # ---------------------------------------------------------------------------------------
     # collectives
 
-    def _on_collective_initiate(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.CollectiveInitiate)
-        bad = self._require_accepted(rec, "CollectiveInitiate")
-        if bad is not None:
-            return bad
-        key = (rec.group, msg.tag)
-        over = self._over_vote_cap(rec, key, msg)
-        if over is not None:
-            return over
-        op, opened = self.collectives.open(rec.group, msg.tag, self._now)
-        if opened:
-            self.away.opened(("op", rec.group, msg.tag))
-        refusal = op.refusal(rec.peer_id, msg.op_seq)
-        if refusal is not None:
-            return [Send(rec.peer_id, refusal)]
-        if self.lost.owes(rec.peer_id, ("op", rec.group, msg.tag)):
-            self.collectives.discard_empty(key)
-            return [Send(rec.peer_id, lost_abort(msg.tag, msg.op_seq))]
-        op.vote(rec.peer_id, msg.descriptor, msg.op_seq)
-        if self.max_open_votes is not None:
-            rec.open_votes.add(key)
-        return self._check_op_vote(key)
+    # The collective messages (pccl/master/collective_messages.py).
 
-    def _over_vote_cap(self, rec: PeerRecord, key: tuple[int, int],
-                       msg: m.CollectiveInitiate) -> list[Effect] | None:
-        """Refuse a new collective vote of a member that holds ``max_open_votes`` open already (issue 33
-        item 3: votes on tags nobody else uses cost the master work at every message). O(cap)."""
-        cap = self.max_open_votes
-        if cap is None or key in rec.open_votes or len(rec.open_votes) < cap:
-            return None
-        pid = rec.peer_id
-        rec.open_votes = {k for k in rec.open_votes
-                          if (op := self._ops.get(k)) is not None and not op.running and pid in op.votes}
-        if key in rec.open_votes or len(rec.open_votes) < cap:
-            return None
-        reason = (f"peer {pid} holds {len(rec.open_votes)} collective votes open (tags the rest of its group "
-                  f"has not called yet; MasterConfig.max_open_votes = {cap}): finish or cancel some first")
-        return [Send(pid, m.CollectiveAbort(tag=msg.tag, op_seq=msg.op_seq, code=int(Result.INVALID_USAGE),
-                                            reason=reason)), Event(f"peer {pid}: {reason}")]
+    def _on_collective_initiate(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.collective_messages.on_initiate(rec, msg)
+
+    def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.collective_messages.on_done(rec, msg)
 
     def _fail_lost(self, keys: list[Key]) -> list[Effect]:
         """A re-registration named ``keys`` lost with the master: fail the votes for them already
@@ -1061,11 +1031,6 @@ class MasterState:
         """
         self._now = now
         return self.collectives.go_overdue(now)
-
-    def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.CollectiveDone)
-        got = self.collectives.report(rec.peer_id, (rec.group, msg.tag), msg, self)
-        return self.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
 
     # ---------------------------------------------------------------------------------------
     # shared state
