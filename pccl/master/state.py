@@ -70,6 +70,7 @@ from .rounds_in_doubt import RoundBook
 from .sync_messages import SyncMessages
 from .tokens import MemberTokens
 from .transfers import SyncProgress
+from .vote_timeouts import VoteTimeouts
 from .votes import PendingRound
 
 #: op_seq and sync_seq values of master generation g start at ``g << _SEQ_SHIFT``: a restarted master
@@ -202,6 +203,7 @@ class MasterState:
         self.ring_setup = RingSetup(self)  # the topology round: vote, measurements, solve, P2P setup
         self.sync_messages = SyncMessages(self)  # the shared-state ballots, reports and progress
         self.collective_messages = CollectiveMessages(self)  # the collective ballots and reports
+        self.vote_timeouts = VoteTimeouts(self)  # the vote timeout, and votes failed for a deadlock
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -461,33 +463,6 @@ class MasterState:
             out |= rnd.busy(self.ring)
         return out
 
-    def fail_votes(
-        self, peer_ids: set[int], reason: str, code: Result = Result.INVALID_USAGE
-    ) -> list[Effect]:
-        """Withdraw the votes of ``peer_ids`` from every vote that has not completed and fail each of
-        those calls with ``reason`` (a deadlock). are_peers_pending votes have no failure reply and stay."""
-        effects: list[Effect] = []
-        rounds = self._open_rounds()
-        # (the ring-wide topology vote last, as it always was)
-        for rnd in [r for r in rounds if r.group is not None] + [r for r in rounds if r.key[0] == "topology"]:
-            effects += self._fail_round(rnd.key, peer_ids, reason, code)
-        if effects:
-            effects.append(Event(reason))
-        return effects
-
-    def _withdraw_topology_votes(self, peer_ids: Collection[int], reason: str, code: Result) -> list[Effect]:
-        """Fail the votes of ``peer_ids`` in the open topology vote; drop it when none is left."""
-        rnd = self._topology
-        if rnd is None or not rnd.voting:
-            return []
-        table = self.table(self.ring)
-        effects: list[Effect] = [Send(p, m.TopologyResult(success=False, epoch=self.epoch, peers=table,
-                                                          reason=reason, code=int(code)))
-                                 for p in rnd.withdraw(peer_ids)]
-        if not rnd.votes:
-            self._topology = None
-        return effects
-
     def pending_summary(self) -> list[str]:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
         return [f"{what} waits for {sorted(waiting)}{detail}" for what, waiting, detail in self._waits()]
@@ -522,77 +497,21 @@ class MasterState:
                 for rnd in self._open_rounds(with_ops=with_ops) if rnd.voting and rnd.ballots
                 if (live := groups.get(rnd.group, set()).difference(rnd.ballots) & known)]
 
+    # The vote timeout and the failing of open votes (pccl/master/vote_timeouts.py).
+
     def vote_deadline(self, timeout: float) -> float | None:
         """When the earliest open vote (one others joined) runs out of time for its missing voters."""
-        first = self._earliest_open_vote()
-        return None if first is None else first + timeout
-
-    def _earliest_open_vote(self) -> float | None:
-        """When the oldest vote :meth:`_open_votes` lists opened, without building its rows.
-
-        The timers ask this at every tick and :meth:`vote_overdue` before any row is built: collective
-        votes (up to members x max_open_votes open) cost a few comparisons each, their sizes against the
-        group's (issue 33 item 3); the few other votes go through :meth:`_open_votes`.
-        """
-        if not self.resumed:
-            return None
-        best = min((v[1] for v in self._open_votes(with_ops=False)), default=None)
-        sizes = self._sizes_by_group()
-        for (group, _), op in self._ops.items():
-            if op.running or not op.votes or (best is not None and op.opened >= best):
-                continue
-            votes = op.votes
-            # Voters are accepted peers of the group (a lost one's ballot is withdrawn): fewer of them
-            # than members means someone is missing; otherwise check the members themselves.
-            if len(votes) < sizes.get(group, 0) or any(p not in votes for p in self.accepted(group)):
-                best = op.opened
-        return best
+        return self.vote_timeouts.deadline(timeout)
 
     def vote_overdue(self, now: float, timeout: float) -> list[Effect]:
-        """Act on every vote its first ballot opened more than ``timeout`` seconds ago
-        (MasterConfig.vote_timeout) and that still misses accepted peers of its group.
+        """Act on every vote open for more than ``timeout`` seconds that still misses accepted peers of
+        its group (MasterConfig.vote_timeout; :meth:`VoteTimeouts.overdue` says who is blamed)."""
+        return self.vote_timeouts.overdue(now, timeout)
 
-        The clock starts at the vote's first ballot, not at the peer's last message: a peer that
-        heartbeats but never votes is caught, and a peer computing between collectives is only
-        ever measured against the others that already wait for it. Who is blamed (issue 33 item 4):
-
-        * the voters are at least as many as the missing peers: the missing ones are stragglers the
-          others wait on: kicked (then the vote completes without them);
-        * the voters are fewer (a call that most members never made: another tag, a sync or a
-          topology call nobody else makes): the vote fails for its voters (``INVALID_USAGE``, "no other
-          member joined ..."), and nobody is evicted. are_peers_pending votes have no failure reply:
-          their missing peers are kicked as before.
-
-        Args:
-            now: the current time (same clock as ``handle``).
-            timeout: seconds the others may wait.
-
-        Returns:
-            The effects to execute (the failed votes, the kicks, then whatever the votes do without
-            the kicked peers).
-        """
-        self._now = now
-        first = self._earliest_open_vote()
-        if first is None or now <= first + timeout:
-            return []  # nothing overdue: no row built (this runs at every tick)
-        late: dict[int, str] = {}
-        alone: list[tuple[str, list[int], VoteKey]] = []
-        for what, opened, missing, voted, key in self._open_votes():
-            if now > opened + timeout:
-                if len(voted) < len(missing) and key[0] != "pending":
-                    alone.append((what, voted, key))
-                    continue
-                for p in sorted(missing):
-                    late.setdefault(p, f"did not join the {what} within {timeout:g}s while {voted} waited")
-        effects: list[Effect] = []
-        for what, voted, key in alone:
-            reason = (f"no other member joined the {what} within {timeout:g}s (voted: {voted}): every "
-                      "member of a group must make the same calls")
-            effects += self._fail_round(key, voted, reason)
-            effects.append(Event(f"vote timeout: {reason}"))
-        for p, reason in late.items():
-            effects += self.kick(p, reason)
-        return effects
+    def fail_votes(self, peer_ids: set[int], reason: str,
+                   code: Result = Result.INVALID_USAGE) -> list[Effect]:
+        """Fail the calls of ``peer_ids`` in every open vote (a deadlock; :meth:`VoteTimeouts.fail_votes`)."""
+        return self.vote_timeouts.fail_votes(peer_ids, reason, code)
 
     def _open_votes_by_age(self) -> list[OpenVote]:
         """Every vote others joined that has not completed, for the newcomers' grace
@@ -633,21 +552,6 @@ class MasterState:
             return []
         strikes = self.offenders.strike(identities(rec.host, rec.public_key), self._now, reason[:120])
         return self.kick(peer_id, f"{reason} [strike {strikes}]", code)
-
-    def _fail_round(self, key: VoteKey, voters: Collection[int], reason: str,
-                    code: Result = Result.INVALID_USAGE) -> list[Effect]:
-        """Fail the calls of ``voters`` in the open vote ``key`` (it stays unanswered otherwise);
-        are_peers_pending votes have no failure reply."""
-        kind, which = key
-        if kind == "op":
-            assert isinstance(which, tuple)
-            return self.collectives.withdraw(which, voters, reason, code)
-        if kind == "sync":
-            assert isinstance(which, int)
-            return self.syncs.withdraw(which, voters, reason, code)
-        if kind == "topology":
-            return self._withdraw_topology_votes(voters, reason, code)
-        return []
 
     def _check_round(self, key: VoteKey) -> list[Effect]:
         """Complete the open vote ``key`` if every member it concerns voted (and the master is not held)."""
