@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import replace
 from typing import Any
 
 from .._errors import Result
@@ -51,6 +50,7 @@ from .membership import Membership
 from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
 from .ops_in_doubt import DoubtBook, Key
+from .peers_pending import PeersPending
 from .penalties import RepeatOffenders, identities
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
@@ -181,10 +181,6 @@ class MasterState:
         self.rejoin_grace, self.rebuild_grace = rejoin_grace, rebuild_grace
         self.rebuild_quiet, self.failover_quiet = rebuild_quiet, failover_quiet
         self._topology_owed: set[int] = set()  # members whose next topology vote fails once (see above)
-        # are_peers_pending rounds completed at an epoch (the members count them alike: docs/concepts.md
-        # "Rounds in doubt"), and DoubtBook.total_progress when that count last changed (_behind_pending).
-        self._pending_count: tuple[int, int] = (0, 0)  # (epoch, rounds completed at it)
-        self._pending_mark = 0
         # P2P bound to membership (docs/security.md): the set issued last, its rows owed batched over
         # ``credentials_delay`` (issued.py), and who gets which message (handout.py).
         self._issued = IssuedSet(CredentialIssuer(credential_root or secrets.token_bytes(32)),
@@ -204,6 +200,7 @@ class MasterState:
         self.sync_messages = SyncMessages(self)  # the shared-state ballots, reports and progress
         self.collective_messages = CollectiveMessages(self)  # the collective ballots and reports
         self.vote_timeouts = VoteTimeouts(self)  # the vote timeout, and votes failed for a deadlock
+        self.peers_pending = PeersPending(self)  # the are_peers_pending round and its count
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -352,18 +349,6 @@ class MasterState:
         """Abort each operation in doubt left undecided for longer than ``timeout``, then resume the votes
         (:meth:`Holds.doubts_overdue`)."""
         return self.holds.doubts_overdue(now, timeout)
-
-    def _counted_pending(self) -> int:
-        """are_peers_pending rounds completed at the members' epoch (members count them alike)."""
-        epoch, count = self._pending_count
-        return count if epoch == self._pending_epoch() else 0
-
-    def _pending_epoch(self) -> int:
-        """The epoch the members count are_peers_pending answers at: the master's, except while a
-        topology round sets up (the master moved to its epoch at the EstablishP2P, the members move at
-        its TopologyResult, and an answer sent before that one reaches them at their old epoch)."""
-        rnd = self._topology
-        return rnd.from_epoch if rnd is not None and rnd.establishing and rnd.from_epoch >= 0 else self.epoch
 
     def expired(self, now: float, timeout: float) -> list[int]:
         """Peers silent for longer than ``timeout``."""
@@ -562,7 +547,7 @@ class MasterState:
         if kind == "sync":
             assert isinstance(which, int)
             return self._check_sync_vote(which)
-        return self.ring_setup.check_vote() if kind == "topology" else self._check_pending_vote()
+        return self.ring_setup.check_vote() if kind == "topology" else self.peers_pending.check()
 
     def _round_peer_lost(self, key: VoteKey, peer_id: int) -> list[Effect]:
         """``peer_id`` left the round ``key``: its ballot or part is withdrawn, the round re-checked."""
@@ -574,7 +559,7 @@ class MasterState:
             assert isinstance(which, int)
             return self.syncs.peer_lost(which, peer_id, self, self.resumed)
         # (are_peers_pending: the ballot was dropped with the peer's other traces in _remove)
-        return self.ring_setup.peer_lost(peer_id) if kind == "topology" else self._check_pending_vote()
+        return self.ring_setup.peer_lost(peer_id) if kind == "topology" else self.peers_pending.check()
 
     def _leave_votes(self, peer_id: int, group: int, was_accepted: bool) -> list[Effect]:
         """Peer ``peer_id`` of ``group`` is gone: it leaves every vote, round and live heal, its group's
@@ -663,27 +648,19 @@ class MasterState:
         assert isinstance(msg, m.Register)
         return self.admission.register(rec, msg)
 
+    # The are_peers_pending round (pccl/master/peers_pending.py): its ballots and what Rejoin reads of it.
+
+    def _on_peers_pending(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.peers_pending.on_vote(rec, msg)
+
     def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
                       effects: list[Effect]) -> m.Reregister:
-        """The are_peers_pending round member ``peer_id`` back reports (``effects`` gets what its vote
-        completes); the report as the rounds in doubt should read it (``was_dropped``: this live master
-        dropped it, its link broke)."""
-        rb = self.rebuild
-        pend = msg.pending
-        if len(pend) == 4 and pend[0] == self._pending_epoch():
-            # are_peers_pending rounds are counted per epoch: this master's next one is the next of the
-            # count the members back report (docs/concepts.md "Rounds in doubt").
-            if rb is None and pend[2] and pend[1] == self._counted_pending() and was_dropped:
-                # At a live master: it waits in the round still open here (its link broke while it
-                # voted): its vote counts again at once (docs/concepts.md "A member's link breaks").
-                self._pending.add([peer_id], self._now)
-                msg = replace(msg, pending=[])
-                effects += self._check_pending_vote()
-            else:
-                counted = (self._pending_epoch(), max(self._counted_pending(), pend[1]))
-                if counted != self._pending_count:
-                    self._pending_count, self._pending_mark = counted, self.doubts.total_progress
-        return msg
+        """The are_peers_pending round member ``peer_id`` back reports (:meth:`PeersPending.back`)."""
+        return self.peers_pending.back(peer_id, msg, was_dropped, effects)
+
+    def _behind_pending(self, msg: m.Reregister) -> str | None:
+        """Why ``msg``'s peer cannot be taken back from its pending round (:meth:`PeersPending.behind`)."""
+        return self.peers_pending.behind(msg)
 
     def _advance_generation(self, generation: int) -> None:
         """Become master ``generation`` unless this one is newer: op_seq and sync_seq move into its
@@ -698,22 +675,6 @@ class MasterState:
         peers can fail over)."""
         quiet = self.rebuild_quiet or 0.0
         return max(quiet, self.failover_quiet) if self.enforced else quiet
-
-    def _behind_pending(self, msg: m.Reregister) -> str | None:
-        """Why ``msg``'s peer cannot be taken back, if it waits in an are_peers_pending round that the
-        run answered without it and went on past: a later round was answered at this epoch, or a
-        collective or sync completed since the round's answer. (A member back after the roll call
-        ended: given the round's answer, it would go on to the call after it while the others are
-        further on, a deadlock until ``vote_timeout``.) While the run has not gone on, it gets the
-        round's answer (RoundBook) and makes the next call with the others."""
-        p = msg.pending
-        if len(p) != 4 or not p[2] or p[0] != self._pending_epoch():
-            return None
-        waits_in, count = p[1] + 1, self._counted_pending()
-        if count > waits_in or (count == waits_in and self.doubts.total_progress > self._pending_mark):
-            return (f"the run answered the are_peers_pending round this peer waits in ({p[0]}, {waits_in}) "
-                    "without it and went on: join again")
-        return None
 
     def _runs_without(self, peer_id: int, group: int) -> bool:
         """True when ``group`` runs a collective or sync, or a topology round sets up, without member
@@ -801,26 +762,6 @@ class MasterState:
         if rec.phase is not Phase.ACCEPTED:
             return self.kick(rec.peer_id, f"{what} from a peer that is not accepted")
         return None
-
-    def _on_peers_pending(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        bad = self._require_accepted(rec, "PeersPendingVote")
-        if bad is not None:
-            return bad
-        if not self._pending.vote(rec.peer_id, self._now):
-            return self.kick(rec.peer_id, "duplicate PeersPendingVote")
-        return self._check_pending_vote()
-
-    def _check_pending_vote(self) -> list[Effect]:
-        healing = self.heals.groups  # out of this vote too; admissions wait for their heals to end
-        ring = [p for p in self.ring if p not in healing] if healing else self.ring
-        if not self.resumed or not self._pending.complete(ring):
-            return []
-        pending = bool(self.registered()) and not healing
-        voters = self._pending.take(ring)
-        self._pending_count = (self._pending_epoch(), self._counted_pending() + 1)
-        self._pending_mark = self.doubts.total_progress
-        self.rounds.answered(self._pending_count, pending)
-        return [Send(p, m.PeersPendingResult(pending=pending)) for p in voters]
 
     # The topology round (pccl/master/ring_setup.py): its messages and the calls of the server and timers.
 
@@ -1002,7 +943,7 @@ class MasterState:
         effects += self.heals.go_live(seq, group, revision, rows_of, table, note, progress)
         for key in [k for k in self._ops if k[0] == group]:
             effects += self._check_op_vote(key)
-        return effects + self._check_pending_vote()
+        return effects + self.peers_pending.check()
 
     def synced(self, peers: Collection[int]) -> None:
         """``peers`` ended an ordinary sync successfully: one behind after a live heal is current again."""
