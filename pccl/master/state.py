@@ -29,7 +29,6 @@ from typing import Any
 from .._errors import Result
 from ..wire import messages as m
 from ..wire.credentials import CredentialIssuer
-from . import away as _away
 from .admission import Admission, OpenVote
 from .away import AwayBook
 from .collective_messages import CollectiveMessages
@@ -60,9 +59,8 @@ from .ring_setup import RingSetup
 from .rounds.base import Round
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
-from .rounds.collective import CollectiveRound, CollectiveVotes
-from .rounds.sync import SyncRound, SyncVotes
-from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
+from .rounds.collective import CollectiveVotes
+from .rounds.sync import SyncVotes
 from .rounds.topology import (
     TopologyRound,
 )
@@ -70,6 +68,7 @@ from .rounds_in_doubt import RoundBook
 from .sync_messages import SyncMessages
 from .tokens import MemberTokens
 from .transfers import SyncProgress
+from .vote_records import VoteRecords
 from .vote_timeouts import VoteTimeouts
 from .votes import PendingRound
 
@@ -201,6 +200,7 @@ class MasterState:
         self.collective_messages = CollectiveMessages(self)  # the collective ballots and reports
         self.vote_timeouts = VoteTimeouts(self)  # the vote timeout, and votes failed for a deadlock
         self.peers_pending = PeersPending(self)  # the are_peers_pending round and its count
+        self.records = VoteRecords(self)  # what the parts read of the open rounds
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -498,24 +498,6 @@ class MasterState:
         """Fail the calls of ``peer_ids`` in every open vote (a deadlock; :meth:`VoteTimeouts.fail_votes`)."""
         return self.vote_timeouts.fail_votes(peer_ids, reason, code)
 
-    def _open_votes_by_age(self) -> list[OpenVote]:
-        """Every vote others joined that has not completed, for the newcomers' grace
-        (:func:`~pccl.master.admission.newcomer_waits`): the ring-wide ones, the syncs, the collective
-        votes, in that order (the first of equally old ones is blamed)."""
-        rounds = sorted(self._open_rounds(ordered=False), key=lambda r: r.key[0] == "op")
-        out: list[OpenVote] = []
-        for rnd in rounds:
-            if rnd.voting and rnd.ballots:
-                kind, which = rnd.key
-                if kind == "op":
-                    assert isinstance(which, tuple)
-                    out.append(OpenVote("collective", rnd.opened, rnd.group, rnd.ballots, which[1]))
-                elif kind == "sync":
-                    out.append(OpenVote("sync", rnd.opened, rnd.group, rnd.ballots))
-                else:
-                    out.append(OpenVote(rnd.vote_name.removesuffix(" vote"), rnd.opened, None, rnd.ballots))
-        return out
-
     def admission_deadline(self, grace: float) -> float | None:
         """When the first unproven newcomer runs out of ``grace`` (see :meth:`admission_overdue`)."""
         return self.admission.deadline(grace)
@@ -676,45 +658,19 @@ class MasterState:
         quiet = self.rebuild_quiet or 0.0
         return max(quiet, self.failover_quiet) if self.enforced else quiet
 
-    def _runs_without(self, peer_id: int, group: int) -> bool:
-        """True when ``group`` runs a collective or sync, or a topology round sets up, without member
-        ``peer_id``, which this (live) master dropped: its outcome decides whether to take it back."""
-        if not self.doubts.was_dropped(peer_id):
-            return False
-        if any(op.running and g == group for (g, _), op in self._ops.items()):
-            return True
-        sync = self._syncs.get(group)
-        topology = self._topology
-        return (sync is not None and sync.running) or (topology is not None and topology.establishing)
+    # The reads of the vote records the parts need (pccl/master/vote_records.py).
 
-    def _round_state(self, key: Key) -> str:
-        """The vote round of ``key`` now: none, open (votes, not started) or running."""
-        kind, group, tag = key
-        if kind == "topology":
-            topology = self._topology
-            if topology is None:
-                return _away.NONE
-            voting = topology.voting
-            return _away.OPEN if voting else _away.RUNNING
-        rnd: CollectiveRound | SyncRound | None = self._ops.get((group, tag)) if kind == "op" \
-            else self._syncs.get(group)
-        return _away.NONE if rnd is None else _away.RUNNING if rnd.running else _away.OPEN
+    def _runs_without(self, peer_id: int, group: int) -> bool:
+        return self.records.runs_without(peer_id, group)
 
     def _kept(self, peer_id: int, key: Key) -> bool | None:
-        """Whether the others still vote for the call of ``key`` that ``peer_id`` abandoned (see
-        :meth:`AwayBook.kept_votes`)."""
-        return self.away.kept_votes(peer_id, key, self._round_state(key))
+        return self.records.kept(peer_id, key)
 
     def _rounds_of(self, group: int) -> dict[Key, str]:
-        """``group``'s collective and sync rounds now, by key (open or running)."""
-        rounds = {("op", g, t): _away.RUNNING if op.running else _away.OPEN
-                  for (g, t), op in self._ops.items() if g == group}
-        sync = self._syncs.get(group)
-        if sync is not None:
-            rounds[("sync", group, -1)] = _away.RUNNING if sync.running else _away.OPEN
-        if self._topology is not None:
-            rounds[_TOPOLOGY_KEY] = self._round_state(_TOPOLOGY_KEY)
-        return rounds
+        return self.records.rounds_of(group)
+
+    def _open_votes_by_age(self) -> list[OpenVote]:
+        return self.records.open_votes_by_age()
 
     def _rows_due(self) -> list[Effect]:
         """The owed credential rows, if the master is not held (:meth:`CredentialHandout.due`). Paid
