@@ -23,7 +23,7 @@ Vote rules (docs/protocol.md sections 2-6):
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any
 
 from .._errors import Result
@@ -56,6 +56,7 @@ from .rejoin import Rebuild, Rejoin
 from .removal import Removal
 from .reported import ReportedRings
 from .ring_setup import RingSetup
+from .round_waits import RoundWaits
 from .rounds.base import Round
 from .rounds.base import VoteKey as VoteKey
 from .rounds.collective import RESERVATIONS_PER_GROUP as RESERVATIONS_PER_GROUP
@@ -201,6 +202,7 @@ class MasterState:
         self.vote_timeouts = VoteTimeouts(self)  # the vote timeout, and votes failed for a deadlock
         self.peers_pending = PeersPending(self)  # the are_peers_pending round and its count
         self.records = VoteRecords(self)  # what the parts read of the open rounds
+        self.round_waits = RoundWaits(self)  # who holds up whom
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -367,90 +369,36 @@ class MasterState:
         rounds += [sync for _, sync in sorted(self._syncs.items())] if ordered else list(self._syncs.values())
         return rounds
 
-    def _group_sets(self) -> dict[int | None, set[int]]:
-        """Each group's accepted peers, and the ring's under None: once per walk, not once per vote (a
-        timer walks every open vote, up to members x max_open_votes)."""
-        groups: dict[int | None, set[int]] = {None: set(self.ring)}
-        for p in self.ring:
-            groups.setdefault(self.peers[p].group, set()).add(p)
-        return groups
-
-    def _waits(self) -> list[tuple[str, set[int], str]]:
-        """Every vote or round in progress as ``(what, peers it waits for, detail)``: the one place
-        that knows who holds up what (:meth:`waited_on` and :meth:`pending_summary` read it)."""
-        groups = self._group_sets()
-        waits = [rnd.waits(groups.get(rnd.group, set())) for rnd in self._open_rounds()]
-        return [w for w in waits if w is not None]
+    # Who holds up whom (pccl/master/round_waits.py): what the stall logs, the deadlock watch and the
+    # status page read.
 
     def waited_on(self) -> set[int]:
-        """Peers that others are waiting for right now.
-
-        A peer is waited on when it has not yet voted in a vote that others of its group have
-        joined (collective, shared-state sync, topology, pending-peers), or when it has not yet
-        reported the end of a running collective, sync or topology round it takes part in.
-        """
-        out: set[int] = set()
-        for _, waiting, _ in self._waits():
-            out |= waiting
-        return out & set(self.peers)
+        """Peers that others are waiting for right now (:meth:`RoundWaits.waited_on`)."""
+        return self.round_waits.waited_on()
 
     def pending_rounds(self) -> list[tuple[str, list[int], str]]:
         """Every vote or round in progress as ``(what, peers it waits for, detail)`` (for status pages)."""
-        return [(what, sorted(waiting), detail) for what, waiting, detail in self._waits()]
+        return self.round_waits.pending_rounds()
 
     def vote_waits(self) -> dict[int, list[VoteWait]]:
-        """For every peer: the calls it has voted for whose votes have not completed (in-flight rounds
-        such as a running collective are not votes)."""
-        out: dict[int, list[VoteWait]] = {}
-        for rnd in self._open_rounds():
-            for p, wait in rnd.vote_waits():
-                out.setdefault(p, []).append(wait)
-        return out
-
-    def _vote_sets(self) -> Iterator[tuple[int | None, Collection[int]]]:
-        """Every vote still open, as ``(group, voters)``: ``None`` for a ring-wide vote (topology,
-        are_peers_pending), without the work :meth:`_open_votes` does for the vote timeout (who is
-        missing, when it opened). The one walk :meth:`voting_peers` and :meth:`deadlock_candidates`
-        share, so that the bound can never miss a kind of vote the voter set has."""
-        for rnd in self._open_rounds(ordered=False):
-            if rnd.voting:
-                yield rnd.group, rnd.ballots
+        """For every peer: the calls it has voted for whose votes have not completed."""
+        return self.round_waits.vote_waits()
 
     def voting_peers(self) -> set[int]:
-        """The peers that :meth:`vote_waits` lists (``set(vote_waits())``), without building the waits:
-        the test the deadlock check makes once :meth:`deadlock_candidates` names a group."""
-        out: set[int] = set()
-        for _, voters in self._vote_sets():
-            out.update(voters)
-        return out
+        """The peers that :meth:`vote_waits` lists, without building the waits."""
+        return self.round_waits.voting_peers()
 
     def deadlock_candidates(self) -> list[int]:
-        """The groups of at least 2 accepted peers in which every member *could* have a vote in.
-
-        An upper bound counted from the open votes' sizes alone: a peer voting in two calls counts
-        twice, and a ring-wide vote (topology, are_peers_pending) counts for every group. It costs
-        O(open votes + groups), where :meth:`voting_peers` costs O(voters): the deadlock check ran
-        after every message, and with :meth:`voting_peers` alone a vote round of n peers cost the
-        master O(n^2) (docs/benchmarks.md "Control plane at many peers"). It now runs on the timers'
-        clock (:class:`~pccl.master.deadlock.DeadlockWatch`), at most every ``every`` seconds.
-        """
-        counts: dict[int | None, int] = {}
-        for group, voters in self._vote_sets():
-            counts[group] = counts.get(group, 0) + len(voters)
-        ring_wide = counts.get(None, 0)
-        return [g for g, size in self._sizes_by_group().items()
-                if size >= 2 and counts.get(g, 0) + ring_wide >= size]
+        """The groups where every member *could* be voting (:meth:`RoundWaits.deadlock_candidates`)."""
+        return self.round_waits.deadlock_candidates()
 
     def busy_peers(self) -> set[int]:
         """Peers taking part in a running collective, sync or topology round (not just voting)."""
-        out: set[int] = set()
-        for rnd in self._open_rounds(ordered=False):
-            out |= rnd.busy(self.ring)
-        return out
+        return self.round_waits.busy_peers()
 
     def pending_summary(self) -> list[str]:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
-        return [f"{what} waits for {sorted(waiting)}{detail}" for what, waiting, detail in self._waits()]
+        return self.round_waits.pending_summary()
 
     def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
         """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
@@ -476,7 +424,7 @@ class MasterState:
         (``with_ops`` False: all but the collective votes)."""
         if not self.resumed:
             return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
-        groups = self._group_sets()
+        groups = self.round_waits.group_sets()
         known = self.peers.keys()
         return [(rnd.vote_name, rnd.opened, live, sorted(rnd.ballots), rnd.key)
                 for rnd in self._open_rounds(with_ops=with_ops) if rnd.voting and rnd.ballots
