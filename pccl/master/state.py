@@ -488,7 +488,7 @@ class MasterState:
         if kind == "sync":
             assert isinstance(which, int)
             return self.syncs.peer_lost(which, peer_id, self, self.resumed)
-        # (are_peers_pending: the ballot was dropped with the peer's other traces in _remove)
+        # (are_peers_pending: the ballot was dropped with the peer's other traces in _leave_votes)
         return self.ring_setup.peer_lost(peer_id) if kind == "topology" else self.peers_pending.check()
 
     def _leave_votes(self, peer_id: int, group: int, was_accepted: bool) -> list[Effect]:
