@@ -84,9 +84,12 @@ async def test_master_restarted_mid_heal(
     async def member(i: int) -> None:
         for _ in range(200):
             await cluster.peer(i).sync_shared_state(states[i])
+            # Decide to stop only 0.1 s after the sync returned: the sync the newcomer joins returns for
+            # all three peers within a link latency, so by then both members see the same answer (checked
+            # at once, one member could miss the newcomer's return by a task switch and sync alone).
+            await trio.sleep(0.1)
             if healed.is_set():
                 return
-            await trio.sleep(0.1)
         raise AssertionError(f"member {i}: the newcomer never joined")
 
     async def newcomer() -> None:
