@@ -79,27 +79,25 @@ async def test_master_restarted_mid_heal(
     # the retry heals the newcomer at the new master (live again: it joins at the members' next sync, so
     # they sync on, a step of "training" apart), bit-identical
     results.clear()
-    healed = trio.Event()
+
+    def joined() -> bool:
+        # The master counts the newcomer rejoined when the sync it joins completes, before it answers
+        # anyone: both members read the same value after that sync returns (the newcomer's own task may
+        # not have run yet, so a flag it sets could differ between them, and one would sync on alone).
+        return bool(cluster.master.state.statistics()["heals"]["rejoined"])
 
     async def member(i: int) -> None:
         for _ in range(200):
             await cluster.peer(i).sync_shared_state(states[i])
-            # Decide to stop only 0.1 s after the sync returned: the sync the newcomer joins returns for
-            # all three peers within a link latency, so by then both members see the same answer (checked
-            # at once, one member could miss the newcomer's return by a task switch and sync alone).
-            await trio.sleep(0.1)
-            if healed.is_set():
+            if joined():
                 return
+            await trio.sleep(0.1)  # a step of "training" between syncs
         raise AssertionError(f"member {i}: the newcomer never joined")
-
-    async def newcomer() -> None:
-        await one(2)
-        healed.set()
 
     async with trio.open_nursery() as nursery:
         for i in (0, 1):
             nursery.start_soon(member, i)
-        nursery.start_soon(newcomer)
+        nursery.start_soon(one, 2)
     assert isinstance(results[2], pccl.SharedStateSyncInfo) and results[2].rx_bytes >= BIG, results
     assert _bits(states[2]) == _bits(states[0]) == _bits(states[1]) == [big.tobytes(), small.tobytes()]
     assert cluster.master.state.statistics()["heals"]["rejoined"] == 1
