@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import trio
 
+from pccl import PCCLError
 from pccl.peer.communicator import Communicator
 from pccl.testing import TestCluster, VirtualHost
 
@@ -52,3 +55,45 @@ def p2p_address(cluster: TestCluster, index: int) -> tuple[str, int]:
     address = cluster.peer(index).p2p_address
     assert address is not None
     return address
+
+
+def stop_reading(monkeypatch: pytest.MonkeyPatch, evil: Communicator) -> None:
+    """Make ``evil`` stop reading every ring connection (it still heartbeats and votes)."""
+    assert evil.pool is not None
+    readers = evil.pool.readers
+    real = type(readers).read_frame
+
+    async def stop(self: object, conn: object) -> bool:
+        if self is readers:
+            await trio.sleep_forever()
+        waited: bool = await real(self, conn)  # type: ignore[arg-type]
+        return waited
+
+    monkeypatch.setattr(type(readers), "read_frame", stop)
+
+
+async def stalled_rounds(cluster: TestCluster, count: int, rounds: int,
+                         members_are: list[int] | None = None) -> int:
+    """Run ``rounds`` int32 all-reduces of ``count`` elements on the current members; a round that failed
+    anywhere counts as stalled (the ring is rebuilt with ``update_topology``), every other result must be
+    the exact sum (and its members ``members_are``, when given). Returns the stalled rounds."""
+    stalls = 0
+    for r in range(rounds):
+        members = [i for i in cluster.alive if cluster.is_member(i)]
+
+        async def one(i: int, comm: Communicator, r: int = r) -> bytes:
+            out = np.zeros(count, np.int32)
+            await comm.all_reduce(np.full(count, comm.peer_id + 1, np.int32), out, tag=r)
+            return out.tobytes()
+
+        results = await cluster.run_all(one, indexes=members)
+        if any(isinstance(x, PCCLError) for x in results):
+            stalls += 1
+            await cluster.update_topology()
+            continue
+        ids = [cluster.peer(i).peer_id for i in members]
+        if members_are is not None:
+            assert sorted(ids) == sorted(members_are)
+        want = np.full(count, sum(p + 1 for p in ids), np.int32).tobytes()
+        assert all(x == want for x in results)
+    return stalls

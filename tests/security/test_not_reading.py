@@ -10,16 +10,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import numpy as np
 import pytest
 import trio
 import trio.testing
 
-from pccl import PCCLError
 from pccl.master.blame import STRIKES, StallBlame
 from pccl.master.testimony import StallTestimony
-from pccl.peer.communicator import Communicator
 from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+
+from ._helpers import stalled_rounds, stop_reading
 
 STALL = 5.0
 CFG = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=STALL)
@@ -47,34 +46,9 @@ async def test_a_member_that_stops_reading_is_removed_after_two_stalls(
     net = VirtualNetwork(latency=0.0005, buffer_size=64 << 10)
     async with open_test_cluster(4, network=net, config=CFG) as cl:
         evil = cl.peer(2)
-        # It stops reading every ring connection (it still heartbeats and votes).
-        real = type(evil.pool.readers).read_frame
-
-        async def stop(self: object, conn: object) -> bool:
-            if self is evil.pool.readers:
-                await trio.sleep_forever()
-            waited: bool = await real(self, conn)
-            return waited
-
-        monkeypatch.setattr(type(evil.pool.readers), "read_frame", stop)
-        stalls = 0
+        stop_reading(monkeypatch, evil)
         t0 = trio.current_time()
-        for r in range(STRIKES + 2):
-            members = [i for i in cl.alive if cl.is_member(i)]
-
-            async def one(i: int, comm: Communicator, r: int = r) -> bytes:
-                out = np.zeros(COUNT, np.int32)
-                await comm.all_reduce(np.full(COUNT, comm.peer_id + 1, np.int32), out, tag=r)
-                return out.tobytes()
-
-            results = await cl.run_all(one, indexes=members)
-            if any(isinstance(x, PCCLError) for x in results):
-                stalls += 1
-                await cl.update_topology()
-                continue
-            ids = [cl.peer(i).peer_id for i in members]
-            want = np.full(COUNT, sum(p + 1 for p in ids), np.int32).tobytes()
-            assert all(x == want for x in results)
+        stalls = await stalled_rounds(cl, COUNT, STRIKES + 2)
         assert stalls == STRIKES  # then it was gone, and nothing stalled again
         assert evil.peer_id not in cl.master.state.peers
         assert f"peer {evil.peer_id} evicted: " in caplog.text and "not taken in 2 operations" in caplog.text
@@ -97,33 +71,9 @@ async def test_a_member_that_stops_reading_small_operations_is_removed_by_the_by
     net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
     async with open_test_cluster(4, network=net, config=CFG) as cl:
         evil = cl.peer(2)
-        real = type(evil.pool.readers).read_frame
-
-        async def stop(self: object, conn: object) -> bool:
-            if self is evil.pool.readers:
-                await trio.sleep_forever()
-            waited: bool = await real(self, conn)  # type: ignore[arg-type]
-            return waited
-
-        monkeypatch.setattr(type(evil.pool.readers), "read_frame", stop)
-        stalls = 0
+        stop_reading(monkeypatch, evil)
         t0 = trio.current_time()
-        for r in range(STRIKES + 2):
-            members = [i for i in cl.alive if cl.is_member(i)]
-
-            async def one(i: int, comm: Communicator, r: int = r) -> bytes:
-                out = np.zeros(small, np.int32)
-                await comm.all_reduce(np.full(small, comm.peer_id + 1, np.int32), out, tag=r)
-                return out.tobytes()
-
-            results = await cl.run_all(one, indexes=members)
-            if any(isinstance(x, PCCLError) for x in results):
-                stalls += 1
-                await cl.update_topology()
-                continue
-            ids = [cl.peer(i).peer_id for i in members]
-            want = np.full(small, sum(p + 1 for p in ids), np.int32).tobytes()
-            assert all(x == want for x in results)
+        stalls = await stalled_rounds(cl, small, STRIKES + 2)
         assert "did not take its frames" not in caplog.text  # nobody was send-blocked
         assert "peer 2 took 0 of them" in caplog.text or f"peer {evil.peer_id} took" in caplog.text
         assert stalls == STRIKES  # then it was gone, and nothing stalled again

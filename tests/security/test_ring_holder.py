@@ -10,16 +10,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import numpy as np
 import pytest
 import trio
 import trio.testing
 
-from pccl import PCCLError
 from pccl.master.blame import STRIKES, StallBlame
 from pccl.master.testimony import StallTestimony, ring_holders
-from pccl.peer.communicator import Communicator
 from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+
+from ._helpers import stalled_rounds, stop_reading
 
 STALL = 5.0
 CFG = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=STALL, schedule="ring")
@@ -92,14 +91,6 @@ async def test_a_member_that_stops_reading_and_lies_about_it_is_removed_alone_af
     net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
     async with open_test_cluster(4, network=net, config=CFG) as cl:
         evil = cl.peer(2)
-        real_read = type(evil.pool.readers).read_frame
-
-        async def stop(self: object, conn: object) -> bool:
-            if self is evil.pool.readers:
-                await trio.sleep_forever()
-            waited: bool = await real_read(self, conn)  # type: ignore[arg-type]
-            return waited
-
         real_rows = type(evil.pool).op_io
 
         def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
@@ -117,28 +108,11 @@ async def test_a_member_that_stops_reading_and_lies_about_it_is_removed_alone_af
                 mine[other.peer_id] = (s, max(k, sent))
             return [(p, s, k) for p, (s, k) in sorted(mine.items())]
 
-        monkeypatch.setattr(type(evil.pool.readers), "read_frame", stop)
+        stop_reading(monkeypatch, evil)
         monkeypatch.setattr(type(evil.pool), "op_io", lying)
         honest = [cl.peer(i).peer_id for i in cl.alive if cl.peer(i) is not evil]
-        stalls = 0
         t0 = trio.current_time()
-        for r in range(STRIKES + 2):
-            members = [i for i in cl.alive if cl.is_member(i)]
-
-            async def one(i: int, comm: Communicator, r: int = r) -> bytes:
-                out = np.zeros(small, np.int32)
-                await comm.all_reduce(np.full(small, comm.peer_id + 1, np.int32), out, tag=r)
-                return out.tobytes()
-
-            results = await cl.run_all(one, indexes=members)
-            if any(isinstance(x, PCCLError) for x in results):
-                stalls += 1
-                await cl.update_topology()
-                continue
-            ids = [cl.peer(i).peer_id for i in members]
-            assert sorted(ids) == sorted(honest)
-            want = np.full(small, sum(p + 1 for p in ids), np.int32).tobytes()
-            assert all(x == want for x in results)
+        stalls = await stalled_rounds(cl, small, STRIKES + 2, members_are=honest)
         assert "took 0 of them" not in caplog.text  # the pairs agreed: the lie hid it from them
         assert stalls == STRIKES  # then it was gone, and nothing stalled again
         assert evil.peer_id not in cl.master.state.peers
