@@ -10,11 +10,40 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
+from ...wire import messages as m
 from ..describe import VoteWait
 
 #: Which open vote: ``("pending", None)``, ``("topology", None)``, ``("op", (group, tag))``,
 #: ``("sync", group)``.
 VoteKey = tuple[str, tuple[int, int] | int | None]
+
+
+class RoundContext(Protocol):
+    """What every vote round asks of the master (``MasterState`` is one); each kind of round adds its
+    own needs (``CollectiveContext``, ``SyncContext``)."""
+
+    @property
+    def now(self) -> float: ...
+
+    def group_size(self, group: int) -> int:
+        """How many accepted peers ``group`` has."""
+        ...
+
+    def accepted(self, group: int | None = None) -> list[int]:
+        """The accepted peers of ``group``, ring order."""
+        ...
+
+    def table(self, ids: list[int]) -> list[m.PeerRow]:
+        """The peer-table rows of ``ids``."""
+        ...
+
+    def known(self, peer_id: int) -> bool:
+        """Whether ``peer_id`` is still connected."""
+        ...
+    def left_out(self, group: int, kind: str) -> frozenset[int]:
+        """Peers of ``group`` that no vote of ``kind`` ("op" or "sync") waits on (healing, or for
+        collectives behind after a heal: pccl/master/heals.py)."""
+        ...
 
 
 @dataclass(frozen=True)

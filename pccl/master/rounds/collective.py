@@ -27,36 +27,17 @@ from ..describe import VoteWait, describe_mismatch, too_few_peers_reason
 from ..effects import Effect, FastStart, Send
 from ..lost import REASON as LOST_REASON
 from ..votes import unanimous
-from .base import Expel, VoteKey
+from .base import Expel, RoundContext, VoteKey
 
 #: Reservations kept per group (the oldest go first; peers keep the same number in the same order).
 RESERVATIONS_PER_GROUP = 1024
 
 
-class CollectiveContext(Protocol):
+class CollectiveContext(RoundContext, Protocol):
     """What a collective round asks of the master (``MasterState`` is one)."""
 
     @property
     def epoch(self) -> int: ...
-
-    @property
-    def now(self) -> float: ...
-
-    def group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has."""
-        ...
-
-    def accepted(self, group: int | None = None) -> list[int]:
-        """The accepted peers of ``group``, ring order."""
-        ...
-
-    def table(self, ids: list[int]) -> list[m.PeerRow]:
-        """The peer-table rows of ``ids``."""
-        ...
-
-    def known(self, peer_id: int) -> bool:
-        """Whether ``peer_id`` is still connected."""
-        ...
 
     def registered_in(self, group: int) -> list[int]:
         """The peers of ``group`` waiting to be accepted."""
@@ -64,10 +45,6 @@ class CollectiveContext(Protocol):
 
     def next_op_seq(self) -> int:
         """A fresh op_seq (never handed out before by this master's generation)."""
-        ...
-
-    def left_out(self, group: int, kind: str) -> frozenset[int]:
-        """Peers of ``group`` no vote of ``kind`` ("op") waits on (healing: pccl/master/heals.py)."""
         ...
 
     def op_settled(self, group: int, tag: int, seq: int, committed: bool) -> None:

@@ -25,30 +25,11 @@ from ..effects import Effect, Event, Send
 from ..lost import REASON as LOST_REASON
 from ..transfers import SwarmCounts, SyncProgress
 from ..votes import unanimous
-from .base import Expel, VoteKey
+from .base import Expel, RoundContext, VoteKey
 
 
-class SyncContext(Protocol):
+class SyncContext(RoundContext, Protocol):
     """What a sync round asks of the master (``MasterState`` is one)."""
-
-    @property
-    def now(self) -> float: ...
-
-    def group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has."""
-        ...
-
-    def accepted(self, group: int | None = None) -> list[int]:
-        """The accepted peers of ``group``, ring order."""
-        ...
-
-    def table(self, ids: list[int]) -> list[m.PeerRow]:
-        """The peer-table rows of ``ids``."""
-        ...
-
-    def known(self, peer_id: int) -> bool:
-        """Whether ``peer_id`` is still connected."""
-        ...
 
     def revision_of(self, group: int) -> int | None:
         """The revision ``group``'s last sync committed (None: none)."""
@@ -63,10 +44,6 @@ class SyncContext(Protocol):
         ...
 
     # live heals (issue 35 item 4, pccl/master/heals.py)
-
-    def left_out(self, group: int, kind: str) -> frozenset[int]:
-        """Peers of ``group`` no vote of ``kind`` ("sync") waits on: they heal."""
-        ...
 
     def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
         """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
