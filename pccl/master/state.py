@@ -191,7 +191,10 @@ class MasterState:
         self.max_open_votes = max_open_votes  # collective votes one member may hold open (None: no cap)
         self.quorum = Quorum(quorum)  # no split brain: the live quorum rule and its hold (quorum.py)
         self.offenders = RepeatOffenders()  # peers evicted for liveness, by address and key (penalties.py)
-        # The dispatcher's parts, each working on this core through its Protocol (docs/master.md).
+        self._attach_parts()
+
+    def _attach_parts(self) -> None:
+        """The dispatcher's parts, each working on this core through its Protocol (docs/master.md)."""
         self.rejoin = Rejoin(self)  # re-registration and the rebuild
         self.removal = Removal(self)  # peers leaving
         self.admission = Admission(self)  # registration and the newcomers' grace
