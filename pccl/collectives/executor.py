@@ -312,13 +312,9 @@ async def run_collective(
 
     Args:
         pool: the P2P connection pool.
-        kind: a kind of :mod:`pccl.collectives.kinds` or its name: "all_reduce" (``out`` = reduction
-            of everyone's ``send``), "reduce_scatter" (only this rank's chunk of ``out`` is
-            meaningful, see :func:`~pccl.collectives.ring.owned_range`), "all_gather" (``out`` = the
-            ``send`` arrays in ring order, ``n * len(send)`` elements), "broadcast" (``out`` = ``send``
-            of ring index ``root``), "reduce" (``out`` of ring index ``root`` = the reduction; the
-            others' ``out`` is scratch) or "all_to_all" (``n`` equal blocks; block ``i`` of ``out``
-            = block ``rank`` of ring index ``i``'s ``send``).
+        kind: a kind of :mod:`pccl.collectives.kinds` or its name ("all_reduce", "reduce_scatter",
+            "all_gather", "broadcast", "reduce", "all_to_all"); each kind's module says what ``out``
+            holds after it.
         ring: peer ids in ring order (at least 2, ``my_id`` among them); the plans' ranks are
             indices into it.
         my_id: this peer's id.

@@ -254,23 +254,8 @@ class P2PPool:
     def send(
         self, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview, *, conn_index: int
     ) -> Coroutine[Any, Any, None]:
-        """Send one data frame to ``peer_id`` on outgoing connection ``conn_index % pool_size``.
-
-        Frames on one connection never interleave (a per-connection FIFO lock); concurrent sends
-        on different connections proceed in parallel.
-
-        Args:
-            peer_id: destination (must be connected).
-            tag: operation tag.
-            op_seq: operation sequence number.
-            seq: frame number within the operation.
-            data: the payload, a contiguous byte memoryview (format "B").
-            conn_index: preferred connection.
-
-        Raises:
-            RankConnectionLostError: no open connection, or it broke while sending (it is then
-                closed).
-        """
+        """Send one data frame to ``peer_id`` on outgoing connection ``conn_index % pool_size``
+        (:meth:`RingLinks.send <pccl.peer.ring_links.RingLinks.send>`: arguments, ordering, errors)."""
         # The links' coroutine itself (no wrapper of its own): this is on every frame's path.
         return self.links.send(peer_id, tag, op_seq, seq, data, conn_index=conn_index)
 
