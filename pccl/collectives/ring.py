@@ -450,28 +450,22 @@ async def _run_inline(
     gate: SendGate | None = None,
 ) -> None:
     sends = ex.plan.sends
-    for j in ex.plan.initial:
+
+    async def send(j: int) -> None:
         f = sends[j]
         if staging is not None:
             await staging.before_send(j)
         await _gated_send(pool, gate, ids[f.peer], tag, op_seq, f.seq, ex.payload(j), tag + f.lane)
         if staging is not None:
             staging.after_send(j)
+
+    for j in ex.plan.initial:
+        await send(j)
     unlocks = ex.plan.unlocks
     for i in range(len(slots)):
-        await slots[i].wait()
-        if staging is not None:
-            await staging.before_receive(i)
-        ex.received(i)
-        if staging is not None:
-            staging.after_receive(i)
+        await _take_in(ex, slots, staging, i)
         for j in unlocks[i]:
-            f = sends[j]
-            if staging is not None:
-                await staging.before_send(j)
-            await _gated_send(pool, gate, ids[f.peer], tag, op_seq, f.seq, ex.payload(j), tag + f.lane)
-            if staging is not None:
-                staging.after_send(j)
+            await send(j)
 
 
 async def _gated_send(
@@ -563,14 +557,19 @@ async def _receive_all(
     """Wait for each receive in plan order, take it in, and hand the sends it unlocks to ``ready``."""
     unlocks = ex.plan.unlocks
     for i in range(len(slots)):
-        await slots[i].wait()
-        if staging is not None:
-            await staging.before_receive(i)
-        ex.received(i)
-        if staging is not None:
-            staging.after_receive(i)
+        await _take_in(ex, slots, staging, i)
         for j in unlocks[i]:
             ready(j)
+
+
+async def _take_in(ex: _Exec, slots: list[Receive], staging: Staging | None, i: int) -> None:
+    """Wait for receive ``i`` and take it in (through the staging buffer's window, if any)."""
+    await slots[i].wait()
+    if staging is not None:
+        await staging.before_receive(i)
+    ex.received(i)
+    if staging is not None:
+        staging.after_receive(i)
 
 
 class _Sender:
