@@ -61,7 +61,7 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
     from _shaped import ShapedTransport
 
     import pccl
-    from pccl.torch import DiLoCo, MinMaxCodec, SharedModel, StreamingDiLoCo, TrainingRun
+    from pccl.torch import DeflateCodec, DiLoCo, MinMaxCodec, SharedModel, StreamingDiLoCo, TrainingRun
 
     torch.set_num_threads(1)
     data = torch.from_numpy(lm.load_text())
@@ -107,9 +107,13 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
         steps = args.diloco_steps
         outer = driver.outer_model
     else:
+        int4 = MinMaxCodec(4, block=args.int4_block)
+        # one codec object per fragment, so each fragment's counters are its own
+        codec = [DeflateCodec(int4, bits=args.int4_bits) if args.int4_bits else int4
+                 for _ in range(args.fragments)]
         driver = StreamingDiLoCo(address, model, optimizer, inner_steps=args.inner_steps,
                                  outer_optimizer=outer_sgd, fragments=args.fragments, overlap=args.overlap,
-                                 mixing=args.mixing, codec=MinMaxCodec(4, block=args.int4_block),
+                                 mixing=args.mixing, codec=codec,
                                  sync_every=args.sync_every,
                                  total_outer_steps=args.diloco_steps // args.inner_steps, **common)
         steps = args.diloco_steps
@@ -148,8 +152,9 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
         wall = time.perf_counter() - t0 - eval_time
         wait = driver.network_wait_s - wait0
         by_op = {k: v - by_op0.get(k, 0.0) for k, v in driver._blocking.wait_by_op.items()}
+        stats = driver.statistics() if hasattr(driver, "statistics") else {}
     results.put((mode, index, {"curve": curve, "wall": wall, "wait": wait, "tx": tx, "steps": n - 1,
-                               "by_op": by_op}))
+                               "by_op": by_op, "stats": stats}))
 
 
 class _FileReport:
@@ -331,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="wan: pccl.testing.wan (root); seam: benchmarks/_shaped.py; auto: wan if it can")
     parser.add_argument("--int4-block", type=int, default=16384,
                         help="elements per min/max pair of the int4 codec (one pair per chunk here)")
+    parser.add_argument("--int4-bits", type=float, default=3.6,
+                        help="the int4 codes' deflate budget, bits per element (0: plain 4-bit codes)")
     parser.add_argument("--json", type=Path, help="write every run's reports (curves, waits, bytes) here")
     parser.add_argument("--as-peer", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -367,8 +374,15 @@ def main(argv: list[str] | None = None) -> int:
             r0 = runs[mode][0]
             print(f"[{mode}] {r0['steps'] + 1} steps, {r0['wall']:.1f} s, "
                   f"final loss {r0['curve'][-1][2]:.4f}; "
-                  "peer 0 waited in: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r0["by_op"].items())),
-                  flush=True)
+                  "peer 0 waited in: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r0["by_op"].items()))
+                  + "; waiting per peer: " + ", ".join(f"{100 * r['wait'] / r['wall']:.1f}%"
+                                                      for _, r in sorted(runs[mode].items())), flush=True)
+            frags = r0.get("stats", {}).get("fragments", [])
+            if any("encodes" in f for f in frags):
+                enc = sum(f["encodes"] for f in frags)
+                wide = sum(f["widened"] for f in frags)
+                print(f"[{mode}] peer 0's deflated int4 encodings: {enc}, of which {wide} had their range "
+                      f"widened to fit {args.int4_bits:g} bits per element", flush=True)
     finally:
         if wan is not None:
             wan.close()

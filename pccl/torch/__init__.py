@@ -9,7 +9,7 @@ Importing this module imports torch; nothing else in pccl does.
   synchronous or one step delayed, optionally quantized.
 * :class:`StreamingDiLoCo` / :class:`AsyncStreamingDiLoCo`: streaming DiLoCo, the model in fragments
   synced on a staggered schedule overlapped with the inner steps, optionally compressed (8/4-bit
-  min-max, top-k) with error feedback (:class:`MinMaxCodec`, :class:`TopKCodec`).
+  min-max, top-k) with error feedback (:class:`MinMaxCodec`, :class:`DeflateCodec`, :class:`TopKCodec`).
 * :func:`shard_indices`, :func:`global_batch_indices`: deterministic data sharding by step and rank.
 * :mod:`pccl.torch.distributed`: the ``"pccl"`` torch.distributed backend (registered on import) and its
   fault-tolerant step :class:`~pccl.torch.distributed.Manager`.
@@ -27,7 +27,7 @@ except ImportError as _exc:
     ) from _exc
 
 from ._buckets import DEFAULT_BUCKET_BYTES
-from ._codec import Codec, ErrorFeedback, MinMaxCodec, TopKCodec, choose_codec
+from ._codec import Codec, DeflateCodec, ErrorFeedback, MinMaxCodec, TopKCodec, choose_codec
 from ._context import AsyncStepContext, StepContext
 from ._diloco import default_outer_optimizer
 from ._drivers import AsyncDiLoCo, AsyncTrainingRun, DiLoCo, TrainingRun
@@ -46,6 +46,7 @@ __all__ = [
     "AsyncStreamingDiLoCo",
     "AsyncTrainingRun",
     "Codec",
+    "DeflateCodec",
     "DiLoCo",
     "ErrorFeedback",
     "MinMaxCodec",

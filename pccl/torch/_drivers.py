@@ -10,7 +10,7 @@ import torch
 import trio
 
 from .._config import PeerConfig
-from .._errors import InvalidArgumentError, PCCLError, Result
+from .._errors import InvalidArgumentError, InvalidUsageError, PCCLError, Result
 from .._types import QuantizationOptions
 from ..peer.communicator import Communicator
 from ..transport import Transport
@@ -19,7 +19,7 @@ from ._context import AsyncStepContext, BatchCache, StepContext
 from ._diloco import DiLoCoCore
 from ._exec import BackgroundThread, Executor
 from ._model import SharedModel
-from ._ops import AllReduce, Members, Op, StartAllReduce, Sync, drive, drive_async
+from ._ops import AllReduce, Members, Op, PollAllReduce, StartAllReduce, Sync, WaitAllReduce, drive, drive_async
 from ._train import Backward, StepResult, TrainCore
 
 __all__ = ["AsyncDiLoCo", "AsyncTrainingRun", "DiLoCo", "TrainingRun"]
@@ -78,7 +78,17 @@ class _Blocking:
             # costs milliseconds). The GIL makes each read atomic; a membership change the trio thread
             # is applying shows up at the next request, as it would after the hop.
             return self.comm.rank, len(self.comm.group_ring)
+        if isinstance(op, PollAllReduce):
+            return op.handle.finished  # one read, set last by the trio thread
+        if isinstance(op, WaitAllReduce) and op.handle.finished:
+            return op.handle.result()  # finished: nothing to wait for, no hop
         _sync_cuda_streams(op)
+        if isinstance(op, StartAllReduce):
+            # launched without waiting for the trio thread: the handle is made here, and requests run
+            # in the order they were made, so a later wait finds the reduce started
+            handle = self._executor.new_handle()
+            self._thread.soon(self._start, op, handle)
+            return handle
         start = time.perf_counter()
         try:
             return self._thread.call(self._executor, op)
@@ -87,6 +97,16 @@ class _Blocking:
             self.network_wait_s += spent
             name = type(op).__name__
             self.wait_by_op[name] = self.wait_by_op.get(name, 0.0) + spent
+
+    def _start(self, op: StartAllReduce, handle: Any) -> None:
+        """In the trio thread: start ``op``; a failure to start is the reduce's error (never the thread's)."""
+        try:
+            self._executor.start(op, handle)
+        except Exception as exc:  # the nursery closed under it: the driver is closing
+            handle.error = exc if isinstance(exc, PCCLError) else InvalidUsageError(
+                f"the background reduce could not start: {exc!r}")
+            handle.finished = True
+            handle.done.set()
 
     def close(self) -> None:
         self._thread.close()

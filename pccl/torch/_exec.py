@@ -21,6 +21,7 @@ from ._ops import (
     Members,
     Op,
     PeersPending,
+    PollAllReduce,
     Sleep,
     StartAllReduce,
     Sync,
@@ -49,12 +50,20 @@ def _describe_peers_wait(comm: Communicator, wanted: int, waited: float) -> str:
 
 
 class _Background:
-    """A reduce running in the background."""
+    """A reduce running in the background. ``finished`` (a plain attribute, set once the result or the
+    error is in place) may be read from any thread; ``done`` is for the trio thread."""
 
     def __init__(self) -> None:
         self.done = trio.Event()
+        self.finished = False
         self.info: Any = None
         self.error: PCCLError | None = None
+
+    def result(self) -> Any:
+        """The finished reduce's info, or its error raised."""
+        if self.error is not None:
+            raise self.error
+        return self.info
 
 
 class Executor:
@@ -93,18 +102,30 @@ class Executor:
         if isinstance(op, AllToAll):
             return await comm.all_to_all(op.send, op.recv, tag=op.tag)
         if isinstance(op, StartAllReduce):
-            if self.nursery is None:
-                raise InvalidUsageError("background all-reduces need a nursery")
-            handle = _Background()
-            self.nursery.start_soon(self._background, op.reduce, handle)
+            handle = self.new_handle()
+            self.start(op, handle)
             return handle
         if isinstance(op, WaitAllReduce):
-            handle = op.handle
-            await handle.done.wait()
-            if handle.error is not None:
-                raise handle.error
-            return handle.info
+            await op.handle.done.wait()
+            return op.handle.result()
+        if isinstance(op, PollAllReduce):
+            # a checkpoint first: the background reduces move on (a trio program's step may await
+            # nothing else)
+            await trio.lowlevel.checkpoint()
+            return op.handle.finished
         raise TypeError(f"unknown request {op!r}")
+
+    def new_handle(self) -> _Background:
+        """The handle of a :class:`StartAllReduce` (may be made in any thread, before :meth:`start`)."""
+        if self.nursery is None:
+            raise InvalidUsageError("background all-reduces need a nursery")
+        return _Background()
+
+    def start(self, op: StartAllReduce, handle: _Background) -> None:
+        """Launch ``op`` in the background, reporting to ``handle`` (trio thread, synchronous)."""
+        assert self.nursery is not None
+        self.comm.notices.end(_PEERS_WAIT)  # enough peers: training goes on
+        self.nursery.start_soon(self._background, op.reduce, handle)
 
     async def _background(self, op: AllReduce | AllGather | AllToAll, handle: _Background) -> None:
         try:
@@ -112,6 +133,7 @@ class Executor:
         except PCCLError as exc:
             handle.error = exc
         finally:
+            handle.finished = True
             handle.done.set()
 
     async def all_reduce(self, op: AllReduce) -> Any:
@@ -188,6 +210,13 @@ class BackgroundThread:
     def call(self, afn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``afn(*args)`` in the trio thread and return its result (or raise its error)."""
         return trio.from_thread.run(afn, *args, trio_token=self._token)
+
+    def soon(self, fn: Callable[..., object], *args: Any) -> None:
+        """Have the trio thread run the synchronous ``fn(*args)`` soon, without waiting for it: requests
+        run in the order they were made, so a later :meth:`call` runs after it."""
+        if self._token is None:
+            raise trio.RunFinishedError("the pccl.torch background thread is not running")
+        self._token.run_sync_soon(fn, *args)
 
     def open_communicator(self, address: str, **options: Any) -> Communicator:
         """Connect a communicator (kept open until :meth:`close`)."""

@@ -24,6 +24,7 @@ __all__ = [
     "Members",
     "Op",
     "PeersPending",
+    "PollAllReduce",
     "Sleep",
     "StartAllReduce",
     "Sync",
@@ -125,8 +126,16 @@ class WaitAllReduce:
     handle: Any
 
 
+@dataclasses.dataclass(frozen=True)
+class PollAllReduce:
+    """Whether a background reduce has finished (succeeded or failed), without waiting; result: bool.
+    A finished one's :class:`WaitAllReduce` returns at once."""
+
+    handle: Any
+
+
 Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGather | AllToAll
-      | StartAllReduce | WaitAllReduce)
+      | StartAllReduce | WaitAllReduce | PollAllReduce)
 
 
 def is_result(exc: BaseException, *names: str) -> bool:

@@ -8,8 +8,9 @@ traffic is spread over the cycle instead of arriving all at once):
    in the background on its own tag: a ring all-reduce; with a codec and 2 peers, an all-gather of
    both payloads, decoded and averaged in rank order on both; with a codec and 3 or more peers, the
    two-stage exchange (an all-to-all of chunk payloads, each chunk's owner averaging its chunk in rank
-   order and encoding the result again with its chunk residual, ``overlap // 2`` steps later an
-   all-gather of the encoded chunks): a ring all-reduce's ``2 (n - 1) / n`` of the compressed size;
+   order and encoding the result again with its chunk residual, then an all-gather of the encoded
+   chunks, launched at the first step that finds the all-to-all done and ``overlap // 2`` steps after
+   the launch at the latest): a ring all-reduce's ``2 (n - 1) / n`` of the compressed size;
 2. ``overlap`` inner steps later (at the end of the cycle at the latest) the average is waited for,
    the outer optimizer steps the fragment's outer parameters with it, and the fragment's inner
    parameters are merged: ``inner_p := mixing * inner_p + (1 - mixing) * outer_p``.
@@ -38,7 +39,7 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._types import ReduceOp
-from ._codec import ChunkedCodec, Codec, ErrorFeedback, average_payloads, choose_codec, codec_from_spec
+from ._codec import ChunkedCodec, Codec, DeflateCodec, ErrorFeedback, average_payloads, choose_codec, codec_from_spec
 from ._fragments import CodecSpec, Fragment, split_fragments
 from ._model import SharedModel
 from ._ops import (
@@ -47,6 +48,7 @@ from ._ops import (
     AllToAll,
     Members,
     Op,
+    PollAllReduce,
     StartAllReduce,
     WaitAllReduce,
     is_result,
@@ -361,6 +363,19 @@ class StreamingCore:
         f.handle = yield StartAllReduce(AllGather(f.payload, f.gathered, tag=self.base_tag + f.index))
         return True
 
+    def _stage_due(self, f: Fragment, s: int) -> Generator[Op, Any, bool]:
+        """Whether the two-stage exchange of ``f`` moves to its second stage at inner step ``s``: as soon
+        as its all-to-all has finished (asked without waiting, at every step after the launch), and at
+        ``overlap // 2`` steps after the launch at the latest (waiting for it then). The second stage
+        depends only on the all-to-all's bytes and the chunk residual, so when each peer moves on does
+        not change any result; moving on early gives the all-gather the rest of the overlap."""
+        last = f.offset + self.overlap // 2
+        if s == last:
+            return True
+        if f.offset < s < last:
+            return bool((yield PollAllReduce(f.handle)))
+        return False
+
     def _finish(self, f: Fragment) -> Generator[Op, Any, int]:
         """Wait for ``f``'s exchange and apply it; returns the bytes it sent (0 when the round is lost)."""
         f.rounds += 1
@@ -426,7 +441,7 @@ class StreamingCore:
             if f.offset == s:
                 yield from self._launch(f)
         for f in self.fragments:
-            if f.stage == 1 and self.overlap >= 2 and f.offset + self.overlap // 2 == s:
+            if f.stage == 1 and self.overlap >= 2 and f.handle is not None and (yield from self._stage_due(f, s)):
                 if not (yield from self._second_stage(f)):
                     f.rounds += 1  # lost in its first stage: nothing left in flight
         for f in self.fragments:
@@ -446,7 +461,16 @@ class StreamingCore:
         return StepResult(index, loss, self.world_size, 1, rx, tx)
 
     def statistics(self) -> dict[str, Any]:
-        """Per fragment: its parameters' count, codec, rounds applied and lost, bytes sent."""
-        return {"fragments": [{"index": f.index, "numel": f.numel, "offset": f.offset,
-                               "codec": "fp32" if f.codec is None else f.codec.name, "rounds": f.rounds,
-                               "lost": f.lost, "tx_bytes": f.tx_bytes} for f in self.fragments]}
+        """Per fragment: its parameters' count, codec, rounds applied and lost, bytes sent; with a
+        :class:`~pccl.torch.DeflateCodec`, its counters: deflated encodings and how many had to be
+        widened (the codec object's: shared by the fragments given one object; a spec string makes one per
+        fragment)."""
+        out = []
+        for f in self.fragments:
+            row: dict[str, Any] = {"index": f.index, "numel": f.numel, "offset": f.offset,
+                                   "codec": "fp32" if f.codec is None else f.codec.name, "rounds": f.rounds,
+                                   "lost": f.lost, "tx_bytes": f.tx_bytes}
+            if isinstance(f.codec, DeflateCodec):
+                row.update(encodes=f.codec.encodes, widened=f.codec.widened)
+            out.append(row)
+        return {"fragments": out}

@@ -4,6 +4,7 @@ and the codecs with error feedback."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,8 +18,16 @@ from torch import nn
 import pccl
 from pccl.testing import TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
-from pccl.torch import AsyncStreamingDiLoCo, ErrorFeedback, MinMaxCodec, StepResult, TopKCodec, choose_codec
-from pccl.torch._codec import ChunkedCodec, average_payloads, codec_from_spec, wire_bytes
+from pccl.torch import (
+    AsyncStreamingDiLoCo,
+    DeflateCodec,
+    ErrorFeedback,
+    MinMaxCodec,
+    StepResult,
+    TopKCodec,
+    choose_codec,
+)
+from pccl.torch._codec import ChunkedCodec, _raw_deflate, average_payloads, codec_from_spec, wire_bytes
 from pccl.torch._fragments import split_fragments
 
 D, N, H, GLOBAL_BATCH = 8, 240, 6, 24
@@ -31,9 +40,9 @@ def problem() -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, hidden: int = 16) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(D, 16), nn.Tanh(), nn.Linear(16, 1))
+    return nn.Sequential(nn.Linear(D, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
 
 def outer_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -47,9 +56,9 @@ def full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, cycles: int, codec: Any,
                 out: dict[int, Any], seed: int = 0, fragments: int = 3, overlap: int = 1,
-                on_step: Callable[[Any], None] | None = None) -> None:
+                on_step: Callable[[Any], None] | None = None, hidden: int = 16) -> None:
     x, y = problem()
-    model = make_model(seed)
+    model = make_model(seed, hidden)
     run = AsyncStreamingDiLoCo(cluster.peer(i), model, torch.optim.Adam(model.parameters(), lr=0.01),
                                nursery=nursery, outer_optimizer=outer_sgd, inner_steps=H, fragments=fragments,
                                overlap=overlap, mixing=0.5, codec=codec, total_outer_steps=cycles)
@@ -99,8 +108,73 @@ def test_min_max_4bit_packs_two_codes_per_byte() -> None:
     assert torch.equal(const, torch.full((5,), 0.3))  # a constant block is exact
 
 
+def test_deflate_codec_carries_the_plain_codes_losslessly() -> None:
+    """int4's default: the codes deflated into 3.6 bits per element; where they fit (Gaussian-like
+    values, what error-fed pseudo-gradients look like) the decoded values are the plain 4-bit codec's,
+    bit for bit, in a fixed, smaller payload; small tensors keep the plain payload."""
+    g = torch.Generator().manual_seed(5)
+    plain = MinMaxCodec(4)
+    codec = codec_from_spec("int4")
+    assert isinstance(codec, DeflateCodec) and codec.bits == 3.6 and codec.name == "int4"
+    for n in (1, 7, 600, 1001, 4097, 12970):
+        x = 0.01 * torch.randn(n, generator=g)
+        payload = codec.encode(x)
+        assert payload.dtype == torch.uint8 and payload.numel() == codec.payload_bytes(n)
+        budget = 8 * plain.blocks_of(n) + min(plain.code_bytes(n), math.ceil(n * 3.6 / 8) + 32)
+        assert codec.payload_bytes(n) == budget <= plain.payload_bytes(n)
+        assert torch.equal(codec.decode(payload, n), plain.decode(plain.encode(x), n))
+    assert codec.encodes == 3 and codec.widened == 0  # 1001, 4097, 12970 deflated; 1..600 plain
+    # both stream layouts (packed codes; one code per byte, Huffman only) decode to the same values
+    n = 4097
+    x = 0.01 * torch.randn(n, generator=g)
+    ref = plain.encode(x)
+    head, packed = ref[:16], ref[16:]
+    one = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
+    for stream in (_raw_deflate(packed.numpy().tobytes(), 0),
+                   _raw_deflate(one.numpy().tobytes(), 2)):  # Z_DEFAULT_STRATEGY, Z_HUFFMAN_ONLY
+        body = torch.zeros(codec.body_bytes(n), dtype=torch.uint8)
+        body[:len(stream)] = torch.tensor(list(stream), dtype=torch.uint8)
+        assert torch.equal(codec.decode(torch.cat([head, body]), n), plain.decode(ref, n))
+
+
+def test_deflate_codec_widens_what_does_not_fit_and_rejects_bad_payloads() -> None:
+    g = torch.Generator().manual_seed(6)
+    n = 4096
+    x = torch.rand(n, generator=g)  # uniform: 4 bits of entropy per code, over the 3.6-bit budget
+    codec = DeflateCodec(MinMaxCodec(4), bits=3.6)
+    payload = codec.encode(x)
+    assert payload.numel() == codec.payload_bytes(n) and codec.widened == 1
+    y = codec.decode(payload, n)
+    span = float(x.max() - x.min())
+    assert float((y - x).abs().max()) <= 16 * span / 15 / 2 * 1.001  # at most 16x the plain step
+    ef = ErrorFeedback(codec, n)
+    _, decoded = ef.encode(x)
+    ef.commit()
+    assert torch.equal(ef.residual, x - codec.decode(ef.codec.encode(x), n))  # pure: residual exact
+    assert torch.equal(decoded, codec.decode(codec.encode(x), n))
+    tiny = DeflateCodec(MinMaxCodec(4), bits=0.05)  # nothing but a constant block fits
+    y = tiny.decode(tiny.encode(x), n)
+    assert tiny.widened == 1 and torch.equal(y, torch.full((n,), float(y[0])))
+    bad = payload.clone()
+    bad[8:] = 0xFF  # a reserved deflate block type
+    with pytest.raises(pccl.InvalidArgumentError, match="deflate"):
+        codec.decode(bad, n)
+    stream = _raw_deflate(bytes([16]) * n, 2)  # one byte per code, but 16 is no 4-bit code
+    bad[8:] = 0
+    bad[8:8 + len(stream)] = torch.tensor(list(stream), dtype=torch.uint8)
+    with pytest.raises(pccl.InvalidArgumentError, match="out of range"):
+        codec.decode(bad, n)
+    with pytest.raises(pccl.InvalidArgumentError):
+        codec.decode(payload[:-1], n)
+    with pytest.raises(pccl.InvalidArgumentError):
+        DeflateCodec(MinMaxCodec(4), bits=4.5)
+
+
 @pytest.mark.parametrize("codec", [MinMaxCodec(4), MinMaxCodec(8), TopKCodec(0.05),
-                                   ChunkedCodec(MinMaxCodec(4), 3)], ids=repr)
+                                   ChunkedCodec(MinMaxCodec(4), 3),
+                                   DeflateCodec(MinMaxCodec(4, block=64), bits=3.0),
+                                   ChunkedCodec(DeflateCodec(MinMaxCodec(4, block=64), bits=2.0), 3)],
+                         ids=repr)
 def test_error_feedback_keeps_the_sum_unbiased(codec: Any) -> None:
     """A known sequence with a constant drift far below the 4-bit step: without feedback the drift is
     rounded away every round; with it the decoded contributions sum to the inputs' sum minus the last
@@ -153,7 +227,8 @@ def test_average_is_rank_ordered_and_checked() -> None:
 
 def test_codec_specs_and_budget_choice() -> None:
     assert codec_from_spec("fp32") is None and codec_from_spec(None) is None
-    assert isinstance(codec_from_spec("int4"), MinMaxCodec)
+    assert isinstance(codec_from_spec("int4"), DeflateCodec)
+    assert isinstance(codec_from_spec("int4-plain"), MinMaxCodec)
     assert isinstance(codec_from_spec("topk:0.1:int4"), TopKCodec)
     for bad in ("int3", "topk:x", "topk:0.1:fp8", "zip"):
         with pytest.raises(pccl.InvalidArgumentError):
@@ -184,11 +259,13 @@ def test_split_fragments() -> None:
 # -- on a cluster ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("codec", "overlap"), [(None, 1), ("int8", 1), ("int4", 1), ("int4", 2)],
-                         ids=["fp32", "int8", "int4", "int4-overlap2"])
+@pytest.mark.parametrize(("codec", "overlap", "hidden"),
+                         [(None, 1, 16), ("int8", 1, 16), ("int4", 1, 16), ("int4", 2, 16),
+                          (DeflateCodec(MinMaxCodec(4, block=64), bits=3.0), 4, 256)],
+                         ids=["fp32", "int8", "int4", "int4-overlap2", "int4-deflated-overlap4"])
 async def test_streaming_fragments_bit_identical_and_converging(
         autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, codec: Any,
-        overlap: int) -> None:
+        overlap: int, hidden: int) -> None:
     cluster = await pccl_cluster(3)
     cycles = 12
     out: dict[int, Any] = {}
@@ -196,7 +273,7 @@ async def test_streaming_fragments_bit_identical_and_converging(
         async with trio.open_nursery() as peers:
             for i in cluster.alive:
                 peers.start_soon(functools.partial(train, cluster, i, nursery, cycles=cycles, codec=codec,
-                                                   out=out, seed=i, overlap=overlap))
+                                                   out=out, seed=i, overlap=overlap, hidden=hidden))
     states = [state_bytes(out[i][0].shared) for i in range(3)]
     assert states[0] == states[1] == states[2]  # outer parameters and outer optimizer state
     run, start, final, results = out[0]
@@ -218,6 +295,8 @@ async def test_streaming_fragments_bit_identical_and_converging(
     if codec == "int4":
         fp32_bytes = wire_bytes(None, sum(f["numel"] for f in stats), 4, 3)
         assert expected < fp32_bytes / 4  # these fragments are tiny: the per-block min/max weigh
+    if isinstance(codec, DeflateCodec):  # chunks of ~680 elements: deflated (the codec is shared)
+        assert codec.encodes > 0 and all(f["encodes"] == codec.encodes for f in stats)
 
 
 async def test_streaming_peer_killed_in_a_fragment_exchange_loses_only_that_round(
@@ -338,3 +417,68 @@ async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
     for m, run in ((model0, run0), (model1, run1)):
         pairs = zip(m.parameters(), run.outer_model.parameters(), strict=True)
         assert all(torch.equal(p, o) for p, o in pairs)
+
+
+def _three_like_peers(done: bool, log: list[tuple[int, str]], core: Any) -> Callable[[Any], Any]:
+    """An executor standing in for a group of 3 peers that all hold this peer's state (rank 0): an
+    all-to-all delivers this peer's block 0 from every rank, an all-gather this peer's payload from
+    every rank. ``done``: whether a poll finds the background collective finished."""
+    from pccl._types import ReduceInfo
+    from pccl.torch import _ops
+
+    def execute(op: Any) -> Any:
+        if isinstance(op, _ops.Members):
+            return 0, 3
+        if isinstance(op, _ops.StartAllReduce):
+            reduce = op.reduce
+            log.append((core.inner_step, type(reduce).__name__))
+            block = reduce.send.numel() // 3 if isinstance(reduce, _ops.AllToAll) else reduce.send.numel()
+            reduce.recv.copy_(reduce.send[:block].repeat(3))
+            return ReduceInfo(local_world_size=3, tx_bytes=2 * block, rx_bytes=2 * block)
+        if isinstance(op, _ops.PollAllReduce):
+            return done
+        if isinstance(op, _ops.WaitAllReduce):
+            return op.handle
+        if isinstance(op, (_ops.PeersPending, _ops.UpdateTopology)):
+            return False
+        if isinstance(op, _ops.Sync):
+            from types import SimpleNamespace
+            return SimpleNamespace(rx_bytes=0)
+        raise AssertionError(op)
+
+    return execute
+
+
+@pytest.mark.parametrize("done", [True, False], ids=["all-to-all-done", "all-to-all-late"])
+def test_second_stage_starts_as_soon_as_the_all_to_all_is_done(done: bool) -> None:
+    """The all-gather of the two-stage exchange goes out at the first step that finds the all-to-all
+    finished (one step after the launch here), and ``overlap // 2`` steps after the launch at the
+    latest; when it goes out changes no result."""
+    from pccl.torch._ops import drive
+    from pccl.torch._streaming import StreamingCore
+
+    x, y = problem()
+    outs = {}
+    for poll in (done, not done):
+        model = make_model(0, hidden=256)
+        core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
+                             inner_steps=12, fragments=1, overlap=8, mixing=0.5,
+                             codec=DeflateCodec(MinMaxCodec(4, block=64), bits=3.0), error_feedback=True,
+                             budget_bytes=None, total_outer_steps=3, just_joined=False, min_world_size=1,
+                             poll_interval=0.05)
+        log: list[tuple[int, str]] = []
+        execute = _three_like_peers(poll, log, core)
+
+        def backward(step: Any) -> float:
+            idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
+            loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+            loss.backward()
+            return float(loss.detach())
+
+        while drive(core.step(backward), execute) is not None:
+            pass
+        gathers = [s for s, kind in log if kind == "AllGather"]
+        assert [s for s, kind in log if kind == "AllToAll"] == [0, 0, 0]
+        assert gathers == ([1, 1, 1] if poll else [4, 4, 4])
+        outs[poll] = [p.detach().clone() for p in core.outer_model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False], strict=True))
