@@ -20,15 +20,18 @@ Runs, one after the other (same master, same seeds):
 * ``diloco-fp32``: :class:`pccl.torch.DiLoCo`, H = ``--inner-steps``, outer SGD lr 0.7 Nesterov 0.9;
 * ``diloco-int8``: the same with the library's UINT8 min-max wire quantization;
 * ``streaming-int4``: :class:`pccl.torch.StreamingDiLoCo`, same H, ``--fragments`` fragments, int4
-  payloads with error feedback, overlap ``--overlap`` inner steps, mixing 0.5, membership and sync
-  every ``--sync-every`` cycles.
+  payloads with error feedback (``DeflateCodec(MinMaxCodec(4, block=--int4-block), bits=--int4-bits)``,
+  what the codec spec ``"int4"`` means, one min/max pair per chunk: the 4-bit codes deflated into a
+  fixed 3.6 bits per element; ``--int4-bits 0``: the plain 4-bit codes), overlap ``--overlap`` inner
+  steps, mixing 0.5, membership and sync every ``--sync-every`` cycles.
 
 Each DiLoCo run trains ``--diloco-steps`` inner steps. Peer 0 evaluates the (outer) model on 64
 held-out sequences every ``--eval-every`` steps; the evaluation's time is left out of the clock.
 Wall time starts when the three peers have finished their first step (connections made). The
 "waiting" column is the time ``step()`` spent blocked on communication (``network_wait_s``) over the
-wall time, per peer averaged; bytes are those of the gradient or pseudo-gradient exchanges that peer 0
-sent, per 100 inner steps. Prints a table and the targets, and writes ``--plot`` (PNG).
+wall time, per peer averaged (each peer's is printed too, with what peer 0 waited in, by request);
+bytes are those of the gradient or pseudo-gradient exchanges that peer 0 sent, per 100 inner steps.
+Prints a table and the targets, and writes ``--plot`` (PNG).
 """
 
 from __future__ import annotations
@@ -317,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rtt-ms", type=float, default=50.0)
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="each peer's uplink (Mbit/s)")
     parser.add_argument("--dp-steps", type=int, default=300)
-    parser.add_argument("--diloco-steps", type=int, default=900, help="inner steps of each DiLoCo run")
+    parser.add_argument("--diloco-steps", type=int, default=600, help="inner steps of each DiLoCo run")
     parser.add_argument("--inner-steps", type=int, default=50, help="H")
     parser.add_argument("--fragments", type=int, default=3)
     parser.add_argument("--overlap", type=int, default=10)

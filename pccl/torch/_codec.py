@@ -35,8 +35,8 @@ import torch
 
 from .._errors import InvalidArgumentError
 
-__all__ = ["ChunkedCodec", "Codec", "DeflateCodec", "ErrorFeedback", "MinMaxCodec", "TopKCodec", "average_payloads",
-           "choose_codec", "codec_from_spec"]
+__all__ = ["ChunkedCodec", "Codec", "DeflateCodec", "ErrorFeedback", "MinMaxCodec", "TopKCodec",
+           "average_payloads", "choose_codec", "codec_from_spec"]
 
 
 class Codec(Protocol):
@@ -247,7 +247,7 @@ class DeflateCodec:
                 raise InvalidArgumentError(f"{self.name} payload: a code out of range")
             if numel % 2:
                 codes = numpy.concatenate([codes, numpy.zeros(1, dtype=numpy.uint8)])
-            codes = codes[0::2] | (codes[1::2] << 4)
+            codes = (codes[0::2] | (codes[1::2] << 4)).astype(numpy.uint8)
         return self.codec.values(payload[:head], torch.from_numpy(codes.copy()), numel)
 
 
@@ -379,7 +379,8 @@ def codec_from_spec(spec: str | Codec | None) -> Codec | None:
         if len(parts) == 3 and bits is None:
             raise InvalidArgumentError(f"bad codec {spec!r}")
         return TopKCodec(fraction, bits)
-    raise InvalidArgumentError(f"unknown codec {spec!r}: use fp32, int8, int4, int4-plain, topk:F or topk:F:int4")
+    raise InvalidArgumentError(
+        f"unknown codec {spec!r}: use fp32, int8, int4, int4-plain, topk:F or topk:F:int4")
 
 
 # The candidates of choose_codec, least lossy first.

@@ -19,7 +19,17 @@ from ._context import AsyncStepContext, BatchCache, StepContext
 from ._diloco import DiLoCoCore
 from ._exec import BackgroundThread, Executor
 from ._model import SharedModel
-from ._ops import AllReduce, Members, Op, PollAllReduce, StartAllReduce, Sync, WaitAllReduce, drive, drive_async
+from ._ops import (
+    AllReduce,
+    Members,
+    Op,
+    PollAllReduce,
+    StartAllReduce,
+    Sync,
+    WaitAllReduce,
+    drive,
+    drive_async,
+)
 from ._train import Backward, StepResult, TrainCore
 
 __all__ = ["AsyncDiLoCo", "AsyncTrainingRun", "DiLoCo", "TrainingRun"]

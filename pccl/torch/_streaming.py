@@ -39,7 +39,15 @@ import torch
 
 from .._errors import InvalidArgumentError
 from .._types import ReduceOp
-from ._codec import ChunkedCodec, Codec, DeflateCodec, ErrorFeedback, average_payloads, choose_codec, codec_from_spec
+from ._codec import (
+    ChunkedCodec,
+    Codec,
+    DeflateCodec,
+    ErrorFeedback,
+    average_payloads,
+    choose_codec,
+    codec_from_spec,
+)
 from ._fragments import CodecSpec, Fragment, split_fragments
 from ._model import SharedModel
 from ._ops import (
@@ -441,7 +449,8 @@ class StreamingCore:
             if f.offset == s:
                 yield from self._launch(f)
         for f in self.fragments:
-            if f.stage == 1 and self.overlap >= 2 and f.handle is not None and (yield from self._stage_due(f, s)):
+            staged = f.stage == 1 and self.overlap >= 2 and f.handle is not None
+            if staged and (yield from self._stage_due(f, s)):
                 if not (yield from self._second_stage(f)):
                     f.rounds += 1  # lost in its first stage: nothing left in flight
         for f in self.fragments:

@@ -431,6 +431,7 @@ def _three_like_peers(done: bool, log: list[tuple[int, str]], core: Any) -> Call
             return 0, 3
         if isinstance(op, _ops.StartAllReduce):
             reduce = op.reduce
+            assert isinstance(reduce, (_ops.AllToAll, _ops.AllGather))
             log.append((core.inner_step, type(reduce).__name__))
             block = reduce.send.numel() // 3 if isinstance(reduce, _ops.AllToAll) else reduce.send.numel()
             reduce.recv.copy_(reduce.send[:block].repeat(3))
