@@ -143,3 +143,34 @@ def test_pccl_itself_never_imports_torch() -> None:
             "assert 'torch' not in sys.modules, 'pccl imported torch'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_streaming_blocking_three_peers_bit_identical_launching_without_a_hop() -> None:
+    """StreamingDiLoCo from three threads, deflated int4 (chunks of ~1,400 elements) and the two-stage
+    exchange: identical outer states; the launches and the polls of background exchanges never wait
+    on the driver's trio thread (only membership, syncs and unfinished exchanges do)."""
+    from pccl.torch import StreamingDiLoCo
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 4, generator=g)
+    y = torch.tanh(x @ torch.randn(4, 1, generator=g))
+    torch.manual_seed(0)
+    init = nn.Sequential(nn.Linear(4, 1024), nn.Tanh(), nn.Linear(1024, 1))
+    with MasterNode("127.0.0.1:0") as master:
+        master.run()
+
+        def peer(i: int) -> tuple[dict[str, bytes], dict[str, float], list[dict[str, int]]]:
+            model = copy.deepcopy(init)
+            with StreamingDiLoCo(master.address, model, torch.optim.Adam(model.parameters(), lr=0.01),
+                                 inner_steps=6, fragments=2, overlap=4, codec="int4", total_outer_steps=4,
+                                 min_world_size=3) as run:
+                while run.step(mse_backward(model, x, y, 24)) is not None:
+                    pass
+                return state_bytes(run.shared), dict(run._blocking.wait_by_op), run.statistics()["fragments"]
+
+        out = run_threads(peer, 3)
+    assert out[0][0] == out[1][0] == out[2][0]
+    for _, waits, stats in out.values():
+        assert not {"StartAllReduce", "PollAllReduce", "Members"} & set(waits), waits
+        assert [(f["rounds"], f["lost"]) for f in stats] == [(4, 0), (4, 0)]
+        assert stats[0]["encodes"] == 4 * (3 + 1)  # per round: the 3 chunks, then the owned chunk's average
