@@ -438,7 +438,8 @@ class ErrorFeedback:
     residual; :meth:`commit` keeps it (the round was applied), :meth:`discard` keeps the old one (the
     round was lost: the next pseudo-gradient measures again what was not applied). Over rounds the
     decoded contributions add up to the inputs' sum minus the last residual, which is bounded by half
-    a quantization step (top-k: by the elements not yet sent): no bias accumulates.
+    a quantization step (of the widened step where a ``DeflateCodec`` widened the range; top-k: by the
+    elements not yet sent): no bias accumulates.
 
     Args:
         codec: the codec.
