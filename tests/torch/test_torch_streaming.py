@@ -164,6 +164,11 @@ def test_deflate_codec_widens_what_does_not_fit_and_rejects_bad_payloads() -> No
     bad[8:8 + len(stream)] = torch.tensor(list(stream), dtype=torch.uint8)
     with pytest.raises(pccl.InvalidArgumentError, match="out of range"):
         codec.decode(bad, n)
+    stream = _raw_deflate(bytes(n - 5), 2)  # neither n codes one per byte nor n / 2 packed bytes
+    bad[8:] = 0
+    bad[8:8 + len(stream)] = torch.tensor(list(stream), dtype=torch.uint8)
+    with pytest.raises(pccl.InvalidArgumentError, match="does not hold"):
+        codec.decode(bad, n)
     with pytest.raises(pccl.InvalidArgumentError):
         codec.decode(payload[:-1], n)
     with pytest.raises(pccl.InvalidArgumentError):
