@@ -101,6 +101,11 @@ class Admission:
     def __init__(self, core: AdmissionCore) -> None:
         self.core = core
 
+    def on_register(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """A ``Register`` message (:meth:`register`)."""
+        assert isinstance(msg, m.Register)
+        return self.register(rec, msg)
+
     def register(self, rec: PeerRecord, msg: m.Register) -> list[Effect]:
         """``Register``: checked (once, a valid port and key, the run's kind of address), answered with
         ``Registered`` and the peer's member token; accepted at once when nobody is."""

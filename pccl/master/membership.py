@@ -137,8 +137,10 @@ class Membership:
         self._ring_sorted_by = order_of
 
     def group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
-        return self.sizes_by_group().get(group, 0)
+        """How many accepted peers ``group`` has (counted once per ring change, not per vote: asked at every
+        ballot)."""
+        sizes = self._group_sizes
+        return (sizes if sizes is not None else self.sizes_by_group()).get(group, 0)
 
     def sizes_by_group(self) -> dict[int, int]:
         """Accepted peers per group (cached until the ring changes)."""

@@ -137,6 +137,14 @@ class RingSetup:
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self.start_establish(retry, members, newcomers)
 
+    def on_update_vote(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """An ``UpdateTopologyVote`` (:meth:`vote`)."""
+        return self.vote(rec, "update")
+
+    def on_optimize_vote(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """An ``OptimizeTopologyVote`` (:meth:`vote`)."""
+        return self.vote(rec, "optimize")
+
     def vote(self, rec: PeerRecord, kind: str) -> list[Effect]:
         core = self.core
         bad = core._require_accepted(rec, f"{kind} topology vote")

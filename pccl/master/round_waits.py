@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator
 from typing import Protocol
 
 from .describe import VoteWait
-from .membership import PeerRecord
+from .membership import Membership, PeerRecord
 from .rounds.base import Round
 
 
@@ -22,10 +22,9 @@ class RoundWaitsCore(Protocol):
     """What :class:`RoundWaits` reads of the master's dispatcher
     (:class:`~pccl.master.state.MasterState`)."""
 
+    members: Membership
     peers: dict[int, PeerRecord]
     ring: list[int]
-
-    def _sizes_by_group(self) -> dict[int, int]: ...
 
     def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]: ...
 
@@ -113,7 +112,7 @@ class RoundWaits:
         for group, voters in self.vote_sets():
             counts[group] = counts.get(group, 0) + len(voters)
         ring_wide = counts.get(None, 0)
-        return [g for g, size in core._sizes_by_group().items()
+        return [g for g, size in core.members.sizes_by_group().items()
                 if size >= 2 and counts.get(g, 0) + ring_wide >= size]
 
     def busy_peers(self) -> set[int]:

@@ -23,8 +23,9 @@ Vote rules (docs/protocol.md sections 2-6):
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable
+from types import MethodType
+from typing import Any, cast
 
 from .._errors import Result
 from ..wire import messages as m
@@ -32,6 +33,7 @@ from ..wire.credentials import CredentialIssuer
 from .admission import Admission, OpenVote
 from .away import AwayBook
 from .collective_messages import CollectiveMessages
+from .context import MasterContext
 from .describe import VoteWait
 
 # The effects: re-exported here, where the state's callers have always taken them.
@@ -68,7 +70,6 @@ from .rounds.topology import (
 from .rounds_in_doubt import RoundBook
 from .sync_messages import SyncMessages
 from .tokens import MemberTokens
-from .transfers import SyncProgress
 from .vote_records import VoteRecords
 from .vote_timeouts import VoteTimeouts
 from .votes import PendingRound
@@ -84,6 +85,27 @@ def _frozen_clock() -> float:
     return 0.0
 
 
+
+
+#: A message handler bound to one state: ``handler(sender's record, message) -> effects``.
+Handler = Callable[[PeerRecord, m.Message], list[Effect]]
+
+
+class _Part:
+    """An entry of :attr:`MasterState._HANDLERS` that names a method of one of the dispatcher's parts (by
+    attribute names), bound to that part when a state is built."""
+
+    __slots__ = ("method", "part")
+
+    def __init__(self, part: str, method: str) -> None:
+        self.part, self.method = part, method
+
+    def __call__(self, state: MasterState, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.bound(state)(rec, msg)
+
+    def bound(self, state: MasterState) -> Handler:
+        """The part's method of ``state``."""
+        return cast(Handler, getattr(getattr(state, self.part), self.method))
 
 
 class MasterState:
@@ -195,6 +217,7 @@ class MasterState:
 
     def _attach_parts(self) -> None:
         """The dispatcher's parts, each working on this core through its Protocol (docs/master.md)."""
+        self.context = MasterContext(self)  # what the vote rounds ask of the master (context.py)
         self.rejoin = Rejoin(self)  # re-registration and the rebuild
         self.removal = Removal(self)  # peers leaving
         self.admission = Admission(self)  # registration and the newcomers' grace
@@ -206,6 +229,9 @@ class MasterState:
         self.peers_pending = PeersPending(self)  # the are_peers_pending round and its count
         self.records = VoteRecords(self)  # what the parts read of the open rounds
         self.round_waits = RoundWaits(self)  # who holds up whom
+        self._handlers: dict[type[m.Message], Handler] = {
+            kind: h.bound(self) if isinstance(h, _Part) else cast(Handler, MethodType(h, self))
+            for kind, h in self._HANDLERS.items()}
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -220,14 +246,6 @@ class MasterState:
     @ring.setter
     def ring(self, value: list[int]) -> None:
         self.members.ring = value
-
-    def _group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
-        return self.members.group_size(group)
-
-    def _sizes_by_group(self) -> dict[int, int]:
-        """Accepted peers per group (cached until the ring changes)."""
-        return self.members.sizes_by_group()
 
     def accepted(self, group: int | None = None) -> list[int]:
         """Accepted peers in ring order (optionally of one group)."""
@@ -476,10 +494,10 @@ class MasterState:
         kind, which = key
         if kind == "op":
             assert isinstance(which, tuple)
-            return self._check_op_vote(which)
+            return self.context.check_op(which)
         if kind == "sync":
             assert isinstance(which, int)
-            return self._check_sync_vote(which)
+            return self.context.check_sync(which)
         return self.ring_setup.check_vote() if kind == "topology" else self.peers_pending.check()
 
     def _round_peer_lost(self, key: VoteKey, peer_id: int) -> list[Effect]:
@@ -487,10 +505,10 @@ class MasterState:
         kind, which = key
         if kind == "op":
             assert isinstance(which, tuple)
-            return self.collectives.peer_lost(which, peer_id, self, self.resumed)
+            return self.collectives.peer_lost(which, peer_id, self.context, self.resumed)
         if kind == "sync":
             assert isinstance(which, int)
-            return self.syncs.peer_lost(which, peer_id, self, self.resumed)
+            return self.syncs.peer_lost(which, peer_id, self.context, self.resumed)
         # (are_peers_pending: the ballot was dropped with the peer's other traces in _leave_votes)
         return self.ring_setup.peer_lost(peer_id) if kind == "topology" else self.peers_pending.check()
 
@@ -545,17 +563,18 @@ class MasterState:
             return []
         rec.gaps.append(max(0.0, now - rec.last_seen))
         rec.last_seen = now
-        handler = self._HANDLERS.get(type(msg))
+        handler = self._handlers.get(type(msg))
         if handler is None:
             return self.kick(peer_id, f"message {type(msg).__name__} is not allowed from a peer")
         if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Reregister, m.Heartbeat)):
             return self.kick(peer_id, f"{type(msg).__name__} before Register")
         if rec.admitted is not None and self._takes_part(rec, msg):
             rec.admitted = None  # a newcomer proven: it reports on a round it ran with the others
-        effects = handler(self, rec, msg)
-        effects[:0] = self._rows_due()  # first: before anything this message lets the members do
+        effects = handler(rec, msg)
+        if self._issued.owed:  # (:meth:`_rows_due`, asked only when rows are owed: after every message)
+            effects[:0] = self.credentials.due(self.resumed)  # first: before anything this message lets do
         if self.heals.held:
-            effects += self.heals.flush(self._heal_busy)
+            effects += self.heals.flush(self.context.heal_busy)
         return effects
 
     def _takes_part(self, rec: PeerRecord, msg: m.Message) -> bool:
@@ -571,20 +590,10 @@ class MasterState:
     def _on_heartbeat(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         return []
 
-    def _on_reregister(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.rejoin.on_reregister(rec, msg)
-
     # ---------------------------------------------------------------------------------------
     # membership
 
-    def _on_register(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.Register)
-        return self.admission.register(rec, msg)
-
     # The are_peers_pending round (pccl/master/peers_pending.py): its ballots and what Rejoin reads of it.
-
-    def _on_peers_pending(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.peers_pending.on_vote(rec, msg)
 
     def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
                       effects: list[Effect]) -> m.Reregister:
@@ -640,18 +649,6 @@ class MasterState:
         self._now = now
         return self.credentials.overdue(now)
 
-    def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
-        assert isinstance(msg, m.Standbys)
-        if msg.count <= 0 or self.quorum.failover:
-            return []
-        self.quorum.failover = True
-        effects: list[Effect] = []
-        if self.enforced:
-            effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
-                                 "now need a majority of the epoch's members"))
-        return effects + self._note_quorum()
-
     def _recheck_votes(self) -> list[Effect]:
         """Re-check every pending vote (the rebuild ended); credential rows still owed go out first
         (:meth:`_rows_due`)."""
@@ -671,18 +668,6 @@ class MasterState:
         return None
 
     # The topology round (pccl/master/ring_setup.py): its messages and the calls of the server and timers.
-
-    def _on_update_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.vote(rec, "update")
-
-    def _on_optimize_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.vote(rec, "optimize")
-
-    def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.on_p2p_done(rec, msg)
-
-    def _on_bandwidth_report(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.on_bandwidth_report(rec, msg)
 
     def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
         return self.ring_setup.fail_lost(peer_id, others)
@@ -712,12 +697,6 @@ class MasterState:
 
     # The collective messages (pccl/master/collective_messages.py).
 
-    def _on_collective_initiate(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.collective_messages.on_initiate(rec, msg)
-
-    def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.collective_messages.on_done(rec, msg)
-
     def _fail_lost(self, keys: list[Key]) -> list[Effect]:
         """A re-registration named ``keys`` lost with the master: fail the votes for them already
         waiting here (members that voted at this master before the report came), once each."""
@@ -729,40 +708,6 @@ class MasterState:
             else:
                 effects += self.syncs.fail_lost(group, lambda p: self.lost.owes(p, key))
         return effects
-
-    # What the collective rounds ask of the master (pccl/master/rounds/collective.py CollectiveContext).
-
-    @property
-    def now(self) -> float:
-        """The time of the event being handled."""
-        return self._now
-
-    def group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
-        return self._group_size(group)
-
-    def known(self, peer_id: int) -> bool:
-        """Whether ``peer_id`` is connected."""
-        return peer_id in self.peers
-
-    def registered_in(self, group: int) -> list[int]:
-        """The peers of ``group`` waiting to be accepted."""
-        return [r for r in self.registered() if self.peers[r].group == group]
-
-    def next_op_seq(self) -> int:
-        """A fresh op_seq of this master's generation."""
-        self._op_seq += 1
-        return self._op_seq
-
-    def op_settled(self, group: int, tag: int, seq: int, committed: bool) -> None:
-        """A running collective ended: the books in doubt (and, committed, the lost book) learn it."""
-        self.doubts.settle(("op", group, tag), seq, committed)
-        if committed:
-            self.lost.settled(("op", group, tag))
-            self.doubts.progressed(group)
-
-    def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]:
-        return self.collectives.check(key, self) if self.resumed else []
 
     @property
     def go_waiting(self) -> bool:
@@ -789,104 +734,28 @@ class MasterState:
 
     # The shared-state messages (pccl/master/sync_messages.py).
 
-    def _on_shared_state_entries(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_entries(rec, msg)
-
-    def _on_shared_state_sync(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_sync(rec, msg)
-
-    def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_done(rec, msg)
-
-    def _on_shared_state_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_progress(rec, msg)
-
-    def _check_sync_vote(self, group: int) -> list[Effect]:
-        return self.syncs.check(group, self) if self.resumed else []
-
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:
         """Each running sync's receivers, for the status page: ``{"group", "sync_seq", "receivers"}``
         with :meth:`SyncProgress.rows` as the receivers, by group."""
         return self.syncs.transfer_progress(now) + self.heals.transfer_progress(now)
 
-    # What the sync rounds ask of the master (pccl/master/rounds/sync.py SyncContext).
-
-    def revision_of(self, group: int) -> int | None:
-        """The revision ``group``'s last sync committed (None: none)."""
-        return self.last_revision.get(group)
-
-    def next_sync_seq(self) -> int:
-        """A fresh sync_seq of this master's generation."""
-        self._sync_seq += 1
-        return self._sync_seq
-
-    # -- live heals (pccl/master/heals.py): what the rounds ask, and the few hooks above
-
-    def left_out(self, group: int, kind: str) -> frozenset[int]:
-        """Peers of ``group`` that no vote of ``kind`` ("op" or "sync") waits on: they heal (or, for
-        collectives, are behind after a heal). Asked by the group's votes only: a vote that leaves a
-        healing peer out means the group went on without it (:meth:`HealBook.group_voted`)."""
-        out = self.heals.out_of_ops(group) if kind == "op" else self.heals.out_of_syncs(group)
-        if out and self.heals.healing:
-            self.heals.group_voted(group)
-        return out
-
-    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
-        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
-        return self.heals.may_go_live(rows_of)
-
-    def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
-                table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:
-        """Sync ``seq`` of ``group`` (its round already closed) runs as a live heal: settled for its
-        holders now; no speculative start in the group meanwhile; the votes that waited for a fetcher
-        are checked again."""
-        self.sync_settled(group, seq, True, revision)
-        effects: list[Effect] = []
-        for p in rows_of:
-            self.peers[p].admitted = None  # (proven: it takes part in a sync; no admission grace)
-        if self.collectives.reserved.revoke(group):  # the members' next rings leave the fetchers out
-            revoked = m.ReservationsRevoked(reason="a member of the group heals")
-            effects += [Send(p, revoked) for p in rows_of]
-        effects += self.heals.go_live(seq, group, revision, rows_of, table, note, progress)
-        for key in [k for k in self._ops if k[0] == group]:
-            effects += self._check_op_vote(key)
-        return effects + self.peers_pending.check()
-
-    def synced(self, peers: Collection[int]) -> None:
-        """``peers`` ended an ordinary sync successfully: one behind after a live heal is current again."""
-        for p in peers:
-            self.heals.joined(p)
-
-    def _heal_busy(self, group: int, final: bool) -> bool:
-        """Whether a healed peer's result must wait: its group runs a sync (or, for a final result, a
-        collective) that it could not join."""
-        rnd = self._syncs.get(group)
-        return (rnd is not None and rnd.running) or (
-            final and any(op.running for (g, _), op in self._ops.items() if g == group))
-
-    def sync_settled(self, group: int, seq: int, committed: bool, revision: int) -> None:
-        """A running sync ended: committed, its revision is the group's; the books in doubt learn it."""
-        if committed:
-            self.last_revision[group] = revision
-        self.doubts.settle(("sync", group, -1), seq, committed)
-        if committed:
-            self.lost.settled(("sync", group, -1))
-            self.doubts.progressed(group)
-
+    #: The handler of each message a peer may send: the dispatcher's own (a function of the state, the
+    #: sender's record and the message), or a method of one of its parts (:class:`_Part`), bound when the
+    #: state is built so that a message reaches its part in one call.
     _HANDLERS: dict[type[m.Message], Callable[[MasterState, PeerRecord, m.Message], list[Effect]]] = {
         m.Heartbeat: _on_heartbeat,
-        m.Register: _on_register,
-        m.Reregister: _on_reregister,
-        m.Standbys: _on_standbys,
-        m.PeersPendingVote: _on_peers_pending,
-        m.UpdateTopologyVote: _on_update_topology,
-        m.OptimizeTopologyVote: _on_optimize_topology,
-        m.P2PConnectionsDone: _on_p2p_done,
-        m.BandwidthReport: _on_bandwidth_report,
-        m.CollectiveInitiate: _on_collective_initiate,
-        m.CollectiveDone: _on_collective_done,
-        m.SharedStateSync: _on_shared_state_sync,
-        m.SharedStateEntries: _on_shared_state_entries,
-        m.SharedStateDone: _on_shared_state_done,
-        m.SharedStateProgress: _on_shared_state_progress,
+        m.Register: _Part("admission", "on_register"),
+        m.Reregister: _Part("rejoin", "on_reregister"),
+        m.Standbys: _Part("holds", "on_standbys"),
+        m.PeersPendingVote: _Part("peers_pending", "on_vote"),
+        m.UpdateTopologyVote: _Part("ring_setup", "on_update_vote"),
+        m.OptimizeTopologyVote: _Part("ring_setup", "on_optimize_vote"),
+        m.P2PConnectionsDone: _Part("ring_setup", "on_p2p_done"),
+        m.BandwidthReport: _Part("ring_setup", "on_bandwidth_report"),
+        m.CollectiveInitiate: _Part("collective_messages", "on_initiate"),
+        m.CollectiveDone: _Part("collective_messages", "on_done"),
+        m.SharedStateSync: _Part("sync_messages", "on_sync"),
+        m.SharedStateEntries: _Part("sync_messages", "on_entries"),
+        m.SharedStateDone: _Part("sync_messages", "on_done"),
+        m.SharedStateProgress: _Part("sync_messages", "on_progress"),
     }
