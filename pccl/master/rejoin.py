@@ -27,8 +27,10 @@ from .membership import Membership, PeerRecord, Phase
 from .ops_in_doubt import DoubtBook, Key
 from .quorum import Quorum
 from .reported import ReportedRings
+from .ring_setup import RingSetup
 from .rounds_in_doubt import RoundBook, reported_epoch
 from .tokens import MemberTokens
+from .vote_records import VoteRecords
 
 
 @dataclass
@@ -94,6 +96,8 @@ class RejoinCore(Protocol):
     tokens: MemberTokens
     credentials: CredentialHandout
     holds: Holds
+    records: VoteRecords
+    ring_setup: RingSetup
     last_revision: dict[int, int]
     rebuild_grace: float
     rebuild_quiet: float | None
@@ -120,13 +124,7 @@ class RejoinCore(Protocol):
     def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
                       effects: list[Effect]) -> m.Reregister: ...
 
-    def _runs_without(self, peer_id: int, group: int) -> bool: ...
-
-    def _kept(self, peer_id: int, key: Key) -> bool | None: ...
-
     def _fail_lost(self, keys: list[Key]) -> list[Effect]: ...
-
-    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]: ...
 
     def _recheck_votes(self) -> list[Effect]: ...
 
@@ -337,7 +335,7 @@ class Rejoin:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = "re-registered with an older epoch than the run's: join again"
                 return core.kick(rec.peer_id, why, Result.KICKED)
-        elif core._runs_without(msg.peer_id, msg.peer_group):
+        elif core.records.runs_without(msg.peer_id, msg.peer_group):
             # An operation its group started after dropping it may still complete (then the group went
             # on without it) or fail (then it is taken back): it tries again once that is decided.
             return core.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
@@ -448,9 +446,9 @@ class Rejoin:
         group = msg.peer_group
         effects += core._fail_lost(core.lost.report(rec.peer_id, group, msg, core.doubts.outcome,
                                                     live=lambda: core.accepted(group),
-                                                    kept=lambda k: core._kept(rec.peer_id, k)))
+                                                    kept=lambda k: core.records.kept(rec.peer_id, k)))
         if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
-            effects += core._fail_lost_topology(rec.peer_id, [p for p in core.ring if p != rec.peer_id])
+            effects += core.ring_setup.fail_lost(rec.peer_id, [p for p in core.ring if p != rec.peer_id])
         was_dropped = core.away.forget(rec.peer_id)
         return core._pending_back(rec.peer_id, msg, was_dropped, effects)
 

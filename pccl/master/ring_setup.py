@@ -25,7 +25,7 @@ from .effects import Effect, Event, Send
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .membership import PeerRecord, Phase
-from .ops_in_doubt import DoubtBook, Key
+from .ops_in_doubt import DoubtBook
 from .quorum import Quorum
 from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
 from .rounds.topology import (
@@ -38,6 +38,7 @@ from .rounds.topology import (
     record_bandwidth,
 )
 from .rounds_in_doubt import RoundBook
+from .vote_records import VoteRecords
 
 
 class RingSetupCore(Protocol):
@@ -46,6 +47,7 @@ class RingSetupCore(Protocol):
     peers: dict[int, PeerRecord]
     ring: list[int]
     base: list[int]
+    records: VoteRecords
     epoch: int
     generation: int
     quorum: Quorum
@@ -75,8 +77,6 @@ class RingSetupCore(Protocol):
     def table(self, ids: list[int]) -> list[m.PeerRow]: ...
 
     def registered(self) -> list[int]: ...
-
-    def _kept(self, peer_id: int, key: Key) -> bool | None: ...
 
     def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None: ...
 
@@ -174,7 +174,7 @@ class RingSetup:
         link failed: the others' calls of that round fail too, once each (the votes waiting here now,
         the others' next topology vote), unless that round ended for everybody since its drop."""
         core = self.core
-        if not core._kept(peer_id, _TOPOLOGY_KEY):
+        if not core.records.kept(peer_id, _TOPOLOGY_KEY):
             return []
         rnd = core._topology
         failed: list[Effect] = []

@@ -123,6 +123,22 @@ class RoundWaits:
             out |= rnd.busy(core.ring)
         return out
 
+    def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
+        """Peers others are waiting for that have been silent past their straggler limit
+        (:meth:`PeerRecord.straggler_limit`), with how long each has been silent."""
+        peers = self.core.peers
+        return [(p, now - peers[p].last_seen)
+                for p, deadline in self._straggler_deadlines(minimum, cap).items() if now > deadline]
+
+    def straggler_deadline(self, minimum: float, cap: float) -> float | None:
+        """When the earliest waited-on peer would become a straggler if it stays silent."""
+        return min(self._straggler_deadlines(minimum, cap).values(), default=None)
+
+    def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
+        """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
+        plus :meth:`PeerRecord.straggler_limit`)."""
+        return self.core.members.straggler_deadlines(self.waited_on(), minimum, cap)
+
     def pending_summary(self) -> list[str]:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
         return [f"{what} waits for {sorted(waiting)}{detail}" for what, waiting, detail in self.waits()]

@@ -50,9 +50,10 @@ from .lost import LostBook
 from .membership import Membership
 from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
+from .open_rounds import OpenRounds
 from .ops_in_doubt import DoubtBook, Key
 from .peers_pending import PeersPending
-from .penalties import RepeatOffenders, identities
+from .penalties import RepeatOffenders
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
 from .removal import Removal
@@ -68,6 +69,7 @@ from .rounds.topology import (
     TopologyRound,
 )
 from .rounds_in_doubt import RoundBook
+from .summary import statistics as _statistics
 from .sync_messages import SyncMessages
 from .tokens import MemberTokens
 from .vote_records import VoteRecords
@@ -228,6 +230,7 @@ class MasterState:
         self.vote_timeouts = VoteTimeouts(self)  # the vote timeout, and votes failed for a deadlock
         self.peers_pending = PeersPending(self)  # the are_peers_pending round and its count
         self.records = VoteRecords(self)  # what the parts read of the open rounds
+        self.open_rounds = OpenRounds(self)  # the walks over every open round
         self.round_waits = RoundWaits(self)  # who holds up whom
         self._handlers: dict[type[m.Message], Handler] = {
             kind: h.bound(self) if isinstance(h, _Part) else cast(Handler, MethodType(h, self))
@@ -260,34 +263,8 @@ class MasterState:
         return self.members.table(ids)
 
     def statistics(self) -> dict[str, Any]:
-        """A summary of the master state (tests assert on it)."""
-        groups: dict[int, int] = {}
-        for p in self.ring:
-            groups[self.peers[p].group] = groups.get(self.peers[p].group, 0) + 1
-        return {
-            "accepted": len(self.ring),
-            "registered": len(self.registered()),
-            "connected": len(self.peers),
-            "groups": dict(sorted(groups.items())),
-            "epoch": self.epoch,
-            "topology_round": self._topology.kind if self._topology else None,
-            "topology_votes": len(self._topology.votes) if self._topology else 0,
-            "pending_votes": len(self._pending.votes),
-            "collectives_running": self.collectives.running(),
-            "collectives_voting": len(self._ops) - self.collectives.running(),
-            "collectives_fast": self.collectives.fast_starts,
-            "speculative_go_held": self.collectives.go_held,
-            "reservations": len(self.collectives.reserved),
-            "syncs_in_progress": len(self._syncs),
-            "heals": self.heals.statistics(),
-            "revisions": dict(self.last_revision),
-            "generation": self.generation,
-            "rebuilding": self.rebuild is not None,
-            "credential_batches": self._issued.batches,
-            "in_doubt": len(self.doubts.open_doubts()),
-            "quorum_enforced": self.enforced,
-            "held": not self.resumed,
-        }
+        """A summary of the master state (tests assert on it; :func:`pccl.master.summary.statistics`)."""
+        return _statistics(self)
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -378,17 +355,8 @@ class MasterState:
         return self.members.expired(now, timeout)
 
     def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]:
-        """Every open vote round (pccl/master/rounds/): are_peers_pending, topology, the collectives, the
-        syncs; ``ordered``: collectives and syncs by key, else in the order they opened (the order the
-        votes are re-checked in); ``with_ops`` False: without the collectives. A list: walks that act
-        on a round may close it."""
-        rounds: list[Round] = [self._pending]
-        if self._topology is not None:
-            rounds.append(self._topology)
-        if with_ops:
-            rounds += [op for _, op in sorted(self._ops.items())] if ordered else list(self._ops.values())
-        rounds += [sync for _, sync in sorted(self._syncs.items())] if ordered else list(self._syncs.values())
-        return rounds
+        """Every open vote round (:meth:`OpenRounds.rounds`)."""
+        return self.open_rounds.rounds(ordered, with_ops)
 
     # Who holds up whom (pccl/master/round_waits.py): what the stall logs, the deadlock watch and the
     # status page read.
@@ -421,35 +389,17 @@ class MasterState:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
         return self.round_waits.pending_summary()
 
-    def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
-        """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
-        plus :meth:`PeerRecord.straggler_limit`)."""
-        return self.members.straggler_deadlines(self.waited_on(), minimum, cap)
-
     def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
-        """Peers others are waiting for that have been silent past their straggler limit
-        (:meth:`PeerRecord.straggler_limit`), with how long each has been silent."""
-        return [
-            (p, now - self.peers[p].last_seen)
-            for p, deadline in self._straggler_deadlines(minimum, cap).items()
-            if now > deadline
-        ]
+        """Waited-on peers silent past their straggler limit, and how long (RoundWaits.stragglers)."""
+        return self.round_waits.stragglers(now, minimum, cap)
 
     def straggler_deadline(self, minimum: float, cap: float) -> float | None:
         """When the earliest waited-on peer would become a straggler if it stays silent."""
-        return min(self._straggler_deadlines(minimum, cap).values(), default=None)
+        return self.round_waits.straggler_deadline(minimum, cap)
 
     def _open_votes(self, with_ops: bool = True) -> list[tuple[str, float, set[int], list[int], VoteKey]]:
-        """Every vote that others have joined and that still misses some accepted peers, as
-        ``(what, when its first vote came, peers that have not voted, peers that have, which vote)``
-        (``with_ops`` False: all but the collective votes)."""
-        if not self.resumed:
-            return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
-        groups = self.round_waits.group_sets()
-        known = self.peers.keys()
-        return [(rnd.vote_name, rnd.opened, live, sorted(rnd.ballots), rnd.key)
-                for rnd in self._open_rounds(with_ops=with_ops) if rnd.voting and rnd.ballots
-                if (live := groups.get(rnd.group, set()).difference(rnd.ballots) & known)]
+        """The open votes others joined that miss accepted peers (:meth:`OpenRounds.open_votes`)."""
+        return self.open_rounds.open_votes(with_ops)
 
     # The vote timeout and the failing of open votes (pccl/master/vote_timeouts.py).
 
@@ -479,59 +429,11 @@ class MasterState:
 
     def evict_for_liveness(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE,
                            now: float | None = None) -> list[Effect]:
-        """Kick ``peer_id`` for stalling the others, remembered against its source address and key: a
-        rejoin is refused for a back-off, then held to a shorter grace (pccl/master/penalties.py)."""
-        if now is not None:
-            self._now = now
-        rec = self.peers.get(peer_id)
-        if rec is None:
-            return []
-        strikes = self.offenders.strike(identities(rec.host, rec.public_key), self._now, reason[:120])
-        return self.kick(peer_id, f"{reason} [strike {strikes}]", code)
-
-    def _check_round(self, key: VoteKey) -> list[Effect]:
-        """Complete the open vote ``key`` if every member it concerns voted (and the master is not held)."""
-        kind, which = key
-        if kind == "op":
-            assert isinstance(which, tuple)
-            return self.context.check_op(which)
-        if kind == "sync":
-            assert isinstance(which, int)
-            return self.context.check_sync(which)
-        return self.ring_setup.check_vote() if kind == "topology" else self.peers_pending.check()
-
-    def _round_peer_lost(self, key: VoteKey, peer_id: int) -> list[Effect]:
-        """``peer_id`` left the round ``key``: its ballot or part is withdrawn, the round re-checked."""
-        kind, which = key
-        if kind == "op":
-            assert isinstance(which, tuple)
-            return self.collectives.peer_lost(which, peer_id, self.context, self.resumed)
-        if kind == "sync":
-            assert isinstance(which, int)
-            return self.syncs.peer_lost(which, peer_id, self.context, self.resumed)
-        # (are_peers_pending: the ballot was dropped with the peer's other traces in _leave_votes)
-        return self.ring_setup.peer_lost(peer_id) if kind == "topology" else self.peers_pending.check()
+        """Kick ``peer_id`` for stalling the others, with a strike (:meth:`Removal.evict_for_liveness`)."""
+        return self.removal.evict_for_liveness(peer_id, reason, code, now)
 
     def _leave_votes(self, peer_id: int, group: int, was_accepted: bool) -> list[Effect]:
-        """Peer ``peer_id`` of ``group`` is gone: it leaves every vote, round and live heal, its group's
-        reservations are revoked (it was a member: ``was_accepted``), and every vote is re-checked without
-        it (the topology round first, as it always was)."""
-        self._pending.peer_lost(peer_id)
-        self._topology_owed.discard(peer_id)
-        self._sync_rows.pop(peer_id, None)
-        revoked: list[Effect] = []
-        if was_accepted and self.collectives.reserved.revoke(group):
-            # The group changed: no speculative start until its next op completes. Members that are not
-            # voting yet hear it now, so their next call takes the slow path (whose commence names the
-            # living members) instead of starting on a ring with the lost peer and being aborted.
-            why = f"peer {peer_id} of group {group} was lost"
-            revoked = [Send(p, m.ReservationsRevoked(reason=why))
-                       for p in self.ring if self.peers[p].group == group]
-        effects: list[Effect] = revoked + self.heals.peer_lost(peer_id)
-        rounds = self._open_rounds(ordered=False)
-        for rnd in sorted(rounds, key=lambda r: r.key[0] != "topology"):
-            effects += self._round_peer_lost(rnd.key, peer_id)
-        return effects
+        return self.open_rounds.leave(peer_id, group, was_accepted)
 
     def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
                   broken: bool = False) -> list[Effect]:
@@ -620,15 +522,6 @@ class MasterState:
 
     # The reads of the vote records the parts need (pccl/master/vote_records.py).
 
-    def _runs_without(self, peer_id: int, group: int) -> bool:
-        return self.records.runs_without(peer_id, group)
-
-    def _kept(self, peer_id: int, key: Key) -> bool | None:
-        return self.records.kept(peer_id, key)
-
-    def _rounds_of(self, group: int) -> dict[Key, str]:
-        return self.records.rounds_of(group)
-
     def _open_votes_by_age(self) -> list[OpenVote]:
         return self.records.open_votes_by_age()
 
@@ -650,17 +543,8 @@ class MasterState:
         return self.credentials.overdue(now)
 
     def _recheck_votes(self) -> list[Effect]:
-        """Re-check every pending vote (the rebuild ended); credential rows still owed go out first
-        (:meth:`_rows_due`)."""
-        effects = self._rows_due()
-        for rnd in self._open_rounds(ordered=False):
-            effects += self._check_round(rnd.key)
-        return effects
-
-    def _accept_first_if_alone(self) -> list[Effect]:
-        """The earliest registered peer, accepted alone while nobody is accepted
-        (:meth:`Admission.accept_first_if_alone`)."""
-        return self.admission.accept_first_if_alone()
+        """Re-check every pending vote, owed credential rows first (:meth:`OpenRounds.recheck`)."""
+        return self.open_rounds.recheck()
 
     def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None:
         if rec.phase is not Phase.ACCEPTED:
@@ -668,9 +552,6 @@ class MasterState:
         return None
 
     # The topology round (pccl/master/ring_setup.py): its messages and the calls of the server and timers.
-
-    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
-        return self.ring_setup.fail_lost(peer_id, others)
 
     def setup_deadline(self, timeout: float) -> float | None:
         """When the P2P setup of the topology round in progress runs out of time (None: no setup)."""
@@ -698,16 +579,7 @@ class MasterState:
     # The collective messages (pccl/master/collective_messages.py).
 
     def _fail_lost(self, keys: list[Key]) -> list[Effect]:
-        """A re-registration named ``keys`` lost with the master: fail the votes for them already
-        waiting here (members that voted at this master before the report came), once each."""
-        effects: list[Effect] = []
-        for key in keys:
-            kind, group, tag = key
-            if kind == "op":
-                effects += self.collectives.fail_lost((group, tag), lambda p: self.lost.owes(p, key))
-            else:
-                effects += self.syncs.fail_lost(group, lambda p: self.lost.owes(p, key))
-        return effects
+        return self.open_rounds.fail_lost(keys)
 
     @property
     def go_waiting(self) -> bool:
