@@ -5,8 +5,9 @@ effects. ``handle(peer_id, message, now)`` and ``peer_lost(peer_id, reason)`` ar
 in; both return a list of effects (:class:`Send`, :class:`Kick`, :class:`Event`).
 
 Each open vote is an object of pccl/master/rounds/ (and :class:`~pccl.master.votes.PendingRound`): this
-class routes the vote messages to them and walks them in one loop (:meth:`MasterState._open_rounds`;
-docs/master.md "Vote rounds").
+class keeps the data and routes each message to the part that handles it (:attr:`MasterState._HANDLERS`);
+the walks over the open rounds are :class:`~pccl.master.open_rounds.OpenRounds`, and the rounds see the
+master through :class:`~pccl.master.context.MasterContext` (docs/master.md "Vote rounds", "The map").
 
 Vote rules (docs/protocol.md sections 2-6):
 
@@ -493,9 +494,7 @@ class MasterState:
         return []
 
     # ---------------------------------------------------------------------------------------
-    # membership
-
-    # The are_peers_pending round (pccl/master/peers_pending.py): its ballots and what Rejoin reads of it.
+    # what the parts reach through the dispatcher
 
     def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
                       effects: list[Effect]) -> m.Reregister:
@@ -519,8 +518,6 @@ class MasterState:
         peers can fail over)."""
         quiet = self.rebuild_quiet or 0.0
         return max(quiet, self.failover_quiet) if self.enforced else quiet
-
-    # The reads of the vote records the parts need (pccl/master/vote_records.py).
 
     def _open_votes_by_age(self) -> list[OpenVote]:
         return self.records.open_votes_by_age()
@@ -551,7 +548,7 @@ class MasterState:
             return self.kick(rec.peer_id, f"{what} from a peer that is not accepted")
         return None
 
-    # The topology round (pccl/master/ring_setup.py): its messages and the calls of the server and timers.
+    # The topology round (pccl/master/ring_setup.py): the calls of the server and timers.
 
     def setup_deadline(self, timeout: float) -> float | None:
         """When the P2P setup of the topology round in progress runs out of time (None: no setup)."""
@@ -574,9 +571,7 @@ class MasterState:
         return self.ring_setup.offer_ring(ring)
 
     # ---------------------------------------------------------------------------------------
-    # collectives
-
-    # The collective messages (pccl/master/collective_messages.py).
+    # collectives and shared state (the messages: collective_messages.py, sync_messages.py)
 
     def _fail_lost(self, keys: list[Key]) -> list[Effect]:
         return self.open_rounds.fail_lost(keys)
@@ -600,11 +595,6 @@ class MasterState:
         """
         self._now = now
         return self.collectives.go_overdue(now)
-
-    # ---------------------------------------------------------------------------------------
-    # shared state
-
-    # The shared-state messages (pccl/master/sync_messages.py).
 
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:
         """Each running sync's receivers, for the status page: ``{"group", "sync_seq", "receivers"}``
