@@ -315,8 +315,11 @@ class MasterState:
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
         a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
         in doubt is undecided or a rebuilt master's roll call runs (pccl/master/ops_in_doubt.py); or while a
-        member whose connection broke may still re-register (pccl/master/away.py)."""
-        return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided and not self.away
+        member whose connection broke may still re-register (pccl/master/away.py). Asked at every ballot:
+        :attr:`_quorum_ok` is written out here."""
+        quorum = self.quorum
+        return (self.rebuild is None and (not quorum.enforced or quorum.quorate(self.members._ring))
+                and not self.doubts.undecided and not self.rounds.undecided and not self.away)
 
     @property
     def _quorum_ok(self) -> bool:
