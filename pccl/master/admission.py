@@ -102,13 +102,9 @@ class Admission:
         self.core = core
 
     def on_register(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        """A ``Register`` message (:meth:`register`)."""
-        assert isinstance(msg, m.Register)
-        return self.register(rec, msg)
-
-    def register(self, rec: PeerRecord, msg: m.Register) -> list[Effect]:
         """``Register``: checked (once, a valid port and key, the run's kind of address), answered with
         ``Registered`` and the peer's member token; accepted at once when nobody is."""
+        assert isinstance(msg, m.Register)
         core = self.core
         if rec.phase is not Phase.CONNECTED:
             return core.kick(rec.peer_id, "duplicate Register")

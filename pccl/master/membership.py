@@ -101,7 +101,7 @@ class Membership:
     def address_mismatch(self, host: str) -> str | None:
         """Why a peer registering from ``host`` cannot join the run (None: it can; the first one fixes
         the run's kind): loopback and non-loopback peers could not reach each other."""
-        loop = is_loopback(host)
+        loop = host.startswith("127.") or host in ("::1", "localhost")  # (is_loopback, at every Register)
         if self._loopback is None:
             self._loopback = loop
             return None

@@ -25,6 +25,7 @@ from .holds import Holds
 from .lost import LostBook
 from .membership import Membership, PeerRecord, Phase
 from .ops_in_doubt import DoubtBook, Key
+from .peers_pending import PeersPending
 from .quorum import Quorum
 from .reported import ReportedRings
 from .ring_setup import RingSetup
@@ -98,6 +99,7 @@ class RejoinCore(Protocol):
     holds: Holds
     records: VoteRecords
     ring_setup: RingSetup
+    peers_pending: PeersPending
     last_revision: dict[int, int]
     rebuild_grace: float
     rebuild_quiet: float | None
@@ -118,11 +120,6 @@ class RejoinCore(Protocol):
     def accepted(self, group: int | None = None) -> list[int]: ...
 
     def _advance_generation(self, generation: int) -> None: ...
-
-    def _behind_pending(self, msg: m.Reregister) -> str | None: ...
-
-    def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
-                      effects: list[Effect]) -> m.Reregister: ...
 
     def _fail_lost(self, keys: list[Key]) -> list[Effect]: ...
 
@@ -273,7 +270,7 @@ class Rejoin:
         if conflict is not None:
             return core.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
         conflict = (core.rounds.conflict(msg) or core.doubts.behind(msg.peer_group, msg)
-                    or core._behind_pending(msg))
+                    or core.peers_pending.behind(msg))
         if conflict is not None:
             return core.kick(rec.peer_id, conflict, Result.KICKED)
         return None
@@ -450,7 +447,7 @@ class Rejoin:
         if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
             effects += core.ring_setup.fail_lost(rec.peer_id, [p for p in core.ring if p != rec.peer_id])
         was_dropped = core.away.forget(rec.peer_id)
-        return core._pending_back(rec.peer_id, msg, was_dropped, effects)
+        return core.peers_pending.back(rec.peer_id, msg, was_dropped, effects)
 
     def _unproven(self, msg: m.Reregister) -> tuple[str, Result] | None:
         """Why ``msg`` does not prove its sender is member ``msg.peer_id`` (None: it does, or it is

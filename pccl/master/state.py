@@ -477,8 +477,8 @@ class MasterState:
         if rec.admitted is not None and self._takes_part(rec, msg):
             rec.admitted = None  # a newcomer proven: it reports on a round it ran with the others
         effects = handler(rec, msg)
-        if self._issued.owed:  # (:meth:`_rows_due`, asked only when rows are owed: after every message)
-            effects[:0] = self.credentials.due(self.resumed)  # first: before anything this message lets do
+        if self._issued.owed and self.resumed:  # (:meth:`_rows_due` written out: after every message)
+            effects[:0] = self.credentials.pay()  # first: before anything this message lets the members do
         if self.heals.held:
             effects += self.heals.flush(self.context.heal_busy)
         return effects
@@ -498,15 +498,6 @@ class MasterState:
 
     # ---------------------------------------------------------------------------------------
     # what the parts reach through the dispatcher
-
-    def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
-                      effects: list[Effect]) -> m.Reregister:
-        """The are_peers_pending round member ``peer_id`` back reports (:meth:`PeersPending.back`)."""
-        return self.peers_pending.back(peer_id, msg, was_dropped, effects)
-
-    def _behind_pending(self, msg: m.Reregister) -> str | None:
-        """Why ``msg``'s peer cannot be taken back from its pending round (:meth:`PeersPending.behind`)."""
-        return self.peers_pending.behind(msg)
 
     def _advance_generation(self, generation: int) -> None:
         """Become master ``generation`` unless this one is newer: op_seq and sync_seq move into its
