@@ -24,7 +24,8 @@ from .handout import CredentialHandout
 from .holds import Holds
 from .lost import LostBook
 from .membership import Membership, PeerRecord, Phase
-from .ops_in_doubt import DoubtBook, Key
+from .open_rounds import OpenRounds
+from .ops_in_doubt import DoubtBook
 from .peers_pending import PeersPending
 from .quorum import Quorum
 from .reported import ReportedRings
@@ -100,6 +101,7 @@ class RejoinCore(Protocol):
     records: VoteRecords
     ring_setup: RingSetup
     peers_pending: PeersPending
+    open_rounds: OpenRounds
     last_revision: dict[int, int]
     rebuild_grace: float
     rebuild_quiet: float | None
@@ -120,8 +122,6 @@ class RejoinCore(Protocol):
     def accepted(self, group: int | None = None) -> list[int]: ...
 
     def _advance_generation(self, generation: int) -> None: ...
-
-    def _fail_lost(self, keys: list[Key]) -> list[Effect]: ...
 
     def _recheck_votes(self) -> list[Effect]: ...
 
@@ -441,7 +441,7 @@ class Rejoin:
         # At a live master, the members that never left vote next for what the returning one reports
         # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
         group = msg.peer_group
-        effects += core._fail_lost(core.lost.report(rec.peer_id, group, msg, core.doubts.outcome,
+        effects += core.open_rounds.fail_lost(core.lost.report(rec.peer_id, group, msg, core.doubts.outcome,
                                                     live=lambda: core.accepted(group),
                                                     kept=lambda k: core.records.kept(rec.peer_id, k)))
         if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:

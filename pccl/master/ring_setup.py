@@ -78,8 +78,6 @@ class RingSetupCore(Protocol):
 
     def registered(self) -> list[int]: ...
 
-    def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None: ...
-
 
 class RingSetup:
     """The topology round of ``core`` from its first ballot to its result (see the module docstring)."""
@@ -147,9 +145,8 @@ class RingSetup:
 
     def vote(self, rec: PeerRecord, kind: str) -> list[Effect]:
         core = self.core
-        bad = core._require_accepted(rec, f"{kind} topology vote")
-        if bad is not None:
-            return bad
+        if rec.phase is not Phase.ACCEPTED:
+            return core.kick(rec.peer_id, f"{kind} topology vote from a peer that is not accepted")
         if rec.peer_id in core._topology_owed:
             # Another member's topology call failed when its link to this master broke: this member's
             # call of that round fails too, once (docs/concepts.md "A member's link breaks").
@@ -189,7 +186,9 @@ class RingSetup:
     def check_vote(self) -> list[Effect]:
         core = self.core
         rnd = core._topology
-        if rnd is None or not core.resumed or not rnd.complete(core.ring):
+        ring = core.ring
+        # (the count first: every ballot but the last, see votes.unanimous; then whether the master is held)
+        if rnd is None or len(rnd.votes) < len(ring) or not core.resumed or not rnd.complete(ring):
             return []
         if rnd.kind == "update":
             newcomers = core.registered()
@@ -266,7 +265,11 @@ class RingSetup:
             # A late answer for a round that already ended (e.g. failed because a peer died): ignore.
             return []
         refused = rnd.confirm(rec.peer_id, msg)
-        return core.kick(rec.peer_id, refused.reason) if refused is not None else self.check_establish()
+        if refused is not None:
+            return core.kick(rec.peer_id, refused.reason)
+        if not rnd.failed and len(rnd.confirmed) < len(rnd.member_set):
+            return []  # (every confirmation but the last: the count says the setup runs on, as outcome())
+        return self.check_establish()
 
     def check_establish(self) -> list[Effect]:
         core = self.core

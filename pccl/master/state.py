@@ -52,7 +52,7 @@ from .membership import Membership
 from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
 from .open_rounds import OpenRounds
-from .ops_in_doubt import DoubtBook, Key
+from .ops_in_doubt import DoubtBook
 from .peers_pending import PeersPending
 from .penalties import RepeatOffenders
 from .quorum import Quorum
@@ -566,9 +566,6 @@ class MasterState:
 
     # ---------------------------------------------------------------------------------------
     # collectives and shared state (the messages: collective_messages.py, sync_messages.py)
-
-    def _fail_lost(self, keys: list[Key]) -> list[Effect]:
-        return self.open_rounds.fail_lost(keys)
 
     @property
     def go_waiting(self) -> bool:
