@@ -12,6 +12,7 @@ import enum
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..wire import messages as m
 
@@ -37,7 +38,7 @@ class PeerRecord:
     last_seen: float = 0.0
     # Recent gaps between consecutive messages (heartbeats included): how irregular this peer's
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
-    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    gaps: deque[float] = field(default_factory=partial(deque, maxlen=32))  # (no Python frame per peer)
     # The collective votes it has cast that may still be open, by (group, tag); pruned lazily against
     # the votes themselves (CollectiveMessages.over_vote_cap), so it may hold keys of votes closed since.
     open_votes: set[tuple[int, int]] = field(default_factory=set)

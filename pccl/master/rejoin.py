@@ -441,9 +441,11 @@ class Rejoin:
         # At a live master, the members that never left vote next for what the returning one reports
         # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
         group = msg.peer_group
-        effects += core.open_rounds.fail_lost(core.lost.report(rec.peer_id, group, msg, core.doubts.outcome,
-                                                    live=lambda: core.accepted(group),
-                                                    kept=lambda k: core.records.kept(rec.peer_id, k)))
+        lost = core.lost.report(rec.peer_id, group, msg, core.doubts.outcome,
+                                live=lambda: core.accepted(group),
+                                kept=lambda k: core.records.kept(rec.peer_id, k))
+        if lost:
+            effects += core.open_rounds.fail_lost(lost)
         if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
             effects += core.ring_setup.fail_lost(rec.peer_id, [p for p in core.ring if p != rec.peer_id])
         was_dropped = core.away.forget(rec.peer_id)

@@ -261,7 +261,8 @@ class RingSetup:
         core = self.core
         assert isinstance(msg, m.P2PConnectionsDone)
         rnd = core._topology
-        if rnd is None or not rnd.expects(rec.peer_id, msg.epoch):
+        # (TopologyRound.expects written out: every member's confirmation passes here)
+        if rnd is None or not rnd.establishing or msg.epoch != rnd.epoch or rec.peer_id not in rnd.member_set:
             # A late answer for a round that already ended (e.g. failed because a peer died): ignore.
             return []
         refused = rnd.confirm(rec.peer_id, msg)

@@ -511,7 +511,7 @@ class MasterState:
         """The roll call's quiet period (``rebuild_quiet``; at least ``failover_quiet`` when the run's
         peers can fail over)."""
         quiet = self.rebuild_quiet or 0.0
-        return max(quiet, self.failover_quiet) if self.enforced else quiet
+        return max(quiet, self.failover_quiet) if self.quorum.enforced else quiet
 
     def _open_votes_by_age(self) -> list[OpenVote]:
         return self.records.open_votes_by_age()
