@@ -101,9 +101,10 @@ class Admission:
     def __init__(self, core: AdmissionCore) -> None:
         self.core = core
 
-    def register(self, rec: PeerRecord, msg: m.Register) -> list[Effect]:
+    def on_register(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         """``Register``: checked (once, a valid port and key, the run's kind of address), answered with
         ``Registered`` and the peer's member token; accepted at once when nobody is."""
+        assert isinstance(msg, m.Register)
         core = self.core
         if rec.phase is not Phase.CONNECTED:
             return core.kick(rec.peer_id, "duplicate Register")

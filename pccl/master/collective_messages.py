@@ -16,18 +16,20 @@ from typing import Protocol
 from .._errors import Result
 from ..wire import messages as m
 from .away import AwayBook
+from .context import MasterContext
 from .effects import Effect, Event, Send
 from .lost import LostBook
-from .membership import PeerRecord
+from .membership import PeerRecord, Phase
 from .rounds.base import Expel
-from .rounds.collective import CollectiveContext, CollectiveRound, CollectiveVotes, lost_abort
+from .rounds.collective import CollectiveRound, CollectiveVotes, lost_abort
 
 
-class CollectiveMessagesCore(CollectiveContext, Protocol):
+class CollectiveMessagesCore(Protocol):
     """What :class:`CollectiveMessages` uses of the master's dispatcher
-    (:class:`~pccl.master.state.MasterState`); the collective rounds' own context
-    (:class:`~pccl.master.rounds.collective.CollectiveContext`) comes with it."""
+    (:class:`~pccl.master.state.MasterState`); the collective rounds reach the master through its
+    :attr:`context` (:class:`~pccl.master.context.MasterContext`)."""
 
+    context: MasterContext
     collectives: CollectiveVotes
     lost: LostBook
     away: AwayBook
@@ -35,42 +37,54 @@ class CollectiveMessagesCore(CollectiveContext, Protocol):
     _ops: dict[tuple[int, int], CollectiveRound]
     _now: float
 
+    @property
+    def resumed(self) -> bool: ...
+
     def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]: ...
-
-    def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None: ...
-
-    def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]: ...
 
 
 class CollectiveMessages:
-    """The collective messages of ``core``'s members (see the module docstring)."""
+    """The collective messages of ``core``'s members (see the module docstring).
+
+    Every member's ballot and report passes here (the control plane's hottest path: two messages per
+    member per collective): the parts are looked up once, and the common case (an accepted member, no
+    vote cap or one not reached, a new ballot, nothing lost) asks nothing it does not need.
+    """
 
     def __init__(self, core: CollectiveMessagesCore) -> None:
         self.core = core
+        self._ctx = core.context
+        self._votes = core.collectives
+        self._ops = core.collectives.ops
+        self._lost = core.lost
 
     def on_initiate(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         core = self.core
         assert isinstance(msg, m.CollectiveInitiate)
-        bad = core._require_accepted(rec, "CollectiveInitiate")
-        if bad is not None:
-            return bad
+        if rec.phase is not Phase.ACCEPTED:
+            return core.kick(rec.peer_id, "CollectiveInitiate from a peer that is not accepted")
         key = (rec.group, msg.tag)
-        over = self.over_vote_cap(rec, key, msg)
-        if over is not None:
-            return over
-        op, opened = core.collectives.open(rec.group, msg.tag, core._now)
-        if opened:
+        cap = core.max_open_votes
+        if cap is not None:
+            over = self.over_vote_cap(rec, key, msg)
+            if over is not None:
+                return over
+        pid = rec.peer_id
+        op = self._ops.get(key)
+        if op is None:
+            op, _ = self._votes.open(rec.group, msg.tag, core._now)
             core.away.opened(("op", rec.group, msg.tag))
-        refusal = op.refusal(rec.peer_id, msg.op_seq)
-        if refusal is not None:
-            return [Send(rec.peer_id, refusal)]
-        if core.lost.owes(rec.peer_id, ("op", rec.group, msg.tag)):
-            core.collectives.discard_empty(key)
-            return [Send(rec.peer_id, lost_abort(msg.tag, msg.op_seq))]
-        op.vote(rec.peer_id, msg.descriptor, msg.op_seq)
-        if core.max_open_votes is not None:
+        elif op.running or pid in op.votes or pid in op.participant_set:
+            refusal = op.refusal(pid, msg.op_seq)
+            if refusal is not None:
+                return [Send(pid, refusal)]
+        if self._lost.owes(pid, ("op", rec.group, msg.tag)):
+            self._votes.discard_empty(key)
+            return [Send(pid, lost_abort(msg.tag, msg.op_seq))]
+        op.vote(pid, msg.descriptor, msg.op_seq)
+        if cap is not None:
             rec.open_votes.add(key)
-        return core._check_op_vote(key)
+        return self._votes.check(key, self._ctx) if core.resumed else []
 
     def over_vote_cap(self, rec: PeerRecord, key: tuple[int, int],
                        msg: m.CollectiveInitiate) -> list[Effect] | None:
@@ -91,7 +105,6 @@ class CollectiveMessages:
                                             reason=reason)), Event(f"peer {pid}: {reason}")]
 
     def on_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        core = self.core
         assert isinstance(msg, m.CollectiveDone)
-        got = core.collectives.report(rec.peer_id, (rec.group, msg.tag), msg, core)
-        return core.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
+        got = self._votes.report(rec.peer_id, (rec.group, msg.tag), msg, self._ctx)
+        return self.core.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got

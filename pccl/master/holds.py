@@ -63,6 +63,8 @@ class HoldsCore(Protocol):
 
     def _recheck_votes(self) -> list[Effect]: ...
 
+    def _note_quorum(self) -> list[Effect]: ...
+
     def _quiet_period(self) -> float: ...
 
 
@@ -71,6 +73,19 @@ class Holds:
 
     def __init__(self, core: HoldsCore) -> None:
         self.core = core
+
+    def on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
+        assert isinstance(msg, m.Standbys)
+        core = self.core
+        if msg.count <= 0 or core.quorum.failover:
+            return []
+        core.quorum.failover = True
+        effects: list[Effect] = []
+        if core.quorum.enforced:
+            effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
+                                 "now need a majority of the epoch's members"))
+        return effects + core._note_quorum()
 
     def hold_deadline(self, timeout: float) -> float | None:
         """When the current hold (no quorum) runs out of time (None: not held)."""

@@ -12,6 +12,7 @@ import enum
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 
 from ..wire import messages as m
 
@@ -37,7 +38,7 @@ class PeerRecord:
     last_seen: float = 0.0
     # Recent gaps between consecutive messages (heartbeats included): how irregular this peer's
     # traffic is, so the straggler rule never evicts a peer for a silence it routinely shows.
-    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=32))
+    gaps: deque[float] = field(default_factory=partial(deque, maxlen=32))  # (no Python frame per peer)
     # The collective votes it has cast that may still be open, by (group, tag); pruned lazily against
     # the votes themselves (CollectiveMessages.over_vote_cap), so it may hold keys of votes closed since.
     open_votes: set[tuple[int, int]] = field(default_factory=set)
@@ -101,7 +102,7 @@ class Membership:
     def address_mismatch(self, host: str) -> str | None:
         """Why a peer registering from ``host`` cannot join the run (None: it can; the first one fixes
         the run's kind): loopback and non-loopback peers could not reach each other."""
-        loop = is_loopback(host)
+        loop = host.startswith("127.") or host in ("::1", "localhost")  # (is_loopback, at every Register)
         if self._loopback is None:
             self._loopback = loop
             return None
@@ -137,8 +138,10 @@ class Membership:
         self._ring_sorted_by = order_of
 
     def group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
-        return self.sizes_by_group().get(group, 0)
+        """How many accepted peers ``group`` has (counted once per ring change, not per vote: asked at every
+        ballot)."""
+        sizes = self._group_sizes
+        return (sizes if sizes is not None else self.sizes_by_group()).get(group, 0)
 
     def sizes_by_group(self) -> dict[int, int]:
         """Accepted peers per group (cached until the ring changes)."""

@@ -20,9 +20,8 @@ from .._errors import Result
 from ..wire import messages as m
 from .effects import Effect, Send
 from .heals import HealBook
-from .membership import PeerRecord
+from .membership import PeerRecord, Phase
 from .ops_in_doubt import DoubtBook
-from .rejoin import Rebuild
 from .rounds.topology import TopologyRound
 from .rounds_in_doubt import RoundBook
 from .votes import PendingRound
@@ -37,7 +36,6 @@ class PeersPendingCore(Protocol):
     heals: HealBook
     doubts: DoubtBook
     rounds: RoundBook
-    rebuild: Rebuild | None
     _pending: PendingRound
     _topology: TopologyRound | None
     _now: float
@@ -45,11 +43,14 @@ class PeersPendingCore(Protocol):
     @property
     def resumed(self) -> bool: ...
 
+    @property
+    def rebuild(self) -> object | None:
+        """The rebuild in progress (pccl/master/rejoin.py ``Rebuild``; only asked whether there is one)."""
+        ...
+
     def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]: ...
 
     def registered(self) -> list[int]: ...
-
-    def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None: ...
 
 
 class PeersPending:
@@ -57,25 +58,26 @@ class PeersPending:
 
     def __init__(self, core: PeersPendingCore) -> None:
         self.core = core
+        self._round = core._pending  # (every accepted peer's ballot passes here: looked up once)
+        self._heals = core.heals
         # Rounds answered at an epoch (the members count them alike: docs/concepts.md "Rounds in doubt"),
         # and DoubtBook.total_progress when that count last changed (:meth:`behind`).
         self.count: tuple[int, int] = (0, 0)  # (epoch, rounds answered at it)
         self.mark = 0
 
     def on_vote(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        core = self.core
-        bad = core._require_accepted(rec, "PeersPendingVote")
-        if bad is not None:
-            return bad
-        if not core._pending.vote(rec.peer_id, core._now):
-            return core.kick(rec.peer_id, "duplicate PeersPendingVote")
+        if rec.phase is not Phase.ACCEPTED:
+            return self.core.kick(rec.peer_id, "PeersPendingVote from a peer that is not accepted")
+        if not self._round.vote(rec.peer_id, self.core._now):
+            return self.core.kick(rec.peer_id, "duplicate PeersPendingVote")
         return self.check()
 
     def check(self) -> list[Effect]:
         core = self.core
-        healing = core.heals.groups  # out of this vote too; admissions wait for their heals to end
+        healing = self._heals.groups  # out of this vote too; admissions wait for their heals to end
         ring = [p for p in core.ring if p not in healing] if healing else core.ring
-        if not core.resumed or not core._pending.complete(ring):
+        # (the count first: every ballot but the last, see votes.unanimous; then whether the master is held)
+        if len(self._round.votes) < len(ring) or not core.resumed or not self._round.complete(ring):
             return []
         pending = bool(core.registered()) and not healing
         voters = core._pending.take(ring)

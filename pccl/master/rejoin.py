@@ -24,11 +24,15 @@ from .handout import CredentialHandout
 from .holds import Holds
 from .lost import LostBook
 from .membership import Membership, PeerRecord, Phase
-from .ops_in_doubt import DoubtBook, Key
+from .open_rounds import OpenRounds
+from .ops_in_doubt import DoubtBook
+from .peers_pending import PeersPending
 from .quorum import Quorum
 from .reported import ReportedRings
+from .ring_setup import RingSetup
 from .rounds_in_doubt import RoundBook, reported_epoch
 from .tokens import MemberTokens
+from .vote_records import VoteRecords
 
 
 @dataclass
@@ -94,6 +98,10 @@ class RejoinCore(Protocol):
     tokens: MemberTokens
     credentials: CredentialHandout
     holds: Holds
+    records: VoteRecords
+    ring_setup: RingSetup
+    peers_pending: PeersPending
+    open_rounds: OpenRounds
     last_revision: dict[int, int]
     rebuild_grace: float
     rebuild_quiet: float | None
@@ -114,19 +122,6 @@ class RejoinCore(Protocol):
     def accepted(self, group: int | None = None) -> list[int]: ...
 
     def _advance_generation(self, generation: int) -> None: ...
-
-    def _behind_pending(self, msg: m.Reregister) -> str | None: ...
-
-    def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
-                      effects: list[Effect]) -> m.Reregister: ...
-
-    def _runs_without(self, peer_id: int, group: int) -> bool: ...
-
-    def _kept(self, peer_id: int, key: Key) -> bool | None: ...
-
-    def _fail_lost(self, keys: list[Key]) -> list[Effect]: ...
-
-    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]: ...
 
     def _recheck_votes(self) -> list[Effect]: ...
 
@@ -275,7 +270,7 @@ class Rejoin:
         if conflict is not None:
             return core.kick(rec.peer_id, conflict, Result.MASTER_CONNECTION_FAILED)
         conflict = (core.rounds.conflict(msg) or core.doubts.behind(msg.peer_group, msg)
-                    or core._behind_pending(msg))
+                    or core.peers_pending.behind(msg))
         if conflict is not None:
             return core.kick(rec.peer_id, conflict, Result.KICKED)
         return None
@@ -337,7 +332,7 @@ class Rejoin:
                 # KICKED (final): the run moved on to a newer epoch without it, at whatever master.
                 why = "re-registered with an older epoch than the run's: join again"
                 return core.kick(rec.peer_id, why, Result.KICKED)
-        elif core._runs_without(msg.peer_id, msg.peer_group):
+        elif core.records.runs_without(msg.peer_id, msg.peer_group):
             # An operation its group started after dropping it may still complete (then the group went
             # on without it) or fail (then it is taken back): it tries again once that is decided.
             return core.kick(rec.peer_id, f"group {msg.peer_group} is running an operation without "
@@ -446,13 +441,15 @@ class Rejoin:
         # At a live master, the members that never left vote next for what the returning one reports
         # abandoned, unless that call ended here for everybody since its drop (pccl/master/away.py).
         group = msg.peer_group
-        effects += core._fail_lost(core.lost.report(rec.peer_id, group, msg, core.doubts.outcome,
-                                                    live=lambda: core.accepted(group),
-                                                    kept=lambda k: core._kept(rec.peer_id, k)))
+        lost = core.lost.report(rec.peer_id, group, msg, core.doubts.outcome,
+                                live=lambda: core.accepted(group),
+                                kept=lambda k: core.records.kept(rec.peer_id, k))
+        if lost:
+            effects += core.open_rounds.fail_lost(lost)
         if rb is None and msg.topology_abandoned >= 0 and not msg.topology_in_doubt:
-            effects += core._fail_lost_topology(rec.peer_id, [p for p in core.ring if p != rec.peer_id])
+            effects += core.ring_setup.fail_lost(rec.peer_id, [p for p in core.ring if p != rec.peer_id])
         was_dropped = core.away.forget(rec.peer_id)
-        return core._pending_back(rec.peer_id, msg, was_dropped, effects)
+        return core.peers_pending.back(rec.peer_id, msg, was_dropped, effects)
 
     def _unproven(self, msg: m.Reregister) -> tuple[str, Result] | None:
         """Why ``msg`` does not prove its sender is member ``msg.peer_id`` (None: it does, or it is

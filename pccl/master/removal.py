@@ -15,14 +15,16 @@ from typing import Protocol
 
 from .._errors import Result
 from ..wire import messages as m
+from .admission import Admission
 from .away import AwayBook
 from .effects import Effect, Event, Kick, Send
 from .lost import LostBook
 from .membership import PeerRecord, Phase
-from .ops_in_doubt import DoubtBook, Key
-from .penalties import RepeatOffenders
+from .ops_in_doubt import DoubtBook
+from .penalties import RepeatOffenders, identities
 from .quorum import Quorum
 from .rounds_in_doubt import RoundBook
+from .vote_records import VoteRecords
 
 
 class RemovalCore(Protocol):
@@ -36,6 +38,8 @@ class RemovalCore(Protocol):
     lost: LostBook
     away: AwayBook
     offenders: RepeatOffenders
+    admission: Admission
+    records: VoteRecords
     bandwidth: dict[tuple[int, int], tuple[float, float]]
     latency: dict[tuple[int, int], float]
     rejoin_grace: float
@@ -44,13 +48,9 @@ class RemovalCore(Protocol):
     @property
     def resumed(self) -> bool: ...
 
-    def _rounds_of(self, group: int) -> dict[Key, str]: ...
-
     def _leave_votes(self, peer_id: int, group: int, was_accepted: bool) -> list[Effect]: ...
 
     def _note_quorum(self) -> list[Effect]: ...
-
-    def _accept_first_if_alone(self) -> list[Effect]: ...
 
     def _recheck_votes(self) -> list[Effect]: ...
 
@@ -98,8 +98,21 @@ class Removal:
         if core.resumed:
             effects += core._recheck_votes()
             if not core.ring:
-                effects += core._accept_first_if_alone()
+                effects += core.admission.accept_first_if_alone()
         return effects
+
+    def evict_for_liveness(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE,
+                           now: float | None = None) -> list[Effect]:
+        """Kick ``peer_id`` for stalling the others, remembered against its source address and key: a
+        rejoin is refused for a back-off, then held to a shorter grace (pccl/master/penalties.py)."""
+        core = self.core
+        if now is not None:
+            core._now = now
+        rec = core.peers.get(peer_id)
+        if rec is None:
+            return []
+        strikes = core.offenders.strike(identities(rec.host, rec.public_key), core._now, reason[:120])
+        return self.kick(peer_id, f"{reason} [strike {strikes}]", code)
 
     def kick(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE) -> list[Effect]:
         """Remove a peer on purpose."""
@@ -136,7 +149,7 @@ class Removal:
         core.lost.peer_lost(peer_id)
         if was_accepted:
             core.doubts.dropped(peer_id, rec.group)
-            core.away.dropped(peer_id, rec.group, core._rounds_of(rec.group))
+            core.away.dropped(peer_id, rec.group, core.records.rounds_of(rec.group))
         if peer_id in core.ring:
             core.ring = [p for p in core.ring if p != peer_id]
         core.bandwidth = {k: v for k, v in core.bandwidth.items() if peer_id not in k}
@@ -146,7 +159,7 @@ class Removal:
         if was_accepted:
             effects += core._note_quorum()
         if was_accepted and not core.ring:
-            effects += core._accept_first_if_alone()
+            effects += core.admission.accept_first_if_alone()
         if undecided and core.resumed:
             effects += core._recheck_votes()  # the last peer waiting on a decision left
         return effects

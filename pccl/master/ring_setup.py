@@ -25,7 +25,7 @@ from .effects import Effect, Event, Send
 from .issued import IssuedSet
 from .lost import REASON as LOST_REASON
 from .membership import PeerRecord, Phase
-from .ops_in_doubt import DoubtBook, Key
+from .ops_in_doubt import DoubtBook
 from .quorum import Quorum
 from .rounds.topology import TOPOLOGY_KEY as _TOPOLOGY_KEY
 from .rounds.topology import (
@@ -38,6 +38,7 @@ from .rounds.topology import (
     record_bandwidth,
 )
 from .rounds_in_doubt import RoundBook
+from .vote_records import VoteRecords
 
 
 class RingSetupCore(Protocol):
@@ -46,6 +47,7 @@ class RingSetupCore(Protocol):
     peers: dict[int, PeerRecord]
     ring: list[int]
     base: list[int]
+    records: VoteRecords
     epoch: int
     generation: int
     quorum: Quorum
@@ -75,10 +77,6 @@ class RingSetupCore(Protocol):
     def table(self, ids: list[int]) -> list[m.PeerRow]: ...
 
     def registered(self) -> list[int]: ...
-
-    def _kept(self, peer_id: int, key: Key) -> bool | None: ...
-
-    def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None: ...
 
 
 class RingSetup:
@@ -137,11 +135,18 @@ class RingSetup:
         effects.append(Event(f"{rnd.kind}_topology: P2P setup re-run without {late}"))
         return effects + self.start_establish(retry, members, newcomers)
 
+    def on_update_vote(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """An ``UpdateTopologyVote`` (:meth:`vote`)."""
+        return self.vote(rec, "update")
+
+    def on_optimize_vote(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        """An ``OptimizeTopologyVote`` (:meth:`vote`)."""
+        return self.vote(rec, "optimize")
+
     def vote(self, rec: PeerRecord, kind: str) -> list[Effect]:
         core = self.core
-        bad = core._require_accepted(rec, f"{kind} topology vote")
-        if bad is not None:
-            return bad
+        if rec.phase is not Phase.ACCEPTED:
+            return core.kick(rec.peer_id, f"{kind} topology vote from a peer that is not accepted")
         if rec.peer_id in core._topology_owed:
             # Another member's topology call failed when its link to this master broke: this member's
             # call of that round fails too, once (docs/concepts.md "A member's link breaks").
@@ -166,7 +171,7 @@ class RingSetup:
         link failed: the others' calls of that round fail too, once each (the votes waiting here now,
         the others' next topology vote), unless that round ended for everybody since its drop."""
         core = self.core
-        if not core._kept(peer_id, _TOPOLOGY_KEY):
+        if not core.records.kept(peer_id, _TOPOLOGY_KEY):
             return []
         rnd = core._topology
         failed: list[Effect] = []
@@ -181,7 +186,9 @@ class RingSetup:
     def check_vote(self) -> list[Effect]:
         core = self.core
         rnd = core._topology
-        if rnd is None or not core.resumed or not rnd.complete(core.ring):
+        ring = core.ring
+        # (the count first: every ballot but the last, see votes.unanimous; then whether the master is held)
+        if rnd is None or len(rnd.votes) < len(ring) or not core.resumed or not rnd.complete(ring):
             return []
         if rnd.kind == "update":
             newcomers = core.registered()
@@ -254,11 +261,16 @@ class RingSetup:
         core = self.core
         assert isinstance(msg, m.P2PConnectionsDone)
         rnd = core._topology
-        if rnd is None or not rnd.expects(rec.peer_id, msg.epoch):
+        # (TopologyRound.expects written out: every member's confirmation passes here)
+        if rnd is None or not rnd.establishing or msg.epoch != rnd.epoch or rec.peer_id not in rnd.member_set:
             # A late answer for a round that already ended (e.g. failed because a peer died): ignore.
             return []
         refused = rnd.confirm(rec.peer_id, msg)
-        return core.kick(rec.peer_id, refused.reason) if refused is not None else self.check_establish()
+        if refused is not None:
+            return core.kick(rec.peer_id, refused.reason)
+        if not rnd.failed and len(rnd.confirmed) < len(rnd.member_set):
+            return []  # (every confirmation but the last: the count says the setup runs on, as outcome())
+        return self.check_establish()
 
     def check_establish(self) -> list[Effect]:
         core = self.core

@@ -14,7 +14,7 @@ from collections.abc import Collection, Iterator
 from typing import Protocol
 
 from .describe import VoteWait
-from .membership import PeerRecord
+from .membership import Membership, PeerRecord
 from .rounds.base import Round
 
 
@@ -22,10 +22,9 @@ class RoundWaitsCore(Protocol):
     """What :class:`RoundWaits` reads of the master's dispatcher
     (:class:`~pccl.master.state.MasterState`)."""
 
+    members: Membership
     peers: dict[int, PeerRecord]
     ring: list[int]
-
-    def _sizes_by_group(self) -> dict[int, int]: ...
 
     def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]: ...
 
@@ -113,7 +112,7 @@ class RoundWaits:
         for group, voters in self.vote_sets():
             counts[group] = counts.get(group, 0) + len(voters)
         ring_wide = counts.get(None, 0)
-        return [g for g, size in core._sizes_by_group().items()
+        return [g for g, size in core.members.sizes_by_group().items()
                 if size >= 2 and counts.get(g, 0) + ring_wide >= size]
 
     def busy_peers(self) -> set[int]:
@@ -123,6 +122,22 @@ class RoundWaits:
         for rnd in core._open_rounds(ordered=False):
             out |= rnd.busy(core.ring)
         return out
+
+    def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
+        """Peers others are waiting for that have been silent past their straggler limit
+        (:meth:`PeerRecord.straggler_limit`), with how long each has been silent."""
+        peers = self.core.peers
+        return [(p, now - peers[p].last_seen)
+                for p, deadline in self._straggler_deadlines(minimum, cap).items() if now > deadline]
+
+    def straggler_deadline(self, minimum: float, cap: float) -> float | None:
+        """When the earliest waited-on peer would become a straggler if it stays silent."""
+        return min(self._straggler_deadlines(minimum, cap).values(), default=None)
+
+    def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
+        """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
+        plus :meth:`PeerRecord.straggler_limit`)."""
+        return self.core.members.straggler_deadlines(self.waited_on(), minimum, cap)
 
     def pending_summary(self) -> list[str]:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""

@@ -5,8 +5,9 @@ effects. ``handle(peer_id, message, now)`` and ``peer_lost(peer_id, reason)`` ar
 in; both return a list of effects (:class:`Send`, :class:`Kick`, :class:`Event`).
 
 Each open vote is an object of pccl/master/rounds/ (and :class:`~pccl.master.votes.PendingRound`): this
-class routes the vote messages to them and walks them in one loop (:meth:`MasterState._open_rounds`;
-docs/master.md "Vote rounds").
+class keeps the data and routes each message to the part that handles it (:attr:`MasterState._HANDLERS`);
+the walks over the open rounds are :class:`~pccl.master.open_rounds.OpenRounds`, and the rounds see the
+master through :class:`~pccl.master.context.MasterContext` (docs/master.md "Vote rounds", "The map").
 
 Vote rules (docs/protocol.md sections 2-6):
 
@@ -23,8 +24,9 @@ Vote rules (docs/protocol.md sections 2-6):
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable
+from types import MethodType
+from typing import Any, cast
 
 from .._errors import Result
 from ..wire import messages as m
@@ -32,6 +34,7 @@ from ..wire.credentials import CredentialIssuer
 from .admission import Admission, OpenVote
 from .away import AwayBook
 from .collective_messages import CollectiveMessages
+from .context import MasterContext
 from .describe import VoteWait
 
 # The effects: re-exported here, where the state's callers have always taken them.
@@ -48,9 +51,10 @@ from .lost import LostBook
 from .membership import Membership
 from .membership import PeerRecord as PeerRecord
 from .membership import Phase as Phase
-from .ops_in_doubt import DoubtBook, Key
+from .open_rounds import OpenRounds
+from .ops_in_doubt import DoubtBook
 from .peers_pending import PeersPending
-from .penalties import RepeatOffenders, identities
+from .penalties import RepeatOffenders
 from .quorum import Quorum
 from .rejoin import Rebuild, Rejoin
 from .removal import Removal
@@ -66,9 +70,9 @@ from .rounds.topology import (
     TopologyRound,
 )
 from .rounds_in_doubt import RoundBook
+from .summary import statistics as _statistics
 from .sync_messages import SyncMessages
 from .tokens import MemberTokens
-from .transfers import SyncProgress
 from .vote_records import VoteRecords
 from .vote_timeouts import VoteTimeouts
 from .votes import PendingRound
@@ -84,6 +88,27 @@ def _frozen_clock() -> float:
     return 0.0
 
 
+
+
+#: A message handler bound to one state: ``handler(sender's record, message) -> effects``.
+Handler = Callable[[PeerRecord, m.Message], list[Effect]]
+
+
+class _Part:
+    """An entry of :attr:`MasterState._HANDLERS` that names a method of one of the dispatcher's parts (by
+    attribute names), bound to that part when a state is built."""
+
+    __slots__ = ("method", "part")
+
+    def __init__(self, part: str, method: str) -> None:
+        self.part, self.method = part, method
+
+    def __call__(self, state: MasterState, rec: PeerRecord, msg: m.Message) -> list[Effect]:
+        return self.bound(state)(rec, msg)
+
+    def bound(self, state: MasterState) -> Handler:
+        """The part's method of ``state``."""
+        return cast(Handler, getattr(getattr(state, self.part), self.method))
 
 
 class MasterState:
@@ -195,6 +220,7 @@ class MasterState:
 
     def _attach_parts(self) -> None:
         """The dispatcher's parts, each working on this core through its Protocol (docs/master.md)."""
+        self.context = MasterContext(self)  # what the vote rounds ask of the master (context.py)
         self.rejoin = Rejoin(self)  # re-registration and the rebuild
         self.removal = Removal(self)  # peers leaving
         self.admission = Admission(self)  # registration and the newcomers' grace
@@ -205,7 +231,11 @@ class MasterState:
         self.vote_timeouts = VoteTimeouts(self)  # the vote timeout, and votes failed for a deadlock
         self.peers_pending = PeersPending(self)  # the are_peers_pending round and its count
         self.records = VoteRecords(self)  # what the parts read of the open rounds
+        self.open_rounds = OpenRounds(self)  # the walks over every open round
         self.round_waits = RoundWaits(self)  # who holds up whom
+        self._handlers: dict[type[m.Message], Handler] = {
+            kind: h.bound(self) if isinstance(h, _Part) else cast(Handler, MethodType(h, self))
+            for kind, h in self._HANDLERS.items()}
 
     # ---------------------------------------------------------------------------------------
     # queries
@@ -221,14 +251,6 @@ class MasterState:
     def ring(self, value: list[int]) -> None:
         self.members.ring = value
 
-    def _group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
-        return self.members.group_size(group)
-
-    def _sizes_by_group(self) -> dict[int, int]:
-        """Accepted peers per group (cached until the ring changes)."""
-        return self.members.sizes_by_group()
-
     def accepted(self, group: int | None = None) -> list[int]:
         """Accepted peers in ring order (optionally of one group)."""
         return self.members.accepted(group)
@@ -242,34 +264,8 @@ class MasterState:
         return self.members.table(ids)
 
     def statistics(self) -> dict[str, Any]:
-        """A summary of the master state (tests assert on it)."""
-        groups: dict[int, int] = {}
-        for p in self.ring:
-            groups[self.peers[p].group] = groups.get(self.peers[p].group, 0) + 1
-        return {
-            "accepted": len(self.ring),
-            "registered": len(self.registered()),
-            "connected": len(self.peers),
-            "groups": dict(sorted(groups.items())),
-            "epoch": self.epoch,
-            "topology_round": self._topology.kind if self._topology else None,
-            "topology_votes": len(self._topology.votes) if self._topology else 0,
-            "pending_votes": len(self._pending.votes),
-            "collectives_running": self.collectives.running(),
-            "collectives_voting": len(self._ops) - self.collectives.running(),
-            "collectives_fast": self.collectives.fast_starts,
-            "speculative_go_held": self.collectives.go_held,
-            "reservations": len(self.collectives.reserved),
-            "syncs_in_progress": len(self._syncs),
-            "heals": self.heals.statistics(),
-            "revisions": dict(self.last_revision),
-            "generation": self.generation,
-            "rebuilding": self.rebuild is not None,
-            "credential_batches": self._issued.batches,
-            "in_doubt": len(self.doubts.open_doubts()),
-            "quorum_enforced": self.enforced,
-            "held": not self.resumed,
-        }
+        """A summary of the master state (tests assert on it; :func:`pccl.master.summary.statistics`)."""
+        return _statistics(self)
 
     def __repr__(self) -> str:
         s = self.statistics()
@@ -319,8 +315,11 @@ class MasterState:
         last epoch's members, or, when the live rule applies (:attr:`enforced`), holding fewer than
         a majority of its epoch's members (docs/concepts.md "No split brain"); or while an operation
         in doubt is undecided or a rebuilt master's roll call runs (pccl/master/ops_in_doubt.py); or while a
-        member whose connection broke may still re-register (pccl/master/away.py)."""
-        return self._quorum_ok and not self.doubts.undecided and not self.rounds.undecided and not self.away
+        member whose connection broke may still re-register (pccl/master/away.py). Asked at every ballot:
+        :attr:`_quorum_ok` is written out here."""
+        quorum = self.quorum
+        return (self.rebuild is None and (not quorum.enforced or quorum.quorate(self.members._ring))
+                and not self.doubts.undecided and not self.rounds.undecided and not self.away)
 
     @property
     def _quorum_ok(self) -> bool:
@@ -360,17 +359,8 @@ class MasterState:
         return self.members.expired(now, timeout)
 
     def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]:
-        """Every open vote round (pccl/master/rounds/): are_peers_pending, topology, the collectives, the
-        syncs; ``ordered``: collectives and syncs by key, else in the order they opened (the order the
-        votes are re-checked in); ``with_ops`` False: without the collectives. A list: walks that act
-        on a round may close it."""
-        rounds: list[Round] = [self._pending]
-        if self._topology is not None:
-            rounds.append(self._topology)
-        if with_ops:
-            rounds += [op for _, op in sorted(self._ops.items())] if ordered else list(self._ops.values())
-        rounds += [sync for _, sync in sorted(self._syncs.items())] if ordered else list(self._syncs.values())
-        return rounds
+        """Every open vote round (:meth:`OpenRounds.rounds`)."""
+        return self.open_rounds.rounds(ordered, with_ops)
 
     # Who holds up whom (pccl/master/round_waits.py): what the stall logs, the deadlock watch and the
     # status page read.
@@ -403,35 +393,17 @@ class MasterState:
         """One line per vote or round in progress: what it is and whom it waits for (for stall logs)."""
         return self.round_waits.pending_summary()
 
-    def _straggler_deadlines(self, minimum: float, cap: float) -> dict[int, float]:
-        """For every waited-on peer: when it becomes a straggler if it stays silent (its last message
-        plus :meth:`PeerRecord.straggler_limit`)."""
-        return self.members.straggler_deadlines(self.waited_on(), minimum, cap)
-
     def stragglers(self, now: float, minimum: float, cap: float) -> list[tuple[int, float]]:
-        """Peers others are waiting for that have been silent past their straggler limit
-        (:meth:`PeerRecord.straggler_limit`), with how long each has been silent."""
-        return [
-            (p, now - self.peers[p].last_seen)
-            for p, deadline in self._straggler_deadlines(minimum, cap).items()
-            if now > deadline
-        ]
+        """Waited-on peers silent past their straggler limit, and how long (RoundWaits.stragglers)."""
+        return self.round_waits.stragglers(now, minimum, cap)
 
     def straggler_deadline(self, minimum: float, cap: float) -> float | None:
         """When the earliest waited-on peer would become a straggler if it stays silent."""
-        return min(self._straggler_deadlines(minimum, cap).values(), default=None)
+        return self.round_waits.straggler_deadline(minimum, cap)
 
     def _open_votes(self, with_ops: bool = True) -> list[tuple[str, float, set[int], list[int], VoteKey]]:
-        """Every vote that others have joined and that still misses some accepted peers, as
-        ``(what, when its first vote came, peers that have not voted, peers that have, which vote)``
-        (``with_ops`` False: all but the collective votes)."""
-        if not self.resumed:
-            return []  # rebuilding: the votes wait for the returning members, not on anyone's vote
-        groups = self.round_waits.group_sets()
-        known = self.peers.keys()
-        return [(rnd.vote_name, rnd.opened, live, sorted(rnd.ballots), rnd.key)
-                for rnd in self._open_rounds(with_ops=with_ops) if rnd.voting and rnd.ballots
-                if (live := groups.get(rnd.group, set()).difference(rnd.ballots) & known)]
+        """The open votes others joined that miss accepted peers (:meth:`OpenRounds.open_votes`)."""
+        return self.open_rounds.open_votes(with_ops)
 
     # The vote timeout and the failing of open votes (pccl/master/vote_timeouts.py).
 
@@ -461,59 +433,11 @@ class MasterState:
 
     def evict_for_liveness(self, peer_id: int, reason: str, code: Result = Result.INVALID_USAGE,
                            now: float | None = None) -> list[Effect]:
-        """Kick ``peer_id`` for stalling the others, remembered against its source address and key: a
-        rejoin is refused for a back-off, then held to a shorter grace (pccl/master/penalties.py)."""
-        if now is not None:
-            self._now = now
-        rec = self.peers.get(peer_id)
-        if rec is None:
-            return []
-        strikes = self.offenders.strike(identities(rec.host, rec.public_key), self._now, reason[:120])
-        return self.kick(peer_id, f"{reason} [strike {strikes}]", code)
-
-    def _check_round(self, key: VoteKey) -> list[Effect]:
-        """Complete the open vote ``key`` if every member it concerns voted (and the master is not held)."""
-        kind, which = key
-        if kind == "op":
-            assert isinstance(which, tuple)
-            return self._check_op_vote(which)
-        if kind == "sync":
-            assert isinstance(which, int)
-            return self._check_sync_vote(which)
-        return self.ring_setup.check_vote() if kind == "topology" else self.peers_pending.check()
-
-    def _round_peer_lost(self, key: VoteKey, peer_id: int) -> list[Effect]:
-        """``peer_id`` left the round ``key``: its ballot or part is withdrawn, the round re-checked."""
-        kind, which = key
-        if kind == "op":
-            assert isinstance(which, tuple)
-            return self.collectives.peer_lost(which, peer_id, self, self.resumed)
-        if kind == "sync":
-            assert isinstance(which, int)
-            return self.syncs.peer_lost(which, peer_id, self, self.resumed)
-        # (are_peers_pending: the ballot was dropped with the peer's other traces in _leave_votes)
-        return self.ring_setup.peer_lost(peer_id) if kind == "topology" else self.peers_pending.check()
+        """Kick ``peer_id`` for stalling the others, with a strike (:meth:`Removal.evict_for_liveness`)."""
+        return self.removal.evict_for_liveness(peer_id, reason, code, now)
 
     def _leave_votes(self, peer_id: int, group: int, was_accepted: bool) -> list[Effect]:
-        """Peer ``peer_id`` of ``group`` is gone: it leaves every vote, round and live heal, its group's
-        reservations are revoked (it was a member: ``was_accepted``), and every vote is re-checked without
-        it (the topology round first, as it always was)."""
-        self._pending.peer_lost(peer_id)
-        self._topology_owed.discard(peer_id)
-        self._sync_rows.pop(peer_id, None)
-        revoked: list[Effect] = []
-        if was_accepted and self.collectives.reserved.revoke(group):
-            # The group changed: no speculative start until its next op completes. Members that are not
-            # voting yet hear it now, so their next call takes the slow path (whose commence names the
-            # living members) instead of starting on a ring with the lost peer and being aborted.
-            why = f"peer {peer_id} of group {group} was lost"
-            revoked = [Send(p, m.ReservationsRevoked(reason=why))
-                       for p in self.ring if self.peers[p].group == group]
-        effects: list[Effect] = revoked + self.heals.peer_lost(peer_id)
-        rounds = self._open_rounds(ordered=False)
-        for rnd in sorted(rounds, key=lambda r: r.key[0] != "topology"):
-            effects += self._round_peer_lost(rnd.key, peer_id)
-        return effects
+        return self.open_rounds.leave(peer_id, group, was_accepted)
 
     def peer_lost(self, peer_id: int, reason: str, now: float | None = None, *,
                   broken: bool = False) -> list[Effect]:
@@ -545,17 +469,18 @@ class MasterState:
             return []
         rec.gaps.append(max(0.0, now - rec.last_seen))
         rec.last_seen = now
-        handler = self._HANDLERS.get(type(msg))
+        handler = self._handlers.get(type(msg))
         if handler is None:
             return self.kick(peer_id, f"message {type(msg).__name__} is not allowed from a peer")
         if rec.phase is Phase.CONNECTED and not isinstance(msg, (m.Register, m.Reregister, m.Heartbeat)):
             return self.kick(peer_id, f"{type(msg).__name__} before Register")
         if rec.admitted is not None and self._takes_part(rec, msg):
             rec.admitted = None  # a newcomer proven: it reports on a round it ran with the others
-        effects = handler(self, rec, msg)
-        effects[:0] = self._rows_due()  # first: before anything this message lets the members do
+        effects = handler(rec, msg)
+        if self._issued.owed and self.resumed:  # (:meth:`_rows_due` written out: after every message)
+            effects[:0] = self.credentials.pay()  # first: before anything this message lets the members do
         if self.heals.held:
-            effects += self.heals.flush(self._heal_busy)
+            effects += self.heals.flush(self.context.heal_busy)
         return effects
 
     def _takes_part(self, rec: PeerRecord, msg: m.Message) -> bool:
@@ -571,29 +496,8 @@ class MasterState:
     def _on_heartbeat(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         return []
 
-    def _on_reregister(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.rejoin.on_reregister(rec, msg)
-
     # ---------------------------------------------------------------------------------------
-    # membership
-
-    def _on_register(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        assert isinstance(msg, m.Register)
-        return self.admission.register(rec, msg)
-
-    # The are_peers_pending round (pccl/master/peers_pending.py): its ballots and what Rejoin reads of it.
-
-    def _on_peers_pending(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.peers_pending.on_vote(rec, msg)
-
-    def _pending_back(self, peer_id: int, msg: m.Reregister, was_dropped: bool,
-                      effects: list[Effect]) -> m.Reregister:
-        """The are_peers_pending round member ``peer_id`` back reports (:meth:`PeersPending.back`)."""
-        return self.peers_pending.back(peer_id, msg, was_dropped, effects)
-
-    def _behind_pending(self, msg: m.Reregister) -> str | None:
-        """Why ``msg``'s peer cannot be taken back from its pending round (:meth:`PeersPending.behind`)."""
-        return self.peers_pending.behind(msg)
+    # what the parts reach through the dispatcher
 
     def _advance_generation(self, generation: int) -> None:
         """Become master ``generation`` unless this one is newer: op_seq and sync_seq move into its
@@ -607,18 +511,7 @@ class MasterState:
         """The roll call's quiet period (``rebuild_quiet``; at least ``failover_quiet`` when the run's
         peers can fail over)."""
         quiet = self.rebuild_quiet or 0.0
-        return max(quiet, self.failover_quiet) if self.enforced else quiet
-
-    # The reads of the vote records the parts need (pccl/master/vote_records.py).
-
-    def _runs_without(self, peer_id: int, group: int) -> bool:
-        return self.records.runs_without(peer_id, group)
-
-    def _kept(self, peer_id: int, key: Key) -> bool | None:
-        return self.records.kept(peer_id, key)
-
-    def _rounds_of(self, group: int) -> dict[Key, str]:
-        return self.records.rounds_of(group)
+        return max(quiet, self.failover_quiet) if self.quorum.enforced else quiet
 
     def _open_votes_by_age(self) -> list[OpenVote]:
         return self.records.open_votes_by_age()
@@ -640,52 +533,16 @@ class MasterState:
         self._now = now
         return self.credentials.overdue(now)
 
-    def _on_standbys(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        """A peer can fail over to another master: in "auto" mode the live quorum rule applies now."""
-        assert isinstance(msg, m.Standbys)
-        if msg.count <= 0 or self.quorum.failover:
-            return []
-        self.quorum.failover = True
-        effects: list[Effect] = []
-        if self.enforced:
-            effects.append(Event(f"peer {rec.peer_id} can fail over to {msg.count} other master(s): votes "
-                                 "now need a majority of the epoch's members"))
-        return effects + self._note_quorum()
-
     def _recheck_votes(self) -> list[Effect]:
-        """Re-check every pending vote (the rebuild ended); credential rows still owed go out first
-        (:meth:`_rows_due`)."""
-        effects = self._rows_due()
-        for rnd in self._open_rounds(ordered=False):
-            effects += self._check_round(rnd.key)
-        return effects
-
-    def _accept_first_if_alone(self) -> list[Effect]:
-        """The earliest registered peer, accepted alone while nobody is accepted
-        (:meth:`Admission.accept_first_if_alone`)."""
-        return self.admission.accept_first_if_alone()
+        """Re-check every pending vote, owed credential rows first (:meth:`OpenRounds.recheck`)."""
+        return self.open_rounds.recheck()
 
     def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None:
         if rec.phase is not Phase.ACCEPTED:
             return self.kick(rec.peer_id, f"{what} from a peer that is not accepted")
         return None
 
-    # The topology round (pccl/master/ring_setup.py): its messages and the calls of the server and timers.
-
-    def _on_update_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.vote(rec, "update")
-
-    def _on_optimize_topology(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.vote(rec, "optimize")
-
-    def _on_p2p_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.on_p2p_done(rec, msg)
-
-    def _on_bandwidth_report(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.ring_setup.on_bandwidth_report(rec, msg)
-
-    def _fail_lost_topology(self, peer_id: int, others: list[int]) -> list[Effect]:
-        return self.ring_setup.fail_lost(peer_id, others)
+    # The topology round (pccl/master/ring_setup.py): the calls of the server and timers.
 
     def setup_deadline(self, timeout: float) -> float | None:
         """When the P2P setup of the topology round in progress runs out of time (None: no setup)."""
@@ -708,61 +565,7 @@ class MasterState:
         return self.ring_setup.offer_ring(ring)
 
     # ---------------------------------------------------------------------------------------
-    # collectives
-
-    # The collective messages (pccl/master/collective_messages.py).
-
-    def _on_collective_initiate(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.collective_messages.on_initiate(rec, msg)
-
-    def _on_collective_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.collective_messages.on_done(rec, msg)
-
-    def _fail_lost(self, keys: list[Key]) -> list[Effect]:
-        """A re-registration named ``keys`` lost with the master: fail the votes for them already
-        waiting here (members that voted at this master before the report came), once each."""
-        effects: list[Effect] = []
-        for key in keys:
-            kind, group, tag = key
-            if kind == "op":
-                effects += self.collectives.fail_lost((group, tag), lambda p: self.lost.owes(p, key))
-            else:
-                effects += self.syncs.fail_lost(group, lambda p: self.lost.owes(p, key))
-        return effects
-
-    # What the collective rounds ask of the master (pccl/master/rounds/collective.py CollectiveContext).
-
-    @property
-    def now(self) -> float:
-        """The time of the event being handled."""
-        return self._now
-
-    def group_size(self, group: int) -> int:
-        """How many accepted peers ``group`` has (counted once per ring change, not per vote)."""
-        return self._group_size(group)
-
-    def known(self, peer_id: int) -> bool:
-        """Whether ``peer_id`` is connected."""
-        return peer_id in self.peers
-
-    def registered_in(self, group: int) -> list[int]:
-        """The peers of ``group`` waiting to be accepted."""
-        return [r for r in self.registered() if self.peers[r].group == group]
-
-    def next_op_seq(self) -> int:
-        """A fresh op_seq of this master's generation."""
-        self._op_seq += 1
-        return self._op_seq
-
-    def op_settled(self, group: int, tag: int, seq: int, committed: bool) -> None:
-        """A running collective ended: the books in doubt (and, committed, the lost book) learn it."""
-        self.doubts.settle(("op", group, tag), seq, committed)
-        if committed:
-            self.lost.settled(("op", group, tag))
-            self.doubts.progressed(group)
-
-    def _check_op_vote(self, key: tuple[int, int]) -> list[Effect]:
-        return self.collectives.check(key, self) if self.resumed else []
+    # collectives and shared state (the messages: collective_messages.py, sync_messages.py)
 
     @property
     def go_waiting(self) -> bool:
@@ -784,109 +587,28 @@ class MasterState:
         self._now = now
         return self.collectives.go_overdue(now)
 
-    # ---------------------------------------------------------------------------------------
-    # shared state
-
-    # The shared-state messages (pccl/master/sync_messages.py).
-
-    def _on_shared_state_entries(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_entries(rec, msg)
-
-    def _on_shared_state_sync(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_sync(rec, msg)
-
-    def _on_shared_state_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_done(rec, msg)
-
-    def _on_shared_state_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
-        return self.sync_messages.on_progress(rec, msg)
-
-    def _check_sync_vote(self, group: int) -> list[Effect]:
-        return self.syncs.check(group, self) if self.resumed else []
-
     def transfer_progress(self, now: float) -> list[dict[str, Any]]:
         """Each running sync's receivers, for the status page: ``{"group", "sync_seq", "receivers"}``
         with :meth:`SyncProgress.rows` as the receivers, by group."""
         return self.syncs.transfer_progress(now) + self.heals.transfer_progress(now)
 
-    # What the sync rounds ask of the master (pccl/master/rounds/sync.py SyncContext).
-
-    def revision_of(self, group: int) -> int | None:
-        """The revision ``group``'s last sync committed (None: none)."""
-        return self.last_revision.get(group)
-
-    def next_sync_seq(self) -> int:
-        """A fresh sync_seq of this master's generation."""
-        self._sync_seq += 1
-        return self._sync_seq
-
-    # -- live heals (pccl/master/heals.py): what the rounds ask, and the few hooks above
-
-    def left_out(self, group: int, kind: str) -> frozenset[int]:
-        """Peers of ``group`` that no vote of ``kind`` ("op" or "sync") waits on: they heal (or, for
-        collectives, are behind after a heal). Asked by the group's votes only: a vote that leaves a
-        healing peer out means the group went on without it (:meth:`HealBook.group_voted`)."""
-        out = self.heals.out_of_ops(group) if kind == "op" else self.heals.out_of_syncs(group)
-        if out and self.heals.healing:
-            self.heals.group_voted(group)
-        return out
-
-    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
-        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
-        return self.heals.may_go_live(rows_of)
-
-    def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
-                table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:
-        """Sync ``seq`` of ``group`` (its round already closed) runs as a live heal: settled for its
-        holders now; no speculative start in the group meanwhile; the votes that waited for a fetcher
-        are checked again."""
-        self.sync_settled(group, seq, True, revision)
-        effects: list[Effect] = []
-        for p in rows_of:
-            self.peers[p].admitted = None  # (proven: it takes part in a sync; no admission grace)
-        if self.collectives.reserved.revoke(group):  # the members' next rings leave the fetchers out
-            revoked = m.ReservationsRevoked(reason="a member of the group heals")
-            effects += [Send(p, revoked) for p in rows_of]
-        effects += self.heals.go_live(seq, group, revision, rows_of, table, note, progress)
-        for key in [k for k in self._ops if k[0] == group]:
-            effects += self._check_op_vote(key)
-        return effects + self.peers_pending.check()
-
-    def synced(self, peers: Collection[int]) -> None:
-        """``peers`` ended an ordinary sync successfully: one behind after a live heal is current again."""
-        for p in peers:
-            self.heals.joined(p)
-
-    def _heal_busy(self, group: int, final: bool) -> bool:
-        """Whether a healed peer's result must wait: its group runs a sync (or, for a final result, a
-        collective) that it could not join."""
-        rnd = self._syncs.get(group)
-        return (rnd is not None and rnd.running) or (
-            final and any(op.running for (g, _), op in self._ops.items() if g == group))
-
-    def sync_settled(self, group: int, seq: int, committed: bool, revision: int) -> None:
-        """A running sync ended: committed, its revision is the group's; the books in doubt learn it."""
-        if committed:
-            self.last_revision[group] = revision
-        self.doubts.settle(("sync", group, -1), seq, committed)
-        if committed:
-            self.lost.settled(("sync", group, -1))
-            self.doubts.progressed(group)
-
+    #: The handler of each message a peer may send: the dispatcher's own (a function of the state, the
+    #: sender's record and the message), or a method of one of its parts (:class:`_Part`), bound when the
+    #: state is built so that a message reaches its part in one call.
     _HANDLERS: dict[type[m.Message], Callable[[MasterState, PeerRecord, m.Message], list[Effect]]] = {
         m.Heartbeat: _on_heartbeat,
-        m.Register: _on_register,
-        m.Reregister: _on_reregister,
-        m.Standbys: _on_standbys,
-        m.PeersPendingVote: _on_peers_pending,
-        m.UpdateTopologyVote: _on_update_topology,
-        m.OptimizeTopologyVote: _on_optimize_topology,
-        m.P2PConnectionsDone: _on_p2p_done,
-        m.BandwidthReport: _on_bandwidth_report,
-        m.CollectiveInitiate: _on_collective_initiate,
-        m.CollectiveDone: _on_collective_done,
-        m.SharedStateSync: _on_shared_state_sync,
-        m.SharedStateEntries: _on_shared_state_entries,
-        m.SharedStateDone: _on_shared_state_done,
-        m.SharedStateProgress: _on_shared_state_progress,
+        m.Register: _Part("admission", "on_register"),
+        m.Reregister: _Part("rejoin", "on_reregister"),
+        m.Standbys: _Part("holds", "on_standbys"),
+        m.PeersPendingVote: _Part("peers_pending", "on_vote"),
+        m.UpdateTopologyVote: _Part("ring_setup", "on_update_vote"),
+        m.OptimizeTopologyVote: _Part("ring_setup", "on_optimize_vote"),
+        m.P2PConnectionsDone: _Part("ring_setup", "on_p2p_done"),
+        m.BandwidthReport: _Part("ring_setup", "on_bandwidth_report"),
+        m.CollectiveInitiate: _Part("collective_messages", "on_initiate"),
+        m.CollectiveDone: _Part("collective_messages", "on_done"),
+        m.SharedStateSync: _Part("sync_messages", "on_sync"),
+        m.SharedStateEntries: _Part("sync_messages", "on_entries"),
+        m.SharedStateDone: _Part("sync_messages", "on_done"),
+        m.SharedStateProgress: _Part("sync_messages", "on_progress"),
     }

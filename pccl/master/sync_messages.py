@@ -21,18 +21,21 @@ from ..wire import limits as _limits
 from ..wire import messages as m
 from . import election as _election
 from .away import AwayBook
+from .context import MasterContext
 from .effects import Effect, Send
 from .heals import HealBook
 from .lost import LostBook
 from .membership import PeerRecord
 from .rounds.base import Expel
-from .rounds.sync import SyncContext, SyncVotes, lost_sync_result
+from .rounds.sync import SyncVotes, lost_sync_result
 
 
-class SyncMessagesCore(SyncContext, Protocol):
+class SyncMessagesCore(Protocol):
     """What :class:`SyncMessages` uses of the master's dispatcher (:class:`~pccl.master.state.MasterState`);
-    the sync rounds' own context (:class:`~pccl.master.rounds.sync.SyncContext`) comes with it."""
+    the sync rounds reach the master through its :attr:`context`
+    (:class:`~pccl.master.context.MasterContext`)."""
 
+    context: MasterContext
     syncs: SyncVotes
     heals: HealBook
     lost: LostBook
@@ -44,7 +47,6 @@ class SyncMessagesCore(SyncContext, Protocol):
 
     def _require_accepted(self, rec: PeerRecord, what: str) -> list[Effect] | None: ...
 
-    def _check_sync_vote(self, group: int) -> list[Effect]: ...
 
 
 class SyncMessages:
@@ -116,14 +118,14 @@ class SyncMessages:
             return [Send(rec.peer_id, lost_sync_result(msg.revision))]
         if core.syncs.vote(rec.peer_id, rec.group, vote, core._now):
             core.away.opened(("sync", rec.group, -1))
-        return core._check_sync_vote(rec.group)
+        return core.context.check_sync(rec.group)
 
     def on_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         core = self.core
         assert isinstance(msg, m.SharedStateDone)
         if core.heals.is_healing(rec.peer_id):
             return core.heals.done(rec.peer_id, msg)
-        got = core.syncs.report(rec.peer_id, rec.group, msg, core)
+        got = core.syncs.report(rec.peer_id, rec.group, msg, core.context)
         return core.kick(rec.peer_id, got.reason) if isinstance(got, Expel) else got
 
     def on_progress(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:

@@ -17,6 +17,7 @@ from typing import Protocol
 from .._errors import Result
 from ..wire import messages as m
 from .effects import Effect, Event, Send
+from .membership import Membership
 from .rounds.base import Round, VoteKey
 from .rounds.collective import CollectiveRound, CollectiveVotes
 from .rounds.sync import SyncVotes
@@ -27,6 +28,7 @@ class VoteTimeoutsCore(Protocol):
     """What :class:`VoteTimeouts` uses of the master's dispatcher
     (:class:`~pccl.master.state.MasterState`)."""
 
+    members: Membership
     ring: list[int]
     epoch: int
     collectives: CollectiveVotes
@@ -43,8 +45,6 @@ class VoteTimeoutsCore(Protocol):
     def table(self, ids: list[int]) -> list[m.PeerRow]: ...
 
     def accepted(self, group: int | None = None) -> list[int]: ...
-
-    def _sizes_by_group(self) -> dict[int, int]: ...
 
     def _open_rounds(self, ordered: bool = True, with_ops: bool = True) -> list[Round]: ...
 
@@ -73,7 +73,7 @@ class VoteTimeouts:
         if not core.resumed:
             return None
         best = min((v[1] for v in core._open_votes(with_ops=False)), default=None)
-        sizes = core._sizes_by_group()
+        sizes = core.members.sizes_by_group()
         for (group, _), op in core._ops.items():
             if op.running or not op.votes or (best is not None and op.opened >= best):
                 continue

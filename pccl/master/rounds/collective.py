@@ -273,8 +273,10 @@ class CollectiveVotes:
         if op is None or op.running:
             return []
         out = ctx.left_out(op.group, "op")  # healing or behind after a heal: not waited on
-        members = unanimous(op.votes, ctx.group_size(op.group) - len(out),
-                            lambda: [p for p in ctx.accepted(op.group) if p not in out])
+        size = ctx.group_size(op.group) - len(out)
+        if len(op.votes) < size:
+            return []  # (every ballot but the last: the count alone says no, see :func:`unanimous`)
+        members = unanimous(op.votes, size, lambda: [p for p in ctx.accepted(op.group) if p not in out])
         if members is None:
             return []
         voters = [p for p in members if p in op.votes]
