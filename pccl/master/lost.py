@@ -12,7 +12,8 @@ through: every member's call of that operation failed the same way (docs/concept
 with the master"). :class:`LostBook` keeps those operations and who already failed them:
 
 * a member that reported the operation abandoned, or in doubt on it (its decision, an abort, fails it),
-  owes nothing (one in doubt on the operation before it owes the failure of the lost one);
+  owes nothing (one in doubt on the operation before it owes the failure of the lost one), also a
+  newcomer that voted for its first sync and never committed one, whichever member comes back first;
 * a member that re-registered and whose last committed sequence number of that tag (``ops_committed``,
   ``sync_committed``) is below the lost one (or, for one that was voted but never commenced, sequence -1,
   at most the reporter's last committed one) votes for that very operation: its vote is failed, once;
@@ -106,8 +107,11 @@ class LostBook:
         for key, seq in rows:
             base = committed.get(key, -1)
             out = outcome(key)
-            if out is not None and out[1] and out[0] > max(seq, base):
+            if out is not None and out[1] and out[0] > max(seq, base) and (seq >= 0 or base >= 0):
                 continue  # the group committed a later one of this key here: it went on past it
+            # (Voted and never committed one, a newcomer: its vote was for the group's next one, whatever
+            # the group committed before it came. Skipped, it was failed again at its retry when it came
+            # back after a member, while the members' retries waited for it.)
             if kept is not None and kept(key) is False:
                 continue  # it ended here for everybody: every member's call failed (or went past) it
             rec = self._lost.get(key)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pccl import Result
 from pccl.master.lost import REASON
 from pccl.master.state import MasterState
@@ -168,3 +170,25 @@ def test_a_member_in_doubt_on_the_op_before_the_lost_one_fails_its_vote_for_the_
     assert lost_aborts(vote(st, 2)) == [2]
     assert lost_aborts(vote(st, 3)) == [3]
     assert not sends(vote(st, 2))
+
+
+@pytest.mark.parametrize("order", [(1, 3, 2), (3, 1, 2)])
+def test_a_sync_a_newcomer_lost_with_the_members_fails_nobody_whatever_the_order_of_return(
+    order: tuple[int, int, int],
+) -> None:
+    # Members 1 and 2 admitted newcomer 3 and all three voted for the sync that gives it the state; the
+    # master was lost before the plan. Each reports the sync abandoned: each call failed already, so
+    # no retry owes another failure. The newcomer never committed a sync (sync_committed -1): when it
+    # came back after a member, its report was taken for a sync the group had gone past, and its retry
+    # was failed while the members' retries waited for it (it then went to are_peers_pending: a
+    # deadlock the deadlock watch does not see, found by the chaos test, seed 5 with
+    # PCCL_CHAOS_SHUFFLE=1).
+    st = MasterState()
+    for p in order:
+        rereg(st, p, sync_abandoned=m.SYNC_ABANDONED_VOTED, sync_committed=-1 if p == 3 else SYNC)
+    assert st.resumed
+    sync = m.SharedStateSync(revision=6, strategy=0, entries=ENTRY)
+    assert not sends(st.handle(3, sync, 0.0))
+    assert not sends(st.handle(1, sync, 0.0))
+    plans = sends(st.handle(2, sync, 0.0), m.SharedStatePlan)
+    assert sorted(p for p, _ in plans) == RING

@@ -25,11 +25,15 @@ at every step:
 * a peer the driver did not fault never loses the master.
 
 The run is deterministic: two runs with the same seed produce the same trace (events and commits
-in virtual time).
+in virtual time), in this process and in another one (its own hash seed and memory layout), however
+loaded the machine is. Trio runs the tasks that became runnable together in a random order (a coin
+flip per batch, or a shuffle once Hypothesis is imported, as pytest's plugin does), which no seed of
+ours reaches: :func:`fixed_scheduling` pins that order for the run (see its docstring).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -40,6 +44,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -390,7 +395,59 @@ async def driver(chaos: Chaos, cluster: TestCluster, nursery: trio.Nursery) -> N
                 cluster.partition(i, "master")
 
 
+class _Order(random.Random):
+    """Trio's scheduler random source, pinned: batches in creation order, or shuffled from a seed."""
+
+    def __init__(self, shuffle: int | None) -> None:
+        super().__init__(shuffle)
+        self.shuffles = shuffle is not None
+
+    def shuffle(self, x: Any) -> None:  # type: ignore[override]
+        # (random() stays Random's own: overriding it would make shuffle() draw from it, not the seed.
+        # Trio's deterministic mode calls only shuffle().)
+        if self.shuffles:
+            super().shuffle(x)
+
+
+@contextlib.contextmanager
+def fixed_scheduling(shuffle: int | None = None) -> Iterator[None]:
+    """Run the tasks that trio finds runnable together in the order they were created, or (``shuffle``
+    an int) in an order drawn from ``random.Random(shuffle)``: the same in every run either way.
+
+    Trio picks that order at random on purpose: a coin flip per batch from its own unseeded
+    ``random.Random`` (or, once Hypothesis is imported, a shuffle of the batch sorted by task
+    creation), so that no program relies on it. Under a virtual clock many tasks wake at the same
+    instant (heartbeats, deliveries one latency after a send), and where the outcome of a race between
+    them depends on who runs first (as it may on a real network) two runs of one seed parted ways: two
+    plain processes gave different traces for seeds 0, 2 and 3. This turns trio's deterministic mode
+    on (each batch sorted by task creation, which also undoes the orders that depend on memory
+    addresses: deadline ties, a cancelled scope's children) with a source that shuffles only from the
+    given seed. Trio private names: the test fails clearly if they move.
+    """
+    run = trio._core._run
+    for name in ("_ALLOW_DETERMINISTIC_SCHEDULING", "_r"):
+        assert hasattr(run, name), f"trio {trio.__version__} lacks _core._run.{name}: see fixed_scheduling"
+    saved = run._ALLOW_DETERMINISTIC_SCHEDULING, run._r
+    setattr(run, "_ALLOW_DETERMINISTIC_SCHEDULING", True)  # noqa: B010 (a Final name)
+    setattr(run, "_r", _Order(shuffle))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(run, "_ALLOW_DETERMINISTIC_SCHEDULING", saved[0])  # noqa: B010
+        setattr(run, "_r", saved[1])  # noqa: B010
+
+
+# Other interleavings of the same seed: PCCL_CHAOS_SHUFFLE=N shuffles every batch of tasks runnable
+# together from random.Random(N) (reproducibly; the replica inherits it) instead of creation order.
+SHUFFLE = int(os.environ["PCCL_CHAOS_SHUFFLE"]) if os.environ.get("PCCL_CHAOS_SHUFFLE") else None
+
+
 async def run_chaos(seed: int) -> Chaos:
+    with fixed_scheduling(SHUFFLE):
+        return await _run_chaos(seed)
+
+
+async def _run_chaos(seed: int) -> Chaos:
     chaos = Chaos(seed)
     net = VirtualNetwork(latency=0.0005, connect_timeout=0.5)
     groups = [i % GROUPS for i in range(N_PEERS)]
