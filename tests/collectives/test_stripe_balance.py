@@ -1,15 +1,19 @@
 """The connections of a stripe share one queue of ready frames: a slow connection carries fewer
-frames instead of holding the operation up with its fixed share. Virtual network, MockClock."""
+frames instead of holding the operation up with its fixed share; and a striped ring plan takes its
+receives in as they arrive, not in plan order. Virtual network, MockClock."""
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
+from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import trio
 import trio.testing
 
+from pccl import RankConnectionLostError
 from pccl.collectives import ring as ring_mod
 from pccl.collectives.schedule import SRC_OUT, SendFrame
 from pccl.testing import VirtualNetwork, open_test_cluster
@@ -68,3 +72,47 @@ async def test_stripe_senders_share_one_queue_and_a_single_connection_keeps_lane
     # partner 1 over one connection: one sender
     assert [(p, c) for p, c, _q in senders if p == 1] == [(1, 0)]
     assert queue_of[4] is queue_of[5] and queue_of[4] is not queue_of[0]
+
+
+class _Slot:
+    def __init__(self) -> None:
+        self.event = trio.Event()
+        self.error: Exception | None = None
+
+    async def wait(self) -> None:
+        await self.event.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _FakeExec:
+    def __init__(self, unlocks: tuple[tuple[int, ...], ...]) -> None:
+        self.plan = SimpleNamespace(unlocks=unlocks)
+        self.taken: list[int] = []
+
+    def received(self, i: int) -> None:
+        self.taken.append(i)
+
+
+async def test_striped_ring_receives_are_taken_in_as_they_arrive() -> None:
+    # receive i unlocks send 10 + i; they arrive in the order 2, 0, 1
+    ex = _FakeExec(((10,), (11,), (12,)))
+    slots = [_Slot() for _ in range(3)]
+    released: list[int] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ring_mod._receive_in_arrival_order, ex, slots, released.append)  # type: ignore[arg-type]
+        for i in (2, 0, 1):
+            await trio.testing.wait_all_tasks_blocked()
+            slots[i].event.set()
+    assert ex.taken == [2, 0, 1]
+    assert released == [12, 10, 11]  # receive 2's send left before receive 0 had arrived
+
+
+async def test_a_failed_receive_is_raised_as_itself() -> None:
+    ex = _FakeExec(((), ()))
+    slots = [_Slot() for _ in range(2)]
+    slots[1].error = RankConnectionLostError("gone")
+    slots[1].event.set()
+    with pytest.raises(RankConnectionLostError):
+        await ring_mod._receive_in_arrival_order(ex, slots, lambda j: None)  # type: ignore[arg-type]
+    assert ex.taken == []
