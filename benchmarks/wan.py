@@ -127,6 +127,9 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
     from pccl import PeerConfig, ReduceOp, UpdateTopologyFailedError
     from pccl.peer.communicator import open_communicator
 
+    trace: list[tuple[str, int, float, float, int]] | None = [] if cfg.get("trace") else None
+    if trace is not None:
+        _install_trace(trace)
     kwargs: dict[str, Any] = {}
     if cfg.get("pool"):
         kwargs["p2p_connection_pool_size"] = cfg["pool"]
@@ -150,21 +153,60 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             opt_s = 0.0
         x = np.random.default_rng(comm.rank).random(cfg["nbytes"] // 4, dtype=np.float32)
         times = []
+        phases: list[dict[str, float]] = []
         for i in range(cfg["warmup"] + cfg["iters"]):
             if cfg["idle"]:
                 await trio.sleep(cfg["idle"])  # a training step's compute
             await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+            if trace is not None:
+                trace.clear()
             t = time.perf_counter()
             await comm.all_reduce(x, op=ReduceOp.SUM, tag=0)
             if i >= cfg["warmup"]:
                 times.append(time.perf_counter() - t)
+                phases.append(comm.statistics()["last_op_phases"])
         stripes = comm.pool.statistics().get("outgoing")
         stats = comm.statistics()
         spec = {k: stats.get(k, 0) for k in ("speculative_starts", "speculative_gate_waits")}
         ring = comm.group_ring
         await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+    if trace is not None:
+        print(json.dumps({"event": "trace", "t0": t, "frames": [
+            (k, c, round(1e3 * (a - t), 1), round(1e3 * (b - t), 1), n >> 10) for k, c, a, b, n in trace]}),
+            flush=True)
     print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
-                      "optimize_s": opt_s, "ring": ring, "outgoing": stripes, **spec}), flush=True)
+                      "optimize_s": opt_s, "ring": ring, "outgoing": stripes, **spec,
+                      "phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 1)
+                                    for k in (phases[0] if phases else {})}}), flush=True)
+
+
+def _install_trace(trace: list[tuple[str, int, float, float, int]]) -> None:
+    """Record every data frame's send (start, end) and receive (header read, end) per connection
+    (``--trace``: where the time of the last iteration went)."""
+    from pccl.peer.ring_links import RingLinks
+    from pccl.peer.ring_reader import RingReaders
+    from pccl.wire.data import unpack_data_header_fields
+
+    send0 = RingLinks.send
+    read0 = RingReaders.read_frame
+
+    async def send(self: Any, peer_id: int, tag: int, op_seq: int, seq: int, data: Any, *,
+                   conn_index: int) -> None:
+        a = time.perf_counter()
+        await send0(self, peer_id, tag, op_seq, seq, data, conn_index=conn_index)
+        if len(data) > 65536:
+            trace.append(("send", conn_index % len(self.conns[peer_id]), a, time.perf_counter(), len(data)))
+
+    async def read_frame(self: Any, conn: Any) -> bool:
+        a = time.perf_counter()
+        length = unpack_data_header_fields(conn.hdr)[3]
+        ok: bool = await read0(self, conn)
+        if length > 65536:
+            trace.append(("recv", conn.index, a, time.perf_counter(), length))
+        return ok
+
+    RingLinks.send = send  # type: ignore[method-assign]
+    RingReaders.read_frame = read_frame  # type: ignore[method-assign]
 
 
 def _gloo_child(cfg: dict[str, Any]) -> None:
@@ -229,11 +271,23 @@ def _collect(procs: list[subprocess.Popen[str]], timeout: float, what: str) -> l
                 q.kill()
             raise RuntimeError(f"{what}: timed out after {timeout:.0f} s") from None
         lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+        for x in lines:
+            if x.get("event") == "trace":
+                _print_trace(x["frames"])
         res = [x for x in lines if x.get("event") == "result"]
         if p.returncode != 0 or not res:
             raise RuntimeError(f"{what}: a process failed ({p.returncode}):\n{err[-3000:]}")
         results.append(res[-1])
     return results
+
+
+def _print_trace(frames: list[list[Any]]) -> None:
+    by: dict[tuple[str, int], list[str]] = {}
+    for kind, conn, a, b, kib in frames:
+        by.setdefault((kind, conn), []).append(f"{a:.0f}-{b:.0f}({kib >> 10}M)")
+    print("  trace (ms from the call, per connection):", flush=True)
+    for (kind, conn), items in sorted(by.items()):
+        print(f"    {kind} {conn}: " + " ".join(items), flush=True)
 
 
 def _child_argv(kind: str, cfg: dict[str, Any]) -> list[str]:
@@ -262,7 +316,8 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
         for host in order:
             cfg = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "addr": wan.addresses[host],
                    "world": case.hosts, "nbytes": case.nbytes, "iters": args.iters,
-                   "warmup": args.warmup, "idle": case.idle_s, "pool": pool, "optimize": optimize}
+                   "warmup": args.warmup, "idle": case.idle_s, "pool": pool, "optimize": optimize,
+                   "trace": bool(os.environ.get("PCCL_WAN_TRACE"))}
             p = wan.popen(host, _child_argv("ours", cfg), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env)
             procs.append(p)
