@@ -831,9 +831,10 @@ class MasterState:
             self.heals.group_voted(group)
         return out
 
-    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
-        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
-        return self.heals.may_go_live(rows_of)
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]], group: int = 0,
+                    content: dict[str, int] | None = None) -> bool:
+        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal (HealBook.may_go_live)."""
+        return self.heals.may_go_live(rows_of, group, content)
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
                 table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:

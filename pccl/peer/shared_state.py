@@ -46,7 +46,7 @@ ProgressCallback = Callable[[int, int], None]
 
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
 _TOTALS = ("heal_fetches", "heal_bytes", "heal_chunks", "heal_donors_failed", "heal_donors_excluded",
-           "heal_bad_bytes", "heal_duplicate_bytes", "heal_stolen")
+           "heal_bad_bytes", "heal_duplicate_bytes", "heal_stolen", "heal_served_bytes")
 _PROGRESS_LOG_BYTES = 64 * 1024 * 1024
 #: Snapshots a holder keeps pinned for live heals at once (each holds a copy of the keys fetched).
 PINS_KEPT = 4
@@ -291,7 +291,9 @@ class StateServer:
     def count(self, fetch: dict[str, Any]) -> None:
         """Add a finished (or failed) fetch's statistics to :attr:`totals`: ``heal_fetches``,
         ``heal_bytes`` (verified), ``heal_chunks``, ``heal_donors_failed``, ``heal_donors_excluded``
-        (bad bytes), ``heal_bad_bytes``, ``heal_duplicate_bytes`` (fetched twice), ``heal_stolen``."""
+        (bad bytes), ``heal_bad_bytes``, ``heal_duplicate_bytes`` (fetched twice), ``heal_stolen``.
+        (``heal_served_bytes``, the tensor bytes this peer sent to fetchers, from a running sync or a
+        pinned snapshot, is counted as it serves.)"""
         self.last = fetch
         t = self.totals
         t["heal_fetches"] += 1
@@ -657,6 +659,7 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
             await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))
             return
         by_name = {i.name: i for i in ctx.state.tensor_infos}
+        sent = ctx.tx
         try:
             refusal = await _serve_one(ctx, by_name, ms, req, server.cap)
         except StreamBroken:
@@ -664,6 +667,8 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
             # too) or gave up on us. Normal at the end of a swarm fetch.
             log.debug("shared state: a fetcher closed its connection while we sent")
             return
+        finally:
+            server.totals["heal_served_bytes"] += ctx.tx - sent
         if refusal:
             await ms.send(m.Refused(reason=refusal))
             return

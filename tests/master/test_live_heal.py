@@ -197,3 +197,57 @@ def test_a_fetcher_whose_group_did_nothing_meanwhile_is_current_at_once() -> Non
     eff = _all_reduce(hs, [c])
     assert _to(eff, c, m.CollectiveCommence)
     assert hs.st.heals.statistics()["fetched"] == 1
+
+
+def _entries(w: int, v: int) -> list[list[Any]]:
+    return [["w", 10, [1000], 4000, w, False], ["v", 10, [1000], 4000, v, False]]
+
+
+def _two_syncs(second: dict[str, list[list[Any]]]) -> tuple[Harness, list[Any], list[int]]:
+    """A first sync of all three (same content, nothing to fetch), then a second one where ``a`` and ``b``
+    hold ``second["held"]`` (revision 2) and ``c`` votes ``second["c"]`` (revision 1)."""
+    hs, (a, b, c) = _live()
+    eff: list[Any] = []
+    for p in (a, b, c):
+        eff += hs.h(p, m.SharedStateSync(revision=1, strategy=0, entries=_entries(1, 2)))
+    seq = hs.st._sync_seq
+    for p in (a, b, c):
+        hs.h(p, m.SharedStateDone(sync_seq=seq, success=True))
+    eff = hs.h(a, m.SharedStateSync(revision=2, strategy=0, entries=second["held"]))
+    eff += hs.h(b, m.SharedStateSync(revision=2, strategy=0, entries=second["held"]))
+    eff += hs.h(c, m.SharedStateSync(revision=1, strategy=0, entries=second["c"]))
+    return hs, eff, [a, b, c]
+
+
+def test_a_sync_is_kept_ordinary_when_every_key_fetched_changed_since_the_last_one() -> None:
+    """The group changed every key since its previous sync (data-parallel, DiLoCo): a live round could
+    not catch up (the fetcher would fetch it all again at its join while the members wait), so the
+    sync is an ordinary one: the fetcher receives the state once."""
+    hs, eff, (a, _, c) = _two_syncs({"held": _entries(11, 12), "c": _entries(1, 2)})
+    plan = _to(eff, c, m.SharedStatePlan)[0]
+    assert not plan.live and sorted(r[0] for r in plan.fetch) == ["v", "w"]
+    assert not _to(eff, a, m.SharedStateResult)  # the members wait for it, as before live heals
+    assert hs.st.heals.statistics()["kept_ordinary"] == 1 and hs.st.heals.statistics()["started"] == 0
+
+
+def test_a_key_unchanged_since_the_last_sync_keeps_the_heal_live() -> None:
+    """Part of what the fetcher fetches did not change (frozen layers): a live round can catch up on the
+    rest, so the heal is live."""
+    hs, eff, (a, _, c) = _two_syncs({"held": _entries(11, 2), "c": _entries(0, 0)})
+    plan = _to(eff, c, m.SharedStatePlan)[0]
+    assert plan.live and sorted(r[0] for r in plan.fetch) == ["v", "w"]
+    assert _to(eff, a, m.SharedStateResult)[0].success
+    assert hs.st.heals.statistics()["kept_ordinary"] == 0 and hs.st.heals.statistics()["started"] == 1
+
+
+def test_only_the_fetched_keys_decide() -> None:
+    """``c`` fetches only ``w``, which changed; ``v`` did not change but ``c`` holds it already."""
+    _, eff, (_, _, c) = _two_syncs({"held": _entries(11, 2), "c": _entries(1, 2)})
+    plan = _to(eff, c, m.SharedStatePlan)[0]
+    assert not plan.live and [r[0] for r in plan.fetch] == ["w"]
+    book = HealBook(1)
+    rows = {1: [["w", 11, [2]]], 2: []}
+    assert book.may_go_live(rows, 0, {"w": 1})  # no history: live
+    assert not book.may_go_live(rows, 0, {"w": 11})  # w changed since: ordinary
+    assert book.may_go_live(rows, 0, {"w": 11})  # unchanged since: live
+    assert book.may_go_live(rows, 5, {"w": 7})  # another group: its own history
