@@ -30,7 +30,9 @@ everywhere, queues of one bandwidth-delay product. The heal time is the newcomer
 plan's arrival, without hashing its own state for the vote and the apply). "kill": the newcomer SIGKILLs the
 last donor's process when half of its bytes are in; "corrupt": the last donor flips a bit in the first
 chunk it serves (one chunk). Each case checks the newcomer's tensors bit-identical to every donor's and
-that no surviving member's call failed. ``--wan-cases`` picks cases (1,2,3,kill,corrupt).
+that no surviving member's call failed. ``--wan-cases`` picks cases (1,2,3,kill,corrupt; and train: the
+members' training during a heal, with each member's uplink one shared link, benchmarks/_heal_training_wan.py;
+``--serve-mbit`` caps each member's serving).
 
 usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 50] [--json]
        sudo python benchmarks/heal.py --wan [--wan-cases 1,2,3,kill,corrupt] [--state-mb 256]
@@ -281,7 +283,10 @@ def main() -> None:
     p.add_argument("--changing", action="store_true",
                    help="also the runs where every sync follows a change of every byte (DiLoCo's outer step)")
     p.add_argument("--wan", action="store_true", help="on the WAN emulator (root), real processes")
-    p.add_argument("--wan-cases", default="1,2,3,kill,corrupt")
+    p.add_argument("--wan-cases", default="1,2,3,kill,corrupt",
+                   help="cases of --wan: 1,2,3,kill,corrupt and train (the members' training during a heal)")
+    p.add_argument("--serve-mbit", type=float, default=None,
+                   help="--wan train: each member's serving cap (PeerConfig.state_serve_rate), Mbit/s")
     args = p.parse_args()
     if args.wan:
         _wan_main(args)
@@ -324,6 +329,12 @@ def _wan_child(cfg: dict[str, Any]) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if cfg.get("train"):  # the ``train`` case (benchmarks/_heal_training_wan.py)
+        from _heal_training_wan import train_peer
+
+        arrays = _arrays(cfg["state_mb"], "zeros" if cfg["role"] == "newcomer" else "random")
+        trio.run(train_peer, cfg, arrays, _state(arrays))
+        return
     trio.run(_wan_peer, cfg)
 
 
@@ -498,8 +509,21 @@ def _wan_main(args: argparse.Namespace) -> None:
         print(f"skipped: {reason}")
         return
     load = os.getloadavg()
+    names = args.wan_cases.split(",")
+    if "train" in names:
+        from _heal_training_wan import print_training, wan_training
+
+        trows = wan_training(args)
+        if args.json:
+            print(json.dumps(trows, indent=1))
+        else:
+            print_training(args, trows, (load[0], os.getloadavg()[0]))
+        names.remove("train")
+        if not names:
+            return
+        load = os.getloadavg()
     cases = {"1": (1, ""), "2": (2, ""), "3": (3, ""), "kill": (3, "kill"), "corrupt": (3, "corrupt")}
-    rows = [_wan_case(args, *cases[c]) for c in args.wan_cases.split(",")]
+    rows = [_wan_case(args, *cases[c]) for c in names]
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -74,6 +74,7 @@ class HealBook:
         # heal's sync) and are answered current at once.
         self.moved: set[int] = set()
         self.contents: dict[int, dict[str, int]] = {}  # group -> {key: hash} its last vote elected
+        self.ran: dict[int, frozenset[int]] = {}  # group -> the participants of its last collective
         self.kept_ordinary = 0  # syncs with fetchers kept ordinary: every key fetched had just changed
         self.started = 0
         self.fetched = 0
@@ -100,15 +101,22 @@ class HealBook:
         left (the members are past the heal's sync), only at the group's next sync."""
         self.moved.update(p for p in self.healing if self.groups.get(p) == group)
 
+    def collective_started(self, group: int, voters: list[int]) -> None:
+        """A collective of ``group`` starts with ``voters``: they train together, in that world."""
+        self.ran[group] = frozenset(voters)
+
     def is_healing(self, peer_id: int) -> bool:
         """True while ``peer_id`` fetches a live heal."""
         return peer_id in self.healing
 
     def may_go_live(self, rows_of: dict[int, list[list[Any]]], group: int = 0,
-                    content: dict[str, int] | None = None) -> bool:
+                    content: dict[str, int] | None = None, started: bool = True) -> bool:
         """Whether a sync of ``group`` whose participants fetch ``rows_of`` runs as a live heal: live heals
         are on, someone fetches, someone holds, no fetcher has run ``max_live_rounds`` live rounds in a
-        row, and the group's state is not one that changes entirely between syncs (:meth:`all_changed`).
+        row, the group has ``started`` (a sync of it committed before: its first sync is the start of the
+        run, where everyone starts together), the group's last collective ran with exactly the holders
+        (they train together without the fetchers: newcomers join a running group), and the group's
+        state is not one that changes entirely between syncs (:meth:`all_changed`).
 
         ``content`` (``{key: hash}``, the vote's elected content) is remembered as the group's latest
         (None: not known, nothing remembered)."""
@@ -118,6 +126,14 @@ class HealBook:
             self.contents[group] = dict(content)
         if not (self.max_live_rounds > 0 and bool(fetchers) and len(fetchers) < len(rows_of)
                 and all(self.rounds.get(p, 0) < self.max_live_rounds for p in fetchers)):
+            return False
+        holders = frozenset(p for p, rows in rows_of.items() if not rows)
+        if not started or self.ran.get(group) != holders:
+            # The holders have not been training together without the fetchers (the group's first sync:
+            # the run starts here; or their last collective had others in it: a lone peer waiting for a
+            # second, a group that lost one). Everyone leaves together: a live round would let the holders
+            # train in a world their loop has not accepted (a driver waiting for ``min_world_size`` peers
+            # would wait for the fetchers while they wait for its next sync: a deadlock).
             return False
         if before is not None and content and self.all_changed(before, content, rows_of):
             self.kept_ordinary += 1

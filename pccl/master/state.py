@@ -834,7 +834,7 @@ class MasterState:
     def may_go_live(self, rows_of: dict[int, list[list[Any]]], group: int = 0,
                     content: dict[str, int] | None = None) -> bool:
         """Whether a sync whose participants fetch ``rows_of`` runs as a live heal (HealBook.may_go_live)."""
-        return self.heals.may_go_live(rows_of, group, content)
+        return self.heals.may_go_live(rows_of, group, content, started=group in self.last_revision)
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
                 table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:
@@ -852,6 +852,10 @@ class MasterState:
         for key in [k for k in self._ops if k[0] == group]:
             effects += self._check_op_vote(key)
         return effects + self.peers_pending.check()
+
+    def collective_started(self, group: int, voters: list[int]) -> None:
+        """A collective of ``group`` starts with ``voters`` (HealBook.collective_started)."""
+        self.heals.collective_started(group, voters)
 
     def synced(self, peers: Collection[int]) -> None:
         """``peers`` ended an ordinary sync successfully: one behind after a live heal is current again."""

@@ -81,6 +81,18 @@ def _serves(cluster: TestCluster, i: int) -> Any:
 MODES = pytest.mark.parametrize("config", [BLOCKING, LIVE], ids=["blocking", "live"])
 
 
+async def _running(cluster: TestCluster, members: int, big: np.ndarray, small: np.ndarray) -> int:
+    """The members run (their first sync, holding the same content, and a collective), then a newcomer
+    joins (admitted by them) and is returned: a newcomer to a running group, which a live heal is for
+    (a group's first sync, or holders that have not run without the fetcher, are never live)."""
+    res = await _sync(cluster, {i: _state(big, small) for i in range(members)})
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) and r.rx_bytes == 0 for r in res.values()), res
+    async with trio.open_nursery() as nursery:
+        for i in range(members):
+            nursery.start_soon(cluster.peer(i).all_reduce, np.ones(4, np.float32))
+    return await cluster.add_peer()
+
+
 @MODES
 async def test_only_differing_chunks_move_and_every_holder_serves(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, config: pccl.MasterConfig
@@ -88,8 +100,9 @@ async def test_only_differing_chunks_move_and_every_holder_serves(
     """Blocking or live (the default), the holders serve exactly the two differing chunks; a blocking
     holder's call counts them in its ``tx_bytes``, a live holder's call returned before it served (0
     there) and its serving shows in its ``heal_served_bytes``."""
-    cluster = await pccl_cluster(4, master_config=config)
+    cluster = await pccl_cluster(3, master_config=config)
     big, small = _content(1)
+    assert await _running(cluster, 3, big, small) == 3
     states = {i: _state(big, small) for i in range(3)}
     mine = _state(big, small)
     odd = mine.tensor_infos[0].tensor
@@ -184,8 +197,9 @@ async def test_a_corrupting_donor_is_excluded_and_its_chunk_refetched(
 ) -> None:
     """The donor corrupts what it serves, from its running sync (blocking) or from the snapshot it pinned
     (live, the default)."""
-    cluster = await pccl_cluster(4, master_config=config)
+    cluster = await pccl_cluster(3, master_config=config)
     big, small = _content(4)
+    assert await _running(cluster, 3, big, small) == 3
     states = {i: _state(big, small) for i in range(3)}
     states[3] = _state(np.zeros(BIG, np.uint8), np.zeros(1000, np.uint8))
     _slow_links(cluster, [3], [0, 1, 2])
@@ -222,8 +236,9 @@ async def test_chunks_verified_in_worker_threads_over_tcp(
     still refused and fetched again (served from its running sync, or from its pinned snapshot when the
     heal is live), and what the newcomer applies is exact."""
     monkeypatch.setattr(heal, "VERIFY_IN_THREAD_BYTES", 0)
-    cluster = await pccl_cluster(4, network=None, master_config=config)
+    cluster = await pccl_cluster(3, network=None, master_config=config)
     big, small = _content(8)
+    assert await _running(cluster, 3, big, small) == 3
     states = {i: _state(big, small) for i in range(3)}
     states[3] = _state(np.zeros(BIG, np.uint8), np.zeros(1000, np.uint8))
     liar = _serves(cluster, 2)
@@ -314,8 +329,9 @@ async def test_with_live_heals_a_newcomer_killed_mid_heal_fails_no_member(
     """The counterpart with live heals (``live_heal_rounds=1``): the members' sync returns at once,
     successful and moving nothing, the newcomer's loss mid-transfer fails only its own call, the snapshots
     the members pinned for it are released, and their next sync succeeds and moves nothing."""
-    cluster = await pccl_cluster(3, master_config=LIVE)
+    cluster = await pccl_cluster(2, master_config=LIVE)
     big, small = _content(7)
+    assert await _running(cluster, 2, big, small) == 2
     states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
     _slow_links(cluster, [2], [0, 1])
     pinned: list[int] = []
