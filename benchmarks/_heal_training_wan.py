@@ -3,19 +3,21 @@ the WAN emulator (issue 35, "Must show": steps per second during the heal at lea
 a newcomer).
 
 ``--members`` (3) processes loop {all-reduce of ``--grad-mb`` MiB (AVG, float32); every ``--sync-every``
-steps push the revision and sync the shared state} (the state unchanged between syncs, as in DiLoCo's
+steps admit pending peers (``are_peers_pending``, ``update_topology``), push the revision and sync the
+shared state} (the state unchanged between syncs, as in DiLoCo's
 inner steps). Each member's **uplink** is one shared link of ``--donor-mbit`` (all its directions, to the
 other members and to the newcomer: one rate, one queue), RTT ``--rtt-ms``; the newcomer's directions to
-the members ``--newcomer-mbit``. Two runs on fresh emulators:
+the members ``--newcomer-mbit``. One run on one emulator:
 
-* **alone**: the members only, ``--train-steps`` steps after their first sync;
-* **heal**: the same members and a newcomer holding zeros, all of them in the first sync: the newcomer
-  heals live (the default; the members return at once and serve a pinned copy, capped by
-  ``--serve-mbit`` per member: ``PeerConfig.state_serve_rate``) and joins at the members' next sync
-  after its fetch; everyone stops one sync period after the first all-reduce with the newcomer in it.
+* **alone**: the members' steps from their second sync period on until ``--train-steps`` steps, when
+  the driver starts the newcomer (holding zeros);
+* **heal**: the members admit it before their next sync, which its sync joins and heals live (the
+  default: the members return at once and serve a pinned copy, each capped by ``--serve-mbit``:
+  ``PeerConfig.state_serve_rate``); it joins at the members' next sync after its fetch; the window is
+  its whole ``sync_shared_state`` call. Everyone stops one sync period after the first all-reduce with
+  the newcomer in it.
 
-Printed: each run's steps per second of member 0 (the members step in lockstep) over the window (alone:
-its whole loop; heal: from its loop's start until the newcomer's call returned), the ratio, the heal
+Printed: member 0's steps per second over each window (the members step in lockstep), the ratio, the heal
 (the newcomer's whole call; fetch: its transfer) and whether every state ended bit-identical. Times are
 wall seconds of real processes: the machine's load shows in them (printed).
 """
@@ -41,47 +43,52 @@ MASTER_PORT = 29_452
 
 
 async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) -> None:
-    """One member or the newcomer of a ``train`` run; prints JSON lines (joined, result)."""
+    """One member or the newcomer of the ``train`` run; prints JSON lines (joined, ready, result)."""
     from pccl import PeerConfig, ReduceOp, UpdateTopologyFailedError
     from pccl.kernels import hashing
     from pccl.peer.communicator import open_communicator
 
     newcomer = cfg["role"] == "newcomer"
-    rate = cfg.get("serve_rate")
     h = cfg["sync_every"]
-    conf = PeerConfig(p2p_listen_host=cfg["addr"], state_serve_rate=rate)
+    conf = PeerConfig(p2p_listen_host=cfg["addr"], state_serve_rate=cfg.get("serve_rate"))
     async with open_communicator(cfg["master"], config=conf) as comm:
         print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
-        while comm.world_size < cfg["world"]:
+        while not newcomer and comm.world_size < cfg["members"]:
             if await comm.are_peers_pending():
                 try:
                     await comm.update_topology()
                 except UpdateTopologyFailedError:
                     pass
-            await trio.sleep(0.01)  # polling the world size until everyone is in, before the clock starts
+            await trio.sleep(0.01)  # polling the world size until the members are in, before the clock starts
         grad = np.ones(cfg["grad_mb"] * MIB // 4, np.float32)
         t_sync = time.time()
-        await comm.sync_shared_state(state)
+        await comm.sync_shared_state(state)  # members: the group's first sync; the newcomer: its heal
         healed_at = time.time()
         step = (state.revision - 1) * h if newcomer else 0
         start = time.time()
         times: list[float] = []
         syncs: list[tuple[float, float]] = []  # (start, end) of the loop's syncs
-        full_at: int | None = None  # the first step with every peer in the all-reduce
+        full_at: int | None = None  # the first step with the newcomer in the all-reduce
         while True:
             info = await comm.all_reduce(grad, op=ReduceOp.AVG)
             times.append(time.time())
-            if full_at is None and info.local_world_size == cfg["world"]:
+            if full_at is None and info.local_world_size == cfg["members"] + 1:
                 full_at = step
             step += 1
+            if step == cfg["steps"] and not newcomer:
+                print(json.dumps({"event": "ready"}), flush=True)  # the driver starts the newcomer
             if step % h == 0:
+                # as a training loop does before its sync: admit newcomers (whose first call is a sync)
+                if await comm.are_peers_pending():
+                    try:
+                        await comm.update_topology()
+                    except UpdateTopologyFailedError:
+                        pass
                 state.push_revision()
                 t = time.time()
                 await comm.sync_shared_state(state)
                 syncs.append((t, time.time()))
-                if cfg["steps"] and step >= cfg["steps"]:
-                    break
-                if not cfg["steps"] and full_at is not None and step >= full_at + h:
+                if full_at is not None and step >= full_at + h:
                     break
         last = comm.statistics().get("heal_last") or {}
         print(json.dumps({"event": "result", "role": cfg["role"], "t_sync": t_sync, "healed_at": healed_at,
@@ -92,11 +99,11 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
                           "served": comm.statistics().get("heal_served_bytes", 0)}), flush=True)
 
 
-def _run(args: argparse.Namespace, newcomer: bool) -> dict[str, Any]:
+def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pccl.testing.wan import LinkSpec, WanEmulator
 
     members = args.members
-    hosts = members + newcomer
+    hosts = members + 1
     script = str(Path(__file__).resolve().parent / "heal.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     uplink = LinkSpec(delay_ms=args.rtt_ms / 2, rate_mbit=args.donor_mbit, rtt_ms=args.rtt_ms)
@@ -119,16 +126,17 @@ def _run(args: argparse.Namespace, newcomer: bool) -> dict[str, Any]:
                     raise RuntimeError("the master did not start")
                 time.sleep(0.05)  # polling a child's log file for its first line
             serve = args.serve_mbit * 1e6 / 8 if args.serve_mbit else None
-            for h in range(hosts):
-                cfg = {"train": True, "master": f"{wan.addresses[0]}:{MASTER_PORT}", "world": hosts,
+
+            def start(h: int) -> None:
+                cfg = {"train": True, "master": f"{wan.addresses[0]}:{MASTER_PORT}", "members": members,
                        "state_mb": args.state_mb, "addr": wan.addresses[h],
-                       "role": "newcomer" if newcomer and h == members else "member",
+                       "role": "newcomer" if h == members else "member",
                        "grad_mb": args.grad_mb, "sync_every": args.sync_every, "serve_rate": serve,
-                       "steps": 0 if newcomer else args.train_steps}
+                       "steps": args.train_steps}
                 errs[h] = tempfile.TemporaryFile("w+")
-                p = wan.popen(h, [sys.executable, script, "--child", json.dumps(cfg)], stdout=subprocess.PIPE,
-                              stderr=errs[h], text=True, env=env)
-                procs[h] = p
+                procs[h] = wan.popen(h, [sys.executable, script, "--child", json.dumps(cfg)],
+                                     stdout=subprocess.PIPE, stderr=errs[h], text=True, env=env)
+                threading.Thread(target=read, args=(h,), daemon=True).start()
 
             def read(h: int) -> None:
                 out = procs[h].stdout
@@ -137,15 +145,21 @@ def _run(args: argparse.Namespace, newcomer: bool) -> dict[str, Any]:
                     if line.startswith("{"):
                         lines[h].append(json.loads(line))
 
-            for h in procs:
-                threading.Thread(target=read, args=(h,), daemon=True).start()
-            deadline = time.monotonic() + 60 + 6 * args.state_mb * 8 / (args.serve_mbit or args.donor_mbit)
+            for h in range(members):
+                start(h)
+            deadline = time.monotonic() + 120 + 6 * args.state_mb * 8 / (args.serve_mbit or args.donor_mbit)
+            while not any(x["event"] == "ready" for x in lines[0]):  # the members ran ``--train-steps``
+                if any(p.poll() is not None for p in procs.values()) or time.monotonic() > deadline:
+                    raise RuntimeError(f"train run: the members did not get ready: {_tails(errs)}")
+                time.sleep(0.1)  # the readers fill ``lines``
+            ready_at = time.time()
+            start(members)
             while not all(any(x["event"] == "result" for x in lines[h]) for h in procs):
                 dead = [h for h in procs if procs[h].poll() is not None
                         and not any(x["event"] == "result" for x in lines[h])]
                 if dead or time.monotonic() > deadline:
-                    errs_text = [(f.seek(0), f.read()[-1500:])[1] for h, f in errs.items() if h in dead]
-                    raise RuntimeError(f"train run: no result from {dead or 'some (timeout)'}: {errs_text}")
+                    who = dead or "some (timeout)"
+                    raise RuntimeError(f"train run: no result from {who}: {_tails(errs)}")
                 time.sleep(0.1)  # the readers fill ``lines``; the result lines end the wait
             results = {h: next(x for x in lines[h] if x["event"] == "result") for h in procs}
         finally:
@@ -162,32 +176,47 @@ def _run(args: argparse.Namespace, newcomer: bool) -> dict[str, Any]:
             os.unlink(log.name)
             for f in errs.values():
                 f.close()
-    m0 = results[0]
-    end = results[members]["healed_at"] if newcomer else m0["times"][-1]
-    during = [t for t in m0["times"] if m0["start"] < t <= end]
-    window = end - m0["start"]
-    # where the window went: member 0's syncs in it, and its all-reduces' durations (a step's time minus
-    # the sync before it, if any)
-    in_syncs = sum(min(b, end) - a for a, b in m0["syncs"] if a < end)
+    m0, new = results[0], results[members]
+    h = args.sync_every
+    # alone: member 0's steps after its first sync period (warm) until the newcomer was started
+    a0 = m0["times"][h - 1]
+    alone = _window(m0, a0, ready_at)
+    # heal: from the newcomer's call until it returned (healed and joined)
+    heal = _window(m0, new["t_sync"], new["healed_at"])
+    heal.update({"heal_s": new["healed_at"] - new["t_sync"], "fetch_s": new["fetch_s"],
+                 "rx_mib": new["rx"] / MIB})
+    ref = m0["hashes"]
+    exact = all(r["hashes"] == ref for r in results.values())
+    served = [round(results[d]["served"] / MIB, 1) for d in range(members)]
+    for row, name in ((alone, "alone"), (heal, "heal")):
+        row.update({"run": name, "exact": exact, "served_mib": served if name == "heal" else []})
+    alone.update({"heal_s": 0.0, "fetch_s": 0.0, "rx_mib": 0.0})
+    return [alone, heal]
+
+
+def _window(m0: dict[str, Any], t0: float, t1: float) -> dict[str, Any]:
+    """Member 0's steps completed in ``(t0, t1]``, the time its syncs took in it, its reduces' p50/p90."""
+    steps = [t for t in m0["times"] if t0 < t <= t1]
+    in_syncs = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in m0["syncs"])
     prev = [m0["start"], *m0["times"]]
     durs = sorted(t - p - sum(b - a for a, b in m0["syncs"] if p <= a < t)
-                  for p, t in zip(prev, m0["times"], strict=False) if t <= end)
-    ref = m0["hashes"]
-    new = results.get(members) if newcomer else None
-    return {"run": "heal" if newcomer else "alone", "window_s": window, "steps": len(during),
-            "steps_per_s": len(during) / window if window > 0 else 0.0,
-            "heal_s": (new["healed_at"] - new["t_sync"]) if new else 0.0,
-            "fetch_s": new["fetch_s"] if new else 0.0, "rx_mib": (new["rx"] / MIB) if new else 0.0,
-            "served_mib": [round(results[d]["served"] / MIB, 1) for d in range(members)],
+                  for p, t in zip(prev, m0["times"], strict=False) if t0 < t <= t1)
+    return {"window_s": t1 - t0, "steps": len(steps), "steps_per_s": len(steps) / (t1 - t0),
             "sync_s": in_syncs, "reduce_median_s": durs[len(durs) // 2] if durs else 0.0,
-            "reduce_p90_s": durs[len(durs) * 9 // 10] if durs else 0.0,
-            "exact": all(r["hashes"] == ref for r in results.values()),
-            "revisions": sorted({r["revision"] for r in results.values()})}
+            "reduce_p90_s": durs[len(durs) * 9 // 10] if durs else 0.0}
+
+
+def _tails(errs: dict[int, Any]) -> list[str]:
+    out = []
+    for f in errs.values():
+        f.seek(0)
+        out.append(str(f.read()[-800:]))
+    return out
 
 
 def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The ``train`` case: the members alone, then with a newcomer healing (fresh emulators)."""
-    return [_run(args, newcomer=False), _run(args, newcomer=True)]
+    """The ``train`` case: the members alone, then with a newcomer healing (one run, one emulator)."""
+    return _run(args)
 
 
 def print_training(args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[float, float]) -> None:
