@@ -163,28 +163,35 @@ async def _case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, 
 
 async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One ``--training`` run: ``mode`` "alone" (no newcomer), "live" or "blocking" (a newcomer heals);
-    a "changing" prefix: every sync follows a change of every byte of the state."""
+    a "changing" prefix: every sync follows a change of every byte of the state. The members run first
+    (their first sync and a step); the newcomer then joins the running group (admitted by the members
+    before a sync, which its own sync joins): the case live heals are for."""
     net = VirtualNetwork()
     changing = mode.startswith("changing ")
     mode = mode.removeprefix("changing ")
     members = args.members
-    n = members + (mode != "alone")
     cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, live_heal_rounds=1 if mode == "live" else 0)
-    async with open_test_cluster(n, network=net, master_config=cfg) as cluster:
+    bandwidth, latency = args.donor_mbit * 1e6 / 8, args.rtt_ms / 2000
+
+    def links(cluster: Any, n: int) -> None:
         for a in range(n):
             for b in range(n):
                 if a != b:
-                    net.set_link(cluster.host(a), cluster.host(b), bandwidth=args.donor_mbit * 1e6 / 8,
-                                 latency=args.rtt_ms / 2000, oneway=True)
+                    net.set_link(cluster.host(a), cluster.host(b), bandwidth=bandwidth, latency=latency,
+                                 oneway=True)
+
+    async with open_test_cluster(members, network=net, master_config=cfg) as cluster:
+        links(cluster, members)
         content = _arrays(args.state_mb, "random")
         states = {i: _state([a.copy() for a in content]) for i in range(members)}
-        if mode != "alone":
-            states[members] = _state(_arrays(args.state_mb, "zeros"))
+        newcomer_state = _state(_arrays(args.state_mb, "zeros"))
         h = args.sync_every
         last = 1 + args.train_steps // h  # the revision the loop ends at (a newcomer may move it on)
         stop = {"rev": last}
-        done: dict[int, list[float]] = {i: [] for i in states}
+        done: dict[int, list[float]] = {i: [] for i in range(members + 1)}
         healed: list[float] = []
+        began: list[float] = []  # when the newcomer's sync call began
+        stepped = trio.Event()
 
         async def loop(i: int, first_step: int) -> None:
             comm = cluster.peer(i)
@@ -193,37 +200,45 @@ async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             while True:
                 await comm.all_reduce(grad)
                 done[i].append(trio.current_time())
+                stepped.set()
                 step += 1
                 if step % h == 0:
                     if changing:  # an outer step: every parameter moves (DiLoCo, data-parallel)
                         for info in states[i].tensor_infos:
                             info.tensor += np.float32(1.0)
+                    if await comm.are_peers_pending():  # admit a newcomer before the sync it joins
+                        await comm.update_topology()
                     states[i].push_revision()
                     await comm.sync_shared_state(states[i])
-                    if states[i].revision >= stop["rev"]:
+                    if states[i].revision >= stop["rev"] and (mode == "alone" or healed):
                         return
 
         async def member(i: int) -> None:
             await cluster.peer(i).sync_shared_state(states[i])
             await loop(i, 0)
 
-        async def newcomer(i: int) -> None:
+        async def newcomer() -> None:
+            await stepped.wait()  # the group runs
+            i = await cluster.add_peer(admit=False)
+            links(cluster, members + 1)
+            states[i] = newcomer_state
+            began.append(trio.current_time())
             await cluster.peer(i).sync_shared_state(states[i])
             healed.append(trio.current_time())
             rev = states[i].revision
             stop["rev"] = max(stop["rev"], rev + 1)  # everyone runs one more sync period with it
             await loop(i, (rev - 1) * h)
 
-        t0 = trio.current_time()
         w0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for i in range(members):
                 nursery.start_soon(member, i)
             if mode != "alone":
-                nursery.start_soon(newcomer, members)
+                nursery.start_soon(newcomer)
         wall = time.perf_counter() - w0
+        t0 = began[0] if began else done[0][0]
         end = healed[0] if healed else max(done[0])
-        during = [t for t in done[0] if t0 <= t <= end]
+        during = [t for t in done[0] if t0 < t <= end]
         ref = states[0].tensor_infos
         exact = all(a.tensor.tobytes() == b.tensor.tobytes() for s in states.values()
                     for a, b in zip(s.tensor_infos, ref, strict=True))
@@ -232,7 +247,8 @@ async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 "heal_s": (healed[0] - t0) if healed else 0.0, "window_s": end - t0,
                 "fetch_s": fetched["elapsed"] if fetched else 0.0,
                 "steps_in_window": len(during), "steps_per_s": len(during) / (end - t0),
-                "steps": len(done[0]), "exact": exact, "wall_s": wall}
+                "steps": len(done[0]), "exact": exact, "wall_s": wall,
+                "live_heals": cluster.master.state.statistics()["heals"]["started"]}
 
 
 async def _training(args: argparse.Namespace) -> list[dict[str, Any]]:
