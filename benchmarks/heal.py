@@ -39,8 +39,9 @@ usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 5
 
 ``--training`` (issue 35 item 4) measures instead the members' training during a heal: ``--members`` (3)
 peers loop {all-reduce of ``--grad-mb`` MiB; every ``--sync-every`` steps push the revision and sync}
-(the shared state unchanged between syncs, as in DiLoCo's inner steps) while a newcomer heals the state
-from them; every link (member <-> member and donor -> newcomer) has ``--donor-mbit`` and half the RTT.
+(the shared state unchanged between syncs, as in DiLoCo's inner steps); after their first step a newcomer
+joins (admitted before a sync, which its own sync joins) and heals the state from them; every link
+(member <-> member and donor -> newcomer) has ``--donor-mbit`` and half the RTT.
 Printed: the members' all-reduces per virtual second while the newcomer heals, against the same loop
 with no newcomer, for live heals (``MasterConfig.live_heal_rounds=1``) and without (the members wait in
 the sync); with ``--changing`` also the same where each sync follows a change of every byte of the state

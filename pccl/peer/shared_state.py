@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from ..transport import StreamBroken
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.stream import MessageStream
-from . import heal, swarm
+from . import heal, prefault, swarm
 from .links import Dialer, MasterLink
 from .ratecap import RateCap
 from .state import error_from_code
@@ -629,10 +630,20 @@ async def _fetch_all(
     job = heal.SwarmFetch(dialer, plan.sync_seq, addresses, fetch, sizes, own, local_sums, on_bytes,
                           server.stall_timeout)
     ctx.fetch = job
+    # The pages the apply will write, faulted in while the bytes are on the wire (pccl/peer/prefault.py);
+    # the apply waits for it. A failed fetch leaves the thread to finish alone (it changes no byte).
+    targets = [backend.byte_view(by_name[k].tensor) for k in sizes if not backend.is_cuda(by_name[k].tensor)]
+    populating = None
+    if sum(len(t) for t in targets) >= _HASH_IN_THREAD_BYTES:
+        populating = threading.Thread(target=prefault.populate_write, args=(targets,), daemon=True,
+                                      name="pccl-prefault")
+        populating.start()
     try:
         staged, rx = await job.run()
     finally:
         server.count(job.statistics())
+    if populating is not None:
+        await trio.to_thread.run_sync(populating.join)
     if progress is not None:
         progress(total, total)
     return staged, rx
