@@ -285,6 +285,7 @@ class StateServer:
         self.ctx: SyncContext | None = None
         # Live heals this peer serves (issue 35 item 4): sync_seq -> the snapshot pinned for its fetchers
         self.pins: dict[int, SyncContext] = {}
+        self.pinning: set[int] = set()  # live heals whose snapshot is being copied now
         self.cap = RateCap(serve_rate) if serve_rate is not None else None
         self.totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
         self.last: dict[str, Any] | None = None
@@ -530,7 +531,11 @@ async def _sync_round(
         assert isinstance(first, m.SharedStatePlan)
         if first.live and first.pin:
             # A live heal: our part ends now; first a copy of what its fetchers fetch, served from here on.
-            server.pin(await _snapshot(ctx, first))
+            server.pinning.add(first.sync_seq)
+            try:
+                server.pin(await _snapshot(ctx, first))
+            finally:
+                server.pinning.discard(first.sync_seq)
         ctx.seq = first.sync_seq
         ctx.plan = first
         ctx.plan_ready.set()
@@ -665,6 +670,11 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
             # The requester may have received its plan before we processed ours.
             with trio.move_on_after(server.plan_timeout):
                 await ctx.plan_ready.wait()
+            if req.sync_seq in server.pinning:
+                # Its plan came: the snapshot is being copied (a large state on a busy host can take longer
+                # than plan_timeout); wait for it as long as a fetcher waits for a silent donor.
+                with trio.move_on_after(server.stall_timeout):
+                    await ctx.plan_ready.wait()
             ctx = server.context_for(req.sync_seq)  # (a live heal's plan pins a snapshot before it is ready)
         if ctx is None or ctx.seq != req.sync_seq or ctx.error is not None:
             await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))

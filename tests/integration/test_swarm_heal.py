@@ -353,3 +353,26 @@ async def test_with_live_heals_a_newcomer_killed_mid_heal_fails_no_member(
     # the master counts the fetcher lost once its link is (the heartbeat timeout) and releases the pins
     await wait_until(lambda: cluster.master.state.statistics()["heals"]["lost_fetchers"] == 1)
     await wait_until(lambda: all(not cluster.peer(i)._state_server.pins for i in (0, 1)))
+
+
+async def test_a_snapshot_slower_than_the_plan_timeout_is_waited_for(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A live heal's holders copy their snapshot before serving; on a busy host a large one takes longer
+    than ``connect_timeout`` (the wait for a holder's plan): the newcomer's requests wait for it (found on
+    the WAN emulator, a 256 MiB copy at load 24: every donor refused, the heal failed)."""
+    cluster = await pccl_cluster(2, master_config=LIVE)
+    big, small = _content(9)
+    newcomer = await _running(cluster, 2, big, small)
+    slow = ss._snapshot
+
+    async def slower(ctx: ss.SyncContext, plan: Any) -> ss.SyncContext:
+        await trio.sleep(3 * cluster.peer(0).config.connect_timeout)
+        return await slow(ctx, plan)
+
+    monkeypatch.setattr(ss, "_snapshot", slower)
+    states = {0: _state(big, small), 1: _state(big, small), newcomer: _state(np.zeros(BIG, np.uint8), small)}
+    res = await _sync(cluster, states)
+    assert all(isinstance(r, pccl.SharedStateSyncInfo) for r in res.values()), res
+    assert _bits(states[newcomer]) == _bits(states[0])
+    assert cluster.master.state.statistics()["heals"]["started"] == 1
