@@ -30,15 +30,18 @@ everywhere, queues of one bandwidth-delay product. The heal time is the newcomer
 plan's arrival, without hashing its own state for the vote and the apply). "kill": the newcomer SIGKILLs the
 last donor's process when half of its bytes are in; "corrupt": the last donor flips a bit in the first
 chunk it serves (one chunk). Each case checks the newcomer's tensors bit-identical to every donor's and
-that no surviving member's call failed. ``--wan-cases`` picks cases (1,2,3,kill,corrupt).
+that no surviving member's call failed. ``--wan-cases`` picks cases (1,2,3,kill,corrupt; and train: the
+members' training during a heal, with each member's uplink one shared link, benchmarks/_heal_training_wan.py;
+``--serve-mbit`` caps each member's serving).
 
 usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 50] [--json]
        sudo python benchmarks/heal.py --wan [--wan-cases 1,2,3,kill,corrupt] [--state-mb 256]
 
 ``--training`` (issue 35 item 4) measures instead the members' training during a heal: ``--members`` (3)
 peers loop {all-reduce of ``--grad-mb`` MiB; every ``--sync-every`` steps push the revision and sync}
-(the shared state unchanged between syncs, as in DiLoCo's inner steps) while a newcomer heals the state
-from them; every link (member <-> member and donor -> newcomer) has ``--donor-mbit`` and half the RTT.
+(the shared state unchanged between syncs, as in DiLoCo's inner steps); after their first step a newcomer
+joins (admitted before a sync, which its own sync joins) and heals the state from them; every link
+(member <-> member and donor -> newcomer) has ``--donor-mbit`` and half the RTT.
 Printed: the members' all-reduces per virtual second while the newcomer heals, against the same loop
 with no newcomer, for live heals (``MasterConfig.live_heal_rounds=1``) and without (the members wait in
 the sync); with ``--changing`` also the same where each sync follows a change of every byte of the state
@@ -161,28 +164,35 @@ async def _case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, 
 
 async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
     """One ``--training`` run: ``mode`` "alone" (no newcomer), "live" or "blocking" (a newcomer heals);
-    a "changing" prefix: every sync follows a change of every byte of the state."""
+    a "changing" prefix: every sync follows a change of every byte of the state. The members run first
+    (their first sync and a step); the newcomer then joins the running group (admitted by the members
+    before a sync, which its own sync joins): the case live heals are for."""
     net = VirtualNetwork()
     changing = mode.startswith("changing ")
     mode = mode.removeprefix("changing ")
     members = args.members
-    n = members + (mode != "alone")
     cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, live_heal_rounds=1 if mode == "live" else 0)
-    async with open_test_cluster(n, network=net, master_config=cfg) as cluster:
+    bandwidth, latency = args.donor_mbit * 1e6 / 8, args.rtt_ms / 2000
+
+    def links(cluster: Any, n: int) -> None:
         for a in range(n):
             for b in range(n):
                 if a != b:
-                    net.set_link(cluster.host(a), cluster.host(b), bandwidth=args.donor_mbit * 1e6 / 8,
-                                 latency=args.rtt_ms / 2000, oneway=True)
+                    net.set_link(cluster.host(a), cluster.host(b), bandwidth=bandwidth, latency=latency,
+                                 oneway=True)
+
+    async with open_test_cluster(members, network=net, master_config=cfg) as cluster:
+        links(cluster, members)
         content = _arrays(args.state_mb, "random")
         states = {i: _state([a.copy() for a in content]) for i in range(members)}
-        if mode != "alone":
-            states[members] = _state(_arrays(args.state_mb, "zeros"))
+        newcomer_state = _state(_arrays(args.state_mb, "zeros"))
         h = args.sync_every
         last = 1 + args.train_steps // h  # the revision the loop ends at (a newcomer may move it on)
         stop = {"rev": last}
-        done: dict[int, list[float]] = {i: [] for i in states}
+        done: dict[int, list[float]] = {i: [] for i in range(members + 1)}
         healed: list[float] = []
+        began: list[float] = []  # when the newcomer's sync call began
+        stepped = trio.Event()
 
         async def loop(i: int, first_step: int) -> None:
             comm = cluster.peer(i)
@@ -191,37 +201,45 @@ async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
             while True:
                 await comm.all_reduce(grad)
                 done[i].append(trio.current_time())
+                stepped.set()
                 step += 1
                 if step % h == 0:
                     if changing:  # an outer step: every parameter moves (DiLoCo, data-parallel)
                         for info in states[i].tensor_infos:
                             info.tensor += np.float32(1.0)
+                    if await comm.are_peers_pending():  # admit a newcomer before the sync it joins
+                        await comm.update_topology()
                     states[i].push_revision()
                     await comm.sync_shared_state(states[i])
-                    if states[i].revision >= stop["rev"]:
+                    if states[i].revision >= stop["rev"] and (mode == "alone" or healed):
                         return
 
         async def member(i: int) -> None:
             await cluster.peer(i).sync_shared_state(states[i])
             await loop(i, 0)
 
-        async def newcomer(i: int) -> None:
+        async def newcomer() -> None:
+            await stepped.wait()  # the group runs
+            i = await cluster.add_peer(admit=False)
+            links(cluster, members + 1)
+            states[i] = newcomer_state
+            began.append(trio.current_time())
             await cluster.peer(i).sync_shared_state(states[i])
             healed.append(trio.current_time())
             rev = states[i].revision
             stop["rev"] = max(stop["rev"], rev + 1)  # everyone runs one more sync period with it
             await loop(i, (rev - 1) * h)
 
-        t0 = trio.current_time()
         w0 = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for i in range(members):
                 nursery.start_soon(member, i)
             if mode != "alone":
-                nursery.start_soon(newcomer, members)
+                nursery.start_soon(newcomer)
         wall = time.perf_counter() - w0
+        t0 = began[0] if began else done[0][0]
         end = healed[0] if healed else max(done[0])
-        during = [t for t in done[0] if t0 <= t <= end]
+        during = [t for t in done[0] if t0 < t <= end]
         ref = states[0].tensor_infos
         exact = all(a.tensor.tobytes() == b.tensor.tobytes() for s in states.values()
                     for a, b in zip(s.tensor_infos, ref, strict=True))
@@ -230,7 +248,8 @@ async def _training_case(args: argparse.Namespace, mode: str) -> dict[str, Any]:
                 "heal_s": (healed[0] - t0) if healed else 0.0, "window_s": end - t0,
                 "fetch_s": fetched["elapsed"] if fetched else 0.0,
                 "steps_in_window": len(during), "steps_per_s": len(during) / (end - t0),
-                "steps": len(done[0]), "exact": exact, "wall_s": wall}
+                "steps": len(done[0]), "exact": exact, "wall_s": wall,
+                "live_heals": cluster.master.state.statistics()["heals"]["started"]}
 
 
 async def _training(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -281,7 +300,10 @@ def main() -> None:
     p.add_argument("--changing", action="store_true",
                    help="also the runs where every sync follows a change of every byte (DiLoCo's outer step)")
     p.add_argument("--wan", action="store_true", help="on the WAN emulator (root), real processes")
-    p.add_argument("--wan-cases", default="1,2,3,kill,corrupt")
+    p.add_argument("--wan-cases", default="1,2,3,kill,corrupt",
+                   help="cases of --wan: 1,2,3,kill,corrupt and train (the members' training during a heal)")
+    p.add_argument("--serve-mbit", type=float, default=None,
+                   help="--wan train: each member's serving cap (PeerConfig.state_serve_rate), Mbit/s")
     args = p.parse_args()
     if args.wan:
         _wan_main(args)
@@ -324,6 +346,12 @@ def _wan_child(cfg: dict[str, Any]) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if cfg.get("train"):  # the ``train`` case (benchmarks/_heal_training_wan.py)
+        from _heal_training_wan import train_peer
+
+        arrays = _arrays(cfg["state_mb"], "zeros" if cfg["role"] == "newcomer" else "random")
+        trio.run(train_peer, cfg, arrays, _state(arrays))
+        return
     trio.run(_wan_peer, cfg)
 
 
@@ -498,8 +526,21 @@ def _wan_main(args: argparse.Namespace) -> None:
         print(f"skipped: {reason}")
         return
     load = os.getloadavg()
+    names = args.wan_cases.split(",")
+    if "train" in names:
+        from _heal_training_wan import print_training, wan_training
+
+        trows = wan_training(args)
+        if args.json:
+            print(json.dumps(trows, indent=1))
+        else:
+            print_training(args, trows, (load[0], os.getloadavg()[0]))
+        names.remove("train")
+        if not names:
+            return
+        load = os.getloadavg()
     cases = {"1": (1, ""), "2": (2, ""), "3": (3, ""), "kill": (3, "kill"), "corrupt": (3, "corrupt")}
-    rows = [_wan_case(args, *cases[c]) for c in args.wan_cases.split(",")]
+    rows = [_wan_case(args, *cases[c]) for c in names]
     if args.json:
         print(json.dumps(rows, indent=1))
         return

@@ -174,8 +174,10 @@ class MasterConfig:
             hold the elected content runs as a *live heal* (docs/concepts.md "Live heals"): the holders
             return at once and serve a pinned copy, the fetchers heal alone, left out of their group's
             votes until done; a fetcher that ends behind the group catches up in the same call, live
-            for at most this many rounds in a row, then as an ordinary (blocking) participant. 0
-            (default): every sync holds its participants until the fetchers have everything.
+            for at most this many rounds in a row, then as an ordinary (blocking) participant. A sync
+            stays ordinary when every key its fetchers fetch changed since the group's previous sync
+            (the state changes entirely between syncs: no live round could catch up). 0: every sync
+            holds its participants until the fetchers have everything. Default 1.
         token_key_file: without a ``secret``, a file holding the key of the member tokens (made,
             mode 0600, on first start): a restarted master, or a standby reading the same file,
             verifies its predecessor's tokens and refuses a stranger's claim on a place in its
@@ -207,7 +209,7 @@ class MasterConfig:
     run: str | None = None
     max_open_votes: int | None = 256
     admission_grace: float | None = 60.0
-    live_heal_rounds: int = 0
+    live_heal_rounds: int = 1
     token_key_file: str | None = None
 
     def __post_init__(self) -> None:

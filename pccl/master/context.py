@@ -163,9 +163,14 @@ class MasterContext:
 
     # -- live heals (pccl/master/heals.py)
 
-    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
-        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
-        return self._heals.may_go_live(rows_of)
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]], group: int = 0,
+                    content: dict[str, int] | None = None) -> bool:
+        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal (HealBook.may_go_live)."""
+        return self._heals.may_go_live(rows_of, group, content, started=group in self._core.last_revision)
+
+    def collective_started(self, group: int, voters: list[int]) -> None:
+        """A collective of ``group`` starts with ``voters`` (HealBook.collective_started)."""
+        self._heals.collective_started(group, voters)
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
                 table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:

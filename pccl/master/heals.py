@@ -73,6 +73,9 @@ class HealBook:
         # must join at the group's next sync; the others are where the members are (right after the
         # heal's sync) and are answered current at once.
         self.moved: set[int] = set()
+        self.contents: dict[int, dict[str, int]] = {}  # group -> {key: hash} its last vote elected
+        self.ran: dict[int, frozenset[int]] = {}  # group -> the participants of its last collective
+        self.kept_ordinary = 0  # syncs with fetchers kept ordinary: every key fetched had just changed
         self.started = 0
         self.fetched = 0
         self.failed = 0
@@ -98,16 +101,57 @@ class HealBook:
         left (the members are past the heal's sync), only at the group's next sync."""
         self.moved.update(p for p in self.healing if self.groups.get(p) == group)
 
+    def collective_started(self, group: int, voters: list[int]) -> None:
+        """A collective of ``group`` starts with ``voters``: they train together, in that world."""
+        self.ran[group] = frozenset(voters)
+
     def is_healing(self, peer_id: int) -> bool:
         """True while ``peer_id`` fetches a live heal."""
         return peer_id in self.healing
 
-    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
-        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal: live heals are on,
-        someone fetches, someone holds, and no fetcher has run ``max_live_rounds`` live rounds in a row."""
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]], group: int = 0,
+                    content: dict[str, int] | None = None, started: bool = True) -> bool:
+        """Whether a sync of ``group`` whose participants fetch ``rows_of`` runs as a live heal: live heals
+        are on, someone fetches, someone holds, no fetcher has run ``max_live_rounds`` live rounds in a
+        row, the group has ``started`` (a sync of it committed before: its first sync is the start of the
+        run, where everyone starts together), the group's last collective ran with exactly the holders
+        (they train together without the fetchers: newcomers join a running group), and the group's
+        state is not one that changes entirely between syncs (:meth:`all_changed`).
+
+        ``content`` (``{key: hash}``, the vote's elected content) is remembered as the group's latest
+        (None: not known, nothing remembered)."""
         fetchers = [p for p, rows in rows_of.items() if rows]
-        return (self.max_live_rounds > 0 and bool(fetchers) and len(fetchers) < len(rows_of)
-                and all(self.rounds.get(p, 0) < self.max_live_rounds for p in fetchers))
+        before = self.contents.get(group)
+        if content:
+            self.contents[group] = dict(content)
+        if not (self.max_live_rounds > 0 and bool(fetchers) and len(fetchers) < len(rows_of)
+                and all(self.rounds.get(p, 0) < self.max_live_rounds for p in fetchers)):
+            return False
+        holders = frozenset(p for p, rows in rows_of.items() if not rows)
+        if not started or self.ran.get(group) != holders:
+            # The holders have not been training together without the fetchers (the group's first sync:
+            # the run starts here; or their last collective had others in it: a lone peer waiting for a
+            # second, a group that lost one). Everyone leaves together: a live round would let the holders
+            # train in a world their loop has not accepted (a driver waiting for ``min_world_size`` peers
+            # would wait for the fetchers while they wait for its next sync: a deadlock).
+            return False
+        if before is not None and content and self.all_changed(before, content, rows_of):
+            self.kept_ordinary += 1
+            return False
+        return True
+
+    @staticmethod
+    def all_changed(before: dict[str, int], content: dict[str, int],
+                    rows_of: dict[int, list[list[Any]]]) -> bool:
+        """Whether every key fetched in ``rows_of`` changed between the group's previous elected content
+        ``before`` and this one: then a live round cannot help. The fetchers learn the content they
+        need only at the sync they join, and if the state changes entirely between two syncs (data-parallel
+        training synced every step, DiLoCo's outer step before each sync) that sync moves the whole state
+        again while the members wait, as long as an ordinary sync now would have, after the donors sent
+        it once for nothing (docs/concepts.md "Live heals"). A key new since ``before`` counts as
+        unchanged (no evidence)."""
+        keys = {str(row[0]) for rows in rows_of.values() for row in rows}
+        return bool(keys) and all(k in before and before[k] != content.get(k) for k in keys)
 
     def joined(self, peer_id: int) -> None:
         """``peer_id`` ended an ordinary sync successfully: it is current and counts everywhere."""
@@ -262,8 +306,10 @@ class HealBook:
     def statistics(self) -> dict[str, int]:
         """Counters for the master's statistics: live rounds ``started``, ``fetched`` (the fetcher then voted
         again), ``failed``; peers ``rejoined`` (behind, then current at an ordinary sync),
-        ``lost_fetchers``; and ``healing`` / ``behind`` now."""
+        ``lost_fetchers``; syncs ``kept_ordinary`` (every key fetched had changed since the group's
+        previous sync: :meth:`all_changed`); and ``healing`` / ``behind`` now."""
         return {"started": self.started, "fetched": self.fetched, "failed": self.failed,
+                "kept_ordinary": self.kept_ordinary,
                 "rejoined": self.rejoined, "lost_fetchers": self.lost_fetchers, "healing": len(self.healing),
                 "behind": len(self.behind)}
 

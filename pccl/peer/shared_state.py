@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +35,7 @@ from ..transport import StreamBroken
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.stream import MessageStream
-from . import heal, swarm
+from . import heal, prefault, swarm
 from .links import Dialer, MasterLink
 from .ratecap import RateCap
 from .state import error_from_code
@@ -46,7 +47,7 @@ ProgressCallback = Callable[[int, int], None]
 
 _HASH_IN_THREAD_BYTES = 8 * 1024 * 1024
 _TOTALS = ("heal_fetches", "heal_bytes", "heal_chunks", "heal_donors_failed", "heal_donors_excluded",
-           "heal_bad_bytes", "heal_duplicate_bytes", "heal_stolen")
+           "heal_bad_bytes", "heal_duplicate_bytes", "heal_stolen", "heal_served_bytes")
 _PROGRESS_LOG_BYTES = 64 * 1024 * 1024
 #: Snapshots a holder keeps pinned for live heals at once (each holds a copy of the keys fetched).
 PINS_KEPT = 4
@@ -284,6 +285,7 @@ class StateServer:
         self.ctx: SyncContext | None = None
         # Live heals this peer serves (issue 35 item 4): sync_seq -> the snapshot pinned for its fetchers
         self.pins: dict[int, SyncContext] = {}
+        self.pinning: set[int] = set()  # live heals whose snapshot is being copied now
         self.cap = RateCap(serve_rate) if serve_rate is not None else None
         self.totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
         self.last: dict[str, Any] | None = None
@@ -291,7 +293,9 @@ class StateServer:
     def count(self, fetch: dict[str, Any]) -> None:
         """Add a finished (or failed) fetch's statistics to :attr:`totals`: ``heal_fetches``,
         ``heal_bytes`` (verified), ``heal_chunks``, ``heal_donors_failed``, ``heal_donors_excluded``
-        (bad bytes), ``heal_bad_bytes``, ``heal_duplicate_bytes`` (fetched twice), ``heal_stolen``."""
+        (bad bytes), ``heal_bad_bytes``, ``heal_duplicate_bytes`` (fetched twice), ``heal_stolen``.
+        (``heal_served_bytes``, the tensor bytes this peer sent to fetchers, from a running sync or a
+        pinned snapshot, is counted as it serves.)"""
         self.last = fetch
         t = self.totals
         t["heal_fetches"] += 1
@@ -527,7 +531,11 @@ async def _sync_round(
         assert isinstance(first, m.SharedStatePlan)
         if first.live and first.pin:
             # A live heal: our part ends now; first a copy of what its fetchers fetch, served from here on.
-            server.pin(await _snapshot(ctx, first))
+            server.pinning.add(first.sync_seq)
+            try:
+                server.pin(await _snapshot(ctx, first))
+            finally:
+                server.pinning.discard(first.sync_seq)
         ctx.seq = first.sync_seq
         ctx.plan = first
         ctx.plan_ready.set()
@@ -627,10 +635,20 @@ async def _fetch_all(
     job = heal.SwarmFetch(dialer, plan.sync_seq, addresses, fetch, sizes, own, local_sums, on_bytes,
                           server.stall_timeout)
     ctx.fetch = job
+    # The pages the apply will write, faulted in while the bytes are on the wire (pccl/peer/prefault.py);
+    # the apply waits for it. A failed fetch leaves the thread to finish alone (it changes no byte).
+    targets = [backend.byte_view(by_name[k].tensor) for k in sizes if not backend.is_cuda(by_name[k].tensor)]
+    populating = None
+    if sum(len(t) for t in targets) >= _HASH_IN_THREAD_BYTES:
+        populating = threading.Thread(target=prefault.populate_write, args=(targets,), daemon=True,
+                                      name="pccl-prefault")
+        populating.start()
     try:
         staged, rx = await job.run()
     finally:
         server.count(job.statistics())
+    if populating is not None:
+        await trio.to_thread.run_sync(populating.join)
     if progress is not None:
         progress(total, total)
     return staged, rx
@@ -652,11 +670,17 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
             # The requester may have received its plan before we processed ours.
             with trio.move_on_after(server.plan_timeout):
                 await ctx.plan_ready.wait()
+            if req.sync_seq in server.pinning:
+                # Its plan came: the snapshot is being copied (a large state on a busy host can take longer
+                # than plan_timeout); wait for it as long as a fetcher waits for a silent donor.
+                with trio.move_on_after(server.stall_timeout):
+                    await ctx.plan_ready.wait()
             ctx = server.context_for(req.sync_seq)  # (a live heal's plan pins a snapshot before it is ready)
         if ctx is None or ctx.seq != req.sync_seq or ctx.error is not None:
             await ms.send(m.Refused(reason=f"no shared-state sync {req.sync_seq} in progress here"))
             return
         by_name = {i.name: i for i in ctx.state.tensor_infos}
+        sent = ctx.tx
         try:
             refusal = await _serve_one(ctx, by_name, ms, req, server.cap)
         except StreamBroken:
@@ -664,6 +688,8 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
             # too) or gave up on us. Normal at the end of a swarm fetch.
             log.debug("shared state: a fetcher closed its connection while we sent")
             return
+        finally:
+            server.totals["heal_served_bytes"] += ctx.tx - sent
         if refusal:
             await ms.send(m.Refused(reason=refusal))
             return

@@ -68,6 +68,7 @@ class Run:
         self.errors: dict[int, BaseException] = {}
         self.until: Any = None  # extra stop condition for the members (a callable)
         self.progress: dict[int, Any] = {}  # newcomer -> its progress callback
+        self.links: Any = None  # shapes the network once the newcomers are in (a callable)
 
     def log(self, who: int, what: str, value: Any = None) -> None:
         self.events.append((trio.current_time(), who, what, value))
@@ -134,7 +135,23 @@ class Run:
         for _ in range(self.after):
             await self._step(i)
 
+    async def started(self) -> None:
+        """The members run (their first sync and a collective), then the newcomers join, admitted by them
+        (a live heal is for newcomers to a running group: a group's first sync, or holders that have not
+        run without the fetchers, are never live); ``links`` then shapes the network."""
+        async with trio.open_nursery() as nursery:
+            for i in self.members:
+                nursery.start_soon(self.cluster.peer(i).sync_shared_state, self.states[i])
+        async with trio.open_nursery() as nursery:
+            for i in self.members:
+                nursery.start_soon(self.cluster.peer(i).all_reduce, np.ones(4, np.float32))
+        assert await self.cluster.add_peers(len(self.newcomers)) == self.newcomers
+        if self.links is not None:
+            self.links()
+        self.log(-1, "started")
+
     async def run(self) -> None:
+        await self.started()
         async with trio.open_nursery() as nursery:
             for i in self.members:
                 nursery.start_soon(self.member, i)
@@ -148,11 +165,11 @@ class Run:
 async def test_members_keep_training_while_a_newcomer_heals(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
-    cluster = await pccl_cluster(3, master_config=LIVE)
+    cluster = await pccl_cluster(2, master_config=LIVE)
     big, small = _content(1)
     states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
-    _slow_links(cluster, [2], [0, 1])
     run = Run(cluster, states, [0, 1], [2])
+    run.links = lambda: _slow_links(cluster, [2], [0, 1])
     await run.run()
 
     healed_at = run.times(2, "healed")[0]
@@ -181,11 +198,11 @@ async def test_members_keep_training_while_a_newcomer_heals(
 async def test_a_newcomer_killed_mid_heal_fails_no_members_call(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
-    cluster = await pccl_cluster(3, master_config=LIVE)
+    cluster = await pccl_cluster(2, master_config=LIVE)
     big, small = _content(2)
     states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
-    _slow_links(cluster, [2], [0, 1])
     run = Run(cluster, states, [0, 1], [2])
+    run.links = lambda: _slow_links(cluster, [2], [0, 1])
     master = cluster.master.state
     seen: dict[str, Any] = {"pinned": False, "stats": []}
 
@@ -209,6 +226,7 @@ async def test_a_newcomer_killed_mid_heal_fails_no_members_call(
         except pccl.PCCLError:
             pass
 
+    await run.started()
     async with trio.open_nursery() as nursery:
         for i in (0, 1):
             nursery.start_soon(run.member, i)
@@ -227,12 +245,12 @@ async def test_a_newcomer_killed_mid_heal_fails_no_members_call(
 async def test_two_newcomers_heal_at_once_while_the_members_train(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
-    cluster = await pccl_cluster(4, master_config=LIVE)
+    cluster = await pccl_cluster(2, master_config=LIVE)
     big, small = _content(3)
     states = {0: _state(big, small), 1: _state(big, small),
               2: _state(np.zeros(BIG, np.uint8), small), 3: _state(np.ones(BIG, np.uint8), small)}
-    _slow_links(cluster, [2, 3], [0, 1])
     run = Run(cluster, states, [0, 1], [2, 3])
+    run.links = lambda: _slow_links(cluster, [2, 3], [0, 1])
     await run.run()
     for n in (2, 3):
         healed_at = run.times(n, "healed")[0]
@@ -248,12 +266,12 @@ async def test_two_newcomers_heal_at_once_while_the_members_train(
 async def test_a_donor_killed_mid_heal_while_the_members_train(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
-    cluster = await pccl_cluster(4, master_config=LIVE)
+    cluster = await pccl_cluster(3, master_config=LIVE)
     big, small = _content(4)
     states = {i: _state(big, small) for i in range(3)}
     states[3] = _state(np.zeros(BIG, np.uint8), small)
-    _slow_links(cluster, [3], [0, 1, 2])
     run = Run(cluster, states, [0, 1, 2], [3])
+    run.links = lambda: _slow_links(cluster, [3], [0, 1, 2])
 
     def on_progress(done: int, total: int) -> None:
         if 1 not in run.gone and done >= 3 * MIB:
@@ -269,6 +287,7 @@ async def test_a_donor_killed_mid_heal_while_the_members_train(
         for _ in range(run.after):
             await run._step(3)
 
+    await run.started()
     async with trio.open_nursery() as nursery:
         for i in (0, 1, 2):
             nursery.start_soon(run.member, i)
@@ -294,7 +313,7 @@ async def test_the_serving_rate_cap_bounds_what_each_donor_sends(
     """Links of infinite bandwidth: the donors' ``state_serve_rate`` (1 MiB/s each) alone sets the heal's
     pace, while their collectives and syncs run at full speed."""
     capped = dataclasses.replace(DEFAULT_PEER_CONFIG, state_serve_rate=float(MIB))
-    cluster = await pccl_cluster(3, master_config=LIVE, config=capped)
+    cluster = await pccl_cluster(2, master_config=LIVE, config=capped)
     big, small = _content(5)
     states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
     net = cluster.network

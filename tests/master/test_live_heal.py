@@ -20,13 +20,32 @@ HELD = [["w", 10, [1000], 4000, 111, False]]
 ZERO = [["w", 10, [1000], 4000, 999, False]]
 
 
-def _live(rounds: int = 2) -> tuple[Harness, list[int]]:
+def _live(rounds: int = 2, first: bool = True, entries: list[list[Any]] | None = None
+          ) -> tuple[Harness, list[int]]:
+    """A master with live heals and three members. ``first``: ``a`` and ``b`` run first (their first sync,
+    holding ``entries`` (default HELD) at revision 1, and a collective of the two), then ``c`` joins: a
+    newcomer to a running group. Otherwise all three join at once (nothing run yet)."""
     hs = Harness()
     hs.st = MasterState(live_heal_rounds=rounds)
-    peers = [hs.join()[0] for _ in range(3)]
-    hs.update([peers[0]])
-    assert hs.st.ring == peers
-    return hs, peers
+    if not first:
+        peers = [hs.join()[0] for _ in range(3)]
+        hs.update([peers[0]])
+        assert hs.st.ring == peers
+        return hs, peers
+    a, b = hs.join()[0], hs.join()[0]
+    hs.update([a])
+    for p in (a, b):
+        hs.h(p, m.SharedStateSync(revision=1, strategy=0, entries=entries or HELD))
+    seq = hs.st._sync_seq
+    for p in (a, b):
+        hs.h(p, m.SharedStateDone(sync_seq=seq, success=True))
+    (commence,) = _to(_all_reduce(hs, [a, b], tag=99), a, m.CollectiveCommence)
+    for p in (a, b):
+        hs.h(p, m.CollectiveDone(tag=99, op_seq=commence.op_seq, success=True))
+    c = hs.join()[0]
+    hs.update([a, b])
+    assert hs.st.ring == [a, b, c] and hs.st.last_revision[0] == 1 and not hs.st._syncs
+    return hs, [a, b, c]
 
 
 def _to(eff: list[Any], pid: int, kind: type[m.Message]) -> list[Any]:
@@ -152,6 +171,10 @@ def test_off_by_default_and_with_nothing_to_fetch() -> None:
     assert not any(pl.live for p in peers for pl in _to(eff, p, m.SharedStatePlan))
     book = HealBook(2)
     assert not book.may_go_live({1: [], 2: []}) and not book.may_go_live({1: [["w", 1, [2]]]})
+    assert not book.may_go_live({1: [["w", 1, [2]]], 2: []})  # 2 never ran a collective without 1
+    book.collective_started(0, [2, 3])
+    assert not book.may_go_live({1: [["w", 1, [2]]], 2: []})  # ... nor alone
+    book.collective_started(0, [2])
     assert book.may_go_live({1: [["w", 1, [2]]], 2: []})
     with pytest.raises(ValueError):
         HealBook(-1)
@@ -197,3 +220,82 @@ def test_a_fetcher_whose_group_did_nothing_meanwhile_is_current_at_once() -> Non
     eff = _all_reduce(hs, [c])
     assert _to(eff, c, m.CollectiveCommence)
     assert hs.st.heals.statistics()["fetched"] == 1
+
+
+def _entries(w: int, v: int) -> list[list[Any]]:
+    return [["w", 10, [1000], 4000, w, False], ["v", 10, [1000], 4000, v, False]]
+
+
+def _two_syncs(second: dict[str, list[list[Any]]]) -> tuple[Harness, list[Any], list[int]]:
+    """``a`` and ``b`` run (their first sync holding ``_entries(1, 2)``, a collective), ``c`` joins, then a
+    sync where ``a`` and ``b`` hold ``second["held"]`` (revision 2) and ``c`` votes ``second["c"]``
+    (revision 1)."""
+    hs, (a, b, c) = _live(entries=_entries(1, 2))
+    eff = hs.h(a, m.SharedStateSync(revision=2, strategy=0, entries=second["held"]))
+    eff += hs.h(b, m.SharedStateSync(revision=2, strategy=0, entries=second["held"]))
+    eff += hs.h(c, m.SharedStateSync(revision=1, strategy=0, entries=second["c"]))
+    return hs, eff, [a, b, c]
+
+
+def test_a_sync_is_kept_ordinary_when_every_key_fetched_changed_since_the_last_one() -> None:
+    """The group changed every key since its previous sync (data-parallel, DiLoCo): a live round could
+    not catch up (the fetcher would fetch it all again at its join while the members wait), so the
+    sync is an ordinary one: the fetcher receives the state once."""
+    hs, eff, (a, _, c) = _two_syncs({"held": _entries(11, 12), "c": _entries(1, 2)})
+    plan = _to(eff, c, m.SharedStatePlan)[0]
+    assert not plan.live and sorted(r[0] for r in plan.fetch) == ["v", "w"]
+    assert not _to(eff, a, m.SharedStateResult)  # the members wait for it, as before live heals
+    assert hs.st.heals.statistics()["kept_ordinary"] == 1 and hs.st.heals.statistics()["started"] == 0
+
+
+def test_a_key_unchanged_since_the_last_sync_keeps_the_heal_live() -> None:
+    """Part of what the fetcher fetches did not change (frozen layers): a live round can catch up on the
+    rest, so the heal is live."""
+    hs, eff, (a, _, c) = _two_syncs({"held": _entries(11, 2), "c": _entries(0, 0)})
+    plan = _to(eff, c, m.SharedStatePlan)[0]
+    assert plan.live and sorted(r[0] for r in plan.fetch) == ["v", "w"]
+    assert _to(eff, a, m.SharedStateResult)[0].success
+    assert hs.st.heals.statistics()["kept_ordinary"] == 0 and hs.st.heals.statistics()["started"] == 1
+
+
+def test_only_the_fetched_keys_decide() -> None:
+    """``c`` fetches only ``w``, which changed; ``v`` did not change but ``c`` holds it already."""
+    _, eff, (_, _, c) = _two_syncs({"held": _entries(11, 2), "c": _entries(1, 2)})
+    plan = _to(eff, c, m.SharedStatePlan)[0]
+    assert not plan.live and [r[0] for r in plan.fetch] == ["w"]
+    book = HealBook(1)
+    book.collective_started(0, [2])
+    book.collective_started(5, [2])
+    rows = {1: [["w", 11, [2]]], 2: []}
+    assert not book.may_go_live(rows, 0, {"w": 1}, started=False)  # the group's first sync: ordinary
+    assert not book.may_go_live(rows, 0, {"w": 11})  # w changed since: ordinary
+    assert book.may_go_live(rows, 0, {"w": 11})  # unchanged since: live
+    assert book.may_go_live(rows, 5, {"w": 7})  # another group: its own history (none: no evidence)
+
+
+def test_the_groups_first_sync_is_never_live() -> None:
+    """The run starts at the group's first sync: everyone leaves it together (the holders would otherwise
+    start training in a world without the fetchers, which were to be part of it from the first step)."""
+    hs, (a, b, c) = _live(first=False)
+    eff, _ = _start(hs, [a, b, c])
+    assert not any(pl.live for p in (a, b, c) for pl in _to(eff, p, m.SharedStatePlan))
+    assert _to(eff, c, m.SharedStatePlan)[0].fetch and not _to(eff, a, m.SharedStateResult)
+    assert hs.st.heals.statistics()["started"] == 0
+
+
+def test_holders_that_did_not_train_together_without_the_fetcher_wait_for_it() -> None:
+    """The holders' last collective had the fetcher in it (here: all three ran one; then ``c``'s state went
+    wrong): their loop has not accepted a world without it (a driver waiting for ``min_world_size`` peers
+    would wait for ``c`` while ``c`` waits for its next sync), so the sync is ordinary."""
+    hs, (a, b, c) = _live(first=False)
+    for p in (a, b, c):
+        hs.h(p, m.SharedStateSync(revision=1, strategy=0, entries=HELD))
+    seq = hs.st._sync_seq
+    for p in (a, b, c):
+        hs.h(p, m.SharedStateDone(sync_seq=seq, success=True))
+    (commence,) = _to(_all_reduce(hs, [a, b, c], tag=7), a, m.CollectiveCommence)
+    for p in (a, b, c):
+        hs.h(p, m.CollectiveDone(tag=7, op_seq=commence.op_seq, success=True))
+    eff, _ = _start(hs, [a, b, c])
+    assert not any(pl.live for p in (a, b, c) for pl in _to(eff, p, m.SharedStatePlan))
+    assert _to(eff, c, m.SharedStatePlan)[0].fetch and hs.st.heals.statistics()["started"] == 0

@@ -50,6 +50,9 @@ class Master:
     def op_settled(self, group: int, tag: int, seq: int, committed: bool) -> None:
         self.settled.append((group, tag, seq, committed))
 
+    def collective_started(self, group: int, voters: list[int]) -> None:
+        pass
+
     def left_out(self, group: int, kind: str) -> frozenset[int]:
         return frozenset()  # no live heals here (tests/master/test_live_heal.py)
 

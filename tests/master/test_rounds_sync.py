@@ -50,7 +50,8 @@ class Master:
     def left_out(self, group: int, kind: str) -> frozenset[int]:
         return frozenset()  # no live heals here (tests/master/test_live_heal.py)
 
-    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]], group: int = 0,
+                    content: dict[str, int] | None = None) -> bool:
         return False
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],

@@ -42,10 +42,11 @@ def full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, delayed: bool, outer_steps: int,
                 quantization: Any, out: dict[int, Any], seed: int = 0,
-                on_step: Callable[[Any], None] | None = None) -> None:
+                on_step: Callable[[Any], None] | None = None,
+                make_model: Callable[[], nn.Module] | None = None) -> None:
     x, y = problem()
     torch.manual_seed(seed)
-    model = nn.Linear(D, 1)
+    model = nn.Linear(D, 1) if make_model is None else make_model()
     diloco = AsyncDiLoCo(cluster.peer(i), model, torch.optim.SGD(model.parameters(), lr=0.05),
                          outer_optimizer=outer_sgd, inner_steps=INNER, delayed=delayed,
                          quantization=quantization, total_outer_steps=outer_steps, nursery=nursery)

@@ -36,6 +36,10 @@ RESERVATIONS_PER_GROUP = 1024
 class CollectiveContext(RoundContext, Protocol):
     """What a collective round asks of the master (``MasterState`` is one)."""
 
+    def collective_started(self, group: int, voters: list[int]) -> None:
+        """A collective of ``group`` starts with ``voters`` (live heals ask who trains: heals.py)."""
+        ...
+
     @property
     def epoch(self) -> int: ...
 
@@ -309,6 +313,7 @@ class CollectiveVotes:
         op.running = True
         op.participants = voters
         op.participant_set = set(voters)
+        ctx.collective_started(op.group, voters)
         self.ops[key] = op
         if fast:
             assert res is not None

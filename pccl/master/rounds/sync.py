@@ -45,8 +45,10 @@ class SyncContext(RoundContext, Protocol):
 
     # live heals (issue 35 item 4, pccl/master/heals.py)
 
-    def may_go_live(self, rows_of: dict[int, list[list[Any]]]) -> bool:
-        """Whether a sync whose participants fetch ``rows_of`` runs as a live heal."""
+    def may_go_live(self, rows_of: dict[int, list[list[Any]]], group: int = 0,
+                    content: dict[str, int] | None = None) -> bool:
+        """Whether a sync of ``group`` whose participants fetch ``rows_of`` runs as a live heal (``content``:
+        the elected ``{key: hash}``)."""
         ...
 
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
@@ -178,7 +180,8 @@ class SyncVotes:
         rnd.running = True
         table = ctx.table(members)
         rows_of = {p: _election.fetch_rows(result.plans[p]) for p in members if p in result.plans}
-        if ctx.may_go_live(rows_of):  # the holders return now, the fetchers heal alone
+        elected = votes[result.elected_holders[0]].entries if result.elected_holders else ()
+        if ctx.may_go_live(rows_of, group, {e.key: e.hash for e in elected}):  # the holders return now
             del self.rounds[group]
             return effects + ctx.go_live(group, rnd.seq, rnd.revision, rows_of, table, rnd.note, rnd.progress)
         for p in members:
