@@ -41,6 +41,7 @@ from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
 from .effects import Drop, Effect, Event, Kick, Send
 from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
+from .plan_rule import op_frames, run_schedule
 from .state import MasterState, Phase
 from .status_server import StatusService
 from .testimony import StallTestimony
@@ -364,7 +365,7 @@ class MasterServer:
         (pccl/master/blame.py)."""
         pairs: list[tuple[int, int]] = []
         if msg.op_seq >= 0:
-            self._note_ring(msg.op_seq)
+            self._note_plan(msg.op_seq)
         if msg.stalled_on >= 0:
             log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout",
                         reporter, msg.stalled_on)
@@ -377,10 +378,9 @@ class MasterServer:
                 pairs.append((a, b))
             # a send under way is the sender's word that the partner does not take its frames
             pairs.extend((reporter, b) for b in msg.blocked if b in members and b != msg.stalled_on)
-            for holder, succ, took, passed in self.testimony.holders(msg.op_seq):
-                log.warning("operation %d stalled: peer %d says it took %d bytes from its ring predecessor "
-                            "but its successor %d took only %d from it",
-                            msg.op_seq, holder, took, succ, passed)
+            for holder, succ, owed, passed in self.testimony.holders(msg.op_seq, reporter):
+                log.warning("operation %d stalled: by what peer %d says it took, its plan released %d bytes "
+                            "to peer %d, which took only %d from it", msg.op_seq, holder, owed, succ, passed)
                 for pid, reason in self.blame.hold(holder, now, set(self.state.ring),
                                                    repeat=self.state.offenders.repeat):
                     log.warning("peer %d %s", pid, reason)
@@ -394,22 +394,24 @@ class MasterServer:
                 # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
                 self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
 
-    def _note_ring(self, op_seq: int) -> None:
-        """Record a running ring all-reduce's order and largest chunk for the ring rule
-        (pccl/master/testimony.py ``ring_holders``): the first failure report comes while it runs."""
-        for op in self.state.collectives:
-            if not op.running or op.op_seq != op_seq or not op.participants:
-                continue
-            d = op.votes.get(op.participants[0])
-            if d is None or d.kind != "all_reduce" or d.schedule != "ring" or d.quantization != 0:
-                return
-            try:
-                itemsize = DataType(d.dtype).itemsize
-            except ValueError:
-                return
-            n = len(op.participants)
-            self.testimony.ring(op_seq, op.participants, -(-d.element_count // n) * itemsize)
+    def _note_plan(self, op_seq: int) -> None:
+        """Record a running operation's plans for the plan rule (pccl/master/plan_rule.py), from the
+        descriptor the master checked (the first failure report comes while it runs)."""
+        if self.testimony.known(op_seq):
             return
+        op = next((o for o in self.state.collectives
+                   if o.running and o.op_seq == op_seq and o.participants), None)
+        d = None if op is None else op.votes.get(op.participants[0])
+        if op is None or d is None:
+            return
+        frames = op_frames(d, op.participants)
+        if frames is not None:
+            self.testimony.plan(op_seq, frames)
+        elif d.kind == "all_reduce" and run_schedule(d) == "ring" and d.quantization == 0:
+            # too large to rebuild: the coarse ring rule (an honest peer holds back a chunk at most)
+            n = len(op.participants)
+            chunk = -(-d.element_count // n) * DataType(d.dtype).itemsize
+            self.testimony.ring(op_seq, op.participants, chunk)
 
     async def _writer(self, conn: _Conn) -> None:
         try:

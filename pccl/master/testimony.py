@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 
+from .plan_rule import OpFrames, affected, plan_holders
+
 #: Operations whose testimonies are kept (the oldest forgotten first).
 KEEP = 16
 #: Rows kept in all (the oldest operations forgotten first): a member that testifies for operations
@@ -47,27 +49,52 @@ class StallTestimony:
         # op_seq -> testifier -> partner -> (sent to it, taken from it)
         self._ops: OrderedDict[int, dict[int, dict[int, tuple[int, int]]]] = OrderedDict()
         self._judged: OrderedDict[tuple[int, int, int], None] = OrderedDict()
-        # op_seq -> (ring order, the most an honest peer holds back), for ring all-reduces
+        # op_seq -> (ring order, the most an honest peer holds back), for ring all-reduces whose plans
+        # are too large to rebuild (the coarse ring rule)
         self._rings: dict[int, tuple[tuple[int, ...], int]] = {}
+        # op_seq -> every participant's plan (the plan rule: pccl/master/plan_rule.py)
+        self._plans: dict[int, OpFrames] = {}
         # op_seq -> testifier -> partners whose send was under way
         self._blocked: dict[int, dict[int, frozenset[int]]] = {}
 
+    def plan(self, op_seq: int, frames: OpFrames) -> None:
+        """Operation ``op_seq`` runs ``frames`` (pccl/master/plan_rule.py ``op_frames``); the first
+        record counts."""
+        if op_seq not in self._plans and op_seq not in self._rings:
+            self._plans[op_seq] = frames
+            while len(self._plans) > self.keep:
+                del self._plans[next(iter(self._plans))]
+
     def ring(self, op_seq: int, order: Sequence[int], slack: int) -> None:
         """Operation ``op_seq`` is a ring all-reduce over ``order`` (ring order) whose honest peers hold
-        back at most ``slack`` bytes (its largest chunk); the first record counts."""
-        if op_seq not in self._rings and len(order) >= 3:
+        back at most ``slack`` bytes (its largest chunk), too large for :meth:`plan`; the first record
+        counts."""
+        if op_seq not in self._rings and op_seq not in self._plans and len(order) >= 3:
             self._rings[op_seq] = (tuple(order), slack)
             while len(self._rings) > self.keep:
                 del self._rings[next(iter(self._rings))]
 
-    def holders(self, op_seq: int) -> list[tuple[int, int, int, int]]:
-        """``(holder, successor, took, passed)`` of operation ``op_seq`` by :func:`ring_holders`, each
-        holder once per operation; empty unless the operation is a recorded ring all-reduce."""
-        facts = self._rings.get(op_seq)
+    def known(self, op_seq: int) -> bool:
+        """Whether operation ``op_seq``'s plans (or ring) are recorded."""
+        return op_seq in self._plans or op_seq in self._rings
+
+    def holders(self, op_seq: int, reporter: int | None = None) -> list[tuple[int, int, int, int]]:
+        """``(holder, successor, owed, passed)`` of operation ``op_seq``, each holder once per operation:
+        by the plan rule (:func:`~pccl.master.plan_rule.plan_holders`, among the peers a testimony of
+        ``reporter`` can change: None, all) if its plans are recorded, else by :func:`ring_holders` if
+        it is a recorded ring all-reduce; else empty."""
         op = self._ops.get(op_seq)
-        if facts is None or op is None:
+        if op is None:
             return []
-        found = ring_holders(facts[0], facts[1], op, self._blocked.get(op_seq, {}))
+        blocked = self._blocked.get(op_seq, {})
+        frames = self._plans.get(op_seq)
+        if frames is not None:
+            who = None if reporter is None else affected(frames, reporter)
+            found = plan_holders(frames, op, blocked, who)
+        elif (facts := self._rings.get(op_seq)) is not None:
+            found = ring_holders(facts[0], facts[1], op, blocked)
+        else:
+            return []
         return [h for h in found if self.first(op_seq, h[0], h[0])]
 
     def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]],

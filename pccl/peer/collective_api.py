@@ -470,6 +470,11 @@ class CollectiveCalls:
             kind.name, tag=tag, dtype=sdesc.dtype, send_count=sdesc.count, recv_count=rdesc.count, op=op,
             root=root, quantization=q, schedule=self.config.schedule,
         )
+        if descriptor.schedule == "auto":
+            # resolved before the vote (issue 33): the master then knows the plans every participant
+            # runs from the descriptor it checked (pccl/master/plan_rule.py), not from one member's word
+            rows = self._core.group_rows()
+            descriptor = descriptor._replace(schedule=self._resolve(descriptor, sdesc.dtype, rows, root))
         staging_device = device_for(send)  # None for host tensors
         return _Call(kind, send, recv, op, tag, sdesc.dtype, rdesc.count, rdesc.nbytes, descriptor, q,
                      staging_device, staging_device is not None, len(self._core.group_ring))
@@ -600,21 +605,26 @@ class CollectiveCalls:
             pass
 
     def _schedule(self, call: _Call, rows: list[m.PeerRow], root: int) -> str:
-        """The schedule this operation runs: from the descriptor (equal on every participant, the
-        master checked), the operation's group (its table, the same on every participant) and the
-        link summary the master sent every member, so every participant picks the same. Without a
-        summary, a group whose members all have one address (one host) is priced with
-        :func:`~pccl.collectives.cost.same_host` for this host's cores (one host: the same count on
-        every member), any other with the LAN defaults."""
+        """The schedule this operation runs: the descriptor's, which :meth:`_describe` resolved
+        (:meth:`_resolve`) before the vote, so every participant runs the one the master checked."""
+        return self._resolve(call.descriptor, call.dtype, rows, root)
+
+    def _resolve(self, d: m.CollectiveDescriptor, dtype: DataType, rows: Sequence[m.PeerRow],
+                 root: int) -> str:
+        """The schedule ``d`` runs: from the descriptor (equal on every participant, the master checks),
+        the group's table (the same on every member) and the link summary the master sent every
+        member, so every participant picks the same. Without a summary, a group whose members all have
+        one address (one host) is priced with :func:`~pccl.collectives.cost.same_host` for this host's
+        cores (one host: the same count on every member), any other with the LAN defaults. A resolved
+        request ("ring", "hd", "tree") gives itself back, or the kind's fallback."""
         links = self._links
         if links is None and len({r.host for r in rows}) == 1:
             links = _SAME_HOST
-        d = call.descriptor
         return schedule_for(
             d.schedule,
             d.kind,
             len(rows),
-            d.element_count * backend.dtype_to_numpy(call.dtype).itemsize,
+            d.element_count * backend.dtype_to_numpy(dtype).itemsize,
             quantized=d.quantization != int(QuantizationAlgorithm.NONE),
             links=links,
             root=root,
