@@ -176,10 +176,14 @@ class MasterConfig:
             votes until done; a fetcher that ends behind the group catches up in the same call, live
             for at most this many rounds in a row, then as an ordinary (blocking) participant. 0
             (default): every sync holds its participants until the fetchers have everything.
-        token_key_file: without a ``secret``, a file holding the key of the member tokens (made,
+        token_key_file: without a ``secret``, the file holding the key of the member tokens (made,
             mode 0600, on first start): a restarted master, or a standby reading the same file,
             verifies its predecessor's tokens and refuses a stranger's claim on a place in its
-            rebuild (docs/security.md "Re-registration"). None (default): a random key per process.
+            rebuild (docs/security.md "Re-registration"). None (default): a per-user state file,
+            ``master-token.key`` under ``$PCCL_STATE_DIR``, else ``$XDG_STATE_HOME/pccl``, else
+            ``~/.local/state/pccl`` (pccl/master/token_key.py); where it cannot be kept, claims this
+            master cannot verify are refused (logged). "": a random key of this process, whose
+            restarted master takes claims on trust while it rebuilds (unsafe without a secret).
     """
 
     heartbeat_interval: float = 0.5

@@ -204,6 +204,27 @@ def plan_holders(frames: OpFrames, testimony: Mapping[int, Mapping[int, tuple[in
     return found
 
 
+def false_blocks(frames: OpFrames, reporter: int, rows: Mapping[int, tuple[int, int]],
+                 named: Iterable[int]) -> list[int]:
+    """The peers of ``named`` that ``reporter`` says a send of its to was under way (``stalled_on``,
+    ``blocked``) although its own testimony (``rows``: partner -> ``(sent, taken)``) and plan leave it
+    nothing to send them: its plan has no send to them, or every send its plan released to them (by what
+    it says it took, counted generously: a frame taken in part counts as taken) is among those it says
+    completed. No honest peer says so: a send under way is a released frame not yet counted as sent."""
+    if reporter not in frames.ids:
+        return []
+    rank = frames.ids.index(reporter)
+    plan = frames.plans[rank]
+    sources = {f.peer for f in plan.recvs}
+    _, required = released(frames, rank, {q: rows.get(frames.ids[q], (0, 0))[1] for q in sources})
+    out: list[int] = []
+    for b in named:
+        s = frames.ids.index(b) if b in frames.ids else -1
+        if s < 0 or required.get(s, 0) <= rows.get(b, (0, 0))[0]:
+            out.append(b)
+    return out
+
+
 def affected(frames: OpFrames, peer: int) -> set[int]:
     """The participants whose judgement a testimony of ``peer`` can change: itself and its partners."""
     if peer not in frames.ids:
@@ -215,5 +236,6 @@ def affected(frames: OpFrames, peer: int) -> set[int]:
 
 
 __all__ = [
-    "MAX_FRAMES", "SLACK", "OpFrames", "affected", "op_frames", "plan_holders", "released", "run_schedule",
+    "MAX_FRAMES", "SLACK", "OpFrames", "affected", "false_blocks", "op_frames", "plan_holders", "released",
+    "run_schedule",
 ]

@@ -366,7 +366,16 @@ class MasterServer:
         pairs: list[tuple[int, int]] = []
         if msg.op_seq >= 0:
             self._note_plan(msg.op_seq)
-        if msg.stalled_on >= 0:
+        # a send under way that its own testimony leaves no frame for: the accuser alone is struck
+        false = set(self.testimony.false_blocks(msg.op_seq, reporter, msg.io, [
+            *([msg.stalled_on] if msg.stalled_on >= 0 else []), *msg.blocked])) if msg.io else set()
+        if false and self.testimony.first(msg.op_seq, reporter, reporter):
+            log.warning("operation %d stalled: peer %d says its sends to %s were under way, but by what it "
+                        "says it took and sent its plan left it nothing to send them", msg.op_seq, reporter,
+                        sorted(false))
+            self._strike(reporter, now, f"it said its sends to {sorted(false)} were under way with none "
+                                        "left to send them")
+        if msg.stalled_on >= 0 and msg.stalled_on not in false:
             log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout",
                         reporter, msg.stalled_on)
             pairs.append((reporter, msg.stalled_on))
@@ -377,14 +386,12 @@ class MasterServer:
                             msg.op_seq, a, b, sent, b, taken)
                 pairs.append((a, b))
             # a send under way is the sender's word that the partner does not take its frames
-            pairs.extend((reporter, b) for b in msg.blocked if b in members and b != msg.stalled_on)
+            pairs.extend((reporter, b) for b in msg.blocked
+                         if b in members and b != msg.stalled_on and b not in false)
             for holder, succ, owed, passed in self.testimony.holders(msg.op_seq, reporter):
                 log.warning("operation %d stalled: by what peer %d says it took, its plan released %d bytes "
                             "to peer %d, which took only %d from it", msg.op_seq, holder, owed, succ, passed)
-                for pid, reason in self.blame.hold(holder, now, set(self.state.ring),
-                                                   repeat=self.state.offenders.repeat):
-                    log.warning("peer %d %s", pid, reason)
-                    self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
+                self._strike(holder, now)
         for accuser, accused in pairs:
             if not self.testimony.first(msg.op_seq, accuser, accused):
                 continue
@@ -393,6 +400,13 @@ class MasterServer:
                 log.warning("peer %d %s", pid, reason)
                 # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
                 self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
+
+    def _strike(self, peer: int, now: float, why: str = "") -> None:
+        """``peer``'s own testimony contradicts itself: struck alone (pccl/master/blame.py ``hold``)."""
+        for pid, reason in self.blame.hold(peer, now, set(self.state.ring),
+                                           repeat=self.state.offenders.repeat, why=why):
+            log.warning("peer %d %s", pid, reason)
+            self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
 
     def _note_plan(self, op_seq: int) -> None:
         """Record a running operation's plans for the plan rule (pccl/master/plan_rule.py), from the

@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 
-from .plan_rule import OpFrames, affected, plan_holders
+from .plan_rule import OpFrames, affected, false_blocks, plan_holders
 
 #: Operations whose testimonies are kept (the oldest forgotten first).
 KEEP = 16
@@ -96,6 +96,21 @@ class StallTestimony:
         else:
             return []
         return [h for h in found if self.first(op_seq, h[0], h[0])]
+
+    def false_blocks(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
+                     named: Iterable[int]) -> list[int]:
+        """The peers of ``named`` whose sends ``reporter`` says were under way although by its own
+        testimony ``rows`` and plan it had nothing left to send them
+        (:func:`~pccl.master.plan_rule.false_blocks`); empty unless the operation's plans are recorded."""
+        frames = self._plans.get(op_seq)
+        if frames is None:
+            return []
+        mine: dict[int, tuple[int, int]] = {}
+        for partner, sent, taken in rows:
+            if len(mine) >= self.max_rows:
+                break
+            mine[partner] = (sent, taken)
+        return false_blocks(frames, reporter, mine, named)
 
     def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]],
             members: Container[int] | None = None,

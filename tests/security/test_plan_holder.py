@@ -16,9 +16,18 @@ import trio.testing
 from pccl._types import DataType, QuantizationAlgorithm
 from pccl.collectives.kinds import KINDS, get_kind
 from pccl.master.blame import STRIKES
-from pccl.master.plan_rule import OpFrames, affected, op_frames, plan_holders, released, run_schedule
+from pccl.master.plan_rule import (
+    OpFrames,
+    affected,
+    false_blocks,
+    op_frames,
+    plan_holders,
+    released,
+    run_schedule,
+)
 from pccl.master.testimony import StallTestimony
-from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+from pccl.peer.communicator import Communicator
+from pccl.testing import DEFAULT_PEER_CONFIG, TestCluster, VirtualNetwork, open_test_cluster
 from pccl.wire.messages import CollectiveDescriptor
 
 from ._helpers import stalled_rounds, stop_reading
@@ -216,6 +225,30 @@ def test_testimony_judges_by_the_recorded_plans_once_per_operation() -> None:
 
 # --- end to end: the default schedule ("auto") --------------------------------------------------------
 
+
+def lie_about_reading(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Communicator) -> None:
+    """``evil`` stops reading and testifies it took every byte each partner says it sent it (the pairs
+    then agree)."""
+    real_rows = type(evil.pool).op_io
+
+    def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
+        rows: list[tuple[int, int, int]] = real_rows(self, op_seq)  # type: ignore[arg-type]
+        if self is not evil.pool:
+            return rows
+        mine = {p: (s, k) for p, s, k in rows}
+        for i in cl.alive:
+            other = cl.peer(i)
+            if other is evil or other.pool is None:
+                continue
+            sent = {p: s for p, s, _ in real_rows(other.pool, op_seq)}.get(evil.peer_id, 0)
+            s, k = mine.get(other.peer_id, (0, 0))
+            mine[other.peer_id] = (s, max(k, sent))
+        return [(p, s, k) for p, (s, k) in sorted(mine.items())]
+
+    stop_reading(monkeypatch, evil)
+    monkeypatch.setattr(type(evil.pool), "op_io", lying)
+
+
 STALL = 5.0
 AUTO = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=STALL)  # schedule "auto", the default
 
@@ -229,22 +262,7 @@ async def test_a_lying_non_reader_under_the_default_schedule_is_removed_alone_af
     async with open_test_cluster(4, network=net, config=AUTO) as cl:
         assert AUTO.schedule == "auto"
         evil = cl.peer(2)
-        real_rows = type(evil.pool).op_io
-
-        def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
-            rows: list[tuple[int, int, int]] = real_rows(self, op_seq)  # type: ignore[arg-type]
-            if self is not evil.pool:
-                return rows
-            mine = {p: (s, k) for p, s, k in rows}  # it claims every byte each partner says it sent it
-            for i in cl.alive:
-                other = cl.peer(i)
-                if other is evil or other.pool is None:
-                    continue
-                sent = {p: s for p, s, _ in real_rows(other.pool, op_seq)}.get(evil.peer_id, 0)
-                s, k = mine.get(other.peer_id, (0, 0))
-                mine[other.peer_id] = (s, max(k, sent))
-            return [(p, s, k) for p, (s, k) in sorted(mine.items())]
-
+        lie_about_reading(monkeypatch, cl, evil)
         ran: list[str] = []  # the schedule of each stalled operation, as the master rebuilt its plans
         real_plan = StallTestimony.plan
 
@@ -253,8 +271,6 @@ async def test_a_lying_non_reader_under_the_default_schedule_is_removed_alone_af
             real_plan(self, op_seq, frames)
 
         monkeypatch.setattr(StallTestimony, "plan", plan)
-        stop_reading(monkeypatch, evil)
-        monkeypatch.setattr(type(evil.pool), "op_io", lying)
         honest = [cl.peer(i).peer_id for i in cl.alive if cl.peer(i) is not evil]
         t0 = trio.current_time()
         stalls = await stalled_rounds(cl, small, STRIKES + 2, members_are=honest)
@@ -265,5 +281,73 @@ async def test_a_lying_non_reader_under_the_default_schedule_is_removed_alone_af
         assert stalls == STRIKES  # then it was gone, and nothing stalled again
         assert evil.peer_id not in cl.master.state.peers
         assert all(p in cl.master.state.peers for p in honest)
-        assert f"peer {evil.peer_id} evicted: it held back released frames in 2 operations" in caplog.text
+        assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2 operations" \
+            in caplog.text
         assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
+
+
+# --- a liar naming an honest member (issue 33: its sends "under way", stalled_on / blocked) -----------
+
+
+def test_a_send_under_way_that_the_accusers_own_testimony_leaves_no_frame_for_is_false() -> None:
+    frames = frames_of("all_reduce", "ring", 4)
+    liar = 1
+    me, pred, succ = frames.ids[liar], frames.ids[0], frames.ids[2]
+    lying = standstill(frames, liar)
+    rows = lying[me]
+    # it sends nothing to its predecessor (a ring sends to the successor only): a send "under way" to
+    # it, or to a peer that is no participant, is false
+    assert false_blocks(frames, me, rows, [pred, 99]) == [pred, 99]
+    # to its successor, while it says it took frames whose releases it has not sent: it may be true
+    # (a successor that does not read holds them), so it stands: a liar saying so takes its successor
+    # down with it as before (docs/security.md)
+    _, owed = released(frames, liar, {q: rows[frames.ids[q]][1] for q in (0, 2, 3)})
+    assert owed[2] > rows[succ][0] and false_blocks(frames, me, rows, [succ]) == []
+    # ... but not once it says it sent every frame its plan released to it
+    done = {**rows, succ: (owed[2], rows[succ][1])}
+    assert false_blocks(frames, me, done, [succ]) == [succ]
+    # an honest peer's report is never false: in every standstill of every combination, each peer whose
+    # last frame to a partner is still being written (not counted as sent) names that partner
+    for kind, schedule, n in COMBOS:
+        f = frames_of(kind, schedule, n)
+        for stuck in range(n):
+            t = standstill(f, stuck, lie=False)
+            for r, peer in enumerate(f.ids):
+                for s in range(n):
+                    sent = t[peer].get(f.ids[s], (0, 0))[0]
+                    if s == r or sent == 0:
+                        continue
+                    last = max(b for j, b in enumerate(f.send_bytes[r]) if f.plans[r].sends[j].peer == s)
+                    under_way = {**t[peer], f.ids[s]: (sent - min(last, sent), t[peer][f.ids[s]][1])}
+                    assert false_blocks(f, peer, under_way, [f.ids[s]]) == [], (kind, schedule, n, r, s)
+
+
+async def test_a_liar_naming_a_member_it_sends_nothing_is_removed_alone(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lying non-reader also says its send to its ring predecessor was under way (``blocked``): it
+    sends that peer nothing, so the accusation is false and it alone is struck; before, the accusation
+    counted like a ``stalled_on`` and the predecessor left with it."""
+    caplog.set_level(logging.WARNING, logger="pccl")
+    net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
+    cfg = dataclasses.replace(AUTO, schedule="ring")
+    async with open_test_cluster(4, network=net, config=cfg) as cl:
+        evil = cl.peer(2)
+        lie_about_reading(monkeypatch, cl, evil)
+        ring = [cl.peer(i).peer_id for i in cl.alive]
+        pred = ring[ring.index(evil.peer_id) - 1]
+        real_blocked = type(evil.pool).op_blocked
+
+        def naming(self: object, op_seq: int) -> list[int]:
+            got: list[int] = real_blocked(self, op_seq)  # type: ignore[arg-type]
+            return [pred] if self is evil.pool else got
+
+        monkeypatch.setattr(type(evil.pool), "op_blocked", naming)
+        honest = [p for p in ring if p != evil.peer_id]
+        stalls = await stalled_rounds(cl, 1024, STRIKES + 2, members_are=honest)
+        assert stalls == STRIKES
+        assert evil.peer_id not in cl.master.state.peers and pred in cl.master.state.peers
+        assert all(p in cl.master.state.peers for p in honest)
+        assert f"peer {evil.peer_id} says its sends to [{pred}] were under way" in caplog.text
+        assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2 operations" \
+            in caplog.text

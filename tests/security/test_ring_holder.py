@@ -77,7 +77,7 @@ def test_a_holder_is_struck_alone() -> None:
     members = {1, 2, 3, 4}
     assert b.hold(2, 0.0, members) == [] and b.hold(9, 0.0, members) == []
     gone = b.hold(2, 1.0, members)
-    assert [p for p, _ in gone] == [2] and "held back released frames in 2 operations" in gone[0][1]
+    assert [p for p, _ in gone] == [2] and "testimony contradicted itself in 2 operations" in gone[0][1]
     assert b.hold(2, 2.0, members) == []  # forgotten with it
     assert b.hold(3, 0.0, members) == [] and b.hold(3, 700.0, members) == []  # outside the window
     assert b.hold(4, 0.0, members, repeat=lambda p: p == 4) != []  # a repeat offender: one is enough
@@ -117,5 +117,6 @@ async def test_a_member_that_stops_reading_and_lies_about_it_is_removed_alone_af
         assert stalls == STRIKES  # then it was gone, and nothing stalled again
         assert evil.peer_id not in cl.master.state.peers
         assert all(p in cl.master.state.peers for p in honest)  # the successor was not struck with it
-        assert f"peer {evil.peer_id} evicted: it held back released frames in 2 operations" in caplog.text
+        assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2 operations" \
+            in caplog.text
         assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
