@@ -54,7 +54,8 @@ from ._reduce import reduce_into
 from .gate import SendGate
 from .interface import DataPool, Receive
 from .kinds import Kind
-from .op_plan import DEFAULT_BLOCK_BYTES, build_plan
+from .op_plan import DEFAULT_BLOCK_BYTES as DEFAULT_BLOCK_BYTES  # re-exported: the executor default
+from .op_plan import build_plan
 from .schedule import (
     SRC_SEND,
     Plan,
