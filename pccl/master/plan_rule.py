@@ -3,9 +3,9 @@
 
 A member that stops reading and testifies (``CollectiveDone.io``) that it took the bytes its partners
 sent it agrees with every partner, so the pair rule (pccl/master/testimony.py) finds nothing. Its own
-plan gives it away: the master recomputes every participant's plan from the descriptor it checked (the
-peers put the schedule they run in it: pccl/peer/collective_api.py resolves ``"auto"`` before voting,
-so all voters agree on it or the vote fails), never from one member's word. A plan lists its receives
+plan gives it away: the master recomputes every participant's plan from the descriptor it checked and the
+schedule they ran (the descriptor's, or for ``"auto"`` the one most participants report:
+pccl/master/op_plans.py), never from one member's word. A plan lists its receives
 in the order the executor takes them in (``Plan.recvs``; the frame it waits on holds up every later
 one) and, for each receive, the sends that it releases (``Plan.unlocks``; ``Plan.initial`` need
 nothing). What a partner ``q`` sends a peer ``p`` is released in ``q``'s own release order (its
@@ -32,44 +32,85 @@ holder (docs/security.md "A liar naming an honest member").
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import TypeVar, overload
 
 from .._types import DataType, QuantizationAlgorithm
 from ..collectives.kinds import get_kind
-from ..collectives.op_plan import DEFAULT_BLOCK_BYTES, build_plan, frame_bytes
+from ..collectives.op_plan import DEFAULT_BLOCK_BYTES, QUANTIZED_BLOCK_DIVISOR, build_plan, frame_bytes
 from ..collectives.plan import Plan
 from ..kernels.quantize import metadata_size
 from ..wire.messages import CollectiveDescriptor
+
+T = TypeVar("T")
 
 #: Bytes a peer may hold back without being named. At a standstill an honest peer holds back nothing
 #: its plan released: a frame being written is a send under way (``blocked``: not judged), and what it
 #: took counts whole frames from the header on. Held amounts are whole frames, so any allowance below
 #: the smallest frame (a quantized frame's metadata, 24 bytes) is this same rule.
 SLACK = 0
-#: Frames of an operation (over all ranks) past which the master does not rebuild its plans: a
-#: stalled operation that large is judged by the pair and ``stalled_on`` rules only (and, a ring
-#: all-reduce, by the coarse ring rule: pccl/master/testimony.py ``ring_holders``).
-MAX_FRAMES = 1 << 16
+#: Frames past which the master does not rebuild an operation's plans (an estimate, before building
+#: anything): halving-doubling and tree plans are built for every rank at once, so their whole operation
+#: counts; ring plans are built per rank, for the ranks a judgement reads (a reporter and its partners),
+#: so one rank's count does. Building costs about 25-70 us per frame in the master's loop (a stalled
+#: operation's first report builds them): 4096 frames stay under ~0.3 s. A larger stalled operation is
+#: judged by the pair and ``stalled_on`` rules only (a ring all-reduce also by the coarse ring rule:
+#: pccl/master/testimony.py ``ring_holders``).
+MAX_FRAMES = 4096
 
 
-@dataclass(frozen=True, slots=True)
+class _PerRank(Sequence[T]):
+    """``n`` values, one per rank, each made on first use by ``make(rank)`` and kept."""
+
+    def __init__(self, n: int, make: Callable[[int], T]) -> None:
+        self._n = n
+        self._make = make
+        self._got: dict[int, T] = {}
+
+    def __len__(self) -> int:
+        return self._n
+
+    @overload
+    def __getitem__(self, rank: int) -> T: ...
+
+    @overload
+    def __getitem__(self, rank: slice) -> Sequence[T]: ...
+
+    def __getitem__(self, rank: int | slice) -> T | Sequence[T]:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(self._n)[rank]]
+        if not 0 <= rank < self._n:
+            raise IndexError(rank)
+        got = self._got.get(rank)
+        if got is None:
+            got = self._got[rank] = self._make(rank)
+        return got
+
+
 class OpFrames:
-    """Every participant's plan of one operation and its frames' lengths (index: rank = ring index).
+    """Every participant's plan of one operation and its frames' lengths (index: rank = ring index),
+    each rank's built on first use.
 
     Attributes:
         ids: peer id of each rank.
         plans: each rank's plan.
         send_bytes: each rank's send frames' lengths (``plans[r].sends`` order).
         recv_bytes: each rank's receive frames' lengths (``plans[r].recvs`` order).
-        schedule: the schedule the peers ran ("ring", "hd", "tree"; "exchange" plans under "ring").
     """
 
-    ids: tuple[int, ...]
-    plans: tuple[Plan, ...]
-    send_bytes: tuple[tuple[int, ...], ...]
-    recv_bytes: tuple[tuple[int, ...], ...]
-    schedule: str
+    def __init__(self, ids: Sequence[int], build: Callable[[int], Plan], itemsize: int,
+                 quantized: tuple[int, int] | None) -> None:
+        self.ids = tuple(ids)
+        n = len(self.ids)
+        self.plans: Sequence[Plan] = _PerRank(n, build)
+        sizes = _PerRank(n, lambda r: frame_bytes(self.plans[r], itemsize, quantized))
+        self.send_bytes: Sequence[tuple[int, ...]] = _PerRank(n, lambda r: sizes[r][0])
+        self.recv_bytes: Sequence[tuple[int, ...]] = _PerRank(n, lambda r: sizes[r][1])
+
+    @property
+    def schedule(self) -> str:
+        """The schedule the peers ran ("ring", "exchange", "hd", "tree")."""
+        return self.plans[0].schedule
 
 
 def run_schedule(d: CollectiveDescriptor) -> str | None:
@@ -85,37 +126,48 @@ def run_schedule(d: CollectiveDescriptor) -> str | None:
     return "ring" if d.quantization != int(QuantizationAlgorithm.NONE) else k.run_schedule(d.schedule)
 
 
+def estimated_frames(schedule: str, n: int, count: int, block_elems: int) -> int:
+    """A generous estimate of the frames the master builds for one operation's plans (see
+    :data:`MAX_FRAMES`): one ring rank's (at most ``2 (n - 1)`` steps of a chunk's blocks), or every
+    rank's under halving-doubling and the tree (at most ``2 log2 n + 2`` exchanges of up to the whole
+    buffer's blocks each, sent and received)."""
+    blocks = -(-count // block_elems) + 1
+    if schedule == "ring":
+        return 4 * (n - 1) * (-(-count // (n * block_elems)) + 1)
+    return 2 * n * (2 * max(1, (n - 1).bit_length()) + 2) * blocks
+
+
 def op_frames(d: CollectiveDescriptor, participants: Sequence[int], block_bytes: int = DEFAULT_BLOCK_BYTES,
-              max_frames: int = MAX_FRAMES) -> OpFrames | None:
+              max_frames: int | None = None) -> OpFrames | None:
     """The plans the ``participants`` (ring order) run for descriptor ``d``, or None where the master
     cannot know them (an unresolved ``"auto"``, a descriptor no peer could plan, a root not among
-    them) or they exceed ``max_frames`` frames."""
+    them) or they would exceed ``max_frames`` (:func:`estimated_frames`; None: :data:`MAX_FRAMES`)."""
     schedule = run_schedule(d)
     n = len(participants)
-    if schedule is None or n < 2:
+    if schedule is None or n < 2 or d.element_count < 0:
         return None
     try:
         k = get_kind(d.kind)
         itemsize = DataType(d.dtype).itemsize
         quantized: tuple[int, int] | None = None
+        block_elems = max(1, block_bytes // itemsize)
         if d.quantization != int(QuantizationAlgorithm.NONE):
             meta = metadata_size(QuantizationAlgorithm(d.quantization))
             quantized = (meta, 1 if d.quantized_dtype == int(DataType.UINT8) else 2)
+            block_elems = max(1, block_elems // QUANTIZED_BLOCK_DIVISOR)
         root = list(participants).index(d.root) if k.rooted else 0
-        first = build_plan(k, n, 0, d.element_count, itemsize, schedule=schedule, root=root,
-                           block_bytes=block_bytes, quantized=quantized is not None)
-        if (len(first.sends) + len(first.recvs)) * n > max_frames:
+        limit = MAX_FRAMES if max_frames is None else max_frames
+        if estimated_frames(schedule, n, d.element_count, block_elems) > limit:
             return None
-        plans = [first] + [build_plan(k, n, r, d.element_count, itemsize, schedule=schedule, root=root,
-                                      block_bytes=block_bytes, quantized=quantized is not None)
-                           for r in range(1, n)]
-    except (ValueError, TypeError, ArithmeticError):  # a descriptor the peers could not plan either
+
+        def build(rank: int) -> Plan:
+            return build_plan(k, n, rank, d.element_count, itemsize, schedule=schedule, root=root,
+                              block_bytes=block_bytes, quantized=quantized is not None)
+
+        build(0)  # a descriptor no peer could plan either raises here
+    except (ValueError, TypeError, ArithmeticError):
         return None
-    if sum(len(p.sends) + len(p.recvs) for p in plans) > max_frames:
-        return None
-    sizes = [frame_bytes(p, itemsize, quantized) for p in plans]
-    return OpFrames(tuple(participants), tuple(plans), tuple(s for s, _ in sizes), tuple(r for _, r in sizes),
-                    plans[0].schedule)
+    return OpFrames(participants, build, itemsize, quantized)
 
 
 def _release_order(plan: Plan) -> list[int]:
@@ -236,6 +288,6 @@ def affected(frames: OpFrames, peer: int) -> set[int]:
 
 
 __all__ = [
-    "MAX_FRAMES", "SLACK", "OpFrames", "affected", "false_blocks", "op_frames", "plan_holders", "released",
-    "run_schedule",
+    "MAX_FRAMES", "SLACK", "OpFrames", "affected", "estimated_frames", "false_blocks", "op_frames",
+    "plan_holders", "released", "run_schedule",
 ]

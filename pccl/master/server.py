@@ -27,7 +27,6 @@ from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, RECONNECT_BACKOFF_MAX, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError, Result
 from .._exc import sole_exception
-from .._types import DataType
 from .._waits import WaitBoard, format_wait
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
@@ -41,7 +40,6 @@ from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
 from .effects import Drop, Effect, Event, Kick, Send
 from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
-from .plan_rule import op_frames, run_schedule
 from .state import MasterState, Phase
 from .status_server import StatusService
 from .testimony import StallTestimony
@@ -367,8 +365,9 @@ class MasterServer:
         if msg.op_seq >= 0:
             self._note_plan(msg.op_seq)
         # a send under way that its own testimony leaves no frame for: the accuser alone is struck
-        false = set(self.testimony.false_blocks(msg.op_seq, reporter, msg.io, [
-            *([msg.stalled_on] if msg.stalled_on >= 0 else []), *msg.blocked])) if msg.io else set()
+        named = [*([msg.stalled_on] if msg.stalled_on >= 0 else []), *msg.blocked]
+        false = set(self.testimony.false_blocks(msg.op_seq, reporter, msg.io, named, msg.schedule)) \
+            if msg.io else set()
         if false and self.testimony.first(msg.op_seq, reporter, reporter):
             log.warning("operation %d stalled: peer %d says its sends to %s were under way, but by what it "
                         "says it took and sent its plan left it nothing to send them", msg.op_seq, reporter,
@@ -381,7 +380,8 @@ class MasterServer:
             pairs.append((reporter, msg.stalled_on))
         if msg.io and msg.op_seq >= 0:
             members = set(self.state.ring)
-            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members, msg.blocked):
+            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members, msg.blocked,
+                                                        msg.schedule):
                 log.warning("operation %d stalled: peer %d sent peer %d %d bytes, peer %d took %d of them",
                             msg.op_seq, a, b, sent, b, taken)
                 pairs.append((a, b))
@@ -409,23 +409,15 @@ class MasterServer:
             self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
 
     def _note_plan(self, op_seq: int) -> None:
-        """Record a running operation's plans for the plan rule (pccl/master/plan_rule.py), from the
-        descriptor the master checked (the first failure report comes while it runs)."""
-        if self.testimony.known(op_seq):
+        """Record a running operation's descriptor (the one the master checked) and participants for the
+        plan rule (pccl/master/op_plans.py): the first failure report comes while it runs."""
+        if self.testimony.plans.known(op_seq):
             return
         op = next((o for o in self.state.collectives
                    if o.running and o.op_seq == op_seq and o.participants), None)
         d = None if op is None else op.votes.get(op.participants[0])
-        if op is None or d is None:
-            return
-        frames = op_frames(d, op.participants)
-        if frames is not None:
-            self.testimony.plan(op_seq, frames)
-        elif d.kind == "all_reduce" and run_schedule(d) == "ring" and d.quantization == 0:
-            # too large to rebuild: the coarse ring rule (an honest peer holds back a chunk at most)
-            n = len(op.participants)
-            chunk = -(-d.element_count // n) * DataType(d.dtype).itemsize
-            self.testimony.ring(op_seq, op.participants, chunk)
+        if op is not None and d is not None:
+            self.testimony.plans.note(op_seq, d, op.participants)
 
     async def _writer(self, conn: _Conn) -> None:
         try:

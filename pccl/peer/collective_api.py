@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from .stall import StallWatch
     from .state import PeerState
 
+#: The schedule a plan ran, as reported with a stalled operation's testimony (the two-rank exchange is
+#: the ring's plan for two peers' small all-reduces).
+_REPORTED = {"ring": "ring", "exchange": "ring", "hd": "hd", "tree": "tree"}
+
 #: The one-host link model (pccl.collectives.cost.same_host) for this machine's cores.
 _SAME_HOST = same_host(os.cpu_count() or 1)
 
@@ -470,11 +474,6 @@ class CollectiveCalls:
             kind.name, tag=tag, dtype=sdesc.dtype, send_count=sdesc.count, recv_count=rdesc.count, op=op,
             root=root, quantization=q, schedule=self.config.schedule,
         )
-        if descriptor.schedule == "auto":
-            # resolved before the vote (issue 33): the master then knows the plans every participant
-            # runs from the descriptor it checked (pccl/master/plan_rule.py), not from one member's word
-            rows = self._core.group_rows()
-            descriptor = descriptor._replace(schedule=self._resolve(descriptor, sdesc.dtype, rows, root))
         staging_device = device_for(send)  # None for host tensors
         return _Call(kind, send, recv, op, tag, sdesc.dtype, rdesc.count, rdesc.nbytes, descriptor, q,
                      staging_device, staging_device is not None, len(self._core.group_ring))
@@ -554,12 +553,16 @@ class CollectiveCalls:
         # not before the vote completed: until then the speculative gate may hold sends back
         io = self._testimony(st, attempt) if not ok and (c.proposal < 0 or st.commence.done) else []
         blocked = self.pool.op_blocked(st.op_seq) if io else []
+        # the schedule its plan ran ("auto" resolved here): the master rebuilds the plans of the
+        # schedule most participants report (pccl/master/plan_rule.py)
+        ran = _REPORTED.get(attempt.plan.schedule, "") if io and attempt is not None else ""
         if st.abort_error is not None:
             if io:  # aborted while its data plane stood still: the master compares the pairs' bytes
-                await self._report_failure(st, "aborted: its data plane had stalled", io=io, blocked=blocked)
+                await self._report_failure(st, "aborted: its data plane had stalled", io=io, blocked=blocked,
+                                           schedule=ran)
             raise st.abort_error
         if not ok or attempt is None:
-            await self._report_failure(st, reason, stalled_on, io=io, blocked=blocked)
+            await self._report_failure(st, reason, stalled_on, io=io, blocked=blocked, schedule=ran)
             if c.proposal >= 0:
                 # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
                 # size): the master's verdict names the real cause, and it is an abort.
@@ -596,35 +599,32 @@ class CollectiveCalls:
         return [m.IoRow(p, sent, taken) for p, sent, taken in self.pool.op_io(st.op_seq)]
 
     async def _report_failure(self, st: OpState, reason: str, stalled_on: int = -1,
-                              io: list[m.IoRow] | None = None, blocked: list[int] | None = None) -> None:
+                              io: list[m.IoRow] | None = None, blocked: list[int] | None = None,
+                              schedule: str = "") -> None:
         st.concluded = True
         try:
             await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq,
-                                              stalled_on=stalled_on, io=io or [], blocked=blocked or []))
+                                              stalled_on=stalled_on, io=io or [], blocked=blocked or [],
+                                              schedule=schedule))
         except PCCLError:
             pass
 
     def _schedule(self, call: _Call, rows: list[m.PeerRow], root: int) -> str:
-        """The schedule this operation runs: the descriptor's, which :meth:`_describe` resolved
-        (:meth:`_resolve`) before the vote, so every participant runs the one the master checked."""
-        return self._resolve(call.descriptor, call.dtype, rows, root)
-
-    def _resolve(self, d: m.CollectiveDescriptor, dtype: DataType, rows: Sequence[m.PeerRow],
-                 root: int) -> str:
-        """The schedule ``d`` runs: from the descriptor (equal on every participant, the master checks),
-        the group's table (the same on every member) and the link summary the master sent every
-        member, so every participant picks the same. Without a summary, a group whose members all have
-        one address (one host) is priced with :func:`~pccl.collectives.cost.same_host` for this host's
-        cores (one host: the same count on every member), any other with the LAN defaults. A resolved
-        request ("ring", "hd", "tree") gives itself back, or the kind's fallback."""
+        """The schedule this operation runs: from the descriptor (equal on every participant, the
+        master checked), the operation's group (its table, the same on every participant) and the
+        link summary the master sent every member, so every participant picks the same. Without a
+        summary, a group whose members all have one address (one host) is priced with
+        :func:`~pccl.collectives.cost.same_host` for this host's cores (one host: the same count on
+        every member), any other with the LAN defaults."""
         links = self._links
         if links is None and len({r.host for r in rows}) == 1:
             links = _SAME_HOST
+        d = call.descriptor
         return schedule_for(
             d.schedule,
             d.kind,
             len(rows),
-            d.element_count * backend.dtype_to_numpy(dtype).itemsize,
+            d.element_count * backend.dtype_to_numpy(call.dtype).itemsize,
             quantized=d.quantization != int(QuantizationAlgorithm.NONE),
             links=links,
             root=root,

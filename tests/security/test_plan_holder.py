@@ -15,6 +15,7 @@ import trio.testing
 
 from pccl._types import DataType, QuantizationAlgorithm
 from pccl.collectives.kinds import KINDS, get_kind
+from pccl.master import plan_rule
 from pccl.master.blame import STRIKES
 from pccl.master.plan_rule import (
     OpFrames,
@@ -209,18 +210,36 @@ def test_what_the_master_cannot_know_is_not_judged() -> None:
     assert op_frames(descriptor("all_to_all", "ring")._replace(element_count=7), IDS[:4]) is None  # no plan
 
 
-def test_testimony_judges_by_the_recorded_plans_once_per_operation() -> None:
+def test_testimony_judges_by_the_plans_most_participants_report_once_per_operation() -> None:
     frames = frames_of("all_reduce", "tree", 4)
     liar = next(r for r in range(4) if plan_holders(frames, standstill(frames, r), {}))
     lying = standstill(frames, liar)
+    me = frames.ids[liar]
+    auto = descriptor("all_reduce", "auto")
     t = StallTestimony()
-    t.plan(5, frames)
-    assert t.known(5) and not t.known(6)
+    t.plans.note(5, auto, frames.ids)
+    assert t.plans.known(5) and not t.plans.known(6)
     found = []
-    for peer in frames.ids:
-        t.add(5, peer, [(p, s, k) for p, (s, k) in lying[peer].items()])
+    # the liar reports another schedule ("ring": under it, it would hold nothing) and testifies first
+    order = [me] + [p for p in frames.ids if p != me]
+    for i, peer in enumerate(order):
+        rows = [(p, s, k) for p, (s, k) in lying[peer].items()]
+        t.add(5, peer, rows, schedule="ring" if peer == me else "tree")
+        # "auto": not judged until more than half the participants (3 of 4) report the same schedule
+        assert (t.plans.schedule(5) == "tree") == (i >= 3)
         found += t.holders(5, peer)
-    assert [h[0] for h in found] == [frames.ids[liar]]  # once, whoever testified last
+    assert [h[0] for h in found] == [me]  # once, judged under the majority's plans
+    # an operation asked for by name is judged by the descriptor's schedule, whatever is reported
+    t.plans.note(6, descriptor("all_reduce", "tree"), frames.ids)
+    for peer in frames.ids:
+        t.add(6, peer, [(p, s, k) for p, (s, k) in lying[peer].items()], schedule="hd")
+    assert t.plans.schedule(6) == "tree" and [h[0] for h in t.holders(6)] == [me]
+    # reports of no schedule, or by a non-participant, count for nothing
+    t.plans.note(7, auto, frames.ids)
+    for peer in (*frames.ids[:2], 99, 98):
+        t.plans.claim(7, peer, "tree")
+    t.plans.claim(7, frames.ids[2], "spiral")
+    assert t.plans.schedule(7) is None and t.plans.frames(7) is None
 
 
 # --- end to end: the default schedule ("auto") --------------------------------------------------------
@@ -264,13 +283,13 @@ async def test_a_lying_non_reader_under_the_default_schedule_is_removed_alone_af
         evil = cl.peer(2)
         lie_about_reading(monkeypatch, cl, evil)
         ran: list[str] = []  # the schedule of each stalled operation, as the master rebuilt its plans
-        real_plan = StallTestimony.plan
+        real_frames = plan_rule.op_frames
 
-        def plan(self: StallTestimony, op_seq: int, frames: OpFrames) -> None:
-            ran.append(frames.schedule)
-            real_plan(self, op_seq, frames)
+        def spy(d: CollectiveDescriptor, participants: list[int]) -> OpFrames | None:
+            ran.append(d.schedule)
+            return real_frames(d, participants)
 
-        monkeypatch.setattr(StallTestimony, "plan", plan)
+        monkeypatch.setattr(plan_rule, "op_frames", spy)
         honest = [cl.peer(i).peer_id for i in cl.alive if cl.peer(i) is not evil]
         t0 = trio.current_time()
         stalls = await stalled_rounds(cl, small, STRIKES + 2, members_are=honest)
