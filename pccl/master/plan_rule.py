@@ -128,12 +128,12 @@ def run_schedule(d: CollectiveDescriptor) -> str | None:
 
 def estimated_frames(schedule: str, n: int, count: int, block_elems: int) -> int:
     """A generous estimate of the frames the master builds for one operation's plans (see
-    :data:`MAX_FRAMES`): one ring rank's (at most ``2 (n - 1)`` steps of a chunk's blocks), or every
-    rank's under halving-doubling and the tree (at most ``2 log2 n + 2`` exchanges of up to the whole
-    buffer's blocks each, sent and received)."""
+    :data:`MAX_FRAMES`): one ring rank's (at most ``2 (n - 1)`` steps of up to the whole buffer's
+    blocks, sent and received), or every rank's under halving-doubling and the tree (at most
+    ``2 log2 n + 2`` exchanges of up to the whole buffer's blocks each, sent and received)."""
     blocks = -(-count // block_elems) + 1
     if schedule == "ring":
-        return 4 * (n - 1) * (-(-count // (n * block_elems)) + 1)
+        return 4 * (n - 1) * blocks
     return 2 * n * (2 * max(1, (n - 1).bit_length()) + 2) * blocks
 
 

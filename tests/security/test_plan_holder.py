@@ -7,6 +7,7 @@ than one frame, the unit) is named alone; an honest peer never is."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 
 import pytest
@@ -15,11 +16,13 @@ import trio.testing
 
 from pccl._types import DataType, QuantizationAlgorithm
 from pccl.collectives.kinds import KINDS, get_kind
+from pccl.collectives.op_plan import build_plan
 from pccl.master import plan_rule
 from pccl.master.blame import STRIKES
 from pccl.master.plan_rule import (
     OpFrames,
     affected,
+    estimated_frames,
     false_blocks,
     op_frames,
     plan_holders,
@@ -370,3 +373,22 @@ async def test_a_liar_naming_a_member_it_sends_nothing_is_removed_alone(
         assert f"peer {evil.peer_id} says its sends to [{pred}] were under way" in caplog.text
         assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2 operations" \
             in caplog.text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_frame_estimate_is_generous(kind: str) -> None:
+    """The master builds no more plans than :data:`~pccl.master.plan_rule.MAX_FRAMES` allows: the
+    estimate it checks first is never below what it then builds."""
+    k = get_kind(kind)
+    sizes_of = itertools.product(("ring", "hd", "tree"), (2, 3, 5, 8), (0, 1, 7, 40, 96), (1, 3, 64))
+    for schedule, n, count, block in sizes_of:
+        if k.size_problem(n, count, count * n if kind == "all_gather" else count) is not None:
+            continue
+        run = k.run_schedule(schedule)
+        try:
+            plans = [build_plan(k, n, r, count, 1, schedule=run, block_bytes=block) for r in range(n)]
+        except ValueError:
+            continue
+        sizes = [len(p.sends) + len(p.recvs) for p in plans]
+        built = max(sizes) if run == "ring" else sum(sizes)
+        assert built <= estimated_frames(run, n, count, block), (schedule, n, count, block)
