@@ -49,13 +49,14 @@ T = TypeVar("T")
 #: took counts whole frames from the header on. Held amounts are whole frames, so any allowance below
 #: the smallest frame (a quantized frame's metadata, 24 bytes) is this same rule.
 SLACK = 0
-#: Frames past which the master does not rebuild an operation's plans (an estimate, before building
-#: anything): halving-doubling and tree plans are built for every rank at once, so their whole operation
-#: counts; ring plans are built per rank, for the ranks a judgement reads (a reporter and its partners),
-#: so one rank's count does. Building costs about 25-70 us per frame in the master's loop (a stalled
-#: operation's first report builds them): 4096 frames stay under ~0.3 s. A larger stalled operation is
-#: judged by the pair and ``stalled_on`` rules only (a ring all-reduce also by the coarse ring rule:
-#: pccl/master/testimony.py ``ring_holders``).
+#: Frames past which the master does not rebuild an operation's plans (:func:`estimated_frames`, before
+#: building anything). Every participant's plan is built once a stalled operation's schedule is known
+#: (its reporters and their partners are judged), at about 25-70 us per frame in the master's loop on the
+#: loaded 2-core machine (a 256-member ring all-reduce's plans took 6.5 s, so they are not built): 4096
+#: frames stay under ~0.3 s, once per stalled operation. That covers ring operations of up to ~22
+#: members and halving-doubling and tree ones of up to ~64 (small buffers). A larger stalled operation
+#: is judged by the pair and ``stalled_on`` rules only (a ring all-reduce also by the coarse ring rule,
+#: which needs no plan: pccl/master/testimony.py ``ring_holders``).
 MAX_FRAMES = 4096
 
 
@@ -127,13 +128,13 @@ def run_schedule(d: CollectiveDescriptor) -> str | None:
 
 
 def estimated_frames(schedule: str, n: int, count: int, block_elems: int) -> int:
-    """A generous estimate of the frames the master builds for one operation's plans (see
-    :data:`MAX_FRAMES`): one ring rank's (at most ``2 (n - 1)`` steps of up to the whole buffer's
-    blocks, sent and received), or every rank's under halving-doubling and the tree (at most
-    ``2 log2 n + 2`` exchanges of up to the whole buffer's blocks each, sent and received)."""
+    """A generous estimate of the frames of every participant's plan of one operation (see
+    :data:`MAX_FRAMES`): a ring rank's at most ``2 (n - 1)`` steps of up to the whole buffer's blocks,
+    a halving-doubling or tree rank's at most ``2 log2 n + 2`` exchanges of up to the whole buffer's
+    blocks, each sent and received."""
     blocks = -(-count // block_elems) + 1
     if schedule == "ring":
-        return 4 * (n - 1) * blocks
+        return 4 * n * (n - 1) * blocks
     return 2 * n * (2 * max(1, (n - 1).bit_length()) + 2) * blocks
 
 
