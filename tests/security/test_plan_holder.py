@@ -380,7 +380,7 @@ def test_the_frame_estimate_is_generous(kind: str) -> None:
     """The master builds no more plans than :data:`~pccl.master.plan_rule.MAX_FRAMES` allows: the
     estimate it checks first is never below what it then builds."""
     k = get_kind(kind)
-    sizes_of = itertools.product(("ring", "hd", "tree"), (2, 3, 5, 8), (0, 1, 7, 40, 96), (1, 3, 64))
+    sizes_of = itertools.product(("ring", "hd", "tree"), (2, 3, 5, 8), (0, 7, 96), (3, 64))
     for schedule, n, count, block in sizes_of:
         if k.size_problem(n, count, count * n if kind == "all_gather" else count) is not None:
             continue
