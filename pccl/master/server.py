@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import logging
 import math
 import time
@@ -160,7 +159,6 @@ class MasterServer:
                 if self.config.speculative_go_delay > 0:
                     nursery.start_soon(self._speculative_go)
                 task_status.started(listener.address)
-                nursery.start_soon(self._preload_planner)
                 try:
                     await accept_loop(listener, nursery, self._connection, gate=self.gate, log=log,
                                       what="the master")
@@ -170,14 +168,6 @@ class MasterServer:
         finally:
             with trio.CancelScope(shield=True):
                 await listener.aclose()
-
-    @staticmethod
-    async def _preload_planner() -> None:
-        """Load the collectives' planner (the plan rule's: pccl/master/op_plans.py) in a thread once the
-        master listens: a stalled operation's first report then does not pay for the import in the
-        master's loop (about 1.5 s on the loaded 2-core machine), and the master starts without it."""
-        await trio.to_thread.run_sync(importlib.import_module, "pccl.master.plan_rule",
-                                      abandon_on_cancel=True)
 
     async def _open_status(self, host: str) -> list[trio.SocketListener]:
         assert self.config.status_port is not None
