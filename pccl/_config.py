@@ -178,10 +178,14 @@ class MasterConfig:
             stays ordinary when every key its fetchers fetch changed since the group's previous sync
             (the state changes entirely between syncs: no live round could catch up). 0: every sync
             holds its participants until the fetchers have everything. Default 1.
-        token_key_file: without a ``secret``, a file holding the key of the member tokens (made,
+        token_key_file: without a ``secret``, the file holding the key of the member tokens (made,
             mode 0600, on first start): a restarted master, or a standby reading the same file,
             verifies its predecessor's tokens and refuses a stranger's claim on a place in its
-            rebuild (docs/security.md "Re-registration"). None (default): a random key per process.
+            rebuild (docs/security.md "Re-registration"). None (default): a per-user state file,
+            ``master-token.key`` under ``$PCCL_STATE_DIR``, else ``$XDG_STATE_HOME/pccl``, else
+            ``~/.local/state/pccl`` (pccl/master/token_key.py); where it cannot be kept, claims this
+            master cannot verify are refused (logged). "": a random key of this process, whose
+            restarted master takes claims on trust while it rebuilds (unsafe without a secret).
     """
 
     heartbeat_interval: float = 0.5

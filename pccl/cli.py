@@ -95,7 +95,9 @@ def _master_parser(prog: str = "pccl-master") -> argparse.ArgumentParser:
     p.add_argument("--token-key-file", default=None, metavar="PATH",
                    help="without a secret: keep the member-token key in this file (made, mode 0600, if "
                         "missing), so that a restarted master refuses strangers' claims on places in its "
-                        "rebuild (docs/security.md \"Re-registration\")")
+                        "rebuild (default: a per-user file under $PCCL_STATE_DIR, $XDG_STATE_HOME/pccl or "
+                        "~/.local/state/pccl; '' for a key of this process only, whose "
+                        "restart takes claims on trust; docs/security.md \"Re-registration\")")
     p.add_argument("--tls-cert", default=None, metavar="PEM",
                    help="serve TLS with this certificate chain (default $PCCL_TLS_CERT; peers then need "
                         "TLS too)")

@@ -19,7 +19,8 @@ all-reduce honestly, and meanwhile attacks the other members' P2P listeners *wit
 fresh ring connections (any pool index) carrying data frames of length 0 to 16 KiB for random (tag, op_seq)
 in a range the master never hands out, junk after a valid hello, bench probes of random sizes and junk
 requests, state requests for keys nobody holds, more connections per channel than its share, and false
-stall testimonies to the master (``CollectiveDone.io`` for operations that never ran, up to 2000 rows).
+stall testimonies to the master (``CollectiveDone.io`` for operations that never ran, up to 2000 rows,
+with any schedule name).
 Besides the exact results it checks that every victim's stash stays within ``recv_stash_frames`` frames
 and ``recv_stash_limit`` bytes, its connections per peer and channel within ``CHANNEL_CAPS``, and the
 master's testimony rows within ``pccl.master.testimony.MAX_ROWS`` (no member removed).
@@ -115,8 +116,9 @@ async def member_attack(rng: random.Random, evil: Any, victim: Any, config: Any)
         rows = [m.IoRow(rng.randrange(1 << 10), rng.randrange(1 << 40), 0) for _ in range(n)]
         rows.append(m.IoRow(victim.peer_id, 1 << 20, 0))
         op_seq = JUNK_OP_SEQ + rng.randrange(1 << 30)
+        schedule = rng.choice(["ring", "hd", "tree", "", "auto", "x" * rng.randrange(1, 300)])
         await evil._send(m.CollectiveDone(tag=JUNK_TAG + rng.randrange(1 << 20), success=False,
-                                          reason="fuzz", op_seq=op_seq, io=rows))
+                                          reason="fuzz", op_seq=op_seq, io=rows, schedule=schedule))
         return kind
     channel = {"frames": "ring", "junk": "ring", "bench": "bench", "state": "state", "flood": "bench"}[kind]
     opened = []

@@ -3,6 +3,9 @@ encoding counter of the shared-message tests)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -10,6 +13,24 @@ import pytest
 from pccl import MasterNode
 from pccl.wire import messages as m
 from pccl.wire import stream as stream_mod
+
+_STATE_DIR: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Masters keep their member-token key in a per-user state file by default
+    (pccl/master/token_key.py): the tests' masters keep theirs in a directory of this session (inherited
+    by the processes they start), not in the user's home."""
+    global _STATE_DIR
+    if "PCCL_STATE_DIR" not in os.environ:
+        _STATE_DIR = tempfile.mkdtemp(prefix="pccl-test-state-")
+        os.environ["PCCL_STATE_DIR"] = _STATE_DIR
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _STATE_DIR is not None:
+        shutil.rmtree(_STATE_DIR, ignore_errors=True)
+        os.environ.pop("PCCL_STATE_DIR", None)
 
 
 @pytest.fixture

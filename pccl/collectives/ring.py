@@ -53,22 +53,16 @@ from ..kernels.quantize import dequantize, metadata_size, quantize
 from ._reduce import reduce_into
 from .gate import SendGate
 from .interface import DataPool, Receive
-from .kinds import Kind, get_kind
+from .kinds import Kind
+from .op_plan import DEFAULT_BLOCK_BYTES as DEFAULT_BLOCK_BYTES  # re-exported: the executor default
+from .op_plan import build_plan
 from .schedule import (
-    SCHEDULES,
     SRC_SEND,
     Plan,
     SendFrame,
-    cached_plan,
     plan_ring,
-    plan_schedule,
 )
 from .staging import Staging
-
-# Default pipelining block. Every frame costs a few scheduler trips and wake-ups of the peer
-# process, which dominated at 1 MiB on loopback; 4 MiB measured best for 2-4 peers and 16-64 MB
-# (smaller chunks are sent whole anyway).
-DEFAULT_BLOCK_BYTES = 4 << 20
 
 # Operations sending at most this many bytes in total run inline: no sender tasks, no queues, the
 # operation's own task sends each frame when it is released. That is cheaper per operation, and
@@ -77,21 +71,6 @@ DEFAULT_BLOCK_BYTES = 4 << 20
 # holds up the reduction of blocks that have already arrived (measured on loopback: inline is
 # cheaper up to a few MB; beyond, the overlap wins).
 INLINE_SEND_LIMIT = 8 << 20
-
-# All-reduces between two peers of at most this many bytes use the one-step exchange plan
-# (schedule.plan_exchange): one arrival to wait for instead of the ring's two dependent ones.
-# Measured on loopback (2 cores, interleaved runs, medians): 64 KB 1.69 -> 1.45 ms, 256 KB
-# 1.76 -> 1.56, 512 KB 1.83 -> 1.70; at 1 MB the exchange was slower (2.08 -> 2.24 ms): each
-# peer reduces the whole buffer instead of half, and nothing overlaps the one big frame.
-EXCHANGE_MAX_BYTES = 512 << 10
-
-# Quantized operations cut blocks of ``block_bytes / QUANTIZED_BLOCK_DIVISOR`` input bytes, so
-# their frames (a quarter of that for uint8 from float32) are about as many per operation as
-# before quantization made them shorter. Measured on a tc-shaped 1 Gbit/s veth pair (64 MB
-# float32, 2 peers): 1 MiB input blocks finish ~10 ms sooner than 4 MiB ones, because the
-# first frame leaves sooner and the last one is dequantized sooner; on loopback, where
-# per-frame costs dominate, they cost a little (quantization does not pay there anyway).
-QUANTIZED_BLOCK_DIVISOR = 4
 
 # Quantized operations keep their frames in scratch memory; a fresh 24 MB buffer costs ~20 ms of
 # page faults and zero-filling (measured: 10% of a 64 MB all-reduce on 1 Gbit/s), so the
@@ -207,24 +186,9 @@ def plan_for(
             broadcast or reduce), or sizes the kind cannot plan (an all-to-all whose count is not
             ``n`` equal blocks).
     """
-    if schedule not in SCHEDULES:
-        raise InvalidArgumentError(f"unknown schedule {schedule!r} (expected one of {', '.join(SCHEDULES)})")
-    k = get_kind(kind)
-    block_elems = max(1, block_bytes // itemsize)
-    if quantized:
-        # Quantized frames are a quarter (or half) as long, so blocks of a quarter of the input
-        # size keep their frames well above the per-frame costs while the pipeline fills and
-        # drains 4x sooner. Derived from block_bytes alone: identical on every participant.
-        block_elems = max(1, block_elems // QUANTIZED_BLOCK_DIVISOR)
-        schedule = "ring"
-    exchange = False
-    if schedule == "ring":
-        small = count * itemsize <= EXCHANGE_MAX_BYTES
-        exchange = k.exchange and n == 2 and not quantized and small
     try:
-        if schedule == "ring":
-            return cached_plan(k, n, rank, count, block_elems, root, exchange=exchange)
-        return plan_schedule(schedule, k.name, n, rank, count, block_elems, root)
+        return build_plan(kind, n, rank, count, itemsize, schedule=schedule, root=root,
+                          block_bytes=block_bytes, quantized=quantized)
     except ValueError as exc:
         raise InvalidArgumentError(str(exc)) from None
 

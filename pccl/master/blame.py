@@ -41,10 +41,13 @@ class StallBlame:
     removed_total: int = 0
 
     def hold(self, holder: int, now: float, members: set[int],
-             repeat: Callable[[int], bool] | None = None) -> list[tuple[int, str]]:
-        """By its own testimony and its neighbours', ``holder`` held a stalled ring all-reduce
-        (pccl/master/testimony.py ``ring_holders``): the evidence names it alone, so it alone is struck;
+             repeat: Callable[[int], bool] | None = None, why: str = "") -> list[tuple[int, str]]:
+        """By its own testimony and its partners', ``holder`` held back frames its plan released in a
+        stalled operation (pccl/master/plan_rule.py): the evidence names it alone, so it alone is struck;
         :attr:`strikes` within :attr:`window` (one for a ``repeat`` offender) remove it.
+
+        ``why``: another self-contradicting testimony that strikes it alone the same way (the reason
+        given when it is removed; default: it held back released frames).
 
         Returns:
             ``[(holder, reason)]`` when it is to be removed now, else empty.
@@ -60,8 +63,10 @@ class StallBlame:
         self.removed_total += 1
         n = len(times)
         ops = f"{n} operation{'s' if n > 1 else ''}"
-        return [(holder, f"evicted: it held the ring in {ops} within {self.window:g}s (it testified taking "
-                         "more from its predecessor than the ring lets a peer hold without passing it on)")]
+        why = why or ("it testified taking frames whose sends its plan then releases, and its partners "
+                      "never got them")
+        return [(holder, f"evicted: its testimony contradicted itself in {ops} within {self.window:g}s "
+                         f"({why})")]
 
     def report(self, accuser: int, accused: int, now: float, members: set[int],
                repeat: Callable[[int], bool] | None = None) -> list[tuple[int, str]]:

@@ -458,7 +458,8 @@ class Rejoin:
         if msg.token and core.tokens.valid(msg.generation, msg.peer_id, msg.token):
             return None
         if core.tokens.shared:  # every master of the run verifies every generation's tokens
-            return "Reregister without a valid member token: join again as a newcomer", Result.KICKED
+            return ("Reregister without a valid member token (every master of a run needs its token key: the "
+                    "same --token-key-file or --secret): join again as a newcomer", Result.KICKED)
         # No shared secret: another master process's token (a restarted or standby master) cannot be
         # told from a stranger's. Taken on trust while this master holds no run of its own (it may
         # rebuild one from re-registrations), while it rebuilds, and for the generations it rebuilt its

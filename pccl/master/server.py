@@ -27,7 +27,6 @@ from .._address import parse_address
 from .._config import DEFAULT_MASTER_PORT, PROTOCOL_VERSION, RECONNECT_BACKOFF_MAX, MasterConfig
 from .._errors import LocalProtocolError, RemoteProtocolError, Result
 from .._exc import sole_exception
-from .._types import DataType
 from .._waits import WaitBoard, format_wait
 from ..transport import Address, ConnectFailed, StreamBroken, TcpTransport, TlsTransport, Transport
 from ..wire import limits
@@ -364,27 +363,35 @@ class MasterServer:
         (pccl/master/blame.py)."""
         pairs: list[tuple[int, int]] = []
         if msg.op_seq >= 0:
-            self._note_ring(msg.op_seq)
-        if msg.stalled_on >= 0:
+            self._note_plan(msg.op_seq)
+        # a send under way that its own testimony leaves no frame for: the accuser alone is struck
+        named = [*([msg.stalled_on] if msg.stalled_on >= 0 else []), *msg.blocked]
+        false = set(self.testimony.false_blocks(msg.op_seq, reporter, msg.io, named, msg.schedule)) \
+            if msg.io else set()
+        if false and self.testimony.first(msg.op_seq, reporter, reporter):
+            log.warning("operation %d stalled: peer %d says its sends to %s were under way, but by what it "
+                        "says it took and sent its plan left it nothing to send them", msg.op_seq, reporter,
+                        sorted(false))
+            self._strike(reporter, now, f"it said its sends to {sorted(false)} were under way with none "
+                                        "left to send them")
+        if msg.stalled_on >= 0 and msg.stalled_on not in false:
             log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout",
                         reporter, msg.stalled_on)
             pairs.append((reporter, msg.stalled_on))
         if msg.io and msg.op_seq >= 0:
             members = set(self.state.ring)
-            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members, msg.blocked):
+            for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members, msg.blocked,
+                                                        msg.schedule):
                 log.warning("operation %d stalled: peer %d sent peer %d %d bytes, peer %d took %d of them",
                             msg.op_seq, a, b, sent, b, taken)
                 pairs.append((a, b))
             # a send under way is the sender's word that the partner does not take its frames
-            pairs.extend((reporter, b) for b in msg.blocked if b in members and b != msg.stalled_on)
-            for holder, succ, took, passed in self.testimony.holders(msg.op_seq):
-                log.warning("operation %d stalled: peer %d says it took %d bytes from its ring predecessor "
-                            "but its successor %d took only %d from it",
-                            msg.op_seq, holder, took, succ, passed)
-                for pid, reason in self.blame.hold(holder, now, set(self.state.ring),
-                                                   repeat=self.state.offenders.repeat):
-                    log.warning("peer %d %s", pid, reason)
-                    self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
+            pairs.extend((reporter, b) for b in msg.blocked
+                         if b in members and b != msg.stalled_on and b not in false)
+            for holder, succ, owed, passed in self.testimony.holders(msg.op_seq, reporter):
+                log.warning("operation %d stalled: by what peer %d says it took, its plan released %d bytes "
+                            "to peer %d, which took only %d from it", msg.op_seq, holder, owed, succ, passed)
+                self._strike(holder, now)
         for accuser, accused in pairs:
             if not self.testimony.first(msg.op_seq, accuser, accused):
                 continue
@@ -394,22 +401,23 @@ class MasterServer:
                 # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
                 self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
 
-    def _note_ring(self, op_seq: int) -> None:
-        """Record a running ring all-reduce's order and largest chunk for the ring rule
-        (pccl/master/testimony.py ``ring_holders``): the first failure report comes while it runs."""
-        for op in self.state.collectives:
-            if not op.running or op.op_seq != op_seq or not op.participants:
-                continue
-            d = op.votes.get(op.participants[0])
-            if d is None or d.kind != "all_reduce" or d.schedule != "ring" or d.quantization != 0:
-                return
-            try:
-                itemsize = DataType(d.dtype).itemsize
-            except ValueError:
-                return
-            n = len(op.participants)
-            self.testimony.ring(op_seq, op.participants, -(-d.element_count // n) * itemsize)
+    def _strike(self, peer: int, now: float, why: str = "") -> None:
+        """``peer``'s own testimony contradicts itself: struck alone (pccl/master/blame.py ``hold``)."""
+        for pid, reason in self.blame.hold(peer, now, set(self.state.ring),
+                                           repeat=self.state.offenders.repeat, why=why):
+            log.warning("peer %d %s", pid, reason)
+            self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
+
+    def _note_plan(self, op_seq: int) -> None:
+        """Record a running operation's descriptor (the one the master checked) and participants for the
+        plan rule (pccl/master/op_plans.py): the first failure report comes while it runs."""
+        if self.testimony.plans.known(op_seq):
             return
+        op = next((o for o in self.state.collectives
+                   if o.running and o.op_seq == op_seq and o.participants), None)
+        d = None if op is None else op.votes.get(op.participants[0])
+        if op is not None and d is not None:
+            self.testimony.plans.note(op_seq, d, op.participants)
 
     async def _writer(self, conn: _Conn) -> None:
         try:

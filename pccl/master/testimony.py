@@ -30,6 +30,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Container, Iterable, Mapping, Sequence
 
+from .op_plans import OpPlans
+
 #: Operations whose testimonies are kept (the oldest forgotten first).
 KEEP = 16
 #: Rows kept in all (the oldest operations forgotten first): a member that testifies for operations
@@ -47,35 +49,64 @@ class StallTestimony:
         # op_seq -> testifier -> partner -> (sent to it, taken from it)
         self._ops: OrderedDict[int, dict[int, dict[int, tuple[int, int]]]] = OrderedDict()
         self._judged: OrderedDict[tuple[int, int, int], None] = OrderedDict()
-        # op_seq -> (ring order, the most an honest peer holds back), for ring all-reduces
-        self._rings: dict[int, tuple[tuple[int, ...], int]] = {}
+        # the descriptor, participants and reported schedule of each stalled operation (op_plans.py)
+        self.plans = OpPlans(keep)
         # op_seq -> testifier -> partners whose send was under way
         self._blocked: dict[int, dict[int, frozenset[int]]] = {}
+        self._planned: OrderedDict[int, None] = OrderedDict()  # operations judged by their plans so far
 
-    def ring(self, op_seq: int, order: Sequence[int], slack: int) -> None:
-        """Operation ``op_seq`` is a ring all-reduce over ``order`` (ring order) whose honest peers hold
-        back at most ``slack`` bytes (its largest chunk); the first record counts."""
-        if op_seq not in self._rings and len(order) >= 3:
-            self._rings[op_seq] = (tuple(order), slack)
-            while len(self._rings) > self.keep:
-                del self._rings[next(iter(self._rings))]
-
-    def holders(self, op_seq: int) -> list[tuple[int, int, int, int]]:
-        """``(holder, successor, took, passed)`` of operation ``op_seq`` by :func:`ring_holders`, each
-        holder once per operation; empty unless the operation is a recorded ring all-reduce."""
-        facts = self._rings.get(op_seq)
+    def holders(self, op_seq: int, reporter: int | None = None) -> list[tuple[int, int, int, int]]:
+        """``(holder, successor, owed, passed)`` of operation ``op_seq``, each holder once per operation:
+        by the plan rule (:func:`~pccl.master.plan_rule.plan_holders`, among the peers a testimony of
+        ``reporter`` can change: None, all) if its plans are known (:class:`OpPlans`), else by
+        :func:`ring_holders` if it is a ring all-reduce too large to rebuild; else empty."""
         op = self._ops.get(op_seq)
-        if facts is None or op is None:
+        if op is None:
             return []
-        found = ring_holders(facts[0], facts[1], op, self._blocked.get(op_seq, {}))
+        blocked = self._blocked.get(op_seq, {})
+        frames = self.plans.frames(op_seq)
+        if frames is not None:
+            from .plan_rule import affected, plan_holders  # loaded with the plans (op_plans.py)
+
+            # the first judgement by the plans (its schedule just became known) takes every participant
+            first = op_seq not in self._planned
+            self._planned[op_seq] = None
+            while len(self._planned) > self.keep:
+                self._planned.popitem(last=False)
+            who = None if reporter is None or first else affected(frames, reporter)
+            found = plan_holders(frames, op, blocked, who)
+        elif (facts := self.plans.ring(op_seq)) is not None:
+            found = ring_holders(facts[0], facts[1], op, blocked)
+        else:
+            return []
         return [h for h in found if self.first(op_seq, h[0], h[0])]
+
+    def false_blocks(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
+                     named: Iterable[int], schedule: str = "") -> list[int]:
+        """The peers of ``named`` whose sends ``reporter`` says were under way although by its own
+        testimony ``rows`` and plan it had nothing left to send them
+        (:func:`~pccl.master.plan_rule.false_blocks`), under the operation's schedule or, while most
+        participants have not reported it, the ``schedule`` the reporter says it ran; empty unless
+        the operation is recorded."""
+        frames = self.plans.frames(op_seq, schedule)
+        if frames is None:
+            return []
+        from .plan_rule import false_blocks  # loaded with the plans (op_plans.py)
+
+        mine: dict[int, tuple[int, int]] = {}
+        for partner, sent, taken in rows:
+            if len(mine) >= self.max_rows:
+                break
+            mine[partner] = (sent, taken)
+        return false_blocks(frames, reporter, mine, named)
 
     def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]],
             members: Container[int] | None = None,
-            blocked: Iterable[int] = ()) -> list[tuple[int, int, int, int]]:
+            blocked: Iterable[int] = (), schedule: str = "") -> list[tuple[int, int, int, int]]:
         """``peer`` testifies ``rows`` (``(partner, sent, taken)``) for operation ``op_seq``; rows
         naming no member (``members``, None: any) are ignored. ``blocked``: the partners its sends to
-        were under way then (:meth:`holders` reads them).
+        were under way then (:meth:`holders` reads them). ``schedule``: the one it says it ran
+        (:meth:`OpPlans.claim`).
 
         Returns:
             ``(sender, receiver, sent, taken)`` for each pair newly found where the sender says it sent
@@ -93,6 +124,7 @@ class StallTestimony:
         self.rows += len(mine) - len(op.get(peer, ()))
         op[peer] = mine
         self._blocked.setdefault(op_seq, {})[peer] = frozenset(p for p in blocked if p in mine)
+        self.plans.claim(op_seq, peer, schedule)
         while len(self._ops) > 1 and (len(self._ops) > self.keep or self.rows > self.max_rows):
             old, gone = self._ops.popitem(last=False)
             self.rows -= sum(len(r) for r in gone.values())

@@ -45,6 +45,10 @@ if TYPE_CHECKING:
     from .stall import StallWatch
     from .state import PeerState
 
+#: The schedule a plan ran, as reported with a stalled operation's testimony (the two-rank exchange is
+#: the ring's plan for two peers' small all-reduces).
+_REPORTED = {"ring": "ring", "exchange": "ring", "hd": "hd", "tree": "tree"}
+
 #: The one-host link model (pccl.collectives.cost.same_host) for this machine's cores.
 _SAME_HOST = same_host(os.cpu_count() or 1)
 
@@ -549,12 +553,16 @@ class CollectiveCalls:
         # not before the vote completed: until then the speculative gate may hold sends back
         io = self._testimony(st, attempt) if not ok and (c.proposal < 0 or st.commence.done) else []
         blocked = self.pool.op_blocked(st.op_seq) if io else []
+        # the schedule its plan ran ("auto" resolved here): the master rebuilds the plans of the
+        # schedule most participants report (pccl/master/plan_rule.py)
+        ran = _REPORTED.get(attempt.plan.schedule, "") if io and attempt is not None else ""
         if st.abort_error is not None:
             if io:  # aborted while its data plane stood still: the master compares the pairs' bytes
-                await self._report_failure(st, "aborted: its data plane had stalled", io=io, blocked=blocked)
+                await self._report_failure(st, "aborted: its data plane had stalled", io=io, blocked=blocked,
+                                           schedule=ran)
             raise st.abort_error
         if not ok or attempt is None:
-            await self._report_failure(st, reason, stalled_on, io=io, blocked=blocked)
+            await self._report_failure(st, reason, stalled_on, io=io, blocked=blocked, schedule=ran)
             if c.proposal >= 0:
                 # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
                 # size): the master's verdict names the real cause, and it is an abort.
@@ -591,11 +599,13 @@ class CollectiveCalls:
         return [m.IoRow(p, sent, taken) for p, sent, taken in self.pool.op_io(st.op_seq)]
 
     async def _report_failure(self, st: OpState, reason: str, stalled_on: int = -1,
-                              io: list[m.IoRow] | None = None, blocked: list[int] | None = None) -> None:
+                              io: list[m.IoRow] | None = None, blocked: list[int] | None = None,
+                              schedule: str = "") -> None:
         st.concluded = True
         try:
             await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq,
-                                              stalled_on=stalled_on, io=io or [], blocked=blocked or []))
+                                              stalled_on=stalled_on, io=io or [], blocked=blocked or [],
+                                              schedule=schedule))
         except PCCLError:
             pass
 

@@ -703,6 +703,8 @@ class CollectiveDone(Message):
     bytes sent to it, bytes taken from it]`` for this operation (the master compares the two ends of
     each pair: docs/security.md "Members"); empty: not so. ``blocked``: with ``io``, the partners this
     member's sends to were under way then (frames released but not written: they are not in ``sent``).
+    ``schedule``: with ``io``, the schedule its plan ran ("ring", "hd", "tree": ``"auto"`` as the peer
+    resolved it); the master rebuilds the plans the participants' reports agree on.
     """
 
     tag: Count
@@ -712,6 +714,7 @@ class CollectiveDone(Message):
     stalled_on: Seq = dataclasses.field(default=-1, metadata=OPTIONAL)
     io: list[IoRow] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
     blocked: list[Count] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
+    schedule: str = dataclasses.field(default="", metadata=OPTIONAL)
 
 
 @_register(32)

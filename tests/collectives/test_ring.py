@@ -13,6 +13,7 @@ import trio
 from _ring_harness import open_ring, run_ranks
 
 from pccl import InvalidArgumentError, RankConnectionLostError, ReduceOp, TooFewPeersError
+from pccl.collectives import op_plan as op_plan_mod
 from pccl.collectives import ring as ring_mod
 from pccl.collectives.executor import run_collective
 from pccl.collectives.ring import owned_range
@@ -85,7 +86,7 @@ WORLDS = [(2, "exchange"), (2, "ring"), (3, "ring"), (4, "ring")]
 
 
 def use_algorithm(monkeypatch: pytest.MonkeyPatch, algorithm: str) -> None:
-    monkeypatch.setattr(ring_mod, "EXCHANGE_MAX_BYTES", 1 << 62 if algorithm == "exchange" else -1)
+    monkeypatch.setattr(op_plan_mod, "EXCHANGE_MAX_BYTES", 1 << 62 if algorithm == "exchange" else -1)
 
 
 @pytest.mark.parametrize(("n", "algorithm"), WORLDS)
@@ -150,13 +151,13 @@ async def test_two_peers_agree_bit_for_bit_where_op_order_matters(
     payload), so both peers must evaluate the same operand order."""
     use_algorithm(monkeypatch, algorithm)
     spy: list[bool] = []
-    real = cached_plan  # the function ring_mod imported (which it does not re-export)
+    real = cached_plan  # the function op_plan imported (which it does not re-export)
 
     def recording(*args: Any, exchange: bool = False, **kw: Any) -> Any:
         spy.append(exchange)
         return real(*args, exchange=exchange, **kw)
 
-    monkeypatch.setattr(ring_mod, "cached_plan", recording)
+    monkeypatch.setattr(op_plan_mod, "cached_plan", recording)
     nan_a = np.array([0x7FC00001], np.uint32).view(np.float32)[0]
     nan_b = np.array([0x7FC00002], np.uint32).view(np.float32)[0]
     x0 = np.array([0.0, -0.0, nan_a, nan_a, 1.0, -0.0, 3.0], np.float32)
@@ -685,7 +686,7 @@ async def test_quantized_blocks_are_a_fraction_of_block_bytes(path: str) -> None
     q = QuantizationOptions(quantized_datatype=DataType.UINT8, algorithm=QuantizationAlgorithm.MIN_MAX)
     sends = [np.ones(count, np.float32) for _ in range(n)]
     async with open_ring(n) as ring:
-        for quant, split in ((None, 1), (q, ring_mod.QUANTIZED_BLOCK_DIVISOR)):
+        for quant, split in ((None, 1), (q, op_plan_mod.QUANTIZED_BLOCK_DIVISOR)):
             outs = [np.zeros(count, np.float32) for _ in range(n)]
             before = ring.pools[0].statistics()["frames_sent"]
             seq = next(_seq)

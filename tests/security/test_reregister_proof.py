@@ -10,6 +10,7 @@ stranger was in the ring, held the epoch's P2P credentials, and every honest col
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pathlib
 import re
 import stat
@@ -21,7 +22,7 @@ import trio.testing
 
 from pccl._errors import InvalidArgumentError, Result
 from pccl.master.state import Effect, Kick, MasterState, Send
-from pccl.master.token_key import load_or_create, member_tokens
+from pccl.master.token_key import default_path, load_or_create, member_tokens
 from pccl.master.tokens import MemberTokens
 from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.testing.pytest_plugin import ClusterFactory
@@ -249,12 +250,47 @@ def test_the_key_file_is_made_private_reread_and_checked(tmp_path: pathlib.Path)
         load_or_create(str(tmp_path / "no" / "such" / "dir"))
 
 
-async def test_a_stranger_cannot_claim_a_place_in_a_restarted_masters_rebuild(
-    autojump_clock: trio.testing.MockClock, tmp_path: pathlib.Path
+def test_by_default_the_key_is_kept_in_a_per_user_file(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """End to end, no secret: the master keeps its token key in a file and is restarted; a stranger
-    claims an unused id and a member's id at once; it is refused, every member is back, results exact."""
-    master_cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, token_key_file=str(tmp_path / "token.key"))
+    monkeypatch.setenv("PCCL_STATE_DIR", str(tmp_path / "state"))
+    path = default_path()
+    assert path == str(tmp_path / "state" / "master-token.key")
+    t1 = member_tokens(None, None)  # the directory is made (0700), the key file too (0600)
+    assert t1.shared and stat.S_IMODE((tmp_path / "state").stat().st_mode) == 0o700
+    assert stat.S_IMODE(pathlib.Path(path).stat().st_mode) == 0o600
+    assert member_tokens(None, None).issue(2, 5) == t1.issue(2, 5)  # a restart: the same key
+    monkeypatch.delenv("PCCL_STATE_DIR")
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
+    assert default_path() == str(tmp_path / "xdg" / "pccl" / "master-token.key")
+    # "" asks for a key of this process only (its restart takes claims on trust while it rebuilds)
+    assert not member_tokens(None, "").shared
+    # A key that cannot be kept: logged, and claims it cannot verify are refused, not trusted.
+    monkeypatch.setenv("PCCL_STATE_DIR", str(tmp_path / "state"))
+    pathlib.Path(path).chmod(0o644)
+    caplog.set_level(logging.WARNING, logger="pccl")
+    fallback = member_tokens(None, None)
+    assert fallback.shared and fallback.issue(2, 5) != t1.issue(2, 5)
+    assert "cannot keep the member-token key" in caplog.text and "chmod 600" in caplog.text
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    monkeypatch.setenv("PCCL_STATE_DIR", str(blocked / "sub"))  # a directory that cannot be made
+    assert member_tokens(None, None).shared
+
+
+@pytest.mark.parametrize("key", ["file", "default"])
+async def test_a_stranger_cannot_claim_a_place_in_a_restarted_masters_rebuild(
+    autojump_clock: trio.testing.MockClock, tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, key: str
+) -> None:
+    """End to end, no secret: the master keeps its token key in a file (given, or by default the per-user
+    one) and is restarted; a stranger claims an unused id and a member's id at once; it is refused,
+    every member is back, results exact."""
+    if key == "file":
+        master_cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, token_key_file=str(tmp_path / "token.key"))
+    else:  # the default configuration: nothing about keys
+        monkeypatch.setenv("PCCL_STATE_DIR", str(tmp_path / "state"))
+        master_cfg = DEFAULT_MASTER_CONFIG
+        assert master_cfg.token_key_file is None and master_cfg.secret is None
     peer_cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, reconnect_window=30.0)
     async with open_test_cluster(3, network=VirtualNetwork(latency=0.0005), config=peer_cfg,
                                  master_config=master_cfg) as cluster:

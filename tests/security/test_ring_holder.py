@@ -14,9 +14,12 @@ import pytest
 import trio
 import trio.testing
 
+from pccl._types import DataType
+from pccl.master import plan_rule
 from pccl.master.blame import STRIKES, StallBlame
 from pccl.master.testimony import StallTestimony, ring_holders
 from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
+from pccl.wire.messages import CollectiveDescriptor
 
 from ._helpers import stalled_rounds, stop_reading
 
@@ -58,18 +61,28 @@ def test_ring_rule_leaves_what_other_rules_judge_or_cannot_tell() -> None:
     assert ring_holders([1, 2], CHUNK, {1: {2: (400, 0)}, 2: {1: (100, 400)}}, {}) == []
 
 
-def test_testimony_names_a_holder_once_per_operation_and_only_for_recorded_rings() -> None:
+def test_testimony_names_a_holder_once_per_operation_and_only_for_recorded_rings(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # (the coarse ring rule judges ring all-reduces whose plans are too large to rebuild)
+    monkeypatch.setattr(plan_rule, "MAX_FRAMES", 0)
+    ring = CollectiveDescriptor(kind="all_reduce", dtype=int(DataType.UINT8), element_count=4 * CHUNK, op=0,
+                                root=-1, quantization=0, quantized_dtype=0, schedule="ring")
     t = StallTestimony()
     for peer, rows in HOLDING.items():
         t.add(7, peer, [(p, s, k) for p, (s, k) in rows.items()])
-    assert t.holders(7) == []  # not recorded as a ring all-reduce
-    t.ring(7, [1, 2, 3, 4], CHUNK)
-    assert t.holders(7) == [(2, 3, 400, 100)]
-    assert t.holders(7) == []  # once per operation
-    t.ring(8, [1, 2, 3, 4], CHUNK)
+    assert t.holders(7) == []  # not recorded
+    t.plans.note(7, ring._replace(schedule="tree"), [1, 2, 3, 4])
+    assert t.holders(7) == []  # not a ring all-reduce
+    t.plans.note(8, ring, [1, 2, 3, 4])
     for peer, rows in HOLDING.items():
-        t.add(8, peer, [(p, s, k) for p, (s, k) in rows.items()], blocked=[3] if peer == 2 else [])
-    assert t.holders(8) == []  # its send to its successor was under way
+        t.add(8, peer, [(p, s, k) for p, (s, k) in rows.items()])
+    assert t.holders(8) == [(2, 3, 400, 100)]
+    assert t.holders(8) == []  # once per operation
+    t.plans.note(9, ring, [1, 2, 3, 4])
+    for peer, rows in HOLDING.items():
+        t.add(9, peer, [(p, s, k) for p, (s, k) in rows.items()], blocked=[3] if peer == 2 else [])
+    assert t.holders(9) == []  # its send to its successor was under way
 
 
 def test_a_holder_is_struck_alone() -> None:
@@ -77,7 +90,7 @@ def test_a_holder_is_struck_alone() -> None:
     members = {1, 2, 3, 4}
     assert b.hold(2, 0.0, members) == [] and b.hold(9, 0.0, members) == []
     gone = b.hold(2, 1.0, members)
-    assert [p for p, _ in gone] == [2] and "held the ring in 2 operations" in gone[0][1]
+    assert [p for p, _ in gone] == [2] and "testimony contradicted itself in 2 operations" in gone[0][1]
     assert b.hold(2, 2.0, members) == []  # forgotten with it
     assert b.hold(3, 0.0, members) == [] and b.hold(3, 700.0, members) == []  # outside the window
     assert b.hold(4, 0.0, members, repeat=lambda p: p == 4) != []  # a repeat offender: one is enough
@@ -117,5 +130,6 @@ async def test_a_member_that_stops_reading_and_lies_about_it_is_removed_alone_af
         assert stalls == STRIKES  # then it was gone, and nothing stalled again
         assert evil.peer_id not in cl.master.state.peers
         assert all(p in cl.master.state.peers for p in honest)  # the successor was not struck with it
-        assert f"peer {evil.peer_id} evicted: it held the ring in 2 operations" in caplog.text
+        assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2 operations" \
+            in caplog.text
         assert trio.current_time() - t0 < STRIKES * (STALL + 2) + 5
