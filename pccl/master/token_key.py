@@ -54,16 +54,8 @@ def load_or_create(path: str) -> bytes:
         InvalidArgumentError: the file cannot be read or written, or holds no key; or others than its
             owner may read it.
     """
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise InvalidArgumentError(f"token key file {path}: cannot create it ({exc.strerror})") from None
-    else:
-        with os.fdopen(fd, "w", encoding="ascii") as f:
-            f.write(secrets.token_bytes(TOKEN_BYTES).hex() + "\n")
-        log.info("made a new member-token key in %s", path)
+    if not os.path.exists(path):
+        _create(path)
     try:
         st = os.stat(path)
         with open(path, encoding="ascii") as f:
@@ -75,6 +67,31 @@ def load_or_create(path: str) -> bytes:
         raise InvalidArgumentError(f"token key file {path}: others than its owner may read it "
                                    f"(mode {stat.S_IMODE(st.st_mode):o}): chmod 600 it")
     return _parse(path, text)
+
+
+def _create(path: str) -> None:
+    """Make the key file at ``path`` whole or not at all: the key is written to a file of this process
+    first and linked to ``path`` (atomic, refused if ``path`` exists), so a master starting at the same
+    moment never reads a file that is created but not yet written; the one that links first wins."""
+    tmp = f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(secrets.token_bytes(TOKEN_BYTES).hex() + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return
+        log.info("made a new member-token key in %s", path)
+    except OSError as exc:
+        raise InvalidArgumentError(f"token key file {path}: cannot create it ({exc.strerror})") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def default_path(env: Mapping[str, str] | None = None) -> str:

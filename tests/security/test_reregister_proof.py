@@ -250,6 +250,32 @@ def test_the_key_file_is_made_private_reread_and_checked(tmp_path: pathlib.Path)
         load_or_create(str(tmp_path / "no" / "such" / "dir"))
 
 
+def test_masters_starting_at_once_read_one_whole_key(tmp_path: pathlib.Path) -> None:
+    """Two masters making the key file at the same moment: neither reads a file created but not yet
+    written (that would end in the warning path and a key of its own), both end with the same key."""
+    import threading
+
+    path = str(tmp_path / "k")
+    start = threading.Barrier(8)
+    keys: list[bytes] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        start.wait()
+        try:
+            keys.append(load_or_create(path))
+        except BaseException as exc:  # collected, asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(keys) == 8 and len(set(keys)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k"]  # no temporary file left behind
+
+
 def test_by_default_the_key_is_kept_in_a_per_user_file(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
