@@ -416,10 +416,14 @@ async def _run_inline(
     sends = ex.plan.sends
 
     async def send(j: int) -> None:
+        # one coroutine layer per frame: this is every small operation's path
         f = sends[j]
         if staging is not None:
             await staging.before_send(j)
-        await _gated_send(pool, gate, ids[f.peer], tag, op_seq, f.seq, ex.payload(j), tag + f.lane)
+        data = ex.payload(j)
+        if gate is not None:
+            await gate.admit(data.nbytes)
+        await pool.send(ids[f.peer], tag, op_seq, f.seq, data, conn_index=tag + f.lane)
         if staging is not None:
             staging.after_send(j)
 
@@ -427,18 +431,13 @@ async def _run_inline(
         await send(j)
     unlocks = ex.plan.unlocks
     for i in range(len(slots)):
-        await _take_in(ex, slots, staging, i)
+        if staging is None:  # _take_in without the staging window, inline
+            await slots[i].wait()
+            ex.received(i)
+        else:
+            await _take_in(ex, slots, staging, i)
         for j in unlocks[i]:
             await send(j)
-
-
-async def _gated_send(
-    pool: DataPool, gate: SendGate | None, peer_id: int, tag: int, op_seq: int, seq: int, data: memoryview,
-    conn_index: int,
-) -> None:
-    if gate is not None:
-        await gate.admit(data.nbytes)
-    await pool.send(peer_id, tag, op_seq, seq, data, conn_index=conn_index)
 
 
 class _ReadyFrames:

@@ -38,6 +38,7 @@ from ..kernels.buffers import BufferCache
 from ..wire import messages as m
 from .mailbox import Waiter
 from .stall import StalledOn
+from .state import SPECULATIVE_NEAR_MAX_BYTES
 
 if TYPE_CHECKING:
     from .notices import WaitReporter
@@ -485,8 +486,10 @@ class CollectiveCalls:
         the master's commence. An op that cannot run on that ring is reported failed here."""
         # Large operations start speculatively on far links only: where this peer stripes to a
         # partner (by default a round trip over ~20 ms, pccl/peer/striping.py), a master round trip
-        # is a visible share of the operation; on loopback or a LAN it is not.
-        far = any(self.pool.stripes(p) > 1 for p in self._core.group_ring if p != self.peer_id)
+        # is a visible share of the operation; on loopback or a LAN it is not. Asked only where it
+        # decides (the links are looked up per partner: not on every small operation's path).
+        far = call.nbytes > SPECULATIVE_NEAR_MAX_BYTES and any(
+            self.pool.stripes(p) > 1 for p in self._core.group_ring if p != self.peer_id)
         proposal = self._core.speculate(call.tag, call.nbytes, far)
         st.op_seq = proposal
         await self._send_now(m.CollectiveInitiate(tag=call.tag, descriptor=call.descriptor, op_seq=proposal))

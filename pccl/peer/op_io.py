@@ -20,6 +20,11 @@ class OpIo:
     def count(self, op_seq: int, peer: int, which: int, n: int) -> None:
         """Add ``n`` bytes sent to (``which`` 0) or taken from (1) ``peer`` in operation ``op_seq``, or
         ``n`` sends begun (2; -1 when one ended: a send cut off stays counted as under way)."""
+        self.row(op_seq, peer)[which] += n
+
+    def row(self, op_seq: int, peer: int) -> list[int]:
+        """The counters ``[sent, taken, under way]`` of ``peer`` in operation ``op_seq``, to update in
+        place (a sender looks its row up once per frame instead of once per counter)."""
         io = self._ops.get(op_seq)
         if io is None:
             io = self._ops[op_seq] = {}
@@ -28,7 +33,7 @@ class OpIo:
         row = io.get(peer)
         if row is None:
             row = io[peer] = [0, 0, 0]
-        row[which] += n
+        return row
 
     def rows(self, op_seq: int) -> list[tuple[int, int, int]]:
         """``(peer, sent, taken)`` of operation ``op_seq`` (one of the last few), each partner once."""

@@ -239,9 +239,9 @@ class RingLinks:
         if conn is None or conn.closed:
             await trio.lowlevel.checkpoint()
             raise RankConnectionLostError(f"no open connection to peer {peer_id}")
-        io = self.io
-        if io is not None:
-            io.count(op_seq, peer_id, 2, 1)  # under way (stays so if the send is cut off)
+        row = self.io.row(op_seq, peer_id) if self.io is not None else None
+        if row is not None:
+            row[2] += 1  # under way (stays so if the send is cut off)
         try:
             await conn.send_frame(tag, op_seq, seq, data)
         except Broken as exc:
@@ -249,9 +249,9 @@ class RingLinks:
             raise RankConnectionLostError(f"connection to peer {peer_id} lost while sending: {exc}") from None
         self.tx_bytes += len(data)
         self.frames_sent += 1
-        if io is not None:
-            io.count(op_seq, peer_id, 2, -1)
-            io.count(op_seq, peer_id, 0, len(data))
+        if row is not None:
+            row[2] -= 1
+            row[0] += len(data)
 
     # ------------------------------------------------------------------------------------------
     # receiving
