@@ -13,7 +13,8 @@ has reported, the operation is not judged by its plans.
 The module keeps, for the last :data:`KEEP` stalled operations, the descriptor and participants recorded
 while the operation ran and the schedule each participant reported, and builds the plans (lazily, once
 per operation and schedule). It imports the collectives' planner only when it builds plans: the master
-starts without it (tests/cli/test_master_imports.py).
+starts without it (tests/cli/test_master_imports.py), and its server loads it in a worker thread once it
+listens (pccl/master/server.py ``_load_deferred``), so that this import does not stall the trio loop.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ class OpPlans:
         key = (op_seq, schedule)
         if key in self._frames:
             return self._frames[key]
-        from .plan_rule import op_frames  # the collectives' planner: loaded when first needed
+        from .plan_rule import op_frames  # the collectives' planner (loaded by the server once it listens)
 
         d, participants = self._ops[op_seq]
         frames = self._frames[key] = op_frames(d._replace(schedule=schedule), participants)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import logging
 import math
 import time
@@ -159,6 +160,7 @@ class MasterServer:
                 if self.config.speculative_go_delay > 0:
                     nursery.start_soon(self._speculative_go)
                 task_status.started(listener.address)
+                nursery.start_soon(_load_deferred)
                 try:
                     await accept_loop(listener, nursery, self._connection, gate=self.gate, log=log,
                                       what="the master")
@@ -625,6 +627,27 @@ class MasterServer:
             log.warning("background ring improvement failed: %s", exc)
             return
         self._execute(self.state.offer_ring([ids[i] for i in sol.order]))
+
+
+#: Modules the master needs only on some events (the plan rule's planner on the first stalled operation, the
+#: ring solver on the first topology change), kept out of its start-up so that it listens sooner
+#: (tests/cli/test_master_imports.py), and loaded by :func:`_load_deferred` once it listens.
+_DEFERRED = ("pccl.master.plan_rule", "pccl.master.topology")
+
+
+async def _load_deferred() -> None:
+    """Import :data:`_DEFERRED` in a worker thread once the master listens: an import where they are
+    used would stall the trio loop (every peer's heartbeats) for its time (the planner: ~0.1-0.5 s).
+    A use before this finishes waits only for the rest of the import (Python's per-module import lock)."""
+
+    def load() -> None:
+        for name in _DEFERRED:
+            importlib.import_module(name)
+
+    try:
+        await trio.to_thread.run_sync(load, abandon_on_cancel=True)
+    except Exception as exc:  # an import the master may never need must not take it down
+        log.warning("loading %s failed: %s", ", ".join(_DEFERRED), exc)
 
 
 class _GuestFrames:

@@ -29,6 +29,13 @@ def test_master_entry_point_imports_no_peer_module() -> None:
     assert [m for m in PEER_ONLY if m in loaded] == []
 
 
+def test_master_loads_its_deferred_modules_off_the_loop() -> None:
+    # what the server runs once it listens: the modules kept out of its start-up, in a worker thread
+    code = "import trio; from pccl.master import server; trio.run(server._load_deferred)"
+    loaded = set(_loaded_after(code))
+    assert {"pccl.master.plan_rule", "pccl.master.topology"} <= loaded
+
+
 @pytest.mark.parametrize("name", ["Communicator", "AsyncCommunicator", "ReduceOp", "SharedState", "cuda",
                                   "open_master"])
 def test_public_names_load_on_first_use(name: str) -> None:
