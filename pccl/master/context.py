@@ -19,7 +19,7 @@ from .effects import Effect, Send
 from .heals import HealBook
 from .lost import LostBook
 from .membership import Membership
-from .ops_in_doubt import DoubtBook
+from .ops_in_doubt import DoubtBook, Key
 from .peers_pending import PeersPending
 from .rounds.collective import CollectiveVotes
 from .rounds.sync import SyncVotes
@@ -110,6 +110,15 @@ class MasterContext:
             heals.group_voted(group)
         return out
 
+    def _settled(self, key: Key, seq: int, committed: bool) -> None:
+        """Round ``key`` (kind, group, tag) of ``seq`` ended: the books in doubt learn it; committed, the
+        lost book forgets the round and the group made progress."""
+        core = self._core
+        core.doubts.settle(key, seq, committed)
+        if committed:
+            core.lost.settled(key)
+            core.doubts.progressed(key[1])
+
     # -- collectives (CollectiveContext)
 
     def registered_in(self, group: int) -> list[int]:
@@ -125,11 +134,7 @@ class MasterContext:
 
     def op_settled(self, group: int, tag: int, seq: int, committed: bool) -> None:
         """A running collective ended: the books in doubt (and, committed, the lost book) learn it."""
-        core = self._core
-        core.doubts.settle(("op", group, tag), seq, committed)
-        if committed:
-            core.lost.settled(("op", group, tag))
-            core.doubts.progressed(group)
+        self._settled(("op", group, tag), seq, committed)
 
     def check_op(self, key: tuple[int, int]) -> list[Effect]:
         """Complete the collective vote of ``key`` if its group voted (not while the master is held)."""
@@ -149,13 +154,9 @@ class MasterContext:
 
     def sync_settled(self, group: int, seq: int, committed: bool, revision: int) -> None:
         """A running sync ended: committed, its revision is the group's; the books in doubt learn it."""
-        core = self._core
         if committed:
-            core.last_revision[group] = revision
-        core.doubts.settle(("sync", group, -1), seq, committed)
-        if committed:
-            core.lost.settled(("sync", group, -1))
-            core.doubts.progressed(group)
+            self._core.last_revision[group] = revision
+        self._settled(("sync", group, -1), seq, committed)
 
     def check_sync(self, group: int) -> list[Effect]:
         """Complete the sync vote of ``group`` if it voted (not while the master is held)."""
