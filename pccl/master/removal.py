@@ -72,9 +72,7 @@ class Removal:
                 ``rejoin_grace`` for its re-registration (pccl/master/away.py).
         """
         core = self.core
-        if now is not None:
-            core._now = now
-        rec = core.peers.get(peer_id)
+        rec = self._record(peer_id, now)
         if rec is None:
             return []
         effects: list[Effect] = [Event(f"peer {peer_id} ({rec.host}) {reason}")]
@@ -84,6 +82,12 @@ class Removal:
             effects += self._notices(rec, reason)
         effects += self.remove(peer_id)
         return effects
+
+    def _record(self, peer_id: int, now: float | None) -> PeerRecord | None:
+        """``peer_id``'s record (None: unknown), the core's clock set to ``now`` when given."""
+        if now is not None:
+            self.core._now = now
+        return self.core.peers.get(peer_id)
 
     def rejoin_overdue(self, now: float) -> list[Effect]:
         """End the holds whose ``rejoin_grace`` ran out: those members are absent, and the votes go on
@@ -106,9 +110,7 @@ class Removal:
         """Kick ``peer_id`` for stalling the others, remembered against its source address and key: a
         rejoin is refused for a back-off, then held to a shorter grace (pccl/master/penalties.py)."""
         core = self.core
-        if now is not None:
-            core._now = now
-        rec = core.peers.get(peer_id)
+        rec = self._record(peer_id, now)
         if rec is None:
             return []
         strikes = core.offenders.strike(identities(rec.host, rec.public_key), core._now, reason[:120])
