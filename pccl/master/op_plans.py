@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 
 #: Operations whose plans are kept (the oldest forgotten first).
 KEEP = 16
-#: The schedules a report may name.
+#: The schedules a report may name: pccl.collectives.plan.SCHEDULES, spelled out here because the master
+#: starts without the collectives (tests/security/test_plan_holder.py checks they agree).
 SCHEDULES = ("ring", "hd", "tree")
 
 

@@ -38,7 +38,7 @@ from typing import TypeVar, overload
 from .._types import DataType, QuantizationAlgorithm
 from ..collectives.kinds import get_kind
 from ..collectives.op_plan import DEFAULT_BLOCK_BYTES, QUANTIZED_BLOCK_DIVISOR, build_plan, frame_bytes
-from ..collectives.plan import Plan
+from ..collectives.plan import SCHEDULES, Plan
 from ..kernels.quantize import metadata_size
 from ..wire.messages import CollectiveDescriptor
 
@@ -122,7 +122,7 @@ def run_schedule(d: CollectiveDescriptor) -> str | None:
         k = get_kind(d.kind)
     except ValueError:
         return None
-    if d.schedule not in ("ring", "hd", "tree"):
+    if d.schedule not in SCHEDULES:
         return None
     return "ring" if d.quantization != int(QuantizationAlgorithm.NONE) else k.run_schedule(d.schedule)
 

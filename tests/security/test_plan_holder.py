@@ -204,6 +204,14 @@ def test_quantized_frames_have_their_wire_lengths_and_a_quantized_liar_is_named(
     assert all(h == [] or h[0][0] == frames.ids[liar] for liar, h in enumerate(named)) and any(named)
 
 
+def test_the_schedules_a_report_may_name_are_the_planners() -> None:
+    # op_plans spells them out (the master starts without the collectives): the two lists must agree
+    from pccl.collectives.plan import SCHEDULES
+    from pccl.master.op_plans import SCHEDULES as REPORTABLE
+
+    assert REPORTABLE == SCHEDULES
+
+
 def test_what_the_master_cannot_know_is_not_judged() -> None:
     assert run_schedule(descriptor("all_reduce", "auto")) is None  # an unresolved request
     assert op_frames(descriptor("all_reduce", "auto"), IDS[:4]) is None
