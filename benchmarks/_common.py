@@ -14,6 +14,9 @@ processes on the same machine can be subtracted.
 
 Child side: :func:`child_setup` (die with the driver, ignore Ctrl-C, log warnings to stderr),
 :func:`emit`, :func:`admit_pending` (the training-loop membership step).
+
+Blocking driver side (children as ``subprocess.Popen``, e.g. the WAN emulator's ``wan.popen``):
+:func:`end_processes`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -456,3 +459,24 @@ class HostSteal:
         total = sum(delta)
         if total > 0:
             self.percent = 100.0 * delta[7] / total
+
+
+# ----------------------------------------------------------------------------------------------
+# blocking driver side: children as ``subprocess.Popen`` (the WAN emulator's ``wan.popen``)
+
+
+def end_processes(children: Iterable[subprocess.Popen[Any]],
+                  master: subprocess.Popen[Any] | None = None) -> None:
+    """Stop a run's processes (call it in a ``finally``): SIGKILL each child still running and reap it,
+    then the master: SIGTERM, 10 s to exit, else SIGKILL."""
+    for p in children:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if master is not None:
+        master.terminate()
+        try:
+            master.wait(10)
+        except subprocess.TimeoutExpired:
+            master.kill()
+            master.wait()

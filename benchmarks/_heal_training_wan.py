@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import trio
+from _common import end_processes
 
 MIB = 1 << 20
 MASTER_PORT = 29_452
@@ -163,15 +164,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 time.sleep(0.1)  # the readers fill ``lines``; the result lines end the wait
             results = {h: next(x for x in lines[h] if x["event"] == "result") for h in procs}
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
+            end_processes(procs.values(), master)
             log.close()
             os.unlink(log.name)
             for f in errs.values():

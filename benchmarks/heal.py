@@ -71,6 +71,7 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
+from _common import end_processes
 
 from pccl.peer import heal
 from pccl.peer import shared_state as ss
@@ -483,15 +484,7 @@ def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, An
                 time.sleep(0.1)  # the readers fill ``lines``; a result line ends the wait
             results = {h: next(x for x in lines[h] if x["event"] == "result") for h in expect}
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
+            end_processes(procs.values(), master)
             log.close()
             os.unlink(log.name)
             for f in errs.values():

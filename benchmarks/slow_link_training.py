@@ -54,6 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _common import end_processes  # noqa: E402
+
 MODES = ["dp", "diloco-fp32", "diloco-int8", "streaming-int4"]
 
 
@@ -214,16 +216,7 @@ def run_mode_wan(mode: str, args: argparse.Namespace, wan: Any, port: int) -> di
                 time.sleep(0.5)  # the peers run for minutes; their exit is what is waited for
             result = {i: json.loads(o.read_text()) for i, o in enumerate(outs) if o.exists()}
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait()
+            end_processes(procs, master)
     if len(result) < args.peers:
         raise SystemExit(f"[{mode}] FAILED: {args.peers - len(result)} peers did not report")
     after = {(x["src"], x["dst"]): x["bytes"] for x in wan.stats()["links"]}

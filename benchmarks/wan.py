@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _common import end_processes
+
 REPO = Path(__file__).resolve().parent.parent
 MASTER_PORT = 29_400
 GLOO_PORT = 29_500
@@ -330,14 +332,7 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
         res = _collect(procs, budget, f"ours ({case.name})")
         ok = True
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        master.terminate()
-        try:
-            master.wait(10)
-        except subprocess.TimeoutExpired:
-            master.kill()
+        end_processes(procs, master)
         log.close()
         if not ok:
             tail = Path(log.name).read_text().splitlines()[-30:]
