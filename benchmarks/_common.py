@@ -16,7 +16,7 @@ Child side: :func:`child_setup` (die with the driver, ignore Ctrl-C, log warning
 :func:`emit`, :func:`admit_pending` (the training-loop membership step).
 
 Blocking driver side (children as ``subprocess.Popen``, e.g. the WAN emulator's ``wan.popen``):
-:func:`end_processes`.
+:func:`follow_json_lines`, :func:`wait_for_results`, :func:`end_processes`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -463,6 +463,41 @@ class HostSteal:
 
 # ----------------------------------------------------------------------------------------------
 # blocking driver side: children as ``subprocess.Popen`` (the WAN emulator's ``wan.popen``)
+
+
+def follow_json_lines(proc: subprocess.Popen[str], into: list[dict[str, Any]]) -> None:
+    """Start a daemon thread that appends every JSON object line of ``proc``'s stdout to ``into``."""
+
+    def read() -> None:
+        out = proc.stdout
+        assert out is not None
+        for line in out:
+            if line.startswith("{"):
+                into.append(json.loads(line))
+
+    threading.Thread(target=read, daemon=True).start()
+
+
+def wait_for_results(procs: Mapping[int, subprocess.Popen[str]], lines: Mapping[int, list[dict[str, Any]]],
+                     expect: Iterable[int], deadline: float,
+                     failure: Callable[[list[int]], str]) -> dict[int, dict[str, Any]]:
+    """Wait until every child in ``expect`` has printed its ``result`` line (``lines``, filled by
+    :func:`follow_json_lines`) and return each one's.
+
+    Raises RuntimeError(``failure(dead)``) as soon as a child in ``expect`` exited without one
+    (``dead``: those) or at ``deadline`` (``time.monotonic()``; ``dead`` then empty).
+    """
+    expect = list(expect)
+
+    def has_result(h: int) -> bool:
+        return any(x["event"] == "result" for x in lines[h])
+
+    while not all(has_result(h) for h in expect):
+        dead = [h for h in expect if procs[h].poll() is not None and not has_result(h)]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(failure(dead))
+        time.sleep(0.1)  # the readers fill ``lines``; the result lines end the wait
+    return {h: next(x for x in lines[h] if x["event"] == "result") for h in expect}
 
 
 def end_processes(children: Iterable[subprocess.Popen[Any]],

@@ -30,14 +30,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
-from _common import end_processes
+from _common import end_processes, follow_json_lines, wait_for_results
 
 MIB = 1 << 20
 MASTER_PORT = 29_452
@@ -137,14 +136,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 errs[h] = tempfile.TemporaryFile("w+")
                 procs[h] = wan.popen(h, [sys.executable, script, "--child", json.dumps(cfg)],
                                      stdout=subprocess.PIPE, stderr=errs[h], text=True, env=env)
-                threading.Thread(target=read, args=(h,), daemon=True).start()
-
-            def read(h: int) -> None:
-                out = procs[h].stdout
-                assert out is not None
-                for line in out:
-                    if line.startswith("{"):
-                        lines[h].append(json.loads(line))
+                follow_json_lines(procs[h], lines[h])
 
             for h in range(members):
                 start(h)
@@ -155,14 +147,9 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 time.sleep(0.1)  # the readers fill ``lines``
             ready_at = time.time()
             start(members)
-            while not all(any(x["event"] == "result" for x in lines[h]) for h in procs):
-                dead = [h for h in procs if procs[h].poll() is not None
-                        and not any(x["event"] == "result" for x in lines[h])]
-                if dead or time.monotonic() > deadline:
-                    who = dead or "some (timeout)"
-                    raise RuntimeError(f"train run: no result from {who}: {_tails(errs)}")
-                time.sleep(0.1)  # the readers fill ``lines``; the result lines end the wait
-            results = {h: next(x for x in lines[h] if x["event"] == "result") for h in procs}
+            results = wait_for_results(
+                procs, lines, list(procs), deadline,
+                lambda dead: f"train run: no result from {dead or 'some (timeout)'}: {_tails(errs)}")
         finally:
             end_processes(procs.values(), master)
             log.close()

@@ -63,7 +63,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,7 +70,7 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
-from _common import end_processes
+from _common import end_processes, follow_json_lines, wait_for_results
 
 from pccl.peer import heal
 from pccl.peer import shared_state as ss
@@ -462,27 +461,15 @@ def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, An
                 pids[h] = json.loads(first)["pid"]
                 lines[h] = []
 
-            def read(h: int) -> None:
-                out = procs[h].stdout
-                assert out is not None
-                for line in out:
-                    if line.startswith("{"):
-                        lines[h].append(json.loads(line))
-
-            readers = [threading.Thread(target=read, args=(h,), daemon=True) for h in procs]
-            for t in readers:
-                t.start()
+            for h in procs:
+                follow_json_lines(procs[h], lines[h])
             budget = 120 + 4 * args.state_mb * 8 / args.donor_mbit
             deadline = time.monotonic() + budget
             expect = [h for h in range(hosts) if not (fault == "kill" and h == donors - 1)]
-            while not all(any(x["event"] == "result" for x in lines[h]) for h in expect):
-                dead = [h for h in expect if procs[h].poll() is not None
-                        and not any(x["event"] == "result" for x in lines[h])]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"case {donors}/{fault or '-'}: no result from hosts "
-                                       f"{dead or 'some (timeout)'}: {[_tail(errs[h]) for h in dead]}")
-                time.sleep(0.1)  # the readers fill ``lines``; a result line ends the wait
-            results = {h: next(x for x in lines[h] if x["event"] == "result") for h in expect}
+            results = wait_for_results(
+                procs, lines, expect, deadline,
+                lambda dead: f"case {donors}/{fault or '-'}: no result from hosts "
+                             f"{dead or 'some (timeout)'}: {[_tail(errs[h]) for h in dead]}")
         finally:
             end_processes(procs.values(), master)
             log.close()
