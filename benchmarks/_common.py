@@ -16,7 +16,8 @@ Child side: :func:`child_setup` (die with the driver, ignore Ctrl-C, log warning
 :func:`emit`, :func:`admit_pending` (the training-loop membership step).
 
 Blocking driver side (children as ``subprocess.Popen``, e.g. the WAN emulator's ``wan.popen``):
-:func:`follow_json_lines`, :func:`wait_for_results`, :func:`end_processes`.
+:func:`wait_listening` (the master's log), :func:`follow_json_lines`, :func:`wait_for_results`,
+:func:`end_processes`.
 """
 
 from __future__ import annotations
@@ -463,6 +464,17 @@ class HostSteal:
 
 # ----------------------------------------------------------------------------------------------
 # blocking driver side: children as ``subprocess.Popen`` (the WAN emulator's ``wan.popen``)
+
+
+def wait_listening(master: subprocess.Popen[Any], log: Path, timeout: float = 30.0) -> bool:
+    """Poll the master's log file until it has its "listening" line; False if the master exits first
+    or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while "listening" not in log.read_text():
+        if master.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling a child's log file for its first line
+    return True
 
 
 def follow_json_lines(proc: subprocess.Popen[str], into: list[dict[str, Any]]) -> None:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 import trio
-from _common import end_processes, follow_json_lines, wait_for_results
+from _common import end_processes, follow_json_lines, wait_for_results, wait_listening
 
 MIB = 1 << 20
 MASTER_PORT = 29_452
@@ -120,11 +120,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         errs: dict[int, Any] = {}
         lines: dict[int, list[dict[str, Any]]] = {h: [] for h in range(hosts)}
         try:
-            deadline = time.monotonic() + 30
-            while "listening" not in Path(log.name).read_text():
-                if master.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the master did not start")
-                time.sleep(0.05)  # polling a child's log file for its first line
+            if not wait_listening(master, Path(log.name)):
+                raise RuntimeError("the master did not start")
             serve = args.serve_mbit * 1e6 / 8 if args.serve_mbit else None
 
             def start(h: int) -> None:

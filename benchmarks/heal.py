@@ -70,7 +70,7 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
-from _common import end_processes, follow_json_lines, wait_for_results
+from _common import end_processes, follow_json_lines, wait_for_results, wait_listening
 
 from pccl.peer import heal
 from pccl.peer import shared_state as ss
@@ -439,11 +439,8 @@ def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, An
         errs: dict[int, Any] = {}
         lines: dict[int, list[dict[str, Any]]] = {}
         try:
-            deadline = time.monotonic() + 30
-            while "listening" not in Path(log.name).read_text():
-                if master.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the master did not start")
-                time.sleep(0.05)  # polling a child's log file for its first line
+            if not wait_listening(master, Path(log.name)):
+                raise RuntimeError("the master did not start")
             base = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "world": hosts, "state_mb": args.state_mb}
             pids: dict[int, int] = {}
             for h in range(hosts):

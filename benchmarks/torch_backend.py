@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import end_processes, format_table, machine_line  # noqa: E402
+from _common import end_processes, format_table, machine_line, wait_listening  # noqa: E402
 
 
 def worker(rank: int, world: int, master: str, store: str, order: list[str], width: int, depth: int,
@@ -119,11 +119,8 @@ def run_wan_round(world: int, order: list[str], args: argparse.Namespace) -> dic
                     str(WAN_MASTER_PORT)]
             master = wan.popen(0, argv, stdout=subprocess.DEVNULL, stderr=f, env=env)
         try:
-            deadline = time.monotonic() + 30
-            while "listening" not in log.read_text():
-                if master.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"our master did not start:\n{log.read_text()[-2000:]}")
-                time.sleep(0.05)  # polling the master's log for its first line
+            if not wait_listening(master, log):
+                raise SystemExit(f"our master did not start:\n{log.read_text()[-2000:]}")
 
             def spawn(rank: int, argv: list[str]) -> subprocess.Popen[str]:
                 return wan.popen(rank, argv, stdout=subprocess.PIPE, text=True, env=env)
