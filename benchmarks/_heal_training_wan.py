@@ -42,9 +42,21 @@ MIB = 1 << 20
 MASTER_PORT = 29_452
 
 
+async def _admit(comm: Any) -> None:
+    """Admit pending peers (``are_peers_pending``, then one ``update_topology``; a failed vote is left to
+    the next call)."""
+    from pccl import UpdateTopologyFailedError
+
+    if await comm.are_peers_pending():
+        try:
+            await comm.update_topology()
+        except UpdateTopologyFailedError:
+            pass
+
+
 async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) -> None:
     """One member or the newcomer of the ``train`` run; prints JSON lines (joined, ready, result)."""
-    from pccl import PeerConfig, ReduceOp, UpdateTopologyFailedError
+    from pccl import PeerConfig, ReduceOp
     from pccl.kernels import hashing
     from pccl.peer.communicator import open_communicator
 
@@ -54,11 +66,7 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
     async with open_communicator(cfg["master"], config=conf) as comm:
         print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
         while not newcomer and comm.world_size < cfg["members"]:
-            if await comm.are_peers_pending():
-                try:
-                    await comm.update_topology()
-                except UpdateTopologyFailedError:
-                    pass
+            await _admit(comm)
             await trio.sleep(0.01)  # polling the world size until the members are in, before the clock starts
         grad = np.ones(cfg["grad_mb"] * MIB // 4, np.float32)
         t_sync = time.time()
@@ -78,12 +86,7 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
             if step == cfg["steps"] and not newcomer:
                 print(json.dumps({"event": "ready"}), flush=True)  # the driver starts the newcomer
             if step % h == 0:
-                # as a training loop does before its sync: admit newcomers (whose first call is a sync)
-                if await comm.are_peers_pending():
-                    try:
-                        await comm.update_topology()
-                    except UpdateTopologyFailedError:
-                        pass
+                await _admit(comm)  # as a training loop does before its sync (a newcomer's first call is one)
                 state.push_revision()
                 t = time.time()
                 await comm.sync_shared_state(state)
