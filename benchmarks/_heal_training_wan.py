@@ -102,7 +102,8 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
                           "served": comm.statistics().get("heal_served_bytes", 0)}), flush=True)
 
 
-def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``train`` case: the members alone, then with a newcomer healing (one run, one emulator)."""
     from pccl.testing.wan import LinkSpec, WanEmulator
 
     members = args.members
@@ -157,9 +158,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
             for f in errs.values():
                 f.close()
     m0, new = results[0], results[members]
-    h = args.sync_every
     # alone: member 0's steps after its first sync period (warm) until the newcomer was started
-    a0 = m0["times"][h - 1]
+    a0 = m0["times"][args.sync_every - 1]
     alone = _window(m0, a0, ready_at)
     # heal: from the newcomer's call until it returned (healed and joined)
     heal = _window(m0, new["t_sync"], new["healed_at"])
@@ -192,11 +192,6 @@ def _tails(errs: dict[int, Any]) -> list[str]:
         f.seek(0)
         out.append(str(f.read()[-800:]))
     return out
-
-
-def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The ``train`` case: the members alone, then with a newcomer healing (one run, one emulator)."""
-    return _run(args)
 
 
 def print_training(args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[float, float]) -> None:
