@@ -14,6 +14,10 @@ processes on the same machine can be subtracted.
 
 Child side: :func:`child_setup` (die with the driver, ignore Ctrl-C, log warnings to stderr),
 :func:`emit`, :func:`admit_pending` (the training-loop membership step).
+
+Blocking driver side (children as ``subprocess.Popen``, e.g. the WAN emulator's ``wan.popen``):
+:func:`wait_listening` (the master's log), :func:`follow_json_lines`, :func:`wait_for_results`,
+:func:`end_processes`.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -456,3 +460,70 @@ class HostSteal:
         total = sum(delta)
         if total > 0:
             self.percent = 100.0 * delta[7] / total
+
+
+# ----------------------------------------------------------------------------------------------
+# blocking driver side: children as ``subprocess.Popen`` (the WAN emulator's ``wan.popen``)
+
+
+def wait_listening(master: subprocess.Popen[Any], log: Path, timeout: float = 30.0) -> bool:
+    """Poll the master's log file until it has its "listening" line; False if the master exits first
+    or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while "listening" not in log.read_text():
+        if master.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # polling a child's log file for its first line
+    return True
+
+
+def follow_json_lines(proc: subprocess.Popen[str], into: list[dict[str, Any]]) -> None:
+    """Start a daemon thread that appends every JSON object line of ``proc``'s stdout to ``into``."""
+
+    def read() -> None:
+        out = proc.stdout
+        assert out is not None
+        for line in out:
+            if line.startswith("{"):
+                into.append(json.loads(line))
+
+    threading.Thread(target=read, daemon=True).start()
+
+
+def wait_for_results(procs: Mapping[int, subprocess.Popen[str]], lines: Mapping[int, list[dict[str, Any]]],
+                     expect: Iterable[int], deadline: float,
+                     failure: Callable[[list[int]], str]) -> dict[int, dict[str, Any]]:
+    """Wait until every child in ``expect`` has printed its ``result`` line (``lines``, filled by
+    :func:`follow_json_lines`) and return each one's.
+
+    Raises RuntimeError(``failure(dead)``) as soon as a child in ``expect`` exited without one
+    (``dead``: those) or at ``deadline`` (``time.monotonic()``; ``dead`` then empty).
+    """
+    expect = list(expect)
+
+    def has_result(h: int) -> bool:
+        return any(x["event"] == "result" for x in lines[h])
+
+    while not all(has_result(h) for h in expect):
+        dead = [h for h in expect if procs[h].poll() is not None and not has_result(h)]
+        if dead or time.monotonic() > deadline:
+            raise RuntimeError(failure(dead))
+        time.sleep(0.1)  # the readers fill ``lines``; the result lines end the wait
+    return {h: next(x for x in lines[h] if x["event"] == "result") for h in expect}
+
+
+def end_processes(children: Iterable[subprocess.Popen[Any]],
+                  master: subprocess.Popen[Any] | None = None) -> None:
+    """Stop a run's processes (call it in a ``finally``): SIGKILL each child still running and reap it,
+    then the master: SIGTERM, 10 s to exit, else SIGKILL."""
+    for p in children:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    if master is not None:
+        master.terminate()
+        try:
+            master.wait(10)
+        except subprocess.TimeoutExpired:
+            master.kill()
+            master.wait()

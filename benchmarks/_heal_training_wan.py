@@ -30,21 +30,33 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import trio
+from _common import end_processes, follow_json_lines, wait_for_results, wait_listening
 
 MIB = 1 << 20
 MASTER_PORT = 29_452
 
 
+async def _admit(comm: Any) -> None:
+    """Admit pending peers (``are_peers_pending``, then one ``update_topology``; a failed vote is left to
+    the next call)."""
+    from pccl import UpdateTopologyFailedError
+
+    if await comm.are_peers_pending():
+        try:
+            await comm.update_topology()
+        except UpdateTopologyFailedError:
+            pass
+
+
 async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) -> None:
     """One member or the newcomer of the ``train`` run; prints JSON lines (joined, ready, result)."""
-    from pccl import PeerConfig, ReduceOp, UpdateTopologyFailedError
+    from pccl import PeerConfig, ReduceOp
     from pccl.kernels import hashing
     from pccl.peer.communicator import open_communicator
 
@@ -54,11 +66,7 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
     async with open_communicator(cfg["master"], config=conf) as comm:
         print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
         while not newcomer and comm.world_size < cfg["members"]:
-            if await comm.are_peers_pending():
-                try:
-                    await comm.update_topology()
-                except UpdateTopologyFailedError:
-                    pass
+            await _admit(comm)
             await trio.sleep(0.01)  # polling the world size until the members are in, before the clock starts
         grad = np.ones(cfg["grad_mb"] * MIB // 4, np.float32)
         t_sync = time.time()
@@ -78,12 +86,7 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
             if step == cfg["steps"] and not newcomer:
                 print(json.dumps({"event": "ready"}), flush=True)  # the driver starts the newcomer
             if step % h == 0:
-                # as a training loop does before its sync: admit newcomers (whose first call is a sync)
-                if await comm.are_peers_pending():
-                    try:
-                        await comm.update_topology()
-                    except UpdateTopologyFailedError:
-                        pass
+                await _admit(comm)  # as a training loop does before its sync (a newcomer's first call is one)
                 state.push_revision()
                 t = time.time()
                 await comm.sync_shared_state(state)
@@ -99,7 +102,8 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
                           "served": comm.statistics().get("heal_served_bytes", 0)}), flush=True)
 
 
-def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``train`` case: the members alone, then with a newcomer healing (one run, one emulator)."""
     from pccl.testing.wan import LinkSpec, WanEmulator
 
     members = args.members
@@ -120,11 +124,8 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
         errs: dict[int, Any] = {}
         lines: dict[int, list[dict[str, Any]]] = {h: [] for h in range(hosts)}
         try:
-            deadline = time.monotonic() + 30
-            while "listening" not in Path(log.name).read_text():
-                if master.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the master did not start")
-                time.sleep(0.05)  # polling a child's log file for its first line
+            if not wait_listening(master, Path(log.name)):
+                raise RuntimeError("the master did not start")
             serve = args.serve_mbit * 1e6 / 8 if args.serve_mbit else None
 
             def start(h: int) -> None:
@@ -136,14 +137,7 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 errs[h] = tempfile.TemporaryFile("w+")
                 procs[h] = wan.popen(h, [sys.executable, script, "--child", json.dumps(cfg)],
                                      stdout=subprocess.PIPE, stderr=errs[h], text=True, env=env)
-                threading.Thread(target=read, args=(h,), daemon=True).start()
-
-            def read(h: int) -> None:
-                out = procs[h].stdout
-                assert out is not None
-                for line in out:
-                    if line.startswith("{"):
-                        lines[h].append(json.loads(line))
+                follow_json_lines(procs[h], lines[h])
 
             for h in range(members):
                 start(h)
@@ -154,32 +148,18 @@ def _run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 time.sleep(0.1)  # the readers fill ``lines``
             ready_at = time.time()
             start(members)
-            while not all(any(x["event"] == "result" for x in lines[h]) for h in procs):
-                dead = [h for h in procs if procs[h].poll() is not None
-                        and not any(x["event"] == "result" for x in lines[h])]
-                if dead or time.monotonic() > deadline:
-                    who = dead or "some (timeout)"
-                    raise RuntimeError(f"train run: no result from {who}: {_tails(errs)}")
-                time.sleep(0.1)  # the readers fill ``lines``; the result lines end the wait
-            results = {h: next(x for x in lines[h] if x["event"] == "result") for h in procs}
+            results = wait_for_results(
+                procs, lines, list(procs), deadline,
+                lambda dead: f"train run: no result from {dead or 'some (timeout)'}: {_tails(errs)}")
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
+            end_processes(procs.values(), master)
             log.close()
             os.unlink(log.name)
             for f in errs.values():
                 f.close()
     m0, new = results[0], results[members]
-    h = args.sync_every
     # alone: member 0's steps after its first sync period (warm) until the newcomer was started
-    a0 = m0["times"][h - 1]
+    a0 = m0["times"][args.sync_every - 1]
     alone = _window(m0, a0, ready_at)
     # heal: from the newcomer's call until it returned (healed and joined)
     heal = _window(m0, new["t_sync"], new["healed_at"])
@@ -212,11 +192,6 @@ def _tails(errs: dict[int, Any]) -> list[str]:
         f.seek(0)
         out.append(str(f.read()[-800:]))
     return out
-
-
-def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The ``train`` case: the members alone, then with a newcomer healing (one run, one emulator)."""
-    return _run(args)
 
 
 def print_training(args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[float, float]) -> None:

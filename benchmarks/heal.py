@@ -63,7 +63,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +70,7 @@ from typing import Any
 import numpy as np
 import trio
 import trio.testing
+from _common import end_processes, follow_json_lines, wait_for_results, wait_listening
 
 from pccl.peer import heal
 from pccl.peer import shared_state as ss
@@ -439,11 +439,8 @@ def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, An
         errs: dict[int, Any] = {}
         lines: dict[int, list[dict[str, Any]]] = {}
         try:
-            deadline = time.monotonic() + 30
-            while "listening" not in Path(log.name).read_text():
-                if master.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the master did not start")
-                time.sleep(0.05)  # polling a child's log file for its first line
+            if not wait_listening(master, Path(log.name)):
+                raise RuntimeError("the master did not start")
             base = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "world": hosts, "state_mb": args.state_mb}
             pids: dict[int, int] = {}
             for h in range(hosts):
@@ -461,37 +458,17 @@ def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, An
                 pids[h] = json.loads(first)["pid"]
                 lines[h] = []
 
-            def read(h: int) -> None:
-                out = procs[h].stdout
-                assert out is not None
-                for line in out:
-                    if line.startswith("{"):
-                        lines[h].append(json.loads(line))
-
-            readers = [threading.Thread(target=read, args=(h,), daemon=True) for h in procs]
-            for t in readers:
-                t.start()
+            for h in procs:
+                follow_json_lines(procs[h], lines[h])
             budget = 120 + 4 * args.state_mb * 8 / args.donor_mbit
             deadline = time.monotonic() + budget
             expect = [h for h in range(hosts) if not (fault == "kill" and h == donors - 1)]
-            while not all(any(x["event"] == "result" for x in lines[h]) for h in expect):
-                dead = [h for h in expect if procs[h].poll() is not None
-                        and not any(x["event"] == "result" for x in lines[h])]
-                if dead or time.monotonic() > deadline:
-                    raise RuntimeError(f"case {donors}/{fault or '-'}: no result from hosts "
-                                       f"{dead or 'some (timeout)'}: {[_tail(errs[h]) for h in dead]}")
-                time.sleep(0.1)  # the readers fill ``lines``; a result line ends the wait
-            results = {h: next(x for x in lines[h] if x["event"] == "result") for h in expect}
+            results = wait_for_results(
+                procs, lines, expect, deadline,
+                lambda dead: f"case {donors}/{fault or '-'}: no result from hosts "
+                             f"{dead or 'some (timeout)'}: {[_tail(errs[h]) for h in dead]}")
         finally:
-            for p in procs.values():
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
+            end_processes(procs.values(), master)
             log.close()
             os.unlink(log.name)
             for f in errs.values():

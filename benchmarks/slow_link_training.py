@@ -54,6 +54,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from _common import end_processes, wait_listening  # noqa: E402
+
 MODES = ["dp", "diloco-fp32", "diloco-int8", "streaming-int4"]
 
 
@@ -194,11 +196,8 @@ def run_mode_wan(mode: str, args: argparse.Namespace, wan: Any, port: int) -> di
                                        "--port", str(port)], stdout=subprocess.DEVNULL, stderr=f, env=env)
         procs: list[subprocess.Popen[Any]] = []
         try:
-            deadline = time.monotonic() + 30
-            while "listening" not in log.read_text():
-                if master.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"[{mode}] the master did not start:\n{log.read_text()[-2000:]}")
-                time.sleep(0.05)  # polling the master's log for its first line
+            if not wait_listening(master, log):
+                raise SystemExit(f"[{mode}] the master did not start:\n{log.read_text()[-2000:]}")
             plain = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
             outs = []
             for i in range(args.peers):
@@ -214,16 +213,7 @@ def run_mode_wan(mode: str, args: argparse.Namespace, wan: Any, port: int) -> di
                 time.sleep(0.5)  # the peers run for minutes; their exit is what is waited for
             result = {i: json.loads(o.read_text()) for i, o in enumerate(outs) if o.exists()}
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                p.wait()
-            master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait()
+            end_processes(procs, master)
     if len(result) < args.peers:
         raise SystemExit(f"[{mode}] FAILED: {args.peers - len(result)} peers did not report")
     after = {(x["src"], x["dst"]): x["bytes"] for x in wan.stats()["links"]}

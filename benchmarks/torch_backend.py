@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _common import format_table, machine_line  # noqa: E402
+from _common import end_processes, format_table, machine_line, wait_listening  # noqa: E402
 
 
 def worker(rank: int, world: int, master: str, store: str, order: list[str], width: int, depth: int,
@@ -86,10 +86,7 @@ def _run_workers(world: int, order: list[str], args: argparse.Namespace, master:
         for p in procs[1:]:
             p.wait(timeout=args.timeout)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        end_processes(procs)
     if any(p.returncode for p in procs):
         raise SystemExit(f"a worker failed: {[p.returncode for p in procs]}")
     return dict(json.loads(out.strip().splitlines()[-1]))
@@ -122,11 +119,8 @@ def run_wan_round(world: int, order: list[str], args: argparse.Namespace) -> dic
                     str(WAN_MASTER_PORT)]
             master = wan.popen(0, argv, stdout=subprocess.DEVNULL, stderr=f, env=env)
         try:
-            deadline = time.monotonic() + 30
-            while "listening" not in log.read_text():
-                if master.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"our master did not start:\n{log.read_text()[-2000:]}")
-                time.sleep(0.05)  # polling the master's log for its first line
+            if not wait_listening(master, log):
+                raise SystemExit(f"our master did not start:\n{log.read_text()[-2000:]}")
 
             def spawn(rank: int, argv: list[str]) -> subprocess.Popen[str]:
                 return wan.popen(rank, argv, stdout=subprocess.PIPE, text=True, env=env)
@@ -138,12 +132,7 @@ def run_wan_round(world: int, order: list[str], args: argparse.Namespace) -> dic
             res["wan_dropped"] = sum(x["queue_dropped_segments"] + x["lost_segments"] for x in links)
             return res
         finally:
-            master.terminate()
-            try:
-                master.wait(10)
-            except subprocess.TimeoutExpired:
-                master.kill()
-                master.wait()
+            end_processes((), master)
 
 
 def main() -> int:

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _common import end_processes, wait_listening
+
 REPO = Path(__file__).resolve().parent.parent
 MASTER_PORT = 29_400
 GLOO_PORT = 29_500
@@ -307,11 +309,8 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
     procs: list[subprocess.Popen[str]] = []
     ok = False
     try:
-        deadline = time.monotonic() + 30
-        while "listening" not in Path(log.name).read_text():
-            if master.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("our master did not start")
-            time.sleep(0.05)  # polling a child's log file for its first line
+        if not wait_listening(master, Path(log.name)):
+            raise RuntimeError("our master did not start")
         order = case.join_order or tuple(range(case.hosts))
         for host in order:
             cfg = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "addr": wan.addresses[host],
@@ -330,14 +329,7 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
         res = _collect(procs, budget, f"ours ({case.name})")
         ok = True
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        master.terminate()
-        try:
-            master.wait(10)
-        except subprocess.TimeoutExpired:
-            master.kill()
+        end_processes(procs, master)
         log.close()
         if not ok:
             tail = Path(log.name).read_text().splitlines()[-30:]

@@ -37,7 +37,6 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = 29_600
-BLOCK = 4 << 20
 
 
 def _cpu_s(pid: int) -> float:
@@ -52,6 +51,14 @@ def _recv_exact(sock: socket.socket, view: memoryview) -> None:
         if k == 0:
             raise ConnectionError("closed")
         got += k
+
+
+def _block_orders(nb: int, rank: int) -> tuple[list[int], list[int]]:
+    """The order this peer sends its ``nb`` blocks in and the order the partner sends its own: the
+    reduce-scatter half first, then the all-gather half (peer 0 sends its second half first, as the
+    ring)."""
+    first, second = list(range(nb // 2)), list(range(nb // 2, nb))
+    return (second + first, first + second) if rank == 0 else (first + second, second + first)
 
 
 def _child(cfg: dict[str, Any]) -> None:
@@ -79,8 +86,7 @@ def _child(cfg: dict[str, Any]) -> None:
         c, _a = ls.accept()
         idx = c.recv(1)[0]
         inc[idx] = c
-    global BLOCK
-    BLOCK = cfg["block"]
+    block = cfg["block"]  # bytes (--block-kib)
     send_buf = memoryview(bytearray(os.urandom(1 << 16)) * (size >> 16))
     recv_buf = memoryview(bytearray(size))
     times = []
@@ -93,15 +99,12 @@ def _child(cfg: dict[str, Any]) -> None:
         _recv_exact(inc[0], memoryview(bytearray(1)))
         c0 = time.process_time()
         t0 = time.perf_counter()
-        arrived = [threading.Event() for _ in range(size // BLOCK)]
+        arrived = [threading.Event() for _ in range(size // block)]
         first_byte: list[float] = []
 
         if cfg["mode"] == "pull":
-            nb = size // BLOCK
-            order = list(range(nb // 2, nb)) + list(range(nb // 2)) if cfg["rank"] == 0 else \
-                list(range(nb // 2)) + list(range(nb // 2, nb))
-            other_order = list(range(nb // 2)) + list(range(nb // 2, nb)) if cfg["rank"] == 0 else \
-                list(range(nb // 2, nb)) + list(range(nb // 2))
+            nb = size // block
+            order, other_order = _block_orders(nb, cfg["rank"])
             lock = threading.Lock()
             next_pos = [0]
 
@@ -117,7 +120,7 @@ def _child(cfg: dict[str, Any]) -> None:
                     b = order[pos]
                     hdr = b.to_bytes(4, "little")
                     out[i].sendall(hdr)
-                    out[i].sendall(send_buf[b * BLOCK:(b + 1) * BLOCK])
+                    out[i].sendall(send_buf[b * block:(b + 1) * block])
 
             def pull_recv(i: int) -> None:
                 hdr = memoryview(bytearray(4))
@@ -126,7 +129,7 @@ def _child(cfg: dict[str, Any]) -> None:
                     b = int.from_bytes(hdr, "little")
                     if b == 0xFFFFFFFF:
                         return
-                    _recv_exact(inc[i], recv_buf[b * BLOCK:(b + 1) * BLOCK])
+                    _recv_exact(inc[i], recv_buf[b * block:(b + 1) * block])
                     if not first_byte:
                         first_byte.append(time.perf_counter() - t0)
                     arrived[b].set()
@@ -142,55 +145,48 @@ def _child(cfg: dict[str, Any]) -> None:
                 s.sendall((0xFFFFFFFF).to_bytes(4, "little"))
             for t in rthreads:
                 t.join()
-            dt = time.perf_counter() - t0
-            if it >= cfg["warmup"]:
-                times.append(dt)
-                cpu.append(time.process_time() - c0)
-            continue
-        if cfg["mode"] == "split":
-            piece = -(-size // n)
-            send_jobs = [[(i * piece, min(size, (i + 1) * piece))] for i in range(n)]
-            recv_jobs = send_jobs
-        else:
-            # blocks of the first half (sent by this peer: the partner reduces them) and of the
-            # second half, on connections in turn; peer 0 sends its second half first (as the ring)
-            nb = size // BLOCK
-            order = list(range(nb // 2, nb)) + list(range(nb // 2)) if cfg["rank"] == 0 else \
-                list(range(nb // 2)) + list(range(nb // 2, nb))
-            send_jobs = [[] for _ in range(n)]
-            for k, b in enumerate(order):
-                send_jobs[k % n].append((b * BLOCK, (b + 1) * BLOCK))
-            other_order = list(range(nb // 2)) + list(range(nb // 2, nb)) if cfg["rank"] == 0 else \
-                list(range(nb // 2, nb)) + list(range(nb // 2))
-            recv_jobs = [[] for _ in range(n)]
-            for k, b in enumerate(other_order):
-                recv_jobs[k % n].append((b * BLOCK, (b + 1) * BLOCK))
-            # what the partner sends first (its reduce-scatter part) is what we reduce and then
-            # send back: our k-th all-gather block waits for the partner's k-th block
+        else:  # split or ring: each connection has its blocks (jobs) from the start
+            if cfg["mode"] == "split":
+                piece = -(-size // n)
+                send_jobs = [[(i * piece, min(size, (i + 1) * piece))] for i in range(n)]
+                recv_jobs = send_jobs
+            else:
+                # blocks of the first half (sent by this peer: the partner reduces them) and of the
+                # second half, on connections in turn; peer 0 sends its second half first (as the ring)
+                nb = size // block
+                order, other_order = _block_orders(nb, cfg["rank"])
+                send_jobs = [[] for _ in range(n)]
+                for k, b in enumerate(order):
+                    send_jobs[k % n].append((b * block, (b + 1) * block))
+                recv_jobs = [[] for _ in range(n)]
+                for k, b in enumerate(other_order):
+                    recv_jobs[k % n].append((b * block, (b + 1) * block))
+                # what the partner sends first (its reduce-scatter part) is what we reduce and then
+                # send back: our k-th all-gather block waits for the partner's k-th block
 
-        def sender(i: int) -> None:
-            for lo, hi in send_jobs[i]:
-                if cfg["mode"] == "ring":
-                    b = lo // BLOCK
-                    pos = order.index(b)
-                    if pos >= nb // 2:  # an all-gather block: its reduction needs the partner's block
-                        arrived[other_order[pos - nb // 2]].wait()
-                out[i].sendall(send_buf[lo:hi])
+            def sender(i: int) -> None:
+                for lo, hi in send_jobs[i]:
+                    if cfg["mode"] == "ring":
+                        b = lo // block
+                        pos = order.index(b)
+                        if pos >= nb // 2:  # an all-gather block: its reduction needs the partner's block
+                            arrived[other_order[pos - nb // 2]].wait()
+                    out[i].sendall(send_buf[lo:hi])
 
-        def receiver(i: int) -> None:
-            for lo, hi in recv_jobs[i]:
-                _recv_exact(inc[i], recv_buf[lo:hi])
-                if not first_byte:
-                    first_byte.append(time.perf_counter() - t0)
-                if cfg["mode"] == "ring":
-                    arrived[lo // BLOCK].set()
+            def receiver(i: int) -> None:
+                for lo, hi in recv_jobs[i]:
+                    _recv_exact(inc[i], recv_buf[lo:hi])
+                    if not first_byte:
+                        first_byte.append(time.perf_counter() - t0)
+                    if cfg["mode"] == "ring":
+                        arrived[lo // block].set()
 
-        threads = [threading.Thread(target=sender, args=(i,)) for i in range(n)]
-        threads += [threading.Thread(target=receiver, args=(i,)) for i in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+            threads = [threading.Thread(target=sender, args=(i,)) for i in range(n)]
+            threads += [threading.Thread(target=receiver, args=(i,)) for i in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         dt = time.perf_counter() - t0
         if it >= cfg["warmup"]:
             times.append(dt)
