@@ -648,7 +648,8 @@ async def _fetch_all(
     finally:
         server.count(job.statistics())
     if populating is not None:
-        await trio.to_thread.run_sync(populating.join)
+        # cancellable: a cancelled heal leaves the thread to finish alone, as a failed one does
+        await trio.to_thread.run_sync(populating.join, abandon_on_cancel=True)
     if progress is not None:
         progress(total, total)
     return staged, rx

@@ -113,10 +113,8 @@ class _Blocking:
         try:
             self._executor.start(op, handle)
         except Exception as exc:  # the nursery closed under it: the driver is closing
-            handle.error = exc if isinstance(exc, PCCLError) else InvalidUsageError(
-                f"the background reduce could not start: {exc!r}")
-            handle.finished = True
-            handle.done.set()
+            handle.settle(exc if isinstance(exc, PCCLError) else InvalidUsageError(
+                f"the background reduce could not start: {exc!r}"))
 
     def close(self) -> None:
         self._thread.close()

@@ -59,6 +59,14 @@ class _Background:
         self.info: Any = None
         self.error: PCCLError | None = None
 
+    def settle(self, error: PCCLError | None = None) -> None:
+        """The reduce ended (with ``error``, or with :attr:`info` in place): ``finished`` is set last, so a
+        thread that reads it true finds the result or the error there (trio thread)."""
+        if error is not None:
+            self.error = error
+        self.finished = True
+        self.done.set()
+
     def result(self) -> Any:
         """The finished reduce's info, or its error raised."""
         if self.error is not None:
@@ -128,13 +136,13 @@ class Executor:
         self.nursery.start_soon(self._background, op.reduce, handle)
 
     async def _background(self, op: AllReduce | AllGather | AllToAll, handle: _Background) -> None:
+        error: PCCLError | None = None
         try:
             handle.info = await self(op)
         except PCCLError as exc:
-            handle.error = exc
+            error = exc
         finally:
-            handle.finished = True
-            handle.done.set()
+            handle.settle(error)
 
     async def all_reduce(self, op: AllReduce) -> Any:
         """Every bucket of ``op``; see :class:`~pccl.torch._ops.AllReduce`."""

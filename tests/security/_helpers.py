@@ -72,6 +72,29 @@ def stop_reading(monkeypatch: pytest.MonkeyPatch, evil: Communicator) -> None:
     monkeypatch.setattr(type(readers), "read_frame", stop)
 
 
+def lie_about_reading(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Communicator) -> None:
+    """``evil`` stops reading and testifies it took every byte each partner says it sent it (the pairs
+    then agree)."""
+    real_rows = type(evil.pool).op_io
+
+    def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
+        rows: list[tuple[int, int, int]] = real_rows(self, op_seq)  # type: ignore[arg-type]
+        if self is not evil.pool:
+            return rows
+        mine = {p: (s, k) for p, s, k in rows}
+        for i in cl.alive:
+            other = cl.peer(i)
+            if other is evil or other.pool is None:
+                continue
+            sent = {p: s for p, s, _ in real_rows(other.pool, op_seq)}.get(evil.peer_id, 0)
+            s, k = mine.get(other.peer_id, (0, 0))
+            mine[other.peer_id] = (s, max(k, sent))
+        return [(p, s, k) for p, (s, k) in sorted(mine.items())]
+
+    stop_reading(monkeypatch, evil)
+    monkeypatch.setattr(type(evil.pool), "op_io", lying)
+
+
 async def stalled_rounds(cluster: TestCluster, count: int, rounds: int,
                          members_are: list[int] | None = None) -> int:
     """Run ``rounds`` int32 all-reduces of ``count`` elements on the current members; a round that failed

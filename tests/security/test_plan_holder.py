@@ -30,11 +30,10 @@ from pccl.master.plan_rule import (
     run_schedule,
 )
 from pccl.master.testimony import StallTestimony
-from pccl.peer.communicator import Communicator
-from pccl.testing import DEFAULT_PEER_CONFIG, TestCluster, VirtualNetwork, open_test_cluster
+from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.wire.messages import CollectiveDescriptor
 
-from ._helpers import stalled_rounds, stop_reading
+from ._helpers import lie_about_reading, stalled_rounds
 
 COUNT = 960  # elements: n equal blocks for every n used here (all_to_all)
 IDS = (11, 12, 13, 14, 15)
@@ -254,29 +253,6 @@ def test_testimony_judges_by_the_plans_most_participants_report_once_per_operati
 
 
 # --- end to end: the default schedule ("auto") --------------------------------------------------------
-
-
-def lie_about_reading(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Communicator) -> None:
-    """``evil`` stops reading and testifies it took every byte each partner says it sent it (the pairs
-    then agree)."""
-    real_rows = type(evil.pool).op_io
-
-    def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
-        rows: list[tuple[int, int, int]] = real_rows(self, op_seq)  # type: ignore[arg-type]
-        if self is not evil.pool:
-            return rows
-        mine = {p: (s, k) for p, s, k in rows}
-        for i in cl.alive:
-            other = cl.peer(i)
-            if other is evil or other.pool is None:
-                continue
-            sent = {p: s for p, s, _ in real_rows(other.pool, op_seq)}.get(evil.peer_id, 0)
-            s, k = mine.get(other.peer_id, (0, 0))
-            mine[other.peer_id] = (s, max(k, sent))
-        return [(p, s, k) for p, (s, k) in sorted(mine.items())]
-
-    stop_reading(monkeypatch, evil)
-    monkeypatch.setattr(type(evil.pool), "op_io", lying)
 
 
 STALL = 5.0

@@ -21,7 +21,7 @@ from pccl.master.testimony import StallTestimony, ring_holders
 from pccl.testing import DEFAULT_PEER_CONFIG, VirtualNetwork, open_test_cluster
 from pccl.wire.messages import CollectiveDescriptor
 
-from ._helpers import stalled_rounds, stop_reading
+from ._helpers import lie_about_reading, stalled_rounds
 
 STALL = 5.0
 CFG = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=STALL, schedule="ring")
@@ -104,25 +104,7 @@ async def test_a_member_that_stops_reading_and_lies_about_it_is_removed_alone_af
     net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
     async with open_test_cluster(4, network=net, config=CFG) as cl:
         evil = cl.peer(2)
-        real_rows = type(evil.pool).op_io
-
-        def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
-            rows: list[tuple[int, int, int]] = real_rows(self, op_seq)  # type: ignore[arg-type]
-            if self is not evil.pool:
-                return rows
-            # It claims it took every byte each partner says it sent it: the pairs then agree.
-            mine = {p: (s, k) for p, s, k in rows}
-            for i in cl.alive:
-                other = cl.peer(i)
-                if other is evil or other.pool is None:
-                    continue
-                sent = {p: s for p, s, _ in real_rows(other.pool, op_seq)}.get(evil.peer_id, 0)
-                s, k = mine.get(other.peer_id, (0, 0))
-                mine[other.peer_id] = (s, max(k, sent))
-            return [(p, s, k) for p, (s, k) in sorted(mine.items())]
-
-        stop_reading(monkeypatch, evil)
-        monkeypatch.setattr(type(evil.pool), "op_io", lying)
+        lie_about_reading(monkeypatch, cl, evil)  # it claims it took every byte: the pairs then agree
         honest = [cl.peer(i).peer_id for i in cl.alive if cl.peer(i) is not evil]
         t0 = trio.current_time()
         stalls = await stalled_rounds(cl, small, STRIKES + 2, members_are=honest)
