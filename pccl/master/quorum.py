@@ -108,4 +108,7 @@ class Quorum:
 
     def only_provisional(self, ring: list[int]) -> bool:
         """Whether every accepted peer is a newcomer accepted alone while this master held no run."""
-        return set(ring) <= self.provisional
+        provisional = self.provisional
+        if not provisional:  # the usual case: no set built per re-registration
+            return not ring
+        return provisional.issuperset(ring)

@@ -56,3 +56,12 @@ def test_a_lone_newcomer_is_provisional_only_at_a_fresh_master() -> None:
     q.fresh = False
     q.alone(4)
     assert q.base == [4] and q.provisional == set() and not q.only_provisional([4])
+
+
+def test_only_provisional_compares_the_whole_ring() -> None:
+    """Every accepted peer must be provisional: one member besides is enough to say no; with nobody
+    provisional only an empty ring is (asked at every re-registration: no set built for it)."""
+    q = Quorum()
+    assert q.only_provisional([]) and not q.only_provisional([1])
+    q.alone(3)
+    assert q.only_provisional([3]) and not q.only_provisional([3, 4]) and not q.only_provisional([4])
