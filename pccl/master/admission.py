@@ -20,7 +20,7 @@ from ..wire import messages as m
 from ..wire.credentials import check_public_key
 from .effects import Effect, Event, Send
 from .membership import Membership, PeerRecord, Phase
-from .penalties import RepeatOffenders, identities
+from .penalties import RepeatOffenders
 from .quorum import Quorum
 from .tokens import MemberTokens
 
@@ -116,8 +116,7 @@ class Admission:
         mismatch = core.members.address_mismatch(rec.host)
         if mismatch is not None:
             return core.kick(rec.peer_id, mismatch)
-        refused = (core.offenders.refusal(rec.peer_id, identities(rec.host, msg.public_key), core._now)
-                   if len(core.offenders) else None)
+        refused = core.offenders.refusal_of(rec.peer_id, rec.host, msg.public_key, core._now)
         if refused is not None:  # evicted for liveness lately (pccl/master/penalties.py)
             return core.kick(rec.peer_id, refused, Result.KICKED)
         rec.phase = Phase.REGISTERED

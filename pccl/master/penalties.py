@@ -104,6 +104,13 @@ class RepeatOffenders:
         self.struck_total += 1
         return strikes
 
+    def refusal_of(self, peer_id: int, host: str, public_key: bytes, now: float) -> str | None:
+        """:meth:`refusal` of a peer registering from ``host`` with ``public_key``; its identities are
+        built only when someone was evicted lately (asked at every Register)."""
+        if not self._records:
+            return None
+        return self.refusal(peer_id, identities(host, public_key), now)
+
     def refusal(self, peer_id: int, keys: Iterable[str], now: float) -> str | None:
         """Why a peer registering now under ``keys`` is refused (None: admitted; then its strikes are
         kept for :meth:`grace` and :meth:`repeat` until :meth:`forget`)."""

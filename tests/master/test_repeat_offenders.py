@@ -147,6 +147,9 @@ def test_backoff_grows_per_strike_is_capped_and_records_expire_and_are_bounded()
     assert len(o) == 3
     assert o.refusal(3, identities("h1", b""), 112.0) is None  # h1's host record went first
     assert o.refusal(4, identities("h3", b""), 112.0) is not None
+    # refusal_of: the same answer, from the host and key a Register brings
+    assert o.refusal_of(5, "h3", b"", 112.0) is not None and o.refusal_of(6, "h1", b"", 112.0) is None
+    assert RepeatOffenders().refusal_of(7, "h3", b"", 112.0) is None  # nobody struck: no identities built
 
 
 def test_after_max_strikes_refused_until_the_record_expires() -> None:
