@@ -22,8 +22,9 @@ Runs, one after the other (same master, same seeds):
 * ``streaming-int4``: :class:`pccl.torch.StreamingDiLoCo`, same H, ``--fragments`` fragments, int4
   payloads with error feedback (``DeflateCodec(MinMaxCodec(4, block=--int4-block), bits=--int4-bits)``,
   what the codec spec ``"int4"`` means, one min/max pair per chunk: the 4-bit codes deflated into a
-  fixed 3.6 bits per element; ``--int4-bits 0``: the plain 4-bit codes), overlap ``--overlap`` inner
-  steps, mixing 0.5, membership and sync every ``--sync-every`` cycles.
+  fixed 3.6 bits per element; ``--int4-bits 0``: the plain 4-bit codes), overlap ``--overlap``
+  (default ``auto``: each exchange applied at the first inner step that finds it done), mixing 0.5,
+  membership and sync every ``--sync-every`` cycles.
 
 Each DiLoCo run trains ``--diloco-steps`` inner steps. Peer 0 evaluates the (outer) model on 64
 held-out sequences every ``--eval-every`` steps; the evaluation's time is left out of the clock.
@@ -304,6 +305,10 @@ def plot(runs: dict[str, dict[int, dict[str, Any]]], args: argparse.Namespace, p
     print(f"plot written to {path}")
 
 
+def _overlap(text: str) -> int | str:
+    return text if text == "auto" else int(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--peers", type=int, default=3)
@@ -313,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--diloco-steps", type=int, default=600, help="inner steps of each DiLoCo run")
     parser.add_argument("--inner-steps", type=int, default=50, help="H")
     parser.add_argument("--fragments", type=int, default=3)
-    parser.add_argument("--overlap", type=int, default=10)
+    parser.add_argument("--overlap", type=_overlap, default="auto",
+                        help='inner steps an exchange overlaps, or "auto" (default: applied when done)')
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--mixing", type=float, default=0.5, help="streaming's inner merge factor")
     parser.add_argument("--lr", type=float, default=3e-3)

@@ -13,8 +13,9 @@ parameters into ``--fragments`` fragments; once every cycle of H = ``--inner-ste
 is sent at inner step ``p * H // P``: its pseudo-gradient ``outer - inner`` is compressed to 4 bits
 (``--codec``), the part the compression lost is kept by the peer and added to its next one (error
 feedback), and the peers' contributions are averaged (on 3 or more peers in two stages: each peer
-averages one chunk, compresses it again and all of them gather the chunks) while the next
-``--overlap`` inner steps run. The outer SGD (Nesterov) then steps that fragment's outer parameters and
+averages one chunk, compresses it again and all of them gather the chunks) while the next inner
+steps run (``--overlap``: by default until the exchange is found done, or a fixed count of steps).
+The outer SGD (Nesterov) then steps that fragment's outer parameters and
 the inner ones are merged with them (``--mixing``). The outer parameters, the outer optimizer's state
 and the cycle count are the pccl shared state: identical on every peer, which the example checks.
 
@@ -123,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cycles", type=int, default=30, help="cycles of H inner steps (default 30)")
     parser.add_argument("--inner-steps", type=int, default=10, help="H (default 10)")
     parser.add_argument("--fragments", type=int, default=2)
-    parser.add_argument("--overlap", type=int, default=2, help="inner steps an exchange overlaps")
+    parser.add_argument("--overlap", type=lambda t: t if t == "auto" else int(t), default="auto",
+                        help='inner steps an exchange overlaps, or "auto" (default): applied at the first '
+                             'inner step that finds it done')
     parser.add_argument("--mixing", type=float, default=0.5)
     parser.add_argument("--codec", default="int4", help="fp32, int8, int4, topk:F or topk:F:int4")
     parser.add_argument("--batch-size", type=int, default=32, help="per peer")

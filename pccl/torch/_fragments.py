@@ -91,6 +91,7 @@ class Fragment:
     rounds: int = 0
     lost: int = 0
     tx_bytes: int = 0
+    overlap_steps: int = 0  # inner steps from send to application, summed over the rounds
 
     @property
     def numel(self) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import trio
@@ -44,7 +44,8 @@ class AsyncStreamingDiLoCo(_RunInfo):
         outer_optimizer: ``factory(outer_params) -> optimizer``; default SGD(lr=0.7, Nesterov 0.9).
         inner_steps: H.
         fragments: a count (contiguous, about equal sizes) or lists of parameter names.
-        overlap: inner steps an exchange overlaps (default 1).
+        overlap: inner steps an exchange overlaps, or ``"auto"`` (the default): applied at the first
+            inner step that finds it complete, asked without waiting (the cycle's end at the latest).
         mixing: the inner merge factor (default 0.5, the paper's; 0: inner := outer).
         codec: ``None``/``"fp32"``, ``"int8"``, ``"int4"``, ``"topk:F"``, ``"topk:F:int4"``, a codec
             object, ``"auto"``, or one per fragment.
@@ -62,8 +63,9 @@ class AsyncStreamingDiLoCo(_RunInfo):
 
     def __init__(self, comm: Communicator, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  nursery: trio.Nursery, outer_optimizer: OuterOptimizerFactory | None = None,
-                 inner_steps: int = 50, fragments: int | Sequence[Sequence[str]] = 4, overlap: int = 1,
-                 mixing: float = 0.5, codec: CodecSpec | Sequence[CodecSpec] = None,
+                 inner_steps: int = 50, fragments: int | Sequence[Sequence[str]] = 4,
+                 overlap: int | Literal["auto"] = "auto", mixing: float = 0.5,
+                 codec: CodecSpec | Sequence[CodecSpec] = None,
                  error_feedback: bool = True, budget_bytes: int | None = None,
                  total_outer_steps: int | None = None, min_world_size: int = 1,
                  min_world_size_timeout: float | None = None, poll_interval: float = DEFAULT_POLL_INTERVAL,
@@ -114,7 +116,8 @@ class StreamingDiLoCo(_RunInfo):
 
     def __init__(self, master_address: str, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  outer_optimizer: OuterOptimizerFactory | None = None, inner_steps: int = 50,
-                 fragments: int | Sequence[Sequence[str]] = 4, overlap: int = 1, mixing: float = 0.5,
+                 fragments: int | Sequence[Sequence[str]] = 4, overlap: int | Literal["auto"] = "auto",
+                 mixing: float = 0.5,
                  codec: CodecSpec | Sequence[CodecSpec] = None, error_feedback: bool = True,
                  budget_bytes: int | None = None, total_outer_steps: int | None = None,
                  min_world_size: int = 1, min_world_size_timeout: float | None = None,

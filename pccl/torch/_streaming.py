@@ -13,7 +13,17 @@ traffic is spread over the cycle instead of arriving all at once):
    the launch at the latest): a ring all-reduce's ``2 (n - 1) / n`` of the compressed size;
 2. ``overlap`` inner steps later (at the end of the cycle at the latest) the average is waited for,
    the outer optimizer steps the fragment's outer parameters with it, and the fragment's inner
-   parameters are merged: ``inner_p := mixing * inner_p + (1 - mixing) * outer_p``.
+   parameters are merged: ``inner_p := mixing * inner_p + (1 - mixing) * outer_p``. With
+   ``overlap="auto"`` (the drivers' default) there is no fixed count: the exchange is asked at every
+   inner step after its send, without waiting, whether it is complete (its second stage goes out at
+   the first step that finds the first one done), and is applied at the first step that finds it
+   done; only at the cycle's end is it waited for. So the overlap is as long as the exchange takes on
+   this link, in whatever number of inner steps that is, and no step waits for the network while the
+   cycle has steps left. Every peer still applies the same averages to the same outer parameters (a
+   fragment's outer step touches its own parameters only, whenever it comes), so the outer state stays
+   identical on every peer; but the inner parameters, and with them the next pseudo-gradients, depend
+   on the step at which the merge came, so a run is not repeatable to the digit as it is with a fixed
+   ``overlap``.
 
 With ``overlap=0`` and ``mixing=0`` each fragment is synchronous DiLoCo. One fragment is in flight per
 tag, and at a cycle's end none is: that is where newcomers are admitted and the shared state (outer
@@ -33,7 +43,7 @@ round keeps the previous residuals.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -78,7 +88,9 @@ class StreamingCore:
             optimizer; a fragment's step gives gradients to that fragment's parameters only).
         inner_steps: H, the cycle length (each fragment is synced once per cycle).
         fragments: a count, or lists of parameter names (see :func:`split_fragments`).
-        overlap: inner steps an exchange overlaps before it is applied (0: applied at once).
+        overlap: inner steps an exchange overlaps before it is applied (0: applied at once), or
+            ``"auto"``: applied at the first inner step after its send that finds it complete (asked
+            without waiting), at the cycle's end at the latest (see the module).
         mixing: the merge factor ``alpha`` of the inner parameters (0: they take the outer ones).
         codec: one spec for every fragment or one per fragment: None / ``"fp32"``, ``"int8"``,
             ``"int4"``, ``"topk:F"``, ``"topk:F:int4"``, a codec object, or ``"auto"`` (the least lossy
@@ -99,7 +111,8 @@ class StreamingCore:
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  outer_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 inner_steps: int, fragments: int | Sequence[Sequence[str]], overlap: int, mixing: float,
+                 inner_steps: int, fragments: int | Sequence[Sequence[str]], overlap: int | Literal["auto"],
+                 mixing: float,
                  codec: CodecSpec | Sequence[CodecSpec], error_feedback: bool, budget_bytes: int | None,
                  total_outer_steps: int | None, just_joined: bool, min_world_size: int,
                  poll_interval: float, min_world_size_timeout: float | None = None,
@@ -108,8 +121,13 @@ class StreamingCore:
 
         if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
             raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
-        if not 0 <= overlap < inner_steps:
-            raise InvalidArgumentError("overlap must be in [0, inner_steps)")
+        self.auto_overlap = overlap == "auto"
+        # "auto": applied when found done, at the cycle's end at the latest
+        steps = inner_steps - 1 if isinstance(overlap, str) else overlap
+        if not self.auto_overlap and (isinstance(overlap, bool) or not isinstance(overlap, int)
+                                      or not 0 <= overlap < inner_steps):
+            raise InvalidArgumentError(f'overlap must be "auto" or an int in [0, inner_steps), '
+                                       f'not {overlap!r}')
         if not 0.0 <= mixing < 1.0:
             raise InvalidArgumentError("mixing must be in [0, 1)")
         self.model = model
@@ -155,7 +173,7 @@ class StreamingCore:
         self.error_feedback = error_feedback
         self.budget_bytes = budget_bytes
         self.inner_steps = inner_steps
-        self.overlap = overlap
+        self.overlap: int = steps
         self.mixing = mixing
         self.total_outer_steps = total_outer_steps
         self.just_joined = just_joined
@@ -377,12 +395,25 @@ class StreamingCore:
         ``overlap // 2`` steps after the launch at the latest (waiting for it then). The second stage
         depends only on the all-to-all's bytes and the chunk residual, so when each peer moves on does
         not change any result; moving on early gives the all-gather the rest of the overlap."""
+        if self.auto_overlap:  # as soon as it is done; the apply step waits for it otherwise
+            return s > f.offset and bool((yield PollAllReduce(f.handle)))
         last = f.offset + self.overlap // 2
         if s == last:
             return True
         if f.offset < s < last:
             return bool((yield PollAllReduce(f.handle)))
         return False
+
+    def _apply_due(self, f: Fragment, s: int) -> Generator[Op, Any, bool]:
+        """Whether ``f``'s exchange in flight is applied at inner step ``s``: ``overlap`` steps after
+        its send; with ``"auto"``, at the first step after the send that finds its last stage done."""
+        if not self.auto_overlap:
+            return f.offset + self.overlap == s
+        if s <= f.offset or f.stage == 1:
+            return False
+        if f.local is not None or f.done is not None:
+            return True
+        return bool((yield PollAllReduce(f.handle)))
 
     def _finish(self, f: Fragment) -> Generator[Op, Any, int]:
         """Wait for ``f``'s exchange and apply it; returns the bytes it sent (0 when the round is lost)."""
@@ -449,12 +480,13 @@ class StreamingCore:
             if f.offset == s:
                 yield from self._launch(f)
         for f in self.fragments:
-            staged = f.stage == 1 and self.overlap >= 2 and f.handle is not None
+            staged = f.stage == 1 and (self.auto_overlap or self.overlap >= 2) and f.handle is not None
             if staged and (yield from self._stage_due(f, s)):
                 if not (yield from self._second_stage(f)):
                     f.rounds += 1  # lost in its first stage: nothing left in flight
         for f in self.fragments:
-            if f.in_flight and f.offset + self.overlap == s:
+            if f.in_flight and (yield from self._apply_due(f, s)):
+                f.overlap_steps += s - f.offset
                 tx += yield from self._finish(f)
         self.inner_optimizer.zero_grad()
         loss = backward(Step(index, self.rank, self.world_size))
@@ -463,6 +495,7 @@ class StreamingCore:
         if self.inner_step == self.inner_steps:
             for f in self.fragments:  # those whose overlap reaches past the cycle's end
                 if f.in_flight:
+                    f.overlap_steps += self.inner_steps - f.offset
                     tx += yield from self._finish(f)
             self.cycle_tensor += 1
             self.inner_step = 0
@@ -470,7 +503,8 @@ class StreamingCore:
         return StepResult(index, loss, self.world_size, 1, rx, tx)
 
     def statistics(self) -> dict[str, Any]:
-        """Per fragment: its parameters' count, codec, rounds applied and lost, bytes sent; with a
+        """Per fragment: its parameters' count, codec, rounds applied and lost, bytes sent, the mean
+        number of inner steps between a round's send and its application (``mean_overlap``); with a
         :class:`~pccl.torch.DeflateCodec`, its counters: deflated encodings and how many had to be
         widened (the codec object's: shared by the fragments given one object; a spec string makes one per
         fragment)."""
@@ -478,7 +512,8 @@ class StreamingCore:
         for f in self.fragments:
             row: dict[str, Any] = {"index": f.index, "numel": f.numel, "offset": f.offset,
                                    "codec": "fp32" if f.codec is None else f.codec.name, "rounds": f.rounds,
-                                   "lost": f.lost, "tx_bytes": f.tx_bytes}
+                                   "lost": f.lost, "tx_bytes": f.tx_bytes,
+                                   "mean_overlap": f.overlap_steps / f.rounds if f.rounds else 0.0}
             if isinstance(f.codec, DeflateCodec):
                 row.update(encodes=f.codec.encodes, widened=f.codec.widened)
             out.append(row)

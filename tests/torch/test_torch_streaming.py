@@ -55,7 +55,7 @@ def full_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, cycles: int, codec: Any,
-                out: dict[int, Any], seed: int = 0, fragments: int = 3, overlap: int = 1,
+                out: dict[int, Any], seed: int = 0, fragments: int = 3, overlap: Any = 1,
                 on_step: Callable[[Any], None] | None = None, hidden: int = 16) -> None:
     x, y = problem()
     model = make_model(seed, hidden)
@@ -266,11 +266,11 @@ def test_split_fragments() -> None:
 
 @pytest.mark.parametrize(("codec", "overlap", "hidden"),
                          [(None, 1, 16), ("int8", 1, 16), ("int4", 1, 16), ("int4", 2, 16),
-                          (DeflateCodec(MinMaxCodec(4, block=64), bits=3.0), 4, 256)],
-                         ids=["fp32", "int8", "int4", "int4-overlap2", "int4-deflated-overlap4"])
+                          (DeflateCodec(MinMaxCodec(4, block=64), bits=3.0), 4, 256), ("int4", "auto", 16)],
+                         ids=["fp32", "int8", "int4", "int4-overlap2", "int4-deflated-overlap4", "int4-auto"])
 async def test_streaming_fragments_bit_identical_and_converging(
         autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, codec: Any,
-        overlap: int, hidden: int) -> None:
+        overlap: Any, hidden: int) -> None:
     cluster = await pccl_cluster(3)
     cycles = 12
     out: dict[int, Any] = {}
@@ -289,8 +289,13 @@ async def test_streaming_fragments_bit_identical_and_converging(
     assert final < 0.2 * start, (start, final)
     # fragments are sent on their own steps: at most one fragment's bytes per step
     sending = [r.index % H for r in results if r.reduce_tx_bytes]
-    # applied (and counted) overlap steps after the send, at the cycle's last step at the latest
-    assert set(sending) == {min(o + overlap, H - 1) for o in (0, 2, 4)}
+    # applied (and counted) overlap steps after the send, at the cycle's last step at the latest;
+    # "auto": at a step after the send, the cycle's last at the latest
+    if overlap == "auto":
+        assert 1 <= len(set(sending)) <= 3 and all(0 < s_ < H for s_ in sending)
+        assert all(0 < f["mean_overlap"] <= H - f["offset"] for f in stats)
+    else:
+        assert set(sending) == {min(o + overlap, H - 1) for o in (0, 2, 4)}
     spec = codec_from_spec(codec)
     if spec is not None:
         # 3 peers: each round sends exactly the two-stage exchange's 2 (n - 1) payloads of a third of the
@@ -383,7 +388,8 @@ def test_bad_arguments() -> None:
     base: dict[str, Any] = dict(outer_optimizer=outer_sgd, inner_steps=4, fragments=2, overlap=1, mixing=0.5,
                                 codec=None, error_feedback=True, budget_bytes=None, total_outer_steps=None,
                                 just_joined=False, min_world_size=1, poll_interval=0.05)
-    for bad in ({"overlap": 4}, {"mixing": 1.0}, {"codec": "auto"}, {"codec": ["int4"]}, {"inner_steps": 0}):
+    for bad in ({"overlap": 4}, {"overlap": "fast"}, {"overlap": 2.5}, {"overlap": True}, {"mixing": 1.0},
+                {"codec": "auto"}, {"codec": ["int4"]}, {"inner_steps": 0}):
         with pytest.raises(pccl.InvalidArgumentError):
             StreamingCore(model, opt, **{**base, **bad})
 
@@ -488,3 +494,100 @@ def test_second_stage_starts_as_soon_as_the_all_to_all_is_done(done: bool) -> No
         assert gathers == ([1, 1, 1] if poll else [4, 4, 4])
         outs[poll] = [p.detach().clone() for p in core.outer_model.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False], strict=True))
+
+
+class _SlowExchanges:
+    """An executor standing in for a group of ``world`` peers holding this peer's state, whose
+    background exchanges are found finished by the ``polls``-th poll of each. It logs every launch,
+    poll answer and wait, with the inner step it came at."""
+
+    def __init__(self, core: Any, world: int, polls: int) -> None:
+        self.core, self.world, self.polls = core, world, polls
+        self.log: list[tuple[int, str, Any]] = []
+
+    def __call__(self, op: Any) -> Any:
+        from types import SimpleNamespace
+
+        from pccl._types import ReduceInfo
+        from pccl.torch import _ops
+
+        step = self.core.inner_step
+        if isinstance(op, _ops.Members):
+            return 0, self.world
+        if isinstance(op, _ops.StartAllReduce):
+            reduce = op.reduce
+            if isinstance(reduce, _ops.AllReduce):
+                for send, recv in reduce.pairs:
+                    recv.copy_(send)  # every peer sent the same: the average is this peer's
+                sent = sum(send.numel() * send.element_size() for send, _ in reduce.pairs)
+            else:
+                block = reduce.send.numel() // self.world if isinstance(reduce, _ops.AllToAll) \
+                    else reduce.send.numel()
+                reduce.recv.copy_(reduce.send[:block].repeat(self.world))
+                sent = (self.world - 1) * block
+            self.log.append((step, "start", type(reduce).__name__))
+            return SimpleNamespace(polled=0, info=ReduceInfo(local_world_size=self.world, tx_bytes=sent,
+                                                             rx_bytes=sent))
+        if isinstance(op, _ops.PollAllReduce):
+            op.handle.polled += 1
+            done = op.handle.polled >= self.polls
+            self.log.append((step, "poll", done))
+            return done
+        if isinstance(op, _ops.WaitAllReduce):
+            self.log.append((step, "wait", op.handle.polled >= self.polls))
+            return op.handle.info
+        if isinstance(op, (_ops.PeersPending, _ops.UpdateTopology)):
+            return False
+        if isinstance(op, _ops.Sync):
+            return SimpleNamespace(rx_bytes=0)
+        raise AssertionError(op)
+
+
+@pytest.mark.parametrize("world, codec", [(2, None), (3, "int4")], ids=["fp32-2-peers", "int4-3-peers"])
+@pytest.mark.parametrize("polls", [1, 3, 100], ids=["at-once", "third-poll", "never"])
+def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
+        world: int, codec: Any, polls: int) -> None:
+    """``overlap="auto"``: an exchange is polled at every step after its send and applied at the
+    first step that finds it done (the two-stage exchange's all-gather goes out at the first step
+    that finds the all-to-all done); it is waited for only at the cycle's end, when it is not done by
+    then."""
+    from pccl.torch._ops import drive
+    from pccl.torch._streaming import StreamingCore
+
+    x, y = problem()
+    h, cycles = 12, 2
+    for overlap in ("auto", 5):
+        model = make_model(0, hidden=64)
+        core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
+                             inner_steps=h, fragments=2, overlap=overlap, mixing=0.0, codec=codec,
+                             error_feedback=True, budget_bytes=None, total_outer_steps=cycles,
+                             just_joined=False, min_world_size=1, poll_interval=0.05)
+        execute = _SlowExchanges(core, world, polls)
+
+        def backward(step: Any) -> float:
+            idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
+            loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+            loss.backward()
+            return float(loss.detach())
+
+        while drive(core.step(backward), execute) is not None:
+            pass
+        if overlap != "auto":  # a fixed overlap applies at its step, after waiting there
+            fixed = [s for s, kind, _ in execute.log if kind == "wait"]
+            assert {5, 11} <= set(fixed) <= {1, 2, 5, 7, 8, 11}
+            continue
+        log = execute.log
+        stages = 2 if world == 3 else 1
+        # an exchange's stage takes ``polls`` polls, one per step from the step after its send: each
+        # stage done at the ``polls``-th step after it went out (the second stage is first polled at
+        # the step it goes out), applied then; never done: waited for after the cycle's last step
+        lag = min(polls * stages - (stages - 1), h) if polls < 100 else h
+        applied = [f["mean_overlap"] for f in core.statistics()["fragments"]]
+        assert applied == [min(lag, h - o) for o in (0, h // 2)], (applied, log)
+        # nothing waits before it is done, but at the cycle's end
+        waits = [(s, done) for s, kind, done in log if kind == "wait"]
+        assert len(waits) == 2 * cycles * stages  # each stage's result read once
+        assert all(done or s == h for s, done in waits), waits  # h: after the last step
+        if world == 3 and polls == 3:
+            gathers = [s for s, kind, name in log if kind == "start" and name == "AllGather"]
+            assert gathers == [3, 9] * cycles  # the all-to-all found done at its third poll
