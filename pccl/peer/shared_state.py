@@ -706,9 +706,7 @@ async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: Messa
             if info is None:
                 return f"unknown key {key!r}"
             data = _host_bytes(info.tensor)
-            if cap is not None:
-                await trio.sleep(cap.take(len(data), trio.current_time()))
-            await ms.send_with_raw(m.StateTensor(key=key, nbytes=len(data), hash=ctx.hashes[key]), data)
+            await _send_capped(ms, m.StateTensor(key=key, nbytes=len(data), hash=ctx.hashes[key]), data, cap)
             ctx.tx += len(data)
         return ""
     if isinstance(req, m.StateManifestRequest):
@@ -742,11 +740,23 @@ async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: Messa
         if offset < 0 or n < 0 or offset + n > len(data):
             return f"chunk {offset}+{n} outside tensor {key!r} of {len(data)} bytes"
         raw = chunk_bytes(ctx, info, offset, n)
-        if cap is not None:
-            await trio.sleep(cap.take(n, trio.current_time()))  # PeerConfig.state_serve_rate
-        await ms.send_with_raw(m.StateChunk(key=key, offset=offset, nbytes=n), raw)
+        await _send_capped(ms, m.StateChunk(key=key, offset=offset, nbytes=n), raw, cap)
         ctx.tx += n
     return ""
+
+
+async def _send_capped(ms: MessageStream, msg: m.Message, raw: memoryview, cap: RateCap | None) -> None:
+    """Send ``msg`` and its raw bytes, paced by ``cap`` (``PeerConfig.state_serve_rate``): in pieces of
+    ``cap.piece`` bytes, each after the bucket grants it, so that serving never fills the uplink's queue
+    with a whole chunk at once (:mod:`pccl.peer.ratecap`). No cap: at once."""
+    if cap is None:
+        await ms.send_with_raw(msg, raw)
+        return
+
+    async def pace(nbytes: int) -> None:
+        await trio.sleep(cap.take(nbytes, trio.current_time()))
+
+    await ms.send_with_raw(msg, raw, pace=pace, piece=cap.piece)
 
 
 def _served_bytes(ctx: SyncContext, info: TensorInfo) -> memoryview:

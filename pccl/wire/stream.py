@@ -7,6 +7,7 @@ a control frame on the same stream via :meth:`MessageStream.receive_raw_into`.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
@@ -165,13 +166,30 @@ class MessageStream:
             await self._pay_owed()
             await self.stream.send_all(data)
 
-    async def send_with_raw(self, msg: Message, raw: memoryview | bytes) -> None:
-        """Send a message immediately followed by raw bytes, atomically w.r.t. other senders."""
+    async def send_with_raw(self, msg: Message, raw: memoryview | bytes, *,
+                            pace: Callable[[int], Awaitable[None]] | None = None, piece: int = 0) -> None:
+        """Send a message immediately followed by raw bytes, atomically w.r.t. other senders.
+
+        Args:
+            pace: paced sending (a rate cap, :mod:`pccl.peer.ratecap`): the raw bytes go in writes of at
+                most ``piece`` bytes, each after ``await pace(its length)`` returns (the message's
+                frame, a few dozen bytes, goes unpaced). None: everything at once.
+            piece: the largest paced write (> 0 with ``pace``).
+        """
         data = self._frame(msg)
         async with self._send_lock:
             await self._pay_owed()
             await self.stream.send_all(data)
-            await self.stream.send_all(raw)
+            if pace is None:
+                await self.stream.send_all(raw)
+                return
+            if piece <= 0:
+                raise ValueError(f"a paced send needs a piece size > 0, not {piece}")
+            view = memoryview(raw).cast("B")
+            for offset in range(0, len(view), piece):
+                part = view[offset : offset + piece]
+                await pace(len(part))
+                await self.stream.send_all(part)
 
     def send_nowait(self, msg: Message) -> bool:
         """Start sending ``msg`` at once, from synchronous code, when no other send is under way and

@@ -1,12 +1,22 @@
-"""The serving rate cap (PeerConfig.state_serve_rate): a token bucket, time passed in."""
+"""The serving rate cap (PeerConfig.state_serve_rate): a token bucket released in pieces, time passed in
+(pure), and the serving side that paces every chunk with it (MockClock: virtual seconds)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import trio
+import trio.testing
 
-from pccl.peer.ratecap import RateCap
+from pccl.peer.ratecap import PIECE_MAX, PIECE_MIN, RateCap, piece_bytes
+from pccl.peer.shared_state import SharedState, StateServer, SyncContext, TensorInfo, serve_state_requests
+from pccl.testing import VirtualNetwork, open_stream_pair
+from pccl.transport import Stream, receive_exactly_into
+from pccl.wire import messages as m
+from pccl.wire.stream import MessageStream
 
 MIB = 1 << 20
+KIB = 1 << 10
 
 
 def test_a_burst_goes_at_once_then_the_rate_holds() -> None:
@@ -27,7 +37,114 @@ def test_over_a_long_run_the_average_is_the_rate() -> None:
     assert now == pytest.approx(300 / 3 - cap.burst / (3 * MIB), rel=1e-9)
 
 
+def test_pieces_are_about_ten_milliseconds_of_the_rate_within_bounds() -> None:
+    assert piece_bytes(1.25e6) == PIECE_MIN  # 10 Mbit/s: 12.5 kB, raised to 16 KiB
+    assert piece_bytes(4e6) == 40_000
+    assert piece_bytes(1e9) == PIECE_MAX
+    cap = RateCap(1.25e6)
+    assert cap.piece == PIECE_MIN and cap.burst == 2 * PIECE_MIN  # the default burst: two pieces
+    assert RateCap(1e6, piece=4 * KIB).burst == 8 * KIB
+
+
+def _granted_windows(grants: list[tuple[float, int]], span: float) -> int:
+    """The most bytes granted within any ``span`` seconds (windows starting at a grant)."""
+    return max(sum(n for t, n in grants if t0 <= t < t0 + span) for t0, _ in grants)
+
+
+def test_paced_pieces_never_exceed_burst_plus_rate_in_any_window() -> None:
+    # Three senders (three fetchers' connections) take pieces concurrently from one bucket, each
+    # sending a piece when told and asking for its next one right after.
+    rate = 1.25e6
+    cap = RateCap(rate)
+    next_at = [0.0, 0.0, 0.0]
+    grants: list[tuple[float, int]] = []
+    for _ in range(600):
+        i = min(range(3), key=lambda k: next_at[k])
+        now = next_at[i]
+        at = now + cap.take(cap.piece, now)
+        grants.append((at, cap.piece))
+        next_at[i] = at
+    total = sum(n for _, n in grants)
+    end = max(t for t, _ in grants)
+    assert total / end == pytest.approx(rate, rel=0.01)  # the rate, over all senders
+    for span in (0.001, 0.01, 0.05, 0.5):
+        assert _granted_windows(grants, span) <= cap.burst + rate * span + 1e-6
+
+
+def test_a_late_clock_reading_never_adds_tokens() -> None:
+    cap = RateCap(MIB, burst=MIB)
+    assert cap.take(MIB, 5.0) == 0.0
+    assert cap.take(MIB, 4.0) == pytest.approx(1.0)  # an earlier reading (another task's) earns nothing
+
+
 def test_bad_rates_are_refused() -> None:
-    for bad in (0, -1.0, float("nan")):
+    for bad in (0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             RateCap(bad)
+    with pytest.raises(ValueError):
+        RateCap(MIB, piece=0)
+    with pytest.raises(ValueError):
+        RateCap(MIB, burst=0)
+
+
+class _Recording:
+    """A stream that logs (virtual time, bytes) of every write, over ``inner``."""
+
+    def __init__(self, inner: Stream) -> None:
+        self.inner = inner
+        self.writes: list[tuple[float, int]] = []
+        self.peer_address = inner.peer_address
+        self.local_address = inner.local_address
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append((trio.current_time(), len(memoryview(data).cast("B"))))
+        await self.inner.send_all(data)
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        return await self.inner.receive_some(max_bytes)
+
+    async def receive_into(self, buf: memoryview) -> int:
+        return await self.inner.receive_into(buf)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_capped_holder_sends_each_chunk_in_paced_pieces(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A 1 MiB chunk is not released at once: it leaves in pieces, each when the bucket grants it, so no
+    window of the sending holds more than the burst plus the rate's share; the bytes arrive exact."""
+    rate = float(MIB)  # 1 MiB/s: pieces of 16 KiB
+    data = np.random.default_rng(3).integers(0, 256, 2 * MIB, dtype=np.uint8)
+    ctx = SyncContext(state=SharedState([TensorInfo("w", data)]), hashes={"w": 0}, seq=7)
+    ctx.plan_ready.set()
+    server = StateServer(plan_timeout=1.0, serve_rate=rate)
+    server.pin(ctx)
+    net = VirtualNetwork()
+    a, b = await open_stream_pair(net.host("a"), net.host("b"), connect_host=net.host("b").address)
+    rec = _Recording(b)
+    fetcher = MessageStream(a, max_frame_size=MIB)
+    holder = MessageStream(rec, max_frame_size=MIB)
+    got = bytearray(2 * MIB)
+    async with trio.open_nursery() as nursery:
+        hello = m.Hello(protocol_version=1, purpose="p2p", peer_id=1, channel="state")
+        nursery.start_soon(serve_state_requests, server, holder, hello)
+        start = trio.current_time()
+        await fetcher.send(m.StateChunkRequest(sync_seq=7, pieces=[["w", 0, MIB], ["w", MIB, MIB]]))
+        for offset in (0, MIB):
+            hdr = await fetcher.receive(read_ahead=False)
+            assert hdr == m.StateChunk(key="w", offset=offset, nbytes=MIB)
+            await receive_exactly_into(a, memoryview(got)[offset : offset + MIB])
+        elapsed = trio.current_time() - start
+        await fetcher.aclose()
+    assert bytes(got) == data.tobytes()
+    assert server.totals["heal_served_bytes"] == 2 * MIB
+    cap = server.cap
+    assert cap is not None and cap.piece == 16 * KIB
+    payload = [(t, n) for t, n in rec.writes if n > 64]  # the chunks' bytes (the headers are a few bytes)
+    assert sum(n for _, n in payload) == 2 * MIB
+    assert max(n for _, n in payload) == cap.piece
+    assert elapsed == pytest.approx((2 * MIB - cap.burst) / rate, rel=0.01)
+    for span in (0.005, 0.05, 0.25):
+        assert _granted_windows(payload, span) <= cap.burst + rate * span + 1
