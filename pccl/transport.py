@@ -42,6 +42,10 @@ _IO_SLICE = 4 * 1024 * 1024
 _MSG_NOSIGNAL = getattr(_stdsocket, "MSG_NOSIGNAL", 0)
 _MSG_PEEK_DONTWAIT = _stdsocket.MSG_PEEK | getattr(_stdsocket, "MSG_DONTWAIT", 0)
 _R = TypeVar("_R")
+# SO_MAX_PACING_RATE (Linux; Python's socket module does not name it): the most bytes per second the
+# kernel sends on this socket, spread packet by packet (TCP's own pacing, no qdisc needed).
+_SO_MAX_PACING_RATE: int | None = getattr(_stdsocket, "SO_MAX_PACING_RATE",
+                                          47 if sys.platform.startswith("linux") else None)
 
 
 class StreamBroken(Exception):
@@ -311,6 +315,25 @@ class TcpStream:
     def __repr__(self) -> str:
         via = " (unix)" if self._unix else ""
         return f"<TcpStream {self._local} -> {self._peer}{via}{' closed' if self._closed else ''}>"
+
+
+def limit_send_rate(stream: Stream, rate: float) -> bool:
+    """Ask the kernel to send at most ``rate`` bytes per second on ``stream``'s TCP socket, paced packet
+    by packet (Linux ``SO_MAX_PACING_RATE``; a TLS stream's TCP socket below it). What serving a heal
+    sets on its connections under ``PeerConfig.state_serve_rate``, so that not even a piece of a chunk
+    leaves as a burst. Best effort: False (nothing set) elsewhere, on a same-host Unix socket, on the
+    virtual network, or when the kernel refuses."""
+    while isinstance(stream, TlsStream):
+        stream = stream.inner
+    if _SO_MAX_PACING_RATE is None or not isinstance(stream, TcpStream) or stream.same_host:
+        return False
+    try:
+        stream.socket.setsockopt(_stdsocket.SOL_SOCKET, _SO_MAX_PACING_RATE,
+                                 max(1, min(int(rate), 0xFFFF_FFFE)))
+    except OSError as exc:
+        log.debug("SO_MAX_PACING_RATE refused on %s: %s", stream, exc)
+        return False
+    return True
 
 
 class TcpListener:

@@ -31,7 +31,7 @@ from .._errors import (
 from .._rawmem import address_of, view_at
 from .._types import DataType, DeviceType, SharedStateSyncInfo, SharedStateSyncStrategy
 from ..kernels import backend, hashing
-from ..transport import StreamBroken
+from ..transport import StreamBroken, limit_send_rate
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.stream import MessageStream
@@ -657,7 +657,10 @@ async def _fetch_all(
 
 async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.Hello) -> None:
     """The "state" P2P channel: send requested tensors, chunk sums and chunks of the sync ``server``
-    publishes (StateRequest, StateManifestRequest, StateChunkRequest; docs/protocol.md)."""
+    publishes (StateRequest, StateManifestRequest, StateChunkRequest; docs/protocol.md). Under a serving
+    cap the kernel paces the connection too (:func:`pccl.transport.limit_send_rate`)."""
+    if server.cap is not None:
+        limit_send_rate(ms.stream, server.cap.rate)
     while True:
         try:
             req = await ms.receive()

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import socket
+import sys
+
 import numpy as np
 import pytest
 import trio
@@ -11,7 +14,7 @@ import trio.testing
 from pccl.peer.ratecap import PIECE_MAX, PIECE_MIN, RateCap, piece_bytes
 from pccl.peer.shared_state import SharedState, StateServer, SyncContext, TensorInfo, serve_state_requests
 from pccl.testing import VirtualNetwork, open_stream_pair
-from pccl.transport import Stream, receive_exactly_into
+from pccl.transport import Stream, TcpStream, TcpTransport, limit_send_rate, receive_exactly_into
 from pccl.wire import messages as m
 from pccl.wire.stream import MessageStream
 
@@ -148,3 +151,30 @@ async def test_a_capped_holder_sends_each_chunk_in_paced_pieces(
     assert elapsed == pytest.approx((2 * MIB - cap.burst) / rate, rel=0.01)
     for span in (0.005, 0.05, 0.25):
         assert _granted_windows(payload, span) <= cap.burst + rate * span + 1
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_MAX_PACING_RATE is Linux's")
+async def test_the_kernel_paces_a_capped_tcp_connection() -> None:
+    tcp = TcpTransport(same_host=False)
+    a, b = await open_stream_pair(tcp, tcp, connect_host="127.0.0.1", listen_host="127.0.0.1")
+    assert isinstance(a, TcpStream)
+    assert limit_send_rate(a, 1.25e6)
+    assert a.socket.getsockopt(socket.SOL_SOCKET, 47) == 1_250_000  # SO_MAX_PACING_RATE
+    await a.send_all(b"x" * 1000)  # still a working connection
+    got = bytearray(1000)
+    await receive_exactly_into(b, memoryview(got))
+    assert bytes(got) == b"x" * 1000
+    await a.aclose()
+    await b.aclose()
+
+
+async def test_no_kernel_pacing_where_there_is_no_tcp_socket() -> None:
+    net = VirtualNetwork()
+    a, b = await open_stream_pair(net.host("a"), net.host("b"), connect_host=net.host("b").address)
+    assert not limit_send_rate(a, 1e6)
+    local = TcpTransport(same_host=True)  # the same-host shortcut: a Unix socket, nothing to pace
+    c, d = await open_stream_pair(local, local, connect_host="127.0.0.1", listen_host="127.0.0.1")
+    assert isinstance(c, TcpStream) and c.same_host
+    assert not limit_send_rate(c, 1e6)
+    for s in (a, b, c, d):
+        await s.aclose()
