@@ -206,7 +206,7 @@ def _window(m0: dict[str, Any], t0: float, t1: float) -> dict[str, Any]:
     hashing = sorted(b - a for a, b in m0["hashed"] if t0 < b <= t1)
     return {"window_s": t1 - t0, "steps": len(steps), "steps_per_s": len(steps) / (t1 - t0),
             "sync_s": in_syncs, "syncs": len(each), "sync_median_s": each[len(each) // 2] if each else 0.0,
-            "hash_median_s": hashing[len(hashing) // 2] if hashing else 0.0,
+            "hash_median_s": hashing[len(hashing) // 2] if hashing else 0.0, "hash_passes": len(hashing),
             "reduce_median_s": durs[len(durs) // 2] if durs else 0.0,
             "reduce_p90_s": durs[len(durs) * 9 // 10] if durs else 0.0}
 
@@ -229,10 +229,11 @@ def print_training(args: argparse.Namespace, rows: list[dict[str, Any]], load: t
           f"{os.cpu_count()} CPUs, load average {load[0]:.1f} at the start, {load[1]:.1f} at the end")
     print(f"{'run':>6} {'window s':>8} {'steps':>6} {'steps/s':>8} {'x alone':>7} {'heal s':>7} "
           f"{'fetch s':>7} {'rx MiB':>7} {'served MiB':>18} {'in syncs s':>10} "
-          f"{'syncs':>5} {'sync p50 s':>10} {'hash p50 s':>10} {'reduce p50/p90 s':>16} {'exact':>5}")
+          f"{'syncs':>5} {'sync p50 s':>10} {'hash p50 s':>10} {'passes':>6} {'reduce p50/p90 s':>16} "
+          f"{'exact':>5}")
     for r in rows:
         print(f"{r['run']:>6} {r['window_s']:>8.2f} {r['steps']:>6} {r['steps_per_s']:>8.2f} "
               f"{r['steps_per_s'] / alone if alone else 0.0:>7.2f} {r['heal_s']:>7.2f} {r['fetch_s']:>7.2f} "
               f"{r['rx_mib']:>7.1f} {r['served_mib']!s:>18} {r['sync_s']:>10.2f} {r['syncs']:>5} "
-              f"{r['sync_median_s']:>10.3f} {r['hash_median_s']:>10.3f} "
+              f"{r['sync_median_s']:>10.3f} {r['hash_median_s']:>10.3f} {r['hash_passes']:>6} "
               f"{r['reduce_median_s']:>7.3f}/{r['reduce_p90_s']:<8.3f} {r['exact']!s:>5}")

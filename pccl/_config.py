@@ -309,9 +309,11 @@ class PeerConfig:
             and on how long a collective keeps trying to open a connection its plan needs
             (docs/topology.md "Connections").
         state_serve_rate: bytes per second this peer sends at most to shared-state fetchers, over all
-            of them (a token bucket; a chunk waits its turn). Bounds the share of the uplink a heal
-            takes from a member that serves it while it trains (docs/concepts.md "Live heals"). None
-            (default): no cap.
+            of them (a token bucket, paced: each chunk leaves in pieces of about 10 ms of the rate,
+            16-64 KiB, each when the bucket grants it, and on Linux TCP the kernel paces those
+            connections at the rate too). Bounds the share of the uplink a heal takes from a member
+            that serves it while it trains, over short times as well as on average
+            (docs/concepts.md "Live heals"). None (default): no cap.
         schedule: how collectives move data: "auto" (default: per operation, the cost model picks
             the ring, recursive halving-doubling or a binomial tree from the operation's kind and
             size and the group size; docs/topology.md "Running them live"), or "ring", "hd",
@@ -400,8 +402,10 @@ class PeerConfig:
             raise ValueError(f"recv_stash_limit must be >= 0, not {self.recv_stash_limit}")
         if self.recv_stash_frames < 1:
             raise ValueError(f"recv_stash_frames must be >= 1, not {self.recv_stash_frames}")
-        if self.state_serve_rate is not None and not self.state_serve_rate > 0:
-            raise ValueError(f"state_serve_rate must be > 0 bytes/s or None, not {self.state_serve_rate}")
+        if self.state_serve_rate is not None and not (self.state_serve_rate > 0
+                                                      and math.isfinite(self.state_serve_rate)):
+            raise ValueError(f"state_serve_rate must be > 0 bytes/s (finite) or None (no cap), not "
+                             f"{self.state_serve_rate}")
         if not self.p2p_stall_timeout > 0:
             raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=True, who="PeerConfig")

@@ -11,6 +11,7 @@ import pytest
 import trio
 import trio.testing
 
+from pccl import PeerConfig
 from pccl.peer.ratecap import PIECE_MAX, PIECE_MIN, RateCap, piece_bytes
 from pccl.peer.shared_state import SharedState, StateServer, SyncContext, TensorInfo, serve_state_requests
 from pccl.testing import VirtualNetwork, open_stream_pair
@@ -178,3 +179,10 @@ async def test_no_kernel_pacing_where_there_is_no_tcp_socket() -> None:
     assert not limit_send_rate(c, 1e6)
     for s in (a, b, c, d):
         await s.aclose()
+
+
+def test_the_config_refuses_a_serving_rate_no_cap_can_hold() -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="state_serve_rate"):
+            PeerConfig(state_serve_rate=bad)
+    assert PeerConfig(state_serve_rate=1.25e6).state_serve_rate == 1.25e6
