@@ -18,8 +18,10 @@ the members ``--newcomer-mbit``. One run on one emulator:
   the newcomer in it.
 
 Printed: member 0's steps per second over each window (the members step in lockstep), the ratio, the heal
-(the newcomer's whole call; fetch: its transfer) and whether every state ended bit-identical. Times are
-wall seconds of real processes: the machine's load shows in them (printed).
+(the newcomer's whole call; fetch: its transfer) and whether every state ended bit-identical; where the
+window went: member 0's time in syncs, their count and median, the median of its votes' hashing passes
+and their count (one per sync), its all-reduces' median and 90th percentile. Times are wall seconds of
+real processes: the machine's load shows in them (printed).
 """
 
 from __future__ import annotations
