@@ -168,6 +168,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
                 times.append(time.perf_counter() - t)
                 phases.append(comm.statistics()["last_op_phases"])
         stripes = comm.pool.statistics().get("outgoing")
+        in_use = comm.pool.statistics().get("stripes")  # connections operations stripe over (sized)
         stats = comm.statistics()
         spec = {k: stats.get(k, 0) for k in ("speculative_starts", "speculative_gate_waits")}
         ring = comm.group_ring
@@ -177,7 +178,8 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             (k, c, round(1e3 * (a - t), 1), round(1e3 * (b - t), 1), n >> 10) for k, c, a, b, n in trace]}),
             flush=True)
     print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
-                      "optimize_s": opt_s, "ring": ring, "outgoing": stripes, **spec,
+                      "optimize_s": opt_s, "ring": ring, "outgoing": stripes, "stripes": in_use,
+                      **spec,
                       "phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 1)
                                     for k in (phases[0] if phases else {})}}), flush=True)
 
@@ -337,7 +339,8 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
         os.unlink(log.name)
     if os.environ.get("PCCL_WAN_VERBOSE"):
         print(f"  ours ({case.name}, {tree or 'this tree'}): " + "; ".join(
-            json.dumps({k: v for k, v in r.items() if k not in ("times", "event")}) for r in res), flush=True)
+            json.dumps({k: [round(t, 3) for t in v] if k == "times" else v
+                        for k, v in r.items() if k != "event"}) for r in res), flush=True)
     return {"median_s": max(r["median_s"] for r in res), "ring": res[0]["ring"],
             "optimize_s": max(r["optimize_s"] for r in res), "outgoing": [r["outgoing"] for r in res]}
 

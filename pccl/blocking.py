@@ -919,7 +919,7 @@ class Communicator:
             ``$PCCL_MASTER``.
         peer_group: collectives and shared-state syncs run within a peer group.
         p2p_connection_pool_size: TCP connections per ring neighbour (0: the default, sized per
-            partner from its round trip, docs/topology.md).
+            partner from its round trip and its observed throughput, docs/topology.md).
         config: peer timeouts and limits (:class:`pccl.PeerConfig`); keyword-only extension.
 
     Raises:

@@ -5,7 +5,7 @@ runs on. :class:`pccl.peer.pool.P2PPool` implements it; the collectives never im
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class Receive(Protocol):
@@ -31,6 +31,16 @@ class DataPool(Protocol):
 
     def stripes(self, peer_id: int) -> int:
         """How many connections an operation stripes its frames to ``peer_id`` over (>= 1)."""
+        ...
+
+    def begin_transfer(self, peer_id: int) -> Any:
+        """A large operation starts sending to ``peer_id``: a handle for :meth:`end_transfer` (the pool
+        may size its stripes from the throughput; one that does not returns anything)."""
+        ...
+
+    def end_transfer(self, transfer: Any, nbytes: int, completed: bool) -> None:
+        """The transfer :meth:`begin_transfer` returned ``transfer`` for ended: ``nbytes`` were sent
+        (``completed``: the whole operation's data plane succeeded)."""
         ...
 
     async def send(

@@ -494,10 +494,32 @@ async def _run_pipelined(
     queue_of, senders = _shared_queues(sends, stripes, tag)
     errors: list[BaseException] = []
     sender = _Sender(pool, ex, tag, op_seq, staging, gate)
+    # A ring plan sends to its successor all through the operation, so the operation's time is that
+    # link's: its throughput sizes the stripe for the next operations (pccl.peer.striping). Other
+    # schedules send to each partner for part of the operation only.
+    transfers = {p: pool.begin_transfer(ids[p]) for p in stripes} if plan.schedule == "ring" else {}
+    completed = False
 
     def ready(j: int) -> None:
         queue_of[j].push(sends[j], j)
 
+    try:
+        await _pipeline(sender, ex, slots, ids, stripes, senders, queue_of, ready, staging, errors)
+        completed = not errors
+    finally:
+        for p, t in transfers.items():
+            pool.end_transfer(t, sender.sent_bytes.get(ids[p], 0), completed)
+    if errors:
+        raise errors[0]
+
+
+async def _pipeline(
+    sender: _Sender, ex: _Exec, slots: list[Receive], ids: Sequence[int], stripes: dict[int, int],
+    senders: list[tuple[int, int, _ReadyFrames]], queue_of: list[_ReadyFrames], ready: Callable[[int], None],
+    staging: Staging | None, errors: list[BaseException],
+) -> None:
+    """Run the sender tasks and take the receives in; a failure goes to ``errors``."""
+    plan = ex.plan
     async with trio.open_nursery() as nursery:
         for p, conn, q in senders:
             nursery.start_soon(sender.run, ids[p], conn, stripes[p] > 1, q, errors, nursery.cancel_scope)
@@ -515,8 +537,6 @@ async def _run_pipelined(
         finally:
             for _p, _c, q in senders:
                 q.close()
-    if errors:
-        raise errors[0]
 
 
 def _shared_queues(
@@ -614,7 +634,7 @@ async def _take_in(ex: _Exec, slots: list[Receive], staging: Staging | None, i: 
 class _Sender:
     """Sends one operation's frames, one task per (partner, connection) of the pipelined executor."""
 
-    __slots__ = ("ex", "gate", "op_seq", "pool", "staging", "tag")
+    __slots__ = ("ex", "gate", "op_seq", "pool", "sent_bytes", "staging", "tag")
 
     def __init__(
         self, pool: DataPool, ex: _Exec, tag: int, op_seq: int, staging: Staging | None,
@@ -626,6 +646,8 @@ class _Sender:
         self.tag = tag
         self.op_seq = op_seq
         self.staging = staging
+        #: payload bytes sent to each partner (resends after a reopen not counted twice)
+        self.sent_bytes: dict[int, int] = {}
 
     async def run(
         self, peer_id: int, conn: int, striped: bool, queue: _ReadyFrames,
@@ -658,6 +680,7 @@ class _Sender:
                 except RankConnectionLostError as exc:
                     reopened = await self._recover(exc, peer_id, conn, j, sent, striped, reopened)
                 sent.append(j)
+                self.sent_bytes[peer_id] = self.sent_bytes.get(peer_id, 0) + payload.nbytes
                 if staging is not None:
                     staging.after_send(j)
         except PCCLError as exc:

@@ -484,12 +484,13 @@ class CollectiveCalls:
         section 4: with the op_seq the last confirmation of this tag reserved, the data plane starts
         right after the vote, on the current ring, and the master's one answer settles it), else from
         the master's commence. An op that cannot run on that ring is reported failed here."""
-        # Large operations start speculatively on far links only: where this peer stripes to a
-        # partner (by default a round trip over ~20 ms, pccl/peer/striping.py), a master round trip
-        # is a visible share of the operation; on loopback or a LAN it is not. Asked only where it
-        # decides (the links are looked up per partner: not on every small operation's path).
+        # Large operations start speculatively on far links only: where a partner's round trip asks
+        # for a stripe (by default over ~20 ms, pccl/peer/striping.py) or this peer stripes to it, a
+        # master round trip is a visible share of the operation; on loopback or a LAN it is not.
+        # Asked only where it decides (the links are looked up per partner: not on every small
+        # operation's path).
         far = call.nbytes > SPECULATIVE_NEAR_MAX_BYTES and any(
-            self.pool.stripes(p) > 1 for p in self._core.group_ring if p != self.peer_id)
+            self.pool.far(p) for p in self._core.group_ring if p != self.peer_id)
         proposal = self._core.speculate(call.tag, call.nbytes, far)
         st.op_seq = proposal
         await self._send_now(m.CollectiveInitiate(tag=call.tag, descriptor=call.descriptor, op_seq=proposal))

@@ -741,7 +741,8 @@ async def open_communicator(
         peer_group: collectives and shared-state syncs run within a group.
         p2p_connection_pool_size: TCP connections per partner and direction; 0 (default): sized per
             partner from the round trip of its first connection, enough to keep
-            ``PeerConfig.p2p_stripe_target_mbit`` in flight (one on a LAN; docs/topology.md).
+            ``PeerConfig.p2p_stripe_target_mbit`` in flight (one on a LAN), then adapted to the
+            throughput its large transfers reach (docs/topology.md "Connections per partner").
         config: timeouts and limits (:class:`pccl.PeerConfig`).
         transport: the transport seam (default TCP; pccl.testing provides a virtual network).
 

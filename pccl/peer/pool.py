@@ -102,7 +102,7 @@ from .credentials import CredentialStore
 from .op_io import OpIo
 from .ring_conn import DEFAULT_RCVLOWAT, DEFAULT_SOCKET_BUFFER, Conn, path_estimate
 from .ring_inbox import ReceiveSlot, RingInbox, SlotKey
-from .ring_links import RING_CHANNEL, RingLinks
+from .ring_links import RING_CHANNEL, RingLinks, Transfer
 from .ring_reader import RingReaders
 
 __all__ = [
@@ -123,8 +123,9 @@ class P2PPool:
         transport: how to open connections.
         my_peer_id: this peer's id (presented in every Hello).
         pool_size: connections per neighbour and direction (>= 1), or 0: sized per partner from the
-            round trip of its first connection (:mod:`pccl.peer.striping`, with the config's
-            ``p2p_stripe_target_mbit`` and ``p2p_max_stripes``).
+            round trip of its first connection, then from the throughput of its large transfers
+            (:mod:`pccl.peer.striping`, with the config's ``p2p_stripe_target_mbit`` and
+            ``p2p_max_stripes``).
         config: timeouts and limits (``connect_timeout``, ``recv_stash_limit``, ``max_frame_size``).
         secret: shared secret presented to the other peers' listeners.
         socket_buffer_bytes: SO_SNDBUF/SO_RCVBUF for TCP ring connections; None keeps the
@@ -191,6 +192,21 @@ class P2PPool:
         """How many connections an operation stripes over to ``peer_id`` (its open pool's size,
         before it is connected the configured size, at least 1)."""
         return self.links.stripes(peer_id)
+
+    def far(self, peer_id: int) -> bool:
+        """True if ``peer_id`` is far enough that a master round trip is a visible share of a large
+        operation (:meth:`RingLinks.far <pccl.peer.ring_links.RingLinks.far>`)."""
+        return self.links.far(peer_id)
+
+    def begin_transfer(self, peer_id: int) -> Transfer:
+        """A large operation starts sending to ``peer_id`` (:meth:`RingLinks.begin_transfer
+        <pccl.peer.ring_links.RingLinks.begin_transfer>`); pass the result to :meth:`end_transfer`."""
+        return self.links.begin_transfer(peer_id)
+
+    def end_transfer(self, transfer: Transfer, nbytes: int, completed: bool) -> None:
+        """The transfer ended with ``nbytes`` sent: its throughput sizes the partner's stripe for the next
+        operations (:meth:`RingLinks.end_transfer <pccl.peer.ring_links.RingLinks.end_transfer>`)."""
+        self.links.end_transfer(transfer, nbytes, completed)
 
     def op_io(self, op_seq: int) -> list[tuple[int, int, int]]:
         """``(peer, bytes sent to it, bytes taken from it)`` of operation ``op_seq`` (one of the last
@@ -309,6 +325,7 @@ class P2PPool:
             "pool_size": self.pool_size,
             "closed": self._closed,
             "outgoing": links.statistics(),
+            "stripes": links.stripe_statistics(),
             "incoming": readers.statistics(),
             **inbox.statistics(),
             "blocked_connections_dropped": readers.blocked_drops,

@@ -39,6 +39,7 @@ __all__ = [
     "SocketConn",
     "open_conn",
     "path_estimate",
+    "tcp_window_max",
     "tcp_wmem_max",
 ]
 
@@ -111,25 +112,43 @@ def fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | Non
 
 _TCP_INFO_RTT_OFFSET = 68  # struct tcp_info: tcpi_rtt (microseconds, u32)
 _wmem_max: int | None = None
+_window_max: int | None = None
+
+
+def _sysctl_max(name: str, default: int) -> int:
+    """The maximum (third field) of ``net.ipv4.<name>``, or ``default`` where it cannot be read."""
+    try:
+        with open(f"/proc/sys/net/ipv4/{name}") as f:
+            return int(f.read().split()[2])
+    except (OSError, ValueError, IndexError):
+        return default
 
 
 def tcp_wmem_max() -> int:
     """The send buffer's maximum (``net.ipv4.tcp_wmem``, read once; 4 MiB where it cannot be read)."""
     global _wmem_max
     if _wmem_max is None:
-        try:
-            with open("/proc/sys/net/ipv4/tcp_wmem") as f:
-                _wmem_max = int(f.read().split()[2])
-        except (OSError, ValueError, IndexError):
-            _wmem_max = 4 << 20
+        _wmem_max = _sysctl_max("tcp_wmem", 4 << 20)
     return _wmem_max
+
+
+def tcp_window_max() -> int:
+    """The most one connection's window may grow to under autotuning (read once): the send buffer's
+    maximum, or half the receive buffer's maximum (``net.ipv4.tcp_rmem``; the kernel advertises about
+    half of a receive buffer as window) if that is smaller. The receiving host is assumed to be
+    configured like this one. 4 MiB here (``tcp_wmem`` 4 MiB, ``tcp_rmem`` 32 MiB); on a stock kernel
+    (``tcp_rmem`` 6 MiB) 3 MiB."""
+    global _window_max
+    if _window_max is None:
+        _window_max = min(tcp_wmem_max(), _sysctl_max("tcp_rmem", 6 << 20) // 2)
+    return _window_max
 
 
 def path_estimate(stream: Stream) -> tuple[float, int] | None:
     """``(round trip in seconds, window in bytes)`` of an open connection, or None when unknown.
 
     A stream may say itself (``stream.path_estimate()``, as the virtual network's do); on a TCP
-    socket the kernel's smoothed round trip (``TCP_INFO``) and the send buffer's maximum are used;
+    socket the kernel's smoothed round trip (``TCP_INFO``) and :func:`tcp_window_max` are used;
     other streams (TLS, Unix sockets) are unknown.
     """
     own = getattr(stream, "path_estimate", None)
@@ -149,7 +168,7 @@ def path_estimate(stream: Stream) -> tuple[float, int] | None:
     if len(info) < _TCP_INFO_RTT_OFFSET + 4:
         return None
     rtt_us = int.from_bytes(info[_TCP_INFO_RTT_OFFSET : _TCP_INFO_RTT_OFFSET + 4], sys.byteorder)
-    return rtt_us / 1e6, tcp_wmem_max()
+    return rtt_us / 1e6, tcp_window_max()
 
 
 def open_conn(

@@ -15,13 +15,28 @@ from .credentials import CredentialStore
 from .op_io import OpIo
 from .p2p import open_p2p
 from .ring_conn import Broken, Conn, open_conn, path_estimate
-from .striping import stripe_count
+from .striping import StripeSizer
 
-__all__ = ["RING_CHANNEL", "RingLinks"]
+__all__ = ["RING_CHANNEL", "RingLinks", "Transfer"]
 
 log = logging.getLogger("pccl.p2p")
 
 RING_CHANNEL = "ring"
+
+
+class Transfer:
+    """One operation's transfer to one partner, from :meth:`RingLinks.begin_transfer` to
+    :meth:`RingLinks.end_transfer`: its start (trio's clock), its connection count, and whether
+    another transfer to the same partner overlapped it (then its throughput is a share of the link's,
+    not the link's, and is not observed)."""
+
+    __slots__ = ("connections", "peer_id", "shared", "start")
+
+    def __init__(self, peer_id: int, start: float, connections: int) -> None:
+        self.peer_id = peer_id
+        self.start = start
+        self.connections = connections
+        self.shared = False
 
 
 class RingLinks:
@@ -50,6 +65,10 @@ class RingLinks:
         self.credentials = credentials
         self.closed = False
         self.conns: dict[int, list[Conn | None]] = {}
+        # pool_size 0: each partner's count (pccl.peer.striping), kept while the partner is a partner
+        # (across a failed operation's reconnect; retire() forgets it)
+        self.sizers: dict[int, StripeSizer] = {}
+        self._transfers: dict[int, set[Transfer]] = {}
         self._addr: dict[int, tuple[str, int]] = {}
         self._connect_locks: dict[int, trio.Lock] = {}
         # counters for statistics()
@@ -76,6 +95,7 @@ class RingLinks:
             conns = self.conns.get(peer_id)
             if conns is not None and self._addr.get(peer_id) != (host, port):
                 self.conns.pop(peer_id, None)
+                self.sizers.pop(peer_id, None)  # another address: another path
                 for c in conns:
                     if c is not None:
                         await c.aclose()
@@ -86,6 +106,9 @@ class RingLinks:
                 self._addr[peer_id] = (host, port)
                 if not self.pool_size:
                     await self._open_sized(peer_id, host, port, conns)
+            sizer = self.sizers.get(peer_id)
+            if sizer is not None and len(conns) < sizer.count:
+                conns.extend([None] * (sizer.count - len(conns)))  # the sizer raised the count
             for i, c in enumerate(conns):
                 if c is not None and not c.alive():
                     conns[i] = None
@@ -105,7 +128,8 @@ class RingLinks:
 
     async def _open_sized(self, peer_id: int, host: str, port: int, conns: list[Conn | None]) -> None:
         """Open the first connection to ``peer_id``, then size the stripe from its round trip:
-        ``conns`` grows (in place) to the count :func:`~pccl.peer.striping.stripe_count` gives."""
+        ``conns`` grows (in place) to the count its :class:`~pccl.peer.striping.StripeSizer` gives (made
+        now from the round trip; after a failed operation closed them, the sizer the partner had)."""
         errors: list[str] = []
         await self._open_one(peer_id, host, port, 0, conns, errors)
         first = conns[0]
@@ -117,18 +141,21 @@ class RingLinks:
             raise RankConnectionFailedError(
                 f"the first connection to peer {peer_id} failed: {errors[0] if errors else 'closed'}"
             )
-        path = path_estimate(first.stream)
-        n = 1
-        if path is not None:
+        sizer = self.sizers.get(peer_id)
+        if sizer is None:
+            path = path_estimate(first.stream)
+            if path is None:
+                return
             rtt, window = path
-            n = stripe_count(
+            sizer = self.sizers[peer_id] = StripeSizer(
                 rtt,
                 window_bytes=window,
-                target_bytes_per_s=self.config.p2p_stripe_target_mbit * 1e6 / 8,
+                guess_bytes_per_s=self.config.p2p_stripe_target_mbit * 1e6 / 8,
                 max_stripes=self.config.p2p_max_stripes,
             )
-            log.debug("peer %d: rtt %.2f ms, window %d: %d connection(s)", peer_id, rtt * 1e3, window, n)
-        conns.extend([None] * (n - 1))
+            log.debug("peer %d: rtt %.2f ms, window %d: %d connection(s)", peer_id, rtt * 1e3, window,
+                      sizer.count)
+        conns.extend([None] * (sizer.count - 1))
 
     async def reopen(self, peer_id: int) -> None:
         """Reopen the lost connections to ``peer_id`` at the address it was connected at (one of a
@@ -145,10 +172,51 @@ class RingLinks:
         await self.connect(peer_id, *addr)
 
     def stripes(self, peer_id: int) -> int:
-        """How many connections an operation stripes over to ``peer_id`` (its open pool's size,
-        before it is connected the configured size, at least 1)."""
+        """How many connections an operation stripes over to ``peer_id`` (its open pool's size, or
+        the sizer's count where the sizer lowered it; before it is connected the configured size,
+        at least 1)."""
         conns = self.conns.get(peer_id)
-        return len(conns) if conns else max(1, self.pool_size)
+        if not conns:
+            return max(1, self.pool_size)
+        sizer = self.sizers.get(peer_id)
+        return len(conns) if sizer is None else max(1, min(sizer.count, len(conns)))
+
+    def far(self, peer_id: int) -> bool:
+        """True if ``peer_id``'s round trip alone asked for more than one connection (the sizer's first
+        guess; roughly over 20 ms), or this peer stripes to it: a master round trip is then a visible
+        share of a large operation (the speculative start's test)."""
+        sizer = self.sizers.get(peer_id)
+        return (sizer is not None and sizer.guess > 1) or self.stripes(peer_id) > 1
+
+    def begin_transfer(self, peer_id: int) -> Transfer:
+        """A large operation starts sending to ``peer_id`` over :meth:`stripes` connections."""
+        t = Transfer(peer_id, trio.current_time(), self.stripes(peer_id))
+        running = self._transfers.setdefault(peer_id, set())
+        if running:
+            t.shared = True
+            for other in running:
+                other.shared = True
+        running.add(t)
+        return t
+
+    def end_transfer(self, t: Transfer, nbytes: int, completed: bool) -> None:
+        """``t`` ended, ``nbytes`` sent. A completed transfer that had the partner's connections to
+        itself tells the partner's sizer its throughput (which may change the count for the next
+        operations: more connections are opened by the next :meth:`connect`, fewer leave the rest
+        idle and open)."""
+        running = self._transfers.get(t.peer_id)
+        if running is not None:
+            running.discard(t)
+            if not running:
+                del self._transfers[t.peer_id]
+        sizer = self.sizers.get(t.peer_id)
+        if not completed or t.shared or sizer is None or self.pool_size:
+            return
+        before = sizer.count
+        after = sizer.observe(nbytes, trio.current_time() - t.start, t.connections)
+        if after != before:
+            log.info("peer %d: %d bytes in %.3f s over %d connection(s): %d from now on (%r)", t.peer_id,
+                     nbytes, trio.current_time() - t.start, t.connections, after, sizer)
 
     async def _open_one(
         self, peer_id: int, host: str, port: int, index: int, conns: list[Conn | None], errors: list[str]
@@ -187,7 +255,12 @@ class RingLinks:
         """True if all outgoing connections to ``peer_id`` (``pool_size``, or as many as its sizing
         chose) are open and healthy."""
         conns = self.conns.get(peer_id)
-        return conns is not None and all(c is not None and c.alive() for c in conns)
+        if conns is None:
+            return False
+        sizer = self.sizers.get(peer_id)
+        if sizer is not None and len(conns) < sizer.count:
+            return False
+        return all(c is not None and c.alive() for c in conns)
 
     async def retire(self, keep: set[int]) -> list[int]:
         """Close the outgoing connections to every peer not in ``keep``: after a topology change the
@@ -208,6 +281,7 @@ class RingLinks:
         for p in gone:
             conns += [c for c in self.conns.pop(p) if c is not None]
             self._addr.pop(p, None)
+            self.sizers.pop(p, None)
         self.retired += len(gone)
         with trio.CancelScope(shield=True):
             for c in conns:
@@ -270,6 +344,10 @@ class RingLinks:
     def statistics(self) -> dict[int, int]:
         """Per peer, how many outgoing connections are open."""
         return {p: sum(1 for c in cs if c is not None and not c.closed) for p, cs in self.conns.items()}
+
+    def stripe_statistics(self) -> dict[int, int]:
+        """Per connected peer, how many connections operations stripe over (:meth:`stripes`)."""
+        return {p: self.stripes(p) for p in self.conns}
 
     def send_waits(self) -> int:
         """How many times a send waited for room in a socket's buffer (open connections)."""

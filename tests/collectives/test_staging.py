@@ -82,6 +82,12 @@ class Pool:
     def stripes(self, peer_id: int) -> int:
         return 1
 
+    def begin_transfer(self, peer_id: int) -> None:
+        return None
+
+    def end_transfer(self, transfer: None, nbytes: int, completed: bool) -> None:
+        pass
+
     async def reopen(self, peer_id: int) -> None:
         raise AssertionError("a single connection is never reopened")
 

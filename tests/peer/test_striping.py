@@ -1,8 +1,10 @@
-"""Connections per partner sized from the round trip (``p2p_connection_pool_size`` 0, the default):
-the pure count, the pool on the virtual network, and an all-reduce over a long fat link."""
+"""Connections per partner sized from the round trip and adapted to the throughput of large transfers
+(``p2p_connection_pool_size`` 0, the default): the pure count and sizer, the pool on the virtual network,
+and all-reduces over long fat, long slow and window-bound links."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -15,7 +17,7 @@ import trio.testing
 from pccl import PeerConfig, RankConnectionFailedError
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.peer.striping import stripe_count
+from pccl.peer.striping import WINDOW_USE, StripeSizer, stripe_count
 from pccl.testing import VirtualNetwork, open_test_cluster, wait_until
 from pccl.testing.cluster import DEFAULT_PEER_CONFIG
 
@@ -131,3 +133,157 @@ async def test_default_all_reduce_stripes_over_a_long_fat_link(
     # 32 MiB per peer each way over one 1 MiB window per 100 ms takes ~3.4 s; the operation's 4 MiB
     # blocks (four per step here) go out on four connections at once
     assert auto < one / 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# adapting the count to the throughput transfers reach (StripeSizer: pure)
+
+W = 4 * MIB  # tcp_wmem max here
+PER_RTT = W * WINDOW_USE  # what one connection keeps in flight
+
+
+def sizer(rtt: float, guess: float = GBIT, max_stripes: int = 16) -> StripeSizer:
+    return StripeSizer(rtt, window_bytes=W, guess_bytes_per_s=guess, max_stripes=max_stripes)
+
+
+def test_sizer_starts_from_the_round_trip_guess() -> None:
+    assert [sizer(rtt).count for rtt in (50e-6, 1e-3, 0.05, 0.1)] == [1, 1, 3, 5]
+    assert sizer(0.1).guess == 5
+    assert sizer(0.0).count == 1  # unknown round trip
+
+
+def test_a_slower_link_lowers_the_count_and_a_good_trial_stays() -> None:
+    # 200 Mbit/s at 100 ms: five connections reached 84% of the link (raw TCP, one BDP of queue)
+    s = sizer(0.1)
+    mbit200 = 25e6
+    # the first transfer over new connections is not counted (their slow start)
+    assert s.observe(64 * MIB, 64 * MIB / (0.5 * mbit200), 5) == 5
+    assert s.observe(64 * MIB, 64 * MIB / (0.84 * mbit200), 5) == 1  # 0.83 windows needed, +10%
+    # the first transfer after a change is not counted, even a slow one (a connection ramping up)
+    assert s.observe(64 * MIB, 4.3, 1) == 1
+    # one connection reached 92%: the trial stays, and one connection is not window-bound at 92%
+    assert s.observe(64 * MIB, 64 * MIB / (0.92 * mbit200), 1) == 1
+    assert s.observe(64 * MIB, 64 * MIB / (0.90 * mbit200), 1) == 1
+    assert (s.floor, s.ceiling) == (1, 16)
+
+
+def test_a_worse_lowering_is_undone_and_never_tried_again() -> None:
+    s = sizer(0.1)
+    rate = 20e6  # 0.16 of five windows per round trip: the link looks slower than five need
+    s.observe(64 * MIB, 64 * MIB / rate, 5)  # the first: not counted
+    assert s.observe(64 * MIB, 64 * MIB / rate, 5) == 1
+    s.observe(64 * MIB, 64 * MIB / rate, 1)  # settling
+    assert s.observe(64 * MIB, 64 * MIB / (0.8 * rate), 1) == 5  # worse by 20%: back to five
+    assert s.floor == 2
+    s.observe(64 * MIB, 64 * MIB / rate, 5)  # settling
+    # still slow: the next lowering stops above the count that was worse
+    assert s.observe(64 * MIB, 64 * MIB / rate, 5) == 2
+
+
+def test_the_link_rate_users_have_keeps_the_guess() -> None:
+    # 1000 Mbit/s, 64 MiB per peer: our operations at 50 ms (3 connections) and 100 ms (5) over
+    # 0.55-1.7 s, loaded machine included: the count fits, nothing changes
+    for rtt, seconds in ((0.05, 0.55), (0.05, 0.9), (0.05, 1.7), (0.1, 0.6), (0.1, 0.9), (0.1, 1.7)):
+        s = sizer(rtt)
+        k = s.count
+        for _ in range(3):
+            assert s.observe(64 * MIB, seconds, k) == k
+
+
+def test_window_bound_connections_raise_the_count_while_it_helps() -> None:
+    s = sizer(0.05, guess=10e6, max_stripes=8)  # guessed a slow link: one connection
+    assert s.count == 1
+    window_rate = W * 0.665 / 0.05  # one connection carries its window per round trip
+    s.observe(64 * MIB, 64 * MIB / window_rate, 1)  # the first: not counted
+    assert s.observe(64 * MIB, 64 * MIB / window_rate, 1) == 2  # window-bound: at least one more
+    s.observe(64 * MIB, 64 * MIB / window_rate, 2)  # settling
+    # two carried twice as much: kept, and still window-bound: raise again (to the need + 10%)
+    assert s.observe(64 * MIB, 64 * MIB / (2 * window_rate), 2) == 3
+    s.observe(64 * MIB, 64 * MIB / (2 * window_rate), 3)  # settling
+    # three carried no more than two (the link is full): back to two, and never above it again
+    assert s.observe(64 * MIB, 64 * MIB / (2 * window_rate), 3) == 2
+    assert s.ceiling == 2
+    s.observe(64 * MIB, 64 * MIB / (2 * window_rate), 2)  # settling
+    assert s.observe(64 * MIB, 64 * MIB / (2 * window_rate), 2) == 2  # window-bound, but at the ceiling
+
+
+def test_the_count_stays_within_bounds() -> None:
+    s = sizer(0.1, guess=100 * GBIT, max_stripes=6)
+    assert s.count == 6
+    for _ in range(2):
+        assert s.observe(64 * MIB, 64 * MIB / (6 * PER_RTT / 0.1), 6) == 6  # window-bound at the cap
+    s = sizer(0.1)
+    s.observe(64 * MIB, 64 * MIB / 1e5, 5)
+    assert s.observe(64 * MIB, 64 * MIB / 1e5, 5) == 1  # a trickle: one, never zero
+
+
+def test_what_the_sizer_does_not_count() -> None:
+    s = sizer(0.1)
+    slow = 64 * MIB / 20e6
+    assert s.observe(64 * MIB, slow, 4) == 5  # an operation that ran over another count
+    assert s.observe(4 * MIB, 0.7, 5) == 5  # under 8 round trips: mostly latency
+    for bad in (float("nan"), float("inf")):
+        assert s.observe(64 * MIB, bad, 5) == 5
+    assert s.observe(0, slow, 5) == 5
+    assert s.rate is None
+    assert s.observe(64 * MIB, slow, 5) == 5  # the first over new connections
+    assert s.rate is None
+    unknown = StripeSizer(0.1, window_bytes=0, guess_bytes_per_s=GBIT, max_stripes=16)
+    assert unknown.count == 1 and unknown.observe(64 * MIB, slow, 1) == 1
+
+
+# ---------------------------------------------------------------------------------------------------
+# the pool adapting on the virtual network
+
+
+async def _all_reduces(net: VirtualNetwork, config: PeerConfig, pool_size: int, ops: int) -> tuple[
+        list[float], list[int], list[int]]:
+    """``ops`` 16 MiB all-reduces between 2 peers (run pipelined: over 8 MiB sent): each one's virtual
+    time, then the connections each peer stripes over and keeps open."""
+    times = []
+    async with open_test_cluster(2, network=net, pool_size=pool_size, config=config) as cl:
+        for i in range(ops):
+            xs = [np.full(4 * MIB, k + i, np.float32) for k in range(2)]
+            t0 = trio.current_time()
+            async with trio.open_nursery() as nursery:
+                for c, x in zip(cl.peers, xs, strict=True):
+                    nursery.start_soon(functools.partial(c.all_reduce, x))
+            times.append(trio.current_time() - t0)
+            assert all(np.all(x == 2 * i + 1) for x in xs)
+        stripes = [max(c.pool.statistics()["stripes"].values()) for c in cl.peers]
+        outgoing = [max(c.pool.statistics()["outgoing"].values()) for c in cl.peers]
+    return times, stripes, outgoing
+
+
+async def test_a_slow_long_link_is_striped_over_fewer_connections(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # 100 ms round trip, 1 MiB windows, 20 Mbit/s: the round trip guesses 4 (the cap here), one
+    # connection covers the bandwidth-delay product (0.25 MB)
+    net = VirtualNetwork(latency=0.05, bandwidth=2.5e6, buffer_size=MIB)
+    config = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_max_stripes=4)
+    times, stripes, outgoing = await _all_reduces(net, config, 0, 4)
+    assert stripes == [1, 1]
+    assert outgoing == [4, 4]  # the others stay open, idle
+    assert times[-1] <= times[0] * 1.01  # the link was the limit: one connection is as fast
+
+
+async def test_an_explicit_pool_size_is_not_adapted(autojump_clock: trio.testing.MockClock) -> None:
+    net = VirtualNetwork(latency=0.05, bandwidth=2.5e6, buffer_size=MIB)
+    _times, stripes, outgoing = await _all_reduces(net, DEFAULT_PEER_CONFIG, 3, 3)
+    assert stripes == outgoing == [3, 3]
+
+
+async def test_window_bound_connections_are_added_to(autojump_clock: trio.testing.MockClock) -> None:
+    # 100 ms round trip, 256 KiB windows, no rate limit: one connection moves 2.6 MB/s; a target of
+    # 10 Mbit/s guesses one connection
+    net = VirtualNetwork(latency=0.05, buffer_size=256 << 10)
+    config = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stripe_target_mbit=10, p2p_max_stripes=4)
+    times, stripes, outgoing = await _all_reduces(net, config, 0, 6)
+    # window-bound over one (the second operation; the first is not counted): two, twice as fast
+    # (kept), then four, which were no faster (a 16 MiB all-reduce between two peers has two 4 MiB
+    # frames in flight at a time): back to two. times[2] and [4] opened the new connections.
+    assert times[3] < times[1] * 0.6
+    assert times[5] >= times[3] * 0.99
+    assert stripes == [2, 2]
+    assert outgoing == [4, 4]  # the two others stay open, idle
