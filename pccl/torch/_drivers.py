@@ -116,8 +116,24 @@ class _Blocking:
             handle.settle(exc if isinstance(exc, PCCLError) else InvalidUsageError(
                 f"the background reduce could not start: {exc!r}"))
 
+    def comm_statistics(self) -> dict[str, Any]:
+        """The communicator's statistics, read in the trio thread (it owns the communicator's state).
+
+        Raises:
+            InvalidUsageError: the driver was closed.
+        """
+        try:
+            stats: dict[str, Any] = self._thread.call_sync(self.comm.statistics)
+        except trio.RunFinishedError:
+            raise InvalidUsageError("the driver is closed") from None
+        return stats
+
     def close(self) -> None:
         self._thread.close()
+
+
+def _no_comm() -> Communicator:
+    raise InvalidUsageError("this driver has no communicator")
 
 
 class _RunInfo:
@@ -186,6 +202,23 @@ class _RunInfo:
         """Blocking drivers: seconds ``step`` spent waiting on communication (0.0 for the async ones)."""
         blocking = getattr(self, "_blocking", None)
         return blocking.network_wait_s if blocking is not None else 0.0
+
+    def comm_statistics(self) -> dict[str, Any]:
+        """Where this peer's communicator stands: :meth:`pccl.Communicator.statistics` (the operations in
+        flight, the membership call or shared-state sync it waits in, the master link, the pool).
+
+        For a program that must say where it is stuck (a supervisor's timeout, a signal handler): the
+        blocking drivers read it in their background thread, so it may be called from any thread while
+        :meth:`step` blocks in another.
+
+        Raises:
+            InvalidUsageError: a blocking driver that was closed.
+        """
+        blocking: _Blocking | None = getattr(self, "_blocking", None)
+        if blocking is not None:
+            return blocking.comm_statistics()
+        comm: Communicator = getattr(self, "comm", None) or _no_comm()  # the async drivers'
+        return comm.statistics()
 
 
 class AsyncTrainingRun(_RunInfo):

@@ -219,6 +219,10 @@ class BackgroundThread:
         """Run ``afn(*args)`` in the trio thread and return its result (or raise its error)."""
         return trio.from_thread.run(afn, *args, trio_token=self._token)
 
+    def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run the synchronous ``fn(*args)`` in the trio thread and return its result (or raise its error)."""
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
     def soon(self, fn: Callable[..., object], *args: Any) -> None:
         """Have the trio thread run the synchronous ``fn(*args)`` soon, without waiting for it: requests
         run in the order they were made, so a later :meth:`call` runs after it."""

@@ -174,3 +174,20 @@ def test_streaming_blocking_three_peers_bit_identical_launching_without_a_hop() 
         assert not {"StartAllReduce", "PollAllReduce", "Members"} & set(waits), waits
         assert [(f["rounds"], f["lost"]) for f in stats] == [(4, 0), (4, 0)]
         assert stats[0]["encodes"] == 4 * (3 + 1)  # per round: the 3 chunks, then the owned chunk's average
+
+
+def test_training_run_comm_statistics_from_another_thread() -> None:
+    """The blocking driver reads its communicator's statistics in its background thread, so any thread
+    may ask (a supervisor, a signal handler in the main thread)."""
+    x, y = integer_data()
+    with MasterNode("127.0.0.1:0") as master:
+        master.run()
+        model = linear_model()
+        with TrainingRun(master.address, SharedModel(model, sgd(model)), total_steps=2) as run:
+            while run.step(mse_backward(model, x, y, 8)) is not None:
+                pass
+            stats = run_threads(lambda i: run.comm_statistics(), 1)[0]
+        assert stats["world_size"] == 1 and stats["master_ok"] and stats["membership_call"] is None
+        assert stats["ops_in_flight"] == 0 and stats["peer_id"] >= 0
+        with pytest.raises(pccl.PCCLError):
+            run.comm_statistics()  # closed: a domain error, not a raw trio one

@@ -273,3 +273,27 @@ async def test_bad_arguments_raise_invalid_argument(
         AsyncDiLoCo(cluster.peer(0), model, sgd(model), delayed=True)
     with pytest.raises(pccl.InvalidArgumentError):
         AsyncDiLoCo(cluster.peer(0), model, sgd(model), inner_steps=0)
+
+
+async def test_comm_statistics_says_which_call_a_blocked_step_waits_in(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """A peer whose step waits for another (here: one that has not called yet) says so through
+    ``comm_statistics``: the call it is in, its peer id and its group; it is back to no call after."""
+    cluster = await pccl_cluster(2)
+    x, y = integer_data()
+    runs, backwards = [], []
+    for i in range(2):
+        model = linear_model()
+        runs.append(AsyncTrainingRun(cluster.peer(i), SharedModel(model, sgd(model)), total_steps=1))
+        backwards.append(mse_backward(model, x, y, 8))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(runs[0].step, backwards[0])
+        with trio.fail_after(60):
+            while (stats := runs[0].comm_statistics())["membership_call"] is None:
+                await trio.sleep(0.01)  # polls peer 0's state (mock time) until its step is in a call
+        assert stats["membership_call"] == "sync_shared_state"
+        assert stats["peer_id"] == cluster.peer(0).peer_id and stats["group_world_size"] == 2
+        assert stats["master_ok"] and stats["ops_in_flight"] == 0
+        await runs[1].step(backwards[1])  # the other peer comes: both steps end
+    assert runs[0].comm_statistics()["membership_call"] is None
+    assert runs[0].revision == runs[1].revision == 1
