@@ -44,7 +44,7 @@ import time
 from typing import Any
 
 import numpy as np
-from _support import load_digits_split  # examples/_support.py
+from _support import dump_on_request, give_up, load_digits_split  # examples/_support.py
 
 MIN_PEERS = 2
 JOIN_STEP = 2  # peers wait for the late joiners at this outer step (they may arrive earlier)
@@ -79,6 +79,7 @@ def peer_main(addresses: dict[str, str], index: int, args: argparse.Namespace,
 
     A late joiner waits for the mode's gate (set once that run is under way) before it connects.
     """
+    dump_on_request(f"peer {index}")  # its threads, when the parent gives up on the run
     import torch
     from torch import nn
 
@@ -303,6 +304,10 @@ def run(modes: list[str], args: argparse.Namespace, data: tuple[np.ndarray, ...]
                 done[msg[1]].append(msg[2:])
             elif msg[3] >= 1:
                 gates[msg[1]].set()
+        if sum(map(len, done.values())) < n * len(modes):
+            if time.monotonic() >= deadline:
+                print(f"timed out after {args.timeout:g}s", file=sys.stderr)
+            give_up(procs)  # not waiting for the rest: a late joiner waits for its gate until its timeout
         for p in procs:
             p.join(max(0.1, deadline - time.monotonic()))
     finally:

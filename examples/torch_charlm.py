@@ -24,6 +24,10 @@ single-process run on the same global batches is the baseline:
 The parent checks that the surviving peers end with bit-identical shared state, that every
 data-parallel step covered its whole global batch exactly once, and writes a plot of the loss curves
 (``--plot``, default ``docs/torch_charlm.png``; needs matplotlib: ``pip install pccl[examples]``).
+
+If a process fails or ``--timeout`` runs out, the parent stops waiting: it prints the master's statistics,
+and every process still alive prints its threads and where its communicator stands
+(``comm_statistics()``) before it ends.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _support import dump_on_request, give_up  # examples/_support.py
 
 MODULES = ["textwrap", "string", "difflib", "heapq", "bisect", "fractions", "calendar", "shlex", "glob",
            "fnmatch", "argparse"]
@@ -120,6 +125,8 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
     from pccl.torch import DiLoCo, SharedModel, TrainingRun
 
     logging.basicConfig(level=logging.ERROR, format=f"peer {index}: %(levelname)s %(message)s")
+    driver: Any = None  # asked where it is (comm_statistics) when the parent gives up on the run
+    dump_on_request(f"{mode} peer {index}", lambda: driver and (driver.revision, driver.comm_statistics()))
     torch.set_num_threads(1)
     data = torch.from_numpy(load_text())
     starts = np.arange(0, len(data) - BLOCK - 1, BLOCK // 2)
@@ -140,7 +147,7 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
         return shard["loss"]
 
     if mode == "ddp":
-        driver: Any = TrainingRun(address, SharedModel(model, optimizer), total_steps=args.steps)
+        driver = TrainingRun(address, SharedModel(model, optimizer), total_steps=args.steps)
     else:
         driver = DiLoCo(address, model, optimizer, inner_steps=args.inner_steps,
                         total_outer_steps=args.steps // args.inner_steps, delayed=mode == "diloco-delayed",
@@ -171,6 +178,7 @@ def baseline_main(args: argparse.Namespace, results: Any) -> None:
 
     from pccl.torch import global_batch_indices
 
+    dump_on_request("baseline")
     torch.set_num_threads(1)
     data = torch.from_numpy(load_text())
     starts = np.arange(0, len(data) - BLOCK - 1, BLOCK // 2)
@@ -195,6 +203,14 @@ class Run:
         self.digests: dict[int, str] = {}
         self.events: list[tuple[int, str]] = []
         self.joiner_first: tuple[int, int] | None = None  # (step, bytes received by its first sync)
+
+    def last_steps(self) -> dict[int, int]:
+        """Each process's last reported step."""
+        last: dict[int, int] = {}
+        for step, rows in self.steps.items():
+            for r in rows:
+                last[r[0]] = max(last.get(r[0], -1), step)
+        return dict(sorted(last.items()))
 
     def curve(self, *, whole_batches: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per step: the loss of the step's data (shard losses weighted by shard size) and world size.
@@ -235,15 +251,20 @@ def run_mode(mode: str, args: argparse.Namespace) -> Run:
         p.start()
     ready: set[int] = set()
     killed = joined = False
-    deadline = time.monotonic() + args.timeout
+    deadline = args.deadline
     try:
-        while set(run.digests) != expected and time.monotonic() < deadline:
+        while set(run.digests) != expected:
+            if time.monotonic() >= deadline:
+                print(f"[{mode}] timed out after {args.timeout:g} s; last steps reported: {run.last_steps()}",
+                      file=sys.stderr)
+                break
             try:
                 msg = results.get(timeout=0.2)
             except queue.Empty:
                 if any(p.exitcode not in (None, 0) for i, p in enumerate(procs)
                        if i != 2 or mode == "baseline"):
-                    print(f"[{mode}] a process failed", file=sys.stderr)
+                    print(f"[{mode}] a process failed; last steps reported: {run.last_steps()}",
+                          file=sys.stderr)
                     break
                 continue
             kind, _, index, *rest = msg
@@ -271,6 +292,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> Run:
                         run.events.append((step, "peer 3 starts"))
                 if index == 0 and step % max(1, args.steps // 10) == 0:
                     print(f"[{mode}] step {step:4d}  loss {loss:.3f}  peers {world}", flush=True)
+        if set(run.digests) != expected:
+            # Not waiting for the rest (a late joiner whose gate never opened waits for ever): each live
+            # process prints where it is, and ends.
+            if master is not None:
+                print(f"[{mode}] master: {master.statistics()}", file=sys.stderr)
+            give_up(procs)
         for p in procs:
             p.join(max(0.1, deadline - time.monotonic()))
     finally:
@@ -382,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                         default=Path(__file__).resolve().parents[1] / "docs" / "torch_charlm.png")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--timeout", type=float, default=600.0,
-                        help="give up on a run after this many seconds")
+                        help="give up after this many seconds (every process then prints where it is)")
     args = parser.parse_args(argv)
     if os.environ.get("PCCL_MASTER", "").strip():
         # Unlike hello_world.py and digits_ddp.py this example is no single peer (see its docstring).
@@ -394,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     args.kill_at = int(args.steps * 0.3)
     args.join_at = int(args.steps * 0.55)
     logging.basicConfig(level=logging.ERROR)
+    args.deadline = time.monotonic() + args.timeout  # for the whole command, baseline included
     text = load_text()
     print(f"text: {len(text)} characters of {', '.join(MODULES)}")
     modes = ["ddp", "diloco"] if args.mode == "both" else [args.mode]
