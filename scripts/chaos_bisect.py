@@ -38,6 +38,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,32 @@ NOT_IMPORTED = (
 )
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Runs the trace script's run_chaos until virtual time UNTIL and writes the sorted entries at or before it
+# (all of them: an entry is logged at its own virtual instant). Cheap when the traces part early.
+PREFIX_RUNNER = """
+import importlib.util, json, logging, sys
+import trio, trio.testing
+script, seed, out, until = sys.argv[1], int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+spec = importlib.util.spec_from_file_location("chaos_trace_script", script)
+mod = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = mod
+spec.loader.exec_module(mod)
+made = []
+init = mod.Chaos.__init__
+def record(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    made.append(self)
+mod.Chaos.__init__ = record
+logging.disable(logging.CRITICAL)
+async def main():
+    with trio.move_on_after(until + 0.5):
+        await mod.run_chaos(seed)
+trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+assert len(made) == 1, made
+trace = sorted(e for e in made[0].trace if e[0] <= until)
+open(out, "w").write(json.dumps(trace))
+"""
 
 
 def git(*args: str) -> str:
@@ -100,7 +127,9 @@ class Runner:
     verbose: bool = True
     _slots: threading.Semaphore = field(init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _futures: dict[tuple[str, int], concurrent.futures.Future[Trace]] = field(default_factory=dict)
+    _futures: dict[tuple[str, int, float | None], concurrent.futures.Future[Trace]] = field(
+        default_factory=dict
+    )
     _keys: dict[str, str] = field(default_factory=dict)
     _built: dict[str, Path] = field(default_factory=dict)
     runs: int = 0
@@ -138,28 +167,45 @@ class Runner:
             self._built[point.tree] = where
             return where
 
-    def trace(self, point: Point, seed: int) -> Trace:
-        """Seed ``seed``'s sorted trace at ``point`` (cached on disk, run at most once per process)."""
+    def trace(self, point: Point, seed: int, until: float | None = None) -> Trace:
+        """Seed ``seed``'s sorted trace at ``point`` (cached on disk, run at most once per process); with
+        ``until``, only its entries at or before that virtual time (the run stops there)."""
         key = self.key(point)
+        if until is not None:
+            full = self.cache / f"{key}-s{seed}.json"
+            if full.exists():
+                return [e for e in self._load(full) if e[0] <= until]
         with self._lock:
-            future = self._futures.get((key, seed))
+            future = self._futures.get((key, seed, until))
             mine = future is None
             if mine:
                 future = concurrent.futures.Future()
-                self._futures[(key, seed)] = future
+                self._futures[(key, seed, until)] = future
         assert future is not None
         if mine:
             try:
-                future.set_result(self._run(point, key, seed))
+                future.set_result(self._run(point, key, seed, until))
             except BaseException as exc:
                 future.set_exception(exc)
         return future.result()
 
-    def _run(self, point: Point, key: str, seed: int) -> Trace:
-        out = self.cache / f"{key}-s{seed}.json"
+    @staticmethod
+    def _load(path: Path) -> Trace:
+        return [(t, text) for t, text in json.loads(path.read_text())]
+
+    def _run(self, point: Point, key: str, seed: int, until: float | None) -> Trace:
+        out = self.cache / (f"{key}-s{seed}.json" if until is None else f"{key}-s{seed}-until{until!r}.json")
         if out.exists():
-            return [(t, text) for t, text in json.loads(out.read_text())]
+            return self._load(out)
         tree = self.build(point)
+        if until is None:
+            args = [str(self.script), str(seed)]
+        else:
+            runner = self.cache / "prefix_runner.py"
+            with self._lock:
+                if not runner.exists() or runner.read_text() != PREFIX_RUNNER:
+                    runner.write_text(PREFIX_RUNNER)
+            args = [str(runner), str(self.script), str(seed)]
         with self._slots:
             started = time.monotonic()
             with tempfile.TemporaryDirectory(prefix="chaos-bisect-") as tmp:
@@ -167,7 +213,8 @@ class Runner:
                 env = {**os.environ, "PYTHONPATH": str(tree)}
                 env.pop("PCCL_CHAOS_SHUFFLE", None)  # creation order: comparable across commits
                 done = subprocess.run(
-                    ["nice", "-n", str(self.nice), sys.executable, str(self.script), str(seed), str(tmp_out)],
+                    ["nice", "-n", str(self.nice), sys.executable, *args, str(tmp_out),
+                     *([] if until is None else [repr(until)])],
                     cwd=tmp, env=env, capture_output=True, text=True,
                 )
                 if done.returncode != 0:
@@ -179,9 +226,10 @@ class Runner:
                 os.replace(out.with_suffix(".tmp"), out)
             self.runs += 1
             if self.verbose:
-                print(f"  ran seed {seed} at {point.label[:70]} ({time.monotonic() - started:.0f} s)",
+                upto = "" if until is None else f" until t={until}"
+                print(f"  ran seed {seed}{upto} at {point.label[:60]} ({time.monotonic() - started:.0f} s)",
                       file=sys.stderr, flush=True)
-        return [(t, text) for t, text in json.loads(out.read_text())]
+        return self._load(out)
 
 
 def first_difference(a: Trace, b: Trace) -> str | None:
@@ -193,7 +241,10 @@ def first_difference(a: Trace, b: Trace) -> str | None:
             return f"entry {k}/{len(a)}|{len(b)}: t={x[0]} {x[1]!r} vs t={y[0]} {y[1]!r}"
     k = min(len(a), len(b))
     longer = a if len(a) > len(b) else b
-    return f"entry {k}: one trace ends ({len(a)} vs {len(b)} entries), the other has t={longer[k][0]} {longer[k][1]!r}"
+    return (
+        f"entry {k}: one trace ends ({len(a)} vs {len(b)} entries), "
+        f"the other has t={longer[k][0]} {longer[k][1]!r}"
+    )
 
 
 def commit_point(rev: str) -> Point:
@@ -227,23 +278,95 @@ def dedupe(runner: Runner, points: list[Point]) -> list[Point]:
     return kept
 
 
-def changes(runner: Runner, points: list[Point], seed: int) -> list[tuple[int, str]]:
-    """Indexes i where seed's trace at points[i] differs from points[i-1] (and the first difference)."""
-    found: list[tuple[int, str]] = []
+def part_time(a: Trace, b: Trace) -> float:
+    """The earliest virtual time at which two different traces differ: their entries up to it differ."""
+    k = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    if k < min(len(a), len(b)):
+        return min(a[k][0], b[k][0])
+    return (a if len(a) > len(b) else b)[k][0]
 
-    def search(lo: int, hi: int, t_lo: Trace, t_hi: Trace) -> None:
+
+def both(first: Callable[[], object], second: Callable[[], object]) -> None:
+    """Run two calls at once (each may wait for chaos runs; the runner bounds how many run)."""
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            first()
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+
+    thread = threading.Thread(target=guarded)
+    thread.start()
+    second()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def changes(
+    runner: Runner, points: list[Point], seed: int, prefixes: bool = True, hints: frozenset[int] = frozenset()
+) -> list[tuple[int, str]]:
+    """Indexes i where seed's trace at points[i] differs from points[i-1] (and the first difference).
+
+    Between two points whose full traces differ from virtual time t on, the change is found by bisection on
+    the traces' entries up to t (runs stopped at t: cheap when t is early); then the full traces on both
+    sides of it are run and both sides searched again, so a second change in either side is found too.
+    ``prefixes=False`` bisects on full traces instead. ``hints``: indexes of likely changes (another seed's),
+    tried first: the points just before and at one are run before any bisection step."""
+    found: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def note(i: int, diff: str | None) -> None:
+        assert diff is not None
+        with lock:
+            found.append((i, diff))
+
+    def solve(lo: int, hi: int, t_lo: Trace, t_hi: Trace) -> None:
         diff = first_difference(t_lo, t_hi)
         if diff is None:
             return
         if hi == lo + 1:
-            found.append((hi, diff))
+            note(hi, diff)
             return
-        mid = (lo + hi) // 2
-        t_mid = runner.trace(points[mid], seed)
-        search(lo, mid, t_lo, t_mid)
-        search(mid, hi, t_mid, t_hi)
+        if not prefixes:
+            mid = (lo + hi) // 2
+            t_mid = runner.trace(points[mid], seed)
+            both(lambda: solve(lo, mid, t_lo, t_mid), lambda: solve(mid, hi, t_mid, t_hi))
+            return
+        until = part_time(t_lo, t_hi)
+        start = [e for e in t_lo if e[0] <= until]
+        a, b = lo, hi  # the prefix at a is t_lo's, at b it is not
+        for h in sorted(hints):  # each run narrows (a, b] as a bisection step does
+            if not a < h <= b or b - a == 1:
+                continue
+            if h - 1 > a:
+                if runner.trace(points[h - 1], seed, until) != start:
+                    b = h - 1
+                    continue
+                a = h - 1
+            if h < b:
+                if runner.trace(points[h], seed, until) != start:
+                    b = h
+                else:
+                    a = h
+        while b - a > 1:
+            mid = (a + b) // 2
+            if runner.trace(points[mid], seed, until) == start:
+                a = mid
+            else:
+                b = mid
+        full: dict[int, Trace] = {lo: t_lo, hi: t_hi}
+        both(lambda: full.setdefault(a, runner.trace(points[a], seed)),
+             lambda: full.setdefault(b, runner.trace(points[b], seed)))
+        note(b, first_difference(full[a], full[b]))
+        both(lambda: solve(lo, a, t_lo, full[a]), lambda: solve(b, hi, full[b], t_hi))
 
-    search(0, len(points) - 1, runner.trace(points[0], seed), runner.trace(points[-1], seed))
+    ends: dict[int, Trace] = {}
+    last = len(points) - 1
+    both(lambda: ends.setdefault(0, runner.trace(points[0], seed)),
+         lambda: ends.setdefault(last, runner.trace(points[last], seed)))
+    solve(0, last, ends[0], ends[last])
     return sorted(found)
 
 
@@ -258,7 +381,8 @@ def split_points(merge: str, parent: int = 2) -> tuple[list[Point], list[str]]:
     skipped: list[str] = []
     for c in branch:
         done = subprocess.run(
-            ["git", "merge-tree", "--write-tree", "--no-messages", p1, c], cwd=REPO, capture_output=True, text=True
+            ["git", "merge-tree", "--write-tree", "--no-messages", p1, c],
+            cwd=REPO, capture_output=True, text=True,
         )
         subject = git("log", "-1", "--format=%s", c)[:70]
         if done.returncode != 0:
@@ -283,6 +407,10 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--cache", type=Path, default=Path("/tmp/chaos-bisect-cache"))
     ap.add_argument("--parent", type=int, default=2, help="split: which parent is the merged branch")
     ap.add_argument("--report", type=Path, help="write the result as JSON here")
+    ap.add_argument("--hint", default="", help="changes: commits where a change is likely (another seed's), "
+                    "tried before bisecting")
+    ap.add_argument("--full-only", action="store_true",
+                    help="changes/split: bisect on full traces (no runs stopped at the first difference)")
     args = ap.parse_args(argv)
     seeds = parse_seeds(args.seeds)
 
@@ -324,7 +452,10 @@ def main(argv: list[str]) -> int:
               f"last {points[-1].label}")
         for s in skipped:
             print(f"  skipped (not buildable): {s}")
-        results_c = dict(zip(seeds, pool.map(lambda s: changes(runner, points, s), seeds), strict=True))
+        hinted = {runner.key(commit_point(h)) for h in args.hint.split(",") if h.strip()}
+        hints = frozenset(i for i, p in enumerate(points) if runner.key(p) in hinted)
+        per_seed = pool.map(lambda s: changes(runner, points, s, not args.full_only, hints), seeds)
+        results_c = dict(zip(seeds, per_seed, strict=True))
         report["points"] = [p.label for p in points]
         report["skipped"] = skipped
         report["changes"] = {
