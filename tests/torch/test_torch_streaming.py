@@ -501,8 +501,8 @@ class _SlowExchanges:
     background exchanges are found finished by the ``polls``-th poll of each. It logs every launch,
     poll answer and wait, with the inner step it came at."""
 
-    def __init__(self, core: Any, world: int, polls: int) -> None:
-        self.core, self.world, self.polls = core, world, polls
+    def __init__(self, core: Any, world: int, polls: int, pending: bool = False) -> None:
+        self.core, self.world, self.polls, self.pending = core, world, polls, pending
         self.log: list[tuple[int, str, Any]] = []
 
     def __call__(self, op: Any) -> Any:
@@ -536,9 +536,16 @@ class _SlowExchanges:
         if isinstance(op, _ops.WaitAllReduce):
             self.log.append((step, "wait", op.handle.polled >= self.polls))
             return op.handle.info
-        if isinstance(op, (_ops.PeersPending, _ops.UpdateTopology)):
+        if isinstance(op, _ops.PeersPending):
+            self.log.append((step, "pending", self.pending))
+            return self.pending
+        if isinstance(op, _ops.UpdateTopology):  # nothing in flight when newcomers are admitted
+            assert not any(f.in_flight for f in self.core.fragments)
+            self.log.append((step, "update", None))
             return False
         if isinstance(op, _ops.Sync):
+            assert not any(f.in_flight for f in self.core.fragments)  # nothing in flight at a sync
+            self.log.append((step, "sync", None))
             return SimpleNamespace(rx_bytes=0)
         raise AssertionError(op)
 
@@ -584,10 +591,49 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
         lag = min(polls * stages - (stages - 1), h) if polls < 100 else h
         applied = [f["mean_overlap"] for f in core.statistics()["fragments"]]
         assert applied == [min(lag, h - o) for o in (0, h // 2)], (applied, log)
-        # nothing waits before it is done, but at the cycle's end
+        # nothing waits before it is done, but at the next cycle's start (every cycle is a membership
+        # one here: drained before the sync)
         waits = [(s, done) for s, kind, done in log if kind == "wait"]
         assert len(waits) == 2 * cycles * stages  # each stage's result read once
-        assert all(done or s == h for s, done in waits), waits  # h: after the last step
+        assert all(done or s == 0 for s, done in waits), waits
         if world == 3 and polls == 3:
             gathers = [s for s, kind, name in log if kind == "start" and name == "AllGather"]
             assert gathers == [3, 9] * cycles  # the all-to-all found done at its third poll
+
+
+def test_auto_overlap_carries_an_exchange_into_the_next_cycle_but_not_into_a_membership_one() -> None:
+    """``overlap="auto"`` with membership every third cycle: an exchange still on the wire at a cycle's
+    end is carried into the next cycle and waited for at its fragment's next send, or at a membership
+    cycle's start (here the run's end), where every exchange is waited for before the sync."""
+    from pccl.torch._ops import drive
+    from pccl.torch._streaming import StreamingCore
+
+    x, y = problem()
+    h = 12
+    model = make_model(0, hidden=64)
+    core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
+                         inner_steps=h, fragments=2, overlap="auto", mixing=0.5, codec=None,
+                         error_feedback=True, budget_bytes=None, total_outer_steps=3, just_joined=False,
+                         min_world_size=1, poll_interval=0.05, sync_every=3)
+    # never found done: every exchange is waited for; a newcomer pending at every membership cycle
+    execute = _SlowExchanges(core, 2, polls=10**6, pending=True)
+
+    def backward(step: Any) -> float:
+        idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
+        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+        loss.backward()
+        return float(loss.detach())
+
+    while drive(core.step(backward), execute) is not None:
+        pass
+    stats = core.statistics()["fragments"]
+    # fragment 0 sent at 0, 12, 24 and applied at 12, 24 (before its next sends) and 36 (the end);
+    # fragment 1 sent at 6, 18, 30, applied at 18, 30 and 36
+    assert [f["mean_overlap"] for f in stats] == [12.0, 10.0]
+    assert all(f["rounds"] == 3 and f["lost"] == 0 for f in stats)
+    waits = [s for s, kind, _ in execute.log if kind == "wait"]
+    assert waits == [0, 6, 0, 6, 0, 0]  # inner step of the cycle
+    # at the run's end: the master asked for newcomers with both exchanges on the wire, both applied
+    # before the newcomer is admitted, then the sync
+    assert [kind for _, kind, _ in execute.log][-5:] == ["pending", "wait", "wait", "update", "sync"]
+    assert core.syncs == 2  # cycle 0 and the run's end
