@@ -520,11 +520,13 @@ class StreamingCore:
         if self.inner_step == self.inner_steps:
             # those whose overlap reaches past the cycle's end: waited for here; with "auto" carried
             # into the next cycle instead, applied there when done (before their next send, or before
-            # a membership cycle admits anyone or syncs, at the latest: _begin_cycle)
+            # a membership cycle admits anyone or syncs, at the latest: _begin_cycle), unless this was
+            # the run's last cycle (this step's result counts their bytes)
+            last = self.total_outer_steps is not None and self.cycle + 1 >= self.total_outer_steps
             for f in self.fragments:
                 if not f.in_flight:
                     continue
-                if self.auto_overlap and not (yield from self._apply_due(f, s + 1, index + 1)):
+                if self.auto_overlap and not last and not (yield from self._apply_due(f, s + 1, index + 1)):
                     continue  # still on the wire
                 tx += yield from self._finish_at(f, index + 1)
             self.cycle_tensor += 1
