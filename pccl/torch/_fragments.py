@@ -92,6 +92,7 @@ class Fragment:
     lost: int = 0
     tx_bytes: int = 0
     overlap_steps: int = 0  # inner steps from send to application, summed over the rounds
+    sent_at: int = -1  # the run's inner step (cycle * H + step) of the round in flight's send
 
     @property
     def numel(self) -> int:

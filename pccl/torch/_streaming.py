@@ -17,18 +17,23 @@ traffic is spread over the cycle instead of arriving all at once):
    ``overlap="auto"`` (the drivers' default) there is no fixed count: the exchange is asked at every
    inner step after its send, without waiting, whether it is complete (its second stage goes out at
    the first step that finds the first one done), and is applied at the first step that finds it
-   done; only at the cycle's end is it waited for. So the overlap is as long as the exchange takes on
-   this link, in whatever number of inner steps that is, and no step waits for the network while the
-   cycle has steps left. Every peer still applies the same averages to the same outer parameters (a
-   fragment's outer step touches its own parameters only, whenever it comes), so the outer state stays
-   identical on every peer; but the inner parameters, and with them the next pseudo-gradients, depend
-   on the step at which the merge came, so a run is not repeatable to the digit as it is with a fixed
-   ``overlap``.
+   done. It is waited for only where it must be applied: at its fragment's next send (one cycle
+   later: an exchange still on the wire at a cycle's end is carried into the next cycle), and in a
+   membership cycle's start (every ``sync_every``-th, and the run's end) before newcomers are admitted
+   and before the sync (the master is asked for newcomers while it is still on the wire). So the
+   overlap is as long as the exchange takes on this link, in whatever number of inner steps that is,
+   up to a whole cycle. Every peer still applies the same averages to the same outer parameters (a
+   fragment's outer step touches its own parameters only, whenever it comes), so the outer state is
+   identical on every peer wherever nothing is in flight (at each membership cycle's start, where it
+   is synced); but the inner parameters, and with them the next pseudo-gradients, depend on the step
+   at which the merge came, so a run is not repeatable to the digit as it is with a fixed
+   ``overlap``, and a checkpoint saved at another cycle's end leaves out the rounds still in flight
+   (resumed, they are lost rounds, below).
 
 With ``overlap=0`` and ``mixing=0`` each fragment is synchronous DiLoCo. One fragment is in flight per
-tag, and at a cycle's end none is: that is where newcomers are admitted and the shared state (outer
-parameters, outer optimizer state, the cycle count) is synced (every ``sync_every``-th cycle; the
-shared state's revision counts these syncs). When a fragment's exchange
+tag, and at the start of a membership cycle none is: that is where newcomers are admitted and the
+shared state (outer parameters, outer optimizer state, the cycle count) is synced (every
+``sync_every``-th cycle; the shared state's revision counts these syncs). When a fragment's exchange
 fails (a peer lost in it, the group changed size under an all-gather) only that fragment's round is
 lost: its outer parameters are not updated this cycle (its inner ones keep training, and its next
 pseudo-gradient measures the whole distance again); the others go on. Should one peer have applied a
@@ -190,6 +195,7 @@ class StreamingCore:
         self.restored = False  # resumed with this peer's local state (inner model, residuals)
         self.syncs = 0
         self.unreported_rx = 0
+        self.drained_tx = 0  # bytes of exchanges applied in a membership phase, for the next StepResult
 
     # -- checkpoints ---------------------------------------------------------------------------------
 
@@ -231,8 +237,10 @@ class StreamingCore:
     # -- the cycle's start: membership, sync ---------------------------------------------------------
 
     def _membership(self) -> Generator[Op, Any, None]:
+        # the exchanges carried into this cycle stay on the wire while the group asks the master for
+        # newcomers; drained before any is admitted
         self.rank, self.world_size = yield from wait_for_members(
-            self, self.min_world_size, self.min_world_size_timeout, self.poll_interval)
+            self, self.min_world_size, self.min_world_size_timeout, self.poll_interval, self._drain)
 
     @property
     def cycle(self) -> int:
@@ -246,6 +254,7 @@ class StreamingCore:
             # the run's end always syncs)
             return True
         yield from self._membership()
+        yield from self._drain()  # every exchange applied before the sync
         if self.fresh and self.joined:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
         elif not self.fresh:
@@ -389,14 +398,14 @@ class StreamingCore:
         f.handle = yield StartAllReduce(AllGather(f.payload, f.gathered, tag=self.base_tag + f.index))
         return True
 
-    def _stage_due(self, f: Fragment, s: int) -> Generator[Op, Any, bool]:
+    def _stage_due(self, f: Fragment, s: int, index: int) -> Generator[Op, Any, bool]:
         """Whether the two-stage exchange of ``f`` moves to its second stage at inner step ``s``: as soon
         as its all-to-all has finished (asked without waiting, at every step after the launch), and at
         ``overlap // 2`` steps after the launch at the latest (waiting for it then). The second stage
         depends only on the all-to-all's bytes and the chunk residual, so when each peer moves on does
         not change any result; moving on early gives the all-gather the rest of the overlap."""
         if self.auto_overlap:  # as soon as it is done; the apply step waits for it otherwise
-            return s > f.offset and bool((yield PollAllReduce(f.handle)))
+            return index > f.sent_at and bool((yield PollAllReduce(f.handle)))
         last = f.offset + self.overlap // 2
         if s == last:
             return True
@@ -404,16 +413,30 @@ class StreamingCore:
             return bool((yield PollAllReduce(f.handle)))
         return False
 
-    def _apply_due(self, f: Fragment, s: int) -> Generator[Op, Any, bool]:
-        """Whether ``f``'s exchange in flight is applied at inner step ``s``: ``overlap`` steps after
-        its send; with ``"auto"``, at the first step after the send that finds its last stage done."""
+    def _apply_due(self, f: Fragment, s: int, index: int) -> Generator[Op, Any, bool]:
+        """Whether ``f``'s exchange in flight is applied at inner step ``s`` (``index`` of the run):
+        ``overlap`` steps after its send; with ``"auto"``, at the first step after the send that finds
+        its last stage done."""
         if not self.auto_overlap:
             return f.offset + self.overlap == s
-        if s <= f.offset or f.stage == 1:
+        if index <= f.sent_at or f.stage == 1:
             return False
         if f.local is not None or f.done is not None:
             return True
         return bool((yield PollAllReduce(f.handle)))
+
+    def _drain(self) -> Generator[Op, Any, None]:
+        """Wait for and apply every exchange still in flight (carried over a cycle's end with
+        ``"auto"``): before newcomers are admitted and before the sync."""
+        index = self.cycle * self.inner_steps
+        for f in self.fragments:
+            if f.in_flight:
+                self.drained_tx += yield from self._finish_at(f, index)
+
+    def _finish_at(self, f: Fragment, index: int) -> Generator[Op, Any, int]:
+        """:meth:`_finish` at the run's inner step ``index`` (counted in ``mean_overlap``)."""
+        f.overlap_steps += index - f.sent_at
+        return (yield from self._finish(f))
 
     def _finish(self, f: Fragment) -> Generator[Op, Any, int]:
         """Wait for ``f``'s exchange and apply it; returns the bytes it sent (0 when the round is lost)."""
@@ -475,28 +498,37 @@ class StreamingCore:
             return None
         s = self.inner_step
         index = self.cycle * self.inner_steps + s
-        tx = 0
+        tx, self.drained_tx = self.drained_tx, 0
         for f in self.fragments:
             if f.offset == s:
+                if f.in_flight:  # "auto": carried over from the last cycle, applied before its next send
+                    tx += yield from self._finish_at(f, index)
                 yield from self._launch(f)
+                f.sent_at = index
         for f in self.fragments:
             staged = f.stage == 1 and (self.auto_overlap or self.overlap >= 2) and f.handle is not None
-            if staged and (yield from self._stage_due(f, s)):
+            if staged and (yield from self._stage_due(f, s, index)):
                 if not (yield from self._second_stage(f)):
                     f.rounds += 1  # lost in its first stage: nothing left in flight
         for f in self.fragments:
-            if f.in_flight and (yield from self._apply_due(f, s)):
-                f.overlap_steps += s - f.offset
-                tx += yield from self._finish(f)
+            if f.in_flight and (yield from self._apply_due(f, s, index)):
+                tx += yield from self._finish_at(f, index)
         self.inner_optimizer.zero_grad()
         loss = backward(Step(index, self.rank, self.world_size))
         self.inner_optimizer.step()
         self.inner_step += 1
         if self.inner_step == self.inner_steps:
-            for f in self.fragments:  # those whose overlap reaches past the cycle's end
-                if f.in_flight:
-                    f.overlap_steps += self.inner_steps - f.offset
-                    tx += yield from self._finish(f)
+            # those whose overlap reaches past the cycle's end: waited for here; with "auto" carried
+            # into the next cycle instead, applied there when done (before their next send, or before
+            # a membership cycle admits anyone or syncs, at the latest: _begin_cycle), unless this was
+            # the run's last cycle (this step's result counts their bytes)
+            last = self.total_outer_steps is not None and self.cycle + 1 >= self.total_outer_steps
+            for f in self.fragments:
+                if not f.in_flight:
+                    continue
+                if self.auto_overlap and not last and not (yield from self._apply_due(f, s + 1, index + 1)):
+                    continue  # still on the wire
+                tx += yield from self._finish_at(f, index + 1)
             self.cycle_tensor += 1
             self.inner_step = 0
         rx, self.unreported_rx = self.unreported_rx, 0
