@@ -478,7 +478,8 @@ def _wan_case(args: argparse.Namespace, donors: int, fault: str) -> dict[str, An
     failed = [h for h, r in results.items() if r["error"]]
     return {"donors": donors, "fault": fault or "-", "heal_s": new["heal_s"], "fetch_s": new["fetch_s"],
             "exact": exact,
-            "failed_calls": failed, "rx_mib": new["rx"] / MIB, "twice_mib": (new["rx"] - new["total"]) / MIB,
+            "failed_calls": failed, "errors": {h: results[h]["error"] for h in failed},
+            "rx_mib": new["rx"] / MIB, "twice_mib": (new["rx"] - new["total"]) / MIB,
             "per_donor_mib": [round(v / MIB, 1) for v in new["donors"].values()],
             "excluded": new["excluded"], "failed_donors": new["failed"], "bad_mib": new["bad"] / MIB,
             "stolen": new["stolen"], "killed_at_mib": (new["killed_at"] or 0) / MIB}
@@ -535,6 +536,9 @@ def _wan_main(args: argparse.Namespace) -> None:
               f"{r['twice_mib']:>17.1f} "
               f"{r['per_donor_mib']!s:>22} {r['failed_donors']:>4} {r['excluded']:>4} {r['bad_mib']:>7.1f} "
               f"{r['exact']!s:>5} {r['failed_calls']!s:>12}")
+    for r in rows:  # a failed call says why (the table's columns cannot)
+        for host, error in r.get("errors", {}).items():
+            print(f"  {r['donors']} donor(s), {r['fault']}: host {host}'s call failed: {error}")
 
 
 if __name__ == "__main__":
