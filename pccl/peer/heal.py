@@ -123,6 +123,8 @@ class SwarmFetch:
         self.schedule = SwarmSchedule((), donors)
         self.schedule.manifest_items(swarm.plan_items(self.schedule, fetch, sizes, chunk_bytes))
         self.staged: dict[str, np.ndarray[Any, Any]] = {}
+        self._in_place: dict[int, int] = {}  # item id -> the donor whose copy landed in place, unchecked
+        self._overwritten: set[int] = set()  # of those, the items another verified copy was written over
         self.rx = 0
         self._changed = _Changed()
         self._scope = trio.CancelScope()  # run()'s: cancelled when the fetch ends
@@ -224,6 +226,11 @@ class SwarmFetch:
         """Verify the bytes of ``item`` from ``conn``'s donor and stage them (unless another copy came
         first); bytes that fail their sums exclude the donor and stop its connection."""
         bad = await self._verify(landed)
+        own = any(x.in_place for x in landed) and self._in_place.get(item.id) == conn.donor
+        overwritten = own and item.id in self._overwritten
+        if own:
+            del self._in_place[item.id]
+            self._overwritten.discard(item.id)
         if bad:
             if any(x.in_place for x in landed):
                 # Another donor's copy may have been staged and then overwritten by these bytes.
@@ -235,11 +242,18 @@ class SwarmFetch:
             return
         conn.checking.remove(item)
         conn.checked.set()
-        if self.schedule.delivered(item, conn.donor, trio.current_time()):
+        if overwritten:
+            # Another donor's verified copy was written over these bytes before they were checked: what
+            # passed was that copy, not this donor's bytes; no credit (the item is done already).
+            self.schedule.returned(item, conn.donor)
+        elif self.schedule.delivered(item, conn.donor, trio.current_time()):
             for x in landed:
                 if x.piece.whole:
                     self.staged[x.piece.key] = x.buf
                 elif not x.in_place:
+                    pending = self._in_place.get(item.id)
+                    if pending is not None and pending != conn.donor:
+                        self._overwritten.add(item.id)  # its copy, landed in place, is not checked yet
                     self._stage(x.piece.key)[x.piece.offset : x.piece.offset + x.piece.nbytes] = x.buf
         # else another donor's copy came first (the same bytes: they were verified too)
         self._check_end()
@@ -285,14 +299,21 @@ class SwarmFetch:
             if not isinstance(hdr, m.StateChunk) or (hdr.key, hdr.offset, hdr.nbytes) != (
                     p.key, p.offset, p.nbytes):
                 raise RemoteProtocolError(f"peer {donor} sent an unexpected chunk header {hdr!r:.120}")
-            in_place = not p.whole and not item.done and set(item.copies) == {donor}
-            if in_place:
-                buf = self._stage(p.key)[p.offset : p.offset + p.nbytes]
-            else:
-                buf = np.empty(p.nbytes, dtype=np.uint8)
-            await self._receive_bytes(ms, buf)
-            landed.append(_Landed(p, buf, in_place))
+            x = self._landing(item, donor, p)
+            await self._receive_bytes(ms, x.buf)
+            landed.append(x)
         return landed
+
+    def _landing(self, item: Item, donor: int, p: Piece) -> _Landed:
+        """Where ``donor``'s bytes of piece ``p`` of ``item`` land: in place in the staging buffer when
+        it has the only copy of the item in flight (remembered until its check: another copy verified
+        and written over the range before then makes that check read the other copy's bytes), else a
+        buffer of their own."""
+        if not p.whole and not item.done and set(item.copies) == {donor}:
+            self._in_place[item.id] = donor
+            self._overwritten.discard(item.id)
+            return _Landed(p, self._stage(p.key)[p.offset : p.offset + p.nbytes], True)
+        return _Landed(p, np.empty(p.nbytes, dtype=np.uint8), False)
 
     async def _receive_bytes(self, ms: MessageStream, buf: np.ndarray[Any, Any]) -> None:
         """Fill ``buf`` with the raw bytes that follow the last frame, as they come (each read as large
