@@ -83,6 +83,16 @@ from ._train import Backward, Step, StepResult
 __all__ = ["CodecSpec", "Fragment", "StreamingCore", "split_fragments"]
 
 
+def _overlap_steps(overlap: object, inner_steps: int) -> tuple[bool, int]:
+    """``(auto, steps)`` of an ``overlap`` argument: ``"auto"`` (applied when found done; ``steps`` then
+    only bounds it, the cycle's last) or a fixed count in ``[0, inner_steps)``."""
+    if overlap == "auto":
+        return True, inner_steps - 1
+    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < inner_steps:
+        raise InvalidArgumentError(f'overlap must be "auto" or an int in [0, inner_steps), not {overlap!r}')
+    return False, overlap
+
+
 class StreamingCore:
     """Per-peer state of streaming DiLoCo and its step generator (driver-independent; see the module).
 
@@ -117,8 +127,8 @@ class StreamingCore:
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
                  outer_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
                  inner_steps: int, fragments: int | Sequence[Sequence[str]], overlap: int | Literal["auto"],
-                 mixing: float,
-                 codec: CodecSpec | Sequence[CodecSpec], error_feedback: bool, budget_bytes: int | None,
+                 mixing: float, codec: CodecSpec | Sequence[CodecSpec], error_feedback: bool,
+                 budget_bytes: int | None,
                  total_outer_steps: int | None, just_joined: bool, min_world_size: int,
                  poll_interval: float, min_world_size_timeout: float | None = None,
                  sync_every: int = 1, base_tag: int = 0) -> None:
@@ -126,13 +136,7 @@ class StreamingCore:
 
         if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
             raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
-        self.auto_overlap = overlap == "auto"
-        # "auto": applied when found done, at the cycle's end at the latest
-        steps = inner_steps - 1 if isinstance(overlap, str) else overlap
-        if not self.auto_overlap and (isinstance(overlap, bool) or not isinstance(overlap, int)
-                                      or not 0 <= overlap < inner_steps):
-            raise InvalidArgumentError(f'overlap must be "auto" or an int in [0, inner_steps), '
-                                       f'not {overlap!r}')
+        self.auto_overlap, steps = _overlap_steps(overlap, inner_steps)
         if not 0.0 <= mixing < 1.0:
             raise InvalidArgumentError("mixing must be in [0, 1)")
         self.model = model

@@ -432,6 +432,25 @@ async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
         assert all(torch.equal(p, o) for p, o in pairs)
 
 
+def _drive(core: Any, model: nn.Module, execute: Callable[[Any], Any]) -> list[StepResult]:
+    """Run ``core`` to the end through ``execute`` (a stand-in for the group), training ``model`` on the
+    test problem; the step results."""
+    from pccl.torch._ops import drive
+
+    x, y = problem()
+
+    def backward(step: Any) -> float:
+        idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
+        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+        loss.backward()
+        return float(loss.detach())
+
+    results: list[StepResult] = []
+    while (r := drive(core.step(backward), execute)) is not None:
+        results.append(r)
+    return results
+
+
 def _three_like_peers(done: bool, log: list[tuple[int, str]], core: Any) -> Callable[[Any], Any]:
     """An executor standing in for a group of 3 peers that all hold this peer's state (rank 0): an
     all-to-all delivers this peer's block 0 from every rank, an all-gather this peer's payload from
@@ -468,10 +487,8 @@ def test_second_stage_starts_as_soon_as_the_all_to_all_is_done(done: bool) -> No
     """The all-gather of the two-stage exchange goes out at the first step that finds the all-to-all
     finished (one step after the launch here), and ``overlap // 2`` steps after the launch at the
     latest; when it goes out changes no result."""
-    from pccl.torch._ops import drive
     from pccl.torch._streaming import StreamingCore
 
-    x, y = problem()
     outs = {}
     for poll in (done, not done):
         model = make_model(0, hidden=256)
@@ -482,15 +499,7 @@ def test_second_stage_starts_as_soon_as_the_all_to_all_is_done(done: bool) -> No
                              poll_interval=0.05)
         log: list[tuple[int, str]] = []
         execute = _three_like_peers(poll, log, core)
-
-        def backward(step: Any) -> float:
-            idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
-            loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-            loss.backward()
-            return float(loss.detach())
-
-        while drive(core.step(backward), execute) is not None:
-            pass
+        _drive(core, model, execute)
         gathers = [s for s, kind in log if kind == "AllGather"]
         assert [s for s, kind in log if kind == "AllToAll"] == [0, 0, 0]
         assert gathers == ([1, 1, 1] if poll else [4, 4, 4])
@@ -560,10 +569,8 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
     first step that finds it done (the two-stage exchange's all-gather goes out at the first step
     that finds the all-to-all done); it is waited for only at the cycle's end, when it is not done by
     then."""
-    from pccl.torch._ops import drive
     from pccl.torch._streaming import StreamingCore
 
-    x, y = problem()
     h, cycles = 12, 2
     for overlap in ("auto", 5):
         model = make_model(0, hidden=64)
@@ -572,15 +579,7 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
                              error_feedback=True, budget_bytes=None, total_outer_steps=cycles,
                              just_joined=False, min_world_size=1, poll_interval=0.05)
         execute = _SlowExchanges(core, world, polls)
-
-        def backward(step: Any) -> float:
-            idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
-            loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-            loss.backward()
-            return float(loss.detach())
-
-        while drive(core.step(backward), execute) is not None:
-            pass
+        _drive(core, model, execute)
         if overlap != "auto":  # a fixed overlap applies at its step, after waiting there
             fixed = [s for s, kind, _ in execute.log if kind == "wait"]
             assert {5, 11} <= set(fixed) <= {1, 2, 5, 7, 8, 11}
@@ -608,10 +607,8 @@ def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
     end is carried into the next cycle and waited for at its fragment's next send, or at a membership
     cycle's start once the master said a newcomer is pending (before admitting it) and before the
     sync; the run's last cycle waits for its own at its end."""
-    from pccl.torch._ops import drive
     from pccl.torch._streaming import StreamingCore
 
-    x, y = problem()
     h = 12
     model = make_model(0, hidden=64)
     core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
@@ -620,16 +617,7 @@ def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
                          min_world_size=1, poll_interval=0.05, sync_every=2)
     # never found done: every exchange is waited for; a newcomer pending at every membership cycle
     execute = _SlowExchanges(core, 2, polls=10**6, pending=True)
-
-    def backward(step: Any) -> float:
-        idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
-        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()
-        return float(loss.detach())
-
-    results = []
-    while (r := drive(core.step(backward), execute)) is not None:
-        results.append(r)
+    results = _drive(core, model, execute)
     stats = core.statistics()["fragments"]
     # fragment 0 sent at 0, 12, 24, 36, applied at 12 (its next send), 24 (cycle 2's membership), 36,
     # 48 (the run's end); fragment 1 sent at 6, 18, 30, 42, applied at 18, 24, 42, 48
