@@ -278,6 +278,49 @@ def false_blocks(frames: OpFrames, reporter: int, rows: Mapping[int, tuple[int, 
     return out
 
 
+def finished(frames: OpFrames, reporter: int, rows: Mapping[int, tuple[int, int]]) -> bool:
+    """Whether ``reporter``'s own testimony (``rows``: partner -> ``(sent, taken)``) says it completed
+    every receive of its plan: then its plan released all its sends, and with none of them under way
+    (the caller checks ``blocked``) nothing was left for its data plane to wait on, so an operation it
+    reports stalled contradicts its own testimony (issue 33, the member that stops where it owes
+    nothing: its last receives release no send, so no partner's testimony or plan can show it)."""
+    if reporter not in frames.ids:
+        return False
+    rank = frames.ids.index(reporter)
+    plan = frames.plans[rank]
+    sources = {f.peer for f in plan.recvs}
+    w, _ = released(frames, rank, {q: rows.get(frames.ids[q], (0, 0))[1] for q in sources})
+    return w == len(plan.recvs)
+
+
+def undelivered(frames: OpFrames, reporter: int, rows: Mapping[int, tuple[int, int]],
+                complete: Iterable[int]) -> list[tuple[int, int, int]]:
+    """The partners among ``complete`` (participants that reported their part of the operation done:
+    every frame their plan sends written) whose plans send ``reporter`` more bytes than it says it took
+    from them (``rows``: partner -> ``(sent, taken)``).
+
+    Returns:
+        ``(partner, bytes its plan sends reporter, bytes reporter says it took)`` for each. Such a pair
+        tells the same story as a pair of testimonies that disagree (pccl/master/testimony.py): one of
+        the two lies, or their link holds the frames; the master cannot tell which.
+    """
+    if reporter not in frames.ids:
+        return []
+    rank = frames.ids.index(reporter)
+    done = set(complete)
+    out: list[tuple[int, int, int]] = []
+    for q in sorted({f.peer for f in frames.plans[rank].recvs}):  # its partners' plans only
+        peer = frames.ids[q]
+        if peer == reporter or peer not in done:
+            continue
+        qplan, qbytes = frames.plans[q], frames.send_bytes[q]
+        owed = sum(qbytes[j] for j, f in enumerate(qplan.sends) if f.peer == rank)
+        taken = rows.get(peer, (0, 0))[1]
+        if owed > taken:
+            out.append((peer, owed, taken))
+    return out
+
+
 def affected(frames: OpFrames, peer: int) -> set[int]:
     """The participants whose judgement a testimony of ``peer`` can change: itself and its partners."""
     if peer not in frames.ids:
@@ -289,6 +332,6 @@ def affected(frames: OpFrames, peer: int) -> set[int]:
 
 
 __all__ = [
-    "MAX_FRAMES", "SLACK", "OpFrames", "affected", "estimated_frames", "false_blocks", "op_frames",
-    "plan_holders", "released", "run_schedule",
+    "MAX_FRAMES", "SLACK", "OpFrames", "affected", "estimated_frames", "false_blocks", "finished",
+    "op_frames", "plan_holders", "released", "run_schedule", "undelivered",
 ]

@@ -394,6 +394,7 @@ class MasterServer:
                 log.warning("operation %d stalled: by what peer %d says it took, its plan released %d bytes "
                             "to peer %d, which took only %d from it", msg.op_seq, holder, owed, succ, passed)
                 self._strike(holder, now)
+            pairs += self._last_holder(reporter, msg, now)
         for accuser, accused in pairs:
             if not self.testimony.first(msg.op_seq, accuser, accused):
                 continue
@@ -402,6 +403,27 @@ class MasterServer:
                 log.warning("peer %d %s", pid, reason)
                 # remembered: a rejoin is refused for a back-off (pccl/master/penalties.py)
                 self._execute(self.state.evict_for_liveness(pid, reason, Result.KICKED, now))
+
+    def _last_holder(self, reporter: int, msg: m.CollectiveDone, now: float) -> list[tuple[int, int]]:
+        """The member that stops where it owes nothing (pccl/master/plan_rule.py ``finished`` and
+        ``undelivered``): a stall testimony that by its own plan took every frame it receives, with no
+        send under way, strikes its maker alone; a partner that reported its part complete although
+        the reporter says it took less of its frames is a pair (returned), as if both had testified."""
+        op = next((o for o in self.state.collectives.ops.values()
+                   if o.running and o.op_seq == msg.op_seq), None)
+        complete = frozenset(op.done) if op is not None else frozenset()
+        done, short = self.testimony.last_holder(msg.op_seq, reporter, msg.io, complete, msg.schedule)
+        if done and not msg.blocked and msg.stalled_on < 0 \
+                and self.testimony.first(msg.op_seq, reporter, reporter):
+            log.warning("operation %d stalled: peer %d reports it stalled, but by what it says it took its "
+                        "plan had no receive left and no send of it was under way", msg.op_seq, reporter)
+            self._strike(reporter, now, "it reported operations stalled although it says it took every frame "
+                                        "its plan receives and had no send under way")
+        for partner, owed, taken in short:
+            log.warning("operation %d stalled: peer %d reported its part complete (its plan sent peer %d %d "
+                        "bytes), peer %d says it took %d of them", msg.op_seq, partner, reporter, owed,
+                        reporter, taken)
+        return [(partner, reporter) for partner, _, _ in short]
 
     def _strike(self, peer: int, now: float, why: str = "") -> None:
         """``peer``'s own testimony contradicts itself: struck alone (pccl/master/blame.py ``hold``)."""
@@ -420,6 +442,8 @@ class MasterServer:
         d = None if op is None else op.votes.get(op.participants[0])
         if op is not None and d is not None:
             self.testimony.plans.note(op_seq, d, op.participants)
+            for peer, schedule in op.schedules.items():  # those that reported their part complete
+                self.testimony.plans.claim(op_seq, peer, schedule)
 
     async def _writer(self, conn: _Conn) -> None:
         try:

@@ -28,7 +28,7 @@ holds the ring: it alone is blamed (pccl/master/blame.py ``hold``).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterable, Mapping, Sequence
+from collections.abc import Collection, Container, Iterable, Mapping, Sequence
 
 from .op_plans import OpPlans
 
@@ -99,6 +99,30 @@ class StallTestimony:
                 break
             mine[partner] = (sent, taken)
         return false_blocks(frames, reporter, mine, named)
+
+    def last_holder(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
+                    complete: Collection[int], schedule: str = "") -> tuple[bool, list[tuple[int, int, int]]]:
+        """Judge ``reporter``'s stall testimony ``rows`` for operation ``op_seq`` against its own plan and
+        against the participants that reported their part ``complete`` (pccl/master/plan_rule.py
+        ``finished`` and ``undelivered``): whether by its own testimony it took every frame its plan
+        receives (under the operation's schedule or, while most participants have not reported it, the
+        ``schedule`` it says it ran: judged by its own account), and the complete partners whose plans
+        sent it more than it says it took (under the operation's schedule only: a claim of one member
+        never makes another's figures). Both empty unless the operation is recorded and plannable."""
+        frames = self.plans.frames(op_seq, schedule)
+        if frames is None:
+            return False, []
+        from .plan_rule import finished, undelivered  # loaded with the plans (op_plans.py)
+
+        mine: dict[int, tuple[int, int]] = {}
+        for partner, sent, taken in rows:
+            if len(mine) >= self.max_rows:
+                break
+            mine[partner] = (sent, taken)
+        done = finished(frames, reporter, mine)
+        if self.plans.schedule(op_seq) is None:
+            return done, []
+        return done, undelivered(frames, reporter, mine, complete)
 
     def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]],
             members: Container[int] | None = None,

@@ -378,7 +378,10 @@ class CollectiveCalls:
             attempt, tx, rx = await self._attempt(call, st, c, root, send_np, work, staging)
             plane_ok = True
             t_ring = time.perf_counter()
-            await self._confirm(st)
+            # the schedule "auto" resolved to: the master judges a participant that then fails the
+            # operation alone by the plans most participants report (pccl/master/op_plans.py)
+            await self._confirm(st, _REPORTED.get(attempt.plan.schedule, "")
+                                if call.descriptor.schedule == "auto" else "")
             t_complete = time.perf_counter()
             st.concluded = True
             # Commit: the only place the caller's buffer is written (but for a device tensor's
@@ -574,14 +577,15 @@ class CollectiveCalls:
             raise RankConnectionLostError(reason)
         return attempt, tx, rx
 
-    async def _confirm(self, st: OpState) -> None:
+    async def _confirm(self, st: OpState, schedule: str = "") -> None:
         """Report success and wait for the master's verdict. In doubt from here until the master
         answers: a master lost now (even while this report is being sent) leaves the op waiting for
         the decision of the master this peer reconnects to, instead of failing it (docs/concepts.md
         "Operations in doubt")."""
         self._core.op_done(st.tag)
         try:
-            await self._send_now(m.CollectiveDone(tag=st.tag, success=True, op_seq=st.op_seq))
+            await self._send_now(m.CollectiveDone(tag=st.tag, success=True, op_seq=st.op_seq,
+                                                  schedule=schedule))
         except RankConnectionLostError:
             if not self._core.reconnecting:
                 raise

@@ -112,6 +112,8 @@ class CollectiveRound:
     op_seq: int = -1
     participants: list[int] = field(default_factory=list)
     done: set[int] = field(default_factory=set)
+    # the schedule each ``done`` peer says "auto" ran (the plan rule's majority: pccl/master/op_plans.py)
+    schedules: dict[int, str] = field(default_factory=dict)
     # the same peers as ``participants``, for O(1) membership tests (kept in step with it)
     participant_set: set[int] = field(default_factory=set)
     # the speculative start: each voter's proposed op_seq (-1: none), and voters whose speculative
@@ -386,6 +388,8 @@ class CollectiveVotes:
         if not msg.success:
             return self.abort(key, f"peer {peer_id} failed: {msg.reason}", Result.RANK_CONNECTION_LOST, ctx)
         op.done.add(peer_id)
+        if msg.schedule:
+            op.schedules[peer_id] = msg.schedule
         return self.check_done(key, ctx)
 
     def check_done(self, key: tuple[int, int], ctx: CollectiveContext) -> list[Effect]:
