@@ -29,7 +29,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from .._errors import Result
 from .._stalls import StallCredit
+from . import held_ops
 from .deadlock import DeadlockWatch
 from .effects import Drop, Effect
 from .state import MasterState
@@ -91,6 +93,8 @@ class MasterTimers:
         if cfg.vote_timeout is not None:
             yield st.vote_overdue(now, cfg.vote_timeout)
             ends.append(st.vote_deadline(cfg.vote_timeout))
+            yield from self._held(now, cfg.vote_timeout)
+            ends.append(self._held_deadline(cfg.vote_timeout))
         if cfg.admission_grace is not None:
             yield st.admission_overdue(now, cfg.admission_grace)
             ends.append(st.admission_deadline(cfg.admission_grace))
@@ -104,6 +108,22 @@ class MasterTimers:
             yield self.deadlocks.poll(st, now)
             ends.append(self.deadlocks.deadline())
         self._ticked = min((e for e in ends if e is not None), default=None)
+
+    def _held(self, now: float, timeout: float) -> Iterator[list[Effect]]:
+        """A running collective that one participant has held alone too long: it is removed
+        (pccl/master/held_ops.py), remembered as evicted for liveness."""
+        st = self.state
+        if not st.resumed:
+            return  # held (rebuilding, short of its quorum): the operations wait for members
+        for pid, reason in held_ops.overdue(list(st.collectives.ops.values()), now, timeout,
+                                            st.offenders.grace):
+            if pid in st.peers:
+                yield st.evict_for_liveness(pid, reason, Result.KICKED, now)
+
+    def _held_deadline(self, timeout: float) -> float | None:
+        st = self.state
+        return held_ops.deadline(st.collectives.ops.values(), timeout, st.offenders.grace) \
+            if st.resumed else None
 
     def _credited(self, deadline: float | None, now: float) -> float | None:
         """A silence deadline moved by the stall credit held at ``now``."""

@@ -114,6 +114,8 @@ class CollectiveRound:
     done: set[int] = field(default_factory=set)
     # the schedule each ``done`` peer says "auto" ran (the plan rule's majority: pccl/master/op_plans.py)
     schedules: dict[int, str] = field(default_factory=dict)
+    # since when every participant but one reported its part done (pccl/master/held_ops.py)
+    alone_since: float | None = None
     # the same peers as ``participants``, for O(1) membership tests (kept in step with it)
     participant_set: set[int] = field(default_factory=set)
     # the speculative start: each voter's proposed op_seq (-1: none), and voters whose speculative
@@ -333,6 +335,8 @@ class CollectiveVotes:
         op.fast = True
         op.op_seq = res.seq
         op.done = op.early_done & op.participant_set
+        if len(op.done) + 1 == len(op.participant_set):
+            op.alone_since = ctx.now
         self.fast_starts += 1
         # Off the critical path, the speculating voters hear that everyone voted (a commence without a
         # table: their data planes already run; it starts their stall clocks); voters that did not have
@@ -390,6 +394,8 @@ class CollectiveVotes:
         op.done.add(peer_id)
         if msg.schedule:
             op.schedules[peer_id] = msg.schedule
+        if len(op.done) + 1 == len(op.participant_set):
+            op.alone_since = ctx.now  # one left: what the others wait on (pccl/master/held_ops.py)
         return self.check_done(key, ctx)
 
     def check_done(self, key: tuple[int, int], ctx: CollectiveContext) -> list[Effect]:
