@@ -39,6 +39,7 @@ class StallBlame:
     _reports: dict[tuple[int, int], list[float]] = field(default_factory=dict)
     _holds: dict[int, list[float]] = field(default_factory=dict)
     removed_total: int = 0
+    struck_total: int = 0  # strikes given by :meth:`hold`
 
     def hold(self, holder: int, now: float, members: set[int],
              repeat: Callable[[int], bool] | None = None, why: str = "") -> list[tuple[int, str]]:
@@ -54,6 +55,7 @@ class StallBlame:
         """
         if holder not in members:
             return []
+        self.struck_total += 1
         times = [t for t in self._holds.get(holder, []) if now - t <= self.window]
         times.append(now)
         self._holds[holder] = times

@@ -19,6 +19,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+#: Seconds a participant may hold a running operation alone and then fail it without a testimony that
+#: names anyone (pccl/master/testimony.py, plan_rule.py) before the failure counts against it
+#: (:func:`lone_failure`). An honest participant that fails after holding alone either testifies (its
+#: data plane stood still for half ``p2p_stall_timeout``) or fails at once (a local error): what is left
+#: of its data plane is what its partners already wrote.
+LONE = 5.0
+
 
 class HeldRound(Protocol):
     """What this module reads of a :class:`~pccl.master.rounds.collective.CollectiveRound`."""
@@ -69,4 +76,12 @@ def overdue(ops: Iterable[HeldRound], now: float, timeout: float,
     return out
 
 
-__all__ = ["HeldRound", "deadline", "holder", "overdue"]
+def lone_failure(op: HeldRound | None, peer: int, now: float, lone: float = LONE) -> float | None:
+    """How long ``peer`` held running ``op`` alone before failing it now, when it was the holder for
+    at least ``lone`` seconds (see :data:`LONE`); else None."""
+    if op is None or holder(op) != peer or op.alone_since is None or now - op.alone_since < lone:
+        return None
+    return now - op.alone_since
+
+
+__all__ = ["LONE", "HeldRound", "deadline", "holder", "lone_failure", "overdue"]

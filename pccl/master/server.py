@@ -36,6 +36,7 @@ from ..wire.admission import HandshakeGate
 from ..wire.handshake import accept_hello
 from ..wire.hello import check_run
 from ..wire.stream import CLOSED_BY_PEER, MessageStream
+from . import held_ops
 from .blame import StallBlame
 from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
@@ -364,6 +365,9 @@ class MasterServer:
         pair found counts once per operation; the second within the window removes both
         (pccl/master/blame.py)."""
         pairs: list[tuple[int, int]] = []
+        struck = self.blame.struck_total
+        rec = self.state.peers.get(reporter)
+        op = self.state.collectives.ops.get((rec.group, msg.tag)) if rec is not None else None
         if msg.op_seq >= 0:
             self._note_plan(msg.op_seq)
         # a send under way that its own testimony leaves no frame for: the accuser alone is struck
@@ -395,6 +399,14 @@ class MasterServer:
                             "to peer %d, which took only %d from it", msg.op_seq, holder, owed, succ, passed)
                 self._strike(holder, now)
             pairs += self._last_holder(reporter, msg, now)
+        held = held_ops.lone_failure(op, reporter, now)
+        if held is not None and not pairs and self.blame.struck_total == struck:
+            # it held the operation alone and fails it naming nobody: the failure is its own
+            log.warning("operation %d failed by peer %d, which held it alone for %.1fs after every other "
+                        "participant finished, with no testimony naming another", op.op_seq if op else -1,
+                        reporter, held)
+            self._strike(reporter, now, f"it failed operations it held alone for {held_ops.LONE:g}s or more "
+                                        "after every other participant finished, naming nobody")
         for accuser, accused in pairs:
             if not self.testimony.first(msg.op_seq, accuser, accused):
                 continue

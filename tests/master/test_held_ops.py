@@ -49,3 +49,12 @@ def test_a_repeat_offender_gets_half_the_time_per_strike() -> None:
     ops = [Op(done={1, 2, 4}, alone_since=0.0)]
     assert held_ops.deadline(ops, 60.0, o.grace) == 15.0
     assert [p for p, _ in held_ops.overdue(ops, 15.5, 60.0, o.grace)] == [3]
+
+
+def test_a_lone_failure_counts_only_from_the_holder_after_the_lone_time() -> None:
+    op = Op(done={1, 2, 4}, alone_since=10.0)
+    assert held_ops.lone_failure(op, 3, 10.0 + held_ops.LONE) == held_ops.LONE
+    assert held_ops.lone_failure(op, 3, 10.0 + held_ops.LONE - 0.1) is None  # failed at once: a local error
+    assert held_ops.lone_failure(op, 2, 100.0) is None  # not the holder
+    assert held_ops.lone_failure(Op(done={1}, alone_since=None), 3, 100.0) is None
+    assert held_ops.lone_failure(None, 3, 100.0) is None

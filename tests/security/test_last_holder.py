@@ -41,7 +41,7 @@ STALL = 5.0
 
 
 def stop_at_the_end(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Communicator,
-                    lie: bool) -> None:
+                    lie: bool, wait: float = 2 * STALL) -> None:
     """``evil`` reads every frame of an operation except those of its last receives that release no send
     (it leaves them in the link until its operation failed, then reads on); with ``lie`` it testifies it
     took what each partner sent it."""
@@ -67,7 +67,7 @@ def stop_at_the_end(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Comm
                 while tail > 0 and not plan.unlocks[tail - 1]:
                     tail -= 1
                 if any(ring[f.peer] == conn.peer_id and f.seq == seq for f in plan.recvs[tail:]):
-                    await trio.sleep(2 * STALL)  # past its operation's failure: then it reads on
+                    await trio.sleep(wait)  # past its operation's failure: then it reads on
         waited: bool = await real_read(self, conn)
         return waited
 
@@ -145,6 +145,36 @@ async def test_under_auto_the_liar_cannot_choose_the_plans_it_is_judged_by(
         assert stalls == STRIKES, caplog.text
         assert sorted(cl.master.state.ring) == honest
         assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2" in caplog.text
+
+
+async def test_a_member_that_fails_what_it_holds_alone_without_testimony_is_removed(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same member, but its failure reports carry no testimony (it says its data plane moved a
+    moment ago): nothing can be compared. It held the operation alone, every other participant
+    finished, for ``held_ops.LONE`` or more and names nobody: the failure is its own, struck alone."""
+    from pccl.master.held_ops import LONE
+    from pccl.peer.collective_api import CollectiveCalls
+
+    caplog.set_level(logging.WARNING, logger="pccl")
+    stall = 2 * LONE
+    cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=stall, schedule="ring")
+    net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
+    async with open_test_cluster(4, network=net, config=cfg) as cl:
+        evil = cl.peer(2)
+        honest = sorted(cl.peer(i).peer_id for i in (0, 1, 3))
+        stop_at_the_end(monkeypatch, cl, evil, lie=True, wait=2 * stall)
+        real = CollectiveCalls._testimony
+
+        def none(self: Any, st: Any, attempt: Any) -> Any:
+            return [] if self.peer_id == evil.peer_id else real(self, st, attempt)
+
+        monkeypatch.setattr(CollectiveCalls, "_testimony", none)
+        stalls = await stalled_rounds(cl, 1024, STRIKES + 3)
+        assert stalls == STRIKES, caplog.text
+        assert sorted(cl.master.state.ring) == honest
+        assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2" in caplog.text
+        assert "it failed operations it held alone" in caplog.text
 
 
 async def test_a_truthful_member_that_stops_where_it_owes_nothing_leaves_with_its_partner(
