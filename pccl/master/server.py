@@ -368,6 +368,8 @@ class MasterServer:
         struck = self.blame.struck_total
         rec = self.state.peers.get(reporter)
         op = self.state.collectives.ops.get((rec.group, msg.tag)) if rec is not None else None
+        if op is not None and msg.op_seq not in (-1, op.op_seq):
+            op = None  # a replaced speculative attempt's report: the operation does not fail by it
         if msg.op_seq >= 0:
             self._note_plan(msg.op_seq)
         # a send under way that its own testimony leaves no frame for: the accuser alone is struck
