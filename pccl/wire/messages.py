@@ -703,8 +703,9 @@ class CollectiveDone(Message):
     bytes sent to it, bytes taken from it]`` for this operation (the master compares the two ends of
     each pair: docs/security.md "Members"); empty: not so. ``blocked``: with ``io``, the partners this
     member's sends to were under way then (frames released but not written: they are not in ``sent``).
-    ``schedule``: with ``io``, the schedule its plan ran ("ring", "hd", "tree": ``"auto"`` as the peer
-    resolved it); the master rebuilds the plans the participants' reports agree on.
+    ``schedule``: with ``io``, and with the success of an ``"auto"`` operation, the schedule its plan ran
+    ("ring", "hd", "tree": ``"auto"`` as the peer resolved it); the master rebuilds the plans the
+    participants' reports agree on.
     """
 
     tag: Count
