@@ -49,14 +49,16 @@ T = TypeVar("T")
 #: took counts whole frames from the header on. Held amounts are whole frames, so any allowance below
 #: the smallest frame (a quantized frame's metadata, 24 bytes) is this same rule.
 SLACK = 0
-#: Frames past which the master does not rebuild an operation's plans (:func:`estimated_frames`, before
-#: building anything). Every participant's plan is built once a stalled operation's schedule is known
-#: (its reporters and their partners are judged), at about 25-70 us per frame in the master's loop on the
-#: loaded 2-core machine (a 256-member ring all-reduce's plans took 6.5 s, so they are not built): 4096
-#: frames stay under ~0.3 s, once per stalled operation. That covers ring operations of up to ~22
-#: members and halving-doubling and tree ones of up to ~64 (small buffers). A larger stalled operation
-#: is judged by the pair and ``stalled_on`` rules only (a ring all-reduce also by the coarse ring rule,
-#: which needs no plan: pccl/master/testimony.py ``ring_holders``).
+#: Frames past which one report's judgement would build too many plans (:func:`report_frames`, estimated
+#: before building anything): each report judges only the peers its testimony can change (its maker and
+#: its partners, :func:`affected`), building their plans and those of the partners they receive from,
+#: each rank's plan once per operation (pccl/master/testimony.py ``holders``). That covers ring
+#: operations of up to ~100 members and halving-doubling and tree ones of up to 256 (small buffers;
+#: ``all_to_all``, whose ranks are all partners, ~23). Measured (benchmarks/stall_reports.py, a stalled
+#: 4 KiB all-reduce, every waiting participant reporting): worst report 31 ms at 100 in a ring, 0.4 ms at
+#: 256 in halving-doubling (docs/security.md). A larger stalled operation is judged by the pair and
+#: ``stalled_on`` rules only (a ring all-reduce also by the coarse ring rule, which needs no plan:
+#: pccl/master/testimony.py ``ring_holders``).
 MAX_FRAMES = 4096
 
 
@@ -97,7 +99,10 @@ class OpFrames:
         plans: each rank's plan.
         send_bytes: each rank's send frames' lengths (``plans[r].sends`` order).
         recv_bytes: each rank's receive frames' lengths (``plans[r].recvs`` order).
+        estimate: :func:`estimated_frames` of all the ranks' plans (0: not estimated).
     """
+
+    estimate = 0
 
     def __init__(self, ids: Sequence[int], build: Callable[[int], Plan], itemsize: int,
                  quantized: tuple[int, int] | None) -> None:
@@ -138,11 +143,28 @@ def estimated_frames(schedule: str, n: int, count: int, block_elems: int) -> int
     return 2 * n * (2 * max(1, (n - 1).bit_length()) + 2) * blocks
 
 
+def report_frames(schedule: str, n: int, count: int, block_elems: int, kind: str = "") -> int:
+    """A generous estimate of the frames of the plans one report's judgement builds (see
+    :data:`MAX_FRAMES`): the peers a testimony can change (its maker and its partners, :func:`affected`)
+    and the partners each of those receives from (:func:`released` walks their release orders): 5 ranks
+    of a ring; for a halving-doubling or tree rank with ``P`` partners, itself, its partners and theirs
+    (``1 + P + P (P - 1) / 2``: a hypercube's neighbours of neighbours); each rank's frames as
+    :func:`estimated_frames` counts them; every rank for ``all_to_all`` (each rank's partners are all).
+    """
+    per_rank = -(-estimated_frames(schedule, n, count, block_elems) // n)
+    partners = 2 if schedule == "ring" else (n - 1).bit_length() + 1
+    touched = 5 if schedule == "ring" else 1 + partners + partners * (partners - 1) // 2
+    if kind == "all_to_all":
+        touched = n
+    return per_rank * min(n, touched)
+
+
 def op_frames(d: CollectiveDescriptor, participants: Sequence[int], block_bytes: int = DEFAULT_BLOCK_BYTES,
               max_frames: int | None = None) -> OpFrames | None:
     """The plans the ``participants`` (ring order) run for descriptor ``d``, or None where the master
     cannot know them (an unresolved ``"auto"``, a descriptor no peer could plan, a root not among
-    them) or they would exceed ``max_frames`` (:func:`estimated_frames`; None: :data:`MAX_FRAMES`)."""
+    them) or one report's judgement would build more than ``max_frames`` of them
+    (:func:`report_frames`; None: :data:`MAX_FRAMES`). Each rank's plan is built when first used."""
     schedule = run_schedule(d)
     n = len(participants)
     if schedule is None or n < 2 or d.element_count < 0:
@@ -158,8 +180,9 @@ def op_frames(d: CollectiveDescriptor, participants: Sequence[int], block_bytes:
             block_elems = max(1, block_elems // QUANTIZED_BLOCK_DIVISOR)
         root = list(participants).index(d.root) if k.rooted else 0
         limit = MAX_FRAMES if max_frames is None else max_frames
-        if estimated_frames(schedule, n, d.element_count, block_elems) > limit:
+        if report_frames(schedule, n, d.element_count, block_elems, k.name) > limit:
             return None
+        total = estimated_frames(schedule, n, d.element_count, block_elems)
 
         def build(rank: int) -> Plan:
             return build_plan(k, n, rank, d.element_count, itemsize, schedule=schedule, root=root,
@@ -168,7 +191,9 @@ def op_frames(d: CollectiveDescriptor, participants: Sequence[int], block_bytes:
         build(0)  # a descriptor no peer could plan either raises here
     except (ValueError, TypeError, ArithmeticError):
         return None
-    return OpFrames(participants, build, itemsize, quantized)
+    frames = OpFrames(participants, build, itemsize, quantized)
+    frames.estimate = total
+    return frames
 
 
 def _release_order(plan: Plan) -> list[int]:
@@ -333,5 +358,5 @@ def affected(frames: OpFrames, peer: int) -> set[int]:
 
 __all__ = [
     "MAX_FRAMES", "SLACK", "OpFrames", "affected", "estimated_frames", "false_blocks", "finished",
-    "op_frames", "plan_holders", "released", "run_schedule", "undelivered",
+    "op_frames", "plan_holders", "released", "report_frames", "run_schedule", "undelivered",
 ]

@@ -34,6 +34,10 @@ from .op_plans import OpPlans
 
 #: Operations whose testimonies are kept (the oldest forgotten first).
 KEEP = 16
+#: Estimated frames (every participant's plans together, pccl/master/plan_rule.py ``estimated_frames``)
+#: up to which the reporters that testified before an operation's plans were known are all judged at
+#: once when they are; above it, one more per later report (pccl/master/plan_rule.py ``MAX_FRAMES``).
+JUDGE_ALL_FRAMES = 4096
 #: Rows kept in all (the oldest operations forgotten first): a member that testifies for operations
 #: that never stalled, with a row for every member, holds at most this many (a few MiB).
 MAX_ROWS = 65536
@@ -53,13 +57,19 @@ class StallTestimony:
         self.plans = OpPlans(keep)
         # op_seq -> testifier -> partners whose send was under way
         self._blocked: dict[int, dict[int, frozenset[int]]] = {}
-        self._planned: OrderedDict[int, None] = OrderedDict()  # operations judged by their plans so far
+        # op_seq -> reporters that testified while the operation's plans were not known (its schedule
+        # not yet agreed): judged once they are (:meth:`holders`)
+        self._waiting: OrderedDict[int, list[int]] = OrderedDict()
 
     def holders(self, op_seq: int, reporter: int | None = None) -> list[tuple[int, int, int, int]]:
         """``(holder, successor, owed, passed)`` of operation ``op_seq``, each holder once per operation:
         by the plan rule (:func:`~pccl.master.plan_rule.plan_holders`, among the peers a testimony of
-        ``reporter`` can change: None, all) if its plans are known (:class:`OpPlans`), else by
-        :func:`ring_holders` if it is a ring all-reduce too large to rebuild; else empty."""
+        ``reporter`` can change, and those of reporters that testified before the plans were known:
+        all of them while the operation's plans together fit :data:`JUDGE_ALL_FRAMES`, else one more per
+        report; ``reporter`` None: every participant) if its plans are known (:class:`OpPlans`), else
+        by :func:`ring_holders` if it is a ring all-reduce too large to rebuild; else empty. A
+        reporter whose operation's plans are not known yet (an ``"auto"`` schedule most participants
+        have not reported) waits to be judged."""
         op = self._ops.get(op_seq)
         if op is None:
             return []
@@ -68,16 +78,28 @@ class StallTestimony:
         if frames is not None:
             from .plan_rule import affected, plan_holders  # loaded with the plans (op_plans.py)
 
-            # the first judgement by the plans (its schedule just became known) takes every participant
-            first = op_seq not in self._planned
-            self._planned[op_seq] = None
-            while len(self._planned) > self.keep:
-                self._planned.popitem(last=False)
-            who = None if reporter is None or first else affected(frames, reporter)
+            who: set[int] | None = None
+            if reporter is not None:
+                # only the peers a testimony can change (its maker and its partners), and those of the
+                # reporters that testified before the plans were known: all at once while every plan of
+                # the operation fits MAX_FRAMES, else one more per report (each report's work bounded)
+                who = affected(frames, reporter)
+                waiting = self._waiting.get(op_seq)
+                if waiting:
+                    take = len(waiting) if frames.estimate <= JUDGE_ALL_FRAMES else 1
+                    for early in waiting[:take]:
+                        who |= affected(frames, early)
+                    del waiting[:take]
             found = plan_holders(frames, op, blocked, who)
         elif (facts := self.plans.ring(op_seq)) is not None:
             found = ring_holders(facts[0], facts[1], op, blocked)
         else:
+            if reporter is not None and self.plans.known(op_seq) and self.plans.schedule(op_seq) is None:
+                waiting = self._waiting.setdefault(op_seq, [])  # judged once most report the schedule
+                if reporter not in waiting:
+                    waiting.append(reporter)
+                while len(self._waiting) > self.keep:
+                    self._waiting.popitem(last=False)
             return []
         return [h for h in found if self.first(op_seq, h[0], h[0])]
 
@@ -215,4 +237,4 @@ def ring_holders(order: Sequence[int], slack: int, testimony: Mapping[int, Mappi
     return found
 
 
-__all__ = ["KEEP", "MAX_ROWS", "StallTestimony", "ring_holders"]
+__all__ = ["JUDGE_ALL_FRAMES", "KEEP", "MAX_ROWS", "StallTestimony", "ring_holders"]
