@@ -72,6 +72,8 @@ class Fragment:
     outer: list[torch.nn.Parameter]
     offset: int  # the inner step of the cycle at which it is sent
     spec: CodecSpec  # "auto", a codec name, a codec, or None (fp32)
+    # with overlap "auto": the inner step at which it is sent in a cycle that ends at a membership point
+    early_offset: int = 0
     codec: Codec | None = None
     feedback: ErrorFeedback | None = None
     handle: Any = None

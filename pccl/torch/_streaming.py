@@ -2,7 +2,10 @@
 
 The model's parameters are split into ``P`` fragments. Every fragment is synced once per *cycle* of
 ``H`` inner steps, fragment ``p`` at inner step ``p * H // P`` of the cycle (staggered, so the
-traffic is spread over the cycle instead of arriving all at once):
+traffic is spread over the cycle instead of arriving all at once); with ``overlap="auto"``, in a cycle
+that ends at a membership point (the next cycle syncs, or the run ends), at ``p * H // (P + 1)``, so that
+the last fragment's exchange has ``2 H / (P + 1)`` steps instead of ``H / P`` to arrive before the sync,
+which must wait for it (below):
 
 1. its pseudo-gradient ``outer_p - inner_p`` is measured and its average over the peers is launched
    in the background on its own tag: a ring all-reduce; with a codec and 2 peers, an all-gather of
@@ -105,7 +108,9 @@ class StreamingCore:
         fragments: a count, or lists of parameter names (see :func:`split_fragments`).
         overlap: inner steps an exchange overlaps before it is applied (0: applied at once), or
             ``"auto"``: applied at the first inner step after its send that finds it complete (asked
-            without waiting), at the cycle's end at the latest (see the module).
+            without waiting), before its fragment's next send or a membership cycle's sync at the
+            latest; a cycle that ends at a membership point then sends its fragments earlier (see the
+            module).
         mixing: the merge factor ``alpha`` of the inner parameters (0: they take the outer ones).
         codec: one spec for every fragment or one per fragment: None / ``"fp32"``, ``"int8"``,
             ``"int4"``, ``"topk:F"``, ``"topk:F:int4"``, a codec object, or ``"auto"`` (the least lossy
@@ -170,7 +175,8 @@ class StreamingCore:
                 raise InvalidArgumentError(f"fragment {p_index}: its parameters must share one float dtype")
             frag = Fragment(p_index, [named[i][0] for i in idx], inner,
                             [outer_named[named[i][0]] for i in idx],
-                            offset=p_index * inner_steps // len(groups), spec=spec)
+                            offset=p_index * inner_steps // len(groups), spec=spec,
+                            early_offset=p_index * inner_steps // (len(groups) + 1))
             if spec != "auto":
                 frag.codec = codec_from_spec(spec)
             n = frag.numel
@@ -288,6 +294,19 @@ class StreamingCore:
                             f.feedback = ErrorFeedback(f.codec, f.numel)
                         f.feedback.codec = f.codec
         return True
+
+    def _ends_at_membership(self) -> bool:
+        """Whether the cycle running now ends at a membership point: the next one admits newcomers and
+        syncs (every ``sync_every``-th), or it is the run's last."""
+        nxt = self.cycle + 1
+        return nxt % self.sync_every == 0 or (self.total_outer_steps is not None
+                                              and nxt >= self.total_outer_steps)
+
+    def _send_step(self, f: Fragment) -> int:
+        """The inner step of this cycle at which ``f`` is sent: ``p * H // P``; with ``"auto"``, in a cycle
+        that ends at a membership point, ``p * H // (P + 1)``: the last fragment's exchange gets
+        ``2 H / (P + 1)`` steps instead of ``H / P`` to arrive before the sync, which waits for it."""
+        return f.early_offset if self.auto_overlap and self._ends_at_membership() else f.offset
 
     def _inner_from_outer(self) -> None:
         with torch.no_grad():
@@ -504,7 +523,7 @@ class StreamingCore:
         index = self.cycle * self.inner_steps + s
         tx, self.drained_tx = self.drained_tx, 0
         for f in self.fragments:
-            if f.offset == s:
+            if self._send_step(f) == s:
                 if f.in_flight:  # "auto": carried over from the last cycle, applied before its next send
                     tx += yield from self._finish_at(f, index)
                 yield from self._launch(f)

@@ -591,7 +591,8 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
         # the step it goes out), applied then; never done: waited for after the cycle's last step
         lag = min(polls * stages - (stages - 1), h) if polls < 100 else h
         applied = [f["mean_overlap"] for f in core.statistics()["fragments"]]
-        assert applied == [min(lag, h - o) for o in (0, h // 2)], (applied, log)
+        # (every cycle ends at a membership point: fragment p of P is sent at p * H // (P + 1))
+        assert applied == [min(lag, h - o) for o in (0, h // 3)], (applied, log)
         # nothing waits before it is done, but at the next cycle's start (every cycle is a membership
         # one here: drained before the sync) or at the run's last step's end (h)
         waits = [(s, done) for s, kind, done in log if kind == "wait"]
@@ -599,7 +600,7 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
         assert all(done or s in (0, h) for s, done in waits), waits
         if world == 3 and polls == 3:
             gathers = [s for s, kind, name in log if kind == "start" and name == "AllGather"]
-            assert gathers == [3, 9] * cycles  # the all-to-all found done at its third poll
+            assert gathers == [3, 7] * cycles  # the all-to-all found done at its third poll
 
 
 def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
@@ -620,14 +621,56 @@ def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
     results = _drive(core, model, execute)
     stats = core.statistics()["fragments"]
     # fragment 0 sent at 0, 12, 24, 36, applied at 12 (its next send), 24 (cycle 2's membership), 36,
-    # 48 (the run's end); fragment 1 sent at 6, 18, 30, 42, applied at 18, 24, 42, 48
+    # 48 (the run's end); fragment 1 sent at 6, 16, 30, 40 (at 4 = 1 * H // 3 in cycles 1 and 3, which end
+    # at a membership point), applied at 16, 24, 40, 48
     assert [f["mean_overlap"] for f in stats] == [12.0, 9.0]
     assert all(f["rounds"] == 4 and f["lost"] == 0 for f in stats)
     waits = [s for s, kind, _ in execute.log if kind == "wait"]
-    assert waits == [0, 6, 0, 0, 0, 6, h, h]  # inner step of the cycle (h: after its last step)
+    assert waits == [0, 4, 0, 0, 0, 4, h, h]  # inner step of the cycle (h: after its last step)
     kinds = [kind for _, kind, _ in execute.log if kind != "poll"]
     second = [i for i, k in enumerate(kinds) if k == "pending"][1]  # cycle 2's membership
     assert kinds[second:second + 5] == ["pending", "wait", "wait", "update", "sync"]
     assert core.syncs == 3  # cycles 0, 2 and the run's end
     # every round's bytes in some step's result, the last ones in the last step's
+    assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
+
+
+@pytest.mark.parametrize("early", [True, False], ids=["early-before-membership", "same-offsets"])
+def test_auto_overlap_sends_earlier_in_a_cycle_that_ends_at_a_membership_point(early: bool) -> None:
+    """``overlap="auto"``: in a cycle that ends at a membership point (the next one syncs, or the run
+    ends) fragment ``p`` of ``P`` is sent at ``p * H // (P + 1)`` instead of ``p * H // P``, so an exchange
+    that takes 5 steps, carried over the other cycles' ends, arrives before every sync: nothing is ever
+    waited for. With the usual offsets there (``early=False``, patched) the last fragment's exchange is
+    still on the wire at those syncs and is waited for."""
+    from pccl.torch._streaming import StreamingCore
+
+    h = 12
+    model = make_model(0, hidden=64)
+    core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
+                         inner_steps=h, fragments=3, overlap="auto", mixing=0.5, codec=None,
+                         error_feedback=True, budget_bytes=None, total_outer_steps=4, just_joined=False,
+                         min_world_size=1, poll_interval=0.05, sync_every=2)
+    assert [(f.offset, f.early_offset) for f in core.fragments] == [(0, 0), (4, 3), (8, 6)]
+    if not early:
+        for f in core.fragments:
+            f.early_offset = f.offset
+    execute = _SlowExchanges(core, 2, polls=5)  # found done at the 5th step after its send
+    results = _drive(core, model, execute)
+    kinds = [(s, kind) for s, kind, _ in execute.log if kind in ("start", "sync")]
+    sends = [s for s, kind in kinds if kind == "start"]
+    # cycles 1 (cycle 2 syncs) and 3 (the run's last) end at a membership point
+    assert sends == ([0, 4, 8, 0, 3, 6] * 2 if early else [0, 4, 8] * 4)
+    # a wait for an exchange not found done yet (the result of one found done is read at once)
+    waits = [s for s, kind, done in execute.log if kind == "wait" and not done]
+    stats = core.statistics()["fragments"]
+    assert all(f["rounds"] == 4 and f["lost"] == 0 for f in stats)
+    if early:
+        assert waits == []  # applied when found done: the last fragment's at step 11 of cycles 1 and 3
+        # the last fragment's rounds of cycles 0 and 2 (sent at 8) are carried and applied at the next
+        # cycle's first step (their 5th poll, the cycle's end check being the 4th: 4 steps), those of
+        # cycles 1 and 3 (sent at 6) at step 11 (5 steps); the other fragments' always 5 steps after
+        assert stats[2]["mean_overlap"] == 4.5 and [f["mean_overlap"] for f in stats[:2]] == [5.0, 5.0]
+    else:
+        assert waits == [0, h]  # at cycle 2's sync, and at the run's end
+    assert [s for s, kind in kinds if kind == "sync"] == [0, 0, 0]  # cycles 0, 2 and the run's end
     assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
