@@ -72,8 +72,10 @@ class Fragment:
     outer: list[torch.nn.Parameter]
     offset: int  # the inner step of the cycle at which it is sent
     spec: CodecSpec  # "auto", a codec name, a codec, or None (fp32)
-    # with overlap "auto": the inner step at which it is sent in a cycle that ends at a membership point
+    # with overlap "auto": the inner step at which it is sent in the run's last cycle
     early_offset: int = 0
+    # with overlap "auto": its round in flight is applied only after the next membership point's sync
+    deferred: bool = False
     codec: Codec | None = None
     feedback: ErrorFeedback | None = None
     handle: Any = None

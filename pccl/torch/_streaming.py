@@ -2,10 +2,9 @@
 
 The model's parameters are split into ``P`` fragments. Every fragment is synced once per *cycle* of
 ``H`` inner steps, fragment ``p`` at inner step ``p * H // P`` of the cycle (staggered, so the
-traffic is spread over the cycle instead of arriving all at once); with ``overlap="auto"``, in a cycle
-that ends at a membership point (the next cycle syncs, or the run ends), at ``p * H // (P + 1)``, so that
-the last fragment's exchange has ``2 H / (P + 1)`` steps instead of ``H / P`` to arrive before the sync,
-which must wait for it (below):
+traffic is spread over the cycle instead of arriving all at once); with ``overlap="auto"``, in the run's
+last cycle at ``p * H // (P + 1)``, so that the last fragment's exchange has ``2 H / (P + 1)`` steps
+instead of ``H / P`` to arrive before the run's end, which must wait for it (below):
 
 1. its pseudo-gradient ``outer_p - inner_p`` is measured and its average over the peers is launched
    in the background on its own tag: a ring all-reduce; with a codec and 2 peers, an all-gather of
@@ -23,7 +22,11 @@ which must wait for it (below):
    done. It is waited for only where it must be applied: at its fragment's next send (one cycle
    later: an exchange still on the wire at a cycle's end is carried into the next cycle), and in a
    membership cycle's start (every ``sync_every``-th, and the run's end) before newcomers are admitted
-   and before the sync (the master is asked for newcomers while it is still on the wire). So the
+   and before the sync (the master is asked for newcomers while it is still on the wire). Except the
+   last fragment's round of a cycle that ends at a membership point within the run: no peer applies it
+   before that point's sync (it is not even polled), so every peer syncs the same outer state without
+   waiting for it; it is applied after the sync, when found done (before it is admitted when a newcomer
+   is pending: then it is waited for first). So the
    overlap is as long as the exchange takes on this link, in whatever number of inner steps that is,
    up to a whole cycle. Every peer still applies the same averages to the same outer parameters (a
    fragment's outer step touches its own parameters only, whenever it comes), so the outer state is
@@ -109,8 +112,8 @@ class StreamingCore:
         overlap: inner steps an exchange overlaps before it is applied (0: applied at once), or
             ``"auto"``: applied at the first inner step after its send that finds it complete (asked
             without waiting), before its fragment's next send or a membership cycle's sync at the
-            latest; a cycle that ends at a membership point then sends its fragments earlier (see the
-            module).
+            latest (the last fragment's round of a cycle before a membership point: after that sync);
+            the run's last cycle then sends its fragments earlier (see the module).
         mixing: the merge factor ``alpha`` of the inner parameters (0: they take the outer ones).
         codec: one spec for every fragment or one per fragment: None / ``"fp32"``, ``"int8"``,
             ``"int4"``, ``"topk:F"``, ``"topk:F:int4"``, a codec object, or ``"auto"`` (the least lossy
@@ -198,6 +201,7 @@ class StreamingCore:
         self.poll_interval = poll_interval
         self.sync_every = sync_every
         self.base_tag = base_tag
+        self._last_offset = max(f.offset for f in self.fragments)
         self.rank = 0
         self.world_size = 1
         self.inner_step = 0  # inner steps done in this cycle
@@ -263,13 +267,15 @@ class StreamingCore:
             # not a membership cycle: no control-plane round trips (the same decision on every peer;
             # the run's end always syncs)
             return True
-        yield from self._membership()
-        yield from self._drain()  # every exchange applied before the sync
+        yield from self._membership()  # (a newcomer pending: every exchange applied before it is admitted)
+        yield from self._drain(deferred=False)  # every exchange a peer may have applied: before the sync
         if self.fresh and self.joined:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
         elif not self.fresh:
             self.shared.revision += 1  # each sync advances the revision by one
         info = yield from sync_until_done(self.shared.state)
+        for f in self.fragments:
+            f.deferred = False  # synced: applied when found done from here on
         self.syncs += 1
         self.unreported_rx += info.rx_bytes
         if self.total_outer_steps is not None and self.cycle >= self.total_outer_steps:
@@ -295,18 +301,24 @@ class StreamingCore:
                         f.feedback.codec = f.codec
         return True
 
-    def _ends_at_membership(self) -> bool:
-        """Whether the cycle running now ends at a membership point: the next one admits newcomers and
-        syncs (every ``sync_every``-th), or it is the run's last."""
-        nxt = self.cycle + 1
-        return nxt % self.sync_every == 0 or (self.total_outer_steps is not None
-                                              and nxt >= self.total_outer_steps)
+    def _last_cycle(self) -> bool:
+        """Whether the cycle running now is the run's last."""
+        return self.total_outer_steps is not None and self.cycle + 1 >= self.total_outer_steps
 
     def _send_step(self, f: Fragment) -> int:
-        """The inner step of this cycle at which ``f`` is sent: ``p * H // P``; with ``"auto"``, in a cycle
-        that ends at a membership point, ``p * H // (P + 1)``: the last fragment's exchange gets
-        ``2 H / (P + 1)`` steps instead of ``H / P`` to arrive before the sync, which waits for it."""
-        return f.early_offset if self.auto_overlap and self._ends_at_membership() else f.offset
+        """The inner step of this cycle at which ``f`` is sent: ``p * H // P``; with ``"auto"``, in the run's
+        last cycle, ``p * H // (P + 1)``: the last fragment's exchange gets ``2 H / (P + 1)`` steps instead
+        of ``H / P`` to arrive before the run's end, which waits for it."""
+        return f.early_offset if self.auto_overlap and self._last_cycle() else f.offset
+
+    def _defers(self, f: Fragment) -> bool:
+        """Whether the round of ``f`` sent now is *deferred*: with ``"auto"``, the last fragment's round of
+        a cycle that ends at a membership point of the run (not its end) is applied by no peer before that
+        point's sync (so every peer syncs the same outer state without waiting for it), unless a newcomer
+        is pending there (then it is drained before the admission); after the sync, when found done."""
+        nxt = self.cycle + 1
+        return (self.auto_overlap and f.offset == self._last_offset and nxt % self.sync_every == 0
+                and not self._last_cycle())
 
     def _inner_from_outer(self) -> None:
         with torch.no_grad():
@@ -442,23 +454,25 @@ class StreamingCore:
         its last stage done."""
         if not self.auto_overlap:
             return f.offset + self.overlap == s
-        if index <= f.sent_at or f.stage == 1:
+        if index <= f.sent_at or f.stage == 1 or f.deferred:
             return False
         if f.local is not None or f.done is not None:
             return True
         return bool((yield PollAllReduce(f.handle)))
 
-    def _drain(self) -> Generator[Op, Any, None]:
+    def _drain(self, deferred: bool = True) -> Generator[Op, Any, None]:
         """Wait for and apply every exchange still in flight (carried over a cycle's end with
-        ``"auto"``): before newcomers are admitted and before the sync."""
+        ``"auto"``), the deferred ones too unless ``deferred`` is False: before newcomers are admitted
+        (all) and before the sync (all but the deferred: no peer applied those)."""
         index = self.cycle * self.inner_steps
         for f in self.fragments:
-            if f.in_flight:
+            if f.in_flight and (deferred or not f.deferred):
                 self.drained_tx += yield from self._finish_at(f, index)
 
     def _finish_at(self, f: Fragment, index: int) -> Generator[Op, Any, int]:
         """:meth:`_finish` at the run's inner step ``index`` (counted in ``mean_overlap``)."""
         f.overlap_steps += index - f.sent_at
+        f.deferred = False
         return (yield from self._finish(f))
 
     def _finish(self, f: Fragment) -> Generator[Op, Any, int]:
@@ -528,6 +542,7 @@ class StreamingCore:
                     tx += yield from self._finish_at(f, index)
                 yield from self._launch(f)
                 f.sent_at = index
+                f.deferred = self._defers(f)
         for f in self.fragments:
             staged = f.stage == 1 and (self.auto_overlap or self.overlap >= 2) and f.handle is not None
             if staged and (yield from self._stage_due(f, s, index)):

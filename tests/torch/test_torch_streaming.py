@@ -515,6 +515,7 @@ class _SlowExchanges:
     def __init__(self, core: Any, world: int, polls: int, pending: bool = False) -> None:
         self.core, self.world, self.polls, self.pending = core, world, polls, pending
         self.log: list[tuple[int, str, Any]] = []
+        self.deferred_at_syncs: list[list[int]] = []  # per sync: the fragments whose round was in flight
 
     def __call__(self, op: Any) -> Any:
         from types import SimpleNamespace
@@ -555,7 +556,9 @@ class _SlowExchanges:
             self.log.append((step, "update", None))
             return False
         if isinstance(op, _ops.Sync):
-            assert not any(f.in_flight for f in self.core.fragments)  # nothing in flight at a sync
+            # at a sync nothing in flight but deferred rounds, which no peer applies before it
+            assert all(f.deferred for f in self.core.fragments if f.in_flight)
+            self.deferred_at_syncs.append([f.index for f in self.core.fragments if f.in_flight])
             self.log.append((step, "sync", None))
             return SimpleNamespace(rx_bytes=0)
         raise AssertionError(op)
@@ -567,8 +570,9 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
         world: int, codec: Any, polls: int) -> None:
     """``overlap="auto"``: an exchange is polled at every step after its send and applied at the
     first step that finds it done (the two-stage exchange's all-gather goes out at the first step
-    that finds the all-to-all done); it is waited for only at the cycle's end, when it is not done by
-    then."""
+    that finds the all-to-all done); it is waited for only before its fragment's next send or at the
+    run's end, when it is not done by then. (Membership at the run's start and end only: its last
+    cycle sends fragment 1 at 4 = 1 * H // 3 instead of 6.)"""
     from pccl.torch._streaming import StreamingCore
 
     h, cycles = 12, 2
@@ -577,7 +581,7 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
         core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
                              inner_steps=h, fragments=2, overlap=overlap, mixing=0.0, codec=codec,
                              error_feedback=True, budget_bytes=None, total_outer_steps=cycles,
-                             just_joined=False, min_world_size=1, poll_interval=0.05)
+                             just_joined=False, min_world_size=1, poll_interval=0.05, sync_every=cycles + 1)
         execute = _SlowExchanges(core, world, polls)
         _drive(core, model, execute)
         if overlap != "auto":  # a fixed overlap applies at its step, after waiting there
@@ -591,16 +595,17 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
         # the step it goes out), applied then; never done: waited for after the cycle's last step
         lag = min(polls * stages - (stages - 1), h) if polls < 100 else h
         applied = [f["mean_overlap"] for f in core.statistics()["fragments"]]
-        # (every cycle ends at a membership point: fragment p of P is sent at p * H // (P + 1))
-        assert applied == [min(lag, h - o) for o in (0, h // 3)], (applied, log)
-        # nothing waits before it is done, but at the next cycle's start (every cycle is a membership
-        # one here: drained before the sync) or at the run's last step's end (h)
+        # fragment 0 sent at 0 and 12: until its next send (12) and the run's end (24) at the latest;
+        # fragment 1 sent at 6 and at 16 (step 4 of the last cycle): until 16 and 24 at the latest
+        assert applied == [min(lag, h), (min(lag, 10) + min(lag, 8)) / 2], (applied, log)
+        # nothing waits before it is done, but before its fragment's next send (steps 0 and 4 of the
+        # last cycle) or at the run's last step's end (h)
         waits = [(s, done) for s, kind, done in log if kind == "wait"]
         assert len(waits) == 2 * cycles * stages  # each stage's result read once
-        assert all(done or s in (0, h) for s, done in waits), waits
+        assert all(done or s in (0, 4, h) for s, done in waits), waits
         if world == 3 and polls == 3:
             gathers = [s for s, kind, name in log if kind == "start" and name == "AllGather"]
-            assert gathers == [3, 7] * cycles  # the all-to-all found done at its third poll
+            assert gathers == [3, 9, 3, 7]  # the all-to-all found done at its third poll
 
 
 def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
@@ -621,12 +626,13 @@ def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
     results = _drive(core, model, execute)
     stats = core.statistics()["fragments"]
     # fragment 0 sent at 0, 12, 24, 36, applied at 12 (its next send), 24 (cycle 2's membership), 36,
-    # 48 (the run's end); fragment 1 sent at 6, 16, 30, 40 (at 4 = 1 * H // 3 in cycles 1 and 3, which end
-    # at a membership point), applied at 16, 24, 40, 48
+    # 48 (the run's end); fragment 1 sent at 6, 18, 30, 40 (at 4 = 1 * H // 3 in the run's last cycle),
+    # applied at 18, 24 (its round deferred past cycle 2's sync, but drained for the newcomer), 40, 48
     assert [f["mean_overlap"] for f in stats] == [12.0, 9.0]
     assert all(f["rounds"] == 4 and f["lost"] == 0 for f in stats)
     waits = [s for s, kind, _ in execute.log if kind == "wait"]
-    assert waits == [0, 4, 0, 0, 0, 4, h, h]  # inner step of the cycle (h: after its last step)
+    assert waits == [0, 6, 0, 0, 0, 4, h, h]  # inner step of the cycle (h: after its last step)
+    assert execute.deferred_at_syncs == [[], [], []]  # drained before each admission, so before each sync
     kinds = [kind for _, kind, _ in execute.log if kind != "poll"]
     second = [i for i, k in enumerate(kinds) if k == "pending"][1]  # cycle 2's membership
     assert kinds[second:second + 5] == ["pending", "wait", "wait", "update", "sync"]
@@ -635,13 +641,14 @@ def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
     assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early-before-membership", "same-offsets"])
-def test_auto_overlap_sends_earlier_in_a_cycle_that_ends_at_a_membership_point(early: bool) -> None:
-    """``overlap="auto"``: in a cycle that ends at a membership point (the next one syncs, or the run
-    ends) fragment ``p`` of ``P`` is sent at ``p * H // (P + 1)`` instead of ``p * H // P``, so an exchange
-    that takes 5 steps, carried over the other cycles' ends, arrives before every sync: nothing is ever
-    waited for. With the usual offsets there (``early=False``, patched) the last fragment's exchange is
-    still on the wire at those syncs and is waited for."""
+@pytest.mark.parametrize("early", [True, False], ids=["defer-and-send-early", "neither"])
+def test_auto_overlap_defers_the_last_round_past_a_sync_and_sends_early_at_the_end(early: bool) -> None:
+    """``overlap="auto"``: the last fragment's round of a cycle that ends at a membership point of the run
+    is deferred: applied by no peer before that point's sync (nor polled), so the sync does not wait for
+    it, then applied when found done; the run's last cycle sends fragment ``p`` of ``P`` at
+    ``p * H // (P + 1)`` instead of ``p * H // P``, so the last exchange arrives before the run's end. An
+    exchange that takes 5 steps is then never waited for. With neither (``early=False``, patched out) it
+    is waited for at cycle 2's sync and at the run's end."""
     from pccl.torch._streaming import StreamingCore
 
     h = 12
@@ -654,23 +661,25 @@ def test_auto_overlap_sends_earlier_in_a_cycle_that_ends_at_a_membership_point(e
     if not early:
         for f in core.fragments:
             f.early_offset = f.offset
-    execute = _SlowExchanges(core, 2, polls=5)  # found done at the 5th step after its send
+        core._defers = lambda f: False  # type: ignore[method-assign]
+    execute = _SlowExchanges(core, 2, polls=5)  # found done at the 5th poll after its send
     results = _drive(core, model, execute)
-    kinds = [(s, kind) for s, kind, _ in execute.log if kind in ("start", "sync")]
-    sends = [s for s, kind in kinds if kind == "start"]
-    # cycles 1 (cycle 2 syncs) and 3 (the run's last) end at a membership point
-    assert sends == ([0, 4, 8, 0, 3, 6] * 2 if early else [0, 4, 8] * 4)
+    sends = [s for s, kind, _ in execute.log if kind == "start"]
+    assert sends == ([0, 4, 8] * 3 + [0, 3, 6] if early else [0, 4, 8] * 4)
     # a wait for an exchange not found done yet (the result of one found done is read at once)
     waits = [s for s, kind, done in execute.log if kind == "wait" and not done]
     stats = core.statistics()["fragments"]
     assert all(f["rounds"] == 4 and f["lost"] == 0 for f in stats)
+    assert [s for s, kind, _ in execute.log if kind == "sync"] == [0, 0, 0]  # cycles 0, 2, the run's end
     if early:
-        assert waits == []  # applied when found done: the last fragment's at step 11 of cycles 1 and 3
-        # the last fragment's rounds of cycles 0 and 2 (sent at 8) are carried and applied at the next
-        # cycle's first step (their 5th poll, the cycle's end check being the 4th: 4 steps), those of
-        # cycles 1 and 3 (sent at 6) at step 11 (5 steps); the other fragments' always 5 steps after
-        assert stats[2]["mean_overlap"] == 4.5 and [f["mean_overlap"] for f in stats[:2]] == [5.0, 5.0]
+        assert waits == []
+        assert execute.deferred_at_syncs == [[], [2], []]  # cycle 1's last round still on the wire at 2's
+        # the last fragment: cycle 0's round (sent at 8) carried and applied at 12 (its 5th poll, the cycle's
+        # end check being the 4th: 4 steps); cycle 1's (20) deferred, first polled after cycle 2's sync
+        # and applied at 28 (8); cycle 2's at 36 (4); the last cycle's (42) at 47 (5)
+        assert stats[2]["mean_overlap"] == (4 + 8 + 4 + 5) / 4
+        assert [f["mean_overlap"] for f in stats[:2]] == [5.0, 5.0]
     else:
         assert waits == [0, h]  # at cycle 2's sync, and at the run's end
-    assert [s for s, kind in kinds if kind == "sync"] == [0, 0, 0]  # cycles 0, 2 and the run's end
+        assert execute.deferred_at_syncs == [[], [], []]
     assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
