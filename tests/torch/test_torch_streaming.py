@@ -399,9 +399,11 @@ def test_bad_arguments() -> None:
 async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
         autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
     """Membership and sync at cycles 0 and 4 and at the run's end (6): three syncs, the revision
-    counting them; the peers end identical, and each model holds the final outer parameters."""
+    counting them; the peers end identical, and each model holds the final outer parameters. Cycle 3's
+    last round is deferred past cycle 4's sync: the peers still sync identical states (nothing fetched)."""
     cluster = await pccl_cluster(2)
     out: dict[int, Any] = {}
+    fetched: dict[int, int] = {}
 
     async def one(i: int, nursery: trio.Nursery) -> None:
         x, y = problem()
@@ -416,8 +418,9 @@ async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
             loss.backward()
             return float(loss.detach())
 
-        while await run.step(backward) is not None:
-            pass
+        while (r := await run.step(backward)) is not None:
+            if r.index > 0:  # (the first sync: a peer may take the other's initial state)
+                fetched[i] = fetched.get(i, 0) + r.sync_rx_bytes
         out[i] = (run, model)
 
     async with trio.open_nursery() as nursery:
@@ -426,6 +429,7 @@ async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
                 peers.start_soon(one, i, nursery)
     (run0, model0), (run1, model1) = out[0], out[1]
     assert run0.cycles == 6 and run0.revision == 2 and run0.core.syncs == 3
+    assert fetched == {0: 0, 1: 0} and run0.core.unreported_rx == 0
     assert state_bytes(run0.shared) == state_bytes(run1.shared)
     for m, run in ((model0, run0), (model1, run1)):
         pairs = zip(m.parameters(), run.outer_model.parameters(), strict=True)
