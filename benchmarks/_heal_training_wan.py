@@ -13,15 +13,19 @@ the members ``--newcomer-mbit``. One run on one emulator:
   the driver starts the newcomer (holding zeros);
 * **heal**: the members admit it before their next sync, which its sync joins and heals live (the
   default: the members return at once and serve a pinned copy, each capped by ``--serve-mbit``:
-  ``PeerConfig.state_serve_rate``); it joins at the members' next sync after its fetch; the window is
-  its whole ``sync_shared_state`` call. Everyone stops one sync period after the first all-reduce with
+  ``PeerConfig.state_serve_rate``; with ``--serve-idle-mbit``, serving yields to each member's own
+  collectives: ``--serve-mbit`` while one's data plane runs, ``--serve-idle-mbit`` between them,
+  ``PeerConfig.state_serve_idle_rate``); it joins at the members' next sync after its fetch; the window
+  is its whole ``sync_shared_state`` call. Everyone stops one sync period after the first all-reduce with
   the newcomer in it.
 
 Printed: member 0's steps per second over each window (the members step in lockstep), the ratio, the heal
 (the newcomer's whole call; fetch: its transfer) and whether every state ended bit-identical; where the
 window went: member 0's time in syncs, their count and median, the median of its votes' hashing passes
-and their count (one per sync), its all-reduces' median and 90th percentile. Times are wall seconds of
-real processes: the machine's load shows in them (printed).
+and their count (one per sync), its all-reduces' median and 90th percentile; and per window the cores
+used (sampled from ``/proc``) by the members, the newcomer, the master, the emulator's forwarder and the
+whole machine (others' processes too). Times are wall seconds of real processes: the machine's load
+shows in them (printed).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from typing import Any
 import numpy as np
 import trio
 from _common import end_processes, follow_json_lines, wait_for_results, wait_listening
+from _cpu_sampler import CpuSampler
 
 MIB = 1 << 20
 MASTER_PORT = 29_452
@@ -65,7 +70,8 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
     newcomer = cfg["role"] == "newcomer"
     h = cfg["sync_every"]
     hashed = _time_vote_hashing()
-    conf = PeerConfig(p2p_listen_host=cfg["addr"], state_serve_rate=cfg.get("serve_rate"))
+    yielding = {"state_serve_idle_rate": cfg["serve_idle_rate"]} if cfg.get("serve_idle_rate") else {}
+    conf = PeerConfig(p2p_listen_host=cfg["addr"], state_serve_rate=cfg.get("serve_rate"), **yielding)
     async with open_communicator(cfg["master"], config=conf) as comm:
         print(json.dumps({"event": "joined", "pid": os.getpid()}), flush=True)
         while not newcomer and comm.world_size < cfg["members"]:
@@ -134,6 +140,7 @@ def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
     script = str(Path(__file__).resolve().parent / "heal.py")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     uplink = LinkSpec(delay_ms=args.rtt_ms / 2, rate_mbit=args.donor_mbit, rtt_ms=args.rtt_ms)
+    cpu = CpuSampler()
     with WanEmulator(hosts, prefix="healtrain") as wan:
         for a in range(hosts):
             for b in range(a + 1, hosts):
@@ -143,6 +150,10 @@ def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
         log = tempfile.NamedTemporaryFile("w+", prefix="pccl-heal-master-", suffix=".log", delete=False)
         master = wan.popen(0, [sys.executable, "-m", "pccl", "master", "--host", wan.addresses[0],
                                "--port", str(MASTER_PORT)], stdout=subprocess.DEVNULL, stderr=log, env=env)
+        cpu.watch("master", master.pid)
+        if wan._proc is not None:
+            cpu.watch("forwarder", wan._proc.pid)
+        cpu.start()
         procs: dict[int, subprocess.Popen[str]] = {}
         errs: dict[int, Any] = {}
         lines: dict[int, list[dict[str, Any]]] = {h: [] for h in range(hosts)}
@@ -150,17 +161,20 @@ def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
             if not wait_listening(master, Path(log.name)):
                 raise RuntimeError("the master did not start")
             serve = args.serve_mbit * 1e6 / 8 if args.serve_mbit else None
+            serve_idle = args.serve_idle_mbit * 1e6 / 8 if args.serve_idle_mbit else None
 
             def start(h: int) -> None:
                 cfg = {"train": True, "master": f"{wan.addresses[0]}:{MASTER_PORT}", "members": members,
                        "state_mb": args.state_mb, "addr": wan.addresses[h],
                        "role": "newcomer" if h == members else "member",
                        "grad_mb": args.grad_mb, "sync_every": args.sync_every, "serve_rate": serve,
+                       "serve_idle_rate": serve_idle,
                        "steps": args.train_steps}
                 errs[h] = tempfile.TemporaryFile("w+")
                 procs[h] = wan.popen(h, [sys.executable, script, "--child", json.dumps(cfg)],
                                      stdout=subprocess.PIPE, stderr=errs[h], text=True, env=env)
                 follow_json_lines(procs[h], lines[h])
+                cpu.watch("newcomer" if h == members else "members", procs[h].pid)
 
             for h in range(members):
                 start(h)
@@ -175,6 +189,7 @@ def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
                 procs, lines, list(procs), deadline,
                 lambda dead: f"train run: no result from {dead or 'some (timeout)'}: {_tails(errs)}")
         finally:
+            cpu.stop()
             end_processes(procs.values(), master)
             log.close()
             os.unlink(log.name)
@@ -184,8 +199,10 @@ def wan_training(args: argparse.Namespace) -> list[dict[str, Any]]:
     # alone: member 0's steps after its first sync period (warm) until the newcomer was started
     a0 = m0["times"][args.sync_every - 1]
     alone = _window(m0, a0, ready_at)
+    alone["cpu"] = cpu.cores(a0, ready_at)
     # heal: from the newcomer's call until it returned (healed and joined)
     heal = _window(m0, new["t_sync"], new["healed_at"])
+    heal["cpu"] = cpu.cores(new["t_sync"], new["healed_at"])
     heal.update({"heal_s": new["healed_at"] - new["t_sync"], "fetch_s": new["fetch_s"],
                  "rx_mib": new["rx"] / MIB})
     ref = m0["hashes"]
@@ -224,6 +241,8 @@ def _tails(errs: dict[int, Any]) -> list[str]:
 def print_training(args: argparse.Namespace, rows: list[dict[str, Any]], load: tuple[float, float]) -> None:
     alone = rows[0]["steps_per_s"]
     cap = f"{args.serve_mbit:g} Mbit/s" if args.serve_mbit else "none"
+    if args.serve_mbit and args.serve_idle_mbit:
+        cap += f" while its collectives run, {args.serve_idle_mbit:g} Mbit/s between them"
     print(f"members' training during a heal, WAN emulator (processes, wall seconds): {args.members} members, "
           f"all-reduce of {args.grad_mb} MiB, sync every {args.sync_every} steps, {args.state_mb} MiB state; "
           f"each member's uplink {args.donor_mbit:g} Mbit/s (shared by all it sends), newcomer "
@@ -239,3 +258,8 @@ def print_training(args: argparse.Namespace, rows: list[dict[str, Any]], load: t
               f"{r['rx_mib']:>7.1f} {r['served_mib']!s:>18} {r['sync_s']:>10.2f} {r['syncs']:>5} "
               f"{r['sync_median_s']:>10.3f} {r['hash_median_s']:>10.3f} {r['hash_passes']:>6} "
               f"{r['reduce_median_s']:>7.3f}/{r['reduce_p90_s']:<8.3f} {r['exact']!s:>5}")
+    for r in rows:  # where the CPU went (the machine: every process on it, others' too)
+        c = r.get("cpu") or {}
+        if c:
+            print(f"{r['run']:>6} CPU, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(c.items()))
+                  + f" (machine: of {os.cpu_count()})")

@@ -304,6 +304,9 @@ def main() -> None:
                    help="cases of --wan: 1,2,3,kill,corrupt and train (the members' training during a heal)")
     p.add_argument("--serve-mbit", type=float, default=None,
                    help="--wan train: each member's serving cap (PeerConfig.state_serve_rate), Mbit/s")
+    p.add_argument("--serve-idle-mbit", type=float, default=None,
+                   help="--wan train: each member's serving cap between its collectives' data planes "
+                        "(PeerConfig.state_serve_idle_rate; --serve-mbit then holds while one runs), Mbit/s")
     args = p.parse_args()
     if args.wan:
         _wan_main(args)

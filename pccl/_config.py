@@ -313,7 +313,14 @@ class PeerConfig:
             16-64 KiB, each when the bucket grants it, and on Linux TCP the kernel paces those
             connections at the rate too). Bounds the share of the uplink a heal takes from a member
             that serves it while it trains, over short times as well as on average
-            (docs/concepts.md "Live heals"). None (default): no cap.
+            (docs/concepts.md "Live heals"). None (default): no cap. With ``state_serve_idle_rate``,
+            the rate while one of this peer's collectives moves data.
+        state_serve_idle_rate: serving that yields to this peer's own collectives: bytes per second
+            it serves at most while none of them moves data (between data planes: the master round
+            trip that ends each collective, a sync's hashing, a training step's compute), at least
+            ``state_serve_rate``, which then holds while one runs (the floor: serving never stops,
+            a heal always ends). Needs ``state_serve_rate``. None (default): ``state_serve_rate``
+            always (docs/concepts.md "Live heals").
         schedule: how collectives move data: "auto" (default: per operation, the cost model picks
             the ring, recursive halving-doubling or a binomial tree from the operation's kind and
             size and the group size; docs/topology.md "Running them live"), or "ring", "hd",
@@ -376,6 +383,7 @@ class PeerConfig:
     recv_stash_frames: int = DEFAULT_RECV_STASH_FRAMES
     p2p_stall_timeout: float = 30.0
     state_serve_rate: float | None = None
+    state_serve_idle_rate: float | None = None
     schedule: str = "auto"
     secret: str | None = None
     accept_timeout: float | None = None
@@ -407,6 +415,11 @@ class PeerConfig:
                                                       and math.isfinite(self.state_serve_rate)):
             raise ValueError(f"state_serve_rate must be > 0 bytes/s (finite) or None (no cap), not "
                              f"{self.state_serve_rate}")
+        if self.state_serve_idle_rate is not None and not (
+                self.state_serve_rate is not None and self.state_serve_idle_rate >= self.state_serve_rate
+                and math.isfinite(self.state_serve_idle_rate)):
+            raise ValueError(f"state_serve_idle_rate must be finite and >= state_serve_rate (set), not "
+                             f"{self.state_serve_idle_rate} (state_serve_rate {self.state_serve_rate})")
         if not self.p2p_stall_timeout > 0:
             raise ValueError(f"p2p_stall_timeout must be > 0, not {self.p2p_stall_timeout}")
         check_pairing(self.tls_cert, self.tls_key, self.tls_ca, need_ca=True, who="PeerConfig")

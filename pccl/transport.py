@@ -46,6 +46,10 @@ _R = TypeVar("_R")
 # kernel sends on this socket, spread packet by packet (TCP's own pacing, no qdisc needed).
 _SO_MAX_PACING_RATE: int | None = getattr(_stdsocket, "SO_MAX_PACING_RATE",
                                           47 if sys.platform.startswith("linux") else None)
+# TCP_NOTSENT_LOWAT (Linux 25, macOS 0x201): a socket takes writes only while fewer bytes than this wait
+# unsent in its buffer.
+_TCP_NOTSENT_LOWAT: int | None = getattr(_stdsocket, "TCP_NOTSENT_LOWAT",
+                                         25 if sys.platform.startswith("linux") else None)
 
 
 class StreamBroken(Exception):
@@ -332,6 +336,24 @@ def limit_send_rate(stream: Stream, rate: float) -> bool:
                                  max(1, min(int(rate), 0xFFFF_FFFE)))
     except OSError as exc:
         log.debug("SO_MAX_PACING_RATE refused on %s: %s", stream, exc)
+        return False
+    return True
+
+
+def limit_unsent(stream: Stream, nbytes: int) -> bool:
+    """Let at most about ``nbytes`` wait unsent in ``stream``'s TCP send buffer (``TCP_NOTSENT_LOWAT``:
+    a write waits while that many are queued; a TLS stream's TCP socket below it). What serving a heal
+    sets on its connections, so that when the pace drops (a collective of this peer starts,
+    :mod:`pccl.peer.ratecap`) little of ours is already queued ahead of it. Best effort: False (nothing
+    set) where there is no TCP socket, on a same-host Unix socket, or when the kernel refuses."""
+    while isinstance(stream, TlsStream):
+        stream = stream.inner
+    if _TCP_NOTSENT_LOWAT is None or not isinstance(stream, TcpStream) or stream.same_host:
+        return False
+    try:
+        stream.socket.setsockopt(_stdsocket.IPPROTO_TCP, _TCP_NOTSENT_LOWAT, max(1, int(nbytes)))
+    except OSError as exc:
+        log.debug("TCP_NOTSENT_LOWAT refused on %s: %s", stream, exc)
         return False
     return True
 

@@ -42,6 +42,7 @@ from .state import SPECULATIVE_NEAR_MAX_BYTES
 
 if TYPE_CHECKING:
     from .notices import WaitReporter
+    from .shared_state import StateServer
     from .spin import Spinner
     from .stall import StallWatch
     from .state import PeerState
@@ -119,6 +120,7 @@ class CollectiveCalls:
     _gpu_cache: BufferCache
     _phase_seconds: dict[str, float]
     _last_phases: dict[str, float]
+    _state_server: StateServer
 
     @property
     def peer_id(self) -> int:
@@ -546,10 +548,11 @@ class CollectiveCalls:
                 # then it sends at most half a partner's stash (pccl/collectives/gate.py).
                 gate = SendGate(early_send_limit(self.config.recv_stash_limit), st.commence) \
                     if c.proposal >= 0 else None
-                tx, rx = await self._stall.guarded(
-                    functools.partial(attempt.run, send_np, work, staging, gate),
-                    arm_when=(lambda: st.commence.done) if c.proposal >= 0 else None,
-                )
+                with self._state_server.collective():  # serving a heal yields to the data plane
+                    tx, rx = await self._stall.guarded(
+                        functools.partial(attempt.run, send_np, work, staging, gate),
+                        arm_when=(lambda: st.commence.done) if c.proposal >= 0 else None,
+                    )
                 ok = st.plane_done = True
                 if gate is not None and gate.waited:
                     self._stats["speculative_gate_waits"] += 1

@@ -156,7 +156,7 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         self._sync_inbox: Mailbox | None = None  # the running sync's plan and result
         self._state_server = shared_state.StateServer(
             plan_timeout=self.config.connect_timeout, stall_timeout=self.config.p2p_stall_timeout,
-            serve_rate=self.config.state_serve_rate)
+            serve_rate=self.config.state_serve_rate, serve_idle_rate=self.config.state_serve_idle_rate)
         self._dialer: P2PDialer | None = None
         # The P2P credentials the master issues per epoch (docs/security.md): the listener accepts only
         # connections that prove one; a listener waits up to half its hello timeout for a newer set.

@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,13 +32,14 @@ from .._errors import (
 from .._rawmem import address_of, view_at
 from .._types import DataType, DeviceType, SharedStateSyncInfo, SharedStateSyncStrategy
 from ..kernels import backend, hashing
-from ..transport import StreamBroken, limit_send_rate
+from ..transport import StreamBroken
 from ..wire import limits
 from ..wire import messages as m
 from ..wire.stream import MessageStream
 from . import heal, prefault, swarm
 from .links import Dialer, MasterLink
 from .ratecap import RateCap
+from .serve_pace import ServePace
 from .state import error_from_code
 
 log = logging.getLogger("pccl.shared_state")
@@ -279,14 +281,16 @@ class StateServer:
     """
 
     def __init__(self, plan_timeout: float, stall_timeout: float = 30.0,
-                 serve_rate: float | None = None) -> None:
+                 serve_rate: float | None = None, serve_idle_rate: float | None = None) -> None:
         self.plan_timeout = plan_timeout
         self.stall_timeout = stall_timeout
         self.ctx: SyncContext | None = None
         # Live heals this peer serves (issue 35 item 4): sync_seq -> the snapshot pinned for its fetchers
         self.pins: dict[int, SyncContext] = {}
         self.pinning: set[int] = set()  # live heals whose snapshot is being copied now
-        self.cap = RateCap(serve_rate) if serve_rate is not None else None
+        self.cap = RateCap(serve_rate, idle_rate=serve_idle_rate) if serve_rate is not None else None
+        # the trio side: senders' sleeps, this peer's collectives' reports, the connections' pacing
+        self.pace = ServePace(self.cap) if self.cap is not None else None
         self.totals: dict[str, int] = dict.fromkeys(_TOTALS, 0)
         self.last: dict[str, Any] | None = None
 
@@ -327,6 +331,16 @@ class StateServer:
         ctx = self.pins.pop(seq, None)
         if ctx is not None:
             ctx.abort(SharedStateSyncError(f"live heal {seq} ended"))
+
+    @contextmanager
+    def collective(self) -> Iterator[None]:
+        """One of this peer's collectives moves data in this block: serving yields to it
+        (``PeerConfig.state_serve_idle_rate``; :mod:`pccl.peer.ratecap`). Nothing without a cap."""
+        if self.pace is None:
+            yield
+            return
+        with self.pace.collective():
+            yield
 
     def release_all(self, why: str) -> None:
         """Drop every pinned snapshot (``why``: logged), as if the master had released each."""
@@ -658,9 +672,16 @@ async def _fetch_all(
 async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.Hello) -> None:
     """The "state" P2P channel: send requested tensors, chunk sums and chunks of the sync ``server``
     publishes (StateRequest, StateManifestRequest, StateChunkRequest; docs/protocol.md). Under a serving
-    cap the kernel paces the connection too (:func:`pccl.transport.limit_send_rate`)."""
-    if server.cap is not None:
-        limit_send_rate(ms.stream, server.cap.rate)
+    cap the kernel paces the connection too, at the rate in force, with at most about a piece unsent in
+    it (:class:`pccl.peer.serve_pace.ServePace`)."""
+    if server.pace is None:
+        await _serve_requests(server, ms)
+        return
+    with server.pace.serving(ms.stream):
+        await _serve_requests(server, ms)
+
+
+async def _serve_requests(server: StateServer, ms: MessageStream) -> None:
     while True:
         try:
             req = await ms.receive()
@@ -686,7 +707,7 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
         by_name = {i.name: i for i in ctx.state.tensor_infos}
         sent = ctx.tx
         try:
-            refusal = await _serve_one(ctx, by_name, ms, req, server.cap)
+            refusal = await _serve_one(ctx, by_name, ms, req, server.pace)
         except StreamBroken:
             # The fetcher closed: it has everything (a copy of a chunk it took from a faster donor
             # too) or gave up on us. Normal at the end of a swarm fetch.
@@ -701,7 +722,7 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
 
 async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: MessageStream,
                      req: m.StateRequest | m.StateManifestRequest | m.StateChunkRequest,
-                     cap: RateCap | None = None) -> str:
+                     cap: ServePace | None = None) -> str:
     """Answer one request; returns a refusal reason ("" when served)."""
     if isinstance(req, m.StateRequest):
         for key in req.keys:
@@ -748,18 +769,15 @@ async def _serve_one(ctx: SyncContext, by_name: dict[str, TensorInfo], ms: Messa
     return ""
 
 
-async def _send_capped(ms: MessageStream, msg: m.Message, raw: memoryview, cap: RateCap | None) -> None:
+async def _send_capped(ms: MessageStream, msg: m.Message, raw: memoryview, cap: ServePace | None) -> None:
     """Send ``msg`` and its raw bytes, paced by ``cap`` (``PeerConfig.state_serve_rate``): in pieces of
-    ``cap.piece`` bytes, each after the bucket grants it, so that serving never fills the uplink's queue
-    with a whole chunk at once (:mod:`pccl.peer.ratecap`). No cap: at once."""
+    ``cap.cap.piece`` bytes, each after the bucket grants it (at the rate in force: lower while a
+    collective of this peer runs), so that serving never fills the uplink's queue with a whole chunk at
+    once (:mod:`pccl.peer.ratecap`). No cap: at once."""
     if cap is None:
         await ms.send_with_raw(msg, raw)
         return
-
-    async def pace(nbytes: int) -> None:
-        await trio.sleep(cap.take(nbytes, trio.current_time()))
-
-    await ms.send_with_raw(msg, raw, pace=pace, piece=cap.piece)
+    await ms.send_with_raw(msg, raw, pace=cap.pace, piece=cap.cap.piece)
 
 
 def _served_bytes(ctx: SyncContext, info: TensorInfo) -> memoryview:

@@ -334,3 +334,43 @@ async def test_the_serving_rate_cap_bounds_what_each_donor_sends(
     for i in (0, 1):
         assert len([t for t in run.times(i, "all_reduce") if t < 2.0]) >= 10
         assert cluster.peer(i)._state_server.cap is not None
+
+
+async def test_serving_yields_to_the_donors_own_collectives(
+    autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
+) -> None:
+    """``state_serve_idle_rate``: the donors serve at 2 MiB/s between their collectives' data planes and
+    at 0.125 MiB/s while one runs (links of infinite bandwidth: the caps alone set the pace). Every
+    collective's data plane is reported to the pacer and none is left counted; the heal takes longer
+    than at the idle rate alone, shorter than at the floor alone, and is exact."""
+    floor, idle = MIB / 8, 2.0 * MIB
+    yielding = dataclasses.replace(DEFAULT_PEER_CONFIG, state_serve_rate=floor, state_serve_idle_rate=idle)
+    cluster = await pccl_cluster(2, master_config=LIVE, config=yielding)
+    big, small = _content(6)
+    states = {0: _state(big, small), 1: _state(big, small), 2: _state(np.zeros(BIG, np.uint8), small)}
+    net = cluster.network
+    assert net is not None
+    net.set_link(cluster.host(0), cluster.host(1), latency=0.03)
+    net.set_link(cluster.host(1), cluster.host(0), latency=0.03)
+    run = Run(cluster, states, [0, 1], [2])
+    fetched: list[float] = []
+
+    def on_progress(done: int, total: int) -> None:
+        if not fetched and total >= BIG and done >= total:
+            fetched.append(trio.current_time())
+
+    run.progress[2] = on_progress
+    busy_before = [cluster.peer(i)._state_server.cap.busy_seconds for i in (0, 1)]  # type: ignore[union-attr]
+    await run.run()
+    took = fetched[0] - run.times(0, "first sync")[0]
+    # the members spend most of their loop in a data plane (30 ms links, tiny reduces): the pace is
+    # mostly the floor's, well above the idle rate's time and well below the floor's
+    assert 2 * BIG / (2 * idle) < took < BIG / (2 * floor) / 2
+    assert run.healed_bits[2] == run.snapshots[run.joined[2]]
+    assert _bits(states[2]) == _bits(states[0]) == _bits(states[1])
+    for i in (0, 1):
+        server = cluster.peer(i)._state_server
+        assert server.cap is not None and server.pace is not None
+        assert server.cap.running == 0  # every data plane that started ended
+        assert server.cap.busy_seconds > busy_before[i]  # the collectives were reported
+        assert server.pace.changes >= 2 * len(run.times(i, "all_reduce"))  # each one: a drop and a rise
