@@ -524,11 +524,8 @@ async def _sync_round(
     total = sum(backend.describe(i.tensor).nbytes for i in state.tensor_infos)
     on_gpu = any(backend.is_cuda(i.tensor) for i in state.tensor_infos)
     if total >= _HASH_IN_THREAD_BYTES and not on_gpu:
-        # Hash off the trio thread so heartbeats keep flowing while large states are hashed; serving
-        # yields to the pass as to a collective (PeerConfig.state_serve_idle_rate: on a busy host the
-        # serving's CPU, ours and the fetcher's, slows it).
-        with server.collective():
-            rows, hashes, sums = await trio.to_thread.run_sync(_entries, state)
+        # Hash off the trio thread so heartbeats keep flowing while large states are hashed.
+        rows, hashes, sums = await trio.to_thread.run_sync(_entries, state)
     else:
         rows, hashes, sums = _entries(state)
     ctx = SyncContext(state=state, hashes=hashes, sums=sums)
