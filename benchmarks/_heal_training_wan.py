@@ -84,14 +84,14 @@ async def train_peer(cfg: dict[str, Any], arrays: list[np.ndarray], state: Any) 
         step = (state.revision - 1) * h if newcomer else 0
         start = time.time()
         times: list[float] = []
-        phases: list[tuple[float, float]] = []  # (ring, confirm) seconds of each all-reduce
+        phases: list[tuple[float, float, float]] = []  # (vote, data plane, confirm) s of each all-reduce
         syncs: list[tuple[float, float]] = []  # (start, end) of the loop's syncs
         full_at: int | None = None  # the first step with the newcomer in the all-reduce
         while True:
             info = await comm.all_reduce(grad, op=ReduceOp.AVG)
             times.append(time.time())
             last = comm._last_phases  # (the benchmark's diagnosis: where an all-reduce's time went)
-            phases.append((last.get("ring", 0.0), last.get("confirm", 0.0)))
+            phases.append((last.get("vote", 0.0), last.get("ring", 0.0), last.get("confirm", 0.0)))
             if full_at is None and info.local_world_size == cfg["members"] + 1:
                 full_at = step
             step += 1
@@ -227,13 +227,15 @@ def _window(m0: dict[str, Any], t0: float, t1: float) -> dict[str, Any]:
     each = sorted(b - a for a, b in m0["syncs"] if t0 < b <= t1)  # the syncs that ended in the window
     hashing = sorted(b - a for a, b in m0["hashed"] if t0 < b <= t1)
     inside = [ph for t, ph in zip(m0["times"], m0["phases"], strict=True) if t0 < t <= t1]
-    ring = sorted(r for r, _ in inside)
-    confirm = sorted(c for _, c in inside)
+    vote = sorted(v for v, _, _ in inside)
+    ring = sorted(r for _, r, _ in inside)
+    confirm = sorted(c for _, _, c in inside)
     return {"window_s": t1 - t0, "steps": len(steps), "steps_per_s": len(steps) / (t1 - t0),
             "sync_s": in_syncs, "syncs": len(each), "sync_median_s": each[len(each) // 2] if each else 0.0,
             "hash_median_s": hashing[len(hashing) // 2] if hashing else 0.0, "hash_passes": len(hashing),
             "reduce_median_s": durs[len(durs) // 2] if durs else 0.0,
             "reduce_p90_s": durs[len(durs) * 9 // 10] if durs else 0.0,
+            "vote_median_s": vote[len(vote) // 2] if vote else 0.0,
             "ring_median_s": ring[len(ring) // 2] if ring else 0.0,
             "confirm_median_s": confirm[len(confirm) // 2] if confirm else 0.0}
 
@@ -270,5 +272,6 @@ def print_training(args: argparse.Namespace, rows: list[dict[str, Any]], load: t
         c = r.get("cpu") or {}
         if c:
             print(f"{r['run']:>6} CPU, cores: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(c.items()))
-                  + f" (machine: of {os.cpu_count()}); all-reduce phases p50: data plane "
-                  f"{r['ring_median_s']:.3f} s, confirm {r['confirm_median_s']:.3f} s")
+                  + f" (machine: of {os.cpu_count()}); all-reduce phases p50: vote "
+                  f"{r['vote_median_s']:.3f} s, data plane {r['ring_median_s']:.3f} s, "
+                  f"confirm {r['confirm_median_s']:.3f} s")
