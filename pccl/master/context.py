@@ -176,7 +176,8 @@ class MasterContext:
     def go_live(self, group: int, seq: int, revision: int, rows_of: dict[int, list[list[Any]]],
                 table: list[m.PeerRow], note: str, progress: SyncProgress | None) -> list[Effect]:
         """Sync ``seq`` of ``group`` (its round already closed) runs as a live heal: settled for its
-        holders now; no speculative start in the group meanwhile; the votes that waited for a fetcher
+        holders now; the group's reservations revoked (its next commence names the ring without the
+        fetchers, the numbers reserved after it are for that ring); the votes that waited for a fetcher
         are checked again."""
         self.sync_settled(group, seq, True, revision)
         effects: list[Effect] = []

@@ -9,8 +9,9 @@ ordinary sync holds every participant until they have. A live heal instead:
   their success result at once: each copies those keys' bytes at the elected revision and serves the
   copy under the heal's ``sync_seq`` until a ``SharedStateRelease``; their call returns at once;
 * sends each fetcher a *live* plan; while it fetches (**healing**) the master leaves it out of its
-  group's collective and sync votes and hands out no speculative op numbers in its group (the members'
-  rings are named by each commence), so no member's call waits on it or fails with it;
+  group's collective and sync votes (the group's reservations are revoked when the heal starts; the
+  members' first commence names their ring, and the numbers reserved from then on are for it: their
+  collectives start speculatively again), so no member's call waits on it or fails with it;
 * when the fetcher's ``SharedStateDone(success)`` comes (and its group runs no sync): a ``catch_up``
   result; the fetcher applies the healed revision (complete and verified) and votes again in the same
   call (**behind**: still out of collective votes, but in sync votes). So it joins at the group's next

@@ -88,13 +88,25 @@ def test_holders_are_answered_with_their_plan_and_pin_what_the_fetcher_fetches()
 def test_the_members_vote_without_the_fetcher_and_it_rejoins_at_their_next_sync() -> None:
     hs, (a, b, c) = _live()
     _, seq = _start(hs, [a, b, c])
-    # the members' collectives and syncs complete without it, and no op number is reserved meanwhile
+    # the members' collectives and syncs complete without it; the next op's number is reserved on their
+    # ring, so their next collective starts speculatively (no master round trip while it heals)
     eff = _all_reduce(hs, [a, b])
     (commence,) = _to(eff, a, m.CollectiveCommence)
     assert [r.peer_id for r in commence.peers] == [a, b]
     for p in (a, b):
         eff = hs.h(p, m.CollectiveDone(tag=0, op_seq=commence.op_seq, success=True))
-    assert all(msg.next_op_seq == -1 for msg in _to(eff, a, m.CollectiveComplete))
+    (complete,) = _to(eff, a, m.CollectiveComplete)
+    assert complete.next_op_seq >= 0
+    desc = m.CollectiveDescriptor(kind="all_reduce", dtype=10, element_count=4, op=0, root=-1, quantization=0,
+                                  quantized_dtype=10)
+    eff = [e for p in (a, b) for e in hs.h(p, m.CollectiveInitiate(tag=0, descriptor=desc,
+                                                                      op_seq=complete.next_op_seq))]
+    assert not any(isinstance(e, Send) and isinstance(e.message, m.CollectiveAbort) for e in eff)
+    assert not [c for c in _to(eff, a, m.CollectiveCommence) if c.peers]  # no table: the fast start held
+    assert hs.st.collectives.fast_starts == 1
+    for p in (a, b):
+        eff = hs.h(p, m.CollectiveDone(tag=0, op_seq=complete.next_op_seq, success=True))
+    assert _to(eff, a, m.CollectiveComplete)
     assert not hs.h(a, m.PeersPendingVote())  # its answer waits for b only, not for the fetcher
     eff = hs.h(b, m.PeersPendingVote())
     assert [msg.pending for msg in _to(eff, a, m.PeersPendingResult)] == [False]

@@ -407,10 +407,12 @@ class CollectiveVotes:
             if op.go_to and self.go_due.pop(key, None) is not None:
                 self.go_held += 1
             ctx.op_settled(op.group, op.tag, op.op_seq, True)
-            seq = -1  # none while a member heals: the rings leave it out (each commence names them)
-            if not ctx.left_out(op.group, "op"):
-                seq = ctx.next_op_seq()
-                self.reserved.reserve(op.group, op.tag, seq, ctx.epoch, op.participants)
+            # Reserved on the ring this op ran on, also while a member heals (left out: the ring is the
+            # members'; their tables dropped it at the commence that named them, and a table that
+            # changes again drops its reservations, pccl/peer/state.py reconcile_group): a master
+            # round trip per collective would cost the training loop more than the heal's serving
+            seq = ctx.next_op_seq()
+            self.reserved.reserve(op.group, op.tag, seq, ctx.epoch, op.participants)
             complete = m.CollectiveComplete(tag=op.tag, op_seq=op.op_seq, next_op_seq=seq)
             return [Send(p, complete) for p in op.participants]  # one object: encoded once (SHARED)
         return []
