@@ -273,6 +273,9 @@ class StateServer:
     Args:
         plan_timeout: how long a request may wait for this peer's own plan to arrive.
         stall_timeout: how long a fetch waits for a donor that moves no byte before it asks the others.
+        serve_rate: ``PeerConfig.state_serve_rate`` (None: serving is not paced).
+        serve_idle_rate: ``PeerConfig.state_serve_idle_rate`` (serving yields to this peer's
+            collectives: :meth:`collective`).
 
     Attributes:
         totals: counters over this peer's fetches (see :meth:`count`).
@@ -682,6 +685,7 @@ async def serve_state_requests(server: StateServer, ms: MessageStream, hello: m.
 
 
 async def _serve_requests(server: StateServer, ms: MessageStream) -> None:
+    """Answer one fetcher's requests until it closes or one is refused."""
     while True:
         try:
             req = await ms.receive()
