@@ -126,6 +126,25 @@ class StallTestimony:
             mine[partner] = (sent, taken)
         return false_blocks(frames, reporter, mine, named)
 
+    def false_early(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
+                    named: Iterable[int], schedule: str = "") -> list[int]:
+        """The peers of ``named`` that ``reporter`` says sent it frames out of order although by its own
+        testimony ``rows`` and plan no frame of theirs can show it
+        (:func:`~pccl.master.plan_rule.false_early`), under the operation's schedule or, while most
+        participants have not reported it, the ``schedule`` the reporter says it ran; empty unless the
+        operation is recorded."""
+        frames = self.plans.frames(op_seq, schedule)
+        if frames is None:
+            return []
+        from .plan_rule import false_early  # loaded with the plans (op_plans.py)
+
+        mine: dict[int, tuple[int, int]] = {}
+        for partner, sent, taken in rows:
+            if len(mine) >= self.max_rows:
+                break
+            mine[partner] = (sent, taken)
+        return false_early(frames, reporter, mine, named)
+
     def last_holder(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
                     complete: Collection[int], schedule: str = "") -> tuple[bool, list[tuple[int, int, int]]]:
         """Judge ``reporter``'s stall testimony ``rows`` for operation ``op_seq`` against its own plan and

@@ -21,7 +21,7 @@ import trio.testing
 
 from pccl.collectives.kinds import get_kind
 from pccl.master.blame import STRIKES
-from pccl.master.plan_rule import OpFrames, plan_holders
+from pccl.master.plan_rule import OpFrames, false_early, plan_holders
 from pccl.master.testimony import StallTestimony
 from pccl.peer.communicator import Communicator
 from pccl.peer.early_frames import early_partners, release_order
@@ -156,6 +156,9 @@ def test_an_honest_receiver_is_never_named_and_names_only_the_sender_out_of_orde
             # only the victim reports, and only the liar
             assert all(e == [] for p, e in early.items() if p != frames.ids[victim]), early
             assert early[frames.ids[victim]] in ([], [frames.ids[liar]])
+            # an honest report is never false by its own testimony
+            for p, e in early.items():
+                assert false_early(frames, p, testimony[p], e) == []
             store = StallTestimony()
             store.plans.note(1, descriptor(kind, schedule, frames.ids[1] if get_kind(kind).rooted else -1),
                              list(frames.ids))
@@ -177,3 +180,17 @@ def test_without_the_report_the_receiver_of_a_shifted_sender_is_named() -> None:
     testimony, arrived = standstill_shifted(frames, liar, victim)
     assert frames.ids[victim] in {h for h, *_ in plan_holders(frames, testimony, {})}
     assert early_of(frames, victim, arrived[victim]) == [frames.ids[liar]]
+
+
+def test_a_report_its_own_testimony_shows_no_frame_for_is_false() -> None:
+    """A partner it receives nothing from, or one it says it took nothing from, cannot have sent it a
+    frame out of order: the master strikes such a reporter alone (pccl/master/server.py)."""
+    frames = frames_of("all_reduce", "ring", 4)
+    ids = frames.ids
+    testimony, _ = standstill_shifted(frames, 1, 2)
+    victim = ids[2]
+    assert false_early(frames, victim, testimony[victim], [ids[1]]) == []  # the real one
+    # on a ring it receives only from its predecessor
+    assert false_early(frames, victim, testimony[victim], [ids[3], ids[0]]) == [ids[3], ids[0]]
+    took_nothing = {**testimony[victim], ids[1]: (testimony[victim][ids[1]][0], 0)}
+    assert false_early(frames, victim, took_nothing, [ids[1]]) == [ids[1]]
