@@ -5,17 +5,17 @@ usage: python scripts/fuzz_listeners.py [--rounds 50] [--attacks-per-round 20] [
                                         [--secret S] [--member]
 
 Runs a master and ``--peers`` peers on pccl's virtual network (``pccl.testing``) under trio's MockClock; a
-seed fixes the attacks (the outsider and the insider each draw from their own generator, so the mix and
-the bytes of the attacks are the same on every run of a seed). The interleaving is not: trio shuffles the
-order in which ready tasks run with its own unseeded generator, so which state an attack meets, and
-timings such as the longest all-reduce, may differ between runs of one seed. Each round the peers run one exact-checked int64 all-reduce while an
-outsider host opens ``--attacks-per-round`` connections to the master port or a peer's P2P port and sends
-one of: random bytes, a random length prefix, a valid frame with bytes flipped, a truncated frame, a frame
-of nested lists, a valid hello followed by junk, a replayed handshake, and at P2P ports a forged ring hello
-(a member's id, the victim's current credential epoch, a proof it cannot make) followed by well-formed
-data frames with op_seq near the master's counter, or such data frames alone. Exit status 0 when every
-all-reduce was exact and every member stayed in; 1 otherwise (with the first wrong result). Prints how many
-attacks ran and the longest virtual time one all-reduce took while they did.
+seed fixes the attacks (the outsider and the insider each draw from their own generator, so the mix and the
+bytes of the attacks are the same on every run of a seed). The interleaving is not: trio shuffles the order
+in which ready tasks run with its own unseeded generator, so which state an attack meets, and timings such
+as the longest all-reduce, may differ between runs of one seed. Each round the peers run one exact-checked
+int64 all-reduce while an outsider host opens ``--attacks-per-round`` connections to the master port or a
+peer's P2P port and sends one of: random bytes, a random length prefix, a valid frame with bytes flipped, a
+truncated frame, a frame of nested lists, a valid hello followed by junk, a replayed handshake, and at P2P
+ports a forged ring hello (a member's id, the victim's current credential epoch, a proof it cannot make)
+followed by well-formed data frames with op_seq near the master's counter, or such data frames alone. Exit
+status 0 when every all-reduce was exact and every member stayed in; 1 otherwise (with the first wrong
+result). Prints how many attacks ran and the longest virtual time one all-reduce took while they did.
 
 ``--member`` (issue 33) adds an insider: one more peer that is a member of the run, takes part in every
 all-reduce honestly, and meanwhile attacks the other members' P2P listeners *with its own credentials*:
