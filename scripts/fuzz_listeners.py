@@ -4,15 +4,18 @@
 usage: python scripts/fuzz_listeners.py [--rounds 50] [--attacks-per-round 20] [--peers 3] [--seed 0]
                                         [--secret S] [--member]
 
-Runs a master and ``--peers`` peers on pccl's virtual network (``pccl.testing``) under trio's MockClock, so
-it is deterministic for a seed. Each round the peers run one exact-checked int64 all-reduce while an
-outsider host opens ``--attacks-per-round`` connections to the master port or a peer's P2P port and sends
-one of: random bytes, a random length prefix, a valid frame with bytes flipped, a truncated frame, a frame
-of nested lists, a valid hello followed by junk, a replayed handshake, and at P2P ports a forged ring hello
-(a member's id, the victim's current credential epoch, a proof it cannot make) followed by well-formed
-data frames with op_seq near the master's counter, or such data frames alone. Exit status 0 when every
-all-reduce was exact and every member stayed in; 1 otherwise (with the first wrong result). Prints how many
-attacks ran and the longest virtual time one all-reduce took while they did.
+Runs a master and ``--peers`` peers on pccl's virtual network (``pccl.testing``) under trio's MockClock; a
+seed fixes the attacks (the outsider and the insider each draw from their own generator, so the mix and the
+bytes of the attacks are the same on every run of a seed). The interleaving is not: trio shuffles the order
+in which ready tasks run with its own unseeded generator, so which state an attack meets, and timings such
+as the longest all-reduce, may differ between runs of one seed. Each round the peers run one exact-checked
+int64 all-reduce while an outsider host opens ``--attacks-per-round`` connections to the master port or a
+peer's P2P port and sends one of: random bytes, a random length prefix, a valid frame with bytes flipped, a
+truncated frame, a frame of nested lists, a valid hello followed by junk, a replayed handshake, and at P2P
+ports a forged ring hello (a member's id, the victim's current credential epoch, a proof it cannot make)
+followed by well-formed data frames with op_seq near the master's counter, or such data frames alone. Exit
+status 0 when every all-reduce was exact and every member stayed in; 1 otherwise (with the first wrong
+result). Prints how many attacks ran and the longest virtual time one all-reduce took while they did.
 
 ``--member`` (issue 33) adds an insider: one more peer that is a member of the run, takes part in every
 all-reduce honestly, and meanwhile attacks the other members' P2P listeners *with its own credentials*:
@@ -168,7 +171,10 @@ def bounds_broken(victim: Any) -> str | None:
 
 
 async def fuzz(args: argparse.Namespace) -> int:
+    # One generator per concurrent task: trio runs ready tasks in an order it shuffles (unseeded), so
+    # tasks drawing from one shared generator would each get different draws from run to run.
     rng = random.Random(args.seed)
+    inside = random.Random(f"{args.seed}/insider")
     net = VirtualNetwork(latency=0.001)
     master_cfg = dataclasses.replace(DEFAULT_MASTER_CONFIG, secret=args.secret)
     peer_cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, secret=args.secret)
@@ -211,8 +217,8 @@ async def fuzz(args: argparse.Namespace) -> int:
             async def insider() -> None:
                 evil = cluster.peer(cluster.alive[-1])
                 for _ in range(args.attacks_per_round):
-                    victim = cluster.peer(rng.choice(cluster.alive[:-1]))
-                    kind = await member_attack(rng, evil, victim, peer_cfg)
+                    victim = cluster.peer(inside.choice(cluster.alive[:-1]))
+                    kind = await member_attack(inside, evil, victim, peer_cfg)
                     kinds[kind] = kinds.get(kind, 0) + 1
 
             async def one(i: int, comm: object, r: int = r) -> bytes:

@@ -29,6 +29,7 @@ from ..kernels import backend, reduce
 from .gate import SendGate
 from .interface import DataPool
 from .kinds import Kind, get_kind
+from .plan import Plan
 from .ring import (
     _U32,
     DEFAULT_BLOCK_BYTES,
@@ -140,11 +141,22 @@ class Attempt:
         except BaseException:
             pool.forget_op(op_seq)  # nothing will run: frames others already sent must not stay stashed
             raise
+        self._sizes = (count, itemsize)
         to_ranks, from_ranks = plan_partners(self.plan)
         #: the peers this peer's plan sends to
         self.sends_to = [self.ring[r] for r in to_ranks]
         #: every peer this peer's plan sends to or receives from: closed on failure
         self.partners = sorted({self.ring[r] for r in to_ranks} | {self.ring[r] for r in from_ranks})
+
+    def partner_plan(self, rank: int) -> Plan:
+        """The plan ring index ``rank`` runs in this operation (built as this peer built its own; small
+        plans are cached): what a stall testimony compares its receives with
+        (pccl/peer/early_frames.py)."""
+        count, itemsize = self._sizes
+        return plan_for(
+            self.kind, len(self.ring), rank, count, itemsize, schedule=self.schedule, root=self.root,
+            block_bytes=self.block_bytes, quantized=self.quantization is not None,
+        )
 
     async def fail(self) -> None:
         """The one failure path: forget the operation in the pool (pending receives stop writing

@@ -303,6 +303,20 @@ def false_blocks(frames: OpFrames, reporter: int, rows: Mapping[int, tuple[int, 
     return out
 
 
+def false_early(frames: OpFrames, reporter: int, rows: Mapping[int, tuple[int, int]],
+                named: Iterable[int]) -> list[int]:
+    """The peers of ``named`` that ``reporter`` says sent it a frame out of their release order
+    (``CollectiveDone.early``: one taken whole while an earlier one had not come) although its own plan
+    and testimony (``rows``: partner -> ``(sent, taken)``) leave no such frame: its plan receives
+    nothing from them, or it says it took nothing from them. No honest peer says so
+    (pccl/peer/early_frames.py names a partner only for a frame of it taken whole, and counted)."""
+    if reporter not in frames.ids:
+        return []
+    plan = frames.plans[frames.ids.index(reporter)]
+    sources = {frames.ids[f.peer] for f in plan.recvs}
+    return [b for b in named if b not in sources or rows.get(b, (0, 0))[1] <= 0]
+
+
 def finished(frames: OpFrames, reporter: int, rows: Mapping[int, tuple[int, int]]) -> bool:
     """Whether ``reporter``'s own testimony (``rows``: partner -> ``(sent, taken)``) says it completed
     every receive of its plan: then its plan released all its sends, and with none of them under way

@@ -382,6 +382,16 @@ class MasterServer:
                         sorted(false))
             self._strike(reporter, now, f"it said its sends to {sorted(false)} were under way with none "
                                         "left to send them")
+        # frames out of order that its own testimony shows none of: the accuser alone is struck
+        false_early = set(self.testimony.false_early(msg.op_seq, reporter, msg.io, msg.early, msg.schedule)) \
+            if msg.io and msg.early else set()
+        early = [b for b in msg.early if b not in false_early]
+        if false_early and self.testimony.first(msg.op_seq, reporter, reporter):
+            log.warning("operation %d stalled: peer %d says %s sent it frames out of order, but by its plan "
+                        "and what it says it took no frame of theirs shows it", msg.op_seq, reporter,
+                        sorted(false_early))
+            self._strike(reporter, now, f"it said {sorted(false_early)} sent it frames out of order with no "
+                                        "frame of theirs taken")
         if msg.stalled_on >= 0 and msg.stalled_on not in false:
             log.warning("peer %d reports that peer %d did not take its frames for p2p_stall_timeout",
                         reporter, msg.stalled_on)
@@ -389,13 +399,20 @@ class MasterServer:
         if msg.io and msg.op_seq >= 0:
             members = set(self.state.ring)
             for a, b, sent, taken in self.testimony.add(msg.op_seq, reporter, msg.io, members, msg.blocked,
-                                                        msg.schedule):
+                                                        msg.schedule, early):
                 log.warning("operation %d stalled: peer %d sent peer %d %d bytes, peer %d took %d of them",
                             msg.op_seq, a, b, sent, b, taken)
                 pairs.append((a, b))
             # a send under way is the sender's word that the partner does not take its frames
             pairs.extend((reporter, b) for b in msg.blocked
                          if b in members and b != msg.stalled_on and b not in false)
+            # a frame taken while an earlier one from the same partner never came: the receiver's word
+            # that the partner sent out of its release order (pccl/peer/early_frames.py)
+            for b in early:
+                if b in members and b != reporter and b != msg.stalled_on and b not in msg.blocked:
+                    log.warning("operation %d stalled: peer %d took a frame of peer %d filled while an "
+                                "earlier one from peer %d stayed open", msg.op_seq, reporter, b, b)
+                    pairs.append((reporter, b))
             for holder, succ, owed, passed in self.testimony.holders(msg.op_seq, reporter):
                 log.warning("operation %d stalled: by what peer %d says it took, its plan released %d bytes "
                             "to peer %d, which took only %d from it", msg.op_seq, holder, owed, succ, passed)
@@ -427,7 +444,7 @@ class MasterServer:
                    if o.running and o.op_seq == msg.op_seq), None)
         complete = frozenset(op.done) if op is not None else frozenset()
         done, short = self.testimony.last_holder(msg.op_seq, reporter, msg.io, complete, msg.schedule)
-        if done and not msg.blocked and msg.stalled_on < 0 \
+        if done and not msg.blocked and not msg.early and msg.stalled_on < 0 \
                 and self.testimony.first(msg.op_seq, reporter, reporter):
             log.warning("operation %d stalled: peer %d reports it stalled, but by what it says it took its "
                         "plan had no receive left and no send of it was under way", msg.op_seq, reporter)

@@ -57,6 +57,9 @@ class StallTestimony:
         self.plans = OpPlans(keep)
         # op_seq -> testifier -> partners whose send was under way
         self._blocked: dict[int, dict[int, frozenset[int]]] = {}
+        # op_seq -> testifiers that took a partner's frames out of its release order (``early``): their
+        # bytes do not say which receives completed, so they are not judged as holders
+        self._early: dict[int, set[int]] = {}
         # op_seq -> reporters that testified while the operation's plans were not known (its schedule
         # not yet agreed): judged once they are (:meth:`holders`)
         self._waiting: OrderedDict[int, list[int]] = OrderedDict()
@@ -101,7 +104,8 @@ class StallTestimony:
                 while len(self._waiting) > self.keep:
                     self._waiting.popitem(last=False)
             return []
-        return [h for h in found if self.first(op_seq, h[0], h[0])]
+        exempt = self._early.get(op_seq, ())
+        return [h for h in found if h[0] not in exempt and self.first(op_seq, h[0], h[0])]
 
     def false_blocks(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
                      named: Iterable[int], schedule: str = "") -> list[int]:
@@ -121,6 +125,25 @@ class StallTestimony:
                 break
             mine[partner] = (sent, taken)
         return false_blocks(frames, reporter, mine, named)
+
+    def false_early(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
+                    named: Iterable[int], schedule: str = "") -> list[int]:
+        """The peers of ``named`` that ``reporter`` says sent it frames out of order although by its own
+        testimony ``rows`` and plan no frame of theirs can show it
+        (:func:`~pccl.master.plan_rule.false_early`), under the operation's schedule or, while most
+        participants have not reported it, the ``schedule`` the reporter says it ran; empty unless the
+        operation is recorded."""
+        frames = self.plans.frames(op_seq, schedule)
+        if frames is None:
+            return []
+        from .plan_rule import false_early  # loaded with the plans (op_plans.py)
+
+        mine: dict[int, tuple[int, int]] = {}
+        for partner, sent, taken in rows:
+            if len(mine) >= self.max_rows:
+                break
+            mine[partner] = (sent, taken)
+        return false_early(frames, reporter, mine, named)
 
     def last_holder(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
                     complete: Collection[int], schedule: str = "") -> tuple[bool, list[tuple[int, int, int]]]:
@@ -148,11 +171,13 @@ class StallTestimony:
 
     def add(self, op_seq: int, peer: int, rows: Iterable[tuple[int, int, int]],
             members: Container[int] | None = None,
-            blocked: Iterable[int] = (), schedule: str = "") -> list[tuple[int, int, int, int]]:
+            blocked: Iterable[int] = (), schedule: str = "",
+            early: Iterable[int] = ()) -> list[tuple[int, int, int, int]]:
         """``peer`` testifies ``rows`` (``(partner, sent, taken)``) for operation ``op_seq``; rows
         naming no member (``members``, None: any) are ignored. ``blocked``: the partners its sends to
         were under way then (:meth:`holders` reads them). ``schedule``: the one it says it ran
-        (:meth:`OpPlans.claim`).
+        (:meth:`OpPlans.claim`). ``early``: the partners it says sent a frame out of their release order
+        (pccl/peer/early_frames.py): any, and it is not judged as a holder in this operation.
 
         Returns:
             ``(sender, receiver, sent, taken)`` for each pair newly found where the sender says it sent
@@ -171,10 +196,13 @@ class StallTestimony:
         op[peer] = mine
         self._blocked.setdefault(op_seq, {})[peer] = frozenset(p for p in blocked if p in mine)
         self.plans.claim(op_seq, peer, schedule)
+        if any(p in mine for p in early):
+            self._early.setdefault(op_seq, set()).add(peer)
         while len(self._ops) > 1 and (len(self._ops) > self.keep or self.rows > self.max_rows):
             old, gone = self._ops.popitem(last=False)
             self.rows -= sum(len(r) for r in gone.values())
             self._blocked.pop(old, None)
+            self._early.pop(old, None)
         if op_seq not in self._ops:
             return []
         found: list[tuple[int, int, int, int]] = []

@@ -36,6 +36,7 @@ from ..collectives.staging import Staging, device_for
 from ..kernels import backend
 from ..kernels.buffers import BufferCache
 from ..wire import messages as m
+from .early_frames import early_partners
 from .mailbox import Waiter
 from .stall import StalledOn
 from .state import SPECULATIVE_NEAR_MAX_BYTES
@@ -563,16 +564,18 @@ class CollectiveCalls:
         # not before the vote completed: until then the speculative gate may hold sends back
         io = self._testimony(st, attempt) if not ok and (c.proposal < 0 or st.commence.done) else []
         blocked = self.pool.op_blocked(st.op_seq) if io else []
+        early = self._early(st, attempt) if io else []
         # the schedule its plan ran ("auto" resolved here): the master rebuilds the plans of the
         # schedule most participants report (pccl/master/plan_rule.py)
         ran = _REPORTED.get(attempt.plan.schedule, "") if io and attempt is not None else ""
         if st.abort_error is not None:
             if io:  # aborted while its data plane stood still: the master compares the pairs' bytes
                 await self._report_failure(st, "aborted: its data plane had stalled", io=io, blocked=blocked,
-                                           schedule=ran)
+                                           schedule=ran, early=early)
             raise st.abort_error
         if not ok or attempt is None:
-            await self._report_failure(st, reason, stalled_on, io=io, blocked=blocked, schedule=ran)
+            await self._report_failure(st, reason, stalled_on, io=io, blocked=blocked, schedule=ran,
+                                      early=early)
             if c.proposal >= 0:
                 # The vote may still be open (a descriptor mismatch shows up as frames of the wrong
                 # size): the master's verdict names the real cause, and it is an abort.
@@ -609,14 +612,22 @@ class CollectiveCalls:
             return []
         return [m.IoRow(p, sent, taken) for p, sent, taken in self.pool.op_io(st.op_seq)]
 
+    def _early(self, st: OpState, attempt: Attempt | None) -> list[int]:
+        """With a stall testimony: the partners whose later frame this peer took while an earlier one of
+        their release order had not come (pccl/peer/early_frames.py: they sent out of order)."""
+        if attempt is None or attempt.rank < 0:
+            return []
+        return early_partners(attempt.plan, attempt.rank, attempt.ring, attempt.tag, attempt.partner_plan,
+                              self.pool.op_arrived(st.op_seq))
+
     async def _report_failure(self, st: OpState, reason: str, stalled_on: int = -1,
                               io: list[m.IoRow] | None = None, blocked: list[int] | None = None,
-                              schedule: str = "") -> None:
+                              schedule: str = "", early: list[int] | None = None) -> None:
         st.concluded = True
         try:
             await self._send(m.CollectiveDone(tag=st.tag, success=False, reason=reason, op_seq=st.op_seq,
                                               stalled_on=stalled_on, io=io or [], blocked=blocked or [],
-                                              schedule=schedule))
+                                              schedule=schedule, early=early or []))
         except PCCLError:
             pass
 

@@ -4,6 +4,7 @@ item 6; the master compares the two ends of each pair: pccl/master/testimony.py)
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection
 
 #: Operations whose bytes per partner are kept (the oldest forgotten first).
 KEEP = 16
@@ -16,6 +17,8 @@ class OpIo:
     def __init__(self, keep: int = KEEP) -> None:
         self.keep = keep
         self._ops: OrderedDict[int, dict[int, list[int]]] = OrderedDict()
+        # op_seq -> the frames ``(peer, tag, seq)`` taken whole, as the operation ended (its inbox's record)
+        self._arrived: OrderedDict[int, Collection[tuple[int, int, int]]] = OrderedDict()
 
     def count(self, op_seq: int, peer: int, which: int, n: int) -> None:
         """Add ``n`` bytes sent to (``which`` 0) or taken from (1) ``peer`` in operation ``op_seq``, or
@@ -43,6 +46,21 @@ class OpIo:
         """The partners of operation ``op_seq`` whose send was under way when it ended (released frames
         not written, so not in ``sent``: the master's ring rule must not read them as held back)."""
         return [p for p, row in sorted(self._ops.get(op_seq, {}).items()) if row[2] > 0]
+
+    def ended(self, op_seq: int, arrived: Collection[tuple[int, int, int]] | None) -> None:
+        """Operation ``op_seq`` ended here with the frames ``arrived`` (``(peer, tag, seq)``) taken whole;
+        kept for the last :data:`KEEP` operations (:meth:`arrived`). Once per operation, O(1): the
+        inbox's own record is kept, not copied."""
+        if arrived is None:
+            return
+        self._arrived[op_seq] = arrived
+        if len(self._arrived) > self.keep:
+            self._arrived.popitem(last=False)
+
+    def arrived(self, op_seq: int) -> Collection[tuple[int, int, int]]:
+        """The frames ``(peer, tag, seq)`` of operation ``op_seq`` (one of the last few) taken whole
+        when it ended; empty if unknown."""
+        return self._arrived.get(op_seq, ())
 
 
 __all__ = ["KEEP", "OpIo"]

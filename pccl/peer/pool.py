@@ -89,7 +89,7 @@ connection.
 
 from __future__ import annotations
 
-from collections.abc import Coroutine, Iterable
+from collections.abc import Collection, Coroutine, Iterable
 from typing import Any
 
 import trio
@@ -213,6 +213,11 @@ class P2PPool:
         few): what this member testifies when the operation stalls (:class:`~pccl.peer.op_io.OpIo`)."""
         return self.io.rows(op_seq)
 
+    def op_arrived(self, op_seq: int) -> Collection[tuple[int, int, int]]:
+        """The frames ``(peer, tag, seq)`` of operation ``op_seq`` (one of the last few) taken whole
+        when it ended (:meth:`OpIo.arrived <pccl.peer.op_io.OpIo.arrived>`)."""
+        return self.io.arrived(op_seq)
+
     def op_blocked(self, op_seq: int) -> list[int]:
         """The partners of operation ``op_seq`` whose send was under way when it ended."""
         return self.io.blocked(op_seq)
@@ -303,6 +308,8 @@ class P2PPool:
         Call it whenever an operation ends (successfully or not), and for operations aborted
         before they ran here, so their stragglers do not pile up in the stash.
         """
+        # what arrived whole: a stall testimony reads it (pccl/peer/early_frames.py)
+        self.io.ended(op_seq, self.inbox.arrived.get(op_seq))
         self.inbox.forget_op(op_seq)
 
     async def handle_incoming(self, ms: MessageStream, hello: Hello) -> None:

@@ -705,7 +705,11 @@ class CollectiveDone(Message):
     member's sends to were under way then (frames released but not written: they are not in ``sent``).
     ``schedule``: with ``io``, and with the success of an ``"auto"`` operation, the schedule its plan ran
     ("ring", "hd", "tree": ``"auto"`` as the peer resolved it); the master rebuilds the plans the
-    participants' reports agree on.
+    participants' reports agree on. ``early``: with ``io``, the partners a later frame of which (in that
+    partner's release order) was taken while an earlier one from it was still not, when the data plane
+    stood still (it sent out of order, so what this member took from it does not say which of its
+    receives completed: the master does not judge it as a holder then, and reads each as an accusation
+    like ``stalled_on``; docs/security.md "The plan rule").
     """
 
     tag: Count
@@ -716,6 +720,7 @@ class CollectiveDone(Message):
     io: list[IoRow] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
     blocked: list[Count] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
     schedule: str = dataclasses.field(default="", metadata=OPTIONAL)
+    early: list[Count] = dataclasses.field(default_factory=list, metadata=OPTIONAL)
 
 
 @_register(32)
