@@ -30,6 +30,13 @@ with ours from another checkout run right after, on the same emulator (an interl
 emulator's namespaces are named ``<prefix>-<pid>-<i>`` with ``--prefix`` (default ``$PCCL_WAN_PREFIX`` or
 ``wan``): people sharing a machine each use their own.
 
+Diagnostics (environment): ``PCCL_WAN_VERBOSE=1`` prints each peer's times, phases and connection
+count after each operation, and the emulator's queue drops and worst delivery lateness;
+``PCCL_WAN_TRACE=1`` the last operation's frame timeline per connection; ``PCCL_WAN_EVENTS=PATH``
+writes every master message and data frame each peer sent or received, with its
+``time.perf_counter()``, to ``PATH.<peer id>`` (JSON; the namespaces share one monotonic clock, so the
+peers' records line up: how the 4 KB case's pacing delay was found, docs/topology.md).
+
 usage: sudo python benchmarks/wan.py [--quick] [--cases a,b,...] [--iters 5] [--pool N] [--no-gloo]
                                      [--ab TREE] [--prefix NAME]
 """
@@ -132,6 +139,9 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
     trace: list[tuple[str, int, float, float, int]] | None = [] if cfg.get("trace") else None
     if trace is not None:
         _install_trace(trace)
+    events: list[tuple[float, str, str]] | None = [] if cfg.get("events") else None
+    if events is not None:
+        _install_events(events)
     kwargs: dict[str, Any] = {}
     if cfg.get("pool"):
         kwargs["p2p_connection_pool_size"] = cfg["pool"]
@@ -156,6 +166,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
         x = np.random.default_rng(comm.rank).random(cfg["nbytes"] // 4, dtype=np.float32)
         times = []
         phases: list[dict[str, float]] = []
+        counts: list[int] = []
         for i in range(cfg["warmup"] + cfg["iters"]):
             if cfg["idle"]:
                 await trio.sleep(cfg["idle"])  # a training step's compute
@@ -163,22 +174,32 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             if trace is not None:
                 trace.clear()
             t = time.perf_counter()
+            if events is not None:
+                events.append((t, "op", f"start {i}"))
             await comm.all_reduce(x, op=ReduceOp.SUM, tag=0)
+            if events is not None:
+                events.append((time.perf_counter(), "op", f"end {i}"))
             if i >= cfg["warmup"]:
                 times.append(time.perf_counter() - t)
                 phases.append(comm.statistics()["last_op_phases"])
+            # the connections each operation striped over, as sized after it (PCCL_WAN_VERBOSE)
+            counts.append(max(comm.pool.statistics().get("stripes", {}).values(), default=0))
         stripes = comm.pool.statistics().get("outgoing")
         in_use = comm.pool.statistics().get("stripes")  # connections operations stripe over (sized)
         stats = comm.statistics()
         spec = {k: stats.get(k, 0) for k in ("speculative_starts", "speculative_gate_waits")}
         ring = comm.group_ring
         await comm.all_reduce(barrier, op=ReduceOp.SUM, tag=1)
+    if events is not None:
+        with open(f"{cfg['events']}.{comm.peer_id}", "w") as f:
+            json.dump(events, f)
     if trace is not None:
         print(json.dumps({"event": "trace", "t0": t, "frames": [
             (k, c, round(1e3 * (a - t), 1), round(1e3 * (b - t), 1), n >> 10) for k, c, a, b, n in trace]}),
             flush=True)
     print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
                       "optimize_s": opt_s, "ring": ring, "outgoing": stripes, "stripes": in_use,
+                      "stripes_after_each": counts,
                       **spec,
                       "phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 1)
                                     for k in (phases[0] if phases else {})}}), flush=True)
@@ -294,6 +315,53 @@ def _print_trace(frames: list[list[Any]]) -> None:
         print(f"    {kind} {conn}: " + " ".join(items), flush=True)
 
 
+def _install_events(events: list[tuple[float, str, str]]) -> None:
+    """Record (``time.perf_counter()``, what, detail) of every message to and from the master and every
+    data frame sent and received (``PCCL_WAN_EVENTS=path``: one JSON file per peer, ``path.<peer id>``).
+    The namespaces share the host's monotonic clock, so the peers' records line up."""
+    from pccl.peer.communicator import Communicator
+    from pccl.peer.ring_links import RingLinks
+    from pccl.peer.ring_reader import RingReaders
+    from pccl.wire.data import unpack_data_header_fields
+
+    handle0, send_now0, send0 = Communicator.handle_master_message, Communicator._send_now, RingLinks.send
+    send_plain0, read0 = Communicator._send, RingReaders.read_frame
+
+    def handle(self: Any, msg: Any) -> Any:
+        events.append((time.perf_counter(), "master->", type(msg).__name__))
+        r = handle0(self, msg)
+        events.append((time.perf_counter(), "handled", type(msg).__name__))
+        return r
+
+    async def send_now(self: Any, msg: Any) -> None:
+        events.append((time.perf_counter(), "->master", type(msg).__name__))
+        await send_now0(self, msg)
+        events.append((time.perf_counter(), "sent", type(msg).__name__))
+
+    async def send_plain(self: Any, msg: Any) -> None:
+        events.append((time.perf_counter(), "->master(q)", type(msg).__name__))
+        await send_plain0(self, msg)
+
+    async def send(self: Any, peer_id: int, tag: int, op_seq: int, seq: int, data: Any, *,
+                   conn_index: int) -> None:
+        events.append((time.perf_counter(), "frame->", f"{peer_id} tag {tag} seq {seq} {len(data)} B"))
+        await send0(self, peer_id, tag, op_seq, seq, data, conn_index=conn_index)
+        events.append((time.perf_counter(), "frame sent", f"{peer_id} tag {tag} seq {seq}"))
+
+    async def read_frame(self: Any, conn: Any) -> bool:
+        tag, _op_seq, seq, length = unpack_data_header_fields(conn.hdr)
+        events.append((time.perf_counter(), "->frame", f"{conn.peer_id} tag {tag} seq {seq} {length} B"))
+        ok: bool = await read0(self, conn)
+        events.append((time.perf_counter(), "frame read", f"{conn.peer_id} tag {tag} seq {seq}"))
+        return ok
+
+    Communicator.handle_master_message = handle  # type: ignore[method-assign]
+    Communicator._send_now = send_now  # type: ignore[method-assign]
+    Communicator._send = send_plain  # type: ignore[method-assign]
+    RingLinks.send = send  # type: ignore[method-assign]
+    RingReaders.read_frame = read_frame  # type: ignore[method-assign]
+
+
 def _child_argv(kind: str, cfg: dict[str, Any]) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), "--child", kind, json.dumps(cfg)]
 
@@ -318,7 +386,8 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
             cfg = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "addr": wan.addresses[host],
                    "world": case.hosts, "nbytes": case.nbytes, "iters": args.iters,
                    "warmup": args.warmup, "idle": case.idle_s, "pool": pool, "optimize": optimize,
-                   "trace": bool(os.environ.get("PCCL_WAN_TRACE"))}
+                   "trace": bool(os.environ.get("PCCL_WAN_TRACE")),
+                   "events": os.environ.get("PCCL_WAN_EVENTS")}
             p = wan.popen(host, _child_argv("ours", cfg), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env)
             procs.append(p)
@@ -338,6 +407,10 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
             print("  our master's log (last lines):\n    " + "\n    ".join(tail), file=sys.stderr)
         os.unlink(log.name)
     if os.environ.get("PCCL_WAN_VERBOSE"):
+        st = wan.stats()
+        drops = sum(x["queue_dropped_segments"] for x in st["links"])
+        print(f"  emulator: {drops} segments dropped at the queue, worst lateness "
+              f"{st['max_lateness_ms']:.1f} ms; load {os.getloadavg()[0]:.1f}")
         print(f"  ours ({case.name}, {tree or 'this tree'}): " + "; ".join(
             json.dumps({k: [round(t, 3) for t in v] if k == "times" else v
                         for k, v in r.items() if k != "event"}) for r in res), flush=True)

@@ -24,6 +24,18 @@ DEFAULT_BLOCK_BYTES = 4 << 20
 # peer reduces the whole buffer instead of half, and nothing overlaps the one big frame.
 EXCHANGE_MAX_BYTES = 512 << 10
 
+# An exchange of more than SMALL_FRAME_BYTES and at most SMALL_SPLIT_MAX_BYTES goes out in frames of
+# SMALL_FRAME_BYTES (header included, two TCP segments at MTU 1500), which the pool deals out over the
+# partner's connections (lane i on connection i): a small frame then leaves in one burst. A frame of
+# more segments on a connection whose congestion control has seen little traffic does not: bbr
+# paces it at the rate it estimated from that traffic, in bursts of two segments. Measured on the
+# WAN emulator (2 peers, 50 ms, 3 connections each way): one 4 KB frame's last segment arrived
+# 1.8 ms after its first, and a 4 KB all-reduce took 54.1 ms on the slower peer, a 2 KB one 52.6
+# (ping 50.6). A plan depends on the sizes only (both ranks, and the master's plan_rule, build the
+# same frames), so the split applies on any link; on loopback it costs one more frame per 2 KB.
+SMALL_FRAME_BYTES = 2048
+SMALL_SPLIT_MAX_BYTES = 8 << 10
+
 # Quantized operations cut blocks of ``block_bytes / QUANTIZED_BLOCK_DIVISOR`` input bytes, so
 # their frames (a quarter of that for uint8 from float32) are about as many per operation as
 # before quantization made them shorter. Measured on a tc-shaped 1 Gbit/s veth pair (64 MB
@@ -50,7 +62,10 @@ def build_plan(
         block_elems = max(1, block_elems // QUANTIZED_BLOCK_DIVISOR)
         schedule = "ring"
     if schedule == "ring":
-        exchange = k.exchange and n == 2 and not quantized and count * itemsize <= EXCHANGE_MAX_BYTES
+        nbytes = count * itemsize
+        exchange = k.exchange and n == 2 and not quantized and nbytes <= EXCHANGE_MAX_BYTES
+        if exchange and SMALL_FRAME_BYTES < nbytes <= SMALL_SPLIT_MAX_BYTES:
+            block_elems = min(block_elems, max(1, SMALL_FRAME_BYTES // itemsize))
         return cached_plan(k, n, rank, count, block_elems, root, exchange=exchange)
     return plan_schedule(schedule, k.name, n, rank, count, block_elems, root)
 
@@ -72,5 +87,6 @@ def frame_bytes(plan: Plan, itemsize: int, quantized: tuple[int, int] | None = N
 
 
 __all__ = [
-    "DEFAULT_BLOCK_BYTES", "EXCHANGE_MAX_BYTES", "QUANTIZED_BLOCK_DIVISOR", "build_plan", "frame_bytes",
+    "DEFAULT_BLOCK_BYTES", "EXCHANGE_MAX_BYTES", "QUANTIZED_BLOCK_DIVISOR", "SMALL_FRAME_BYTES",
+    "SMALL_SPLIT_MAX_BYTES", "build_plan", "frame_bytes",
 ]

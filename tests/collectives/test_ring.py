@@ -258,7 +258,8 @@ async def test_frames_arriving_before_the_receive_is_registered_are_stashed() ->
         async with trio.open_nursery() as nursery:
             nursery.start_soon(lambda: run_ranks(ring, kind="all_reduce", sends=sends, outs=outs, tag=2,
                                                  op_seq=seq, ranks=[0]))
-            await wait_until(lambda: ring.pools[1].statistics()["stashed_frames"] == 1)
+            # 4000 bytes: the exchange sends them as two frames (op_plan.SMALL_FRAME_BYTES)
+            await wait_until(lambda: ring.pools[1].statistics()["stashed_frames"] == 2)
             await run_ranks(ring, kind="all_reduce", sends=sends, outs=outs, tag=2, op_seq=seq, ranks=[1])
         assert all(same_bits(o, sends[0] + sends[1]) for o in outs)
         assert ring.pools[1].statistics()["stashed_bytes"] == 0
