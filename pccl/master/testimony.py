@@ -107,6 +107,16 @@ class StallTestimony:
         exempt = self._early.get(op_seq, ())
         return [h for h in found if h[0] not in exempt and self.first(op_seq, h[0], h[0])]
 
+    def _rows(self, rows: Iterable[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
+        """A testimony's ``(partner, sent, taken)`` rows as ``{partner: (sent, taken)}``, at most
+        ``max_rows`` of them (the rest ignored, as :meth:`add` keeps them)."""
+        mine: dict[int, tuple[int, int]] = {}
+        for partner, sent, taken in rows:
+            if len(mine) >= self.max_rows:
+                break
+            mine[partner] = (sent, taken)
+        return mine
+
     def false_blocks(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
                      named: Iterable[int], schedule: str = "") -> list[int]:
         """The peers of ``named`` whose sends ``reporter`` says were under way although by its own
@@ -119,11 +129,7 @@ class StallTestimony:
             return []
         from .plan_rule import false_blocks  # loaded with the plans (op_plans.py)
 
-        mine: dict[int, tuple[int, int]] = {}
-        for partner, sent, taken in rows:
-            if len(mine) >= self.max_rows:
-                break
-            mine[partner] = (sent, taken)
+        mine = self._rows(rows)
         return false_blocks(frames, reporter, mine, named)
 
     def false_early(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
@@ -138,11 +144,7 @@ class StallTestimony:
             return []
         from .plan_rule import false_early  # loaded with the plans (op_plans.py)
 
-        mine: dict[int, tuple[int, int]] = {}
-        for partner, sent, taken in rows:
-            if len(mine) >= self.max_rows:
-                break
-            mine[partner] = (sent, taken)
+        mine = self._rows(rows)
         return false_early(frames, reporter, mine, named)
 
     def last_holder(self, op_seq: int, reporter: int, rows: Iterable[tuple[int, int, int]],
@@ -159,11 +161,7 @@ class StallTestimony:
             return False, []
         from .plan_rule import finished, undelivered  # loaded with the plans (op_plans.py)
 
-        mine: dict[int, tuple[int, int]] = {}
-        for partner, sent, taken in rows:
-            if len(mine) >= self.max_rows:
-                break
-            mine[partner] = (sent, taken)
+        mine = self._rows(rows)
         done = finished(frames, reporter, mine)
         if self.plans.schedule(op_seq) is None:
             return done, []
