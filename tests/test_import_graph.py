@@ -46,6 +46,7 @@ PURE_MODULES = [
     "pccl.wire.admission",
     "pccl.master.budget",
     "pccl.master.blame",
+    "pccl.master.lone_holds",
 ]
 IMPURE = {"trio", "socket", "time", "selectors", "asyncio", "threading"}
 

@@ -76,12 +76,19 @@ def overdue(ops: Iterable[HeldRound], now: float, timeout: float,
     return out
 
 
+def lone_hold(op: HeldRound | None, peer: int, now: float) -> float | None:
+    """How long ``peer`` held running ``op`` alone before failing it now, when it was the holder (any
+    time: shorter holds add up, pccl/master/lone_holds.py); else None."""
+    if op is None or holder(op) != peer or op.alone_since is None:
+        return None
+    return max(0.0, now - op.alone_since)
+
+
 def lone_failure(op: HeldRound | None, peer: int, now: float, lone: float = LONE) -> float | None:
     """How long ``peer`` held running ``op`` alone before failing it now, when it was the holder for
     at least ``lone`` seconds (see :data:`LONE`); else None."""
-    if op is None or holder(op) != peer or op.alone_since is None or now - op.alone_since < lone:
-        return None
-    return now - op.alone_since
+    held = lone_hold(op, peer, now)
+    return held if held is not None and held >= lone else None
 
 
-__all__ = ["LONE", "HeldRound", "deadline", "holder", "lone_failure", "overdue"]
+__all__ = ["LONE", "HeldRound", "deadline", "holder", "lone_failure", "lone_hold", "overdue"]

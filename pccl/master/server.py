@@ -42,6 +42,7 @@ from .budget import LARGE_FRAME, ConnectionBudget, FrameBudget
 from .deadlock import DeadlockWatch
 from .effects import Drop, Effect, Event, Kick, Send
 from .http import HttpStats, Response, bound_address, open_http_listeners, serve_http
+from .lone_holds import LoneHolds
 from .state import MasterState, Phase
 from .status_server import StatusService
 from .testimony import StallTestimony
@@ -122,6 +123,7 @@ class MasterServer:
         self.frames = FrameBudget()
         self.http = HttpStats()  # the status page's connections
         self.blame = StallBlame()  # members that stop reading (pccl/master/blame.py)
+        self.lone_holds = LoneHolds()  # members that fail what they hold alone (pccl/master/lone_holds.py)
         self.testimony = StallTestimony()  # ... found by the bytes of a stalled operation (testimony.py)
         # The run this master serves ("": none yet); see pccl.wire.hello.check_run.
         self.run: str = self.config.run or ""
@@ -418,14 +420,17 @@ class MasterServer:
                             "to peer %d, which took only %d from it", msg.op_seq, holder, owed, succ, passed)
                 self._strike(holder, now)
             pairs += self._last_holder(reporter, msg, now)
-        held = held_ops.lone_failure(op, reporter, now)
+        held = held_ops.lone_hold(op, reporter, now)
         if held is not None and not pairs and self.blame.struck_total == struck:
-            # it held the operation alone and fails it naming nobody: the failure is its own
-            log.warning("operation %d failed by peer %d, which held it alone for %.1fs after every other "
-                        "participant finished, with no testimony naming another", op.op_seq if op else -1,
-                        reporter, held)
-            self._strike(reporter, now, f"it failed operations it held alone for {held_ops.LONE:g}s or more "
-                                        "after every other participant finished, naming nobody")
+            # it held the operation alone and fails it naming nobody: the failure is its own; holds
+            # shorter than LONE add up (pccl/master/lone_holds.py)
+            why = self.lone_holds.add(reporter, held, now)
+            log.log(logging.WARNING if why else logging.INFO,
+                    "operation %d failed by peer %d, which held it alone for %.1fs after every other "
+                    "participant finished, with no testimony naming another%s", op.op_seq if op else -1,
+                    reporter, held, f" ({why})" if why else "")
+            if why:
+                self._strike(reporter, now, why)
         for accuser, accused in pairs:
             if not self.testimony.first(msg.op_seq, accuser, accused):
                 continue
@@ -619,6 +624,8 @@ class MasterServer:
         self._execute(self.state.peer_lost(conn.peer_id, reason, trio.current_time()))
 
     def _execute(self, effects: list[Effect]) -> None:
+        if self.lone_holds:
+            self.lone_holds.retain(self.state.peers)  # a member that left: its ledger goes
         for eff in effects:
             if isinstance(eff, Send):
                 conn = self._conns.get(eff.peer_id)

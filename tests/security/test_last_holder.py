@@ -177,6 +177,42 @@ async def test_a_member_that_fails_what_it_holds_alone_without_testimony_is_remo
         assert "it failed operations it held alone" in caplog.text
 
 
+async def test_a_member_that_fails_each_operation_soon_after_the_others_finish_is_removed(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same member, failing every operation about ``SOON`` seconds after every other participant
+    finished (its stall watch), naming nobody: each hold is under ``held_ops.LONE``, which before this work
+    was never counted, so it cost the others that much at every operation and stayed. Now its holds add
+    up (pccl/master/lone_holds.py): every ``LONE`` seconds of them is a strike, two remove it."""
+    import math
+
+    from pccl.master.held_ops import LONE
+    from pccl.peer.collective_api import CollectiveCalls
+
+    caplog.set_level(logging.WARNING, logger="pccl")
+    soon = 1.0
+    cfg = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stall_timeout=soon, schedule="ring")
+    net = VirtualNetwork(latency=0.0005, buffer_size=1 << 20)
+    async with open_test_cluster(4, network=net, config=cfg) as cl:
+        evil = cl.peer(2)
+        honest = sorted(cl.peer(i).peer_id for i in (0, 1, 3))
+        stop_at_the_end(monkeypatch, cl, evil, lie=True, wait=3 * soon)
+        real = CollectiveCalls._testimony
+
+        def none(self: Any, st: Any, attempt: Any) -> Any:
+            return [] if self.peer_id == evil.peer_id else real(self, st, attempt)
+
+        monkeypatch.setattr(CollectiveCalls, "_testimony", none)
+        bound = STRIKES * math.ceil(LONE / soon)  # each hold is at least its stall watch's time
+        stalls = await stalled_rounds(cl, 1024, bound + 3)
+        assert stalls <= bound, caplog.text  # then it was gone, and nothing stalled again
+        assert sorted(cl.master.state.ring) == honest  # alone: the others stay (and ran exact)
+        assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2" in caplog.text
+        assert "held alone in all within 600s (budget 5s)" in caplog.text
+        assert "for 5s or more" not in caplog.text  # no single hold reached LONE
+        assert not cl.master._server.lone_holds  # type: ignore[attr-defined]  # its ledger left with it
+
+
 async def test_a_truthful_member_that_stops_where_it_owes_nothing_leaves_with_its_partner(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
