@@ -56,6 +56,9 @@ def test_core_thread_restarts_after_stop() -> None:
 
 
 _EXIT_SCRIPT = textwrap.dedent("""
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a foreground shell (a harness
+    # started in the background of a script passes SIGINT ignored, and Python then installs no handler)
     import threading, numpy as np
     from pccl.blocking import Communicator, MasterNode, PCCLError, ReduceOp
 

@@ -30,6 +30,9 @@ def _free_port() -> int:
 
 
 _MASTER_SCRIPT = textwrap.dedent("""
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a foreground shell (a harness
+    # started in the background of a script passes SIGINT ignored, and Python then installs no handler)
     import sys
     from pccl import *
 
