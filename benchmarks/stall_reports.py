@@ -4,7 +4,7 @@ the member that stops where it owes nothing run on failure reports only, in the 
 For each world size and schedule, a 4 KiB float32 all-reduce stands still with rank 0 reading nothing
 (its initial sends still go out, every other participant takes what reaches it and works through its
 plan, as in tests/security/test_plan_holder.py); every participant still waiting testifies
-(``CollectiveDone.io``) and the master judges each report as ``MasterServer._stall_report`` does:
+(``CollectiveDone.io``) and the master judges each report as ``StallCourt.report`` does:
 ``StallTestimony.false_blocks``, ``add``, ``holders`` and ``last_holder``. Prints, per case, the plans'
 estimated frames, whether the plans are built (under ``plan_rule.MAX_FRAMES``), the worst single report
 and all reports together (CPU ms, ``time.process_time``), and the same without ``last_holder``, each

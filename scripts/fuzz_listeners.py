@@ -243,7 +243,7 @@ async def fuzz(args: argparse.Namespace) -> int:
             if len(cluster.alive) != members or len(cluster.master.state.accepted()) != members:
                 print(f"round {r}: a member was lost ({cluster.alive})")
                 return 1
-            held = cluster.master._server.testimony.rows
+            held = cluster.master._server.court.testimony.rows
             if held > TESTIMONY_ROWS:
                 print(f"round {r}: the master holds {held} stall testimony rows")
                 return 1

@@ -47,6 +47,7 @@ PURE_MODULES = [
     "pccl.master.budget",
     "pccl.master.blame",
     "pccl.master.lone_holds",
+    "pccl.master.stall_court",
 ]
 IMPURE = {"trio", "socket", "time", "selectors", "asyncio", "threading"}
 

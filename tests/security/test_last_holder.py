@@ -210,7 +210,7 @@ async def test_a_member_that_fails_each_operation_soon_after_the_others_finish_i
         assert f"peer {evil.peer_id} evicted: its testimony contradicted itself in 2" in caplog.text
         assert "held alone in all within 600s (budget 5s)" in caplog.text
         assert "for 5s or more" not in caplog.text  # no single hold reached LONE
-        assert not cl.master._server.lone_holds  # type: ignore[attr-defined]  # its ledger left with it
+        assert not cl.master._server.court.lone_holds  # type: ignore[attr-defined]  # its ledger left with it
 
 
 async def test_a_truthful_member_that_stops_where_it_owes_nothing_leaves_with_its_partner(
