@@ -72,9 +72,9 @@ def stop_reading(monkeypatch: pytest.MonkeyPatch, evil: Communicator) -> None:
     monkeypatch.setattr(type(readers), "read_frame", stop)
 
 
-def lie_about_reading(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Communicator) -> None:
-    """``evil`` stops reading and testifies it took every byte each partner says it sent it (the pairs
-    then agree)."""
+def claim_took_all(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Communicator) -> None:
+    """``evil`` testifies it took every byte each partner says it sent it (the pairs then agree),
+    whatever it read."""
     real_rows = type(evil.pool).op_io
 
     def lying(self: object, op_seq: int) -> list[tuple[int, int, int]]:
@@ -91,8 +91,14 @@ def lie_about_reading(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Co
             mine[other.peer_id] = (s, max(k, sent))
         return [(p, s, k) for p, (s, k) in sorted(mine.items())]
 
-    stop_reading(monkeypatch, evil)
     monkeypatch.setattr(type(evil.pool), "op_io", lying)
+
+
+def lie_about_reading(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Communicator) -> None:
+    """``evil`` stops reading and testifies it took every byte each partner says it sent it (the pairs
+    then agree)."""
+    stop_reading(monkeypatch, evil)
+    claim_took_all(monkeypatch, cl, evil)
 
 
 async def stalled_rounds(cluster: TestCluster, count: int, rounds: int,

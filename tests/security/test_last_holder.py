@@ -34,7 +34,7 @@ from pccl.testing import (
 )
 from pccl.wire.data import unpack_data_header_fields
 
-from ._helpers import stalled_rounds
+from ._helpers import claim_took_all, stalled_rounds
 from .test_plan_holder import IDS, descriptor, frames_of
 
 STALL = 5.0
@@ -75,23 +75,7 @@ def stop_at_the_end(monkeypatch: pytest.MonkeyPatch, cl: TestCluster, evil: Comm
     monkeypatch.setattr(type(readers), "read_frame", read_frame)
     if not lie:
         return
-    real_rows = type(evil.pool).op_io
-
-    def lying(self: Any, op_seq: int) -> list[tuple[int, int, int]]:
-        rows: list[tuple[int, int, int]] = real_rows(self, op_seq)
-        if self is not evil.pool:
-            return rows
-        mine = {p: (s, k) for p, s, k in rows}
-        for i in cl.alive:
-            other = cl.peer(i)
-            if other is evil or other.pool is None:
-                continue
-            sent = {p: s for p, s, _ in real_rows(other.pool, op_seq)}.get(evil.peer_id, 0)
-            s, k = mine.get(other.peer_id, (0, 0))
-            mine[other.peer_id] = (s, max(k, sent))
-        return [(p, s, k) for p, (s, k) in sorted(mine.items())]
-
-    monkeypatch.setattr(type(evil.pool), "op_io", lying)
+    claim_took_all(monkeypatch, cl, evil)
 
 
 # the liar's position: one whose plan ends in receives that release no send (a tree's leaf)
