@@ -103,7 +103,7 @@ class MasterContext:
                 return _NOBODY
             out = heals.out_of_ops(group)
         else:
-            if not heals.healing:
+            if not heals.healing and not heals.observers.joining:
                 return _NOBODY
             out = heals.out_of_syncs(group)
         if out and heals.healing:

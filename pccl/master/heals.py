@@ -20,7 +20,9 @@ ordinary sync holds every participant until they have. A live heal instead:
   current), or some chunks (a live round again, up to ``max_live_rounds`` in a row; after that an
   ordinary, blocking round, which bounds the catch-up when the state changes faster than it can be
   fetched: data-parallel training changes every byte at every step);
-* a fetcher lost, or failing, costs the members nothing: its pins are released; its own call fails.
+* a fetcher lost, or failing, costs the members nothing: its pins are released; its own call fails;
+* a fetcher that *observes* (its vote said so: :mod:`pccl.master.observers`) counts in its group's
+  collective votes from the heal's start, gets its plain result when fetched, and joins by its next vote.
 
 Pins are released when the last fetcher of a heal is done, failed or lost (a donor lost meanwhile costs
 the fetcher its chunks in flight only, :mod:`pccl.peer.heal`).
@@ -35,6 +37,7 @@ from typing import Any
 from .._errors import Result
 from ..wire import messages as m
 from .effects import Effect, Event, Send
+from .observers import Observers
 from .transfers import SwarmCounts, SyncProgress
 
 
@@ -77,6 +80,7 @@ class HealBook:
         self.contents: dict[int, dict[str, int]] = {}  # group -> {key: hash} its last vote elected
         self.ran: dict[int, frozenset[int]] = {}  # group -> the participants of its last collective
         self.kept_ordinary = 0  # syncs with fetchers kept ordinary: every key fetched had just changed
+        self.observers = Observers()  # fetchers that replay the rounds they miss (observers.py)
         self.started = 0
         self.fetched = 0
         self.failed = 0
@@ -89,13 +93,16 @@ class HealBook:
         """Peers of ``group`` that no collective vote waits on (healing, or behind)."""
         if not self.groups:
             return frozenset()
-        return frozenset(p for p, g in self.groups.items() if g == group)
+        active = self.observers.active
+        return frozenset(p for p, g in self.groups.items() if g == group and p not in active)
 
     def out_of_syncs(self, group: int) -> frozenset[int]:
-        """Peers of ``group`` that no sync vote waits on (healing)."""
-        if not self.healing:
+        """Peers of ``group`` that no sync vote waits on (healing, or an observer that has not voted to
+        join yet)."""
+        joining = self.observers.joining
+        if not self.healing and not joining:
             return frozenset()
-        return frozenset(p for p in self.healing if self.groups.get(p) == group)
+        return frozenset(p for p in (*self.healing, *joining) if self.groups.get(p) == group)
 
     def group_voted(self, group: int) -> None:
         """A vote of ``group`` went on without its healing peers: they can no longer rejoin where they
@@ -136,6 +143,8 @@ class HealBook:
             # train in a world their loop has not accepted (a driver waiting for ``min_world_size`` peers
             # would wait for the fetchers while they wait for its next sync: a deadlock).
             return False
+        if self.observers.all_willing(fetchers):
+            return True  # they replay the rounds they miss: nothing to catch up at the join
         if before is not None and content and self.all_changed(before, content, rows_of):
             self.kept_ordinary += 1
             return False
@@ -161,6 +170,7 @@ class HealBook:
         self.rounds.pop(peer_id, None)
         self.behind.pop(peer_id, None)
         self.groups.pop(peer_id, None)
+        self.observers.forget(peer_id)
 
     # -- transitions -----------------------------------------------------------------------
 
@@ -174,6 +184,8 @@ class HealBook:
             self.groups[p] = group
             self.rounds[p] = self.rounds.get(p, 0) + 1
             self.moved.discard(p)
+            if p in self.observers.willing:
+                self.observers.began(p)
         self.started += 1
 
     def go_live(self, seq: int, group: int, revision: int, rows_of: dict[int, list[list[Any]]],
@@ -217,6 +229,16 @@ class HealBook:
                                          reason=f"peer {peer_id}: {msg.reason}",
                                          code=int(Result.SHARED_STATE_SYNC_FAILED))
             self.held[peer_id] = (result, True)
+        elif peer_id in self.observers.active:
+            # An observer: its result now (it replays the rounds it kept and joins by its next vote, in
+            # no sync vote until then; still in the group's collectives, as it was while it fetched).
+            del self.healing[peer_id]
+            self.moved.discard(peer_id)
+            self.rounds.pop(peer_id, None)
+            self.observers.fetched(peer_id)
+            self.fetched += 1
+            result = m.SharedStateResult(sync_seq=seq, success=True, revision=heal.revision)
+            return [Send(peer_id, result), *self._release_if_unused(heal)]
         else:
             # Always a catch-up: the healed peer joins its group at the group's next sync (where the members'
             # loop has them: sync, then collectives), fetching there what changed since, if anything.
@@ -250,6 +272,7 @@ class HealBook:
             else:
                 self.groups.pop(p, None)
                 self.rounds.pop(p, None)
+                self.observers.forget(p)
                 self.failed += 1
             effects.append(Send(p, result))
         return effects
@@ -285,6 +308,7 @@ class HealBook:
         seq = self.healing.pop(peer_id, None)
         self.held.pop(peer_id, None)
         self.moved.discard(peer_id)
+        self.observers.lost(peer_id)
         if seq is not None:
             heal = self.heals.get(seq)
             if heal is not None:
@@ -312,7 +336,7 @@ class HealBook:
         return {"started": self.started, "fetched": self.fetched, "failed": self.failed,
                 "kept_ordinary": self.kept_ordinary,
                 "rejoined": self.rejoined, "lost_fetchers": self.lost_fetchers, "healing": len(self.healing),
-                "behind": len(self.behind)}
+                "behind": len(self.behind), **self.observers.statistics()}
 
 
 __all__ = ["Heal", "HealBook"]

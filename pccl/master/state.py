@@ -481,6 +481,8 @@ class MasterState:
             effects[:0] = self.credentials.pay()  # first: before anything this message lets the members do
         if self.heals.held:
             effects += self.heals.flush(self.context.heal_busy)
+        if self.heals.observers.waiting:
+            effects += self.sync_messages.join_waiting()
         return effects
 
     def _takes_part(self, rec: PeerRecord, msg: m.Message) -> bool:

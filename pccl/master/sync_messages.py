@@ -62,7 +62,8 @@ class SyncMessages:
         if bad is not None:
             return bad
         rnd = core.syncs.get(rec.group)
-        if rnd is not None and not rnd.takes_ballot_from(rec.peer_id):
+        if rnd is not None and not rnd.takes_ballot_from(rec.peer_id) \
+                and rec.peer_id not in core.heals.observers.joining:  # (a joiner's vote may wait: join)
             return core.kick(rec.peer_id, f"{what} while this peer's previous sync is still running")
         return None
 
@@ -116,9 +117,48 @@ class SyncMessages:
             ]
         if core.lost.owes(rec.peer_id, ("sync", rec.group, -1)):
             return [Send(rec.peer_id, lost_sync_result(msg.revision))]
-        if core.syncs.vote(rec.peer_id, rec.group, vote, core._now):
-            core.away.opened(("sync", rec.group, -1))
-        return core.context.check_sync(rec.group)
+        core.heals.observers.voted(rec.peer_id, msg.observe)
+        if rec.peer_id in core.heals.observers.joining:
+            return self.join(rec.peer_id, rec.group, vote)
+        return self.count(rec.peer_id, rec.group, vote)
+
+    def count(self, peer_id: int, group: int, vote: _election.SyncVote) -> list[Effect]:
+        """Count ``vote`` in ``group``'s sync round and check the round."""
+        core = self.core
+        if core.syncs.vote(peer_id, group, vote, core._now):
+            core.away.opened(("sync", group, -1))
+        return core.context.check_sync(group)
+
+    def join(self, peer_id: int, group: int, vote: _election.SyncVote) -> list[Effect]:
+        """The vote of an observer that replayed the rounds it missed (pccl/master/observers.py): counted
+        in the group's sync, kept while that sync runs, or answered at once."""
+        core = self.core
+        heals = core.heals
+        rnd = core.syncs.get(group)
+        answer = heals.observers.answer(peer_id, vote, running=rnd is not None and rnd.running,
+                                        last_revision=core.context.revision_of(group),
+                                        content=heals.contents.get(group))
+        if answer.action == "wait":
+            heals.observers.waiting[peer_id] = (group, vote)
+            return []
+        if answer.action == "vote":
+            return self.count(peer_id, group, vote)
+        heals.joined(peer_id)
+        ok = answer.action == "current"
+        return [Send(peer_id, m.SharedStateResult(sync_seq=-1, success=ok, revision=answer.revision,
+                                                  reason=answer.reason, code=answer.code))]
+
+    def join_waiting(self) -> list[Effect]:
+        """The join votes kept while their group's sync ran, for the groups whose sync no longer runs."""
+        core = self.core
+        effects: list[Effect] = []
+        for peer_id, (group, vote) in list(core.heals.observers.waiting.items()):
+            rnd = core.syncs.get(group)
+            if rnd is not None and rnd.running:
+                continue
+            del core.heals.observers.waiting[peer_id]
+            effects += self.join(peer_id, group, vote)
+        return effects
 
     def on_done(self, rec: PeerRecord, msg: m.Message) -> list[Effect]:
         core = self.core

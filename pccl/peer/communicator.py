@@ -601,6 +601,7 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
         strategy: SharedStateSyncStrategy = SharedStateSyncStrategy.ENFORCE_POPULAR,
         *,
         progress: Callable[[int, int], None] | None = None,
+        observe: Callable[[bool, int], None] | None = None,
     ) -> SharedStateSyncInfo:
         """Synchronize ``state`` with the group (a group vote); see docs/protocol.md section 5.
 
@@ -611,6 +612,12 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
             strategy: ENFORCE_POPULAR, RECEIVE_ONLY or SEND_ONLY.
             progress: optional ``callback(bytes_done, bytes_total)`` for long transfers (None: the
                 default display, ``PeerConfig.progress``).
+            observe: issue 35 item 4 (docs/concepts.md "Replaying the rounds missed"): should this peer
+                fetch in a live heal, it takes part in its group's collectives meanwhile, contributing
+                nothing, and replays them (the caller's job: ``pccl.torch``'s DiLoCo with
+                ``replay_heals``). ``observe(live, revision)`` is called once the master's plan came,
+                ``live`` True when this peer fetches a live heal of ``revision``; the call then returns
+                as soon as this peer has that revision (complete and verified).
 
         Raises:
             SharedStateSyncError / NoSharedStateAvailableError: refused or failed; tensors unchanged.
@@ -647,6 +654,7 @@ class Communicator(MasterConnection, MembershipCalls, CollectiveCalls):
                     state,
                     SharedStateSyncStrategy(strategy),
                     on_progress,
+                    observe,
                 )
         finally:
             if isinstance(shown, TransferProgress):

@@ -483,6 +483,7 @@ async def run_sync(
     state: SharedState,
     strategy: SharedStateSyncStrategy,
     progress: ProgressCallback | None = None,
+    observe: Callable[[bool, int], None] | None = None,
 ) -> SharedStateSyncInfo:
     """The body of :meth:`pccl.peer.communicator.Communicator.sync_shared_state` (see docs/protocol.md).
 
@@ -493,6 +494,11 @@ async def run_sync(
         state: the tensors.
         strategy: this peer's role in the vote.
         progress: optional ``callback(bytes_done, bytes_total)``.
+        observe: issue 35 item 4, replay (docs/concepts.md "Replaying the rounds missed"): this peer's
+            vote says it observes its group's collectives should it fetch live, and
+            ``observe(live, revision)`` is called once the plan came (``live``: this peer fetches a live
+            heal of ``revision``; it then returns with the healed revision as soon as it has it) or the
+            call was answered without one (False, -1).
 
     Returns:
         Bytes sent to and received from other peers.
@@ -507,7 +513,8 @@ async def run_sync(
     while True:
         # A live heal (catch_up) applied its revision: vote again, in this call, to join the group at its
         # next sync and fetch what changed since (docs/concepts.md "Live heals").
-        round_tx, round_rx, again = await _sync_round(link, dialer, server, state, strategy, progress)
+        round_tx, round_rx, again = await _sync_round(link, dialer, server, state, strategy, progress,
+                                                      observe)
         tx, rx = tx + round_tx, rx + round_rx
         if not again:
             return SharedStateSyncInfo(tx_bytes=tx, rx_bytes=rx)
@@ -521,6 +528,7 @@ async def run_sync(
 async def _sync_round(
     link: MasterLink, dialer: Dialer, server: StateServer, state: SharedState,
     strategy: SharedStateSyncStrategy, progress: ProgressCallback | None,
+    observe: Callable[[bool, int], None] | None = None,
 ) -> tuple[int, int, bool]:
     """One vote and its plan: ``(tx bytes, rx bytes, catch up)``; catch up: a live heal ended at a
     revision the group has left (applied: the caller votes again)."""
@@ -540,9 +548,18 @@ async def _sync_round(
         *ahead, last = limits.split_rows(rows)
         for chunk in ahead:
             await link.send(m.SharedStateEntries(entries=chunk))
-        await link.send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=last))
+        await link.send(m.SharedStateSync(revision=state.revision, strategy=int(strategy), entries=last,
+                                          observe=observe is not None))
         first = await inbox.get()
+        if observe is not None:
+            live = isinstance(first, m.SharedStatePlan) and first.live and bool(first.fetch)
+            observe(live, first.revision if isinstance(first, m.SharedStatePlan) else -1)
         if isinstance(first, m.SharedStateResult):
+            if first.success:
+                # An observer's join vote answered at once: it replayed to the group's revision and
+                # holds its content (the master compared the hashes); nothing moves.
+                state.revision = first.revision
+                return 0, 0, False
             # Refused before any transfer (revision skip, key mismatch, no state available...).
             raise error_from_code(first.code, first.reason)
         assert isinstance(first, m.SharedStatePlan)

@@ -7,6 +7,14 @@ the average is applied at once. Delayed (one step late): the all-reduce of round
 background during round r+1's inner steps and is applied at the end of round r+1; shared state is
 synced only while no all-reduce runs, and before a newcomer is admitted the running all-reduce is
 finished and applied, so the newcomer receives outer parameters that include it.
+
+``replay_heals`` (issue 35 item 4; docs/concepts.md "Replaying the rounds missed"): the outer all-reduce
+sums the pseudo-gradients and a count of contributors (1 from each peer that trained the round, 0 from one
+that did not), and every peer divides by the count. A newcomer that heals live then does not make the
+members wait for its transfer: while it fetches the snapshot of revision ``r`` it takes part in their
+outer all-reduces contributing zeros and keeps each round's average; once it has the snapshot it applies
+those outer steps to it (the same optimizer step, from the snapshot's optimizer state: the same bits as
+the members) and joins the group's next sync, where nothing moves.
 """
 
 from __future__ import annotations
@@ -18,14 +26,17 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError
+from .._errors import InvalidArgumentError, InvalidUsageError
 from .._types import QuantizationOptions, ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
 from ._ops import (
     AllReduce,
     Op,
+    PollAllReduce,
     StartAllReduce,
+    StartSync,
+    SyncPlanned,
     WaitAllReduce,
     is_result,
     sync_until_done,
@@ -65,6 +76,8 @@ class DiLoCoCore:
         just_joined, total_outer_steps, bucket_bytes, max_in_flight, min_world_size, poll_interval,
             min_world_size_timeout: as in :class:`~pccl.torch._train.TrainCore` (``total_outer_steps``
             counts outer steps).
+        replay_heals: the average over contributors only, and a newcomer's live heal replaying the rounds
+            it missed (the module docstring; ``delayed=False`` only).
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -72,9 +85,11 @@ class DiLoCoCore:
                  inner_steps: int, delayed: bool, quantization: QuantizationOptions | None,
                  just_joined: bool, total_outer_steps: int | None, bucket_bytes: int, max_in_flight: int,
                  min_world_size: int, poll_interval: float,
-                 min_world_size_timeout: float | None = None) -> None:
+                 min_world_size_timeout: float | None = None, replay_heals: bool = False) -> None:
         if inner_steps < 1:
             raise InvalidArgumentError("inner_steps must be >= 1")
+        if replay_heals and delayed:
+            raise InvalidArgumentError("replay_heals is built for delayed=False DiLoCo only")
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.outer_model = copy.deepcopy(model)
@@ -101,6 +116,13 @@ class DiLoCoCore:
         self.syncs = 0
         self.unreported_rx = 0  # bytes received by syncs since the last StepResult
         self.unreported_tx = 0  # bytes sent by pseudo-gradient reduces since the last StepResult
+        # replay_heals: the contributors' count, reduced (SUM, never quantized) with the pseudo-gradients
+        self.replay_heals = replay_heals
+        device = self.buckets.send[0].device if len(self.buckets) else torch.device("cpu")
+        self.count_send = torch.ones(1, dtype=torch.float32, device=device)
+        self.count_recv = torch.zeros(1, dtype=torch.float32, device=device)
+        self.rounds_observed = 0  # outer all-reduces this peer took part in without contributing
+        self.rounds_replayed = 0  # outer rounds this peer replayed after a live heal
 
     def local_state(self) -> dict[str, Any]:
         """What a checkpoint keeps of this peer (the inner optimizer's state: the inner model restarts
@@ -115,24 +137,80 @@ class DiLoCoCore:
     # -- pieces ---------------------------------------------------------------------------------------
 
     def _reduce(self) -> AllReduce:
+        if self.replay_heals:
+            return AllReduce(self.buckets.pairs, ReduceOp.SUM, self.quantization, self.max_in_flight,
+                             retry_lost=True, exact=[(self.count_send, self.count_recv)])
         return AllReduce(self.buckets.pairs, ReduceOp.AVG, self.quantization, self.max_in_flight,
                          retry_lost=True)
 
-    def _apply(self) -> None:
-        """Outer step with the averaged pseudo-gradients in the receive buffers."""
-        for p, g in zip(self.outer_params, self.buckets.recv_views(), strict=True):
-            p.grad = g.clone()
+    def _own_average(self) -> None:
+        """Nobody else contributed: this peer's own pseudo-gradient is the average."""
+        self.buckets.copy_send_to_recv()
+        self.count_recv.fill_(1.0)
+
+    def _averages(self) -> list[torch.Tensor]:
+        """The round's averaged pseudo-gradients (new tensors), from the receive buffers: as reduced, or
+        with ``replay_heals`` the sums divided by the contributors' count (the same arithmetic on every
+        peer: the same bits)."""
+        if not self.replay_heals:
+            return [g.clone() for g in self.buckets.recv_views()]
+        count = float(self.count_recv.item())
+        if count < 1:
+            raise InvalidUsageError(f"an outer round with {count:g} contributors")
+        return [g.div(self.count_recv) for g in self.buckets.recv_views()]
+
+    def _apply(self, averages: list[torch.Tensor] | None = None) -> None:
+        """Outer step with the averaged pseudo-gradients (default: those of the receive buffers)."""
+        grads = self._averages() if averages is None else averages
+        for p, g in zip(self.outer_params, grads, strict=True):
+            p.grad = g
         self.outer_optimizer.step()
         self.shared.keep_state_references()
         self.shared.revision += 1
 
     def _sync(self) -> Generator[Op, Any, None]:
-        if self.first_sync and self.joined:
+        newcomer = self.first_sync and self.joined
+        if newcomer:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
         self.first_sync = False
-        info = yield from sync_until_done(self.shared.state)
+        if newcomer and self.replay_heals:
+            info = yield from self._heal_replaying()
+        else:
+            info = yield from sync_until_done(self.shared.state)
         self.syncs += 1
         self.unreported_rx += info.rx_bytes
+
+    def _heal_replaying(self) -> Generator[Op, Any, Any]:
+        """A newcomer's first sync with ``replay_heals``: should it fetch a live heal of revision ``r``, it
+        takes part in the members' outer all-reduces meanwhile (zeros, counted as no contributor) and keeps
+        each round's average; once it has revision ``r`` (complete and verified) it applies the kept
+        rounds' outer steps and votes again, joining the group's sync at the revision it reached."""
+        handle = yield StartSync(self.shared.state)
+        healing = yield SyncPlanned(handle)
+        if healing is None:
+            return (yield WaitAllReduce(handle))  # an ordinary sync (or refused): as without replay
+        kept: list[list[torch.Tensor]] = []
+        total = self.total_outer_steps
+        for s, _ in self.buckets.pairs:
+            s.zero_()
+        self.count_send.zero_()
+        try:
+            while not (yield PollAllReduce(handle)):
+                if total is not None and healing + len(kept) >= total:
+                    break  # the members' run has no round left: they only sync once more
+                info = yield self._reduce()
+                self.unreported_tx += info.tx_bytes
+                self.rounds_observed += 1
+                kept.append(self._averages())
+        finally:
+            self.count_send.fill_(1.0)
+        fetched = yield WaitAllReduce(handle)  # raises if the heal failed: nothing applied
+        for averages in kept:  # the outer steps of rounds healing .. healing + len(kept) - 1
+            self._apply(averages)
+        self.rounds_replayed += len(kept)
+        joined = yield from sync_until_done(self.shared.state)
+        return type(fetched)(tx_bytes=fetched.tx_bytes + joined.tx_bytes,
+                             rx_bytes=fetched.rx_bytes + joined.rx_bytes)
 
     def _reduce_now(self) -> Generator[Op, Any, None]:
         try:
@@ -141,7 +219,7 @@ class DiLoCoCore:
         except Exception as exc:
             if not is_result(exc, "TOO_FEW_PEERS"):
                 raise
-            self.buckets.copy_send_to_recv()  # nobody left: this peer's own pseudo-gradient
+            self._own_average()  # nobody left: this peer's own pseudo-gradient
 
     def _wait_running(self) -> Generator[Op, Any, None]:
         """Wait for the background reduce; its average is then in the receive buffers."""
@@ -152,7 +230,7 @@ class DiLoCoCore:
         except Exception as exc:
             if not is_result(exc, "TOO_FEW_PEERS"):
                 raise
-            self.buckets.copy_send_to_recv()
+            self._own_average()
 
     def _reset_inner(self) -> None:
         with torch.no_grad():
@@ -197,7 +275,7 @@ class DiLoCoCore:
             if self.members.world_size > 1:
                 yield from self._reduce_now()
             else:
-                self.buckets.copy_send_to_recv()
+                self._own_average()
             self._apply()
         else:
             previous = self.running is not None
@@ -212,7 +290,7 @@ class DiLoCoCore:
             if self.members.world_size > 1:
                 self.running = yield StartAllReduce(self._reduce())
             else:
-                self.buckets.copy_send_to_recv()
+                self._own_average()
                 self._apply()
         self.round_started = False
 

@@ -25,6 +25,7 @@ from ._ops import (
     Op,
     PollAllReduce,
     StartAllReduce,
+    StartSync,
     Sync,
     WaitAllReduce,
     drive,
@@ -47,7 +48,7 @@ def _sync_cuda_streams(op: Op) -> None:
         tensors = [s for s, _ in op.pairs]
     elif isinstance(op, StartAllReduce) and isinstance(op.reduce, AllReduce):
         tensors = [s for s, _ in op.reduce.pairs]
-    elif isinstance(op, Sync):
+    elif isinstance(op, (Sync, StartSync)):
         tensors = [t.tensor for t in op.state.tensor_infos]
     devices = {t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}
     for device in devices:
@@ -396,10 +397,16 @@ class AsyncDiLoCo(_RunInfo):
             ``QuantizationOptions(quantized_datatype=DataType.UINT8,
             algorithm=QuantizationAlgorithm.MIN_MAX)``.
         total_outer_steps: :meth:`step` returns None once this many outer steps were applied.
+        replay_heals: a newcomer that heals live does not make the members wait for its transfer: it
+            takes part in their outer all-reduces while it fetches and replays the outer steps it
+            missed (issue 35 item 4; docs/concepts.md "Replaying the rounds missed"). The all-reduce
+            then sums and divides by a count of contributors: every peer of a run must set it alike.
+            ``delayed=False`` only; needs ``nursery`` (where the newcomer's fetch runs).
         others: as in :class:`AsyncTrainingRun`.
 
     Raises:
-        InvalidArgumentError: ``delayed`` without a nursery, or bad sizes.
+        InvalidArgumentError: ``delayed`` or ``replay_heals`` without a nursery, ``replay_heals`` with
+            ``delayed``, or bad sizes.
     """
 
     def __init__(self, comm: Communicator, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -408,16 +415,19 @@ class AsyncDiLoCo(_RunInfo):
                  total_outer_steps: int | None = None, nursery: trio.Nursery | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4, min_world_size: int = 1,
                  poll_interval: float = DEFAULT_POLL_INTERVAL, just_joined: bool | None = None,
-                 min_world_size_timeout: float | None = None) -> None:
+                 min_world_size_timeout: float | None = None, replay_heals: bool = False) -> None:
         if delayed and nursery is None:
             raise InvalidArgumentError("delayed DiLoCo needs a nursery for the background all-reduce")
+        if replay_heals and nursery is None:
+            raise InvalidArgumentError("replay_heals needs a nursery (a newcomer's fetch runs there)")
         joined = comm.world_size > 1 if just_joined is None else just_joined
         self.core = DiLoCoCore(model, inner_optimizer, outer_optimizer=outer_optimizer,
                                inner_steps=inner_steps, delayed=delayed, quantization=quantization,
                                just_joined=joined, total_outer_steps=total_outer_steps,
                                bucket_bytes=bucket_bytes,
                                max_in_flight=max_in_flight, min_world_size=min_world_size,
-                               poll_interval=poll_interval, min_world_size_timeout=min_world_size_timeout)
+                               poll_interval=poll_interval, min_world_size_timeout=min_world_size_timeout,
+                               replay_heals=replay_heals)
         self.comm = comm
         self.shared = self.core.shared
         self._members = self.core.members
@@ -448,7 +458,7 @@ class DiLoCo(_RunInfo):
                  connect_attempts: int = 10, bucket_bytes: int = DEFAULT_BUCKET_BYTES, max_in_flight: int = 4,
                  min_world_size: int = 1, poll_interval: float = DEFAULT_POLL_INTERVAL,
                  just_joined: bool | None = None, transport: Transport | None = None,
-                 min_world_size_timeout: float | None = None) -> None:
+                 min_world_size_timeout: float | None = None, replay_heals: bool = False) -> None:
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
                                    connect_attempts=connect_attempts, transport=transport)
         try:
@@ -459,7 +469,7 @@ class DiLoCo(_RunInfo):
                                    just_joined=joined, total_outer_steps=total_outer_steps,
                                    bucket_bytes=bucket_bytes, max_in_flight=max_in_flight,
                                    min_world_size=min_world_size, poll_interval=poll_interval,
-                                   min_world_size_timeout=min_world_size_timeout)
+                                   min_world_size_timeout=min_world_size_timeout, replay_heals=replay_heals)
         except BaseException:
             self._blocking.close()
             raise

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import trio
 
 from .._errors import InvalidUsageError, PCCLError, RankConnectionLostError
+from .._types import ReduceOp
 from .._waits import format_wait
 from ..peer.communicator import Communicator, open_communicator
 from ._ops import (
@@ -24,7 +25,9 @@ from ._ops import (
     PollAllReduce,
     Sleep,
     StartAllReduce,
+    StartSync,
     Sync,
+    SyncPlanned,
     UpdateTopology,
     WaitAllReduce,
 )
@@ -74,6 +77,22 @@ class _Background:
         return self.info
 
 
+class _BackgroundSync(_Background):
+    """A :class:`~pccl.torch._ops.StartSync` running in the background: also whether its plan came
+    (``planned``) and, when it fetches a live heal, the revision it heals to (``live``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.planned = trio.Event()
+        self.live: int | None = None
+
+    def on_plan(self, live: bool, revision: int) -> None:
+        """The sync's plan came (or it was answered without one)."""
+        if live:
+            self.live = revision
+        self.planned.set()
+
+
 class Executor:
     """Executes requests on ``comm`` (call it from the communicator's trio thread).
 
@@ -99,7 +118,7 @@ class Executor:
                 describe = functools.partial(_describe_peers_wait, comm, op.min_world_size)
                 comm.notices.begin(_PEERS_WAIT, describe)
             return await trio.sleep(op.seconds)
-        if isinstance(op, (Sync, AllReduce, StartAllReduce)):
+        if isinstance(op, (Sync, AllReduce, StartAllReduce, StartSync)):
             comm.notices.end(_PEERS_WAIT)  # enough peers: training goes on
         if isinstance(op, Sync):
             return await comm.sync_shared_state(op.state)
@@ -113,6 +132,15 @@ class Executor:
             handle = self.new_handle()
             self.start(op, handle)
             return handle
+        if isinstance(op, StartSync):
+            if self.nursery is None:
+                raise InvalidUsageError("a background sync needs a nursery")
+            sync = _BackgroundSync()
+            self.nursery.start_soon(self._background_sync, op, sync)
+            return sync
+        if isinstance(op, SyncPlanned):
+            await op.handle.planned.wait()
+            return op.handle.live
         if isinstance(op, WaitAllReduce):
             await op.handle.done.wait()
             return op.handle.result()
@@ -144,21 +172,33 @@ class Executor:
         finally:
             handle.settle(error)
 
+    async def _background_sync(self, op: StartSync, handle: _BackgroundSync) -> None:
+        error: PCCLError | None = None
+        try:
+            handle.info = await self.comm.sync_shared_state(op.state, observe=handle.on_plan)
+        except PCCLError as exc:
+            error = exc
+        finally:
+            handle.planned.set()
+            handle.settle(error)
+
     async def all_reduce(self, op: AllReduce) -> Any:
         """Every bucket of ``op``; see :class:`~pccl.torch._ops.AllReduce`."""
         comm = self.comm
+        items = [(s, r, op.op, op.quantization) for s, r in op.pairs]
+        items += [(s, r, ReduceOp.SUM, None) for s, r in op.exact]
         if op.retry_lost:
             return await comm.all_reduce_multiple_with_retry(
-                [{"send": s, "recv": r, "op": op.op, "quantization": op.quantization} for s, r in op.pairs],
+                [{"send": s, "recv": r, "op": o, "quantization": q} for s, r, o, q in items],
                 max_in_flight=op.max_in_flight, base_tag=op.base_tag)
         limiter = trio.CapacityLimiter(op.max_in_flight)
         infos: list[Any] = []
         errors: list[PCCLError] = []
 
-        async def one(i: int, send: Any, recv: Any) -> None:
+        async def one(i: int, send: Any, recv: Any, reduce: ReduceOp, quantization: Any) -> None:
             try:
-                infos.append(await comm.all_reduce(send, recv, op=op.op, tag=op.base_tag + i,
-                                                   quantization=op.quantization))
+                infos.append(await comm.all_reduce(send, recv, op=reduce, tag=op.base_tag + i,
+                                                   quantization=quantization))
             except PCCLError as exc:
                 errors.append(exc)
             finally:
@@ -166,9 +206,9 @@ class Executor:
 
         async with trio.open_nursery() as nursery:
             # Launched strictly in index order, so every peer has the same window of tags in flight.
-            for i, (send, recv) in enumerate(op.pairs):
+            for i, (send, recv, reduce, quantization) in enumerate(items):
                 await limiter.acquire_on_behalf_of(i)
-                nursery.start_soon(one, i, send, recv)
+                nursery.start_soon(one, i, send, recv, reduce, quantization)
         if errors:
             # A lost peer is retryable; anything else (the master lost, bad buffers) wins.
             fatal = [e for e in errors if not isinstance(e, RankConnectionLostError)]

@@ -27,7 +27,9 @@ __all__ = [
     "PollAllReduce",
     "Sleep",
     "StartAllReduce",
+    "StartSync",
     "Sync",
+    "SyncPlanned",
     "UpdateTopology",
     "WaitAllReduce",
     "drive",
@@ -79,6 +81,10 @@ class AllReduce:
     ``retry_lost=False``: the first failure of any bucket is raised once every bucket finished (the
     caller retries the whole step). ``retry_lost=True``: buckets that fail with RANK_CONNECTION_LOST
     are retried with the survivors until all succeed (TOO_FEW_PEERS when nobody is left).
+
+    ``exact``: more pairs, launched after ``pairs`` (their tags follow), reduced with SUM and without
+    quantization (a count of contributors, for an average over contributors only: DiLoCo's
+    ``replay_heals``).
     """
 
     pairs: Sequence[tuple[Any, Any]]
@@ -87,6 +93,7 @@ class AllReduce:
     max_in_flight: int = 4
     base_tag: int = 0
     retry_lost: bool = False
+    exact: Sequence[tuple[Any, Any]] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +127,26 @@ class StartAllReduce:
 
 
 @dataclasses.dataclass(frozen=True)
+class StartSync:
+    """Launch ``sync_shared_state(state)`` in the background as a peer that would observe its group's
+    collectives should it fetch in a live heal (issue 35 item 4, DiLoCo's ``replay_heals``); result: a
+    handle for :class:`SyncPlanned`, and for :class:`WaitAllReduce` / :class:`PollAllReduce` (its
+    ``SharedStateSyncInfo``, or its error raised)."""
+
+    state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncPlanned:
+    """Wait until a :class:`StartSync`'s plan came (or the sync ended without one); result: ``None`` when
+    it does not fetch a live heal, else the revision it heals to (it observes meanwhile)."""
+
+    handle: Any
+
+
+@dataclasses.dataclass(frozen=True)
 class WaitAllReduce:
-    """Wait for a background reduce; result: its ``ReduceInfo``, or its error raised."""
+    """Wait for a background reduce (or a :class:`StartSync`); result: its info, or its error raised."""
 
     handle: Any
 
@@ -135,7 +160,7 @@ class PollAllReduce:
 
 
 Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGather | AllToAll
-      | StartAllReduce | WaitAllReduce | PollAllReduce)
+      | StartAllReduce | StartSync | SyncPlanned | WaitAllReduce | PollAllReduce)
 
 
 def is_result(exc: BaseException, *names: str) -> bool:

@@ -803,6 +803,12 @@ class SharedStateSync(Message):
     revision: Count
     strategy: Count
     entries: list[list[Any]]
+    #: Issue 35 item 4, replay: should this peer fetch in a live heal, it takes part in its group's
+    #: collectives meanwhile as a participant that contributes nothing (a ``pccl.torch`` DiLoCo with
+    #: ``replay_heals``: it keeps each round's reduced result and replays the outer steps it missed), so
+    #: the master may run the heal live although every key changes at every sync, and counts it in the
+    #: group's collective votes from the heal's start (docs/concepts.md "Replaying the rounds missed").
+    observe: bool = dataclasses.field(default=False, metadata=OPTIONAL)
 
 
 @_register(41)

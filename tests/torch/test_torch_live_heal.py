@@ -4,20 +4,25 @@ the newcomer's sync stays ordinary and it receives the state once)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import itertools
+import math
+import statistics
 from typing import Any
 
 import torch
 import trio
 import trio.testing
 from _torchrun_helpers import state_bytes
-from test_torch_diloco import INNER, D, train
+from test_torch_diloco import GLOBAL_BATCH, INNER, D, N, full_loss, outer_sgd, problem, train
 from torch import nn
 
-from pccl.testing import DEFAULT_MASTER_CONFIG, TestCluster
+import pccl
+from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
-from pccl.torch import StepResult
+from pccl.torch import AsyncDiLoCo, StepResult
 
 OUTER = 30
 TABLE = 4096  # floats of the frozen part
@@ -99,3 +104,146 @@ async def test_a_diloco_newcomer_receives_the_state_once_when_every_parameter_ch
     assert new_results[0].sync_rx_bytes == sum(len(v) for v in state_bytes(out[0][0].shared).values())
     heals = cluster.master.state.statistics()["heals"]
     assert heals["started"] == 0 and heals["kept_ordinary"] >= 1
+
+
+WIDE = 2048  # hidden units of the replay tests' model: 90 KiB of parameters, 180 KiB of shared state
+SERVE_RATE = 48 * 1024.0  # bytes/s each donor serves a fetcher at most: the heal takes ~2 s
+
+
+class Wide(nn.Module):
+    """A model whose every parameter DiLoCo's outer step changes (a state that changes entirely)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(D, WIDE)
+        self.out = nn.Linear(WIDE, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.hidden(x)))  # type: ignore[no-any-return]
+
+
+async def _train_replaying(cluster: TestCluster, i: int, nursery: trio.Nursery, out: dict[int, Any], *,
+                           seed: int = 0, on_step: Any = None) -> None:
+    """As test_torch_diloco.train, with ``replay_heals`` (every peer of the run sets it alike)."""
+    x, y = problem()
+    torch.manual_seed(seed)
+    model = Wide()
+    diloco = AsyncDiLoCo(cluster.peer(i), model, torch.optim.SGD(model.parameters(), lr=0.05),
+                         outer_optimizer=outer_sgd, inner_steps=INNER, total_outer_steps=OUTER,
+                         nursery=nursery, replay_heals=True)
+    start = full_loss(diloco.outer_model, x, y)
+
+    def backward(step: Any) -> float:
+        if on_step is not None:
+            on_step(i, step)
+        idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
+        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
+        loss.backward()
+        return float(loss.detach())
+
+    results: list[StepResult] = []
+    try:
+        while (r := await diloco.step(backward)) is not None:
+            results.append(r)
+    finally:
+        out[i] = (diloco, start, full_loss(diloco.outer_model, x, y), results)
+
+
+async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None) -> tuple[dict[int, Any], int,
+                                                                                      dict[int, list[float]]]:
+    """Two members train OUTER outer steps with ``replay_heals``; a newcomer is added at once, served at
+    ``SERVE_RATE`` by each (its heal takes many rounds); ``kill_at``: the newcomer is killed that many
+    seconds after it starts (mid-heal). Returns the drivers, the newcomer's index and each peer's step
+    times (key -1: when the newcomer started)."""
+    out: dict[int, Any] = {}
+    times: dict[int, list[float]] = {}
+
+    def on_step(i: int, step: Any) -> None:
+        times.setdefault(i, []).append(trio.current_time())
+
+    async with trio.open_nursery() as nursery:
+        async with trio.open_nursery() as peers:
+            for i in cluster.alive:
+                peers.start_soon(functools.partial(_train_replaying, cluster, i, nursery, out,
+                                                   on_step=on_step))
+            net = cluster.network
+            assert net is not None
+            net.set_link(cluster.host(0), cluster.host(1), latency=0.05)  # a round takes ~0.2 s
+            await trio.sleep(0.05)
+            newcomer = await cluster.add_peer(admit=False)
+            for d in (0, 1):
+                net.set_link(cluster.host(d), cluster.host(newcomer), latency=0.005)
+            started = trio.current_time()
+            times[-1] = [started]
+
+            async def newcomer_trains() -> None:
+                with contextlib.suppress(pccl.PCCLError):  # (killed: its own calls fail)
+                    await _train_replaying(cluster, newcomer, nursery, out, seed=99, on_step=on_step)
+
+            peers.start_soon(newcomer_trains)
+            if kill_at is not None:
+                await trio.sleep_until(started + kill_at)
+                cluster.kill(newcomer)
+        nursery.cancel_scope.cancel()  # (a killed newcomer's background fetch)
+    return out, newcomer, times
+
+
+def _round_times(times: list[float], start: float, end: float) -> list[float]:
+    """The durations of the outer rounds (INNER steps each) whose first step was in [start, end)."""
+    firsts = times[::INNER]
+    return [b - a for a, b in itertools.pairwise(firsts) if start <= a < end]
+
+
+REPLAYING = dataclasses.replace(DEFAULT_PEER_CONFIG, state_serve_rate=SERVE_RATE)
+
+
+async def test_a_replaying_diloco_newcomer_heals_while_the_members_run_outer_rounds(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """Every outer step changes every key, yet with ``replay_heals`` the heal runs live: the members go on
+    with their outer rounds while the newcomer fetches revision r (it takes part in their all-reduces,
+    contributing nothing, and keeps each round's average), then it applies the outer steps it missed and
+    joins the group's next sync, where nothing moves: bit-identical, and the state moved once."""
+    cluster = await pccl_cluster(2, config=REPLAYING)
+    out, newcomer, times = await _replay_run(cluster)
+    states = [state_bytes(out[i][0].shared) for i in (0, 1, newcomer)]
+    assert states[0] == states[1] == states[2]
+    for i in (0, 1):  # the members ran every step, none twice
+        assert [r.index for r in out[i][3]] == list(range(OUTER * INNER))
+    core = out[newcomer][0].core
+    assert core.rounds_replayed >= 2  # the members ran >= 2 outer all-reduces while it fetched
+    assert core.rounds_observed == core.rounds_replayed
+    new_results: list[StepResult] = out[newcomer][3]
+    assert new_results[-1].index == OUTER * INNER - 1
+    # it received the state once (the snapshot; the join moved nothing)
+    assert new_results[0].sync_rx_bytes == sum(len(v) for v in states[0].values())
+    assert all(r.sync_rx_bytes == 0 for r in new_results[1:])
+    # the members were not held for the transfer: while it healed, their rounds took about as long as
+    # after it joined (the same ring of three), and they ran at least the rounds it replayed
+    started, joined = times[-1][0], times[newcomer][0]
+    for i in (0, 1):
+        during = _round_times(times[i], started, joined)
+        after = _round_times(times[i], joined, math.inf)
+        assert len(during) >= core.rounds_replayed, (during, core.rounds_replayed)
+        assert max(during) < 1.5 * statistics.median(after), (during, after)
+    assert joined - started > 3 * statistics.median(after)  # (the heal lasted several rounds)
+    heals = cluster.master.state.statistics()["heals"]
+    assert heals["started"] == 1 and heals["kept_ordinary"] == 0 and heals["fetched"] == 1
+    assert heals["joined_current"] + heals["joined_in_sync"] == 1 and heals["join_refused"] == 0
+    assert heals["healing"] == heals["joining"] == heals["observing"] == 0
+
+
+async def test_a_replaying_diloco_newcomer_killed_mid_heal_costs_the_members_no_call(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """The newcomer takes part in the members' all-reduces while it heals; killed then, the members'
+    all-reduce in flight (if any) retries without it, their calls do not fail, and the run ends
+    bit-identical."""
+    cluster = await pccl_cluster(2, config=REPLAYING)
+    out, newcomer, _ = await _replay_run(cluster, kill_at=1.0)
+    assert not out[newcomer][3]  # killed before it trained a step
+    assert out[newcomer][0].core.rounds_observed >= 3  # it was in the members' rounds until then
+    assert state_bytes(out[0][0].shared) == state_bytes(out[1][0].shared)
+    for i in (0, 1):
+        assert [r.index for r in out[i][3]] == list(range(OUTER * INNER))
+    heals = cluster.master.state.statistics()["heals"]
+    assert heals["started"] == 1 and heals["lost_fetchers"] == 1 and heals["fetched"] == 0
+    assert heals["healing"] == heals["joining"] == heals["observing"] == 0
