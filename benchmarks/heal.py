@@ -32,7 +32,9 @@ last donor's process when half of its bytes are in; "corrupt": the last donor fl
 chunk it serves (one chunk). Each case checks the newcomer's tensors bit-identical to every donor's and
 that no surviving member's call failed. ``--wan-cases`` picks cases (1,2,3,kill,corrupt; and train: the
 members' training during a heal, with each member's uplink one shared link, benchmarks/_heal_training_wan.py;
-``--serve-mbit`` caps each member's serving).
+``--serve-mbit`` caps each member's serving; diloco and diloco-ordinary: DiLoCo's members while a newcomer
+heals a state that every outer step changes entirely, with and without ``replay_heals``,
+benchmarks/_heal_diloco_wan.py).
 
 usage: python benchmarks/heal.py [--state-mb 256] [--donor-mbit 100] [--rtt-ms 50] [--json]
        sudo python benchmarks/heal.py --wan [--wan-cases 1,2,3,kill,corrupt] [--state-mb 256]
@@ -301,7 +303,14 @@ def main() -> None:
                    help="also the runs where every sync follows a change of every byte (DiLoCo's outer step)")
     p.add_argument("--wan", action="store_true", help="on the WAN emulator (root), real processes")
     p.add_argument("--wan-cases", default="1,2,3,kill,corrupt",
-                   help="cases of --wan: 1,2,3,kill,corrupt and train (the members' training during a heal)")
+                   help="cases of --wan: 1,2,3,kill,corrupt, train (the members' training during a heal), "
+                        "diloco and diloco-ordinary (DiLoCo's members during a heal, with and without "
+                        "replay_heals: benchmarks/_heal_diloco_wan.py)")
+    p.add_argument("--diloco-mb", type=int, default=16, help="--wan diloco: MiB of parameters")
+    p.add_argument("--inner", type=int, default=5, help="--wan diloco: inner steps per outer round")
+    p.add_argument("--diloco-rounds", type=int, default=16, help="--wan diloco: outer rounds of the run")
+    p.add_argument("--diloco-ready", type=int, default=4,
+                   help="--wan diloco: outer rounds before the newcomer is started")
     p.add_argument("--serve-mbit", type=float, default=None,
                    help="--wan train: each member's serving cap (PeerConfig.state_serve_rate), Mbit/s")
     p.add_argument("--serve-idle-mbit", type=float, default=None,
@@ -349,6 +358,11 @@ def _wan_child(cfg: dict[str, Any]) -> None:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if cfg.get("diloco"):  # the ``diloco`` cases (benchmarks/_heal_diloco_wan.py)
+        from _heal_diloco_wan import diloco_peer
+
+        trio.run(diloco_peer, cfg)
+        return
     if cfg.get("train"):  # the ``train`` case (benchmarks/_heal_training_wan.py)
         from _heal_training_wan import train_peer
 
@@ -508,6 +522,19 @@ def _wan_main(args: argparse.Namespace) -> None:
         return
     load = os.getloadavg()
     names = args.wan_cases.split(",")
+    dl = [c for c in names if c in ("diloco", "diloco-ordinary")]
+    if dl:
+        from _heal_diloco_wan import print_diloco, wan_diloco
+
+        drows = [wan_diloco(args, replay=c == "diloco") for c in dl]
+        if args.json:
+            print(json.dumps(drows, indent=1))
+        else:
+            print_diloco(args, drows)
+        names = [c for c in names if c not in dl]
+        if not names:
+            return
+        load = os.getloadavg()
     if "train" in names:
         from _heal_training_wan import print_training, wan_training
 
