@@ -14,12 +14,13 @@ member's uplink is one shared link of ``--donor-mbit`` (all it sends), RTT ``--r
 directions ``--newcomer-mbit``; each member serves at most ``--serve-mbit`` (``state_serve_rate``).
 
 Printed per case: member 0's outer rounds per second before the newcomer started (alone, from its second
-round), while it healed (from the newcomer's first step call until its first trained step: the heal
-window) and after (the newcomer contributing: the same ring of four as during the heal, where the
-newcomer takes part without contributing), the ratios, the heal time (that window) and the fetch alone,
-the rounds the newcomer replayed, whether every peer's shared state ended bit-identical, and the machine's
-load. Wall seconds of real
-processes: the machine's load shows in them.
+round), while it healed (the rounds that ended between the newcomer's first step call and its first
+trained step, the heal window, each counted from the previous round's end) and after (the newcomer
+contributing: the same ring of four as during the heal, where the newcomer takes part without
+contributing), the ratios, the longest round that overlapped the heal window (a member held for the
+transfer has one as long as the heal), the heal time (that window) and the fetch alone, the rounds the
+newcomer replayed, whether every peer's shared state ended bit-identical, and the machine's load. Wall
+seconds of real processes: the machine's load shows in them.
 """
 
 from __future__ import annotations
@@ -163,15 +164,19 @@ def wan_diloco(args: argparse.Namespace, replay: bool) -> dict[str, Any]:
         raise RuntimeError(f"the newcomer never trained (the run ended first: more --diloco-rounds): {new}")
     t0, t1 = new["t_start"], new["first_step"]
     alone = [b - a for a, b in itertools.pairwise(ends) if b <= t0]
-    during = [t for t in ends if t0 < t <= t1]
+    # the rounds that ended in the heal window, each from the previous round's end (its whole length)
+    during = [b - a for a, b in itertools.pairwise(ends) if t0 < b <= t1]
     after = [b - a for a, b in itertools.pairwise(ends) if a >= t1]  # the same ring, all contributing
     alone_rate = len(alone) / sum(alone) if alone else 0.0
     after_rate = len(after) / sum(after) if after else 0.0
-    heal_rate = len(during) / (t1 - t0)
+    heal_rate = len(during) / sum(during) if during else 0.0
+    longest = max((b - a for a, b in itertools.pairwise(ends) if b > t0 and a < t1), default=0.0)
     exact = all(r["hashes"] == m0["hashes"] for r in results.values())
     return {"case": "diloco" if replay else "diloco-ordinary", "alone_rounds_per_s": alone_rate,
             "heal_rounds_per_s": heal_rate, "ratio": heal_rate / alone_rate if alone_rate else 0.0,
-            "after_rounds_per_s": after_rate,
+            "after_rounds_per_s": after_rate, "longest_round_s": longest,
+            "rounds_s": [round(b - a, 2) for a, b in itertools.pairwise(ends)],
+            "window": (round(t0 - ends[0], 2), round(t1 - ends[0], 2)),
             "rounds_during": len(during), "heal_s": t1 - t0, "fetch_s": new["fetch_s"],
             "rx_mib": new["rx"] / MIB,
             "replayed": new["replayed"], "exact": exact, "revision": m0["revision"],
@@ -194,12 +199,16 @@ def print_diloco(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
           f"{args.donor_mbit:g} Mbit/s (shared by all it sends), newcomer {args.newcomer_mbit:g} Mbit/s, "
           f"RTT {args.rtt_ms:g} ms; serving cap per member {cap}; {os.cpu_count()} CPUs")
     print(f"{'case':>16} {'alone rnd/s':>11} {'heal rnd/s':>10} {'x alone':>7} {'after rnd/s':>11} "
-          f"{'heal x after':>12} {'rounds in heal':>14} "
+          f"{'heal x after':>12} {'longest rnd s':>13} {'rounds in heal':>14} "
           f"{'heal s':>7} {'fetch s':>7} {'rx MiB':>7} {'replayed':>8} {'exact':>5} {'load start/end':>14}")
     for r in rows:
         print(f"{r['case']:>16} {r['alone_rounds_per_s']:>11.3f} {r['heal_rounds_per_s']:>10.3f} "
               f"{r['ratio']:>7.2f} {r['after_rounds_per_s']:>11.3f} "
               f"{r['heal_rounds_per_s'] / (r['after_rounds_per_s'] or float('inf')):>12.2f} "
-              f"{r['rounds_during']:>14} {r['heal_s']:>7.2f} {r['fetch_s']:>7.2f} "
+              f"{r['longest_round_s']:>13.2f} {r['rounds_during']:>14} {r['heal_s']:>7.2f} "
+              f"{r['fetch_s']:>7.2f} "
               f"{r['rx_mib']:>7.1f} {r['replayed']:>8} {r['exact']!s:>5} "
               f"{r['load'][0]:>6.1f}/{r['load'][1]:<6.1f}")
+    for r in rows:
+        print(f"  {r['case']}: member 0's rounds, s: {r['rounds_s']}; the heal window from its first round's "
+              f"end: {r['window'][0]:.2f}-{r['window'][1]:.2f} s")
