@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from .._errors import InvalidUsageError, PCCLError, RankConnectionLostError
+from .._errors import InvalidUsageError, PCCLError, RankConnectionLostError, TooFewPeersError
 from .._types import ReduceOp
 from .._waits import format_wait
 from ..peer.communicator import Communicator, open_communicator
@@ -104,6 +104,7 @@ class Executor:
     def __init__(self, comm: Communicator, nursery: trio.Nursery | None = None) -> None:
         self.comm = comm
         self.nursery = nursery
+        self.whole_retries = 0  # all-reduces over contributors run again whole after a lost peer
 
     async def __call__(self, op: Op) -> Any:
         comm = self.comm
@@ -187,10 +188,27 @@ class Executor:
         comm = self.comm
         items = [(s, r, op.op, op.quantization) for s, r in op.pairs]
         items += [(s, r, ReduceOp.SUM, None) for s, r in op.exact]
+        if op.retry_lost and op.exact:
+            # An average over contributors: one set of contributors for every bucket and the count.
+            # After a lost peer, the buckets that completed before the loss hold its part: all again.
+            while True:
+                try:
+                    return await self._all_buckets(op, items)
+                except RankConnectionLostError:
+                    if len(comm.group_ring) < 2:
+                        raise TooFewPeersError("the world dropped below 2 peers before the all-reduce "
+                                               "succeeded") from None
+                    self.whole_retries += 1
         if op.retry_lost:
             return await comm.all_reduce_multiple_with_retry(
                 [{"send": s, "recv": r, "op": o, "quantization": q} for s, r, o, q in items],
                 max_in_flight=op.max_in_flight, base_tag=op.base_tag)
+        return await self._all_buckets(op, items)
+
+    async def _all_buckets(self, op: AllReduce, items: list[tuple[Any, Any, ReduceOp, Any]]) -> Any:
+        """One pass over ``items`` (``(send, recv, op, quantization)``, tags from ``op.base_tag``), at most
+        ``op.max_in_flight`` at once; the first failure raised once all finished (a fatal one first)."""
+        comm = self.comm
         limiter = trio.CapacityLimiter(op.max_in_flight)
         infos: list[Any] = []
         errors: list[PCCLError] = []

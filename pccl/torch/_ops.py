@@ -84,7 +84,8 @@ class AllReduce:
 
     ``exact``: more pairs, launched after ``pairs`` (their tags follow), reduced with SUM and without
     quantization (a count of contributors, for an average over contributors only: DiLoCo's
-    ``replay_heals``).
+    ``replay_heals``). With ``retry_lost``, a lost peer then makes **every** bucket run again with the
+    survivors (those completed before the loss hold its part, which the count would no longer include).
     """
 
     pairs: Sequence[tuple[Any, Any]]
