@@ -16,7 +16,7 @@ import torch
 import trio
 import trio.testing
 from _torchrun_helpers import state_bytes
-from test_torch_diloco import GLOBAL_BATCH, INNER, D, N, full_loss, outer_sgd, problem, train
+from test_torch_diloco import GLOBAL_BATCH, INNER, UINT8_MIN_MAX, D, N, full_loss, outer_sgd, problem, train
 from torch import nn
 
 import pccl
@@ -123,14 +123,14 @@ class Wide(nn.Module):
 
 
 async def _train_replaying(cluster: TestCluster, i: int, nursery: trio.Nursery, out: dict[int, Any], *,
-                           seed: int = 0, on_step: Any = None) -> None:
+                           seed: int = 0, on_step: Any = None, quantization: Any = None) -> None:
     """As test_torch_diloco.train, with ``replay_heals`` (every peer of the run sets it alike)."""
     x, y = problem()
     torch.manual_seed(seed)
     model = Wide()
-    diloco = AsyncDiLoCo(cluster.peer(i), model, torch.optim.SGD(model.parameters(), lr=0.05),
+    diloco = AsyncDiLoCo(cluster.peer(i), model, torch.optim.SGD(model.parameters(), lr=0.005),
                          outer_optimizer=outer_sgd, inner_steps=INNER, total_outer_steps=OUTER,
-                         nursery=nursery, replay_heals=True)
+                         nursery=nursery, replay_heals=True, quantization=quantization)
     start = full_loss(diloco.outer_model, x, y)
 
     def backward(step: Any) -> float:
@@ -149,8 +149,8 @@ async def _train_replaying(cluster: TestCluster, i: int, nursery: trio.Nursery, 
         out[i] = (diloco, start, full_loss(diloco.outer_model, x, y), results)
 
 
-async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None) -> tuple[dict[int, Any], int,
-                                                                                      dict[int, list[float]]]:
+async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None, quantization: Any = None
+                      ) -> tuple[dict[int, Any], int, dict[int, list[float]]]:
     """Two members train OUTER outer steps with ``replay_heals``; a newcomer is added at once, served at
     ``SERVE_RATE`` by each (its heal takes many rounds); ``kill_at``: the newcomer is killed that many
     seconds after it starts (mid-heal). Returns the drivers, the newcomer's index and each peer's step
@@ -165,7 +165,7 @@ async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None) -> 
         async with trio.open_nursery() as peers:
             for i in cluster.alive:
                 peers.start_soon(functools.partial(_train_replaying, cluster, i, nursery, out,
-                                                   on_step=on_step))
+                                                   on_step=on_step, quantization=quantization))
             net = cluster.network
             assert net is not None
             net.set_link(cluster.host(0), cluster.host(1), latency=0.05)  # a round takes ~0.2 s
@@ -178,7 +178,8 @@ async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None) -> 
 
             async def newcomer_trains() -> None:
                 with contextlib.suppress(pccl.PCCLError):  # (killed: its own calls fail)
-                    await _train_replaying(cluster, newcomer, nursery, out, seed=99, on_step=on_step)
+                    await _train_replaying(cluster, newcomer, nursery, out, seed=99, on_step=on_step,
+                                           quantization=quantization)
 
             peers.start_soon(newcomer_trains)
             if kill_at is not None:
@@ -226,6 +227,7 @@ async def test_a_replaying_diloco_newcomer_heals_while_the_members_run_outer_rou
         assert len(during) >= core.rounds_replayed, (during, core.rounds_replayed)
         assert max(during) < 1.5 * statistics.median(after), (during, after)
     assert joined - started > 3 * statistics.median(after)  # (the heal lasted several rounds)
+    assert out[0][2] < 0.1 * out[0][1]  # (it trains: the outer model's loss fell)
     heals = cluster.master.state.statistics()["heals"]
     assert heals["started"] == 1 and heals["kept_ordinary"] == 0 and heals["fetched"] == 1
     assert heals["joined_current"] + heals["joined_in_sync"] == 1 and heals["join_refused"] == 0
@@ -247,3 +249,15 @@ async def test_a_replaying_diloco_newcomer_killed_mid_heal_costs_the_members_no_
     heals = cluster.master.state.statistics()["heals"]
     assert heals["started"] == 1 and heals["lost_fetchers"] == 1 and heals["fetched"] == 0
     assert heals["healing"] == heals["joining"] == heals["observing"] == 0
+
+
+async def test_a_replaying_newcomer_is_bit_identical_with_quantized_pseudo_gradients(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """MIN_MAX uint8 on the wire: the newcomer's zeros go through the quantized ring too, the count does not
+    (never quantized); every peer divides the same bits by the same count: bit-identical."""
+    cluster = await pccl_cluster(2, config=REPLAYING)
+    out, newcomer, _ = await _replay_run(cluster, quantization=UINT8_MIN_MAX)
+    states = [state_bytes(out[i][0].shared) for i in (0, 1, newcomer)]
+    assert states[0] == states[1] == states[2]
+    assert out[newcomer][0].core.rounds_replayed >= 2
+    assert out[0][2] < 0.1 * out[0][1]  # (it trains: the outer model's loss fell)
