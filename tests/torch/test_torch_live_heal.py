@@ -243,6 +243,9 @@ async def test_a_replaying_diloco_newcomer_killed_mid_heal_costs_the_members_no_
     out, newcomer, _ = await _replay_run(cluster, kill_at=1.0)
     assert not out[newcomer][3]  # killed before it trained a step
     assert out[newcomer][0].core.rounds_observed >= 3  # it was in the members' rounds until then
+    # killed inside an all-reduce: at each member that round's all-reduce failed once and ran again, whole,
+    # without it (no call failed)
+    assert [out[i][0]._execute.whole_retries for i in (0, 1)] == [1, 1]
     assert state_bytes(out[0][0].shared) == state_bytes(out[1][0].shared)
     for i in (0, 1):
         assert [r.index for r in out[i][3]] == list(range(OUTER * INNER))
