@@ -20,7 +20,7 @@ from test_torch_diloco import GLOBAL_BATCH, INNER, UINT8_MIN_MAX, D, N, full_los
 from torch import nn
 
 import pccl
-from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, TestCluster
+from pccl.testing import DEFAULT_MASTER_CONFIG, DEFAULT_PEER_CONFIG, MASTER, TestCluster
 from pccl.testing.pytest_plugin import ClusterFactory
 from pccl.torch import AsyncDiLoCo, StepResult
 
@@ -149,8 +149,8 @@ async def _train_replaying(cluster: TestCluster, i: int, nursery: trio.Nursery, 
         out[i] = (diloco, start, full_loss(diloco.outer_model, x, y), results)
 
 
-async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None, quantization: Any = None
-                      ) -> tuple[dict[int, Any], int, dict[int, list[float]]]:
+async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None, quantization: Any = None,
+                      far_master: bool = False) -> tuple[dict[int, Any], int, dict[int, list[float]]]:
     """Two members train OUTER outer steps with ``replay_heals``; a newcomer is added at once, served at
     ``SERVE_RATE`` by each (its heal takes many rounds); ``kill_at``: the newcomer is killed that many
     seconds after it starts (mid-heal). Returns the drivers, the newcomer's index and each peer's step
@@ -173,6 +173,8 @@ async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None, qua
             newcomer = await cluster.add_peer(admit=False)
             for d in (0, 1):
                 net.set_link(cluster.host(d), cluster.host(newcomer), latency=0.005)
+            if far_master:  # its join vote arrives after the members' sync at its revision
+                net.set_link(cluster.host(newcomer), cluster.host(MASTER), latency=0.1)
             started = trio.current_time()
             times[-1] = [started]
 
@@ -257,10 +259,15 @@ async def test_a_replaying_diloco_newcomer_killed_mid_heal_costs_the_members_no_
 async def test_a_replaying_newcomer_is_bit_identical_with_quantized_pseudo_gradients(
         autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
     """MIN_MAX uint8 on the wire: the newcomer's zeros go through the quantized ring too, the count does not
-    (never quantized); every peer divides the same bits by the same count: bit-identical."""
+    (never quantized); every peer divides the same bits by the same count: bit-identical. Its link to the
+    master is slow here: its join vote is answered at once (the members synced its revision already)."""
     cluster = await pccl_cluster(2, config=REPLAYING)
-    out, newcomer, _ = await _replay_run(cluster, quantization=UINT8_MIN_MAX)
+    out, newcomer, _ = await _replay_run(cluster, quantization=UINT8_MIN_MAX, far_master=True)
     states = [state_bytes(out[i][0].shared) for i in (0, 1, newcomer)]
     assert states[0] == states[1] == states[2]
     assert out[newcomer][0].core.rounds_replayed >= 2
+    # (its control messages 0.1 s late: the members had synced at its revision when its join vote came,
+    # which was answered current at once, after the master compared its hashes with that sync's)
+    heals = cluster.master.state.statistics()["heals"]
+    assert heals["joined_current"] == 1 and heals["joined_in_sync"] == 0
     assert out[0][2] < 0.1 * out[0][1]  # (it trains: the outer model's loss fell)
