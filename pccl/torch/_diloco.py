@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError, InvalidUsageError
+from .._errors import InvalidArgumentError, InvalidUsageError, PCCLError, SharedStateSyncError
 from .._types import QuantizationOptions, ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
@@ -38,6 +38,7 @@ from ._ops import (
     StartSync,
     SyncPlanned,
     WaitAllReduce,
+    WaitAny,
     is_result,
     sync_until_done,
     wait_for_members,
@@ -187,8 +188,13 @@ class DiLoCoCore:
         rounds' outer steps and votes again, joining the group's sync at the revision it reached."""
         handle = yield StartSync(self.shared.state)
         healing = yield SyncPlanned(handle)
-        if healing is None:
-            return (yield WaitAllReduce(handle))  # an ordinary sync (or refused): as without replay
+        if healing is None:  # an ordinary sync (or refused): as without replay
+            try:
+                return (yield WaitAllReduce(handle))
+            except PCCLError as exc:
+                if not is_result(exc, "RANK_CONNECTION_LOST"):
+                    raise
+                return (yield from sync_until_done(self.shared.state))  # the group re-forms: again
         kept: list[list[torch.Tensor]] = []
         total = self.total_outer_steps
         for s, _ in self.buckets.pairs:
@@ -198,19 +204,38 @@ class DiLoCoCore:
             while not (yield PollAllReduce(handle)):
                 if total is not None and healing + len(kept) >= total:
                     break  # the members' run has no round left: they only sync once more
-                info = yield self._reduce()
+                running = yield StartAllReduce(self._reduce())
+                yield WaitAny((running, handle))
+                if handle.finished and handle.error is not None and not running.finished:
+                    # The heal failed (the master lost, no donor left) while a round was awaited: give
+                    # up now, the round abandoned (at a new master this peer is an ordinary member, and
+                    # the members may wait for it in their next vote while it waits for their round).
+                    yield from self._healed(handle)
+                info = yield WaitAllReduce(running)
                 self.unreported_tx += info.tx_bytes
                 self.rounds_observed += 1
                 kept.append(self._averages())
         finally:
             self.count_send.fill_(1.0)
-        fetched = yield WaitAllReduce(handle)  # raises if the heal failed: nothing applied
+        fetched = yield from self._healed(handle)  # raises if the heal failed: nothing applied
         for averages in kept:  # the outer steps of rounds healing .. healing + len(kept) - 1
             self._apply(averages)
         self.rounds_replayed += len(kept)
         joined = yield from sync_until_done(self.shared.state)
         return type(fetched)(tx_bytes=fetched.tx_bytes + joined.tx_bytes,
                              rx_bytes=fetched.rx_bytes + joined.rx_bytes)
+
+    @staticmethod
+    def _healed(handle: Any) -> Generator[Op, Any, Any]:
+        """The live heal's result; its failure as a SharedStateSyncError that says what to do."""
+        try:
+            return (yield WaitAllReduce(handle))
+        except PCCLError as exc:
+            raise SharedStateSyncError(
+                f"the live heal of this newcomer failed ({exc}); nothing was applied. Its peer now counts in "
+                "its group's votes as a member whose state it does not hold: close this driver (its peer "
+                "leaves; the members' round in flight, if any, runs again without it) and start it again "
+                "to heal") from exc
 
     def _reduce_now(self) -> Generator[Op, Any, None]:
         try:

@@ -30,6 +30,7 @@ from ._ops import (
     SyncPlanned,
     UpdateTopology,
     WaitAllReduce,
+    WaitAny,
 )
 
 __all__ = ["BackgroundThread", "Executor"]
@@ -93,6 +94,20 @@ class _BackgroundSync(_Background):
         self.planned.set()
 
 
+async def _wait_any(handles: tuple[_Background, ...]) -> None:
+    """Return once one of ``handles`` has finished."""
+    if any(h.finished for h in handles):
+        return await trio.lowlevel.checkpoint()
+    async with trio.open_nursery() as nursery:
+
+        async def first(h: _Background) -> None:
+            await h.done.wait()
+            nursery.cancel_scope.cancel()
+
+        for h in handles:
+            nursery.start_soon(first, h)
+
+
 class Executor:
     """Executes requests on ``comm`` (call it from the communicator's trio thread).
 
@@ -145,6 +160,8 @@ class Executor:
         if isinstance(op, WaitAllReduce):
             await op.handle.done.wait()
             return op.handle.result()
+        if isinstance(op, WaitAny):
+            return await _wait_any(op.handles)
         if isinstance(op, PollAllReduce):
             # a checkpoint first: the background reduces move on (a trio program's step may await
             # nothing else)

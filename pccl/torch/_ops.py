@@ -32,6 +32,7 @@ __all__ = [
     "SyncPlanned",
     "UpdateTopology",
     "WaitAllReduce",
+    "WaitAny",
     "drive",
     "drive_async",
     "is_result",
@@ -153,6 +154,14 @@ class WaitAllReduce:
 
 
 @dataclasses.dataclass(frozen=True)
+class WaitAny:
+    """Wait until one of ``handles`` (of :class:`StartAllReduce` / :class:`StartSync`) has finished,
+    without taking its result; result: None."""
+
+    handles: tuple[Any, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class PollAllReduce:
     """Whether a background reduce has finished (succeeded or failed), without waiting; result: bool.
     A finished one's :class:`WaitAllReduce` returns at once."""
@@ -161,7 +170,7 @@ class PollAllReduce:
 
 
 Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGather | AllToAll
-      | StartAllReduce | StartSync | SyncPlanned | WaitAllReduce | PollAllReduce)
+      | StartAllReduce | StartSync | SyncPlanned | WaitAllReduce | WaitAny | PollAllReduce)
 
 
 def is_result(exc: BaseException, *names: str) -> bool:

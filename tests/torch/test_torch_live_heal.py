@@ -4,7 +4,6 @@ the newcomer's sync stays ordinary and it receives the state once)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import itertools
@@ -150,7 +149,8 @@ async def _train_replaying(cluster: TestCluster, i: int, nursery: trio.Nursery, 
 
 
 async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None, quantization: Any = None,
-                      far_master: bool = False) -> tuple[dict[int, Any], int, dict[int, list[float]]]:
+                      far_master: bool = False, restart_master_at: float | None = None
+                      ) -> tuple[dict[int, Any], int, dict[int, list[float]]]:
     """Two members train OUTER outer steps with ``replay_heals``; a newcomer is added at once, served at
     ``SERVE_RATE`` by each (its heal takes many rounds); ``kill_at``: the newcomer is killed that many
     seconds after it starts (mid-heal). Returns the drivers, the newcomer's index and each peer's step
@@ -179,14 +179,21 @@ async def _replay_run(cluster: TestCluster, *, kill_at: float | None = None, qua
             times[-1] = [started]
 
             async def newcomer_trains() -> None:
-                with contextlib.suppress(pccl.PCCLError):  # (killed: its own calls fail)
+                try:
                     await _train_replaying(cluster, newcomer, nursery, out, seed=99, on_step=on_step,
                                            quantization=quantization)
+                except pccl.PCCLError as exc:  # killed (its own calls fail), or its heal failed
+                    out[-1] = exc
+                    if kill_at is None:
+                        await cluster.leave(newcomer)  # as a program whose step raised: it leaves
 
             peers.start_soon(newcomer_trains)
             if kill_at is not None:
                 await trio.sleep_until(started + kill_at)
                 cluster.kill(newcomer)
+            if restart_master_at is not None:
+                await trio.sleep_until(started + restart_master_at)
+                await cluster.restart_master()
         nursery.cancel_scope.cancel()  # (a killed newcomer's background fetch)
     return out, newcomer, times
 
@@ -271,3 +278,21 @@ async def test_a_replaying_newcomer_is_bit_identical_with_quantized_pseudo_gradi
     heals = cluster.master.state.statistics()["heals"]
     assert heals["joined_current"] == 1 and heals["joined_in_sync"] == 0
     assert out[0][2] < 0.1 * out[0][1]  # (it trains: the outer model's loss fell)
+
+
+async def test_a_replaying_newcomers_heal_lost_with_the_master_costs_the_members_no_call(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """The master restarted mid-heal: the newcomer's heal fails, nothing applied, and its step raises at
+    once (it does not wait for a round of the members, who at the new master wait for it as a member);
+    it leaves, and the members go on: every step, bit-identical, no call failed."""
+    config = dataclasses.replace(REPLAYING, reconnect_window=30.0)
+    cluster = await pccl_cluster(2, config=config)
+    out, newcomer, _ = await _replay_run(cluster, restart_master_at=1.0)
+    error = out[-1]
+    assert isinstance(error, pccl.SharedStateSyncError) and "the live heal" in str(error), error
+    assert not out[newcomer][3] and out[newcomer][0].core.rounds_replayed == 0
+    torch.manual_seed(99)  # its shared state is its own, as it started (nothing applied)
+    assert torch.equal(out[newcomer][0].outer_model.hidden.weight, Wide().hidden.weight)
+    assert state_bytes(out[0][0].shared) == state_bytes(out[1][0].shared)
+    for i in (0, 1):
+        assert [r.index for r in out[i][3]] == list(range(OUTER * INNER))
