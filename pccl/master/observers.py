@@ -25,6 +25,7 @@ another revision goes to the group's next sync as any vote does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from .. import _errors
 from . import election as _election
@@ -36,7 +37,7 @@ class JoinAnswer:
     ``"wait"`` (the group's sync runs: keep it until the run ends), ``"current"`` (answer it success at
     ``revision`` now, nothing to move) or ``"refuse"`` (answer it failed with ``reason``)."""
 
-    action: str
+    action: Literal["vote", "wait", "current", "refuse"]
     revision: int = 0
     reason: str = ""
     code: int = int(_errors.Result.SUCCESS)
