@@ -167,6 +167,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
         times = []
         phases: list[dict[str, float]] = []
         counts: list[int] = []
+        lost: list[float] = []
         for i in range(cfg["warmup"] + cfg["iters"]):
             if cfg["idle"]:
                 await trio.sleep(cfg["idle"])  # a training step's compute
@@ -184,6 +185,8 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
                 phases.append(comm.statistics()["last_op_phases"])
             # the connections each operation striped over, as sized after it (PCCL_WAN_VERBOSE)
             counts.append(max(comm.pool.statistics().get("stripes", {}).values(), default=0))
+            again = comm.pool.statistics().get("retransmitted", {}).values()
+            lost.append(round(100 * max(again, default=0), 2))
         stripes = comm.pool.statistics().get("outgoing")
         in_use = comm.pool.statistics().get("stripes")  # connections operations stripe over (sized)
         stats = comm.statistics()
@@ -199,7 +202,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             flush=True)
     print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
                       "optimize_s": opt_s, "ring": ring, "outgoing": stripes, "stripes": in_use,
-                      "stripes_after_each": counts,
+                      "stripes_after_each": counts, "retransmitted_pct": lost,
                       **spec,
                       "phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 1)
                                     for k in (phases[0] if phases else {})}}), flush=True)

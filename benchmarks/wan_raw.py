@@ -17,8 +17,12 @@ Modes (``--mode``):
 * ``pull``: the same blocks and dependency, but each connection takes the next ready block when
   it has handed its last one to the kernel (a 4-byte block number precedes each block).
 
+``--cc NAME`` sets the sending connections' congestion control (``TCP_CONGESTION``; what the kernel
+offers: ``sysctl net.ipv4.tcp_available_congestion_control``), ``--sndbuf BYTES`` their ``SO_SNDBUF``.
+
 usage: sudo python benchmarks/wan_raw.py [--rtt-ms 50] [--rate-mbit 1000] [--stripes 3] [--mib 64]
                                          [--iters 5] [--mode ring] [--loss 0] [--prefix wanraw]
+                                         [--cc bbr] [--sndbuf 0]
 """
 
 from __future__ import annotations
@@ -80,6 +84,10 @@ def _child(cfg: dict[str, Any]) -> None:
             time.sleep(0.05)  # the other host's listener is not up yet
     for i, s in enumerate(out):
         s.settimeout(None)
+        if cfg.get("cc"):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg["cc"].encode())
+        if cfg.get("sndbuf"):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg["sndbuf"])
         s.sendall(bytes([i]))
     inc: list[socket.socket] = [socket.socket()] * n
     for _ in range(n):
@@ -210,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="ring", choices=["ring", "split", "pull"])
     ap.add_argument("--prefix", default="wanraw")
     ap.add_argument("--block-kib", type=int, default=4096)
+    ap.add_argument("--cc", default="",
+                    help="TCP_CONGESTION of the sending connections (default: the kernel's)")
+    ap.add_argument("--sndbuf", type=int, default=0,
+                    help="SO_SNDBUF of the sending connections (0: autotuning)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -224,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     wire = args.mib * (1 << 20) * 8 / (args.rate_mbit * 1e6)
     print(f"raw TCP, 2 peers both sending {args.mib} MiB, {args.mode}, RTT {args.rtt_ms} ms, "
-          f"{args.rate_mbit} Mbit/s, loss {args.loss}; wire limit {wire:.3f} s; load "
+          f"{args.rate_mbit} Mbit/s, loss {args.loss}, cc {args.cc or 'default'}, "
+          f"sndbuf {args.sndbuf or 'auto'}; wire limit {wire:.3f} s; load "
           f"{os.getloadavg()[0]:.2f}", flush=True)
     for stripes in [int(x) for x in args.stripes.split(",")]:
         with WanEmulator(2, prefix=args.prefix) as wan:
@@ -236,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = {"addr": wan.addresses[h], "other": wan.addresses[1 - h], "rank": h,
                        "stripes": stripes, "mib": args.mib, "iters": args.iters,
                        "warmup": args.warmup, "mode": args.mode, "idle": args.idle,
-                       "block": args.block_kib << 10}
+                       "block": args.block_kib << 10, "cc": args.cc, "sndbuf": args.sndbuf}
                 p = wan.popen(h, [sys.executable, __file__, "--child", json.dumps(cfg)],
                               stdout=subprocess.PIPE, text=True)
                 assert p.stdout is not None
