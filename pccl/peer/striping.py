@@ -24,7 +24,8 @@ throughput the partner's large transfers actually reach (:meth:`StripeSizer.obse
   more): the link may carry more, so the count grows (by at least one, to the observed need with
   :data:`HEADROOM`);
 * **the link loses segments** (the connections retransmitted at least :data:`LOSSY` of what they
-  sent: random loss on the path): a connection's send buffer holds every byte from the oldest one
+  sent, but less than :data:`CONGESTED`, which is the stripe overflowing a queue: random loss on
+  the path): a connection's send buffer holds every byte from the oldest one
   not yet acknowledged, and with a loss in almost every window a hole being repaired (a round trip
   or two) holds it most of the time, so each connection carries about half its loss-free rate
   whatever the link could carry (measured, 64 MiB 2-peer all-reduces at 50 ms, 1000 Mbit/s, 1%
@@ -32,8 +33,8 @@ throughput the partner's large transfers actually reach (:meth:`StripeSizer.obse
   round trip's guess times :data:`LOSS_RAISE` (at least one more), once (a lossy link gets no more
   than that: each new connection's first transfer under loss is slow), and only from the guess or
   more (a link already found slower than the guess keeps its lower count). Queue overflow
-  retransmits too (the loss-free 50 ms link of ``benchmarks/wan.py``: 2-17% in some operations), so
-  the raise is a trial like any other and is undone where it did not help;
+  retransmits too (the loss-free 50 ms link of ``benchmarks/wan.py``: 0.1-17% in some operations,
+  2.4% once), so the raise is a trial like any other and is undone where it did not help;
 * anything between: the count fits, nothing changes.
 
 The first transfer over new connections is not counted (their slow start, and the machine's warm-up,
@@ -55,6 +56,7 @@ from __future__ import annotations
 import math
 
 __all__ = [
+    "CONGESTED",
     "HEADROOM",
     "HIGH_USE",
     "KEEP_LOWER",
@@ -85,9 +87,13 @@ HEADROOM = 1.1
 KEEP_LOWER = 0.9
 #: A raised count stays only if the throughput rose to at least this share of the one before.
 KEEP_RAISE = 1.05
-#: A transfer whose connections retransmitted at least this share of the segments they sent saw loss
-#: (1% random loss each way: 1-2%; the loss-free links of ``benchmarks/wan.py``: see docs/topology.md).
-LOSSY = 0.003
+#: A transfer whose connections retransmitted at least this share of the segments they sent (and less
+#: than :data:`CONGESTED`) saw random loss on the path (1% random loss each way on the WAN emulator:
+#: 0.9-1.1% per operation, 2.2% once; its loss-free 1000 Mbit/s links 0-0.4%, from queue overflow).
+LOSSY = 0.005
+#: At or above this share the stripe itself overflowed a queue (the emulator's loss-free 50 ms link:
+#: 3.4-17% in most operations that retransmitted at all): more connections would only add to it.
+CONGESTED = 0.03
 #: Under loss the count grows to the round trip's guess times this factor (3 at 50 ms become 5).
 LOSS_RAISE = 1.5
 
@@ -195,7 +201,8 @@ class StripeSizer:
             new = max(self.floor, min(connections - 1, need))
         elif use >= HIGH_USE and connections < self.ceiling:
             new = min(self.ceiling, max(connections + 1, need))
-        elif (retransmitted >= LOSSY and self.guess <= connections < min(self.ceiling, self._lossy_count())):
+        elif (LOSSY <= retransmitted < CONGESTED
+              and self.guess <= connections < min(self.ceiling, self._lossy_count())):
             new = min(self.ceiling, self._lossy_count())
         else:
             return self.count
