@@ -35,7 +35,9 @@ count after each operation, and the emulator's queue drops and worst delivery la
 ``PCCL_WAN_TRACE=1`` the last operation's frame timeline per connection; ``PCCL_WAN_EVENTS=PATH``
 writes every master message and data frame each peer sent or received, with its
 ``time.perf_counter()``, to ``PATH.<peer id>`` (JSON; the namespaces share one monotonic clock, so the
-peers' records line up: how the 4 KB case's pacing delay was found, docs/topology.md).
+peers' records line up: how the 4 KB case's pacing delay was found, docs/topology.md);
+``PCCL_WAN_CPU=1`` the cores the forwarder, our peers (together), our master and the whole machine
+used during each timed operation (``_cpu_sampler.py``, median over the operations).
 
 usage: sudo python benchmarks/wan.py [--quick] [--cases a,b,...] [--iters 5] [--pool N] [--no-gloo]
                                      [--ab TREE] [--prefix NAME]
@@ -168,6 +170,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
         phases: list[dict[str, float]] = []
         counts: list[int] = []
         lost: list[float] = []
+        walls: list[tuple[float, float]] = []  # each timed operation's wall-clock window (PCCL_WAN_CPU)
         for i in range(cfg["warmup"] + cfg["iters"]):
             if cfg["idle"]:
                 await trio.sleep(cfg["idle"])  # a training step's compute
@@ -175,6 +178,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             if trace is not None:
                 trace.clear()
             t = time.perf_counter()
+            wall = time.time()
             if events is not None:
                 events.append((t, "op", f"start {i}"))
             await comm.all_reduce(x, op=ReduceOp.SUM, tag=0)
@@ -182,6 +186,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
                 events.append((time.perf_counter(), "op", f"end {i}"))
             if i >= cfg["warmup"]:
                 times.append(time.perf_counter() - t)
+                walls.append((wall, time.time()))
                 phases.append(comm.statistics()["last_op_phases"])
             # the connections each operation striped over, as sized after it (PCCL_WAN_VERBOSE)
             counts.append(max(comm.pool.statistics().get("stripes", {}).values(), default=0))
@@ -202,7 +207,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             flush=True)
     print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
                       "optimize_s": opt_s, "ring": ring, "outgoing": stripes, "stripes": in_use,
-                      "stripes_after_each": counts, "retransmitted_pct": lost,
+                      "stripes_after_each": counts, "retransmitted_pct": lost, "walls": walls,
                       **spec,
                       "phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 1)
                                     for k in (phases[0] if phases else {})}}), flush=True)
@@ -380,6 +385,14 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
                            "--port", str(MASTER_PORT)], stdout=subprocess.DEVNULL, stderr=log, env=env,
                        cwd=tree or str(REPO))
     procs: list[subprocess.Popen[str]] = []
+    sampler = None
+    if os.environ.get("PCCL_WAN_CPU"):
+        from _cpu_sampler import CpuSampler
+
+        sampler = CpuSampler(0.05)
+        sampler.watch("forwarder", wan._proc.pid)
+        sampler.watch("master", master.pid)
+        sampler.start()
     ok = False
     try:
         if not wait_listening(master, Path(log.name)):
@@ -394,6 +407,8 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
             p = wan.popen(host, _child_argv("ours", cfg), stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True, env=env)
             procs.append(p)
+            if sampler is not None:
+                sampler.watch("peers", p.pid)
             assert p.stdout is not None
             line = p.stdout.readline()  # "joined": the next one joins after it (the join order)
             if "joined" not in line:
@@ -403,12 +418,23 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
         res = _collect(procs, budget, f"ours ({case.name})")
         ok = True
     finally:
+        if sampler is not None:
+            sampler.stop()
         end_processes(procs, master)
         log.close()
         if not ok:
             tail = Path(log.name).read_text().splitlines()[-30:]
             print("  our master's log (last lines):\n    " + "\n    ".join(tail), file=sys.stderr)
         os.unlink(log.name)
+    if sampler is not None:
+        # cores used during each timed operation (the first peer's windows), median over the operations
+        per_op = [sampler.cores(a, b) for a, b in res[0].get("walls", [])]
+        per_op = [c for c in per_op if c]
+        if per_op:
+            med = {k: statistics.median(c.get(k, 0.0) for c in per_op) for k in per_op[0]}
+            used = ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+            print(f"  cpu ({case.name}, {tree or 'this tree'}), cores during an operation (median of "
+                  f"{len(per_op)}; {os.cpu_count()} CPUs): {used}", flush=True)
     if os.environ.get("PCCL_WAN_VERBOSE"):
         st = wan.stats()
         drops = sum(x["queue_dropped_segments"] for x in st["links"])

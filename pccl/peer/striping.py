@@ -92,7 +92,7 @@ KEEP_RAISE = 1.05
 #: 0.9-1.1% per operation, 2.2% once; its loss-free 1000 Mbit/s links 0-0.4%, from queue overflow).
 LOSSY = 0.005
 #: At or above this share the stripe itself overflowed a queue (the emulator's loss-free 50 ms link:
-#: 3.4-17% in most operations that retransmitted at all): more connections would only add to it.
+#: 3.4-17% in most operations that overflowed it, once 2.4%): more connections would only add to it.
 CONGESTED = 0.03
 #: Under loss the count grows to the round trip's guess times this factor (3 at 50 ms become 5).
 LOSS_RAISE = 1.5
