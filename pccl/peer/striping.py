@@ -33,8 +33,9 @@ throughput the partner's large transfers actually reach (:meth:`StripeSizer.obse
   round trip's guess times :data:`LOSS_RAISE` (at least one more), once (a lossy link gets no more
   than that: each new connection's first transfer under loss is slow), and only from the guess or
   more (a link already found slower than the guess keeps its lower count). Queue overflow
-  retransmits too (the loss-free 50 ms link of ``benchmarks/wan.py``: 0.1-17% in some operations,
-  2.4% once), so the raise is a trial like any other and is undone where it did not help;
+  retransmits too (the loss-free links of ``benchmarks/wan.py``: 0.1-17% in some operations; under
+  :data:`CONGESTED` now and then), so the raise is a trial like any other and is undone where it did
+  not help;
 * anything between: the count fits, nothing changes.
 
 The first transfer over new connections is not counted (their slow start, and the machine's warm-up,
@@ -91,9 +92,10 @@ KEEP_RAISE = 1.05
 #: than :data:`CONGESTED`) saw random loss on the path (1% random loss each way on the WAN emulator:
 #: 0.9-1.1% per operation, 2.2% once; its loss-free 1000 Mbit/s links 0-0.4%, from queue overflow).
 LOSSY = 0.005
-#: At or above this share the stripe itself overflowed a queue (the emulator's loss-free 50 ms link:
-#: 3.4-17% in most operations that overflowed it, once 2.4%): more connections would only add to it.
-CONGESTED = 0.03
+#: At or above this share the stripe itself overflowed a queue (the emulator's loss-free 1000 Mbit/s
+#: links: 2.4-17% in the operations that overflowed it): more connections would only add to it. A
+#: random loss this high is not told apart from that (and gets no more connections).
+CONGESTED = 0.02
 #: Under loss the count grows to the round trip's guess times this factor (3 at 50 ms become 5).
 LOSS_RAISE = 1.5
 

@@ -224,11 +224,11 @@ def test_a_lossy_link_gets_half_as_many_again_once_while_it_helps() -> None:
 
 
 def test_a_lossy_raise_that_does_not_help_is_undone() -> None:
-    # queue overflow retransmits too (the loss-free 50 ms link: 2-17% in some operations): the raise
-    # is a trial like any other
+    # queue overflow retransmits too (the loss-free links: mostly 2.4-17%, but less in some
+    # operations): the raise is a trial like any other
     s = sizer(0.05)
     s.observe(64 * MIB, 0.9, 3)  # not counted
-    assert s.observe(64 * MIB, 0.75, 3, 0.024) == 5
+    assert s.observe(64 * MIB, 0.75, 3, 0.015) == 5
     s.observe(64 * MIB, 0.72, 5, 0.05)  # settling
     assert s.observe(64 * MIB, 0.73, 5, 0.01) == 3  # no faster: back to three, and never above
     assert s.ceiling == 3
