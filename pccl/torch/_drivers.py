@@ -25,6 +25,7 @@ from ._ops import (
     Op,
     PollAllReduce,
     StartAllReduce,
+    StartPeersPending,
     StartSync,
     Sync,
     WaitAllReduce,
@@ -94,7 +95,7 @@ class _Blocking:
         if isinstance(op, WaitAllReduce) and op.handle.finished:
             return op.handle.result()  # finished: nothing to wait for, no hop
         _sync_cuda_streams(op)
-        if isinstance(op, StartAllReduce):
+        if isinstance(op, (StartAllReduce, StartPeersPending)):
             # launched without waiting for the trio thread: the handle is made here, and requests run
             # in the order they were made, so a later wait finds the reduce started
             handle = self._executor.new_handle()
@@ -109,7 +110,7 @@ class _Blocking:
             name = type(op).__name__
             self.wait_by_op[name] = self.wait_by_op.get(name, 0.0) + spent
 
-    def _start(self, op: StartAllReduce, handle: Any) -> None:
+    def _start(self, op: StartAllReduce | StartPeersPending, handle: Any) -> None:
         """In the trio thread: start ``op``; a failure to start is the reduce's error (never the thread's)."""
         try:
             self._executor.start(op, handle)

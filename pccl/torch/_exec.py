@@ -25,6 +25,7 @@ from ._ops import (
     PollAllReduce,
     Sleep,
     StartAllReduce,
+    StartPeersPending,
     StartSync,
     Sync,
     SyncPlanned,
@@ -144,7 +145,7 @@ class Executor:
             return await comm.all_gather(op.send, op.recv, tag=op.tag)
         if isinstance(op, AllToAll):
             return await comm.all_to_all(op.send, op.recv, tag=op.tag)
-        if isinstance(op, StartAllReduce):
+        if isinstance(op, (StartAllReduce, StartPeersPending)):
             handle = self.new_handle()
             self.start(op, handle)
             return handle
@@ -170,18 +171,23 @@ class Executor:
         raise TypeError(f"unknown request {op!r}")
 
     def new_handle(self) -> _Background:
-        """The handle of a :class:`StartAllReduce` (may be made in any thread, before :meth:`start`)."""
+        """The handle of a :class:`StartAllReduce` or :class:`StartPeersPending` (may be made in any thread,
+        before :meth:`start`)."""
         if self.nursery is None:
             raise InvalidUsageError("background all-reduces need a nursery")
         return _Background()
 
-    def start(self, op: StartAllReduce, handle: _Background) -> None:
+    def start(self, op: StartAllReduce | StartPeersPending, handle: _Background) -> None:
         """Launch ``op`` in the background, reporting to ``handle`` (trio thread, synchronous)."""
         assert self.nursery is not None
+        if isinstance(op, StartPeersPending):
+            self.nursery.start_soon(self._background, PeersPending(), handle)
+            return
         self.comm.notices.end(_PEERS_WAIT)  # enough peers: training goes on
         self.nursery.start_soon(self._background, op.reduce, handle)
 
-    async def _background(self, op: AllReduce | AllGather | AllToAll, handle: _Background) -> None:
+    async def _background(self, op: AllReduce | AllGather | AllToAll | PeersPending,
+                          handle: _Background) -> None:
         error: PCCLError | None = None
         try:
             handle.info = await self(op)

@@ -27,6 +27,7 @@ __all__ = [
     "PollAllReduce",
     "Sleep",
     "StartAllReduce",
+    "StartPeersPending",
     "StartSync",
     "Sync",
     "SyncPlanned",
@@ -147,8 +148,16 @@ class SyncPlanned:
 
 
 @dataclasses.dataclass(frozen=True)
+class StartPeersPending:
+    """``are_peers_pending()`` launched in the background: the vote goes out and the caller goes on (the
+    communicator allows the vote while collectives are in flight); result: a handle for WaitAllReduce
+    and PollAllReduce, whose result is the answer (bool) or the vote's error raised."""
+
+
+@dataclasses.dataclass(frozen=True)
 class WaitAllReduce:
-    """Wait for a background reduce (or a :class:`StartSync`); result: its info, or its error raised."""
+    """Wait for a background reduce (or a :class:`StartSync`, or a :class:`StartPeersPending`); result:
+    its info (the vote's answer), or its error raised."""
 
     handle: Any
 
@@ -170,7 +179,8 @@ class PollAllReduce:
 
 
 Op = (PeersPending | UpdateTopology | Members | Sync | Sleep | AllReduce | AllGather | AllToAll
-      | StartAllReduce | StartSync | SyncPlanned | WaitAllReduce | WaitAny | PollAllReduce)
+      | StartAllReduce | StartSync | SyncPlanned | StartPeersPending | WaitAllReduce | WaitAny
+      | PollAllReduce)
 
 
 def is_result(exc: BaseException, *names: str) -> bool:
@@ -191,10 +201,12 @@ def wait_for_members(
     timeout: float | None,
     poll_interval: float,
     before_update: Callable[[], Generator[Op, Any, None]] | None = None,
+    answered: bool | None = None,
 ) -> Generator[Op, Any, tuple[int, int]]:
     """The membership phase every driver shares: admit pending peers (``before_update`` runs first, when
     there are any), then wait, polling every ``poll_interval`` s, until the group has ``min_world_size``
     peers; raises TooFewPeersError once ``timeout`` s (counted as polls) passed. Returns (rank, world size).
+    ``answered``: the answer of the first round's vote, when it was already taken (in the background).
     """
     waited = 0.0
     while True:
@@ -202,7 +214,11 @@ def wait_for_members(
             driver.just_joined = False
         else:
             try:
-                if (yield PeersPending()):
+                if answered is None:
+                    pending = yield PeersPending()
+                else:  # (used once: a later round votes)
+                    pending, answered = answered, None
+                if pending:
                     if before_update is not None:
                         yield from before_update()
                     yield UpdateTopology()

@@ -54,7 +54,13 @@ class AsyncStreamingDiLoCo(_RunInfo):
         total_outer_steps: :meth:`step` returns None after this many cycles.
         min_world_size, min_world_size_timeout, poll_interval, just_joined: membership (a
             ``min_world_size_timeout`` in seconds raises TooFewPeersError when exceeded).
-        sync_every: membership and sync at every ``sync_every``-th cycle only (default 1: every one).
+        sync_every: ask for newcomers at every ``sync_every``-th cycle only (default 1: every one); with
+            an integer ``overlap`` a blocking membership phase and sync there; with ``"auto"`` the vote
+            runs in the background, a newcomer is admitted (and the state synced) at the next cycle's
+            start, and nothing blocks when nobody waits.
+        check_every: with ``"auto"``: a blocking sync of the outer state (repairing a divergence left by
+            a round some peers lost) every ``check_every`` cycles too; default None: at admissions and
+            at the run's end only.
 
     Raises:
         InvalidArgumentError: bad sizes, ``overlap >= inner_steps``, ``mixing`` outside [0, 1), a
@@ -69,7 +75,8 @@ class AsyncStreamingDiLoCo(_RunInfo):
                  error_feedback: bool = True, budget_bytes: int | None = None,
                  total_outer_steps: int | None = None, min_world_size: int = 1,
                  min_world_size_timeout: float | None = None, poll_interval: float = DEFAULT_POLL_INTERVAL,
-                 sync_every: int = 1, just_joined: bool | None = None) -> None:
+                 sync_every: int = 1, check_every: int | None = None,
+                 just_joined: bool | None = None) -> None:
         if nursery is None:
             raise InvalidArgumentError("streaming DiLoCo needs a nursery for the background exchanges")
         joined = comm.world_size > 1 if just_joined is None else just_joined
@@ -78,7 +85,7 @@ class AsyncStreamingDiLoCo(_RunInfo):
             mixing=mixing, codec=codec, error_feedback=error_feedback, budget_bytes=budget_bytes,
             total_outer_steps=total_outer_steps, min_world_size=min_world_size,
             min_world_size_timeout=min_world_size_timeout, poll_interval=poll_interval,
-            sync_every=sync_every))
+            sync_every=sync_every, check_every=check_every))
         self.comm = comm
         self.shared = self.core.shared
         self._members = self.core
@@ -121,7 +128,8 @@ class StreamingDiLoCo(_RunInfo):
                  codec: CodecSpec | Sequence[CodecSpec] = None, error_feedback: bool = True,
                  budget_bytes: int | None = None, total_outer_steps: int | None = None,
                  min_world_size: int = 1, min_world_size_timeout: float | None = None,
-                 poll_interval: float = DEFAULT_POLL_INTERVAL, sync_every: int = 1, peer_group: int = 0,
+                 poll_interval: float = DEFAULT_POLL_INTERVAL, sync_every: int = 1,
+                 check_every: int | None = None, peer_group: int = 0,
                  config: PeerConfig | None = None, connect_attempts: int = 10,
                  just_joined: bool | None = None, transport: Transport | None = None) -> None:
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
@@ -134,7 +142,7 @@ class StreamingDiLoCo(_RunInfo):
                 overlap=overlap, mixing=mixing, codec=codec, error_feedback=error_feedback,
                 budget_bytes=budget_bytes, total_outer_steps=total_outer_steps,
                 min_world_size=min_world_size, min_world_size_timeout=min_world_size_timeout,
-                poll_interval=poll_interval, sync_every=sync_every))
+                poll_interval=poll_interval, sync_every=sync_every, check_every=check_every))
         except BaseException:
             self._blocking.close()
             raise

@@ -79,6 +79,7 @@ from ._ops import (
     Op,
     PollAllReduce,
     StartAllReduce,
+    StartPeersPending,
     WaitAllReduce,
     is_result,
     sync_until_done,
@@ -126,10 +127,20 @@ class StreamingCore:
         min_world_size_timeout: give up (TooFewPeersError) after waiting this long in total, counted
             as ``poll_interval`` per wait, for ``min_world_size`` peers at one cycle start (None: wait
             for ever).
-        sync_every: admit newcomers and sync the outer state at every ``sync_every``-th cycle's
-            start only (cycles whose count is a multiple of it): each of those costs the control
-            plane's round trips (a vote and a sync), which a slow link makes worth sparing.
+        sync_every: ask the master for newcomers at every ``sync_every``-th cycle's start only (cycles
+            whose count is a multiple of it). With an integer ``overlap`` that is a membership phase
+            (a vote, then the admission if anyone waits) and a sync of the outer state, each costing
+            control-plane round trips and the peers' skew (every peer waits there for the slowest).
+            With ``"auto"`` the vote goes out in the background and inner steps go on; its answer is
+            acted on at the next cycle's start, by every peer alike: a newcomer waits -> every exchange
+            in flight is applied, the newcomer admitted and the state synced; nobody waits -> nothing
+            (no sync: the outer state is identical by construction). The run's first and last cycles
+            always sync.
         base_tag: fragment ``p`` uses tag ``base_tag + p``.
+        check_every: with ``"auto"``: also sync the outer state at every ``check_every``-th cycle's start
+            (a blocking membership phase and sync, as with an integer overlap), which repairs a divergence
+            left by a round some peers applied and others lost (a peer lost in an exchange); None (the
+            default): only at admissions and the run's end.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -139,11 +150,14 @@ class StreamingCore:
                  budget_bytes: int | None,
                  total_outer_steps: int | None, just_joined: bool, min_world_size: int,
                  poll_interval: float, min_world_size_timeout: float | None = None,
-                 sync_every: int = 1, base_tag: int = 0) -> None:
+                 sync_every: int = 1, base_tag: int = 0, check_every: int | None = None) -> None:
         import copy
 
         if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
             raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
+        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                        or check_every < 1):
+            raise InvalidArgumentError(f"check_every must be None or an int >= 1, not {check_every!r}")
         self.auto_overlap, steps = _overlap_steps(overlap, inner_steps)
         if not 0.0 <= mixing < 1.0:
             raise InvalidArgumentError("mixing must be in [0, 1)")
@@ -200,6 +214,8 @@ class StreamingCore:
         self.min_world_size_timeout = min_world_size_timeout
         self.poll_interval = poll_interval
         self.sync_every = sync_every
+        self.check_every = check_every
+        self._vote: Any = None  # the membership vote in the background ("auto"), answered by the next cycle
         self.base_tag = base_tag
         self._last_offset = max(f.offset for f in self.fragments)
         self.rank = 0
@@ -250,24 +266,58 @@ class StreamingCore:
 
     # -- the cycle's start: membership, sync ---------------------------------------------------------
 
-    def _membership(self) -> Generator[Op, Any, None]:
+    def _membership(self, answered: bool | None = None) -> Generator[Op, Any, None]:
         # the exchanges carried into this cycle stay on the wire while the group asks the master for
-        # newcomers; drained before any is admitted
+        # newcomers; drained before any is admitted (``answered``: the answer of a vote taken in the
+        # background)
         self.rank, self.world_size = yield from wait_for_members(
-            self, self.min_world_size, self.min_world_size_timeout, self.poll_interval, self._drain)
+            self, self.min_world_size, self.min_world_size_timeout, self.poll_interval, self._drain,
+            answered=answered)
 
     @property
     def cycle(self) -> int:
         """Cycles done (H inner steps each)."""
         return int(self.cycle_tensor[0])
 
+    def _checks(self, cycle: int) -> bool:
+        """Whether ``cycle``'s start is a mid-run sync of the outer state whoever is admitted: with an
+        integer overlap every membership point (every ``sync_every``-th cycle); with ``"auto"`` every
+        ``check_every``-th cycle (None: none; newcomers are then admitted, and the state synced, at the
+        start of the cycle after a membership point's vote said one waits)."""
+        if not self.auto_overlap:
+            return cycle % self.sync_every == 0
+        return self.check_every is not None and cycle % self.check_every == 0
+
+    def _answer(self) -> Generator[Op, Any, bool | None]:
+        """The answer of the membership vote taken in the background since the last membership point
+        (waited for if it has not come yet: a vote is one master round trip, a cycle is longer); None when
+        it failed (every member sees that: the membership phase then votes again, blocking)."""
+        handle, self._vote = self._vote, None
+        try:
+            return bool((yield WaitAllReduce(handle)))
+        except Exception as exc:
+            if not is_result(exc, "UPDATE_TOPOLOGY_FAILED", "RANK_CONNECTION_LOST"):
+                raise
+            return None
+
     def _begin_cycle(self) -> Generator[Op, Any, bool]:
         over = self.total_outer_steps is not None and self.cycle >= self.total_outer_steps
-        if not self.fresh and self.cycle % self.sync_every and not over:
-            # not a membership cycle: no control-plane round trips (the same decision on every peer;
-            # the run's end always syncs)
-            return True
-        yield from self._membership()  # (a newcomer pending: every exchange applied before it is admitted)
+        answered: bool | None = None
+        voted = self._vote is not None
+        if voted:
+            answered = yield from self._answer()
+        if not self.fresh and not over and not self._checks(self.cycle):
+            # no sync here unless a newcomer is admitted (the same decision on every peer: the master's
+            # answer); the run's end always syncs
+            if voted and answered is False:
+                self.rank, self.world_size = yield Members()
+                if self.world_size < self.min_world_size:
+                    answered = None  # too few peers: the membership phase waits for more, then syncs
+            if not voted or answered is False:
+                if self._votes_now():
+                    self._vote = yield StartPeersPending()
+                return True
+        yield from self._membership(answered)  # (a newcomer pending: every exchange applied before admission)
         yield from self._drain(deferred=False)  # every exchange a peer may have applied: before the sync
         if self.fresh and self.joined:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
@@ -301,6 +351,12 @@ class StreamingCore:
                         f.feedback.codec = f.codec
         return True
 
+    def _votes_now(self) -> bool:
+        """Whether this cycle's start (not the run's first, no sync here) sends the membership vote into
+        the background, acted on at the next cycle's start: with ``"auto"``, at every ``sync_every``-th
+        cycle and at the run's last (whose answer the run's end admits before its sync)."""
+        return self.auto_overlap and (self.cycle % self.sync_every == 0 or self._last_cycle())
+
     def _last_cycle(self) -> bool:
         """Whether the cycle running now is the run's last."""
         return self.total_outer_steps is not None and self.cycle + 1 >= self.total_outer_steps
@@ -316,8 +372,7 @@ class StreamingCore:
         a cycle that ends at a membership point of the run (not its end) is applied by no peer before that
         point's sync (so every peer syncs the same outer state without waiting for it), unless a newcomer
         is pending there (then it is drained before the admission); after the sync, when found done."""
-        nxt = self.cycle + 1
-        return (self.auto_overlap and f.offset == self._last_offset and nxt % self.sync_every == 0
+        return (self.auto_overlap and f.offset == self._last_offset and self._checks(self.cycle + 1)
                 and not self._last_cycle())
 
     def _inner_from_outer(self) -> None:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -145,10 +145,13 @@ def test_pccl_itself_never_imports_torch() -> None:
     assert proc.returncode == 0, proc.stderr
 
 
-def test_streaming_blocking_three_peers_bit_identical_launching_without_a_hop() -> None:
+@pytest.mark.parametrize("overlap", [4, "auto"])
+def test_streaming_blocking_three_peers_bit_identical_launching_without_a_hop(overlap: Any) -> None:
     """StreamingDiLoCo from three threads, deflated int4 (chunks of ~1,400 elements) and the two-stage
     exchange: identical outer states; the launches and the polls of background exchanges never wait
-    on the driver's trio thread (only membership, syncs and unfinished exchanges do)."""
+    on the driver's trio thread (only membership, syncs and unfinished exchanges do); with ``"auto"``
+    (membership every second cycle) neither does a membership vote sent into the background, and the
+    run's end sync fetches nothing."""
     from pccl.torch import StreamingDiLoCo
 
     g = torch.Generator().manual_seed(0)
@@ -162,16 +165,17 @@ def test_streaming_blocking_three_peers_bit_identical_launching_without_a_hop() 
         def peer(i: int) -> tuple[dict[str, bytes], dict[str, float], list[dict[str, int]]]:
             model = copy.deepcopy(init)
             with StreamingDiLoCo(master.address, model, torch.optim.Adam(model.parameters(), lr=0.01),
-                                 inner_steps=6, fragments=2, overlap=4, codec="int4", total_outer_steps=4,
-                                 min_world_size=3) as run:
+                                 inner_steps=6, fragments=2, overlap=overlap, codec="int4",
+                                 total_outer_steps=4, min_world_size=3, sync_every=2) as run:
                 while run.step(mse_backward(model, x, y, 24)) is not None:
                     pass
+                assert run.core.unreported_rx == 0 and run.core.syncs == (2 if overlap == "auto" else 3)
                 return state_bytes(run.shared), dict(run._blocking.wait_by_op), run.statistics()["fragments"]
 
         out = run_threads(peer, 3)
     assert out[0][0] == out[1][0] == out[2][0]
     for _, waits, stats in out.values():
-        assert not {"StartAllReduce", "PollAllReduce", "Members"} & set(waits), waits
+        assert not {"StartAllReduce", "StartPeersPending", "PollAllReduce", "Members"} & set(waits), waits
         assert [(f["rounds"], f["lost"]) for f in stats] == [(4, 0), (4, 0)]
         assert stats[0]["encodes"] == 4 * (3 + 1)  # per round: the 3 chunks, then the owned chunk's average
 

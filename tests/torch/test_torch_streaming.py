@@ -281,8 +281,13 @@ async def test_streaming_fragments_bit_identical_and_converging(
                                                    out=out, seed=i, overlap=overlap, hidden=hidden))
     states = [state_bytes(out[i][0].shared) for i in range(3)]
     assert states[0] == states[1] == states[2]  # outer parameters and outer optimizer state
+    # identical before the run's end too: no sync fetched anything after the first (with "auto" the end's
+    # is the only one after it: the membership votes ran in the background and nobody waited)
+    assert all(out[i][0].core.unreported_rx == 0 for i in range(3))
+    assert all(r.sync_rx_bytes == 0 for i in range(3) for r in out[i][3][1:])
     run, start, final, results = out[0]
-    assert run.cycles == cycles == run.revision and [r.index for r in results] == list(range(cycles * H))
+    assert run.revision == (1 if overlap == "auto" else cycles)
+    assert run.cycles == cycles and [r.index for r in results] == list(range(cycles * H))
     stats = run.statistics()["fragments"]
     assert len(stats) == 3 and [f["offset"] for f in stats] == [0, 2, 4]
     assert all(f["rounds"] == cycles and f["lost"] == 0 for f in stats)
@@ -345,21 +350,32 @@ async def test_streaming_peer_killed_in_a_fragment_exchange_loses_only_that_roun
     assert final < 0.3 * start
 
 
+@pytest.mark.parametrize("overlap", [1, "auto"])
 async def test_streaming_admits_a_newcomer_mid_stream(
-        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, overlap: Any) -> None:
+    """A newcomer is admitted at a cycle's start; with ``"auto"`` the membership votes run in the
+    background (the one that finds it waiting admits it at the next cycle's start): every peer ends with
+    the same state, which the run's end sync finds identical (nothing fetched)."""
     cluster = await pccl_cluster(2)
     out: dict[int, Any] = {}
+    cycle_2 = trio.Event()
+
+    def at(step: Any) -> None:
+        if step.index == 2 * H:  # the newcomer comes while the run is under way
+            cycle_2.set()
+
     async with trio.open_nursery() as nursery:
         async with trio.open_nursery() as peers:
             for i in cluster.alive:
                 peers.start_soon(functools.partial(train, cluster, i, nursery, cycles=10, codec="int4",
-                                                   out=out))
-            await trio.sleep(0.05)
+                                                   out=out, overlap=overlap, on_step=at if i == 0 else None))
+            await cycle_2.wait()
             newcomer = await cluster.add_peer(admit=False)
             peers.start_soon(lambda: train(cluster, newcomer, nursery, cycles=10, codec="int4", out=out,
-                                           seed=99))
+                                           seed=99, overlap=overlap))
     states = [state_bytes(out[i][0].shared) for i in (0, 1, newcomer)]
     assert states[0] == states[1] == states[2]
+    assert all(out[i][0].core.unreported_rx == 0 for i in (0, 1, newcomer))
     new_results: list[StepResult] = out[newcomer][3]
     assert 0 < new_results[0].index and new_results[0].index % H == 0  # it came in at a cycle's start
     assert new_results[0].sync_rx_bytes > 0
@@ -396,11 +412,15 @@ def test_bad_arguments() -> None:
             StreamingCore(model, opt, **{**base, **bad})
 
 
+@pytest.mark.parametrize("check_every", [None, 4])
 async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
-        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
-    """Membership and sync at cycles 0 and 4 and at the run's end (6): three syncs, the revision
-    counting them; the peers end identical, and each model holds the final outer parameters. Cycle 3's
-    last round is deferred past cycle 4's sync: the peers still sync identical states (nothing fetched)."""
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory,
+        check_every: int | None) -> None:
+    """``overlap="auto"``, membership at cycle 4 of 6: its vote (and the last cycle's) runs in the background
+    and, nobody waiting, nothing syncs but the run's start and end: two syncs, the revision counting
+    them. With ``check_every=4`` cycle 4 syncs too (three), and cycle 3's last round is deferred past that
+    sync: the peers still sync identical states. Either way nothing is fetched (the states were identical
+    at every sync), the peers end identical, and each model holds the final outer parameters."""
     cluster = await pccl_cluster(2)
     out: dict[int, Any] = {}
     fetched: dict[int, int] = {}
@@ -410,7 +430,7 @@ async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
         model = make_model(i)
         run = AsyncStreamingDiLoCo(cluster.peer(i), model, torch.optim.Adam(model.parameters(), lr=0.01),
                                    nursery=nursery, outer_optimizer=outer_sgd, inner_steps=H, fragments=2,
-                                   codec="int8", sync_every=4, total_outer_steps=6)
+                                   codec="int8", sync_every=4, check_every=check_every, total_outer_steps=6)
 
         def backward(step: Any) -> float:
             idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
@@ -428,8 +448,9 @@ async def test_sync_every_spares_the_control_plane_and_the_end_syncs(
             for i in cluster.alive:
                 peers.start_soon(one, i, nursery)
     (run0, model0), (run1, model1) = out[0], out[1]
-    assert run0.cycles == 6 and run0.revision == 2 and run0.core.syncs == 3
-    assert fetched == {0: 0, 1: 0} and run0.core.unreported_rx == 0
+    syncs = 2 if check_every is None else 3
+    assert run0.cycles == 6 and run0.revision == syncs - 1 and run0.core.syncs == syncs
+    assert fetched == {0: 0, 1: 0} and run0.core.unreported_rx == run1.core.unreported_rx == 0
     assert state_bytes(run0.shared) == state_bytes(run1.shared)
     for m, run in ((model0, run0), (model1, run1)):
         pairs = zip(m.parameters(), run.outer_model.parameters(), strict=True)
@@ -476,8 +497,8 @@ def _three_like_peers(done: bool, log: list[tuple[int, str]], core: Any) -> Call
             return done
         if isinstance(op, _ops.WaitAllReduce):
             return op.handle
-        if isinstance(op, (_ops.PeersPending, _ops.UpdateTopology)):
-            return False
+        if isinstance(op, (_ops.PeersPending, _ops.UpdateTopology, _ops.StartPeersPending)):
+            return False  # (a background vote's handle: its wait returns it, the answer "nobody waits")
         if isinstance(op, _ops.Sync):
             from types import SimpleNamespace
             return SimpleNamespace(rx_bytes=0)
@@ -511,15 +532,29 @@ def test_second_stage_starts_as_soon_as_the_all_to_all_is_done(done: bool) -> No
     assert all(torch.equal(a, b) for a, b in zip(outs[True], outs[False], strict=True))
 
 
+class _Vote:
+    """A membership vote in the background (the fake executors' handle)."""
+
+
 class _SlowExchanges:
     """An executor standing in for a group of ``world`` peers holding this peer's state, whose
     background exchanges are found finished by the ``polls``-th poll of each. It logs every launch,
-    poll answer and wait, with the inner step it came at."""
+    poll answer and wait, with the inner step it came at, and the control plane's requests with the cycle
+    and step (``events``). ``pending``: the master's answer to every membership vote, or one answer per
+    vote in turn (then False); ``failing``: the background votes whose answer is an error (counted from 0)."""
 
-    def __init__(self, core: Any, world: int, polls: int, pending: bool = False) -> None:
+    def __init__(self, core: Any, world: int, polls: int, pending: bool | list[bool] = False,
+                 failing: tuple[int, ...] = ()) -> None:
         self.core, self.world, self.polls, self.pending = core, world, polls, pending
+        self.failing, self.votes = failing, 0
         self.log: list[tuple[int, str, Any]] = []
+        self.events: list[tuple[int, int, str]] = []  # (cycle, inner step, request) of the control plane
         self.deferred_at_syncs: list[list[int]] = []  # per sync: the fragments whose round was in flight
+
+    def _answer(self) -> bool:
+        if isinstance(self.pending, bool):
+            return self.pending
+        return self.pending.pop(0) if self.pending else False
 
     def __call__(self, op: Any) -> Any:
         from types import SimpleNamespace
@@ -549,20 +584,38 @@ class _SlowExchanges:
             done = op.handle.polled >= self.polls
             self.log.append((step, "poll", done))
             return done
+        cycle = self.core.cycle
+        if isinstance(op, _ops.StartPeersPending):
+            self.events.append((cycle, step, "vote"))
+            self.log.append((step, "vote", None))
+            return _Vote()
+        if isinstance(op, _ops.WaitAllReduce) and isinstance(op.handle, _Vote):
+            self.events.append((cycle, step, "answer"))
+            self.votes += 1
+            if self.votes - 1 in self.failing:
+                raise pccl.RankConnectionLostError("the vote was lost with the master")
+            answer = self._answer()
+            self.log.append((step, "answer", answer))
+            return answer
         if isinstance(op, _ops.WaitAllReduce):
             self.log.append((step, "wait", op.handle.polled >= self.polls))
             return op.handle.info
         if isinstance(op, _ops.PeersPending):
-            self.log.append((step, "pending", self.pending))
-            return self.pending
+            self.events.append((cycle, step, "pending"))
+            answer = self._answer()
+            self.log.append((step, "pending", answer))
+            return answer
         if isinstance(op, _ops.UpdateTopology):  # nothing in flight when newcomers are admitted
             assert not any(f.in_flight for f in self.core.fragments)
+            self.events.append((cycle, step, "update"))
             self.log.append((step, "update", None))
             return False
         if isinstance(op, _ops.Sync):
             # at a sync nothing in flight but deferred rounds, which no peer applies before it
             assert all(f.deferred for f in self.core.fragments if f.in_flight)
+            assert self.core._vote is None  # no vote left in flight
             self.deferred_at_syncs.append([f.index for f in self.core.fragments if f.in_flight])
+            self.events.append((cycle, step, "sync"))
             self.log.append((step, "sync", None))
             return SimpleNamespace(rx_bytes=0)
         raise AssertionError(op)
@@ -614,9 +667,9 @@ def test_auto_overlap_applies_at_the_first_step_that_finds_the_exchange_done(
 
 def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
     """``overlap="auto"`` with membership every second cycle: an exchange still on the wire at a cycle's
-    end is carried into the next cycle and waited for at its fragment's next send, or at a membership
-    cycle's start once the master said a newcomer is pending (before admitting it) and before the
-    sync; the run's last cycle waits for its own at its end."""
+    end is carried into the next cycle and waited for at its fragment's next send, or before a newcomer
+    is admitted (cycle 2's vote, taken in the background, says one waits: admitted at cycle 3's start,
+    every exchange applied first, then the sync); the run's last cycle waits for its own at its end."""
     from pccl.torch._streaming import StreamingCore
 
     h = 12
@@ -625,34 +678,86 @@ def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
                          inner_steps=h, fragments=2, overlap="auto", mixing=0.5, codec=None,
                          error_feedback=True, budget_bytes=None, total_outer_steps=4, just_joined=False,
                          min_world_size=1, poll_interval=0.05, sync_every=2)
-    # never found done: every exchange is waited for; a newcomer pending at every membership cycle
+    # never found done: every exchange is waited for; a newcomer pending at every membership vote
     execute = _SlowExchanges(core, 2, polls=10**6, pending=True)
     results = _drive(core, model, execute)
     stats = core.statistics()["fragments"]
-    # fragment 0 sent at 0, 12, 24, 36, applied at 12 (its next send), 24 (cycle 2's membership), 36,
-    # 48 (the run's end); fragment 1 sent at 6, 18, 30, 40 (at 4 = 1 * H // 3 in the run's last cycle),
-    # applied at 18, 24 (its round deferred past cycle 2's sync, but drained for the newcomer), 40, 48
-    assert [f["mean_overlap"] for f in stats] == [12.0, 9.0]
+    # fragment 0 sent at 0, 12, 24, 36, applied at 12, 24, 36 (its next sends; 36 is cycle 3's admission
+    # too), 48 (the run's end); fragment 1 sent at 6, 18, 30, 40 (at 4 = 1 * H // 3 in the run's last
+    # cycle), applied at 18, 30 (its next sends), 36 (drained for the newcomer), 48
+    assert [f["mean_overlap"] for f in stats] == [12.0, (12 + 12 + 6 + 8) / 4]
     assert all(f["rounds"] == 4 and f["lost"] == 0 for f in stats)
     waits = [s for s, kind, _ in execute.log if kind == "wait"]
-    assert waits == [0, 6, 0, 0, 0, 4, h, h]  # inner step of the cycle (h: after its last step)
+    assert waits == [0, 6, 0, 6, 0, 0, h, h]  # inner step of the cycle (h: after its last step)
     assert execute.deferred_at_syncs == [[], [], []]  # drained before each admission, so before each sync
+    # the run's start: a blocking vote; cycle 2's in the background, answered at cycle 3's start (which
+    # admits, syncs, and so sends no vote of its own); the run's end: a blocking vote
+    assert [e for e in execute.events if e[2] != "update"] == [
+        (0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"), (3, 0, "sync"),
+        (4, 0, "pending"), (4, 0, "sync")]
     kinds = [kind for _, kind, _ in execute.log if kind != "poll"]
-    second = [i for i, k in enumerate(kinds) if k == "pending"][1]  # cycle 2's membership
-    assert kinds[second:second + 5] == ["pending", "wait", "wait", "update", "sync"]
-    assert core.syncs == 3  # cycles 0, 2 and the run's end
+    admitted = kinds.index("answer")
+    assert kinds[admitted:admitted + 5] == ["answer", "wait", "wait", "update", "sync"]
+    assert core.syncs == 3  # cycles 0, 3 and the run's end
     # every round's bytes in some step's result, the last ones in the last step's
+    assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
+
+
+@pytest.mark.parametrize("answers, failing", [([], ()), ([False, False, True], ()), ([], (0,))],
+                         ids=["nobody-waits", "a-newcomer-at-cycle-4", "a-vote-lost"])
+def test_auto_overlap_votes_in_the_background_and_syncs_only_to_admit(
+        answers: list[bool], failing: tuple[int, ...]) -> None:
+    """``overlap="auto"``, membership every second cycle of 6: the vote of cycles 2 and 4 goes out at the
+    cycle's start and inner steps go on; its answer is read at the next cycle's start (every peer alike:
+    the master's). Nobody waits: no sync there (the outer state is identical by construction), the run's
+    first and last cycles sync; the last cycle's vote (5) is answered at the run's end, before its sync.
+    A newcomer waits (cycle 4's answer): admitted at cycle 5's start, every exchange applied before, then
+    the sync; the run's end then votes itself. A vote lost with the master (every member sees that): the
+    next cycle's start votes again, blocking, and syncs. Exchanges taking 5 steps (two stages of 3 polls)
+    are never waited for."""
+    from pccl.torch._streaming import StreamingCore
+
+    h, cycles = 12, 6
+    model = make_model(0, hidden=64)
+    core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
+                         inner_steps=h, fragments=3, overlap="auto", mixing=0.5, codec="int4",
+                         error_feedback=True, budget_bytes=None, total_outer_steps=cycles, just_joined=False,
+                         min_world_size=1, poll_interval=0.05, sync_every=2)
+    execute = _SlowExchanges(core, 3, polls=3, pending=list(answers), failing=failing)
+    results = _drive(core, model, execute)
+    events = execute.events
+    if answers:
+        assert events == [(0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"),
+                          (4, 0, "vote"), (5, 0, "answer"), (5, 0, "update"), (5, 0, "sync"),
+                          (6, 0, "pending"), (6, 0, "sync")]
+        kinds = [kind for _, kind, _ in execute.log if kind not in ("poll", "start")]
+        at = kinds.index("update")
+        assert "wait" in kinds[kinds.index("answer", kinds.index("answer") + 1):at]  # drained first
+    elif failing:
+        assert events == [(0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"),
+                          (3, 0, "pending"), (3, 0, "sync"), (4, 0, "vote"), (5, 0, "answer"),
+                          (5, 0, "vote"), (6, 0, "answer"), (6, 0, "sync")]
+    else:
+        assert events == [(0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"),
+                          (4, 0, "vote"), (5, 0, "answer"), (5, 0, "vote"), (6, 0, "answer"),
+                          (6, 0, "sync")]
+        # the vote is in flight while the cycle's inner steps train
+        assert sum(1 for r in results if 2 * h <= r.index < 3 * h) == h
+        assert [s for s, kind, done in execute.log if kind == "wait" and not done] == []
+        assert core.syncs == 2 and core.shared.revision == 1
+    stats = core.statistics()["fragments"]
+    assert all(f["rounds"] == cycles and f["lost"] == 0 for f in stats)
     assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
 
 
 @pytest.mark.parametrize("early", [True, False], ids=["defer-and-send-early", "neither"])
 def test_auto_overlap_defers_the_last_round_past_a_sync_and_sends_early_at_the_end(early: bool) -> None:
-    """``overlap="auto"``: the last fragment's round of a cycle that ends at a membership point of the run
-    is deferred: applied by no peer before that point's sync (nor polled), so the sync does not wait for
-    it, then applied when found done; the run's last cycle sends fragment ``p`` of ``P`` at
-    ``p * H // (P + 1)`` instead of ``p * H // P``, so the last exchange arrives before the run's end. An
-    exchange that takes 5 steps is then never waited for. With neither (``early=False``, patched out) it
-    is waited for at cycle 2's sync and at the run's end."""
+    """``overlap="auto"`` with a sync every second cycle (``check_every=2``): the last fragment's round of a
+    cycle that ends at a sync point of the run is deferred: applied by no peer before that point's sync
+    (nor polled), so the sync does not wait for it, then applied when found done; the run's last cycle
+    sends fragment ``p`` of ``P`` at ``p * H // (P + 1)`` instead of ``p * H // P``, so the last exchange
+    arrives before the run's end. An exchange that takes 5 steps is then never waited for. With neither
+    (``early=False``, patched out) it is waited for at cycle 2's sync and at the run's end."""
     from pccl.torch._streaming import StreamingCore
 
     h = 12
@@ -660,7 +765,7 @@ def test_auto_overlap_defers_the_last_round_past_a_sync_and_sends_early_at_the_e
     core = StreamingCore(model, torch.optim.Adam(model.parameters(), lr=0.01), outer_optimizer=outer_sgd,
                          inner_steps=h, fragments=3, overlap="auto", mixing=0.5, codec=None,
                          error_feedback=True, budget_bytes=None, total_outer_steps=4, just_joined=False,
-                         min_world_size=1, poll_interval=0.05, sync_every=2)
+                         min_world_size=1, poll_interval=0.05, sync_every=2, check_every=2)
     assert [(f.offset, f.early_offset) for f in core.fragments] == [(0, 0), (4, 3), (8, 6)]
     if not early:
         for f in core.fragments:
