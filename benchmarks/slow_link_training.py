@@ -24,7 +24,8 @@ Runs, one after the other (same master, same seeds):
   what the codec spec ``"int4"`` means, one min/max pair per chunk: the 4-bit codes deflated into a
   fixed 3.6 bits per element; ``--int4-bits 0``: the plain 4-bit codes), overlap ``--overlap``
   (default ``auto``: each exchange applied at the first inner step that finds it done), mixing 0.5,
-  membership and sync every ``--sync-every`` cycles.
+  membership every ``--sync-every`` cycles (with ``auto``: the vote in the background, a sync only to
+  admit a newcomer and at the run's end; ``--check-every N``: a blocking sync every N cycles too).
 
 Each DiLoCo run trains ``--diloco-steps`` inner steps. Peer 0 evaluates the (outer) model on 64
 held-out sequences every ``--eval-every`` steps; the evaluation's time is left out of the clock.
@@ -120,7 +121,7 @@ def peer_main(mode: str, address: str, index: int, args: argparse.Namespace, res
         driver = StreamingDiLoCo(address, model, optimizer, inner_steps=args.inner_steps,
                                  outer_optimizer=outer_sgd, fragments=args.fragments, overlap=args.overlap,
                                  mixing=args.mixing, codec=codec,
-                                 sync_every=args.sync_every,
+                                 sync_every=args.sync_every, check_every=args.check_every or None,
                                  total_outer_steps=args.diloco_steps // args.inner_steps, **common)
         steps = args.diloco_steps
         outer = driver.outer_model
@@ -321,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", type=_overlap, default="auto",
                         help='inner steps an exchange overlaps, or "auto" (default: applied when done)')
     parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--check-every", type=int, default=0,
+                        help="streaming, overlap auto: a blocking sync every N cycles too (0: only to admit "
+                             "and at the run's end)")
     parser.add_argument("--mixing", type=float, default=0.5, help="streaming's inner merge factor")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--outer-lr", type=float, default=0.7)

@@ -20,30 +20,34 @@ instead of ``H / P`` to arrive before the run's end, which must wait for it (bel
    inner step after its send, without waiting, whether it is complete (its second stage goes out at
    the first step that finds the first one done), and is applied at the first step that finds it
    done. It is waited for only where it must be applied: at its fragment's next send (one cycle
-   later: an exchange still on the wire at a cycle's end is carried into the next cycle), and in a
-   membership cycle's start (every ``sync_every``-th, and the run's end) before newcomers are admitted
-   and before the sync (the master is asked for newcomers while it is still on the wire). Except the
-   last fragment's round of a cycle that ends at a membership point within the run: no peer applies it
-   before that point's sync (it is not even polled), so every peer syncs the same outer state without
-   waiting for it; it is applied after the sync, when found done (before it is admitted when a newcomer
-   is pending: then it is waited for first). So the
+   later: an exchange still on the wire at a cycle's end is carried into the next cycle), and at a
+   cycle's start before newcomers are admitted and before a sync (the run's end; a ``check_every``
+   cycle). Except the last fragment's round of a cycle that ends at a ``check_every`` sync within the
+   run: no peer applies it before that sync (it is not even polled), so every peer syncs the same
+   outer state without waiting for it; it is applied after the sync, when found done (before it is
+   admitted when a newcomer is pending: then it is waited for first). So the
    overlap is as long as the exchange takes on this link, in whatever number of inner steps that is,
    up to a whole cycle. Every peer still applies the same averages to the same outer parameters (a
    fragment's outer step touches its own parameters only, whenever it comes), so the outer state is
-   identical on every peer wherever nothing is in flight (at each membership cycle's start, where it
-   is synced); but the inner parameters, and with them the next pseudo-gradients, depend on the step
-   at which the merge came, so a run is not repeatable to the digit as it is with a fixed
-   ``overlap``, and a checkpoint saved at another cycle's end leaves out the rounds still in flight
-   (resumed, they are lost rounds, below).
+   identical on every peer wherever nothing is in flight (as at every sync); but the inner
+   parameters, and with them the next pseudo-gradients, depend on the step at which the merge came,
+   so a run is not repeatable to the digit as it is with a fixed ``overlap``, and a checkpoint saved
+   at another cycle's end leaves out the rounds still in flight (resumed, they are lost rounds, below).
 
 With ``overlap=0`` and ``mixing=0`` each fragment is synchronous DiLoCo. One fragment is in flight per
-tag, and at the start of a membership cycle none is: that is where newcomers are admitted and the
-shared state (outer parameters, outer optimizer state, the cycle count) is synced (every
-``sync_every``-th cycle; the shared state's revision counts these syncs). When a fragment's exchange
+tag, and where newcomers are admitted and the shared state (outer parameters, outer optimizer state,
+the cycle count) is synced none is (the shared state's revision counts these syncs): with an integer
+overlap at every membership cycle's start (every ``sync_every``-th, after a blocking vote); with
+``"auto"`` the membership vote goes out in the background at such a cycle's start (and at the run's
+last) and inner steps go on; the next cycle's start reads the answer, the same on every peer (the
+master's): someone waits -> admitted and synced there; nobody -> no sync (the outer state is
+identical by construction), unless ``check_every`` asks for one. The run's first cycle and its end
+always sync. When a fragment's exchange
 fails (a peer lost in it, the group changed size under an all-gather) only that fragment's round is
 lost: its outer parameters are not updated this cycle (its inner ones keep training, and its next
 pseudo-gradient measures the whole distance again); the others go on. Should one peer have applied a
-round that another lost, the next cycle's sync gives every peer the same outer state again.
+round that another lost, the next sync gives every peer the same outer state again (with ``"auto"``:
+the next admission, ``check_every`` sync or the run's end).
 
 Codecs with error feedback (``_codec.py``): a peer's residual (what its compressed contribution
 lost) is added to its next pseudo-gradient of that fragment, and in the two-stage exchange the chunk
@@ -112,8 +116,8 @@ class StreamingCore:
         fragments: a count, or lists of parameter names (see :func:`split_fragments`).
         overlap: inner steps an exchange overlaps before it is applied (0: applied at once), or
             ``"auto"``: applied at the first inner step after its send that finds it complete (asked
-            without waiting), before its fragment's next send or a membership cycle's sync at the
-            latest (the last fragment's round of a cycle before a membership point: after that sync);
+            without waiting), before its fragment's next send or a sync at the latest (the last
+            fragment's round of a cycle before a ``check_every`` sync: after that sync);
             the run's last cycle then sends its fragments earlier (see the module).
         mixing: the merge factor ``alpha`` of the inner parameters (0: they take the outer ones).
         codec: one spec for every fragment or one per fragment: None / ``"fp32"``, ``"int8"``,
@@ -369,9 +373,10 @@ class StreamingCore:
 
     def _defers(self, f: Fragment) -> bool:
         """Whether the round of ``f`` sent now is *deferred*: with ``"auto"``, the last fragment's round of
-        a cycle that ends at a membership point of the run (not its end) is applied by no peer before that
-        point's sync (so every peer syncs the same outer state without waiting for it), unless a newcomer
-        is pending there (then it is drained before the admission); after the sync, when found done."""
+        a cycle that ends at a ``check_every`` sync of the run (not its end: :meth:`_checks`) is applied
+        by no peer before that sync (so every peer syncs the same outer state without waiting for it),
+        unless a newcomer is pending there (then it is drained before the admission); after the sync,
+        when found done."""
         return (self.auto_overlap and f.offset == self._last_offset and self._checks(self.cycle + 1)
                 and not self._last_cycle())
 
