@@ -220,6 +220,7 @@ class StreamingCore:
         self.sync_every = sync_every
         self.check_every = check_every
         self._vote: Any = None  # the membership vote in the background ("auto"), answered by the next cycle
+        self._final_synced = False  # "auto": the run's final sync done in its last cycle (_final_due)
         self.base_tag = base_tag
         self._last_offset = max(f.offset for f in self.fragments)
         self.rank = 0
@@ -304,8 +305,40 @@ class StreamingCore:
                 raise
             return None
 
+    def _final_due(self, s: int) -> bool:
+        """Whether the run's final sync comes at inner step ``s`` of its last cycle (``"auto"``): every
+        fragment was sent in this cycle and its round applied (or lost). The outer state is final then
+        (no round is sent after it), so the sync is there and not at the run's end: the inner steps left
+        change nothing the run keeps (the model takes the outer parameters at the end) and run without
+        communication, so no peer waits for the slowest to finish them. The last round lands at about
+        the same moment on every peer (it is complete when the slowest peer has sent), so the peers meet
+        at this sync with little skew. A round still on the wire at the cycle's end is waited for
+        there, and the sync is at the run's end."""
+        return (self.auto_overlap and not self._final_synced and self._last_cycle()
+                and all(self._send_step(f) <= s and not f.in_flight for f in self.fragments))
+
+    def _final_sync(self) -> Generator[Op, Any, None]:
+        """The run's final membership and sync (see :meth:`_final_due`): the last cycle's vote read (a
+        newcomer waiting is admitted), the state synced with the cycle count at the run's end, so a
+        newcomer admitted here ends at once with the final outer state."""
+        answered = (yield from self._answer()) if self._vote is not None else None
+        yield from self._membership(answered)
+        assert self.total_outer_steps is not None
+        self.cycle_tensor[0] = self.total_outer_steps  # the state synced says: the run is over
+        self.shared.revision += 1
+        try:
+            info = yield from sync_until_done(self.shared.state)
+        finally:
+            self.cycle_tensor[0] = self.total_outer_steps - 1  # this peer's own last steps go on
+        self._final_synced = True
+        self.syncs += 1
+        self.unreported_rx += info.rx_bytes
+
     def _begin_cycle(self) -> Generator[Op, Any, bool]:
         over = self.total_outer_steps is not None and self.cycle >= self.total_outer_steps
+        if over and self._final_synced:
+            self._inner_from_outer()  # synced in the last cycle (_final_due): the model takes the outer state
+            return False
         answered: bool | None = None
         voted = self._vote is not None
         if voted:
@@ -611,6 +644,8 @@ class StreamingCore:
         for f in self.fragments:
             if f.in_flight and (yield from self._apply_due(f, s, index)):
                 tx += yield from self._finish_at(f, index)
+        if self._final_due(s):
+            yield from self._final_sync()
         self.inner_optimizer.zero_grad()
         loss = backward(Step(index, self.rank, self.world_size))
         self.inner_optimizer.step()

@@ -703,18 +703,22 @@ def test_auto_overlap_carries_an_exchange_into_the_next_cycle() -> None:
     assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
 
 
-@pytest.mark.parametrize("answers, failing", [([], ()), ([False, False, True], ()), ([], (0,))],
-                         ids=["nobody-waits", "a-newcomer-at-cycle-4", "a-vote-lost"])
+@pytest.mark.parametrize(
+    "answers, failing", [([], ()), ([False, False, True], ()), ([False, False, False, True], ()), ([], (0,))],
+    ids=["nobody-waits", "a-newcomer-at-cycle-4", "a-newcomer-at-the-end", "a-vote-lost"])
 def test_auto_overlap_votes_in_the_background_and_syncs_only_to_admit(
         answers: list[bool], failing: tuple[int, ...]) -> None:
     """``overlap="auto"``, membership every second cycle of 6: the vote of cycles 2 and 4 goes out at the
     cycle's start and inner steps go on; its answer is read at the next cycle's start (every peer alike:
     the master's). Nobody waits: no sync there (the outer state is identical by construction), the run's
-    first and last cycles sync; the last cycle's vote (5) is answered at the run's end, before its sync.
-    A newcomer waits (cycle 4's answer): admitted at cycle 5's start, every exchange applied before, then
-    the sync; the run's end then votes itself. A vote lost with the master (every member sees that): the
-    next cycle's start votes again, blocking, and syncs. Exchanges taking 5 steps (two stages of 3 polls)
-    are never waited for."""
+    first cycle syncs, and its final sync comes in its last cycle at the step where the last round lands
+    (11: sent at 6 = 2 * H // 4, two stages of 3 polls), with the last cycle's vote (5) read before it
+    and the cycle count synced as the run's end (6); the steps left then run without any request, and the
+    run's end makes none. A newcomer waits (cycle 4's answer): admitted at cycle 5's start, every exchange
+    applied before, then the sync; the final sync then votes itself. A newcomer waiting at the last
+    cycle's vote is admitted before the final sync (which gives it the cycle count 6: it ends at once).
+    A vote lost with the master (every member sees that): the next cycle's start votes again, blocking,
+    and syncs. Exchanges taking 5 steps are never waited for."""
     from pccl.torch._streaming import StreamingCore
 
     h, cycles = 12, 6
@@ -726,25 +730,33 @@ def test_auto_overlap_votes_in_the_background_and_syncs_only_to_admit(
     execute = _SlowExchanges(core, 3, polls=3, pending=list(answers), failing=failing)
     results = _drive(core, model, execute)
     events = execute.events
-    if answers:
+    if answers == [False, False, False, True]:  # admitted at the final sync, which says the run is over
+        assert events == [(0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"),
+                          (4, 0, "vote"), (5, 0, "answer"), (5, 0, "vote"), (5, 11, "answer"),
+                          (5, 11, "update"), (6, 11, "sync")]
+    elif answers:
         assert events == [(0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"),
                           (4, 0, "vote"), (5, 0, "answer"), (5, 0, "update"), (5, 0, "sync"),
-                          (6, 0, "pending"), (6, 0, "sync")]
+                          (5, 11, "pending"), (6, 11, "sync")]
         kinds = [kind for _, kind, _ in execute.log if kind not in ("poll", "start")]
         at = kinds.index("update")
         assert "wait" in kinds[kinds.index("answer", kinds.index("answer") + 1):at]  # drained first
     elif failing:
         assert events == [(0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"),
                           (3, 0, "pending"), (3, 0, "sync"), (4, 0, "vote"), (5, 0, "answer"),
-                          (5, 0, "vote"), (6, 0, "answer"), (6, 0, "sync")]
+                          (5, 0, "vote"), (5, 11, "answer"), (6, 11, "sync")]
     else:
         assert events == [(0, 0, "pending"), (0, 0, "sync"), (2, 0, "vote"), (3, 0, "answer"),
-                          (4, 0, "vote"), (5, 0, "answer"), (5, 0, "vote"), (6, 0, "answer"),
-                          (6, 0, "sync")]
+                          (4, 0, "vote"), (5, 0, "answer"), (5, 0, "vote"), (5, 11, "answer"),
+                          (6, 11, "sync")]
         # the vote is in flight while the cycle's inner steps train
         assert sum(1 for r in results if 2 * h <= r.index < 3 * h) == h
         assert [s for s, kind, done in execute.log if kind == "wait" and not done] == []
         assert core.syncs == 2 and core.shared.revision == 1
+    assert execute.log[-1][1] == "sync"  # nothing after the final sync
+    assert [r.index for r in results] == list(range(cycles * h)) and core.cycle == cycles
+    pairs = zip(model.parameters(), core.outer_model.parameters(), strict=True)
+    assert all(torch.equal(p, o) for p, o in pairs)
     stats = core.statistics()["fragments"]
     assert all(f["rounds"] == cycles and f["lost"] == 0 for f in stats)
     assert sum(r.reduce_tx_bytes for r in results) == sum(f["tx_bytes"] for f in stats) > 0
@@ -779,7 +791,9 @@ def test_auto_overlap_defers_the_last_round_past_a_sync_and_sends_early_at_the_e
     waits = [s for s, kind, done in execute.log if kind == "wait" and not done]
     stats = core.statistics()["fragments"]
     assert all(f["rounds"] == 4 and f["lost"] == 0 for f in stats)
-    assert [s for s, kind, _ in execute.log if kind == "sync"] == [0, 0, 0]  # cycles 0, 2, the run's end
+    # cycles 0 and 2, and the final sync: at step 11 of the last cycle, where its last round lands (sent at
+    # 6, found done at its 5th poll); without the early send that round is waited for at the run's end
+    assert [s for s, kind, _ in execute.log if kind == "sync"] == ([0, 0, 11] if early else [0, 0, 0])
     if early:
         assert waits == []
         assert execute.deferred_at_syncs == [[], [2], []]  # cycle 1's last round still on the wire at 2's
