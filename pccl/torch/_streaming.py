@@ -42,12 +42,14 @@ overlap at every membership cycle's start (every ``sync_every``-th, after a bloc
 last) and inner steps go on; the next cycle's start reads the answer, the same on every peer (the
 master's): someone waits -> admitted and synced there; nobody -> no sync (the outer state is
 identical by construction), unless ``check_every`` asks for one. The run's first cycle and its end
-always sync. When a fragment's exchange
-fails (a peer lost in it, the group changed size under an all-gather) only that fragment's round is
-lost: its outer parameters are not updated this cycle (its inner ones keep training, and its next
-pseudo-gradient measures the whole distance again); the others go on. Should one peer have applied a
-round that another lost, the next sync gives every peer the same outer state again (with ``"auto"``:
-the next admission, ``check_every`` sync or the run's end).
+always sync; with ``"auto"`` the final sync comes in the last cycle, at the step where its last round
+lands (:meth:`StreamingCore._final_due`), and the steps left run without communication.
+
+When a fragment's exchange fails (a peer lost in it, the group changed size under an all-gather) only
+that fragment's round is lost: its outer parameters are not updated this cycle (its inner ones keep
+training, and its next pseudo-gradient measures the whole distance again); the others go on. Should one
+peer have applied a round that another lost, the next sync gives every peer the same outer state again
+(with ``"auto"``: the next admission, ``check_every`` sync or the run's end).
 
 Codecs with error feedback (``_codec.py``): a peer's residual (what its compressed contribution
 lost) is added to its next pseudo-gradient of that fragment, and in the two-stage exchange the chunk
