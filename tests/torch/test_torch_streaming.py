@@ -407,7 +407,8 @@ def test_bad_arguments() -> None:
                                 codec=None, error_feedback=True, budget_bytes=None, total_outer_steps=None,
                                 just_joined=False, min_world_size=1, poll_interval=0.05)
     for bad in ({"overlap": 4}, {"overlap": "fast"}, {"overlap": 2.5}, {"overlap": True}, {"mixing": 1.0},
-                {"codec": "auto"}, {"codec": ["int4"]}, {"inner_steps": 0}):
+                {"codec": "auto"}, {"codec": ["int4"]}, {"inner_steps": 0}, {"check_every": 0},
+                {"check_every": True}, {"check_every": 1.5}):
         with pytest.raises(pccl.InvalidArgumentError):
             StreamingCore(model, opt, **{**base, **bad})
 
