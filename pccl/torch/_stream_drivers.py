@@ -35,7 +35,8 @@ class AsyncStreamingDiLoCo(_RunInfo):
     Each :meth:`step` is one inner step. Fragment ``p`` of ``P`` is sent at inner step ``p * H // P``
     of every cycle of ``H = inner_steps`` steps and applied ``overlap`` steps later (its outer step,
     then ``inner := mixing * inner + (1 - mixing) * outer``). Newcomers are admitted and the outer
-    state synced at each cycle's start, when no fragment is in flight.
+    state synced at a cycle's start, when no fragment is in flight (``sync_every``, ``check_every``;
+    with ``"auto"`` the run's final sync comes in its last cycle, where its last round lands).
 
     Args:
         comm: an accepted async communicator.
