@@ -31,7 +31,9 @@ Each DiLoCo run trains ``--diloco-steps`` inner steps. Peer 0 evaluates the (out
 held-out sequences every ``--eval-every`` steps; the evaluation's time is left out of the clock.
 Wall time starts when the three peers have finished their first step (connections made). The
 "waiting" column is the time ``step()`` spent blocked on communication (``network_wait_s``) over the
-wall time, per peer averaged (each peer's is printed too, with what peer 0 waited in, by request);
+wall time, per peer averaged (each peer's is printed too, with what peer 0 waited in, by request, and
+each peer's wall time less its waiting: a peer that computed for less time than the slowest waits at
+least the difference);
 bytes are those of the gradient or pseudo-gradient exchanges that peer 0 sent, per 100 inner steps.
 Prints a table and the targets, and writes ``--plot`` (PNG).
 """
@@ -379,7 +381,12 @@ def main(argv: list[str] | None = None) -> int:
                   f"final loss {r0['curve'][-1][2]:.4f}; "
                   "peer 0 waited in: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(r0["by_op"].items()))
                   + "; waiting per peer: " + ", ".join(f"{100 * r['wait'] / r['wall']:.1f}%"
-                                                      for _, r in sorted(runs[mode].items())), flush=True)
+                                                      for _, r in sorted(runs[mode].items()))
+                  # what each peer computed (wall - waiting): a peer that computed less than the slowest
+                  # waits at least the difference in any synchronous scheme (three trainers on a shared
+                  # host do not get equal CPU)
+                  + "; computing per peer: " + ", ".join(f"{r['wall'] - r['wait']:.2f} s"
+                                                         for _, r in sorted(runs[mode].items())), flush=True)
             frags = r0.get("stats", {}).get("fragments", [])
             if any("encodes" in f for f in frags):
                 enc = sum(f["encodes"] for f in frags)
