@@ -469,7 +469,11 @@ class StreamingCore:
         """Wait for ``f``'s collective in flight: its info, or None when the round is lost (a peer lost,
         or the group changed size under a collective sized by it): nothing of it is applied, the
         residuals stay as they were. A compressed exchange's first collective refused because the group
-        changed size before it began (nothing was received) starts again, now, for the peers left."""
+        changed size before it began (nothing was received) starts again, now, for the peers left, with
+        an integer overlap, where every peer waits for its rounds in the same order; with ``"auto"`` it
+        is lost: the order in which a peer finds its rounds refused depends on timing, and two peers
+        starting different fragments' rounds again first, each waiting for its own, would wait for each
+        other for ever (the master's deadlock check ends such a run)."""
         handle, f.handle = f.handle, None
         op: Op = WaitAllReduce(handle)
         while True:
@@ -479,7 +483,7 @@ class StreamingCore:
                 lost = is_result(exc, "RANK_CONNECTION_LOST", "TOO_FEW_PEERS")
                 if not lost and is_result(exc, "INVALID_ARGUMENT") and f.codec is not None:
                     rank, now = yield Members()
-                    if now != f.world and now >= 2 and f.stage != 2:
+                    if now != f.world and now >= 2 and f.stage != 2 and not self.auto_overlap:
                         if f.feedback is not None:
                             f.feedback.discard()
                         f.rank, f.world = rank, now

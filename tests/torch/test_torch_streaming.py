@@ -316,8 +316,15 @@ async def test_streaming_fragments_bit_identical_and_converging(
         assert codec.encodes > 0 and all(f["encodes"] == codec.encodes for f in stats)
 
 
+@pytest.mark.parametrize("overlap", [1, "auto"])
 async def test_streaming_peer_killed_in_a_fragment_exchange_loses_only_that_round(
-        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory, overlap: Any) -> None:
+    """A peer killed in fragment 1's exchange of cycle 3: only that round is lost (with ``"auto"`` every
+    fragment's rounds then in flight are lost: those the shrunk group refuses are not started again,
+    since the order in which each peer finds them refused depends on timing, and those launched before
+    the dead peer was removed are lost with it), the
+    survivors go on as two and end identical; with ``"auto"`` the membership votes in the background
+    (every cycle) are answered by the survivors alone."""
     cluster = await pccl_cluster(3)
     hook = KillMidReduce(cluster, 2)
     assert cluster.network is not None
@@ -331,7 +338,7 @@ async def test_streaming_peer_killed_in_a_fragment_exchange_loses_only_that_roun
 
     async def peer(i: int) -> None:
         async with trio.open_nursery() as nursery:
-            await train(cluster, i, nursery, cycles=10, codec="int4", out=out,
+            await train(cluster, i, nursery, cycles=10, codec="int4", out=out, overlap=overlap,
                         on_step=arm if i == 2 else None)
         if i in finished:
             finished[i].set()
@@ -344,9 +351,16 @@ async def test_streaming_peer_killed_in_a_fragment_exchange_loses_only_that_roun
     assert state_bytes(out[0][0].shared) == state_bytes(out[1][0].shared)
     run, start, final, results = out[0]
     stats = run.statistics()["fragments"]
-    assert [f["lost"] for f in stats] == [0, 1, 0], stats  # only fragment 1's round of cycle 3
+    if overlap == "auto":
+        # a fragment's round in flight at the kill (refused by the shrunk group, not started again), and
+        # one launched before the dead peer was removed (lost with it); which ones depends on timing
+        lost = [f["lost"] for f in stats]
+        assert lost[1] >= 1 and max(lost) <= 2 and all(f["rounds"] == 10 for f in stats), stats
+    else:
+        assert [f["lost"] for f in stats] == [0, 1, 0], stats  # only fragment 1's round of cycle 3
     assert run.cycles == 10 and len(results) == 10 * H
-    assert {r.world_size for r in results[4 * H:]} == {2}
+    # (with "auto" the world size is read where a vote is answered: at cycle 5's start at the latest)
+    assert {r.world_size for r in results[(4 if overlap == 1 else 5) * H:]} == {2}
     assert final < 0.3 * start
 
 
