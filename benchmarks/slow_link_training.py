@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overlap", type=_overlap, default="auto",
                         help='inner steps an exchange overlaps, or "auto" (default: applied when done)')
     parser.add_argument("--sync-every", type=int, default=10)
-    parser.add_argument("--check-every", type=int, default=0,
+    parser.add_argument("--check-every", type=int, default=20,
                         help="streaming, overlap auto: a blocking sync every N cycles too (0: only to admit "
                              "and at the run's end)")
     parser.add_argument("--mixing", type=float, default=0.5, help="streaming's inner merge factor")

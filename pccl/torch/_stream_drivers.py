@@ -60,8 +60,8 @@ class AsyncStreamingDiLoCo(_RunInfo):
             runs in the background, a newcomer is admitted (and the state synced) at the next cycle's
             start, and nothing blocks when nobody waits.
         check_every: with ``"auto"``: a blocking sync of the outer state (repairing a divergence left by
-            a round some peers lost) every ``check_every`` cycles too; default None: at admissions and
-            at the run's end only.
+            a round some peers lost) every ``check_every`` cycles too (default 20: a long run checks
+            every 20 cycles; None: at admissions and at the run's end only).
 
     Raises:
         InvalidArgumentError: bad sizes, ``overlap >= inner_steps``, ``mixing`` outside [0, 1), a
@@ -76,7 +76,7 @@ class AsyncStreamingDiLoCo(_RunInfo):
                  error_feedback: bool = True, budget_bytes: int | None = None,
                  total_outer_steps: int | None = None, min_world_size: int = 1,
                  min_world_size_timeout: float | None = None, poll_interval: float = DEFAULT_POLL_INTERVAL,
-                 sync_every: int = 1, check_every: int | None = None,
+                 sync_every: int = 1, check_every: int | None = 20,
                  just_joined: bool | None = None) -> None:
         if nursery is None:
             raise InvalidArgumentError("streaming DiLoCo needs a nursery for the background exchanges")
@@ -130,7 +130,7 @@ class StreamingDiLoCo(_RunInfo):
                  budget_bytes: int | None = None, total_outer_steps: int | None = None,
                  min_world_size: int = 1, min_world_size_timeout: float | None = None,
                  poll_interval: float = DEFAULT_POLL_INTERVAL, sync_every: int = 1,
-                 check_every: int | None = None, peer_group: int = 0,
+                 check_every: int | None = 20, peer_group: int = 0,
                  config: PeerConfig | None = None, connect_attempts: int = 10,
                  just_joined: bool | None = None, transport: Transport | None = None) -> None:
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,

@@ -145,8 +145,9 @@ class StreamingCore:
         base_tag: fragment ``p`` uses tag ``base_tag + p``.
         check_every: with ``"auto"``: also sync the outer state at every ``check_every``-th cycle's start
             (a blocking membership phase and sync, as with an integer overlap), which repairs a divergence
-            left by a round some peers applied and others lost (a peer lost in an exchange); None (the
-            default): only at admissions and the run's end.
+            left by a round some peers applied and others lost (a peer lost in an exchange); default 20
+            (a barrier every 20 cycles bounds how long a divergence lasts); None: only at admissions and
+            the run's end.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -156,7 +157,7 @@ class StreamingCore:
                  budget_bytes: int | None,
                  total_outer_steps: int | None, just_joined: bool, min_world_size: int,
                  poll_interval: float, min_world_size_timeout: float | None = None,
-                 sync_every: int = 1, base_tag: int = 0, check_every: int | None = None) -> None:
+                 sync_every: int = 1, base_tag: int = 0, check_every: int | None = 20) -> None:
         import copy
 
         if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
