@@ -169,7 +169,6 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
         times = []
         phases: list[dict[str, float]] = []
         counts: list[int] = []
-        lost: list[float] = []
         walls: list[tuple[float, float]] = []  # each timed operation's wall-clock window (PCCL_WAN_CPU)
         for i in range(cfg["warmup"] + cfg["iters"]):
             if cfg["idle"]:
@@ -190,8 +189,6 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
                 phases.append(comm.statistics()["last_op_phases"])
             # the connections each operation striped over, as sized after it (PCCL_WAN_VERBOSE)
             counts.append(max(comm.pool.statistics().get("stripes", {}).values(), default=0))
-            again = comm.pool.statistics().get("retransmitted", {}).values()
-            lost.append(round(100 * max(again, default=0), 2))
         stripes = comm.pool.statistics().get("outgoing")
         in_use = comm.pool.statistics().get("stripes")  # connections operations stripe over (sized)
         stats = comm.statistics()
@@ -207,7 +204,7 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
             flush=True)
     print(json.dumps({"event": "result", "median_s": statistics.median(times), "times": times,
                       "optimize_s": opt_s, "ring": ring, "outgoing": stripes, "stripes": in_use,
-                      "stripes_after_each": counts, "retransmitted_pct": lost, "walls": walls,
+                      "stripes_after_each": counts, "walls": walls,
                       **spec,
                       "phases_ms": {k: round(1e3 * statistics.median(p[k] for p in phases), 1)
                                     for k in (phases[0] if phases else {})}}), flush=True)

@@ -39,7 +39,6 @@ __all__ = [
     "SocketConn",
     "open_conn",
     "path_estimate",
-    "tcp_counters",
     "tcp_window_max",
     "tcp_wmem_max",
 ]
@@ -170,41 +169,6 @@ def path_estimate(stream: Stream) -> tuple[float, int] | None:
         return None
     rtt_us = int.from_bytes(info[_TCP_INFO_RTT_OFFSET : _TCP_INFO_RTT_OFFSET + 4], sys.byteorder)
     return rtt_us / 1e6, tcp_window_max()
-
-
-_TCP_INFO_TOTAL_RETRANS_OFFSET = 100  # struct tcp_info: tcpi_total_retrans (segments, u32)
-_TCP_INFO_DATA_SEGS_OUT_OFFSET = 156  # struct tcp_info: tcpi_data_segs_out (segments, u32; Linux 4.6+)
-
-
-def tcp_counters(stream: Stream) -> tuple[int, int] | None:
-    """``(segments retransmitted, data segments sent)`` of an open connection so far, or None when
-    unknown (the loss signal of :meth:`pccl.peer.striping.StripeSizer.observe`).
-
-    A stream may say itself (``stream.tcp_counters()``); on a TCP socket the kernel's ``TCP_INFO``
-    (``tcpi_total_retrans``, ``tcpi_data_segs_out``) is read; other streams are unknown. Both
-    counters are 32 bits wide and wrap: take differences modulo 2**32.
-    """
-    own = getattr(stream, "tcp_counters", None)
-    if callable(own):
-        result: tuple[int, int] | None = own()
-        return result
-    tsock: Any = getattr(stream, "socket", None)
-    tcp_info = getattr(socket, "TCP_INFO", None)
-    if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
-        return None
-    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
-        return None
-    try:
-        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 160)
-    except OSError:
-        return None
-    if len(info) < _TCP_INFO_DATA_SEGS_OUT_OFFSET + 4:
-        return None
-
-    def u32(at: int) -> int:
-        return int.from_bytes(info[at : at + 4], sys.byteorder)
-
-    return u32(_TCP_INFO_TOTAL_RETRANS_OFFSET), u32(_TCP_INFO_DATA_SEGS_OUT_OFFSET)
 
 
 def open_conn(

@@ -23,19 +23,6 @@ throughput the partner's large transfers actually reach (:meth:`StripeSizer.obse
 * **the stripe is window-bound** (the connections carried :data:`HIGH_USE` of their windows or
   more): the link may carry more, so the count grows (by at least one, to the observed need with
   :data:`HEADROOM`);
-* **the link loses segments** (the connections retransmitted at least :data:`LOSSY` of what they
-  sent, but less than :data:`CONGESTED`, which is the stripe overflowing a queue: random loss on
-  the path): a connection's send buffer holds every byte from the oldest one
-  not yet acknowledged, and with a loss in almost every window a hole being repaired (a round trip
-  or two) holds it most of the time, so each connection carries about half its loss-free rate
-  whatever the link could carry (measured, 64 MiB 2-peer all-reduces at 50 ms, 1000 Mbit/s, 1%
-  loss: 3 connections 1.00-1.08 s, 5 connections 0.84 s, 6 and 8 0.90 s): the count grows to the
-  round trip's guess times :data:`LOSS_RAISE` (at least one more), once (a lossy link gets no more
-  than that: each new connection's first transfer under loss is slow), and only from the guess or
-  more (a link already found slower than the guess keeps its lower count). Queue overflow
-  retransmits too (the loss-free links of ``benchmarks/wan.py``: 0.1-17% in some operations; under
-  :data:`CONGESTED` now and then), so the raise is a trial like any other and is undone where it did
-  not help;
 * anything between: the count fits, nothing changes.
 
 The first transfer over new connections is not counted (their slow start, and the machine's warm-up,
@@ -57,13 +44,10 @@ from __future__ import annotations
 import math
 
 __all__ = [
-    "CONGESTED",
     "HEADROOM",
     "HIGH_USE",
     "KEEP_LOWER",
     "KEEP_RAISE",
-    "LOSSY",
-    "LOSS_RAISE",
     "LOW_USE",
     "MIN_RTTS",
     "WINDOW_USE",
@@ -88,16 +72,6 @@ HEADROOM = 1.1
 KEEP_LOWER = 0.9
 #: A raised count stays only if the throughput rose to at least this share of the one before.
 KEEP_RAISE = 1.05
-#: A transfer whose connections retransmitted at least this share of the segments they sent (and less
-#: than :data:`CONGESTED`) saw random loss on the path (1% random loss each way on the WAN emulator:
-#: 0.9-1.1% per operation, 2.2% once; its loss-free 1000 Mbit/s links 0-0.4%, from queue overflow).
-LOSSY = 0.005
-#: At or above this share the stripe itself overflowed a queue (the emulator's loss-free 1000 Mbit/s
-#: links: 2.4-17% in the operations that overflowed it): more connections would only add to it. A
-#: random loss this high is not told apart from that (and gets no more connections).
-CONGESTED = 0.02
-#: Under loss the count grows to the round trip's guess times this factor (3 at 50 ms become 5).
-LOSS_RAISE = 1.5
 
 
 def stripe_count(rtt_s: float, *, window_bytes: int, target_bytes_per_s: float, max_stripes: int) -> int:
@@ -163,18 +137,13 @@ class StripeSizer:
         """Bytes one connection keeps in flight per round trip."""
         return self.window_bytes * WINDOW_USE
 
-    def _lossy_count(self) -> int:
-        """The count a lossy link gets: the round trip's guess times :data:`LOSS_RAISE`."""
-        return min(self.max_stripes, max(self.guess + 1, math.ceil(self.guess * LOSS_RAISE)))
-
     def use(self, rate: float, connections: int) -> float:
         """The share of their windows ``connections`` connections used per round trip at ``rate``."""
         return rate * self.rtt_s / (connections * self._per_rtt())
 
-    def observe(self, nbytes: int, seconds: float, connections: int, retransmitted: float = 0.0) -> int:
+    def observe(self, nbytes: int, seconds: float, connections: int) -> int:
         """One transfer to the partner: ``nbytes`` sent over ``connections`` in ``seconds`` (with no other
-        transfer to it at the same time), of whose segments the share ``retransmitted`` was sent again
-        (0 where unknown). Returns the count for the next operations (:attr:`count`).
+        transfer to it at the same time). Returns the count for the next operations (:attr:`count`).
 
         Ignored (the count unchanged): a transfer over another count than the current one (it started
         before the count changed), one shorter than :data:`MIN_RTTS` round trips, an unknown round
@@ -203,9 +172,6 @@ class StripeSizer:
             new = max(self.floor, min(connections - 1, need))
         elif use >= HIGH_USE and connections < self.ceiling:
             new = min(self.ceiling, max(connections + 1, need))
-        elif (LOSSY <= retransmitted < CONGESTED
-              and self.guess <= connections < min(self.ceiling, self._lossy_count())):
-            new = min(self.ceiling, self._lossy_count())
         else:
             return self.count
         self._trial = (connections, rate)

@@ -15,14 +15,11 @@ import trio
 import trio.testing
 
 from pccl import PeerConfig, RankConnectionFailedError
-from pccl.peer import ring_links
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.peer.ring_conn import tcp_counters
-from pccl.peer.striping import CONGESTED, LOSSY, WINDOW_USE, StripeSizer, stripe_count
+from pccl.peer.striping import WINDOW_USE, StripeSizer, stripe_count
 from pccl.testing import VirtualNetwork, open_test_cluster, wait_until
 from pccl.testing.cluster import DEFAULT_PEER_CONFIG
-from pccl.transport import TcpTransport, receive_exactly_into
 
 MIB = 1 << 20
 GBIT = 125e6
@@ -210,47 +207,6 @@ def test_window_bound_connections_raise_the_count_while_it_helps() -> None:
     assert s.observe(64 * MIB, 64 * MIB / (2 * window_rate), 2) == 2  # window-bound, but at the ceiling
 
 
-def test_a_lossy_link_gets_half_as_many_again_once_while_it_helps() -> None:
-    # 1000 Mbit/s, 50 ms, 1% loss each way: three connections 1.05 s, five 0.85 s (benchmarks/wan.py)
-    s = sizer(0.05)
-    assert s.observe(64 * MIB, 1.2, 3, 0.02) == 3  # the first over new connections: not counted
-    assert s.observe(64 * MIB, 1.05, 3, LOSSY / 2) == 3  # a few retransmissions: nothing changes
-    assert s.observe(64 * MIB, 1.05, 3, CONGESTED) == 3  # this many: the stripe overflows a queue
-    assert s.observe(64 * MIB, 1.05, 3, 0.01) == 5  # lossy: the guess (3) times 1.5
-    assert s.observe(64 * MIB, 1.5, 5, 0.01) == 5  # settling (new connections start slowly)
-    assert s.observe(64 * MIB, 0.85, 5, 0.01) == 5  # 19% faster: kept, and raised no further
-    assert s.observe(64 * MIB, 0.85, 5, 0.01) == 5
-    assert (s.floor, s.ceiling) == (1, 16)
-
-
-def test_a_lossy_raise_that_does_not_help_is_undone() -> None:
-    # queue overflow retransmits too (the loss-free links: mostly 2.4-17%, but less in some
-    # operations): the raise is a trial like any other
-    s = sizer(0.05)
-    s.observe(64 * MIB, 0.9, 3)  # not counted
-    assert s.observe(64 * MIB, 0.75, 3, 0.015) == 5
-    s.observe(64 * MIB, 0.72, 5, 0.05)  # settling
-    assert s.observe(64 * MIB, 0.73, 5, 0.01) == 3  # no faster: back to three, and never above
-    assert s.ceiling == 3
-    s.observe(64 * MIB, 0.75, 3, 0.03)  # settling
-    assert s.observe(64 * MIB, 0.75, 3, 0.03) == 3
-
-
-def test_a_link_slower_than_the_guess_is_not_raised_for_loss() -> None:
-    # 200 Mbit/s at 100 ms: lowered to one; queue overflow retransmissions then raise nothing
-    s = sizer(0.1)
-    mbit200 = 25e6
-    s.observe(64 * MIB, 64 * MIB / (0.5 * mbit200), 5, 0.05)
-    assert s.observe(64 * MIB, 64 * MIB / (0.84 * mbit200), 5, 0.06) == 1  # slower wins over lossy
-    s.observe(64 * MIB, 4.3, 1, 0.01)  # settling
-    assert s.observe(64 * MIB, 64 * MIB / (0.9 * mbit200), 1, 0.01) == 1
-    # a lossy link guessed at one connection (a LAN-like round trip) gets two
-    lan = sizer(0.01)
-    assert lan.count == 1
-    lan.observe(64 * MIB, 1.0, 1)
-    assert lan.observe(64 * MIB, 1.0, 1, 0.01) == 2
-
-
 def test_the_count_stays_within_bounds() -> None:
     s = sizer(0.1, guess=100 * GBIT, max_stripes=6)
     assert s.count == 6
@@ -331,49 +287,3 @@ async def test_window_bound_connections_are_added_to(autojump_clock: trio.testin
     assert times[5] >= times[3] * 0.99
     assert stripes == [2, 2]
     assert outgoing == [4, 4]  # the two others stay open, idle
-
-
-async def test_retransmissions_reported_by_the_kernel_add_connections(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # 100 ms round trip, 1 MiB windows, 40 Mbit/s: a target of 80 Mbit/s guesses two connections,
-    # which carry 0.4 of their windows (the count fits). The kernel (here: a stand-in reading the
-    # virtual stream's bytes) reports 1% of the segments sent again: the pool tries three (the second
-    # operation). The virtual link loses nothing, so three are no faster (the fourth): back to two.
-    def lossy_counters(stream: object) -> tuple[int, int] | None:
-        sent = stream.statistics().bytes_sent // 1448  # type: ignore[attr-defined]
-        return sent // 100, sent
-
-    monkeypatch.setattr(ring_links, "tcp_counters", lossy_counters)
-    net = VirtualNetwork(latency=0.05, bandwidth=5e6, buffer_size=MIB)
-    config = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stripe_target_mbit=80, p2p_max_stripes=8)
-    times, stripes, outgoing = await _all_reduces(net, config, 0, 4)
-    assert outgoing == [3, 3]  # the third was opened
-    assert stripes == [2, 2]
-    assert times[3] >= times[1] * 0.99
-
-
-async def test_without_retransmissions_the_count_fits(autojump_clock: trio.testing.MockClock) -> None:
-    net = VirtualNetwork(latency=0.05, bandwidth=5e6, buffer_size=MIB)
-    config = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stripe_target_mbit=80, p2p_max_stripes=8)
-    _times, stripes, outgoing = await _all_reduces(net, config, 0, 4)
-    assert stripes == outgoing == [2, 2]
-
-
-@pytest.mark.timeout(30)
-async def test_tcp_counters_of_a_real_connection() -> None:
-    transport = TcpTransport(same_host=False)
-    listener = await transport.listen("127.0.0.1", 0)
-    client = await transport.connect(*listener.address)
-    server = await listener.accept()
-    before = tcp_counters(client)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.send_all, b"x" * 200_000)
-        await receive_exactly_into(server, memoryview(bytearray(200_000)))
-    after = tcp_counters(client)
-    for closing in (client, server, listener):
-        await closing.aclose()
-    assert before is not None and after is not None
-    assert after[0] == 0  # loopback loses nothing
-    assert after[1] > before[1]  # data segments were sent
-    assert tcp_counters(client) is None  # closed: unknown
