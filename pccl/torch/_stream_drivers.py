@@ -62,6 +62,11 @@ class AsyncStreamingDiLoCo(_RunInfo):
         check_every: with ``"auto"``: a blocking sync of the outer state (repairing a divergence left by
             a round some peers lost) every ``check_every`` cycles too (default 20: a long run checks
             every 20 cycles; None: at admissions and at the run's end only).
+        replay_heals: a newcomer that heals live does not make the members wait for its transfer: it
+            takes part in their exchanges without contributing while it fetches, replays their rounds and
+            joins at their next sync, bit-identical (docs/torch.md); every exchange then carries a
+            contributor flag and is averaged over the contributors only: every peer of a run must set it
+            alike. Integer ``overlap`` only.
 
     Raises:
         InvalidArgumentError: bad sizes, ``overlap >= inner_steps``, ``mixing`` outside [0, 1), a
@@ -77,7 +82,7 @@ class AsyncStreamingDiLoCo(_RunInfo):
                  total_outer_steps: int | None = None, min_world_size: int = 1,
                  min_world_size_timeout: float | None = None, poll_interval: float = DEFAULT_POLL_INTERVAL,
                  sync_every: int = 1, check_every: int | None = 20,
-                 just_joined: bool | None = None) -> None:
+                 just_joined: bool | None = None, replay_heals: bool = False) -> None:
         if nursery is None:
             raise InvalidArgumentError("streaming DiLoCo needs a nursery for the background exchanges")
         joined = comm.world_size > 1 if just_joined is None else just_joined
@@ -86,7 +91,8 @@ class AsyncStreamingDiLoCo(_RunInfo):
             mixing=mixing, codec=codec, error_feedback=error_feedback, budget_bytes=budget_bytes,
             total_outer_steps=total_outer_steps, min_world_size=min_world_size,
             min_world_size_timeout=min_world_size_timeout, poll_interval=poll_interval,
-            sync_every=sync_every, check_every=check_every))
+            sync_every=sync_every, check_every=check_every,
+            replay_heals=replay_heals))
         self.comm = comm
         self.shared = self.core.shared
         self._members = self.core
@@ -132,7 +138,8 @@ class StreamingDiLoCo(_RunInfo):
                  poll_interval: float = DEFAULT_POLL_INTERVAL, sync_every: int = 1,
                  check_every: int | None = 20, peer_group: int = 0,
                  config: PeerConfig | None = None, connect_attempts: int = 10,
-                 just_joined: bool | None = None, transport: Transport | None = None) -> None:
+                 just_joined: bool | None = None, transport: Transport | None = None,
+                 replay_heals: bool = False) -> None:
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
                                    connect_attempts=connect_attempts, transport=transport)
         try:
@@ -143,7 +150,8 @@ class StreamingDiLoCo(_RunInfo):
                 overlap=overlap, mixing=mixing, codec=codec, error_feedback=error_feedback,
                 budget_bytes=budget_bytes, total_outer_steps=total_outer_steps,
                 min_world_size=min_world_size, min_world_size_timeout=min_world_size_timeout,
-                poll_interval=poll_interval, sync_every=sync_every, check_every=check_every))
+                poll_interval=poll_interval, sync_every=sync_every, check_every=check_every,
+                replay_heals=replay_heals))
         except BaseException:
             self._blocking.close()
             raise

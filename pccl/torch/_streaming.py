@@ -91,6 +91,8 @@ from ._ops import (
     sync_until_done,
     wait_for_members,
 )
+from ._stream_contrib import contributors_average, counted_average, flagged
+from ._stream_replay import heal_replaying
 from ._train import Backward, Step, StepResult
 
 __all__ = ["CodecSpec", "Fragment", "StreamingCore", "split_fragments"]
@@ -148,6 +150,11 @@ class StreamingCore:
             left by a round some peers applied and others lost (a peer lost in an exchange); default 20
             (a barrier every 20 cycles bounds how long a divergence lasts); None: only at admissions and
             the run's end.
+        replay_heals: every exchange carries a contributor flag and is averaged over the contributors
+            only (``_stream_contrib.py``; every peer of a run sets it alike), and a newcomer that heals
+            live takes part in the members' exchanges without contributing while it fetches, then replays
+            them and joins at the members' next sync (``_stream_replay.py``): the members do not wait for
+            its transfer. Integer ``overlap`` only.
     """
 
     def __init__(self, model: torch.nn.Module, inner_optimizer: torch.optim.Optimizer, *,
@@ -157,7 +164,8 @@ class StreamingCore:
                  budget_bytes: int | None,
                  total_outer_steps: int | None, just_joined: bool, min_world_size: int,
                  poll_interval: float, min_world_size_timeout: float | None = None,
-                 sync_every: int = 1, base_tag: int = 0, check_every: int | None = 20) -> None:
+                 sync_every: int = 1, base_tag: int = 0, check_every: int | None = 20,
+                 replay_heals: bool = False) -> None:
         import copy
 
         if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
@@ -166,6 +174,11 @@ class StreamingCore:
                                         or check_every < 1):
             raise InvalidArgumentError(f"check_every must be None or an int >= 1, not {check_every!r}")
         self.auto_overlap, steps = _overlap_steps(overlap, inner_steps)
+        if replay_heals and self.auto_overlap:
+            raise InvalidArgumentError(
+                'replay_heals needs an integer overlap: with overlap="auto" the members sync only where a '
+                "peer is admitted, every check_every cycles and in the run's last cycle, so a replaying "
+                "newcomer could join only there")
         if not 0.0 <= mixing < 1.0:
             raise InvalidArgumentError("mixing must be in [0, 1)")
         self.model = model
@@ -192,6 +205,14 @@ class StreamingCore:
         if any(s == "auto" for s in specs) and budget_bytes is None:
             raise InvalidArgumentError('codec "auto" needs budget_bytes')
         self.fragments: list[Fragment] = []
+        self._wires: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        contributors = replay_heals
+        self.contributors = contributors
+        self.replay_queue: list[tuple[Fragment, torch.Tensor]] | None = None  # a replaying newcomer's rounds
+        self.replay_point = (0, 0)  # its (admission cycle, join cycle)
+        self.rounds_replayed = 0
+        self.contributing = True  # this peer's exchanges contribute (with ``contributors``: flagged 1)
+        self._contributed: dict[int, bool] = {}  # fragment -> whether its round in flight contributes
         for p_index, (idx, spec) in enumerate(zip(groups, specs, strict=True)):
             inner = [named[i][1] for i in idx]
             dtypes = {t.dtype for t in inner}
@@ -206,6 +227,10 @@ class StreamingCore:
             n = frag.numel
             frag.send = torch.zeros(n, dtype=inner[0].dtype)
             frag.recv = torch.zeros(n, dtype=inner[0].dtype)
+            if contributors:  # the uncompressed exchange's buffers: the pseudo-gradient, then the flag
+                wire = (torch.zeros(n + 1, dtype=inner[0].dtype), torch.zeros(n + 1, dtype=inner[0].dtype))
+                self._wires[p_index] = wire
+                frag.send, frag.recv = wire[0][:n], wire[1][:n]
             if frag.codec is not None and error_feedback:
                 frag.feedback = ErrorFeedback(frag.codec, n)
             self.fragments.append(frag)
@@ -363,7 +388,10 @@ class StreamingCore:
             self.shared.revision = 0  # a newcomer takes the group's state, whatever its own revision
         elif not self.fresh:
             self.shared.revision += 1  # each sync advances the revision by one
-        info = yield from sync_until_done(self.shared.state)
+        if self.contributors and self.fresh and self.joined:
+            info = yield from heal_replaying(self)  # live, replaying the rounds it missed, or ordinary
+        else:
+            info = yield from sync_until_done(self.shared.state)
         for f in self.fragments:
             f.deferred = False  # synced: applied when found done from here on
         self.syncs += 1
@@ -379,6 +407,11 @@ class StreamingCore:
                     self._forget_local()
                 self._inner_from_outer()
             self.fresh = self.restored = False
+        self._choose_codecs()
+        return True
+
+    def _choose_codecs(self) -> None:
+        """Codec ``"auto"``: each such fragment's codec for the group's size (at a sync)."""
         if self.budget_bytes is not None:
             total = sum(f.numel for f in self.fragments)
             for f in self.fragments:
@@ -389,7 +422,6 @@ class StreamingCore:
                         if f.feedback is None:
                             f.feedback = ErrorFeedback(f.codec, f.numel)
                         f.feedback.codec = f.codec
-        return True
 
     def _votes_now(self) -> bool:
         """Whether this cycle's start (not the run's first, no sync here) sends the membership vote into
@@ -425,6 +457,9 @@ class StreamingCore:
     # -- one fragment's exchange ---------------------------------------------------------------------
 
     def _pseudo_gradient(self, f: Fragment) -> torch.Tensor:
+        self._contributed[f.index] = self.contributing
+        if not self.contributing:  # taking part without contributing: zeros (ignored by the averagers)
+            return f.send.zero_()
         with torch.no_grad():
             off = 0
             for p, o in zip(f.inner, f.outer, strict=True):
@@ -437,10 +472,15 @@ class StreamingCore:
         f.rank, f.world = yield Members()
         delta = self._pseudo_gradient(f)
         if f.world < 2:
-            f.local = delta.clone()  # alone: nothing to average, nothing to compress
+            if self._contributed[f.index]:  # (a non-contributor alone: no round)
+                f.local = delta.clone()  # alone: nothing to average, nothing to compress
             return
         if f.codec is None:
             reduce = AllReduce([(f.send, f.recv)], ReduceOp.AVG, None, 1, base_tag=self.base_tag + f.index)
+            if self.contributors:  # summed with the contributor flag, divided by the flags' sum
+                send, recv = self._wires[f.index]
+                send[f.numel] = 1.0 if self._contributed[f.index] else 0.0
+                reduce = AllReduce([(send, recv)], ReduceOp.SUM, None, 1, base_tag=self.base_tag + f.index)
             f.handle = yield StartAllReduce(reduce)
             return
         f.handle = yield StartAllReduce(self._compressed(f))
@@ -453,11 +493,14 @@ class StreamingCore:
         assert f.codec is not None
         tag = self.base_tag + f.index
         codec: Codec = f.codec if f.world == 2 else ChunkedCodec(f.codec, f.world)
-        if f.feedback is not None:
+        contributes = self._contributed.get(f.index, True)
+        if f.feedback is not None and contributes:
             f.feedback.codec = codec
             f.payload, _ = f.feedback.encode(f.send)
-        else:
+        else:  # (a non-contributor: zeros, without a residual of its own)
             f.payload = codec.encode(f.send)
+        if self.contributors:
+            f.payload = flagged(f.payload, 1 if f.world == 2 else f.world, contributes)
         if f.world == 2:
             f.stage = 0
             f.gathered = torch.empty(2 * f.payload.numel(), dtype=torch.uint8)
@@ -494,13 +537,17 @@ class StreamingCore:
                 if not lost:
                     raise
             break
+        self._lose(f)
+        return None
+
+    def _lose(self, f: Fragment) -> None:
+        """``f``'s round is lost: nothing of it is applied, the residuals stay as they were."""
         f.lost += 1
         if f.feedback is not None:
             f.feedback.discard()
         f.server_proposed = None
         f.payload = f.gathered = None
         f.stage = f.round_tx = 0
-        return None
 
     def _second_stage(self, f: Fragment) -> Generator[Op, Any, bool]:
         """The two-stage exchange's middle: wait for the all-to-all (this peer now holds every peer's
@@ -517,7 +564,14 @@ class StreamingCore:
         assert f.gathered is not None
         f.round_tx = int(info.tx_bytes)
         c = ChunkedCodec(f.codec, f.world).chunk(f.numel)
-        w = average_payloads(f.codec, f.gathered, f.world, c)
+        if self.contributors:
+            counted = contributors_average(f.codec, f.gathered, f.world, c)
+            if counted is None:  # nobody contributed (every peer sees the same flags): nothing to apply
+                self._lose(f)
+                return False
+            w = counted
+        else:
+            w = average_payloads(f.codec, f.gathered, f.world, c)
         if self.error_feedback:
             if f.server_key != (f.world, f.rank) or f.server_residual is None:
                 # a new chunking (the group changed): the old chunk's residual, at most half a
@@ -589,27 +643,40 @@ class StreamingCore:
             info = yield from self._wait(f)
         if info is None:
             return 0
+        average: torch.Tensor | None
         if f.codec is None:
-            avg = f.recv
+            average = f.recv if not self.contributors else counted_average(self._wires[f.index][1], f.numel)
         else:
             assert f.gathered is not None
             if f.stage == 2:
-                avg = ChunkedCodec(f.codec, f.world).decode(f.gathered, f.numel)
+                average = ChunkedCodec(f.codec, f.world).decode(f.gathered, f.numel)
                 if f.server_proposed is not None:
                     f.server_residual, f.server_proposed = f.server_proposed, None
+            elif self.contributors:
+                average = contributors_average(f.codec, f.gathered, f.world, f.numel)
             else:
-                avg = average_payloads(f.codec, f.gathered, f.world, f.numel)
+                average = average_payloads(f.codec, f.gathered, f.world, f.numel)
+            if average is None:  # nobody contributed (every peer sees the same flags): nothing to apply
+                self._lose(f)
+                return 0
             if f.feedback is not None:
                 f.feedback.commit()
             f.payload = f.gathered = None
-        self._apply(f, avg)
+        if average is None:
+            self._lose(f)
+            return 0
+        self._apply(f, average)
         tx = f.round_tx + int(info.tx_bytes)
         f.stage = f.round_tx = 0
         f.tx_bytes += tx
         return tx
 
     def _apply(self, f: Fragment, avg: torch.Tensor) -> None:
-        """The outer step of ``f``'s parameters with the average ``avg``, then the inner merge."""
+        """The outer step of ``f``'s parameters with the average ``avg``, then the inner merge (a replaying
+        newcomer still fetching keeps it in :attr:`replay_queue` instead)."""
+        if self.replay_queue is not None:
+            self.replay_queue.append((f, avg.detach().clone()))
+            return
         for p in self.outer_params:
             p.grad = None
         off = 0
