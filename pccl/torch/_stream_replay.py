@@ -126,7 +126,7 @@ def heal_replaying(core: StreamingCore) -> Generator[Op, Any, Any]:
                     if not (yield from core._second_stage(f)):
                         f.rounds += 1  # lost in its first stage
                 else:
-                    yield from core._finish(f)  # (kept in core.replay_queue, not applied)
+                    core.drained_tx += yield from core._finish(f)  # (kept in core.replay_queue)
     finally:
         core.replay_queue = None
         core.contributing = True
