@@ -13,6 +13,11 @@ ordinary``: none does (the master keeps that sync ordinary: the members wait for
 member's uplink is one shared link of ``--donor-mbit`` (all it sends), RTT ``--rtt-ms``; the newcomer's
 directions ``--newcomer-mbit``; each member serves at most ``--serve-mbit`` (``state_serve_rate``).
 
+``streaming`` and ``streaming-ordinary``: the same with ``pccl.torch.AsyncStreamingDiLoCo`` (the parameter
+cut into 4 fragments, one per parameter, sent at inner steps 0..3 of each cycle of ``--inner`` steps,
+``overlap=1``, ``codec="int8"`` with error feedback, ``sync_every=1``), with and without ``replay_heals``
+(an outer round is a cycle).
+
 Printed per case: member 0's outer rounds per second before the newcomer started (alone, from its second
 round), while it healed (the rounds that ended between the newcomer's first step call and its first
 trained step, the heal window, each counted from the previous round's end) and after (the newcomer
@@ -51,13 +56,15 @@ async def diloco_peer(cfg: dict[str, Any]) -> None:
     from pccl import PeerConfig, UpdateTopologyFailedError
     from pccl.kernels import hashing
     from pccl.peer.communicator import open_communicator
-    from pccl.torch import AsyncDiLoCo
+    from pccl.torch import AsyncDiLoCo, AsyncStreamingDiLoCo
 
     newcomer = cfg["role"] == "newcomer"
-    n = cfg["diloco_mb"] * MIB // 4
+    streaming = cfg.get("streaming", False)
+    parts = 4 if streaming else 1  # streaming: one fragment per parameter
+    n = cfg["diloco_mb"] * MIB // 4 // parts
     gen = torch.Generator().manual_seed(1 if newcomer else 0)
-    w = nn.Parameter(torch.randn(n, generator=gen))
-    model = nn.ParameterList([w])
+    ws = [nn.Parameter(torch.randn(n, generator=gen)) for _ in range(parts)]
+    model = nn.ParameterList(ws)
     target = torch.randn(n, generator=torch.Generator().manual_seed(7))
     conf = PeerConfig(p2p_listen_host=cfg["addr"], state_serve_rate=cfg.get("serve_rate"))
     async with open_communicator(cfg["master"], config=conf) as comm:
@@ -72,16 +79,23 @@ async def diloco_peer(cfg: dict[str, Any]) -> None:
         inner = torch.optim.SGD(model.parameters(), lr=0.01)
 
         def backward(step: Any) -> float:
-            loss = ((w - target) ** 2).mean()  # every step moves every element: every key changes
+            loss = torch.stack([((w - target) ** 2).mean() for w in ws]).sum()  # every element moves
             loss.backward()
             return float(loss.detach())
 
         rounds: list[float] = []  # end of each outer round (its last inner step applied)
         first_step: float | None = None
         async with trio.open_nursery() as nursery:
-            diloco = AsyncDiLoCo(comm, model, inner, inner_steps=cfg["inner"],
-                                 total_outer_steps=cfg["rounds"], nursery=nursery,
-                                 replay_heals=cfg["replay"], just_joined=newcomer)
+            diloco: Any
+            if streaming:
+                diloco = AsyncStreamingDiLoCo(comm, model, inner, nursery=nursery, inner_steps=cfg["inner"],
+                                              fragments=parts, overlap=1, codec="int8",
+                                              total_outer_steps=cfg["rounds"], replay_heals=cfg["replay"],
+                                              just_joined=newcomer)
+            else:
+                diloco = AsyncDiLoCo(comm, model, inner, inner_steps=cfg["inner"],
+                                     total_outer_steps=cfg["rounds"], nursery=nursery,
+                                     replay_heals=cfg["replay"], just_joined=newcomer)
             t_start = time.time()
             while (r := await diloco.step(backward)) is not None:
                 if first_step is None:
@@ -104,8 +118,9 @@ async def diloco_peer(cfg: dict[str, Any]) -> None:
                           "rx": last.get("rx_bytes", 0) if newcomer else 0}), flush=True)
 
 
-def wan_diloco(args: argparse.Namespace, replay: bool) -> dict[str, Any]:
-    """One ``diloco`` (``replay``) or ``diloco-ordinary`` run on a fresh emulator."""
+def wan_diloco(args: argparse.Namespace, replay: bool, streaming: bool = False) -> dict[str, Any]:
+    """One ``diloco`` (``replay``) or ``diloco-ordinary`` run on a fresh emulator (``streaming``: the
+    ``streaming`` cases)."""
     from pccl.testing.wan import LinkSpec, WanEmulator
 
     members = args.members
@@ -114,7 +129,7 @@ def wan_diloco(args: argparse.Namespace, replay: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     uplink = LinkSpec(delay_ms=args.rtt_ms / 2, rate_mbit=args.donor_mbit, rtt_ms=args.rtt_ms)
     load0 = os.getloadavg()[0]
-    with WanEmulator(hosts, prefix="healdl") as wan:
+    with WanEmulator(hosts, prefix="healst" if streaming else "healdl") as wan:
         for a in range(hosts):
             for b in range(a + 1, hosts):
                 wan.set_pair(a, b, rtt_ms=args.rtt_ms, rate_mbit=args.newcomer_mbit)
@@ -135,7 +150,8 @@ def wan_diloco(args: argparse.Namespace, replay: bool) -> dict[str, Any]:
                 cfg = {"diloco": True, "master": f"{wan.addresses[0]}:{MASTER_PORT}", "members": members,
                        "addr": wan.addresses[h], "role": "newcomer" if h == members else "member",
                        "diloco_mb": args.diloco_mb, "inner": args.inner, "rounds": args.diloco_rounds,
-                       "ready": args.diloco_ready, "replay": replay, "serve_rate": serve}
+                       "ready": args.diloco_ready, "replay": replay, "serve_rate": serve,
+                       "streaming": streaming}
                 errs[h] = tempfile.TemporaryFile("w+")
                 procs[h] = wan.popen(h, [sys.executable, script, "--child", json.dumps(cfg)],
                                      stdout=subprocess.PIPE, stderr=errs[h], text=True, env=env)
@@ -172,7 +188,8 @@ def wan_diloco(args: argparse.Namespace, replay: bool) -> dict[str, Any]:
     heal_rate = len(during) / sum(during) if during else 0.0
     longest = max((b - a for a, b in itertools.pairwise(ends) if b > t0 and a < t1), default=0.0)
     exact = all(r["hashes"] == m0["hashes"] for r in results.values())
-    return {"case": "diloco" if replay else "diloco-ordinary", "alone_rounds_per_s": alone_rate,
+    case = ("streaming" if streaming else "diloco") + ("" if replay else "-ordinary")
+    return {"case": case, "alone_rounds_per_s": alone_rate,
             "heal_rounds_per_s": heal_rate, "ratio": heal_rate / alone_rate if alone_rate else 0.0,
             "after_rounds_per_s": after_rate, "longest_round_s": longest,
             "rounds_s": [round(b - a, 2) for a, b in itertools.pairwise(ends)],
@@ -198,11 +215,11 @@ def print_diloco(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
           f"changed by every outer step), {args.inner} inner steps per outer round; each member's uplink "
           f"{args.donor_mbit:g} Mbit/s (shared by all it sends), newcomer {args.newcomer_mbit:g} Mbit/s, "
           f"RTT {args.rtt_ms:g} ms; serving cap per member {cap}; {os.cpu_count()} CPUs")
-    print(f"{'case':>16} {'alone rnd/s':>11} {'heal rnd/s':>10} {'x alone':>7} {'after rnd/s':>11} "
+    print(f"{'case':>18} {'alone rnd/s':>11} {'heal rnd/s':>10} {'x alone':>7} {'after rnd/s':>11} "
           f"{'heal x after':>12} {'longest rnd s':>13} {'rounds in heal':>14} "
           f"{'heal s':>7} {'fetch s':>7} {'rx MiB':>7} {'replayed':>8} {'exact':>5} {'load start/end':>14}")
     for r in rows:
-        print(f"{r['case']:>16} {r['alone_rounds_per_s']:>11.3f} {r['heal_rounds_per_s']:>10.3f} "
+        print(f"{r['case']:>18} {r['alone_rounds_per_s']:>11.3f} {r['heal_rounds_per_s']:>10.3f} "
               f"{r['ratio']:>7.2f} {r['after_rounds_per_s']:>11.3f} "
               f"{r['heal_rounds_per_s'] / (r['after_rounds_per_s'] or float('inf')):>12.2f} "
               f"{r['longest_round_s']:>13.2f} {r['rounds_during']:>14} {r['heal_s']:>7.2f} "

@@ -305,7 +305,8 @@ def main() -> None:
     p.add_argument("--wan-cases", default="1,2,3,kill,corrupt",
                    help="cases of --wan: 1,2,3,kill,corrupt, train (the members' training during a heal), "
                         "diloco and diloco-ordinary (DiLoCo's members during a heal, with and without "
-                        "replay_heals: benchmarks/_heal_diloco_wan.py)")
+                        "replay_heals: benchmarks/_heal_diloco_wan.py), streaming and streaming-ordinary "
+                        "(the same with streaming DiLoCo)")
     p.add_argument("--diloco-mb", type=int, default=16, help="--wan diloco: MiB of parameters")
     p.add_argument("--inner", type=int, default=5, help="--wan diloco: inner steps per outer round")
     p.add_argument("--diloco-rounds", type=int, default=16, help="--wan diloco: outer rounds of the run")
@@ -522,11 +523,12 @@ def _wan_main(args: argparse.Namespace) -> None:
         return
     load = os.getloadavg()
     names = args.wan_cases.split(",")
-    dl = [c for c in names if c in ("diloco", "diloco-ordinary")]
+    dl = [c for c in names if c in ("diloco", "diloco-ordinary", "streaming", "streaming-ordinary")]
     if dl:
         from _heal_diloco_wan import print_diloco, wan_diloco
 
-        drows = [wan_diloco(args, replay=c == "diloco") for c in dl]
+        drows = [wan_diloco(args, replay=not c.endswith("-ordinary"), streaming=c.startswith("streaming"))
+                 for c in dl]
         if args.json:
             print(json.dumps(drows, indent=1))
         else:
