@@ -131,8 +131,8 @@ def heal_replaying(core: StreamingCore) -> Generator[Op, Any, Any]:
         core.replay_queue = None
         core.contributing = True
     for f in core.fragments:  # rounds launched past the run's end: never answered, abandoned
-        f.handle = None
-        f.stage = 0
+        f.handle = f.done = f.server_proposed = None
+        f.stage = f.round_tx = 0
         f.payload = f.gathered = None
     c0, point = core.replay_point
     for f, average in kept:  # fragment by fragment, each in round order: the members' outer state at P
