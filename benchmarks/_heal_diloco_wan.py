@@ -167,7 +167,8 @@ def wan_diloco(args: argparse.Namespace, replay: bool, streaming: bool = False) 
             start(members)
             results = wait_for_results(
                 procs, lines, list(procs), deadline,
-                lambda dead: f"diloco run: no result from {dead or 'some (timeout)'}: {_tails(errs)}")
+                lambda dead: f"diloco run: no result from {dead or 'some (timeout)'}: {_tails(errs)}; the "
+                             f"master's log ends: {Path(log.name).read_text()[-1500:]}")
         finally:
             end_processes(procs.values(), master)
             log.close()
