@@ -99,13 +99,13 @@ def _model(seed: int) -> nn.Module:
 
 
 async def _train(cluster: TestCluster, i: int, nursery: trio.Nursery, out: dict[int, Any], *, codec: Any,
-                 seed: int = 0, times: dict[int, list[float]] | None = None) -> None:
+                 seed: int = 0, times: dict[int, list[float]] | None = None, sync_every: int = 1) -> None:
     x, y = problem()
     model = _model(seed)
     run = AsyncStreamingDiLoCo(cluster.peer(i), model, torch.optim.Adam(model.parameters(), lr=0.01),
                                nursery=nursery, outer_optimizer=outer_sgd, inner_steps=H, fragments=3,
                                overlap=1, mixing=0.5, codec=codec, total_outer_steps=CYCLES,
-                               replay_heals=True)
+                               replay_heals=True, sync_every=sync_every)
     start = full_loss(run.outer_model, x, y)
 
     def backward(step: Any) -> float:
@@ -124,7 +124,7 @@ async def _train(cluster: TestCluster, i: int, nursery: trio.Nursery, out: dict[
         out[i] = (run, start, full_loss(run.outer_model, x, y), results)
 
 
-async def _run(cluster: TestCluster, codec: Any, kill_at: float | None = None
+async def _run(cluster: TestCluster, codec: Any, kill_at: float | None = None, sync_every: int = 1
                ) -> tuple[dict[int, Any], int, dict[int, list[float]]]:
     """Two members train CYCLES cycles; a newcomer is added at once and served at SERVE_RATE by each."""
     out: dict[int, Any] = {}
@@ -133,7 +133,7 @@ async def _run(cluster: TestCluster, codec: Any, kill_at: float | None = None
         async with trio.open_nursery() as peers:
             for i in cluster.alive:
                 peers.start_soon(functools.partial(_train, cluster, i, nursery, out, codec=codec,
-                                                   times=times))
+                                                   times=times, sync_every=sync_every))
             net = cluster.network
             assert net is not None
             net.set_link(cluster.host(0), cluster.host(1), latency=0.05)
@@ -145,7 +145,8 @@ async def _run(cluster: TestCluster, codec: Any, kill_at: float | None = None
 
             async def newcomer_trains() -> None:
                 try:
-                    await _train(cluster, newcomer, nursery, out, codec=codec, seed=99, times=times)
+                    await _train(cluster, newcomer, nursery, out, codec=codec, seed=99, times=times,
+                                 sync_every=sync_every)
                 except pccl.PCCLError as exc:  # killed: its own calls fail
                     out[-1] = exc
 
@@ -218,3 +219,23 @@ async def test_a_streaming_newcomer_killed_mid_heal_costs_the_members_no_call(
     heals = cluster.master.state.statistics()["heals"]
     assert heals["started"] == 1 and heals["lost_fetchers"] == 1 and heals["fetched"] == 0
     assert heals["healing"] == heals["joining"] == heals["observing"] == 0
+
+
+async def test_a_streaming_newcomer_joins_at_the_members_next_sync_point(
+        autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory) -> None:
+    """With ``sync_every=3`` the members sync at every 3rd cycle's start only: the newcomer, admitted at
+    one, observes until the first such point past its heal (replaying every round of the cycles before it)
+    and joins at the members' revision there (the syncs they made meanwhile counted), bit-identical."""
+    faster = dataclasses.replace(REPLAYING, state_serve_rate=3 * SERVE_RATE)  # a heal of ~3 cycles
+    cluster = await pccl_cluster(2, config=faster)
+    out, newcomer, _ = await _run(cluster, "int4", sync_every=3)
+    states = [state_bytes(out[i][0].shared) for i in (0, 1, newcomer)]
+    assert states[0] == states[1] == states[2]
+    core = out[newcomer][0].core
+    c0, point = core.replay_point
+    assert c0 % 3 == 0 and point % 3 == 0 and c0 + 3 <= point < CYCLES, (c0, point)
+    assert core.rounds_replayed == 3 * (point - c0)
+    assert out[newcomer][3][0].index == point * H
+    assert out[newcomer][0].revision == out[0][0].revision  # (syncs counted alike)
+    heals = cluster.master.state.statistics()["heals"]
+    assert heals["joined_current"] + heals["joined_in_sync"] == 1 and heals["join_refused"] == 0
