@@ -16,7 +16,8 @@ directions ``--newcomer-mbit``; each member serves at most ``--serve-mbit`` (``s
 ``streaming`` and ``streaming-ordinary``: the same with ``pccl.torch.AsyncStreamingDiLoCo`` (the parameter
 cut into 4 fragments, one per parameter, sent at inner steps 0..3 of each cycle of ``--inner`` steps,
 ``overlap=1``, ``codec="int8"`` with error feedback, ``sync_every=1``), with and without ``replay_heals``
-(an outer round is a cycle).
+(an outer round is a cycle); the master evicts a peer after 10 s of silence instead of 3 (the members'
+first cycle stalled their heartbeats on a loaded 2-core machine).
 
 Printed per case: member 0's outer rounds per second before the newcomer started (alone, from its second
 round), while it healed (the rounds that ended between the newcomer's first step call and its first
@@ -136,8 +137,12 @@ def wan_diloco(args: argparse.Namespace, replay: bool, streaming: bool = False) 
         for d in range(members):  # a member's uplink: one link for everything it sends
             wan.share_link([(d, x) for x in range(hosts) if x != d], uplink)
         log = tempfile.NamedTemporaryFile("w+", prefix="pccl-heal-master-", suffix=".log", delete=False)
+        # streaming: the members' first cycle (hashing, deep copies, int8 encodings in the trio thread) went
+        # silent for more than the default 3 s on the loaded 2-core machine in 2 of 4 runs: evicted at start
+        patience = ["--heartbeat-timeout", "10"] if streaming else []
         master = wan.popen(0, [sys.executable, "-m", "pccl", "master", "--host", wan.addresses[0],
-                               "--port", str(MASTER_PORT)], stdout=subprocess.DEVNULL, stderr=log, env=env)
+                               "--port", str(MASTER_PORT), *patience], stdout=subprocess.DEVNULL, stderr=log,
+                           env=env)
         procs: dict[int, subprocess.Popen[str]] = {}
         errs: dict[int, Any] = {}
         lines: dict[int, list[dict[str, Any]]] = {h: [] for h in range(hosts)}
