@@ -22,8 +22,10 @@ and the members return at once and go on with cycle ``c0``. The newcomer then, w
    admission), counted in their sync at ``P`` or answered at once if they made it already, where nothing
    moves; from there on it trains as a member.
 
-Integer overlaps only: with ``"auto"`` the members sync only where someone is admitted and at the run's
-end (the membership vote runs in the background), so the join point would be the run's end.
+Integer overlaps only: with ``"auto"`` the members sync only where someone is admitted, every
+``check_every`` cycles and in the run's last cycle (the membership vote runs in the background, a round is
+deferred past a ``check_every`` sync), so the join point would be up to ``check_every`` cycles away and
+its vote would need a place in the background membership votes (docs/concepts.md).
 """
 
 from __future__ import annotations
