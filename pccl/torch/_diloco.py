@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._errors import InvalidArgumentError, InvalidUsageError, PCCLError, SharedStateSyncError
+from .._errors import InvalidArgumentError, InvalidUsageError, PCCLError
 from .._types import QuantizationOptions, ReduceOp
 from ._buckets import Buckets
 from ._model import SharedModel
@@ -40,10 +40,14 @@ from ._ops import (
     WaitAllReduce,
     WaitAny,
     is_result,
+    live_heal_result,
     sync_until_done,
     wait_for_members,
 )
 from ._train import Backward, Step, StepResult
+
+#: What the members lose when a replaying newcomer whose heal failed closes its driver.
+_MEMBERS_LOSE = "the members' round in flight, if any, runs again without it"
 
 __all__ = ["DiLoCoCore", "default_outer_optimizer"]
 
@@ -210,32 +214,21 @@ class DiLoCoCore:
                     # The heal failed (the master lost, no donor left) while a round was awaited: give
                     # up now, the round abandoned (at a new master this peer is an ordinary member, and
                     # the members may wait for it in their next vote while it waits for their round).
-                    yield from self._healed(handle)
+                    yield from live_heal_result(handle, _MEMBERS_LOSE)
                 info = yield WaitAllReduce(running)
                 self.unreported_tx += info.tx_bytes
                 self.rounds_observed += 1
                 kept.append(self._averages())
         finally:
             self.count_send.fill_(1.0)
-        fetched = yield from self._healed(handle)  # raises if the heal failed: nothing applied
+        # raises if the heal failed: nothing applied
+        fetched = yield from live_heal_result(handle, _MEMBERS_LOSE)
         for averages in kept:  # the outer steps of rounds healing .. healing + len(kept) - 1
             self._apply(averages)
         self.rounds_replayed += len(kept)
         joined = yield from sync_until_done(self.shared.state)
         return type(fetched)(tx_bytes=fetched.tx_bytes + joined.tx_bytes,
                              rx_bytes=fetched.rx_bytes + joined.rx_bytes)
-
-    @staticmethod
-    def _healed(handle: Any) -> Generator[Op, Any, Any]:
-        """The live heal's result; its failure as a SharedStateSyncError that says what to do."""
-        try:
-            return (yield WaitAllReduce(handle))
-        except PCCLError as exc:
-            raise SharedStateSyncError(
-                f"the live heal of this newcomer failed ({exc}); nothing was applied. Its peer now counts in "
-                "its group's votes as a member whose state it does not hold: close this driver (its peer "
-                "leaves; the members' round in flight, if any, runs again without it) and start it again "
-                "to heal") from exc
 
     def _reduce_now(self) -> Generator[Op, Any, None]:
         try:

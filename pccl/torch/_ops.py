@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, Protocol, TypeVar
 
-from .._errors import PCCLError, Result, TooFewPeersError
+from .._errors import PCCLError, Result, SharedStateSyncError, TooFewPeersError
 from .._types import QuantizationOptions, ReduceOp
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "drive",
     "drive_async",
     "is_result",
+    "live_heal_result",
     "sync_until_done",
     "wait_for_members",
 ]
@@ -246,6 +247,19 @@ def sync_until_done(state: Any) -> Generator[Op, Any, Any]:
         except Exception as exc:
             if not is_result(exc, "RANK_CONNECTION_LOST"):
                 raise
+
+
+def live_heal_result(handle: Any, members_lose: str) -> Generator[Op, Any, Any]:
+    """A replaying newcomer's live heal (``handle``: its background sync): the heal's result, or its
+    failure as a SharedStateSyncError that says what to do (``members_lose``: what the members lose
+    when this driver closes, in the driver's words)."""
+    try:
+        return (yield WaitAllReduce(handle))
+    except PCCLError as exc:
+        raise SharedStateSyncError(
+            f"the live heal of this newcomer failed ({exc}); nothing was applied. Its peer now counts in its "
+            "group's votes as a member whose state it does not hold: close this driver (its peer leaves; "
+            f"{members_lose}) and start it again to heal") from exc
 
 
 def drive(gen: Generator[Op, Any, T], execute: Callable[[Op], Any]) -> T:

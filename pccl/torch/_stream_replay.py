@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Generator
 from typing import Any
 
-from .._errors import PCCLError, SharedStateSyncError
+from .._errors import PCCLError
 from ._fragments import Fragment
 from ._ops import (
     Op,
@@ -43,24 +43,17 @@ from ._ops import (
     WaitAllReduce,
     WaitAny,
     is_result,
+    live_heal_result,
     sync_until_done,
 )
 
 # ``core`` below is a :class:`~pccl.torch._streaming.StreamingCore` (typed Any: that module calls this one)
 StreamingCore = Any
 
+#: What the members lose when a replaying newcomer whose heal failed closes its driver.
+_MEMBERS_LOSE = "the members' rounds in flight, if any, lose it"
+
 __all__ = ["heal_replaying"]
-
-
-def _healed(handle: Any) -> Generator[Op, Any, Any]:
-    """The live heal's result; its failure as a SharedStateSyncError that says what to do."""
-    try:
-        return (yield WaitAllReduce(handle))
-    except PCCLError as exc:
-        raise SharedStateSyncError(
-            f"the live heal of this newcomer failed ({exc}); nothing was applied. Its peer now counts in its "
-            "group's votes as a member whose state it does not hold: close this driver (its peer leaves; the "
-            "members' rounds in flight, if any, lose it) and start it again to heal") from exc
 
 
 def syncs_between(core: StreamingCore, first: int, last: int) -> int:
@@ -116,7 +109,8 @@ def heal_replaying(core: StreamingCore) -> Generator[Op, Any, Any]:
             if all(f.done is None for f in active):
                 yield WaitAny(waiting)
             if fetched is None and (yield PollAllReduce(handle)):
-                fetched = yield from _healed(handle)  # raises if the heal failed: nothing applied
+                # raises if the heal failed: nothing applied
+                fetched = yield from live_heal_result(handle, _MEMBERS_LOSE)
                 c0 = core.cycle  # the snapshot's: the cycle the members admitted this peer at
                 point = join_point(core, c0, max(launched.values()))
                 limit = point - c0
