@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from .._errors import InvalidArgumentError
-from ._codec import Codec, ErrorFeedback
+from ._codec import Codec, ErrorFeedback, choose_codec, codec_from_spec
 
-__all__ = ["CodecSpec", "Fragment", "split_fragments"]
+__all__ = ["CodecSpec", "Fragment", "build_fragments", "choose_codecs", "split_fragments"]
 
 CodecSpec = str | Codec | None
 
@@ -105,3 +105,69 @@ class Fragment:
     @property
     def in_flight(self) -> bool:
         return self.handle is not None or self.local is not None or self.done is not None
+
+
+def build_fragments(named: Sequence[tuple[str, torch.nn.Parameter]],
+                    outer_named: dict[str, torch.nn.Parameter], fragments: int | Sequence[Sequence[str]],
+                    codec: CodecSpec | Sequence[CodecSpec], *, inner_steps: int, error_feedback: bool,
+                    flagged: bool) -> tuple[list[Fragment], dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """The fragments of a streaming run (:func:`split_fragments` of the inner model's ``named``
+    parameters, each paired with its ``outer_named`` copy), their send offsets in a cycle of
+    ``inner_steps`` (``p * H // P``; in the run's last cycle with overlap "auto" ``p * H // (P + 1)``),
+    codecs (``codec``: one for all or one per fragment; ``"auto"`` chosen later, :func:`choose_codecs`)
+    and error feedback. ``flagged`` (``replay_heals``): each uncompressed exchange's buffers carry one
+    element more, the contributor flag; returned per fragment index as ``(send, recv)`` wires whose first
+    ``numel`` elements are the fragment's ``send`` / ``recv``.
+
+    Raises:
+        InvalidArgumentError: a codec count other than the fragments', a fragment of mixed or non-float
+            dtypes (and what :func:`split_fragments` raises).
+    """
+    groups = split_fragments(named, fragments)
+    specs: list[CodecSpec]
+    if isinstance(codec, (list, tuple)):
+        if len(codec) != len(groups):
+            raise InvalidArgumentError(f"{len(codec)} codecs for {len(groups)} fragments")
+        specs = list(codec)
+    else:
+        specs = [codec] * len(groups)  # type: ignore[list-item]
+    out: list[Fragment] = []
+    wires: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for p_index, (idx, spec) in enumerate(zip(groups, specs, strict=True)):
+        inner = [named[i][1] for i in idx]
+        dtypes = {t.dtype for t in inner}
+        if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+            raise InvalidArgumentError(f"fragment {p_index}: its parameters must share one float dtype")
+        frag = Fragment(p_index, [named[i][0] for i in idx], inner,
+                        [outer_named[named[i][0]] for i in idx],
+                        offset=p_index * inner_steps // len(groups), spec=spec,
+                        early_offset=p_index * inner_steps // (len(groups) + 1))
+        if spec != "auto":
+            frag.codec = codec_from_spec(spec)
+        n = frag.numel
+        frag.send = torch.zeros(n, dtype=inner[0].dtype)
+        frag.recv = torch.zeros(n, dtype=inner[0].dtype)
+        if flagged:  # the uncompressed exchange's buffers: the pseudo-gradient, then the flag
+            wire = (torch.zeros(n + 1, dtype=inner[0].dtype), torch.zeros(n + 1, dtype=inner[0].dtype))
+            wires[p_index] = wire
+            frag.send, frag.recv = wire[0][:n], wire[1][:n]
+        if frag.codec is not None and error_feedback:
+            frag.feedback = ErrorFeedback(frag.codec, n)
+        out.append(frag)
+    return out, wires
+
+
+def choose_codecs(fragments: Sequence[Fragment], budget_bytes: int, world_size: int,
+                  error_feedback: bool) -> None:
+    """Codec ``"auto"``: each such fragment's codec for a group of ``world_size`` peers, its share of
+    ``budget_bytes`` (bytes one peer may send per cycle for the whole model) by size; its error
+    feedback follows the codec chosen."""
+    total = sum(f.numel for f in fragments)
+    for f in fragments:
+        if f.spec == "auto":
+            share = budget_bytes * f.numel // max(total, 1)
+            f.codec = choose_codec(f.numel, f.send.element_size(), world_size, share)
+            if f.codec is not None and error_feedback:
+                if f.feedback is None:
+                    f.feedback = ErrorFeedback(f.codec, f.numel)
+                f.feedback.codec = f.codec

@@ -70,12 +70,9 @@ from ._codec import (
     ChunkedCodec,
     Codec,
     DeflateCodec,
-    ErrorFeedback,
     average_payloads,
-    choose_codec,
-    codec_from_spec,
 )
-from ._fragments import CodecSpec, Fragment, split_fragments
+from ._fragments import CodecSpec, Fragment, build_fragments, choose_codecs, split_fragments
 from ._model import SharedModel
 from ._ops import (
     AllGather,
@@ -106,6 +103,23 @@ def _overlap_steps(overlap: object, inner_steps: int) -> tuple[bool, int]:
     if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < inner_steps:
         raise InvalidArgumentError(f'overlap must be "auto" or an int in [0, inner_steps), not {overlap!r}')
     return False, overlap
+
+
+def _check_schedule(inner_steps: int, min_world_size: int, sync_every: int, check_every: int | None,
+                    mixing: float, *, replay_heals: bool, auto_overlap: bool) -> None:
+    """Refuse a streaming run's bad schedule arguments (InvalidArgumentError, saying which)."""
+    if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
+        raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
+    if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
+                                    or check_every < 1):
+        raise InvalidArgumentError(f"check_every must be None or an int >= 1, not {check_every!r}")
+    if replay_heals and auto_overlap:
+        raise InvalidArgumentError(
+            'replay_heals needs an integer overlap: with overlap="auto" the members sync only where a '
+            "peer is admitted, every check_every cycles and in the run's last cycle, so a replaying "
+            "newcomer could join only there")
+    if not 0.0 <= mixing < 1.0:
+        raise InvalidArgumentError("mixing must be in [0, 1)")
 
 
 class StreamingCore:
@@ -168,19 +182,9 @@ class StreamingCore:
                  replay_heals: bool = False) -> None:
         import copy
 
-        if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
-            raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
-        if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
-                                        or check_every < 1):
-            raise InvalidArgumentError(f"check_every must be None or an int >= 1, not {check_every!r}")
         self.auto_overlap, steps = _overlap_steps(overlap, inner_steps)
-        if replay_heals and self.auto_overlap:
-            raise InvalidArgumentError(
-                'replay_heals needs an integer overlap: with overlap="auto" the members sync only where a '
-                "peer is admitted, every check_every cycles and in the run's last cycle, so a replaying "
-                "newcomer could join only there")
-        if not 0.0 <= mixing < 1.0:
-            raise InvalidArgumentError("mixing must be in [0, 1)")
+        _check_schedule(inner_steps, min_world_size, sync_every, check_every, mixing,
+                        replay_heals=replay_heals, auto_overlap=self.auto_overlap)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.outer_model = copy.deepcopy(model)
@@ -192,20 +196,6 @@ class StreamingCore:
         self.cycle_tensor = torch.zeros(1, dtype=torch.int64)
         self.shared = SharedModel(self.outer_model, self.outer_optimizer, buffers=False,
                                   extra={"stream/cycle": self.cycle_tensor})
-        named = [(n, p) for n, p in model.named_parameters()]
-        outer_named = dict(self.outer_model.named_parameters())
-        groups = split_fragments(named, fragments)
-        specs: list[CodecSpec]
-        if isinstance(codec, (list, tuple)):
-            if len(codec) != len(groups):
-                raise InvalidArgumentError(f"{len(codec)} codecs for {len(groups)} fragments")
-            specs = list(codec)
-        else:
-            specs = [codec] * len(groups)  # type: ignore[list-item]
-        if any(s == "auto" for s in specs) and budget_bytes is None:
-            raise InvalidArgumentError('codec "auto" needs budget_bytes')
-        self.fragments: list[Fragment] = []
-        self._wires: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         contributors = replay_heals
         self.contributors = contributors
         self.replay_queue: list[tuple[Fragment, torch.Tensor]] | None = None  # a replaying newcomer's rounds
@@ -213,27 +203,12 @@ class StreamingCore:
         self.rounds_replayed = 0
         self.contributing = True  # this peer's exchanges contribute (with ``contributors``: flagged 1)
         self._contributed: dict[int, bool] = {}  # fragment -> whether its round in flight contributes
-        for p_index, (idx, spec) in enumerate(zip(groups, specs, strict=True)):
-            inner = [named[i][1] for i in idx]
-            dtypes = {t.dtype for t in inner}
-            if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
-                raise InvalidArgumentError(f"fragment {p_index}: its parameters must share one float dtype")
-            frag = Fragment(p_index, [named[i][0] for i in idx], inner,
-                            [outer_named[named[i][0]] for i in idx],
-                            offset=p_index * inner_steps // len(groups), spec=spec,
-                            early_offset=p_index * inner_steps // (len(groups) + 1))
-            if spec != "auto":
-                frag.codec = codec_from_spec(spec)
-            n = frag.numel
-            frag.send = torch.zeros(n, dtype=inner[0].dtype)
-            frag.recv = torch.zeros(n, dtype=inner[0].dtype)
-            if contributors:  # the uncompressed exchange's buffers: the pseudo-gradient, then the flag
-                wire = (torch.zeros(n + 1, dtype=inner[0].dtype), torch.zeros(n + 1, dtype=inner[0].dtype))
-                self._wires[p_index] = wire
-                frag.send, frag.recv = wire[0][:n], wire[1][:n]
-            if frag.codec is not None and error_feedback:
-                frag.feedback = ErrorFeedback(frag.codec, n)
-            self.fragments.append(frag)
+        # the uncompressed exchanges' buffers with ``contributors``: the pseudo-gradient, then the flag
+        self.fragments, self._wires = build_fragments(
+            list(model.named_parameters()), dict(self.outer_model.named_parameters()), fragments, codec,
+            inner_steps=inner_steps, error_feedback=error_feedback, flagged=contributors)
+        if any(f.spec == "auto" for f in self.fragments) and budget_bytes is None:
+            raise InvalidArgumentError('codec "auto" needs budget_bytes')
         self.error_feedback = error_feedback
         self.budget_bytes = budget_bytes
         self.inner_steps = inner_steps
@@ -413,15 +388,7 @@ class StreamingCore:
     def _choose_codecs(self) -> None:
         """Codec ``"auto"``: each such fragment's codec for the group's size (at a sync)."""
         if self.budget_bytes is not None:
-            total = sum(f.numel for f in self.fragments)
-            for f in self.fragments:
-                if f.spec == "auto":
-                    share = self.budget_bytes * f.numel // max(total, 1)
-                    f.codec = choose_codec(f.numel, f.send.element_size(), self.world_size, share)
-                    if f.codec is not None and self.error_feedback:
-                        if f.feedback is None:
-                            f.feedback = ErrorFeedback(f.codec, f.numel)
-                        f.feedback.codec = f.codec
+            choose_codecs(self.fragments, self.budget_bytes, self.world_size, self.error_feedback)
 
     def _votes_now(self) -> bool:
         """Whether this cycle's start (not the run's first, no sync here) sends the membership vote into
