@@ -157,11 +157,13 @@ def build_fragments(named: Sequence[tuple[str, torch.nn.Parameter]],
     return out, wires
 
 
-def choose_codecs(fragments: Sequence[Fragment], budget_bytes: int, world_size: int,
+def choose_codecs(fragments: Sequence[Fragment], budget_bytes: int | None, world_size: int,
                   error_feedback: bool) -> None:
-    """Codec ``"auto"``: each such fragment's codec for a group of ``world_size`` peers, its share of
-    ``budget_bytes`` (bytes one peer may send per cycle for the whole model) by size; its error
-    feedback follows the codec chosen."""
+    """Codec ``"auto"``: each such fragment's codec for a group of ``world_size`` peers (at a sync), its
+    share of ``budget_bytes`` (bytes one peer may send per cycle for the whole model; None: no fragment
+    is "auto", nothing to choose) by size; its error feedback follows the codec chosen."""
+    if budget_bytes is None:
+        return
     total = sum(f.numel for f in fragments)
     for f in fragments:
         if f.spec == "auto":

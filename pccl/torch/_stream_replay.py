@@ -34,7 +34,7 @@ from collections.abc import Generator
 from typing import Any
 
 from .._errors import PCCLError
-from ._fragments import Fragment
+from ._fragments import Fragment, choose_codecs
 from ._ops import (
     Op,
     PollAllReduce,
@@ -85,7 +85,8 @@ def heal_replaying(core: StreamingCore) -> Generator[Op, Any, Any]:
             if not is_result(exc, "RANK_CONNECTION_LOST"):
                 raise
             return (yield from sync_until_done(core.shared.state))
-    core._choose_codecs()  # (codec "auto": the members chose theirs at the admission's sync, same size)
+    # (codec "auto": the members chose theirs at the admission's sync, same size)
+    choose_codecs(core.fragments, core.budget_bytes, core.world_size, core.error_feedback)
     kept: list[tuple[Fragment, Any]] = []
     launched = {f.index: 0 for f in core.fragments}
     fetched: Any = None

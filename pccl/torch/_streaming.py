@@ -382,13 +382,8 @@ class StreamingCore:
                     self._forget_local()
                 self._inner_from_outer()
             self.fresh = self.restored = False
-        self._choose_codecs()
+        choose_codecs(self.fragments, self.budget_bytes, self.world_size, self.error_feedback)
         return True
-
-    def _choose_codecs(self) -> None:
-        """Codec ``"auto"``: each such fragment's codec for the group's size (at a sync)."""
-        if self.budget_bytes is not None:
-            choose_codecs(self.fragments, self.budget_bytes, self.world_size, self.error_feedback)
 
     def _votes_now(self) -> bool:
         """Whether this cycle's start (not the run's first, no sync here) sends the membership vote into

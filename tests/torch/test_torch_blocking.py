@@ -197,16 +197,29 @@ def test_training_run_comm_statistics_from_another_thread() -> None:
             run.comm_statistics()  # closed: a domain error, not a raw trio one
 
 
-def test_diloco_blocking_replay_heals_a_newcomer_while_the_members_go_on() -> None:
-    """The blocking DiLoCo with ``replay_heals`` (its fetch runs in the driver's background thread): a
-    newcomer joins two members mid-run; its heal, slowed by the members' serving cap, runs live while the
-    members go on with their outer rounds; it replays them and ends bit-identical."""
+def _diloco_replaying(address: str, model: nn.Module, config: pccl.PeerConfig, min_world_size: int) -> Any:
+    return DiLoCo(address, model, torch.optim.SGD(model.parameters(), lr=0.01), inner_steps=2,
+                  total_outer_steps=150, min_world_size=min_world_size, config=config, replay_heals=True)
+
+
+def _streaming_replaying(address: str, model: nn.Module, config: pccl.PeerConfig, min_world_size: int) -> Any:
+    return StreamingDiLoCo(address, model, torch.optim.SGD(model.parameters(), lr=0.01), inner_steps=2,
+                           fragments=2, overlap=1, codec="int8", total_outer_steps=150,
+                           min_world_size=min_world_size, config=config, replay_heals=True)
+
+
+@pytest.mark.parametrize("make_driver", [_diloco_replaying, _streaming_replaying],
+                         ids=["diloco", "streaming"])
+def test_blocking_replay_heals_a_newcomer_while_the_members_go_on(make_driver: Any) -> None:
+    """The blocking DiLoCo and StreamingDiLoCo (int8, two fragments) with ``replay_heals`` (the fetch runs
+    in the driver's background thread): a newcomer joins two members mid-run; its heal, slowed by the
+    members' serving cap, runs live while the members go on with their rounds (it takes part in their
+    exchanges, contributing nothing); it replays them, joins their next sync and ends bit-identical."""
     init = nn.Sequential(nn.Linear(4, 2048), nn.Linear(2048, 1))  # ~160 KiB of shared state
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 4, generator=g)
     y = x @ torch.randn(4, 1, generator=g)
     capped = pccl.PeerConfig(state_serve_rate=64 * 1024.0)  # the heal takes over a second
-    rounds = 150
     started = threading.Event()
     with MasterNode("127.0.0.1:0") as master:
         master.run()
@@ -215,42 +228,7 @@ def test_diloco_blocking_replay_heals_a_newcomer_while_the_members_go_on() -> No
             model = copy.deepcopy(init)
             if i == 2:
                 started.wait(30)
-            with DiLoCo(master.address, model, torch.optim.SGD(model.parameters(), lr=0.01), inner_steps=2,
-                        total_outer_steps=rounds, min_world_size=1 if i == 2 else 2, config=capped,
-                        replay_heals=True) as d:
-                while (r := d.step(mse_backward(model, x, y, 16))) is not None:
-                    if i == 0 and r.index == 10:
-                        started.set()  # the members run: the newcomer may come
-                return state_bytes(d.shared), d.core.rounds_replayed
-
-        out = run_threads(peer, 3)
-    assert out[0][0] == out[1][0] == out[2][0]
-    assert out[2][1] >= 2  # it took part in (and replayed) the members' rounds while it fetched
-
-
-def test_streaming_blocking_replay_heals_a_newcomer_while_the_members_go_on() -> None:
-    """The blocking StreamingDiLoCo with ``replay_heals`` (int8, two fragments): a newcomer joins two members
-    mid-run; its heal, slowed by the members' serving cap, runs live while the members go on with their
-    cycles (it takes part in their fragment exchanges, contributing nothing); it replays their rounds, joins
-    their next sync and ends bit-identical."""
-    init = nn.Sequential(nn.Linear(4, 2048), nn.Linear(2048, 1))  # ~160 KiB of shared state
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(64, 4, generator=g)
-    y = x @ torch.randn(4, 1, generator=g)
-    capped = pccl.PeerConfig(state_serve_rate=64 * 1024.0)  # the heal takes over a second
-    cycles = 150
-    started = threading.Event()
-    with MasterNode("127.0.0.1:0") as master:
-        master.run()
-
-        def peer(i: int) -> tuple[dict[str, bytes], int]:
-            model = copy.deepcopy(init)
-            if i == 2:
-                started.wait(30)
-            with StreamingDiLoCo(master.address, model, torch.optim.SGD(model.parameters(), lr=0.01),
-                                 inner_steps=2, fragments=2, overlap=1, codec="int8",
-                                 total_outer_steps=cycles, min_world_size=1 if i == 2 else 2, config=capped,
-                                 replay_heals=True) as run:
+            with make_driver(master.address, model, capped, 1 if i == 2 else 2) as run:
                 while (r := run.step(mse_backward(model, x, y, 16))) is not None:
                     if i == 0 and r.index == 10:
                         started.set()  # the members run: the newcomer may come
