@@ -37,7 +37,7 @@ from .network import (
     trickle,
 )
 from .plans import PlanError, check_pairing, plan_times, run_plans
-from .streams import BareListener, BareStream, BareTransport, open_stream_pair
+from .streams import BareListener, BareStream, BareTransport, RecordingStream, open_stream_pair
 from .tensors import tensor_bytes
 from .waiting import wait_until
 
@@ -56,6 +56,7 @@ __all__ = [
     "NetworkStatistics",
     "PeerStatus",
     "PlanError",
+    "RecordingStream",
     "Reset",
     "Stall",
     "StreamStatistics",

@@ -13,7 +13,7 @@ import trio
 
 from ..transport import Address, Listener, Stream, TcpTransport, Transport
 
-__all__ = ["BareListener", "BareStream", "BareTransport", "open_stream_pair"]
+__all__ = ["BareListener", "BareStream", "BareTransport", "RecordingStream", "open_stream_pair"]
 
 
 async def open_stream_pair(
@@ -80,6 +80,20 @@ class BareStream:
     async def aclose(self) -> None:
         """See :meth:`pccl.transport.Stream.aclose`."""
         await self._inner.aclose()
+
+
+class RecordingStream(BareStream):
+    """A :class:`BareStream` that logs ``(trio.current_time(), bytes)`` of every write in ``writes``
+    (under a MockClock: how a pacer spread its bytes over virtual time)."""
+
+    def __init__(self, inner: Stream) -> None:
+        super().__init__(inner)
+        self.writes: list[tuple[float, int]] = []
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        """Log the write, then :meth:`pccl.transport.Stream.send_all` on the inner stream."""
+        self.writes.append((trio.current_time(), len(memoryview(data).cast("B"))))
+        await super().send_all(data)
 
 
 class BareListener:

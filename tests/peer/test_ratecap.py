@@ -14,8 +14,8 @@ import trio.testing
 from pccl import PeerConfig
 from pccl.peer.ratecap import PIECE_MAX, PIECE_MIN, RateCap, piece_bytes
 from pccl.peer.shared_state import SharedState, StateServer, SyncContext, TensorInfo, serve_state_requests
-from pccl.testing import VirtualNetwork, open_stream_pair
-from pccl.transport import Stream, TcpStream, TcpTransport, limit_send_rate, receive_exactly_into
+from pccl.testing import RecordingStream, VirtualNetwork, open_stream_pair
+from pccl.transport import TcpStream, TcpTransport, limit_send_rate, receive_exactly_into
 from pccl.wire import messages as m
 from pccl.wire.stream import MessageStream
 
@@ -91,29 +91,6 @@ def test_bad_rates_are_refused() -> None:
         RateCap(MIB, burst=0)
 
 
-class _Recording:
-    """A stream that logs (virtual time, bytes) of every write, over ``inner``."""
-
-    def __init__(self, inner: Stream) -> None:
-        self.inner = inner
-        self.writes: list[tuple[float, int]] = []
-        self.peer_address = inner.peer_address
-        self.local_address = inner.local_address
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append((trio.current_time(), len(memoryview(data).cast("B"))))
-        await self.inner.send_all(data)
-
-    async def receive_some(self, max_bytes: int = 65536) -> bytes:
-        return await self.inner.receive_some(max_bytes)
-
-    async def receive_into(self, buf: memoryview) -> int:
-        return await self.inner.receive_into(buf)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 async def test_a_capped_holder_sends_each_chunk_in_paced_pieces(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -127,7 +104,7 @@ async def test_a_capped_holder_sends_each_chunk_in_paced_pieces(
     server.pin(ctx)
     net = VirtualNetwork()
     a, b = await open_stream_pair(net.host("a"), net.host("b"), connect_host=net.host("b").address)
-    rec = _Recording(b)
+    rec = RecordingStream(b)
     fetcher = MessageStream(a, max_frame_size=MIB)
     holder = MessageStream(rec, max_frame_size=MIB)
     got = bytearray(2 * MIB)

@@ -16,8 +16,8 @@ from pccl import PeerConfig
 from pccl.peer.ratecap import RateCap
 from pccl.peer.serve_pace import ServePace
 from pccl.peer.shared_state import SharedState, StateServer, SyncContext, TensorInfo, serve_state_requests
-from pccl.testing import VirtualNetwork, open_stream_pair
-from pccl.transport import Stream, TcpStream, TcpTransport, receive_exactly_into
+from pccl.testing import RecordingStream, VirtualNetwork, open_stream_pair
+from pccl.transport import TcpStream, TcpTransport, receive_exactly_into
 from pccl.wire import messages as m
 from pccl.wire.stream import MessageStream
 
@@ -124,29 +124,6 @@ def test_bad_idle_rates_are_refused() -> None:
     assert PeerConfig(state_serve_rate=1e6, state_serve_idle_rate=5e6).state_serve_idle_rate == 5e6
 
 
-class _Recording:
-    """A stream that logs (virtual time, bytes) of every write, over ``inner``."""
-
-    def __init__(self, inner: Stream) -> None:
-        self.inner = inner
-        self.writes: list[tuple[float, int]] = []
-        self.peer_address = inner.peer_address
-        self.local_address = inner.local_address
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.writes.append((trio.current_time(), len(memoryview(data).cast("B"))))
-        await self.inner.send_all(data)
-
-    async def receive_some(self, max_bytes: int = 65536) -> bytes:
-        return await self.inner.receive_some(max_bytes)
-
-    async def receive_into(self, buf: memoryview) -> int:
-        return await self.inner.receive_into(buf)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
 async def _serve_two_chunks(server: StateServer, collectives: list[tuple[float, float]]) -> tuple[
         list[tuple[float, int]], float]:
     """A holder under ``server`` serves two 1 MiB chunks while this peer's "collectives" run over the
@@ -157,7 +134,7 @@ async def _serve_two_chunks(server: StateServer, collectives: list[tuple[float, 
     server.pin(ctx)
     net = VirtualNetwork()
     a, b = await open_stream_pair(net.host("a"), net.host("b"), connect_host=net.host("b").address)
-    rec = _Recording(b)
+    rec = RecordingStream(b)
     fetcher = MessageStream(a, max_frame_size=MIB)
     holder = MessageStream(rec, max_frame_size=MIB)
     got = bytearray(2 * MIB)
