@@ -310,6 +310,19 @@ async def test_a_donor_killed_mid_heal_while_the_members_train(
     assert last["duplicate_bytes"] <= 2 * MIB  # at most its two chunks in flight fetched again
 
 
+def _when_fetched(run: Run, peer: int) -> list[float]:
+    """A list that gets the virtual time at which ``peer`` had fetched everything (its progress reached
+    a total of at least the big tensor)."""
+    fetched: list[float] = []
+
+    def on_progress(done: int, total: int) -> None:
+        if not fetched and total >= BIG and done >= total:
+            fetched.append(trio.current_time())
+
+    run.progress[peer] = on_progress
+    return fetched
+
+
 async def test_the_serving_rate_cap_bounds_what_each_donor_sends(
     autojump_clock: trio.testing.MockClock, pccl_cluster: ClusterFactory
 ) -> None:
@@ -323,13 +336,7 @@ async def test_the_serving_rate_cap_bounds_what_each_donor_sends(
     assert net is not None
     net.set_link(cluster.host(0), cluster.host(1), latency=0.03)
     run = Run(cluster, states, [0, 1], [2])
-    fetched: list[float] = []
-
-    def on_progress(done: int, total: int) -> None:
-        if not fetched and total >= BIG and done >= total:
-            fetched.append(trio.current_time())
-
-    run.progress[2] = on_progress
+    fetched = _when_fetched(run, 2)
     await run.run()
     # 6 MiB at 2 x 1 MiB/s, less the two bursts (32 KiB each): about 3 s; uncapped it takes milliseconds
     assert fetched and fetched[0] - run.times(0, "first sync")[0] >= 2.0
@@ -356,13 +363,7 @@ async def test_serving_yields_to_the_donors_own_collectives(
     net.set_link(cluster.host(0), cluster.host(1), latency=0.03)
     net.set_link(cluster.host(1), cluster.host(0), latency=0.03)
     run = Run(cluster, states, [0, 1], [2])
-    fetched: list[float] = []
-
-    def on_progress(done: int, total: int) -> None:
-        if not fetched and total >= BIG and done >= total:
-            fetched.append(trio.current_time())
-
-    run.progress[2] = on_progress
+    fetched = _when_fetched(run, 2)
     busy_before = [cluster.peer(i)._state_server.cap.busy_seconds for i in (0, 1)]  # type: ignore[union-attr]
     await run.run()
     took = fetched[0] - run.times(0, "first sync")[0]
