@@ -49,7 +49,7 @@ from ._train import Backward, Step, StepResult
 #: What the members lose when a replaying newcomer whose heal failed closes its driver.
 _MEMBERS_LOSE = "the members' round in flight, if any, runs again without it"
 
-__all__ = ["DiLoCoCore", "default_outer_optimizer"]
+__all__ = ["DiLoCoCore", "check_arguments", "default_outer_optimizer"]
 
 
 def default_outer_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -65,6 +65,15 @@ class _Membership:
     timeout: float | None = None
     rank: int = 0
     world_size: int = 1
+
+
+def check_arguments(inner_steps: int, *, delayed: bool, replay_heals: bool) -> None:
+    """Refuse DiLoCo's bad schedule arguments (InvalidArgumentError). Pure: the blocking driver calls it
+    before it connects, so a bad argument is reported as such, not after (or as) a connection error."""
+    if inner_steps < 1:
+        raise InvalidArgumentError("inner_steps must be >= 1")
+    if replay_heals and delayed:
+        raise InvalidArgumentError("replay_heals is built for delayed=False DiLoCo only")
 
 
 class DiLoCoCore:
@@ -91,10 +100,7 @@ class DiLoCoCore:
                  just_joined: bool, total_outer_steps: int | None, bucket_bytes: int, max_in_flight: int,
                  min_world_size: int, poll_interval: float,
                  min_world_size_timeout: float | None = None, replay_heals: bool = False) -> None:
-        if inner_steps < 1:
-            raise InvalidArgumentError("inner_steps must be >= 1")
-        if replay_heals and delayed:
-            raise InvalidArgumentError("replay_heals is built for delayed=False DiLoCo only")
+        check_arguments(inner_steps, delayed=delayed, replay_heals=replay_heals)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.outer_model = copy.deepcopy(model)

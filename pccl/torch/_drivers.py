@@ -16,7 +16,7 @@ from ..peer.communicator import Communicator
 from ..transport import Transport
 from ._buckets import DEFAULT_BUCKET_BYTES
 from ._context import AsyncStepContext, BatchCache, StepContext
-from ._diloco import DiLoCoCore
+from ._diloco import DiLoCoCore, check_arguments
 from ._exec import BackgroundThread, Executor
 from ._model import SharedModel
 from ._ops import (
@@ -460,6 +460,7 @@ class DiLoCo(_RunInfo):
                  min_world_size: int = 1, poll_interval: float = DEFAULT_POLL_INTERVAL,
                  just_joined: bool | None = None, transport: Transport | None = None,
                  min_world_size_timeout: float | None = None, replay_heals: bool = False) -> None:
+        check_arguments(inner_steps, delayed=delayed, replay_heals=replay_heals)  # before connecting
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
                                    connect_attempts=connect_attempts, transport=transport)
         try:

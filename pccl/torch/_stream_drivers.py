@@ -16,7 +16,7 @@ from ._diloco import default_outer_optimizer
 from ._drivers import DEFAULT_POLL_INTERVAL, OuterOptimizerFactory, _Blocking, _RunInfo
 from ._exec import Executor
 from ._ops import drive, drive_async
-from ._streaming import CodecSpec, StreamingCore
+from ._streaming import CodecSpec, StreamingCore, check_schedule
 from ._train import Backward, StepResult
 
 __all__ = ["AsyncStreamingDiLoCo", "StreamingDiLoCo"]
@@ -140,6 +140,9 @@ class StreamingDiLoCo(_RunInfo):
                  config: PeerConfig | None = None, connect_attempts: int = 10,
                  just_joined: bool | None = None, transport: Transport | None = None,
                  replay_heals: bool = False) -> None:
+        # the schedule's arguments refused before connecting (the core checks them again)
+        check_schedule(inner_steps, min_world_size, sync_every, check_every, mixing, overlap,
+                       replay_heals=replay_heals)
         self._blocking = _Blocking(master_address, peer_group=peer_group, config=config,
                                    connect_attempts=connect_attempts, transport=transport)
         try:

@@ -92,7 +92,7 @@ from ._stream_contrib import contributors_average, counted_average, flagged
 from ._stream_replay import heal_replaying
 from ._train import Backward, Step, StepResult
 
-__all__ = ["CodecSpec", "Fragment", "StreamingCore", "split_fragments"]
+__all__ = ["CodecSpec", "Fragment", "StreamingCore", "check_schedule", "split_fragments"]
 
 
 def _overlap_steps(overlap: object, inner_steps: int) -> tuple[bool, int]:
@@ -105,14 +105,17 @@ def _overlap_steps(overlap: object, inner_steps: int) -> tuple[bool, int]:
     return False, overlap
 
 
-def _check_schedule(inner_steps: int, min_world_size: int, sync_every: int, check_every: int | None,
-                    mixing: float, *, replay_heals: bool, auto_overlap: bool) -> None:
-    """Refuse a streaming run's bad schedule arguments (InvalidArgumentError, saying which)."""
+def check_schedule(inner_steps: int, min_world_size: int, sync_every: int, check_every: int | None,
+                   mixing: float, overlap: object, *, replay_heals: bool) -> tuple[bool, int]:
+    """Refuse a streaming run's bad schedule arguments (InvalidArgumentError, saying which); else
+    ``(auto, steps)`` of its ``overlap`` (:func:`_overlap_steps`). Pure: the blocking driver calls it
+    before it connects, so a bad argument is reported as such, not after (or as) a connection error."""
     if inner_steps < 1 or min_world_size < 1 or sync_every < 1:
         raise InvalidArgumentError("inner_steps, min_world_size and sync_every must be >= 1")
     if check_every is not None and (isinstance(check_every, bool) or not isinstance(check_every, int)
                                     or check_every < 1):
         raise InvalidArgumentError(f"check_every must be None or an int >= 1, not {check_every!r}")
+    auto_overlap, steps = _overlap_steps(overlap, inner_steps)
     if replay_heals and auto_overlap:
         raise InvalidArgumentError(
             'replay_heals needs an integer overlap: with overlap="auto" the members sync only where a '
@@ -120,6 +123,7 @@ def _check_schedule(inner_steps: int, min_world_size: int, sync_every: int, chec
             "newcomer could join only there")
     if not 0.0 <= mixing < 1.0:
         raise InvalidArgumentError("mixing must be in [0, 1)")
+    return auto_overlap, steps
 
 
 class StreamingCore:
@@ -182,9 +186,8 @@ class StreamingCore:
                  replay_heals: bool = False) -> None:
         import copy
 
-        self.auto_overlap, steps = _overlap_steps(overlap, inner_steps)
-        _check_schedule(inner_steps, min_world_size, sync_every, check_every, mixing,
-                        replay_heals=replay_heals, auto_overlap=self.auto_overlap)
+        self.auto_overlap, steps = check_schedule(inner_steps, min_world_size, sync_every, check_every,
+                                                  mixing, overlap, replay_heals=replay_heals)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.outer_model = copy.deepcopy(model)

@@ -237,3 +237,19 @@ def test_blocking_replay_heals_a_newcomer_while_the_members_go_on(make_driver: A
         out = run_threads(peer, 3)
     assert out[0][0] == out[1][0] == out[2][0]
     assert out[2][1] >= 2  # it took part in (and replayed) the members' rounds while it fetched
+
+
+@pytest.mark.parametrize("driver, kwargs, says", [
+    (StreamingDiLoCo, {"replay_heals": True}, "replay_heals needs an integer overlap"),
+    (StreamingDiLoCo, {"check_every": 0}, "check_every must be None or an int >= 1"),
+    (StreamingDiLoCo, {"inner_steps": 0, "overlap": 3}, "inner_steps, min_world_size and sync_every"),
+    (DiLoCo, {"delayed": True, "replay_heals": True}, "replay_heals is built for delayed=False"),
+], ids=["stream-replay-auto", "stream-check-every", "stream-inner-steps", "diloco-replay-delayed"])
+def test_blocking_drivers_refuse_bad_schedules_before_connecting(driver: Any, kwargs: dict[str, Any],
+                                                                 says: str) -> None:
+    """A bad schedule argument is refused as such before the driver connects: with no master at the
+    address (nothing listens there) the user gets the argument's error, not a connection failure."""
+    model = nn.Linear(2, 2)
+    with pytest.raises(pccl.InvalidArgumentError, match=says):
+        driver("127.0.0.1:9", model, torch.optim.SGD(model.parameters(), lr=0.1), connect_attempts=1,
+               **kwargs)
