@@ -366,9 +366,10 @@ class PeerConfig:
         p2p_stripe_target_mbit: when ``p2p_connection_pool_size`` is not set (0, the default), the
             throughput in Mbit/s each partner's connections are first sized for: after the first
             connection to a partner opens, its measured round trip decides how many more to open,
-            ``ceil(target * rtt / (0.6 * window))`` (one on a LAN, 3 at 50 ms and 5 at 100 ms for
-            the default 1000); the throughput of the partner's large transfers then adapts the count
-            (docs/topology.md "Connections per partner").
+            ``ceil(target * rtt / (0.6 * window))``, and at least 4 where that is more than one (one
+            on a LAN, 4 at 50 ms and 5 at 100 ms for the default 1000); the throughput of the
+            partner's large transfers then adapts the count (docs/topology.md "Connections per
+            partner").
         p2p_max_stripes: the most connections per partner that sizing may open (default 16).
     """
 

@@ -333,6 +333,7 @@ class P2PPool:
             "closed": self._closed,
             "outgoing": links.statistics(),
             "stripes": links.stripe_statistics(),
+            "retransmitted": dict(links.retransmitted),
             "incoming": readers.statistics(),
             **inbox.statistics(),
             "blocked_connections_dropped": readers.blocked_drops,

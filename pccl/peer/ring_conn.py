@@ -39,6 +39,7 @@ __all__ = [
     "SocketConn",
     "open_conn",
     "path_estimate",
+    "tcp_counters",
     "tcp_window_max",
     "tcp_wmem_max",
 ]
@@ -111,6 +112,7 @@ def fast_socket(stream: Stream, buffer_bytes: int | None) -> socket.socket | Non
 
 
 _TCP_INFO_RTT_OFFSET = 68  # struct tcp_info: tcpi_rtt (microseconds, u32)
+_TCP_INFO_MIN_RTT_OFFSET = 148  # struct tcp_info: tcpi_min_rtt (microseconds, u32; Linux 4.10+)
 _wmem_max: int | None = None
 _window_max: int | None = None
 
@@ -148,8 +150,11 @@ def path_estimate(stream: Stream) -> tuple[float, int] | None:
     """``(round trip in seconds, window in bytes)`` of an open connection, or None when unknown.
 
     A stream may say itself (``stream.path_estimate()``, as the virtual network's do); on a TCP
-    socket the kernel's smoothed round trip (``TCP_INFO``) and :func:`tcp_window_max` are used;
-    other streams (TLS, Unix sockets) are unknown.
+    socket the kernel's smallest round trip sample (``TCP_INFO`` ``tcpi_min_rtt``; its smoothed
+    round trip on kernels without it) and :func:`tcp_window_max` are used; other streams (TLS, Unix
+    sockets) are unknown. The smallest, not the smoothed one: under loss a handshake whose segment
+    was retransmitted can leave one sample of a retransmission timeout in the smoothed figure (seen
+    on the WAN emulator at 1% loss: a 50 ms partner guessed at 16 connections, the cap).
     """
     own = getattr(stream, "path_estimate", None)
     if callable(own):
@@ -162,13 +167,56 @@ def path_estimate(stream: Stream) -> tuple[float, int] | None:
     if tsock.family not in (socket.AF_INET, socket.AF_INET6):
         return None
     try:
-        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 104)
+        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 160)
     except OSError:
         return None
     if len(info) < _TCP_INFO_RTT_OFFSET + 4:
         return None
-    rtt_us = int.from_bytes(info[_TCP_INFO_RTT_OFFSET : _TCP_INFO_RTT_OFFSET + 4], sys.byteorder)
+
+    def u32(at: int) -> int:
+        return int.from_bytes(info[at : at + 4], sys.byteorder)
+
+    rtt_us = u32(_TCP_INFO_RTT_OFFSET)
+    if len(info) >= _TCP_INFO_MIN_RTT_OFFSET + 4:
+        min_us = u32(_TCP_INFO_MIN_RTT_OFFSET)
+        if 0 < min_us < 0xFFFFFFFF:  # ~0U: no sample yet
+            rtt_us = min(rtt_us, min_us) if rtt_us else min_us
     return rtt_us / 1e6, tcp_window_max()
+
+
+_TCP_INFO_TOTAL_RETRANS_OFFSET = 100  # struct tcp_info: tcpi_total_retrans (segments, u32)
+_TCP_INFO_DATA_SEGS_OUT_OFFSET = 156  # struct tcp_info: tcpi_data_segs_out (segments, u32; Linux 4.6+)
+
+
+def tcp_counters(stream: Stream) -> tuple[int, int] | None:
+    """``(segments retransmitted, data segments sent)`` of an open connection so far, or None when
+    unknown (the loss signal of :meth:`pccl.peer.striping.StripeSizer.observe`).
+
+    A stream may say itself (``stream.tcp_counters()``); on a TCP socket the kernel's ``TCP_INFO``
+    (``tcpi_total_retrans``, ``tcpi_data_segs_out``) is read; other streams are unknown. Both
+    counters are 32 bits wide and wrap: take differences modulo 2**32.
+    """
+    own = getattr(stream, "tcp_counters", None)
+    if callable(own):
+        result: tuple[int, int] | None = own()
+        return result
+    tsock: Any = getattr(stream, "socket", None)
+    tcp_info = getattr(socket, "TCP_INFO", None)
+    if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+        return None
+    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    try:
+        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 160)
+    except OSError:
+        return None
+    if len(info) < _TCP_INFO_DATA_SEGS_OUT_OFFSET + 4:
+        return None
+
+    def u32(at: int) -> int:
+        return int.from_bytes(info[at : at + 4], sys.byteorder)
+
+    return u32(_TCP_INFO_TOTAL_RETRANS_OFFSET), u32(_TCP_INFO_DATA_SEGS_OUT_OFFSET)
 
 
 def open_conn(

@@ -14,7 +14,7 @@ from ..transport import Transport
 from .credentials import CredentialStore
 from .op_io import OpIo
 from .p2p import open_p2p
-from .ring_conn import Broken, Conn, open_conn, path_estimate
+from .ring_conn import Broken, Conn, open_conn, path_estimate, tcp_counters
 from .striping import StripeSizer
 
 __all__ = ["RING_CHANNEL", "RingLinks", "Transfer"]
@@ -30,13 +30,28 @@ class Transfer:
     another transfer to the same partner overlapped it (then its throughput is a share of the link's,
     not the link's, and is not observed)."""
 
-    __slots__ = ("connections", "peer_id", "shared", "start")
+    __slots__ = ("connections", "counters", "peer_id", "shared", "start")
 
     def __init__(self, peer_id: int, start: float, connections: int) -> None:
         self.peer_id = peer_id
         self.start = start
         self.connections = connections
         self.shared = False
+        #: each striped connection's (retransmitted, sent) segment counters at the start
+        self.counters: list[tuple[Conn, tuple[int, int]]] = []
+
+
+def _retransmitted(t: Transfer) -> float:
+    """The share of the segments ``t``'s connections sent during it that were retransmissions (0 where
+    the counters are unknown or a connection was replaced meanwhile)."""
+    again = sent = 0
+    for conn, (r0, s0) in t.counters:
+        now = tcp_counters(conn.stream)
+        if now is None or conn.closed:
+            continue
+        again += (now[0] - r0) % (1 << 32)
+        sent += (now[1] - s0) % (1 << 32)
+    return again / sent if sent else 0.0
 
 
 class RingLinks:
@@ -77,6 +92,8 @@ class RingLinks:
         self.io: OpIo | None = None  # bytes per operation and partner (the pool sets it)
         self.connections_lost = 0
         self.retired = 0  # peers whose connections retire() closed
+        #: per partner, the share of segments retransmitted in its last observed transfer
+        self.retransmitted: dict[int, float] = {}
 
     async def connect(self, peer_id: int, host: str, port: int) -> None:
         """Make sure all ``pool_size`` outgoing connections to ``peer_id`` are open.
@@ -191,6 +208,11 @@ class RingLinks:
     def begin_transfer(self, peer_id: int) -> Transfer:
         """A large operation starts sending to ``peer_id`` over :meth:`stripes` connections."""
         t = Transfer(peer_id, trio.current_time(), self.stripes(peer_id))
+        if peer_id in self.sizers and not self.pool_size:
+            for c in self.conns.get(peer_id, [])[: t.connections]:
+                counters = None if c is None else tcp_counters(c.stream)
+                if c is not None and counters is not None:
+                    t.counters.append((c, counters))
         running = self._transfers.setdefault(peer_id, set())
         if running:
             t.shared = True
@@ -213,10 +235,12 @@ class RingLinks:
         if not completed or t.shared or sizer is None or self.pool_size:
             return
         before = sizer.count
-        after = sizer.observe(nbytes, trio.current_time() - t.start, t.connections)
-        if after != before:
-            log.info("peer %d: %d bytes in %.3f s over %d connection(s): %d from now on (%r)", t.peer_id,
-                     nbytes, trio.current_time() - t.start, t.connections, after, sizer)
+        again = self.retransmitted[t.peer_id] = _retransmitted(t)
+        after = sizer.observe(nbytes, trio.current_time() - t.start, t.connections, again)
+        log.log(logging.INFO if after != before else logging.DEBUG,
+                "peer %d: %d bytes in %.3f s over %d connection(s), %.2f%% retransmitted: %d from now on "
+                "(%r)", t.peer_id, nbytes, trio.current_time() - t.start, t.connections, 100 * again, after,
+                sizer)
 
     async def _open_one(
         self, peer_id: int, host: str, port: int, index: int, conns: list[Conn | None], errors: list[str]
@@ -282,6 +306,7 @@ class RingLinks:
             conns += [c for c in self.conns.pop(p) if c is not None]
             self._addr.pop(p, None)
             self.sizers.pop(p, None)
+            self.retransmitted.pop(p, None)
         self.retired += len(gone)
         with trio.CancelScope(shield=True):
             for c in conns:

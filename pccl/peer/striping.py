@@ -12,11 +12,19 @@ cover the bandwidth-delay product.
 ``B`` is not known when the first connection to a partner opens (the bandwidth is only measured by
 ``optimize_topology()``, which the default must not need), but the round trip is. So
 :class:`StripeSizer` starts from a guess, ``B`` = ``PeerConfig.p2p_stripe_target_mbit`` (1000
-Mbit/s: one connection on a LAN or loopback, 3 at 50 ms, 5 at 100 ms), and then adapts to the
+Mbit/s, and at least four connections where the link needs several, :func:`guess_count`: one
+connection on a LAN or loopback, 4 at 50 ms, 5 at 100 ms), and then adapts to the
 throughput the partner's large transfers actually reach (:meth:`StripeSizer.observe`):
 
-* **the link is slower** (each connection carried less than :data:`LOW_USE` of its window per round
-  trip): more connections than the bandwidth-delay product needs only overflow a shallow bottleneck
+* **the extra connections of the guess**, if any, are **tried without once**, at the first counted
+  transfer, unless it saw **random loss** (its connections retransmitted at least :data:`LOSSY` and
+  less than :data:`CONGESTED` of their segments; then at the first counted transfer without it).
+  Why four, and why loss keeps them: a connection that lost a segment carries less until the hole is
+  repaired, and an operation's last frames wait for it; the extra connections, open and warm from
+  the start, cost nothing to keep, where connections added once loss shows start slowly under it
+  (docs/topology.md "At least four connections", with the measurements);
+* **the link is slower** (the connections the windows need carried less than :data:`LOW_USE` of
+  their windows per round trip): more connections than the bandwidth-delay product needs only overflow a shallow bottleneck
   queue together (measured, raw TCP at 200 Mbit/s and 100 ms over a queue of one bandwidth-delay
   product: one connection 92% of the wire, two 85%, five 84% with 39,577 queue drops), so the count
   drops to what the observed throughput needs with :data:`HEADROOM`;
@@ -44,14 +52,18 @@ from __future__ import annotations
 import math
 
 __all__ = [
+    "CONGESTED",
     "HEADROOM",
     "HIGH_USE",
     "KEEP_LOWER",
     "KEEP_RAISE",
+    "LOSSY",
     "LOW_USE",
     "MIN_RTTS",
+    "MIN_STRIPES",
     "WINDOW_USE",
     "StripeSizer",
+    "guess_count",
     "stripe_count",
 ]
 
@@ -72,6 +84,16 @@ HEADROOM = 1.1
 KEEP_LOWER = 0.9
 #: A raised count stays only if the throughput rose to at least this share of the one before.
 KEEP_RAISE = 1.05
+#: The fewest connections the first guess gives a partner that needs more than one (see
+#: :func:`guess_count`).
+MIN_STRIPES = 4
+#: A transfer whose connections retransmitted at least this share of the segments they sent (and less
+#: than :data:`CONGESTED`) saw random loss on the path (1% random loss each way on the WAN emulator:
+#: 0.9-1.1% per operation, 2.2% once; its loss-free 1000 Mbit/s links mostly 0-0.4%).
+LOSSY = 0.005
+#: At or above this share the stripe itself overflowed a queue (the emulator's loss-free 1000 Mbit/s
+#: links: 2.4-17% in the operations that overflowed it); random loss this high is not told apart.
+CONGESTED = 0.02
 
 
 def stripe_count(rtt_s: float, *, window_bytes: int, target_bytes_per_s: float, max_stripes: int) -> int:
@@ -96,6 +118,19 @@ def stripe_count(rtt_s: float, *, window_bytes: int, target_bytes_per_s: float, 
     return max(1, min(max_stripes, math.ceil(need)))
 
 
+def guess_count(rtt_s: float, *, window_bytes: int, target_bytes_per_s: float, max_stripes: int) -> int:
+    """The first count for a partner: :func:`stripe_count`, and at least :data:`MIN_STRIPES` where
+    that is more than one connection (a partner one connection covers, on loopback or a LAN, keeps
+    one). :class:`StripeSizer` tries the count the windows need once the first transfer counted,
+    and goes back to this one only if that was slower (see its docstring).
+
+    Args and result as :func:`stripe_count`.
+    """
+    need = stripe_count(rtt_s, window_bytes=window_bytes, target_bytes_per_s=target_bytes_per_s,
+                        max_stripes=max_stripes)
+    return need if need <= 1 else min(max_stripes, max(need, MIN_STRIPES))
+
+
 class StripeSizer:
     """The connection count for one partner: the round trip's guess, then adapted to the throughput
     its transfers reach (see the module docstring). No clock, no sockets: the pool reports each
@@ -109,8 +144,8 @@ class StripeSizer:
         max_stripes: the upper bound (``p2p_max_stripes``, >= 1).
     """
 
-    __slots__ = ("_settling", "_trial", "ceiling", "count", "floor", "guess", "max_stripes", "rate",
-                 "rtt_s", "window_bytes")
+    __slots__ = ("_need", "_probe", "_settling", "_trial", "ceiling", "count", "floor", "guess",
+                 "max_stripes", "rate", "rtt_s", "window_bytes")
 
     def __init__(
         self, rtt_s: float, *, window_bytes: int, guess_bytes_per_s: float, max_stripes: int
@@ -119,8 +154,8 @@ class StripeSizer:
         self.window_bytes = window_bytes
         self.max_stripes = max_stripes
         #: the round trip's count (the guess at ``guess_bytes_per_s``): whether the partner is far
-        self.guess = stripe_count(rtt_s, window_bytes=window_bytes, target_bytes_per_s=guess_bytes_per_s,
-                                  max_stripes=max_stripes)
+        self.guess = guess_count(rtt_s, window_bytes=window_bytes, target_bytes_per_s=guess_bytes_per_s,
+                                 max_stripes=max_stripes)
         #: the connections the next operation stripes over
         self.count = self.guess
         #: the counts tried and found worse bound the search to ``floor..ceiling``
@@ -132,6 +167,10 @@ class StripeSizer:
         # the count just changed: the next observation is not counted (nor the first: the first
         # transfer over new connections includes their slow start)
         self._settling = True
+        # the count the windows need, where the guess starts above it (MIN_STRIPES): tried once
+        self._need = stripe_count(rtt_s, window_bytes=window_bytes, target_bytes_per_s=guess_bytes_per_s,
+                                  max_stripes=max_stripes)
+        self._probe: int | None = self._need if self._need < self.guess else None
 
     def _per_rtt(self) -> float:
         """Bytes one connection keeps in flight per round trip."""
@@ -141,9 +180,10 @@ class StripeSizer:
         """The share of their windows ``connections`` connections used per round trip at ``rate``."""
         return rate * self.rtt_s / (connections * self._per_rtt())
 
-    def observe(self, nbytes: int, seconds: float, connections: int) -> int:
+    def observe(self, nbytes: int, seconds: float, connections: int, retransmitted: float = 0.0) -> int:
         """One transfer to the partner: ``nbytes`` sent over ``connections`` in ``seconds`` (with no other
-        transfer to it at the same time). Returns the count for the next operations (:attr:`count`).
+        transfer to it at the same time), of whose segments the share ``retransmitted`` was sent again
+        (0 where unknown). Returns the count for the next operations (:attr:`count`).
 
         Ignored (the count unchanged): a transfer over another count than the current one (it started
         before the count changed), one shorter than :data:`MIN_RTTS` round trips, an unknown round
@@ -168,12 +208,20 @@ class StripeSizer:
                 return self._change(before)
         use = self.use(rate, connections)
         need = math.ceil(rate * self.rtt_s * HEADROOM / self._per_rtt())
-        if use < LOW_USE and connections > self.floor:
+        probe = self._probe
+        # the guess's extra connections (MIN_STRIPES) are not "more than the link needs": the link
+        # is slower than assumed only if the count the windows need was underused
+        if self.use(rate, min(connections, self._need)) < LOW_USE and connections > self.floor:
             new = max(self.floor, min(connections - 1, need))
         elif use >= HIGH_USE and connections < self.ceiling:
             new = min(self.ceiling, max(connections + 1, need))
+        elif probe is not None and self.floor <= probe < connections:
+            if LOSSY <= retransmitted < CONGESTED:
+                return self.count  # random loss: the extra connections stay (tried again without loss)
+            new = probe  # the guess's extra connections: tried without them, once
         else:
             return self.count
+        self._probe = None
         self._trial = (connections, rate)
         return self._change(new)
 

@@ -52,7 +52,7 @@ def test_which_exchanges_are_split() -> None:
 async def test_a_far_partner_gets_the_frames_on_different_connections(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    # 50 ms round trip: three connections each way (the default sizing, pccl/peer/striping.py)
+    # 50 ms round trip: four connections each way (three, and the floor; pccl/peer/striping.py)
     net = VirtualNetwork(latency=0.025)
     async with open_test_cluster(2, network=net, pool_size=0, config=DEFAULT_PEER_CONFIG) as cl:
         before = [_sent_per_connection(c) for c in cl.peers]
@@ -61,7 +61,7 @@ async def test_a_far_partner_gets_the_frames_on_different_connections(
             for c, x in zip(cl.peers, xs, strict=True):
                 nursery.start_soon(functools.partial(c.all_reduce, x))
         after = [_sent_per_connection(c) for c in cl.peers]
-        assert all(c.pool.stripes(p) == 3 for c in cl.peers for p in c.pool.statistics()["stripes"])
+        assert all(c.pool.stripes(p) == 4 for c in cl.peers for p in c.pool.statistics()["stripes"])
     expected = np.arange(1024, dtype=np.float32) * 3
     assert all(np.array_equal(x, expected) for x in xs)
     for b, a in zip(before, after, strict=True):

@@ -171,10 +171,10 @@ def test_default_config_stripes_over_a_long_link(pccl_wan: WanFactory) -> None:
         master.kill()
         master.wait()
     from pccl.peer.ring_conn import tcp_window_max
-    from pccl.peer.striping import stripe_count
+    from pccl.peer.striping import guess_count
 
-    # 50 ms round trip, the host's usable window (4 MiB here: three), 1000 Mbit/s target
-    expected = stripe_count(0.05, window_bytes=tcp_window_max(), target_bytes_per_s=125e6, max_stripes=16)
+    # 50 ms round trip, the host's usable window (4 MiB here: three, and the floor: four), 1000 Mbit/s target
+    expected = guess_count(0.05, window_bytes=tcp_window_max(), target_bytes_per_s=125e6, max_stripes=16)
     for r in results:
         assert r["sum_ok"]
         assert r["outgoing"] == [expected]
