@@ -146,6 +146,35 @@ def tcp_window_max() -> int:
     return _window_max
 
 
+class _TcpInfo:
+    """The kernel's ``TCP_INFO`` of a TCP socket's stream, read once (``None`` from :meth:`read`
+    where there is none: TLS and Unix-socket streams, a closed socket, a platform without it)."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    @classmethod
+    def read(cls, stream: Stream) -> _TcpInfo | None:
+        tsock: Any = getattr(stream, "socket", None)
+        tcp_info = getattr(socket, "TCP_INFO", None)
+        if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+            return None
+        if tsock.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
+        try:
+            return cls(tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 160))
+        except OSError:
+            return None
+
+    def u32(self, offset: int) -> int | None:
+        """The unsigned 32-bit field at ``offset`` (None: this kernel's struct is shorter)."""
+        if len(self.data) < offset + 4:
+            return None
+        return int.from_bytes(self.data[offset : offset + 4], sys.byteorder)
+
+
 def path_estimate(stream: Stream) -> tuple[float, int] | None:
     """``(round trip in seconds, window in bytes)`` of an open connection, or None when unknown.
 
@@ -160,27 +189,13 @@ def path_estimate(stream: Stream) -> tuple[float, int] | None:
     if callable(own):
         result: tuple[float, int] | None = own()
         return result
-    tsock: Any = getattr(stream, "socket", None)
-    tcp_info = getattr(socket, "TCP_INFO", None)
-    if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+    info = _TcpInfo.read(stream)
+    rtt_us = None if info is None else info.u32(_TCP_INFO_RTT_OFFSET)
+    if info is None or rtt_us is None:
         return None
-    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
-        return None
-    try:
-        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 160)
-    except OSError:
-        return None
-    if len(info) < _TCP_INFO_RTT_OFFSET + 4:
-        return None
-
-    def u32(at: int) -> int:
-        return int.from_bytes(info[at : at + 4], sys.byteorder)
-
-    rtt_us = u32(_TCP_INFO_RTT_OFFSET)
-    if len(info) >= _TCP_INFO_MIN_RTT_OFFSET + 4:
-        min_us = u32(_TCP_INFO_MIN_RTT_OFFSET)
-        if 0 < min_us < 0xFFFFFFFF:  # ~0U: no sample yet
-            rtt_us = min(rtt_us, min_us) if rtt_us else min_us
+    min_us = info.u32(_TCP_INFO_MIN_RTT_OFFSET)
+    if min_us is not None and 0 < min_us < 0xFFFFFFFF:  # ~0U: no sample yet
+        rtt_us = min(rtt_us, min_us) if rtt_us else min_us
     return rtt_us / 1e6, tcp_window_max()
 
 
@@ -200,23 +215,11 @@ def tcp_counters(stream: Stream) -> tuple[int, int] | None:
     if callable(own):
         result: tuple[int, int] | None = own()
         return result
-    tsock: Any = getattr(stream, "socket", None)
-    tcp_info = getattr(socket, "TCP_INFO", None)
-    if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+    info = _TcpInfo.read(stream)
+    if info is None:
         return None
-    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
-        return None
-    try:
-        info = tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 160)
-    except OSError:
-        return None
-    if len(info) < _TCP_INFO_DATA_SEGS_OUT_OFFSET + 4:
-        return None
-
-    def u32(at: int) -> int:
-        return int.from_bytes(info[at : at + 4], sys.byteorder)
-
-    return u32(_TCP_INFO_TOTAL_RETRANS_OFFSET), u32(_TCP_INFO_DATA_SEGS_OUT_OFFSET)
+    again, sent = info.u32(_TCP_INFO_TOTAL_RETRANS_OFFSET), info.u32(_TCP_INFO_DATA_SEGS_OUT_OFFSET)
+    return None if again is None or sent is None else (again, sent)
 
 
 def open_conn(

@@ -13,8 +13,8 @@ cover the bandwidth-delay product.
 ``optimize_topology()``, which the default must not need), but the round trip is. So
 :class:`StripeSizer` starts from a guess, ``B`` = ``PeerConfig.p2p_stripe_target_mbit`` (1000
 Mbit/s, and at least four connections where the link needs several, :func:`guess_count`: one
-connection on a LAN or loopback, 4 at 50 ms, 5 at 100 ms), and then adapts to the
-throughput the partner's large transfers actually reach (:meth:`StripeSizer.observe`):
+connection on a LAN or loopback, 4 at 50 ms, 5 at 100 ms), and then adapts to the throughput the
+partner's large transfers actually reach (:meth:`StripeSizer.observe`):
 
 * **the extra connections of the guess**, if any, are **tried without once**, at the first counted
   transfer, unless it saw **random loss** (its connections retransmitted at least :data:`LOSSY` and
@@ -24,10 +24,11 @@ throughput the partner's large transfers actually reach (:meth:`StripeSizer.obse
   the start, cost nothing to keep, where connections added once loss shows start slowly under it
   (docs/topology.md "At least four connections", with the measurements);
 * **the link is slower** (the connections the windows need carried less than :data:`LOW_USE` of
-  their windows per round trip): more connections than the bandwidth-delay product needs only overflow a shallow bottleneck
-  queue together (measured, raw TCP at 200 Mbit/s and 100 ms over a queue of one bandwidth-delay
-  product: one connection 92% of the wire, two 85%, five 84% with 39,577 queue drops), so the count
-  drops to what the observed throughput needs with :data:`HEADROOM`;
+  their windows per round trip): more connections than the bandwidth-delay product needs only
+  overflow a shallow bottleneck queue together (measured, raw TCP at 200 Mbit/s and 100 ms over a
+  queue of one bandwidth-delay product: one connection 92% of the wire, two 85%, five 84% with
+  39,577 queue drops), so the count drops to what the observed throughput needs with
+  :data:`HEADROOM`;
 * **the stripe is window-bound** (the connections carried :data:`HIGH_USE` of their windows or
   more): the link may carry more, so the count grows (by at least one, to the observed need with
   :data:`HEADROOM`);

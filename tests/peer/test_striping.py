@@ -8,6 +8,7 @@ import dataclasses
 import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import numpy as np
 import pytest
@@ -384,19 +385,28 @@ async def test_without_retransmissions_the_extra_connections_are_tried_without(
     assert times[3] <= times[1] * 1.01
 
 
-@pytest.mark.timeout(30)
-async def test_tcp_counters_of_a_real_connection() -> None:
+@asynccontextmanager
+async def _loopback_tcp() -> AsyncIterator[tuple[Any, Any]]:
+    """A real TCP connection over loopback: (client, server) streams, closed on exit."""
     transport = TcpTransport(same_host=False)
     listener = await transport.listen("127.0.0.1", 0)
     client = await transport.connect(*listener.address)
     server = await listener.accept()
-    before = tcp_counters(client)
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(client.send_all, b"x" * 200_000)
-        await receive_exactly_into(server, memoryview(bytearray(200_000)))
-    after = tcp_counters(client)
-    for closing in (client, server, listener):
-        await closing.aclose()
+    try:
+        yield client, server
+    finally:
+        for closing in (client, server, listener):
+            await closing.aclose()
+
+
+@pytest.mark.timeout(30)
+async def test_tcp_counters_of_a_real_connection() -> None:
+    async with _loopback_tcp() as (client, server):
+        before = tcp_counters(client)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.send_all, b"x" * 200_000)
+            await receive_exactly_into(server, memoryview(bytearray(200_000)))
+        after = tcp_counters(client)
     assert before is not None and after is not None
     assert after[0] == 0  # loopback loses nothing
     assert after[1] > before[1]  # data segments were sent
@@ -405,13 +415,8 @@ async def test_tcp_counters_of_a_real_connection() -> None:
 
 @pytest.mark.timeout(30)
 async def test_path_estimate_of_a_real_connection() -> None:
-    transport = TcpTransport(same_host=False)
-    listener = await transport.listen("127.0.0.1", 0)
-    client = await transport.connect(*listener.address)
-    server = await listener.accept()
-    estimate = path_estimate(client)
-    for closing in (client, server, listener):
-        await closing.aclose()
+    async with _loopback_tcp() as (client, _server):
+        estimate = path_estimate(client)
     assert estimate is not None
     rtt, window = estimate
     assert 0 < rtt < 0.1  # loopback: the smallest sample of the handshake, well under a millisecond here
