@@ -16,7 +16,7 @@ Mbit/s, and at least four connections where the link needs several, :func:`guess
 connection on a LAN or loopback, 4 at 50 ms, 5 at 100 ms), and then adapts to the throughput the
 partner's large transfers actually reach (:meth:`StripeSizer.observe`):
 
-* **the extra connections of the guess**, if any, are **tried without once**, at the first counted
+* **the extra connections of the guess**, if any: **one fewer is tried once**, at the first counted
   transfer, unless it saw **random loss** (its connections retransmitted at least :data:`LOSSY` and
   less than :data:`CONGESTED` of their segments; then at the first counted transfer without it).
   Why four, and why loss keeps them: a connection that lost a segment carries less until the hole is
@@ -122,8 +122,8 @@ def stripe_count(rtt_s: float, *, window_bytes: int, target_bytes_per_s: float, 
 def guess_count(rtt_s: float, *, window_bytes: int, target_bytes_per_s: float, max_stripes: int) -> int:
     """The first count for a partner: :func:`stripe_count`, and at least :data:`MIN_STRIPES` where
     that is more than one connection (a partner one connection covers, on loopback or a LAN, keeps
-    one). :class:`StripeSizer` tries the count the windows need once the first transfer counted,
-    and goes back to this one only if that was slower (see its docstring).
+    one). :class:`StripeSizer` tries one fewer once the first transfer counted, and goes back to
+    this one only if that was slower (see its docstring).
 
     Args and result as :func:`stripe_count`.
     """
@@ -168,10 +168,10 @@ class StripeSizer:
         # the count just changed: the next observation is not counted (nor the first: the first
         # transfer over new connections includes their slow start)
         self._settling = True
-        # the count the windows need, where the guess starts above it (MIN_STRIPES): tried once
+        # where the guess starts above the count the windows need (MIN_STRIPES): one fewer, tried once
         self._need = stripe_count(rtt_s, window_bytes=window_bytes, target_bytes_per_s=guess_bytes_per_s,
                                   max_stripes=max_stripes)
-        self._probe: int | None = self._need if self._need < self.guess else None
+        self._probe: int | None = self.guess - 1 if self._need < self.guess else None
 
     def _per_rtt(self) -> float:
         """Bytes one connection keeps in flight per round trip."""
@@ -219,7 +219,7 @@ class StripeSizer:
         elif probe is not None and self.floor <= probe < connections:
             if LOSSY <= retransmitted < CONGESTED:
                 return self.count  # random loss: the extra connections stay (tried again without loss)
-            new = probe  # the guess's extra connections: tried without them, once
+            new = probe  # one of the guess's extra connections: tried without it, once
         else:
             return self.count
         self._probe = None
