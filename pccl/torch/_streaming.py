@@ -199,8 +199,7 @@ class StreamingCore:
         self.cycle_tensor = torch.zeros(1, dtype=torch.int64)
         self.shared = SharedModel(self.outer_model, self.outer_optimizer, buffers=False,
                                   extra={"stream/cycle": self.cycle_tensor})
-        contributors = replay_heals
-        self.contributors = contributors
+        self.contributors = replay_heals
         self.replay_queue: list[tuple[Fragment, torch.Tensor]] | None = None  # a replaying newcomer's rounds
         self.replay_point = (0, 0)  # its (admission cycle, join cycle)
         self.rounds_replayed = 0
@@ -209,7 +208,7 @@ class StreamingCore:
         # the uncompressed exchanges' buffers with ``contributors``: the pseudo-gradient, then the flag
         self.fragments, self._wires = build_fragments(
             list(model.named_parameters()), dict(self.outer_model.named_parameters()), fragments, codec,
-            inner_steps=inner_steps, error_feedback=error_feedback, flagged=contributors)
+            inner_steps=inner_steps, error_feedback=error_feedback, flagged=self.contributors)
         if any(f.spec == "auto" for f in self.fragments) and budget_bytes is None:
             raise InvalidArgumentError('codec "auto" needs budget_bytes')
         self.error_feedback = error_feedback
@@ -621,13 +620,10 @@ class StreamingCore:
                 average = contributors_average(f.codec, f.gathered, f.world, f.numel)
             else:
                 average = average_payloads(f.codec, f.gathered, f.world, f.numel)
-            if average is None:  # nobody contributed (every peer sees the same flags): nothing to apply
-                self._lose(f)
-                return 0
-            if f.feedback is not None:
+            if f.feedback is not None and average is not None:
                 f.feedback.commit()
             f.payload = f.gathered = None
-        if average is None:
+        if average is None:  # nobody contributed (every peer sees the same flags): nothing to apply
             self._lose(f)
             return 0
         self._apply(f, average)

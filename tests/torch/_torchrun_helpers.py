@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
 from pccl.testing import MASTER, HookAction, Reset, TestCluster, TrafficEvent, tensor_bytes
-from pccl.torch import SharedModel, Step, global_batch_indices
+from pccl.torch import SharedModel, Step, StepResult, global_batch_indices
 
 
 def integer_data(n: int = 48, d: int = 4, dtype: torch.dtype = torch.float64, seed: int = 0,
@@ -53,10 +54,14 @@ def float_data(n: int = 96, d: int = 6, dtype: torch.dtype = torch.float32, seed
 
 
 def mse_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, global_batch: int,
-                 seen: list[tuple[int, int, int]] | None = None) -> Callable[[Step], float]:
-    """The user's callback: MSE on this peer's shard of the step's global batch."""
+                 seen: list[tuple[int, int, int]] | None = None,
+                 on_step: Callable[[Step], None] | None = None) -> Callable[[Step], float]:
+    """The user's callback: MSE on this peer's shard of the step's global batch (``on_step`` is
+    called with each step first)."""
 
     def backward(step: Step) -> float:
+        if on_step is not None:
+            on_step(step)
         idx = torch.from_numpy(step.shard(global_batch, len(x)))
         if seen is not None:
             seen.append((step.index, step.world_size, step.attempt))
@@ -65,6 +70,13 @@ def mse_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor, global_batc
         return float(loss.detach())
 
     return backward
+
+
+async def run_steps(run: Any, backward: Callable[[Step], float], results: list[StepResult]) -> None:
+    """Step an async driver (``AsyncDiLoCo``, ``AsyncStreamingDiLoCo``) until it ends, appending
+    each step's result to ``results`` (kept by the caller, so a failed run leaves what it did)."""
+    while (r := await run.step(backward)) is not None:
+        results.append(r)
 
 
 def single_process(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import trio
 import trio.testing
-from _torchrun_helpers import state_bytes
-from test_torch_diloco import GLOBAL_BATCH, INNER, UINT8_MIN_MAX, D, N, full_loss, outer_sgd, problem, train
+from _torchrun_helpers import mse_backward, run_steps, state_bytes
+from test_torch_diloco import GLOBAL_BATCH, INNER, UINT8_MIN_MAX, D, full_loss, outer_sgd, problem, train
 from torch import nn
 
 import pccl
@@ -132,18 +132,10 @@ async def _train_replaying(cluster: TestCluster, i: int, nursery: trio.Nursery, 
                          nursery=nursery, replay_heals=True, quantization=quantization)
     start = full_loss(diloco.outer_model, x, y)
 
-    def backward(step: Any) -> float:
-        if on_step is not None:
-            on_step(i, step)
-        idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
-        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()
-        return float(loss.detach())
-
+    hook = None if on_step is None else functools.partial(on_step, i)
     results: list[StepResult] = []
     try:
-        while (r := await diloco.step(backward)) is not None:
-            results.append(r)
+        await run_steps(diloco, mse_backward(model, x, y, GLOBAL_BATCH, on_step=hook), results)
     finally:
         out[i] = (diloco, start, full_loss(diloco.outer_model, x, y), results)
 

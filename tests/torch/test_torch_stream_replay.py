@@ -14,8 +14,8 @@ import pytest
 import torch
 import trio
 import trio.testing
-from _torchrun_helpers import state_bytes
-from test_torch_streaming import GLOBAL_BATCH, D, N, full_loss, outer_sgd, problem
+from _torchrun_helpers import mse_backward, run_steps, state_bytes
+from test_torch_streaming import GLOBAL_BATCH, D, full_loss, outer_sgd, problem
 from torch import nn
 
 import pccl
@@ -108,18 +108,13 @@ async def _train(cluster: TestCluster, i: int, nursery: trio.Nursery, out: dict[
                                replay_heals=True, sync_every=sync_every)
     start = full_loss(run.outer_model, x, y)
 
-    def backward(step: Any) -> float:
+    def record(_step: Any) -> None:
         if times is not None:
             times.setdefault(i, []).append(trio.current_time())
-        idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
-        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()
-        return float(loss.detach())
 
     results: list[StepResult] = []
     try:
-        while (r := await run.step(backward)) is not None:
-            results.append(r)
+        await run_steps(run, mse_backward(model, x, y, GLOBAL_BATCH, on_step=record), results)
     finally:
         out[i] = (run, start, full_loss(run.outer_model, x, y), results)
 

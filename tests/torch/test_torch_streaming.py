@@ -12,7 +12,7 @@ import pytest
 import torch
 import trio
 import trio.testing
-from _torchrun_helpers import KillMidReduce, state_bytes
+from _torchrun_helpers import KillMidReduce, mse_backward, run_steps, state_bytes
 from torch import nn
 
 import pccl
@@ -64,17 +64,8 @@ async def train(cluster: TestCluster, i: int, nursery: trio.Nursery, *, cycles: 
                                overlap=overlap, mixing=0.5, codec=codec, total_outer_steps=cycles)
     start = full_loss(run.outer_model, x, y)
 
-    def backward(step: Any) -> float:
-        if on_step is not None:
-            on_step(step)
-        idx = torch.from_numpy(step.shard(GLOBAL_BATCH, N))
-        loss = nn.functional.mse_loss(model(x[idx]), y[idx])
-        loss.backward()
-        return float(loss.detach())
-
     results: list[StepResult] = []
-    while (r := await run.step(backward)) is not None:
-        results.append(r)
+    await run_steps(run, mse_backward(model, x, y, GLOBAL_BATCH, on_step=on_step), results)
     out[i] = (run, start, full_loss(run.outer_model, x, y), results)
 
 

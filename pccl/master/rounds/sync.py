@@ -180,11 +180,11 @@ class SyncVotes:
         rnd.running = True
         # the group's table: the participants, and the observers (in its collectives, in no sync vote: a
         # streaming DiLoCo's fragment exchanges are sized by it)
-        table = ctx.table(members)
+        listed = members
         if out:  # (someone heals: the membership walked once more)
             out_ops = ctx.left_out(group, "op")
-            table = ctx.table([p for p in ctx.accepted(group)
-                               if p in members or (p in out and p not in out_ops)])
+            listed = [p for p in ctx.accepted(group) if p in members or (p in out and p not in out_ops)]
+        table = ctx.table(listed)
         rows_of = {p: _election.fetch_rows(result.plans[p]) for p in members if p in result.plans}
         elected = votes[result.elected_holders[0]].entries if result.elected_holders else ()
         if ctx.may_go_live(rows_of, group, {e.key: e.hash for e in elected}):  # the holders return now
