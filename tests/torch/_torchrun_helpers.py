@@ -79,6 +79,14 @@ async def run_steps(run: Any, backward: Callable[[Step], float], results: list[S
         results.append(r)
 
 
+def finished_heals(cluster: TestCluster) -> dict[str, int]:
+    """The master's live-heal counters, once it is asserted that none is still under way (healing,
+    joining or observing)."""
+    heals: dict[str, int] = cluster.master.state.statistics()["heals"]
+    assert heals["healing"] == heals["joining"] == heals["observing"] == 0, heals
+    return heals
+
+
 def single_process(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
                    global_batch: int, steps: int) -> SharedModel:
     """The reference: plain torch on the same global batches."""
