@@ -38,7 +38,8 @@ count after each operation, and the emulator's queue drops and worst delivery la
 writes every master message and data frame each peer sent or received, with its
 ``time.perf_counter()``, to ``PATH.<peer id>`` (JSON; the namespaces share one monotonic clock, so the
 peers' records line up: how the 4 KB case's pacing delay was found, docs/topology.md);
-``PCCL_WAN_CPU=1`` the cores the forwarder, our peers (together), our master and the whole machine
+``PCCL_WAN_LOG=DEBUG`` writes each peer's ``pccl.p2p`` log (the stripe sizer's observations and
+decisions) to ``/tmp/pccl-wan-ours-<pid>.log``; ``PCCL_WAN_CPU=1`` the cores the forwarder, our peers (together), our master and the whole machine
 used during each timed operation (``_cpu_sampler.py``, median over the operations).
 
 usage: sudo python benchmarks/wan.py [--quick] [--cases a,b,...] [--iters 5] [--pool N] [--no-gloo]
@@ -277,6 +278,12 @@ def child_main(kind: str, cfg: dict[str, Any]) -> int:
     import logging
 
     logging.basicConfig(level=logging.WARNING)
+    if os.environ.get("PCCL_WAN_LOG"):  # e.g. DEBUG: the stripe sizer's decisions (logger pccl.p2p)
+        p2p = logging.getLogger("pccl.p2p")
+        p2p.setLevel(os.environ["PCCL_WAN_LOG"])
+        handler = logging.FileHandler(f"/tmp/pccl-wan-{kind}-{os.getpid()}.log")
+        handler.setFormatter(logging.Formatter("%(relativeCreated)d ms %(name)s: %(message)s"))
+        p2p.addHandler(handler)
     for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     if kind == "ours":

@@ -18,11 +18,16 @@ Modes (``--mode``):
   it has handed its last one to the kernel (a 4-byte block number precedes each block).
 
 ``--cc NAME`` sets the sending connections' congestion control (``TCP_CONGESTION``; what the kernel
-offers: ``sysctl net.ipv4.tcp_available_congestion_control``), ``--sndbuf BYTES`` their ``SO_SNDBUF``.
+offers: ``sysctl net.ipv4.tcp_available_congestion_control``), ``--sndbuf BYTES`` their ``SO_SNDBUF``,
+``--pace-mbit R`` their ``SO_MAX_PACING_RATE`` (``R`` in all, split evenly). ``--drop-to K`` (pull mode)
+sends over only the first ``K`` connections after the warm-up, as the library's stripe sizer does when
+it lowers a count, and ``--restart-cc`` then restarts their congestion control as the library does
+(docs/topology.md "Connections per partner").
 
 usage: sudo python benchmarks/wan_raw.py [--rtt-ms 50] [--rate-mbit 1000] [--stripes 3] [--mib 64]
                                          [--iters 5] [--mode ring] [--loss 0] [--prefix wanraw]
-                                         [--cc bbr] [--sndbuf 0]
+                                         [--cc bbr] [--sndbuf 0] [--pace-mbit 0]
+                                         [--drop-to K [--restart-cc]]
 """
 
 from __future__ import annotations
@@ -88,6 +93,9 @@ def _child(cfg: dict[str, Any]) -> None:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cfg["cc"].encode())
         if cfg.get("sndbuf"):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, cfg["sndbuf"])
+        if cfg.get("pace"):  # the whole rate, shared by the n connections
+            s.setsockopt(socket.SOL_SOCKET, getattr(socket, "SO_MAX_PACING_RATE", 47),
+                         int(cfg["pace"] * 1e6 / 8 / n))
         s.sendall(bytes([i]))
     inc: list[socket.socket] = [socket.socket()] * n
     for _ in range(n):
@@ -142,7 +150,16 @@ def _child(cfg: dict[str, Any]) -> None:
                         first_byte.append(time.perf_counter() - t0)
                     arrived[b].set()
 
-            threads = [threading.Thread(target=puller, args=(i,)) for i in range(n)]
+            # --drop-to K: after the warm-up, only the first K connections send (as the library's
+            # stripe sizer lowering the count), their congestion control restarted with --restart-cc
+            active = n if it < cfg["warmup"] or not cfg.get("drop_to") else cfg["drop_to"]
+            if active < n and it == cfg["warmup"] and cfg.get("restart_cc"):
+                for s in out[:active]:
+                    cc = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).split(b"\0")[0]
+                    other = b"reno" if cc != b"reno" else b"cubic"
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, other)
+                    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc)
+            threads = [threading.Thread(target=puller, args=(i,)) for i in range(active)]
             rthreads = [threading.Thread(target=pull_recv, args=(i,)) for i in range(n)]
             for t in threads + rthreads:
                 t.start()
@@ -220,6 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-kib", type=int, default=4096)
     ap.add_argument("--cc", default="",
                     help="TCP_CONGESTION of the sending connections (default: the kernel's)")
+    ap.add_argument("--drop-to", type=int, default=0,
+                    help="pull mode: after the warm-up only the first K connections send")
+    ap.add_argument("--restart-cc", action="store_true",
+                    help="with --drop-to: restart the kept connections' congestion control at the drop")
+    ap.add_argument("--pace-mbit", type=float, default=0.0,
+                    help="SO_MAX_PACING_RATE: this rate in all, split evenly over the sending connections")
     ap.add_argument("--sndbuf", type=int, default=0,
                     help="SO_SNDBUF of the sending connections (0: autotuning)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -249,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
                 cfg = {"addr": wan.addresses[h], "other": wan.addresses[1 - h], "rank": h,
                        "stripes": stripes, "mib": args.mib, "iters": args.iters,
                        "warmup": args.warmup, "mode": args.mode, "idle": args.idle,
-                       "block": args.block_kib << 10, "cc": args.cc, "sndbuf": args.sndbuf}
+                       "block": args.block_kib << 10, "cc": args.cc, "sndbuf": args.sndbuf,
+                       "pace": args.pace_mbit, "drop_to": args.drop_to, "restart_cc": args.restart_cc}
                 p = wan.popen(h, [sys.executable, __file__, "--child", json.dumps(cfg)],
                               stdout=subprocess.PIPE, text=True)
                 assert p.stdout is not None

@@ -39,6 +39,7 @@ __all__ = [
     "SocketConn",
     "open_conn",
     "path_estimate",
+    "restart_congestion_control",
     "tcp_counters",
     "tcp_window_max",
     "tcp_wmem_max",
@@ -220,6 +221,38 @@ def tcp_counters(stream: Stream) -> tuple[int, int] | None:
         return None
     again, sent = info.u32(_TCP_INFO_TOTAL_RETRANS_OFFSET), info.u32(_TCP_INFO_DATA_SEGS_OUT_OFFSET)
     return None if again is None or sent is None else (again, sent)
+
+
+def restart_congestion_control(stream: Stream) -> bool:
+    """Start an open connection's congestion control afresh (Linux: ``TCP_CONGESTION`` set to another
+    algorithm the kernel lets any process use, then back); True if it was restarted.
+
+    Why: a connection that shared a link with others keeps its congestion control's estimate of its
+    share for a while after they go (bbr grows its bandwidth estimate by a quarter every eight round
+    trips), so when the stripe drops from five connections to one the one left needs seconds to fill
+    the link alone. Restarted, bbr begins in its start-up mode from the connection's current window and
+    doubles its rate every round trip (cubic restarts its growth curve). Other streams (TLS, Unix
+    sockets, the virtual network) and kernels without the option are left alone (False).
+    """
+    own = getattr(stream, "restart_congestion_control", None)
+    if callable(own):
+        result: bool = own()
+        return result
+    tsock: Any = getattr(stream, "socket", None)
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None or not isinstance(tsock, trio.socket.SocketType):
+        return False
+    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    try:
+        current = tsock.getsockopt(socket.IPPROTO_TCP, option, 16).split(b"\0", 1)[0]
+        # reno is always allowed to unprivileged processes; from reno, the kernel's default is
+        other = b"cubic" if current == b"reno" else b"reno"
+        tsock.setsockopt(socket.IPPROTO_TCP, option, other)
+        tsock.setsockopt(socket.IPPROTO_TCP, option, current)
+    except OSError:
+        return False
+    return True
 
 
 def open_conn(

@@ -14,14 +14,18 @@ from ..transport import Transport
 from .credentials import CredentialStore
 from .op_io import OpIo
 from .p2p import open_p2p
-from .ring_conn import Broken, Conn, open_conn, path_estimate, tcp_counters
+from .ring_conn import Broken, Conn, open_conn, path_estimate, restart_congestion_control, tcp_counters
 from .striping import StripeSizer
 
-__all__ = ["RING_CHANNEL", "RingLinks", "Transfer"]
+__all__ = ["RESTART_BELOW", "RING_CHANNEL", "RingLinks", "Transfer"]
 
 log = logging.getLogger("pccl.p2p")
 
 RING_CHANNEL = "ring"
+
+#: Where the sizer lowers a partner's count to this share of what it was or less, the connections
+#: kept restart their congestion control (:func:`~pccl.peer.ring_conn.restart_congestion_control`).
+RESTART_BELOW = 2
 
 
 class Transfer:
@@ -241,6 +245,12 @@ class RingLinks:
                 "peer %d: %d bytes in %.3f s over %d connection(s), %.2f%% retransmitted: %d from now on "
                 "(%r)", t.peer_id, nbytes, trio.current_time() - t.start, t.connections, 100 * again, after,
                 sizer)
+        if after * RESTART_BELOW <= before:
+            # the connections kept must carry at least twice their share: restart their congestion
+            # control, which otherwise keeps its estimate of the share for seconds
+            kept = [c for c in self.conns.get(t.peer_id, [])[:after] if c is not None and not c.closed]
+            restarted = sum(restart_congestion_control(c.stream) for c in kept)
+            log.debug("peer %d: congestion control restarted on %d connection(s)", t.peer_id, restarted)
 
     async def _open_one(
         self, peer_id: int, host: str, port: int, index: int, conns: list[Conn | None], errors: list[str]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import socket
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,7 +21,7 @@ from pccl import PeerConfig, RankConnectionFailedError
 from pccl.peer import ring_links
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.peer.ring_conn import path_estimate, tcp_counters, tcp_window_max
+from pccl.peer.ring_conn import path_estimate, restart_congestion_control, tcp_counters, tcp_window_max
 from pccl.peer.striping import CONGESTED, LOSSY, WINDOW_USE, StripeSizer, guess_count, stripe_count
 from pccl.testing import VirtualNetwork, open_test_cluster, wait_until
 from pccl.testing.cluster import DEFAULT_PEER_CONFIG
@@ -344,6 +346,31 @@ async def test_a_slow_long_link_is_striped_over_fewer_connections(
     assert times[-1] <= times[0] * 1.01  # the link was the limit: one connection is as fast
 
 
+async def test_connections_left_to_carry_the_link_restart_their_congestion_control(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the same slow long link: four connections drop to one, which restarts its congestion control
+    # (a kernel one would keep its estimate of a quarter of the link for seconds); a drop to more than
+    # half (four to three) restarts nothing
+    restarted: list[object] = []
+
+    def record(stream: object) -> bool:
+        restarted.append(stream)
+        return True
+
+    monkeypatch.setattr(ring_links, "restart_congestion_control", record)
+    net = VirtualNetwork(latency=0.05, bandwidth=2.5e6, buffer_size=MIB)
+    config = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_max_stripes=4)
+    _times, stripes, _outgoing = await _all_reduces(net, config, 0, 4)
+    assert stripes == [1, 1]
+    assert len(restarted) == 2 and len(set(map(id, restarted))) == 2  # each peer's one kept connection
+    restarted.clear()
+    net = VirtualNetwork(latency=0.05, bandwidth=5e6, buffer_size=MIB)
+    config = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_stripe_target_mbit=100, p2p_max_stripes=8)
+    _times, stripes, _outgoing = await _all_reduces(net, config, 0, 4)
+    assert stripes == [3, 3] and restarted == []
+
+
 async def test_an_explicit_pool_size_is_not_adapted(autojump_clock: trio.testing.MockClock) -> None:
     net = VirtualNetwork(latency=0.05, bandwidth=2.5e6, buffer_size=MIB)
     _times, stripes, outgoing = await _all_reduces(net, DEFAULT_PEER_CONFIG, 3, 3)
@@ -432,3 +459,22 @@ async def test_path_estimate_of_a_real_connection() -> None:
     rtt, window = estimate
     assert 0 < rtt < 0.1  # loopback: the smallest sample of the handshake, well under a millisecond here
     assert window == tcp_window_max()
+
+
+@pytest.mark.timeout(30)
+async def test_restart_congestion_control_of_a_real_connection() -> None:
+    async with _loopback_tcp() as (client, _server):
+        name = client.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16) \
+            if sys.platform == "linux" else None
+        done = restart_congestion_control(client)
+        assert done == (sys.platform == "linux")
+        if name is not None:  # the same algorithm as before, started afresh
+            assert client.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16) == name
+    assert restart_congestion_control(client) is False  # closed
+    assert restart_congestion_control(object()) is False  # type: ignore[arg-type]  # not a socket stream
+
+    class Own:
+        def restart_congestion_control(self) -> bool:
+            return True
+
+    assert restart_congestion_control(Own()) is True  # type: ignore[arg-type]
