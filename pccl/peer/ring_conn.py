@@ -147,6 +147,19 @@ def tcp_window_max() -> int:
     return _window_max
 
 
+def _tcp_option(stream: Stream, name: str) -> tuple[Any, int] | None:
+    """``(trio socket, option number)`` for the ``IPPROTO_TCP`` option ``name`` (``socket.TCP_...``)
+    of a stream over TCP, or None: another stream (TLS, a Unix socket, the virtual network) or a
+    platform without the option."""
+    tsock: Any = getattr(stream, "socket", None)
+    option = getattr(socket, name, None)
+    if option is None or not isinstance(tsock, trio.socket.SocketType):
+        return None
+    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    return tsock, option
+
+
 class _TcpInfo:
     """The kernel's ``TCP_INFO`` of a TCP socket's stream, read once (``None`` from :meth:`read`
     where there is none: TLS and Unix-socket streams, a closed socket, a platform without it)."""
@@ -158,12 +171,10 @@ class _TcpInfo:
 
     @classmethod
     def read(cls, stream: Stream) -> _TcpInfo | None:
-        tsock: Any = getattr(stream, "socket", None)
-        tcp_info = getattr(socket, "TCP_INFO", None)
-        if tcp_info is None or not isinstance(tsock, trio.socket.SocketType):
+        found = _tcp_option(stream, "TCP_INFO")
+        if found is None:
             return None
-        if tsock.family not in (socket.AF_INET, socket.AF_INET6):
-            return None
+        tsock, tcp_info = found
         try:
             return cls(tsock.getsockopt(socket.IPPROTO_TCP, tcp_info, 160))
         except OSError:
@@ -238,12 +249,10 @@ def restart_congestion_control(stream: Stream) -> bool:
     if callable(own):
         result: bool = own()
         return result
-    tsock: Any = getattr(stream, "socket", None)
-    option = getattr(socket, "TCP_CONGESTION", None)
-    if option is None or not isinstance(tsock, trio.socket.SocketType):
+    found = _tcp_option(stream, "TCP_CONGESTION")
+    if found is None:
         return False
-    if tsock.family not in (socket.AF_INET, socket.AF_INET6):
-        return False
+    tsock, option = found
     try:
         current = tsock.getsockopt(socket.IPPROTO_TCP, option, 16).split(b"\0", 1)[0]
         # reno is always allowed to unprivileged processes; from reno, the kernel's default is
