@@ -39,16 +39,22 @@ writes every master message and data frame each peer sent or received, with its
 ``time.perf_counter()``, to ``PATH.<peer id>`` (JSON; the namespaces share one monotonic clock, so the
 peers' records line up: how the 4 KB case's pacing delay was found, docs/topology.md);
 ``PCCL_WAN_LOG=DEBUG`` writes each peer's ``pccl.p2p`` log (the stripe sizer's observations and
-decisions) to ``/tmp/pccl-wan-ours-<pid>.log``; ``PCCL_WAN_CPU=1`` the cores the forwarder, our peers (together), our master and the whole machine
-used during each timed operation (``_cpu_sampler.py``, median over the operations).
+decisions) to ``/tmp/pccl-wan-ours-<pid>.log``; ``PCCL_WAN_CPU=1`` the cores the forwarder, our
+peers (together), our master and the whole machine used during each timed operation
+(``_cpu_sampler.py``, median over the operations).
+
+``--cc NAME`` makes ``NAME`` every host's default congestion control (``cubic``: what most
+distributions ship; the machine's otherwise), for ours and Gloo alike; ``--ours-cc NAME`` sets ours'
+``PeerConfig.p2p_congestion_control`` (``default``: None, the host's).
 
 usage: sudo python benchmarks/wan.py [--quick] [--cases a,b,...] [--iters 5] [--pool N] [--no-gloo]
-                                     [--ab TREE] [--prefix NAME]
+                                     [--ab TREE] [--prefix NAME] [--cc NAME] [--ours-cc NAME]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -156,6 +162,9 @@ async def _ours_child(cfg: dict[str, Any]) -> None:
     if cfg.get("pool"):
         kwargs["p2p_connection_pool_size"] = cfg["pool"]
     config = PeerConfig(p2p_listen_host=cfg["addr"])
+    if "cc" in cfg:  # --ours-cc: PeerConfig.p2p_congestion_control ("default": None, the kernel's)
+        cc = None if cfg["cc"] == "default" else cfg["cc"]
+        config = dataclasses.replace(config, p2p_congestion_control=cc)
     async with open_communicator(cfg["master"], config=config, **kwargs) as comm:
         print(json.dumps({"event": "joined"}), flush=True)
         while comm.world_size < cfg["world"]:
@@ -416,6 +425,7 @@ def run_ours(wan: Any, case: Case, args: argparse.Namespace, pool: int | None,
             cfg = {"master": f"{wan.addresses[0]}:{MASTER_PORT}", "addr": wan.addresses[host],
                    "world": case.hosts, "nbytes": case.nbytes, "iters": args.iters,
                    "warmup": args.warmup, "idle": case.idle_s, "pool": pool, "optimize": optimize,
+                   **({"cc": args.ours_cc} if args.ours_cc else {}),
                    "trace": bool(os.environ.get("PCCL_WAN_TRACE")),
                    "events": os.environ.get("PCCL_WAN_EVENTS")}
             p = wan.popen(host, _child_argv("ours", cfg), stdout=subprocess.PIPE,
@@ -486,55 +496,20 @@ def _fmt_s(v: float | None) -> str:
     return "-" if v is None else f"{v:.3f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default=",".join(c.name for c in CASES))
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--pool", type=int, default=None, help="also run ours with this pool size")
-    ap.add_argument("--no-gloo", action="store_true")
-    ap.add_argument("--ab", metavar="TREE", default=None,
-                    help="also run ours (default configuration) from another checkout (e.g. /work/main), "
-                         "right after ours from this one, on the same emulator: an interleaved A/B column")
-    ap.add_argument("--quick", action="store_true",
-                    help="3 iterations, and only 2p-50ms, 4KB-50ms and 4p-asym")
-    ap.add_argument("--prefix", default=os.environ.get("PCCL_WAN_PREFIX") or "wan",
-                    help="namespace prefix (<prefix>-<pid>-<i>; default $PCCL_WAN_PREFIX or wan)")
-    ap.add_argument("--child", nargs=2, metavar=("KIND", "JSON"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.child:
-        return child_main(args.child[0], json.loads(args.child[1]))
-    sys.path.insert(0, str(REPO))
-    from pccl.testing.wan import WanEmulator, unavailable_reason
+def _run_cases(args: argparse.Namespace, names: list[str], by_name: dict[str, Case],
+               rows: list[list[str]]) -> None:
+    """Each case of ``names`` on a fresh emulator: ours (and the other columns ``args`` ask for); a
+    row per case appended to ``rows`` and printed as it comes."""
+    from pccl.testing.wan import WanEmulator
 
-    reason = unavailable_reason()
-    if reason is not None:
-        print(f"skipped: {reason}")
-        return 0
-    names = args.cases.split(",")
-    if args.quick:
-        args.iters = 3
-        if args.cases == ap.get_default("cases"):
-            names = ["2p-50ms", "4KB-50ms", "4p-asym"]
-    by_name = {c.name: c for c in CASES + EXTRA_CASES}
-    unknown = [n for n in names if n not in by_name]
-    if unknown:
-        ap.error(f"unknown cases {unknown}; known: {sorted(by_name)}")
-    print(f"WAN all-reduce, float32 SUM; median of {args.iters} (+{args.warmup} warm-up) on the slower "
-          f"peer; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; queue 1 BDP; "
-          f"tcp_wmem max {Path('/proc/sys/net/ipv4/tcp_wmem').read_text().split()[2]}, "
-          f"cc {Path('/proc/sys/net/ipv4/tcp_congestion_control').read_text().strip()}", flush=True)
-    headers = ["case", "ping ms", "wire limit s", "ours default s", "% of wire", "target", "met"]
-    if args.ab:
-        headers.append("ours --ab tree s")
-    if args.pool:
-        headers.append(f"ours pool {args.pool} s")
-    headers += ["gloo s", "ours/gloo", "notes"]
-    rows = []
     for name in names:
         case = by_name[name]
         with WanEmulator(case.hosts, prefix=args.prefix) as wan:
             _setup_links(wan, case)
+            if args.cc:
+                for host in range(case.hosts):
+                    sysctl = ["sysctl", "-qw", f"net.ipv4.tcp_congestion_control={args.cc}"]
+                    subprocess.run(wan.command(host, sysctl), check=True)
             far = case.hosts - 1
             ping = _ping_ms(wan, 0, far)
             notes = ""
@@ -563,6 +538,70 @@ def main(argv: list[str] | None = None) -> int:
         row += [_fmt_s(gloo), "-" if gloo is None else f"{o / gloo:.2f}", notes]
         rows.append(row)
         print("  " + " | ".join(row), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", default=",".join(c.name for c in CASES))
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--pool", type=int, default=None, help="also run ours with this pool size")
+    ap.add_argument("--no-gloo", action="store_true")
+    ap.add_argument("--ab", metavar="TREE", default=None,
+                    help="also run ours (default configuration) from another checkout (e.g. /work/main), "
+                         "right after ours from this one, on the same emulator: an interleaved A/B column")
+    ap.add_argument("--quick", action="store_true",
+                    help="3 iterations, and only 2p-50ms, 4KB-50ms and 4p-asym")
+    ap.add_argument("--prefix", default=os.environ.get("PCCL_WAN_PREFIX") or "wan",
+                    help="namespace prefix (<prefix>-<pid>-<i>; default $PCCL_WAN_PREFIX or wan)")
+    ap.add_argument("--cc", default=None,
+                    help="the hosts' default congestion control (net.ipv4.tcp_congestion_control in each "
+                         "namespace; e.g. cubic, most distributions' default), for ours and Gloo alike")
+    ap.add_argument("--ours-cc", default=None,
+                    help="ours' PeerConfig.p2p_congestion_control (default: the library's, bbr; "
+                         "'default': None, the host's)")
+    ap.add_argument("--child", nargs=2, metavar=("KIND", "JSON"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return child_main(args.child[0], json.loads(args.child[1]))
+    sys.path.insert(0, str(REPO))
+    from pccl.testing.wan import unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    names = args.cases.split(",")
+    if args.quick:
+        args.iters = 3
+        if args.cases == ap.get_default("cases"):
+            names = ["2p-50ms", "4KB-50ms", "4p-asym"]
+    by_name = {c.name: c for c in CASES + EXTRA_CASES}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        ap.error(f"unknown cases {unknown}; known: {sorted(by_name)}")
+    print(f"WAN all-reduce, float32 SUM; median of {args.iters} (+{args.warmup} warm-up) on the slower "
+          f"peer; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; queue 1 BDP; "
+          f"tcp_wmem max {Path('/proc/sys/net/ipv4/tcp_wmem').read_text().split()[2]}, "
+          f"cc {args.cc or Path('/proc/sys/net/ipv4/tcp_congestion_control').read_text().strip()}"
+          f"{'' if not args.ours_cc else f', ours asking for {args.ours_cc}'}", flush=True)
+    headers = ["case", "ping ms", "wire limit s", "ours default s", "% of wire", "target", "met"]
+    if args.ab:
+        headers.append("ours --ab tree s")
+    if args.pool:
+        headers.append(f"ours pool {args.pool} s")
+    headers += ["gloo s", "ours/gloo", "notes"]
+    rows: list[list[str]] = []
+    allowed = Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control")
+    was_allowed = allowed.read_text().strip()
+    if args.cc and args.cc not in was_allowed.split():
+        # a namespace's default must be one any process may pick (global; restored below)
+        allowed.write_text(f"{was_allowed} {args.cc}")
+    try:
+        _run_cases(args, names, by_name, rows)
+    finally:
+        if allowed.read_text().strip() != was_allowed:
+            allowed.write_text(was_allowed)
     widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers))]
     print()
     print("| " + " | ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)) + " |")

@@ -334,6 +334,9 @@ class P2PPool:
             "outgoing": links.statistics(),
             "stripes": links.stripe_statistics(),
             "retransmitted": dict(links.retransmitted),
+            # far connections given config.p2p_congestion_control, and those the kernel refused it
+            "congestion_control_set": links.cc_set,
+            "congestion_control_refused": links.cc_refused,
             "incoming": readers.statistics(),
             **inbox.statistics(),
             "blocked_connections_dropped": readers.blocked_drops,

@@ -37,9 +37,11 @@ __all__ = [
     "Eof",
     "Retired",
     "SocketConn",
+    "congestion_control",
     "open_conn",
     "path_estimate",
     "restart_congestion_control",
+    "set_congestion_control",
     "tcp_counters",
     "tcp_window_max",
     "tcp_wmem_max",
@@ -234,6 +236,45 @@ def tcp_counters(stream: Stream) -> tuple[int, int] | None:
     return None if again is None or sent is None else (again, sent)
 
 
+def set_congestion_control(stream: Stream, name: str) -> str | None:
+    """Make an open TCP connection send with the congestion control ``name`` (``TCP_CONGESTION``).
+
+    Returns:
+        None when it does (or the stream is not a TCP socket's: TLS, a Unix socket, the virtual
+        network, which have nothing to set), else why not (the kernel's refusal: no such algorithm,
+        or one an unprivileged process may not pick).
+    """
+    own = getattr(stream, "set_congestion_control", None)
+    if callable(own):
+        result: str | None = own(name)
+        return result
+    found = _tcp_option(stream, "TCP_CONGESTION")
+    if found is None:
+        return None
+    tsock, option = found
+    try:
+        tsock.setsockopt(socket.IPPROTO_TCP, option, name.encode("ascii"))
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def congestion_control(stream: Stream) -> str | None:
+    """The congestion control an open TCP connection sends with (None: not a TCP socket's stream)."""
+    own = getattr(stream, "congestion_control", None)
+    if callable(own):
+        result: str | None = own()
+        return result
+    found = _tcp_option(stream, "TCP_CONGESTION")
+    if found is None:
+        return None
+    tsock, option = found
+    try:
+        return str(tsock.getsockopt(socket.IPPROTO_TCP, option, 16).split(b"\0", 1)[0].decode("ascii"))
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
 def restart_congestion_control(stream: Stream) -> bool:
     """Start an open connection's congestion control afresh (Linux: ``TCP_CONGESTION`` set to another
     algorithm the kernel lets any process use, then back); True if it was restarted.
@@ -249,19 +290,12 @@ def restart_congestion_control(stream: Stream) -> bool:
     if callable(own):
         result: bool = own()
         return result
-    found = _tcp_option(stream, "TCP_CONGESTION")
-    if found is None:
+    current = congestion_control(stream)
+    if current is None:
         return False
-    tsock, option = found
-    try:
-        current = tsock.getsockopt(socket.IPPROTO_TCP, option, 16).split(b"\0", 1)[0]
-        # reno is always allowed to unprivileged processes; from reno, the kernel's default is
-        other = b"cubic" if current == b"reno" else b"reno"
-        tsock.setsockopt(socket.IPPROTO_TCP, option, other)
-        tsock.setsockopt(socket.IPPROTO_TCP, option, current)
-    except OSError:
-        return False
-    return True
+    # reno is always allowed to unprivileged processes; from reno, the kernel's default is
+    other = "cubic" if current == "reno" else "reno"
+    return set_congestion_control(stream, other) is None and set_congestion_control(stream, current) is None
 
 
 def open_conn(

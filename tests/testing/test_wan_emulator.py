@@ -133,6 +133,7 @@ import numpy as np
 import trio
 from pccl import PeerConfig, ReduceOp
 from pccl.peer.communicator import open_communicator
+from pccl.peer.ring_conn import congestion_control
 
 async def main(master, addr, world, value):
     async with open_communicator(master, config=PeerConfig(p2p_listen_host=addr)) as comm:
@@ -142,9 +143,15 @@ async def main(master, addr, world, value):
             await trio.sleep(0.01)
         x = np.full(4 << 20, value, np.float32)  # 16 MiB: 2 MiB blocks per connection at most
         await comm.all_reduce(x, op=ReduceOp.SUM)
-        out = comm.pool.statistics()["outgoing"]
+        stats = comm.pool.statistics()
+        out = stats["outgoing"]
+        # the congestion control each outgoing ring connection sends with, as the kernel says
+        ccs = sorted({congestion_control(c.stream) for cs in comm.pool.links.conns.values()
+                      for c in cs if c is not None})
         await comm.all_reduce(np.zeros(1, np.float32), op=ReduceOp.SUM, tag=1)
-    print(json.dumps({"sum_ok": bool(np.all(x == 3)), "outgoing": list(out.values())}), flush=True)
+    print(json.dumps({"sum_ok": bool(np.all(x == 3)), "outgoing": list(out.values()), "ccs": ccs,
+                      "cc_set": stats["congestion_control_set"],
+                      "cc_refused": stats["congestion_control_refused"]}), flush=True)
 
 trio.run(main, sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
 """
@@ -178,3 +185,6 @@ def test_default_config_stripes_over_a_long_link(pccl_wan: WanFactory) -> None:
     for r in results:
         assert r["sum_ok"]
         assert r["outgoing"] == [expected]
+        # a far partner: every outgoing connection asked for bbr (PeerConfig.p2p_congestion_control)
+        assert (r["cc_set"], r["cc_refused"]) == (expected, 0)
+        assert r["ccs"] == ["bbr"]
