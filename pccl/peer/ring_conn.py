@@ -41,6 +41,7 @@ __all__ = [
     "open_conn",
     "path_estimate",
     "restart_congestion_control",
+    "rtt_inflation",
     "set_congestion_control",
     "tcp_counters",
     "tcp_window_max",
@@ -211,6 +212,23 @@ def path_estimate(stream: Stream) -> tuple[float, int] | None:
     if min_us is not None and 0 < min_us < 0xFFFFFFFF:  # ~0U: no sample yet
         rtt_us = min(rtt_us, min_us) if rtt_us else min_us
     return rtt_us / 1e6, tcp_window_max()
+
+
+def rtt_inflation(stream: Stream) -> float | None:
+    """The connection's smoothed round trip over its smallest one (``TCP_INFO`` ``tcpi_rtt`` /
+    ``tcpi_min_rtt``), or None where unknown: about 1 on a path whose queues are empty, up to 2 where
+    the connection's recent segments waited in a queue as deep as the path's bandwidth-delay product."""
+    own = getattr(stream, "rtt_inflation", None)
+    if callable(own):
+        result: float | None = own()
+        return result
+    info = _TcpInfo.read(stream)
+    if info is None:
+        return None
+    rtt, low = info.u32(_TCP_INFO_RTT_OFFSET), info.u32(_TCP_INFO_MIN_RTT_OFFSET)
+    if not rtt or not low or low == 0xFFFFFFFF:
+        return None
+    return rtt / low
 
 
 _TCP_INFO_TOTAL_RETRANS_OFFSET = 100  # struct tcp_info: tcpi_total_retrans (segments, u32)

@@ -20,6 +20,7 @@ from .ring_conn import (
     open_conn,
     path_estimate,
     restart_congestion_control,
+    rtt_inflation,
     set_congestion_control,
     tcp_counters,
 )
@@ -67,6 +68,16 @@ def _retransmitted(t: Transfer) -> float:
         again += (now[0] - r0) % (1 << 32)
         sent += (now[1] - s0) % (1 << 32)
     return again / sent if sent else 0.0
+
+
+def _queued(t: Transfer) -> float | None:
+    """The most any of ``t``'s connections' smoothed round trip stood above its smallest at the end
+    (:func:`~pccl.peer.ring_conn.rtt_inflation`; None where no connection can say): logged with each
+    observation (a queue the stripe filled, against random loss that leaves it empty; not a rule of
+    the sizer, docs/topology.md "At least four connections")."""
+    known = [x for x in (rtt_inflation(conn.stream) for conn, _ in t.counters if not conn.closed)
+             if x is not None]
+    return max(known) if known else None
 
 
 class RingLinks:
@@ -291,11 +302,12 @@ class RingLinks:
             return
         before = sizer.count
         again = self.retransmitted[t.peer_id] = _retransmitted(t)
+        queued = _queued(t)
         after = sizer.observe(nbytes, trio.current_time() - t.start, t.connections, again)
         log.log(logging.INFO if after != before else logging.DEBUG,
-                "peer %d: %d bytes in %.3f s over %d connection(s), %.2f%% retransmitted: %d from now on "
-                "(%r)", t.peer_id, nbytes, trio.current_time() - t.start, t.connections, 100 * again, after,
-                sizer)
+                "peer %d: %d bytes in %.3f s over %d connection(s), %.2f%% retransmitted, round trip %s of "
+                "its smallest: %d from now on (%r)", t.peer_id, nbytes, trio.current_time() - t.start,
+                t.connections, 100 * again, "unknown" if queued is None else f"{queued:.2f}x", after, sizer)
         if after * RESTART_BELOW <= before:
             # the connections kept must carry at least twice their share: restart their congestion
             # control, which otherwise keeps its estimate of the share for seconds

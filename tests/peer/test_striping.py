@@ -21,7 +21,13 @@ from pccl import PeerConfig, RankConnectionFailedError
 from pccl.peer import ring_links
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.peer.ring_conn import path_estimate, restart_congestion_control, tcp_counters, tcp_window_max
+from pccl.peer.ring_conn import (
+    path_estimate,
+    restart_congestion_control,
+    rtt_inflation,
+    tcp_counters,
+    tcp_window_max,
+)
 from pccl.peer.striping import CONGESTED, LOSSY, WINDOW_USE, StripeSizer, guess_count, stripe_count
 from pccl.testing import VirtualNetwork, open_test_cluster, wait_until
 from pccl.testing.cluster import DEFAULT_PEER_CONFIG
@@ -449,6 +455,20 @@ async def test_tcp_counters_of_a_real_connection() -> None:
     assert after[0] == 0  # loopback loses nothing
     assert after[1] > before[1]  # data segments were sent
     assert tcp_counters(client) is None  # closed: unknown
+
+
+@pytest.mark.timeout(30)
+async def test_rtt_inflation_of_a_real_connection() -> None:
+    async with _loopback_tcp() as (client, server):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.send_all, b"x" * 200_000)
+            await receive_exactly_into(server, memoryview(bytearray(200_000)))
+        inflation = rtt_inflation(client)
+    # the smoothed round trip over the smallest: about 1 (loopback's samples are microseconds apart,
+    # and the kernel rounds both)
+    assert inflation is not None and inflation > 0.5
+    assert rtt_inflation(client) is None  # closed: unknown
+    assert rtt_inflation(object()) is None  # type: ignore[arg-type]  # not a TCP socket's stream
 
 
 @pytest.mark.timeout(30)
