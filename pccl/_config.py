@@ -382,7 +382,8 @@ class PeerConfig:
             and LAN partners keep the default. Where the kernel refuses (no such module, or an
             unprivileged process and a name outside ``net.ipv4.tcp_allowed_congestion_control``) the
             connection keeps the default and a warning says so once (docs/topology.md "Congestion
-            control").
+            control"). A communicator given no ``PeerConfig`` reads ``$PCCL_CONGESTION_CONTROL``
+            (``default``: None).
     """
 
     heartbeat_interval: float = 0.5

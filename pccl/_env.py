@@ -10,6 +10,8 @@
 ``PCCL_LOG_LEVEL``     DEBUG, INFO, WARNING or ERROR: level of the ``pccl`` loggers (stderr)
 ``PCCL_SPIN_SECONDS``  ``PeerConfig.spin_seconds`` of a communicator given no ``PeerConfig``
 ``PCCL_RUN``           the run name of a peer given no ``PeerConfig.run`` (docs/concepts.md "Run names")
+``PCCL_CONGESTION_CONTROL`` ``PeerConfig.p2p_congestion_control`` of a communicator given no
+                       ``PeerConfig`` (``default``: None, the kernel's own)
 ``PCCL_LOCAL_SOCKETS`` ``0`` turns off the same-host shortcut of ``TcpTransport`` (which reads it
                        with :func:`local_sockets_enabled`)
 ====================== ======================================================================
@@ -37,6 +39,7 @@ ENV_LOG_LEVEL = "PCCL_LOG_LEVEL"
 ENV_SPIN_SECONDS = "PCCL_SPIN_SECONDS"
 ENV_LOCAL_SOCKETS = "PCCL_LOCAL_SOCKETS"
 ENV_RUN = "PCCL_RUN"
+ENV_CONGESTION_CONTROL = "PCCL_CONGESTION_CONTROL"
 ENV_TLS_CERT = "PCCL_TLS_CERT"
 ENV_TLS_KEY = "PCCL_TLS_KEY"
 ENV_TLS_CA = "PCCL_TLS_CA"
@@ -139,13 +142,14 @@ def peer_config(config: PeerConfig | None, environ: Mapping[str, str] | None = N
     """``config`` (default :class:`PeerConfig`) with its secret from the environment when it has none, and
     its TLS files from ``$PCCL_TLS_CERT`` / ``$PCCL_TLS_KEY`` / ``$PCCL_TLS_CA`` when it names none.
 
-    Without ``config``, ``spin_seconds`` comes from ``$PCCL_SPIN_SECONDS`` when it is set (the
-    blocking API's communicators take no config).
+    Without ``config``, ``spin_seconds`` comes from ``$PCCL_SPIN_SECONDS`` and
+    ``p2p_congestion_control`` from ``$PCCL_CONGESTION_CONTROL`` when they are set (the blocking API's
+    communicators take no config).
 
     Raises:
         InvalidArgumentError: ``PCCL_SECRET_FILE`` cannot be read, the TLS variables are incomplete
-            (a peer needs a certificate and a CA), ``PCCL_SPIN_SECONDS`` is not a number >= 0, or
-            ``PCCL_RUN`` is no run name.
+            (a peer needs a certificate and a CA), ``PCCL_SPIN_SECONDS`` is not a number >= 0,
+            ``PCCL_CONGESTION_CONTROL`` is no congestion control's name, or ``PCCL_RUN`` is no run name.
     """
     cfg = config or PeerConfig()
     env = os.environ if environ is None else environ
@@ -157,6 +161,15 @@ def peer_config(config: PeerConfig | None, environ: Mapping[str, str] | None = N
             raise InvalidArgumentError(
                 f"${ENV_SPIN_SECONDS} must be a number of seconds >= 0, not {spin!r}"
             ) from None
+    cc = env.get(ENV_CONGESTION_CONTROL)
+    if config is None and cc is not None:
+        choice: str | None = cc.strip()
+        if choice in ("", "default"):
+            choice = None
+        try:
+            cfg = dataclasses.replace(cfg, p2p_congestion_control=choice)
+        except ValueError as exc:
+            raise InvalidArgumentError(f"${ENV_CONGESTION_CONTROL}={cc!r}: {exc}") from None
     if cfg.run is None:
         name = env.get(ENV_RUN, "").strip()
         if name:

@@ -238,7 +238,8 @@ class RingLinks:
                 "system default. Under random loss the default (cubic on most systems) carries a small "
                 "share of a long link: load the module (modprobe tcp_%s) and allow it "
                 "(sysctl net.ipv4.tcp_allowed_congestion_control), or set p2p_congestion_control=None "
-                "to keep the default without this warning", name, refused, name)
+                "(PCCL_CONGESTION_CONTROL=default without a PeerConfig) to keep the default without this "
+                "warning", name, refused, name)
 
     async def reopen(self, peer_id: int) -> None:
         """Reopen the lost connections to ``peer_id`` at the address it was connected at (one of a

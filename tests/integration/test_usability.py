@@ -130,6 +130,22 @@ def test_spin_seconds_from_the_environment() -> None:
         assert "PCCL_SPIN_SECONDS" in info.value.message
 
 
+def test_congestion_control_from_the_environment() -> None:
+    """PCCL_CONGESTION_CONTROL sets p2p_congestion_control of a communicator given no PeerConfig;
+    "default" (or empty) keeps the kernel's; an explicit PeerConfig wins; a bad name is refused naming
+    the variable."""
+    assert _env.peer_config(None, {}).p2p_congestion_control == "bbr"
+    assert _env.peer_config(None, {"PCCL_CONGESTION_CONTROL": "cubic"}).p2p_congestion_control == "cubic"
+    for keep in ("default", " ", ""):
+        assert _env.peer_config(None, {"PCCL_CONGESTION_CONTROL": keep}).p2p_congestion_control is None
+    given = PeerConfig(p2p_congestion_control="reno")
+    assert _env.peer_config(given, {"PCCL_CONGESTION_CONTROL": "cubic"}).p2p_congestion_control == "reno"
+    for bad in ("bbr;x", "a" * 20):
+        with pytest.raises(pccl.PCCLError) as info:
+            _env.peer_config(None, {"PCCL_CONGESTION_CONTROL": bad})
+        assert "PCCL_CONGESTION_CONTROL" in info.value.message
+
+
 def test_environment_helpers(tmp_path: object) -> None:
     from pathlib import Path
 
