@@ -218,10 +218,6 @@ def rtt_inflation(stream: Stream) -> float | None:
     """The connection's smoothed round trip over its smallest one (``TCP_INFO`` ``tcpi_rtt`` /
     ``tcpi_min_rtt``), or None where unknown: about 1 on a path whose queues are empty, up to 2 where
     the connection's recent segments waited in a queue as deep as the path's bandwidth-delay product."""
-    own = getattr(stream, "rtt_inflation", None)
-    if callable(own):
-        result: float | None = own()
-        return result
     info = _TcpInfo.read(stream)
     if info is None:
         return None
@@ -262,16 +258,11 @@ def set_congestion_control(stream: Stream, name: str) -> str | None:
         network, which have nothing to set), else why not (the kernel's refusal: no such algorithm,
         or one an unprivileged process may not pick).
     """
-    own = getattr(stream, "set_congestion_control", None)
-    if callable(own):
-        result: str | None = own(name)
-        return result
     found = _tcp_option(stream, "TCP_CONGESTION")
     if found is None:
         return None
-    tsock, option = found
     try:
-        tsock.setsockopt(socket.IPPROTO_TCP, option, name.encode("ascii"))
+        found[0].setsockopt(socket.IPPROTO_TCP, found[1], name.encode("ascii"))
     except OSError as exc:
         return exc.strerror or str(exc)
     return None
@@ -279,10 +270,6 @@ def set_congestion_control(stream: Stream, name: str) -> str | None:
 
 def congestion_control(stream: Stream) -> str | None:
     """The congestion control an open TCP connection sends with (None: not a TCP socket's stream)."""
-    own = getattr(stream, "congestion_control", None)
-    if callable(own):
-        result: str | None = own()
-        return result
     found = _tcp_option(stream, "TCP_CONGESTION")
     if found is None:
         return None
@@ -304,10 +291,6 @@ def restart_congestion_control(stream: Stream) -> bool:
     doubles its rate every round trip (cubic restarts its growth curve). Other streams (TLS, Unix
     sockets, the virtual network) and kernels without the option are left alone (False).
     """
-    own = getattr(stream, "restart_congestion_control", None)
-    if callable(own):
-        result: bool = own()
-        return result
     current = congestion_control(stream)
     if current is None:
         return False
