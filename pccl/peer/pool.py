@@ -335,8 +335,8 @@ class P2PPool:
             "stripes": links.stripe_statistics(),
             "retransmitted": dict(links.retransmitted),
             # far connections given config.p2p_congestion_control, and those the kernel refused it
-            "congestion_control_set": links.cc_set,
-            "congestion_control_refused": links.cc_refused,
+            "congestion_control_set": links.cc.set,
+            "congestion_control_refused": links.cc.refused,
             "incoming": readers.statistics(),
             **inbox.statistics(),
             "blocked_connections_dropped": readers.blocked_drops,

@@ -14,30 +14,15 @@ from ..transport import Transport
 from .credentials import CredentialStore
 from .op_io import OpIo
 from .p2p import open_p2p
-from .ring_conn import (
-    Broken,
-    Conn,
-    open_conn,
-    path_estimate,
-    restart_congestion_control,
-    rtt_inflation,
-    set_congestion_control,
-    tcp_counters,
-)
-from .striping import StripeSizer, stripe_count
+from .ring_cc import RingCongestionControl
+from .ring_conn import Broken, Conn, open_conn, path_estimate, rtt_inflation, tcp_counters
+from .striping import StripeSizer
 
-__all__ = ["RESTART_BELOW", "RING_CHANNEL", "RingLinks", "Transfer"]
+__all__ = ["RING_CHANNEL", "RingLinks", "Transfer"]
 
 log = logging.getLogger("pccl.p2p")
 
 RING_CHANNEL = "ring"
-
-#: The kernel refused ``p2p_congestion_control`` and this process said so (once).
-_cc_warned = False
-
-#: Where the sizer lowers a partner's count to this share of what it was or less, the connections
-#: kept restart their congestion control (:func:`~pccl.peer.ring_conn.restart_congestion_control`).
-RESTART_BELOW = 2
 
 
 class Transfer:
@@ -120,9 +105,8 @@ class RingLinks:
         self.retired = 0  # peers whose connections retire() closed
         #: per partner, the share of segments retransmitted in its last observed transfer
         self.retransmitted: dict[int, float] = {}
-        #: far connections that send with ``config.p2p_congestion_control`` / that the kernel refused it
-        self.cc_set = 0
-        self.cc_refused = 0
+        #: the congestion control of the outgoing connections (pccl.peer.ring_cc)
+        self.cc = RingCongestionControl(config)
 
     async def connect(self, peer_id: int, host: str, port: int) -> None:
         """Make sure all ``pool_size`` outgoing connections to ``peer_id`` are open.
@@ -201,45 +185,8 @@ class RingLinks:
             )
             log.debug("peer %d: rtt %.2f ms, window %d: %d connection(s)", peer_id, rtt * 1e3, window,
                       sizer.count)
-            self._far_congestion_control(peer_id, first)  # (_open_one could not tell before the sizer)
+            self.cc.opened(first, sizer, False)  # (_open_one could not tell before the sizer)
         conns.extend([None] * (sizer.count - 1))
-
-    def _far_congestion_control(self, peer_id: int, conn: Conn) -> None:
-        """Give an outgoing connection to a far partner ``config.p2p_congestion_control`` (a far
-        partner: its sizer's first guess is more than one connection; with an explicit pool size, the
-        connection's own round trip asks for more than one window at the target rate). The kernel's
-        refusal is logged once and leaves the connection as it was."""
-        name = self.config.p2p_congestion_control
-        if not name:
-            return
-        sizer = self.sizers.get(peer_id)
-        if sizer is not None:
-            far = sizer.guess > 1
-        elif self.pool_size:
-            path = path_estimate(conn.stream)
-            far = path is not None and stripe_count(
-                path[0], window_bytes=path[1],
-                target_bytes_per_s=self.config.p2p_stripe_target_mbit * 1e6 / 8,
-                max_stripes=self.config.p2p_max_stripes) > 1
-        else:
-            return  # the first connection of a sized partner: _open_sized decides once the sizer is made
-        if not far:
-            return
-        refused = set_congestion_control(conn.stream, name)
-        if refused is None:
-            self.cc_set += 1
-            return
-        self.cc_refused += 1
-        global _cc_warned
-        if not _cc_warned:
-            _cc_warned = True
-            log.warning(
-                "p2p_congestion_control %r: the kernel refused it (%s); connections to far peers keep the "
-                "system default. Under random loss the default (cubic on most systems) carries a small "
-                "share of a long link: load the module (modprobe tcp_%s) and allow it "
-                "(sysctl net.ipv4.tcp_allowed_congestion_control), or set p2p_congestion_control=None "
-                "(PCCL_CONGESTION_CONTROL=default without a PeerConfig) to keep the default without this "
-                "warning", name, refused, name)
 
     async def reopen(self, peer_id: int) -> None:
         """Reopen the lost connections to ``peer_id`` at the address it was connected at (one of a
@@ -309,12 +256,7 @@ class RingLinks:
                 "peer %d: %d bytes in %.3f s over %d connection(s), %.2f%% retransmitted, round trip %s of "
                 "its smallest: %d from now on (%r)", t.peer_id, nbytes, trio.current_time() - t.start,
                 t.connections, 100 * again, "unknown" if queued is None else f"{queued:.2f}x", after, sizer)
-        if after * RESTART_BELOW <= before:
-            # the connections kept must carry at least twice their share: restart their congestion
-            # control, which otherwise keeps its estimate of the share for seconds
-            kept = [c for c in self.conns.get(t.peer_id, [])[:after] if c is not None and not c.closed]
-            restarted = sum(restart_congestion_control(c.stream) for c in kept)
-            log.debug("peer %d: congestion control restarted on %d connection(s)", t.peer_id, restarted)
+        self.cc.lowered(t.peer_id, self.conns.get(t.peer_id, []), before, after)
 
     async def _open_one(
         self, peer_id: int, host: str, port: int, index: int, conns: list[Conn | None], errors: list[str]
@@ -342,7 +284,7 @@ class RingLinks:
             errors.append("disconnected while connecting")
             return
         conns[index] = conn
-        self._far_congestion_control(peer_id, conn)
+        self.cc.opened(conn, self.sizers.get(peer_id), bool(self.pool_size))
 
     def blocked_partners(self) -> list[int]:
         """Peers with a frame being sent to them right now (a stall watch asks this when no frame has

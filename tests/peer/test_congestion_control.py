@@ -16,7 +16,7 @@ import trio
 import trio.testing
 
 from pccl import PeerConfig
-from pccl.peer import ring_links
+from pccl.peer import ring_cc
 from pccl.peer.ring_conn import congestion_control, restart_congestion_control, set_congestion_control
 from pccl.testing import VirtualNetwork
 from pccl.transport import TcpTransport
@@ -57,7 +57,7 @@ async def test_far_connections_get_it(
     pool_size: int, connections: int,
 ) -> None:
     kernel = _Recorder()
-    monkeypatch.setattr(ring_links, "set_congestion_control", kernel)
+    monkeypatch.setattr(ring_cc, "set_congestion_control", kernel)
     async with two_pools(VirtualNetwork(latency=one_way), pool_size, PeerConfig()) as (a, _b, addr):
         await a.connect(2, *addr)
         assert a.stripes(2) == connections
@@ -79,7 +79,7 @@ async def test_near_connections_and_none_keep_the_default(
     pool_size: int, cc: str | None,
 ) -> None:
     kernel = _Recorder()
-    monkeypatch.setattr(ring_links, "set_congestion_control", kernel)
+    monkeypatch.setattr(ring_cc, "set_congestion_control", kernel)
     config = PeerConfig(p2p_congestion_control=cc)
     async with two_pools(VirtualNetwork(latency=one_way), pool_size, config) as (a, _b, addr):
         await a.connect(2, *addr)
@@ -91,8 +91,8 @@ async def test_a_refusal_is_counted_and_said_once(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
 ) -> None:
     kernel = _Recorder(refuse={"bbr"})
-    monkeypatch.setattr(ring_links, "set_congestion_control", kernel)
-    monkeypatch.setattr(ring_links, "_cc_warned", False)
+    monkeypatch.setattr(ring_cc, "set_congestion_control", kernel)
+    monkeypatch.setattr(ring_cc, "_warned", False)
     caplog.set_level(logging.WARNING, logger="pccl.p2p")
     async with two_pools(VirtualNetwork(latency=0.05), 0, PeerConfig()) as (a, _b, addr):
         await a.connect(2, *addr)

@@ -18,7 +18,7 @@ import trio
 import trio.testing
 
 from pccl import PeerConfig, RankConnectionFailedError
-from pccl.peer import ring_links
+from pccl.peer import ring_cc, ring_links
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
 from pccl.peer.ring_conn import (
@@ -364,7 +364,7 @@ async def test_connections_left_to_carry_the_link_restart_their_congestion_contr
         restarted.append(stream)
         return True
 
-    monkeypatch.setattr(ring_links, "restart_congestion_control", record)
+    monkeypatch.setattr(ring_cc, "restart_congestion_control", record)
     net = VirtualNetwork(latency=0.05, bandwidth=2.5e6, buffer_size=MIB)
     config = dataclasses.replace(DEFAULT_PEER_CONFIG, p2p_max_stripes=4)
     _times, stripes, _outgoing = await _all_reduces(net, config, 0, 4)
