@@ -294,7 +294,8 @@ def restart_congestion_control(stream: Stream) -> bool:
     current = congestion_control(stream)
     if current is None:
         return False
-    # reno is always allowed to unprivileged processes; from reno, the kernel's default is
+    # reno is in every kernel and any process may pick it; a connection on reno goes through cubic,
+    # which a process may be refused (then nothing changes and the answer is False)
     other = "cubic" if current == "reno" else "reno"
     return set_congestion_control(stream, other) is None and set_congestion_control(stream, current) is None
 

@@ -250,12 +250,14 @@ class RingLinks:
             return
         before = sizer.count
         again = self.retransmitted[t.peer_id] = _retransmitted(t)
-        queued = _queued(t)
         after = sizer.observe(nbytes, trio.current_time() - t.start, t.connections, again)
-        log.log(logging.INFO if after != before else logging.DEBUG,
-                "peer %d: %d bytes in %.3f s over %d connection(s), %.2f%% retransmitted, round trip %s of "
-                "its smallest: %d from now on (%r)", t.peer_id, nbytes, trio.current_time() - t.start,
-                t.connections, 100 * again, "unknown" if queued is None else f"{queued:.2f}x", after, sizer)
+        level = logging.INFO if after != before else logging.DEBUG
+        if log.isEnabledFor(level):  # (the round trip's figure costs a TCP_INFO read per connection)
+            queued = _queued(t)
+            log.log(level, "peer %d: %d bytes in %.3f s over %d connection(s), %.2f%% retransmitted, round "
+                    "trip %s of its smallest: %d from now on (%r)", t.peer_id, nbytes,
+                    trio.current_time() - t.start, t.connections, 100 * again,
+                    "unknown" if queued is None else f"{queued:.2f}x", after, sizer)
         self.cc.lowered(t.peer_id, self.conns.get(t.peer_id, []), before, after)
 
     async def _open_one(
