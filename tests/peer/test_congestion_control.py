@@ -7,8 +7,7 @@ from __future__ import annotations
 import logging
 import socket
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import pytest
@@ -19,9 +18,8 @@ from pccl import PeerConfig
 from pccl.peer import ring_cc
 from pccl.peer.ring_conn import congestion_control, restart_congestion_control, set_congestion_control
 from pccl.testing import VirtualNetwork
-from pccl.transport import TcpTransport
 
-from .test_striping import two_pools
+from .test_striping import _loopback_tcp, two_pools
 
 linux_only = pytest.mark.skipif(sys.platform != "linux" or not hasattr(socket, "TCP_CONGESTION"),
                                 reason="TCP_CONGESTION is Linux's")
@@ -39,7 +37,7 @@ def test_the_config_takes_a_name_or_none() -> None:
 class _Recorder:
     """Stands in for the kernel: records each (stream, name) and refuses names in ``refuse``."""
 
-    def __init__(self, refuse: set[str] = frozenset()) -> None:  # type: ignore[assignment]
+    def __init__(self, refuse: AbstractSet[str] = frozenset()) -> None:
         self.calls: list[tuple[Any, str]] = []
         self.refuse = refuse
 
@@ -105,23 +103,10 @@ async def test_a_refusal_is_counted_and_said_once(
     assert "p2p_congestion_control=None" in warnings[0]
 
 
-@asynccontextmanager
-async def _loopback_client() -> AsyncIterator[Any]:
-    transport = TcpTransport(same_host=False)
-    listener = await transport.listen("127.0.0.1", 0)
-    client = await transport.connect(*listener.address)
-    server = await listener.accept()
-    try:
-        yield client
-    finally:
-        for closing in (client, server, listener):
-            await closing.aclose()
-
-
 @linux_only
 @pytest.mark.timeout(30)
 async def test_the_socket_helpers_on_a_real_connection() -> None:
-    async with _loopback_client() as client:
+    async with _loopback_tcp() as (client, _server):
         default = congestion_control(client)
         assert default  # the kernel's default
         assert set_congestion_control(client, "reno") is None  # reno: any process may pick it
@@ -134,3 +119,15 @@ async def test_the_socket_helpers_on_a_real_connection() -> None:
     # not a TCP socket's stream: nothing to set, nothing known
     assert set_congestion_control(object(), "bbr") is None  # type: ignore[arg-type]
     assert congestion_control(object()) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+async def test_restart_congestion_control_of_a_real_connection() -> None:
+    async with _loopback_tcp() as (client, _server):
+        name = congestion_control(client) if sys.platform == "linux" else None
+        done = restart_congestion_control(client)
+        assert done == (sys.platform == "linux")
+        if name is not None:  # the same algorithm as before, started afresh
+            assert congestion_control(client) == name
+    assert restart_congestion_control(client) is False  # closed
+    assert restart_congestion_control(object()) is False  # type: ignore[arg-type]  # not a socket stream

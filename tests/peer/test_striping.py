@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import socket
-import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -21,13 +19,7 @@ from pccl import PeerConfig, RankConnectionFailedError
 from pccl.peer import ring_cc, ring_links
 from pccl.peer.p2p import serve_p2p
 from pccl.peer.pool import P2PPool
-from pccl.peer.ring_conn import (
-    path_estimate,
-    restart_congestion_control,
-    rtt_inflation,
-    tcp_counters,
-    tcp_window_max,
-)
+from pccl.peer.ring_conn import path_estimate, rtt_inflation, tcp_counters, tcp_window_max
 from pccl.peer.striping import CONGESTED, LOSSY, WINDOW_USE, StripeSizer, guess_count, stripe_count
 from pccl.testing import VirtualNetwork, open_test_cluster, wait_until
 from pccl.testing.cluster import DEFAULT_PEER_CONFIG
@@ -479,16 +471,3 @@ async def test_path_estimate_of_a_real_connection() -> None:
     rtt, window = estimate
     assert 0 < rtt < 0.1  # loopback: the smallest sample of the handshake, well under a millisecond here
     assert window == tcp_window_max()
-
-
-@pytest.mark.timeout(30)
-async def test_restart_congestion_control_of_a_real_connection() -> None:
-    async with _loopback_tcp() as (client, _server):
-        name = client.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16) \
-            if sys.platform == "linux" else None
-        done = restart_congestion_control(client)
-        assert done == (sys.platform == "linux")
-        if name is not None:  # the same algorithm as before, started afresh
-            assert client.socket.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16) == name
-    assert restart_congestion_control(client) is False  # closed
-    assert restart_congestion_control(object()) is False  # type: ignore[arg-type]  # not a socket stream
