@@ -57,6 +57,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -576,6 +577,20 @@ def main(argv: list[str] | None = None) -> int:
         args.iters = 3
         if args.cases == ap.get_default("cases"):
             names = ["2p-50ms", "4KB-50ms", "4p-asym"]
+    if args.cc:
+        available = Path("/proc/sys/net/ipv4/tcp_available_congestion_control")
+        if args.cc not in available.read_text().split() and shutil.which("modprobe"):
+            subprocess.run(["modprobe", f"tcp_{args.cc}"], stderr=subprocess.DEVNULL, check=False)
+        if args.cc not in available.read_text().split():
+            ap.error(f"--cc {args.cc}: not a congestion control this kernel has (it offers "
+                     f"{available.read_text().strip()}; no module tcp_{args.cc} could be loaded)")
+    if args.ours_cc and args.ours_cc != "default":
+        from pccl import PeerConfig
+
+        try:
+            PeerConfig(p2p_congestion_control=args.ours_cc)
+        except ValueError as exc:
+            ap.error(f"--ours-cc: {exc}")
     by_name = {c.name: c for c in CASES + EXTRA_CASES}
     unknown = [n for n in names if n not in by_name]
     if unknown:
